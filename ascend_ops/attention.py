@@ -1,0 +1,79 @@
+"""Paged attention over the block-structured KV cache.
+
+Layout (one pair per layer):  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+A token's KV lives at slot = block_id * block_size + offset. The model runner flattens a step's tokens
+into one [T, ...] batch ordered decodes first (one token each), then prefill chunks; AttentionMetadata
+says where each part starts. This portable path uses torch SDPA; an NPU build swaps in
+torch_npu's paged-attention kernels behind the same signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    q_start: int  # first row of this chunk in the flattened batch
+    q_len: int  # tokens computed this step
+    ctx_len: int  # tokens of context after this step (cached prefix + this chunk)
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every token computed this step
+    num_decodes: int = 0  # rows [0, num_decodes) are single-token decodes
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 (0-padded)
+    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int64, context incl. the new token
+    decode_max_ctx: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter this step's k/v [T, Hk, D] into the caches at their slots."""
+    nb, bs, hk, d = k_cache.shape
+    k_cache.view(nb * bs, hk, d).index_copy_(0, slots, k)
+    v_cache.view(nb * bs, hk, d).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D] (this step's keys, rope applied)
+    v: torch.Tensor,  # [T, Hk, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output [T, Hq, D]. Writes k/v into the cache first, then reads context from it."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nb, bs, hk, d = k_cache.shape
+    gqa = q.shape[1] != hk
+    if meta.num_decodes:
+        n = meta.num_decodes
+        nblk = (meta.decode_max_ctx + bs - 1) // bs
+        tables = meta.decode_block_tables[:, :nblk]  # type: ignore[index]
+        kc = k_cache[tables].view(n, nblk * bs, hk, d).transpose(1, 2)  # [n, Hk, L, D]
+        vc = v_cache[tables].view(n, nblk * bs, hk, d).transpose(1, 2)
+        pos = torch.arange(nblk * bs, device=q.device)
+        mask = (pos[None, :] < meta.decode_ctx_lens[:, None]).view(n, 1, 1, -1)  # type: ignore[index]
+        qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[:n] = o.squeeze(2)
+    for c in meta.prefills:
+        kc = k_cache[c.block_table].view(-1, hk, d)[: c.ctx_len].transpose(0, 1)  # [Hk, ctx, D]
+        vc = v_cache[c.block_table].view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
+        qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1)  # [Hq, q_len, D]
+        # Row i (absolute position ctx_len - q_len + i) sees keys at positions <= its own.
+        qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)
+        mask = torch.arange(c.ctx_len, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[c.q_start : c.q_start + c.q_len] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,80 @@
+"""The platform layer: which device this process computes on, and the few device-specific calls.
+
+Everything that differs between Ascend NPU (torch_npu), CUDA and CPU is answered here, so model, worker
+and memory code stay device-agnostic. The CPU path is the one the tests exercise; the NPU and CUDA paths
+use the same torch calls through their device modules.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Platform:
+    name: str  # "npu" | "cuda" | "cpu"
+    device_type: str  # torch device type string
+    dist_backend: str  # torch.distributed backend for collectives: hccl | nccl | gloo
+    alloc_conf_env: str | None  # env var of the caching allocator's settings
+
+    def device(self, index: int = 0) -> torch.device:
+        if self.name == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, index)
+
+    def device_count(self) -> int:
+        if self.name == "npu":
+            return torch.npu.device_count()  # type: ignore[attr-defined]
+        if self.name == "cuda":
+            return torch.cuda.device_count()
+        return 1
+
+    def synchronize(self) -> None:
+        if self.name == "npu":
+            torch.npu.synchronize()  # type: ignore[attr-defined]
+        elif self.name == "cuda":
+            torch.cuda.synchronize()
+
+    def free_memory_bytes(self, index: int = 0) -> int:
+        """Free device memory; on CPU the host's available memory."""
+        if self.name == "npu":
+            free, _ = torch.npu.mem_get_info(index)  # type: ignore[attr-defined]
+            return int(free)
+        if self.name == "cuda":
+            free, _ = torch.cuda.mem_get_info(index)
+            return int(free)
+        return _host_available_bytes()
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError:
+        return False
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+@functools.cache
+def current_platform() -> Platform:
+    """Pick NPU, then CUDA, then CPU. ROLLBUS_DEVICE=cpu|cuda|npu forces one."""
+    forced = os.environ.get("ROLLBUS_DEVICE", "").lower()
+    if forced == "npu" or (not forced and _npu_available()):
+        return Platform("npu", "npu", "hccl", "PYTORCH_NPU_ALLOC_CONF")
+    if forced == "cuda" or (not forced and torch.cuda.is_available()):
+        return Platform("cuda", "cuda", "nccl", "PYTORCH_CUDA_ALLOC_CONF")
+    return Platform("cpu", "cpu", "gloo", None)

@@ -1,0 +1,124 @@
+"""A process's membership on the control bus (scheduler and workers): join with Hello, apply the
+coordinator's commands in order, ack each one, heartbeat both ways.
+
+The owning actor registers `sockets` in its poller, calls `handle(sock)` when one is readable and
+`tick(now)` every loop turn. Commands are applied through the `apply` callback the actor passes in; its
+return value (a dict) travels back in the Ack, an exception becomes a failed Ack with its message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import structlog
+import zmq
+
+from bus.codec import CodecError, decode
+from bus.control import ControlFollower, SequenceGap
+from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
+from bus.messages import PROTOCOL_VERSION, Ack, Command, Heartbeat, Hello, Welcome
+from bus.sockets import make_socket, send
+
+log = structlog.get_logger()
+
+
+class BusError(RuntimeError):
+    """The bus refused us (protocol mismatch) or the coordinator went silent."""
+
+
+class MemberLink:
+    def __init__(self, ctx: zmq.Context, ep: Endpoints, *, role: str, name: str,
+                 apply: Callable[[Command], dict[str, Any] | None], info: dict[str, Any] | None = None,
+                 heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0):
+        self.role, self.name, self.info = role, name, info or {}
+        self.apply = apply
+        self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
+        self.follower = ControlFollower()
+        self.snapshot: dict[str, Any] = {}
+        # Subscribe before saying Hello: the coordinator waits to see our presence topic arrive on its
+        # XPUB before it welcomes us, so no command published after the Welcome can miss us.
+        self.sub = make_socket(ctx, zmq.SUB, connect=ep.commands)
+        self.sub.setsockopt(zmq.SUBSCRIBE, COMMAND_TOPIC)
+        self.sub.setsockopt(zmq.SUBSCRIBE, presence_topic(name))
+        self.dealer = make_socket(ctx, zmq.DEALER, connect=ep.control, identity=name)
+        now = time.monotonic()
+        self._next_beat = now
+        self._coordinator_seen = now
+        self._hello()
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.sub, self.dealer]
+
+    @property
+    def welcomed(self) -> bool:
+        return self.follower.seq is not None
+
+    def wait_welcome(self, timeout_s: float) -> dict[str, Any]:
+        poller = zmq.Poller()
+        for s in self.sockets:
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not self.welcomed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BusError(f"{self.name}: no Welcome from the coordinator within {timeout_s:.0f}s")
+            for s, _ in poller.poll(left * 1000):
+                self.handle(s)
+        return self.snapshot
+
+    def handle(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart()
+        try:
+            msg = decode(frames[1:] if sock is self.sub else frames)
+        except CodecError as e:
+            log.warning("bus.bad_message", member=self.name, error=str(e))
+            return
+        self._coordinator_seen = time.monotonic()
+        if isinstance(msg, Welcome):
+            self._on_welcome(msg)
+        elif isinstance(msg, Command):
+            try:
+                ready = self.follower.accept(msg)
+            except SequenceGap as gap:
+                log.warning("bus.sequence_gap", member=self.name, expected=gap.expected, got=gap.got)
+                self._resync()
+                return
+            self._apply_all(ready)
+
+    def tick(self, now: float) -> None:
+        if now >= self._next_beat:
+            send(self.dealer, Heartbeat(self.name, self.follower.seq or 0))
+            self._next_beat = now + self.interval
+        if now - self._coordinator_seen > self.timeout:
+            raise BusError(f"{self.name}: coordinator silent for {now - self._coordinator_seen:.1f}s")
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.dealer.close(0)
+
+    def _hello(self) -> None:
+        send(self.dealer, Hello(self.role, self.name, os.getpid(), PROTOCOL_VERSION, self.info))
+
+    def _resync(self) -> None:
+        """Clone pattern: drop our position and ask for a fresh snapshot."""
+        self.follower = ControlFollower()
+        self._hello()
+
+    def _on_welcome(self, w: Welcome) -> None:
+        if not w.accepted:
+            raise BusError(f"{self.name}: coordinator refused us: {w.reason}")
+        self.snapshot = w.snapshot
+        self._apply_all(self.follower.welcome(w.seq))
+
+    def _apply_all(self, cmds: list[Command]) -> None:
+        for cmd in cmds:
+            try:
+                result = self.apply(cmd) or {}
+                ack = Ack(cmd.seq, self.name, True, "", result)
+            except Exception as e:  # a failed command is reported, never fatal to the member
+                log.exception("bus.command_failed", member=self.name, command=cmd.command)
+                ack = Ack(cmd.seq, self.name, False, f"{type(e).__name__}: {e}")
+            send(self.dealer, ack)

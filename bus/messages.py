@@ -1,0 +1,203 @@
+"""Every message that crosses a process boundary, and nothing else.
+
+Rule of this module: plain data only (dataclasses of ints, floats, strings, lists, dicts, numpy arrays
+or torch tensors, and other messages). No behaviour, no sockets, no device code. Each class has a
+one-byte KIND that the codec writes ahead of the payload; decoding looks the class up in REGISTRY, never
+by name. Adding a field changes the wire format: bump PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+REGISTRY: dict[int, type] = {}
+
+
+def _message(kind: int):
+    def wrap(cls):
+        cls = dataclass(slots=True)(cls)
+        if kind in REGISTRY:
+            raise RuntimeError(f"duplicate message kind {kind}: {REGISTRY[kind].__name__}, {cls.__name__}")
+        cls.KIND = kind
+        REGISTRY[kind] = cls
+        return cls
+
+    return wrap
+
+
+# --- membership and liveness (every process <-> coordinator) -------------------------------------
+
+
+@_message(1)
+class Hello:
+    """First message of a participant to the coordinator (and of a worker to the scheduler)."""
+
+    role: str  # gateway | scheduler | worker | trainer
+    name: str  # unique member name, e.g. "worker-0"
+    pid: int
+    protocol_version: int
+    info: dict[str, Any] = field(default_factory=dict)  # role-specific, e.g. a worker's KV capacity
+
+
+@_message(2)
+class Welcome:
+    """Coordinator's answer to Hello: refused on a protocol mismatch, else the control snapshot.
+
+    The snapshot is the state all commands up to `seq` produced (zguide "Clone"): a late or restarted
+    member applies it, then only commands with a higher seq.
+    """
+
+    accepted: bool
+    reason: str
+    seq: int
+    snapshot: dict[str, Any]
+
+
+@_message(3)
+class Heartbeat:
+    name: str
+    seq: int  # the sender's last applied control seq (coordinator: last published)
+
+
+@_message(4)
+class Ready:
+    """A process finished start-up; sent to the launcher's ready socket when there is one."""
+
+    role: str
+    name: str
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# --- acknowledged control broadcast --------------------------------------------------------------
+
+
+@_message(10)
+class ControlRequest:
+    """Ask the coordinator to broadcast a command and collect every member's ack."""
+
+    request_id: str
+    command: str
+    args: dict[str, Any]
+    timeout_s: float
+
+
+@_message(11)
+class ControlReply:
+    request_id: str
+    ok: bool
+    error: str
+    seq: int
+    results: dict[str, Any]  # member name -> what its ack returned
+    missing: list[str] = field(default_factory=list)  # members that did not ack in time
+
+
+@_message(12)
+class Command:
+    """A numbered broadcast. Members apply commands strictly in seq order and ack each one."""
+
+    seq: int
+    command: str
+    args: dict[str, Any]
+
+
+@_message(13)
+class Ack:
+    seq: int
+    name: str
+    ok: bool
+    error: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+# --- requests (gateway <-> scheduler) ------------------------------------------------------------
+
+
+@_message(20)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # engine.sampling_params.SamplingParams.to_wire()
+    eos_token_ids: list[int]
+    arrival_time: float
+
+
+@_message(21)
+class AbortRequests:
+    request_ids: list[str]
+
+
+@_message(22)
+class RequestOutput:
+    """New tokens of one request since its last output (a delta)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None  # per new token, when the request asked for logprobs
+    top_logprobs: list[list[list[float]]] | None  # per new token: [[token_id, logprob], ...]
+    finished: bool
+    finish_reason: str | None  # stop | length | abort | error
+    stop_reason: int | None  # the stop token id that ended it, if any
+    error: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    weight_version: int
+
+
+@_message(23)
+class OutputBatch:
+    """Everything one gateway gets from one scheduler step, plus the scheduler's gauges."""
+
+    outputs: list[RequestOutput]
+    stats: dict[str, float]
+
+
+# --- step execution (scheduler <-> workers) ------------------------------------------------------
+
+
+@_message(30)
+class NewSeq:
+    """A sequence the workers have not seen: sent once, in full."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    eos_token_ids: list[int]  # masked until min_tokens is reached
+
+
+@_message(31)
+class StepPlan:
+    """One forward step. Running sequences travel as deltas: workers remember each sequence's tokens
+    (prompt + what they sampled), so a scheduled sequence is (id, tokens already in KV, tokens to
+    compute now, its block table). A sequence is sampled when the step reaches its last known token."""
+
+    step_id: int
+    new_seqs: list[NewSeq]
+    seq_ids: list[str]  # decodes first, then prefill chunks
+    num_computed: list[int]
+    num_new: list[int]
+    block_tables: list[list[int]]
+    finished: list[str]  # forget these (finished, aborted or preempted-and-dropped)
+    weight_version: int
+
+
+@_message(32)
+class StepResult:
+    step_id: int
+    rank: int
+    seq_ids: list[str]  # the sampled sequences, in plan order
+    token_ids: Any  # np.int64 [S]
+    logprobs: Any  # np.float32 [S]
+    topk_ids: Any  # np.int64 [S, K] (K = 0 when nobody asked)
+    topk_logprobs: Any  # np.float32 [S, K]
+    weight_version: int
+    error: str = ""
+    step_time_s: float = 0.0
+
+
+def message_kinds() -> dict[int, str]:
+    return {k: c.__name__ for k, c in REGISTRY.items()}
+

@@ -1,0 +1,65 @@
+"""Small helpers so every actor makes sockets the same way: one context per process, linger bounded,
+messages encoded with bus.codec. The actors' poll loops own the sockets (zguide: a socket stays in the
+thread that made it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from bus.codec import decode, encode
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
+                identity: str | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 1000)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if kind == zmq.XPUB:
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every (re)subscription, not only the first
+    if bind:
+        sock.bind(bind)
+    if connect:
+        sock.connect(connect)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Any, *, topic: bytes | None = None, to: bytes | None = None) -> None:
+    frames = encode(msg)
+    if topic is not None:
+        frames.insert(0, topic)
+    if to is not None:
+        frames.insert(0, to)
+    sock.send_multipart(frames, copy=False)
+
+
+def recv_from(sock: zmq.Socket) -> tuple[bytes, Any]:
+    """ROUTER receive: (sender identity, message)."""
+    frames = sock.recv_multipart()
+    return frames[0], decode(frames[1:])
+
+
+def recv(sock: zmq.Socket, *, topic: bool = False) -> Any:
+    frames = sock.recv_multipart()
+    return decode(frames[1:] if topic else frames)
+
+
+def subscription_event(frame: bytes) -> tuple[bool, bytes]:
+    """XPUB receive: (subscribed?, topic)."""
+    return frame[:1] == b"\x01", frame[1:]
+
+
+def report_ready(ctx: zmq.Context, ready_endpoint: str | None, role: str, name: str,
+                 info: dict[str, Any] | None = None) -> None:
+    """Tell the launcher (if any) that this process finished start-up."""
+    if not ready_endpoint:
+        return
+    import os
+
+    from bus.messages import Ready
+
+    sock = make_socket(ctx, zmq.PUSH, connect=ready_endpoint)
+    send(sock, Ready(role, name, os.getpid(), info or {}))
+    sock.close(linger=2000)  # linger so the message leaves before the socket goes

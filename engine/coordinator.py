@@ -1,0 +1,161 @@
+"""The coordinator process: numbers control commands, broadcasts them, collects every member's ack,
+and watches liveness. Policy lives in bus.control.ControlLedger; this file is the socket loop.
+
+Membership: a member is welcomed once both its Hello (on the ROUTER) and its presence subscription (on
+the XPUB) have arrived, so it cannot miss a command published after its Welcome. A member that stops
+heartbeating, or whose SUB pipe disconnects, is lost: the coordinator publishes `member_lost` so the
+scheduler fails that member's work and pending acks from it are reported missing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import zmq
+
+from bus.codec import CodecError
+from bus.control import ControlLedger, Member, Pending
+from bus.endpoints import COMMAND_TOPIC, Endpoints
+from bus.messages import (PROTOCOL_VERSION, Ack, ControlReply, ControlRequest, Heartbeat, Hello,
+                          Welcome)
+from bus.sockets import make_socket, recv_from, report_ready, send, subscription_event
+from engine.config import EngineConfig
+from engine.logs import setup_logging
+
+log = structlog.get_logger()
+
+NAME = "coordinator"
+
+
+class Coordinator:
+    def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
+        self.cfg = cfg
+        self.ledger = ControlLedger()
+        self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
+        self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))
+        self.subscribed: set[str] = set()
+        self.hellos: dict[str, Hello] = {}  # waiting for their presence subscription
+        self.stopping = False
+        self._next_beat = 0.0
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pub, zmq.POLLIN)
+        interval = self.cfg.heartbeat_interval_s
+        while not (self.stopping and not self.ledger.pending):
+            for sock, _ in poller.poll(interval * 1000 / 2):
+                if sock is self.pub:
+                    self._on_subscription(self.pub.recv())
+                else:
+                    self._on_router()
+            self._tick(time.monotonic())
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def _on_subscription(self, frame: bytes) -> None:
+        on, topic = subscription_event(frame)
+        if not topic.startswith(b"@"):
+            return
+        name = topic[1:].decode()
+        if on:
+            self.subscribed.add(name)
+            if name in self.hellos:
+                self._welcome(self.hellos.pop(name))
+        else:
+            self.subscribed.discard(name)
+            if name in self.ledger.members:
+                self._lose(name, "disconnected")
+
+    def _on_router(self) -> None:
+        try:
+            sender, msg = recv_from(self.router)
+        except CodecError as e:
+            log.warning("coordinator.bad_message", error=str(e))
+            return
+        now = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            self.ledger.seen(msg.name, now)
+        elif isinstance(msg, Ack):
+            self.ledger.seen(msg.name, now)
+            self._reply(self.ledger.ack(msg))
+        elif isinstance(msg, Hello):
+            self._on_hello(sender, msg)
+        elif isinstance(msg, ControlRequest):
+            self._on_request(sender, msg)
+
+    def _on_hello(self, sender: bytes, h: Hello) -> None:
+        if h.protocol_version != PROTOCOL_VERSION:
+            reason = f"protocol version {h.protocol_version} != coordinator's {PROTOCOL_VERSION}"
+            log.error("coordinator.refused", member=h.name, reason=reason)
+            send(self.router, Welcome(False, reason, self.ledger.seq, {}), to=sender)
+            return
+        if h.name in self.subscribed:
+            self._welcome(h)
+        else:
+            self.hellos[h.name] = h
+
+    def _welcome(self, h: Hello) -> None:
+        self.ledger.join(Member(h.name, h.role, h.pid, time.monotonic(), h.info))
+        send(self.router, Welcome(True, "", self.ledger.seq, self.ledger.snapshot), to=h.name.encode())
+        log.info("coordinator.joined", member=h.name, role=h.role, pid=h.pid, seq=self.ledger.seq)
+
+    def _on_request(self, sender: bytes, r: ControlRequest) -> None:
+        if self.stopping:
+            send(self.router, ControlReply(r.request_id, False, "shutting down", self.ledger.seq, {}), to=sender)
+            return
+        if r.command == "members":  # read-only: answered directly, not broadcast
+            members = {n: {"role": m.role, "pid": m.pid, "info": m.info} for n, m in self.ledger.members.items()}
+            send(self.router, ControlReply(r.request_id, True, "", self.ledger.seq, members), to=sender)
+            return
+        timeout = r.timeout_s if r.timeout_s > 0 else self.cfg.control_timeout_s
+        self._publish(r.command, r.args, timeout, r.request_id, sender)
+        if r.command == "shutdown":
+            self.stopping = True
+
+    # --- outputs --------------------------------------------------------------------------------
+
+    def _publish(self, command: str, args: dict, timeout_s: float, request_id: str = "",
+                 requester: bytes | None = None) -> None:
+        cmd, done = self.ledger.publish(command, args, now=time.monotonic(), timeout_s=timeout_s,
+                                        request_id=request_id, requester=requester)
+        send(self.pub, cmd, topic=COMMAND_TOPIC)
+        self._reply(done)
+
+    def _reply(self, done: list[Pending]) -> None:
+        for p in done:
+            if not p.ok:
+                log.warning("coordinator.command_failed", seq=p.seq, command=p.command, error=p.error_text())
+            if p.requester is not None:
+                send(self.router, ControlReply(p.request_id, p.ok, p.error_text(), p.seq, p.results, p.missing),
+                     to=p.requester)
+
+    def _lose(self, name: str, why: str) -> None:
+        member = self.ledger.members.get(name)
+        role = member.role if member else "?"
+        log.error("coordinator.member_lost", member=name, role=role, why=why)
+        self._reply(self.ledger.lose(name))
+        self._publish("member_lost", {"name": name, "role": role, "why": why}, self.cfg.control_timeout_s)
+
+    def _tick(self, now: float) -> None:
+        if now >= self._next_beat:
+            send(self.pub, Heartbeat(NAME, self.ledger.seq), topic=COMMAND_TOPIC)
+            self._next_beat = now + self.cfg.heartbeat_interval_s
+        for name in self.ledger.silent(now, self.cfg.heartbeat_timeout_s):
+            self._lose(name, f"no heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s")
+        self._reply(self.ledger.expire(now))
+
+
+def run_coordinator_process(cfg: EngineConfig) -> None:
+    setup_logging(cfg.log_level, process=NAME)
+    ctx = zmq.Context()
+    ep = Endpoints.from_config(cfg)
+    coord = Coordinator(cfg, ep, ctx)
+    report_ready(ctx, ep.ready, "coordinator", NAME)
+    log.info("coordinator.ready", control=ep.control, commands=ep.commands)
+    try:
+        coord.run()
+    finally:
+        ctx.destroy(linger=500)

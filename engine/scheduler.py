@@ -1,0 +1,174 @@
+"""Continuous-batching scheduler. Pure policy: sequences and block ids in, a step plan out.
+
+Each step (vLLM v1 style, one token budget for everything):
+  1. running sequences first, in arrival order: each gets the rest of its known tokens (1 for a
+     decode, a chunk for an unfinished prefill), capped by the budget; when blocks run out the
+     latest-arrived running sequence is preempted (blocks freed, recomputed later) until it fits;
+  2. then waiting sequences, oldest first, while budget, blocks and --max-num-seqs allow; a prompt
+     longer than the budget is chunked over several steps.
+A sequence is sampled in the step that computes its last known token. Outputs are appended by
+`update`, which also applies the stop rules and frees finished sequences' blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    seqs: list[Sequence]  # decodes (1 new token) first, then prefill chunks
+    num_new: list[int]
+    num_computed: list[int]  # before this step
+    new_seqs: list[Sequence]  # first time the workers see these
+    finished_ids: list[str]  # workers may forget these
+    weight_version: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """What one step did to one sampled sequence (the scheduler actor turns it into a RequestOutput)."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float
+    top: list[list[float]] | None
+    finished: bool
+
+
+@dataclass(slots=True)
+class Scheduler:
+    blocks: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    weight_version: int = 0
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)
+    seqs: dict[str, Sequence] = field(default_factory=dict)
+    _finished_ids: list[str] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort")
+        return seq
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.max_num_batched_tokens
+        picked: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.can_allocate(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            self.blocks.allocate(seq, seq.num_computed + n)
+            picked.append((seq, n))
+            budget -= n
+            i += 1
+        new_seqs: list[Sequence] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and seq.num_computed == 0:
+                seq.num_computed = self.blocks.match_prefix(seq, self.weight_version)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = seq.num_computed
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.can_allocate(seq, seq.num_computed + n):
+                break
+            self.blocks.allocate(seq, seq.num_computed + n)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            if not seq.sent_to_workers:
+                seq.sent_to_workers = True
+                new_seqs.append(seq)
+            picked.append((seq, n))
+            budget -= n
+        picked.sort(key=lambda p: p[1] != 1)  # decodes first (stable: arrival order kept)
+        finished, self._finished_ids = self._finished_ids, []
+        return ScheduledStep([s for s, _ in picked], [n for _, n in picked], [s.num_computed for s, _ in picked],
+                             new_seqs, finished, self.weight_version)
+
+    def update(self, step: ScheduledStep, sampled: dict[str, tuple[int, float, list[list[float]] | None]]
+               ) -> list[SeqUpdate]:
+        """Apply a step's result: advance computed counts, append sampled tokens, apply stop rules."""
+        updates: list[SeqUpdate] = []
+        for seq, n, before in zip(step.seqs, step.num_new, step.num_computed):
+            if seq.status is not SeqStatus.RUNNING or seq.num_computed != before:
+                continue  # aborted or preempted while the step ran
+            seq.num_computed += n
+            self.blocks.commit_full_blocks(seq, step.weight_version)
+            got = sampled.get(seq.seq_id)
+            if got is None:
+                continue
+            token, logprob, top = got
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self._finish(seq, reason)
+            updates.append(SeqUpdate(seq, token, logprob, top, reason is not None))
+        return updates
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling
+        n_out = len(seq.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in seq.eos_token_ids:
+                return "stop"
+            if token in sp.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+        if sp.max_tokens is not None and n_out >= sp.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.blocks.free_seq(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.seqs.pop(seq.seq_id, None)
+        if seq.sent_to_workers:
+            self._finished_ids.append(seq.seq_id)

@@ -1,0 +1,257 @@
+"""The scheduler process: requests in from gateways, step plans out to workers, results back, outputs
+out. Policy is engine.scheduler.Scheduler; this file only moves messages.
+
+Start-up: join the control bus, then wait until every worker has both said Hello on the results socket
+(with its KV capacity) and subscribed to the plans socket (seen on the XPUB), so the first plan
+cannot be lost. One step is in flight at a time: plan -> results of every worker -> outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import structlog
+import zmq
+
+from bus.codec import CodecError
+from bus.endpoints import PLAN_TOPIC, Endpoints
+from bus.member import MemberLink
+from bus.messages import (AbortRequests, AddRequest, Command, Hello, NewSeq, OutputBatch, RequestOutput,
+                          StepPlan, StepResult)
+from bus.sockets import make_socket, recv, recv_from, report_ready, send, subscription_event
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.logs import setup_logging
+from engine.request import Sequence
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledStep, Scheduler, SeqUpdate
+
+log = structlog.get_logger()
+
+NAME = "scheduler"
+
+
+class SchedulerActor:
+    def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
+        self.cfg = cfg
+        self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.requests))
+        self.plans = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.plans))
+        self.results = make_socket(ctx, zmq.PULL, bind=ep.bind_address(ep.results))
+        self.link = MemberLink(ctx, ep, role="scheduler", name=NAME, apply=self._apply,
+                               heartbeat_interval_s=cfg.heartbeat_interval_s,
+                               heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        self.dead_reason: str | None = None
+        self.stopping = False
+        self.step_id = 0
+        self.in_flight: ScheduledStep | None = None
+        self.pending_results: dict[int, StepResult] = {}
+        self.step_started = 0.0
+        self.step_time_ema = 0.0
+        self.counters = defaultdict(float)
+
+    # --- start-up -------------------------------------------------------------------------------
+
+    def wait_for_workers(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Every worker's Hello (results socket) and plan subscription (XPUB) must both arrive."""
+        want = {f"worker-{r}" for r in range(self.cfg.num_workers)}
+        hellos: dict[str, Hello] = {}
+        subscribed: set[str] = set()
+        poller = zmq.Poller()
+        for s in (self.plans, self.results, *self.link.sockets):
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not (want <= set(hellos) and want <= subscribed):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not ready after {timeout_s:.0f}s: {sorted(want - set(hellos))}")
+            for sock, _ in poller.poll(200):
+                if sock is self.plans:
+                    on, topic = subscription_event(self.plans.recv())
+                    if on and topic.startswith(b"@"):
+                        subscribed.add(topic[1:].decode())
+                elif sock is self.results:
+                    msg = recv(self.results)
+                    if isinstance(msg, Hello):
+                        hellos[msg.name] = msg
+                else:
+                    self.link.handle(sock)
+            self.link.tick(time.monotonic())
+        infos = [hellos[n].info for n in sorted(want)]
+        num_blocks = min(i["num_blocks"] for i in infos)
+        max_len = min(i["max_model_len"] for i in infos)
+        self.max_model_len = max_len
+        self.sched = Scheduler(BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching),
+                               self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
+        log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len)
+        return {"num_blocks": num_blocks, "max_model_len": max_len}
+
+    # --- main loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self.router, self.results, *self.link.sockets):
+            poller.register(s, zmq.POLLIN)
+        idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
+        while not self.stopping:
+            busy = self.in_flight is None and self.sched.has_work() and not self.dead_reason
+            for sock, _ in poller.poll(0 if busy else idle_ms):
+                if sock is self.router:
+                    self._on_request()
+                elif sock is self.results:
+                    self._on_result()
+                else:
+                    self.link.handle(sock)
+            self.link.tick(time.monotonic())
+            if self.in_flight is None and self.sched.has_work() and not self.dead_reason:
+                self._start_step()
+
+    def _on_request(self) -> None:
+        try:
+            client, msg = recv_from(self.router)
+        except CodecError as e:
+            log.warning("scheduler.bad_message", error=str(e))
+            return
+        if isinstance(msg, AddRequest):
+            self._add(client, msg)
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                seq = self.sched.abort(rid)
+                if seq is not None:
+                    self._emit([(seq, self._output(seq, [], finished=True))])
+
+    def _add(self, client: bytes, msg: AddRequest) -> None:
+        seq = Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams.from_wire(msg.sampling),
+                       msg.eos_token_ids, msg.arrival_time, client)
+        error = self.dead_reason
+        if error is None and msg.request_id in self.sched.seqs:
+            error = f"request id {msg.request_id!r} is already running"
+        if error is None and seq.num_prompt_tokens >= self.max_model_len:
+            error = f"prompt of {seq.num_prompt_tokens} tokens does not fit max_model_len {self.max_model_len}"
+        if error is not None:
+            seq.finish_reason = "error"
+            self._emit([(seq, self._output(seq, [], finished=True, error=error))])
+            return
+        self.sched.add(seq)
+
+    def _start_step(self) -> None:
+        step = self.sched.schedule()
+        if not step.seqs:
+            if step.finished_ids:  # nothing to run, but let workers forget finished sequences
+                self._publish(step)
+            return
+        self._publish(step)
+        self.in_flight = step
+        self.step_started = time.perf_counter()
+
+    def _publish(self, step: ScheduledStep) -> None:
+        self.step_id += 1
+        plan = StepPlan(
+            self.step_id,
+            [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling.to_wire(), s.eos_token_ids) for s in step.new_seqs],
+            [s.seq_id for s in step.seqs], step.num_computed, step.num_new,
+            [s.block_table for s in step.seqs], step.finished_ids, step.weight_version)
+        send(self.plans, plan, topic=PLAN_TOPIC)
+
+    def _on_result(self) -> None:
+        try:
+            res = recv(self.results)
+        except CodecError as e:
+            log.warning("scheduler.bad_result", error=str(e))
+            return
+        if not isinstance(res, StepResult) or self.in_flight is None or res.step_id != self.step_id:
+            return
+        self.pending_results[res.rank] = res
+        if len(self.pending_results) < self.cfg.num_workers:
+            return
+        step, self.in_flight = self.in_flight, None
+        main = self.pending_results[0]
+        errors = [r.error for r in self.pending_results.values() if r.error]
+        self.pending_results = {}
+        if errors:
+            self._fail_all(f"worker step failed: {errors[0]}")
+            return
+        dt = time.perf_counter() - self.step_started
+        self.step_time_ema = dt if not self.step_time_ema else 0.9 * self.step_time_ema + 0.1 * dt
+        self.counters["steps"] += 1
+        self.counters["step_time_total"] += dt
+        self.counters["prompt_tokens"] += sum(n for n in step.num_new if n > 1)
+        sampled: dict[str, tuple[int, float, list[list[float]] | None]] = {}
+        k = main.topk_ids.shape[1] if main.topk_ids.ndim == 2 else 0
+        for i, sid in enumerate(main.seq_ids):
+            top = [[int(t), float(lp)] for t, lp in zip(main.topk_ids[i], main.topk_logprobs[i])] if k else None
+            sampled[sid] = (int(main.token_ids[i]), float(main.logprobs[i]), top)
+        updates = self.sched.update(step, sampled)
+        self.counters["generation_tokens"] += len(updates)
+        self._emit([(u.seq, self._update_output(u, main.weight_version)) for u in updates])
+
+    # --- outputs --------------------------------------------------------------------------------
+
+    def _update_output(self, u: SeqUpdate, version: int) -> RequestOutput:
+        want_lp = u.seq.sampling.logprobs is not None
+        top = None
+        if want_lp and u.seq.sampling.logprobs:
+            top = [u.top[: u.seq.sampling.logprobs] if u.top else []]
+        return self._output(u.seq, [u.token_id], finished=u.finished,
+                            logprobs=[u.logprob] if want_lp else None, top=top, version=version)
+
+    def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: str | None = None,
+                logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
+        return RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
+                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
+                             error, seq.num_prompt_tokens, seq.num_cached_tokens, version)
+
+    def _emit(self, items: list[tuple[Sequence, RequestOutput]]) -> None:
+        """One OutputBatch per gateway that owns any of these outputs."""
+        by_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        for seq, out in items:
+            by_client[seq.client].append(out)
+        stats = self.stats()
+        for client, outs in by_client.items():
+            send(self.router, OutputBatch(outs, stats), to=client)
+
+    def stats(self) -> dict[str, float]:
+        b = self.sched.blocks
+        return {"num_running": len(self.sched.running), "num_waiting": len(self.sched.waiting),
+                "kv_usage": b.usage, "step_time_s": self.step_time_ema,
+                "num_preemptions": self.sched.num_preemptions,
+                "prefix_cache_queries": b.num_prefix_queries, "prefix_cache_hits": b.num_prefix_hits,
+                **self.counters}
+
+    # --- control --------------------------------------------------------------------------------
+
+    def _apply(self, cmd: Command) -> dict[str, Any] | None:
+        if cmd.command == "health":
+            return {"ok": self.dead_reason is None, "running": len(self.sched.running)} if hasattr(self, "sched") else {}
+        if cmd.command == "shutdown":
+            self.stopping = True
+            return None
+        if cmd.command == "member_lost" and cmd.args.get("role") == "worker":
+            self._fail_all(f"{cmd.args.get('name')} died ({cmd.args.get('why')})")
+        return None
+
+    def _fail_all(self, reason: str) -> None:
+        """A worker is gone: nothing can be computed any more. Fail every request; refuse new ones."""
+        log.error("scheduler.failing_all", reason=reason)
+        self.dead_reason = reason
+        self.in_flight = None
+        outs = []
+        for seq in list(self.sched.seqs.values()):
+            self.sched.abort(seq.seq_id)
+            seq.finish_reason = "error"
+            outs.append((seq, self._output(seq, [], finished=True, error=reason)))
+        self._emit(outs)
+
+
+def run_scheduler_process(cfg: EngineConfig) -> None:
+    setup_logging(cfg.log_level, process=NAME)
+    ctx = zmq.Context()
+    ep = Endpoints.from_config(cfg)
+    actor = SchedulerActor(cfg, ep, ctx)
+    try:
+        actor.link.wait_welcome(timeout_s=120)
+        info = actor.wait_for_workers()
+        report_ready(ctx, ep.ready, "scheduler", NAME, info)
+        actor.run()
+    finally:
+        ctx.destroy(linger=500)

@@ -1,0 +1,56 @@
+"""The worker's paged KV cache: one allocation, viewed per layer as (k_cache, v_cache).
+
+Layout [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. It is a single tensor so the
+whole cache can later be released and re-created by tag (sleep mode discards it) without touching the
+model; `views` are rebuilt after a re-allocation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ascend_ops.platform import Platform
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.num_blocks = num_blocks
+        self.tensor: torch.Tensor | None = None
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
+
+    def allocate(self) -> None:
+        # zeros, not empty: padded decode rows read unused slots, which must be finite.
+        self.tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.views = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.shape[0])]
+
+    def release(self) -> None:
+        self.views = []
+        self.tensor = None
+
+
+def plan_num_blocks(platform: Platform, *, bytes_per_block: int, kv_cache_memory_bytes: int | None,
+                    num_blocks_override: int | None, gpu_memory_utilization: float, device_index: int) -> int:
+    """How many blocks this worker can hold: an override, an explicit byte budget, or (accelerators) the
+    configured fraction of the memory left after the weights; CPU defaults to 1 GiB."""
+    if num_blocks_override:
+        return num_blocks_override
+    if kv_cache_memory_bytes is None:
+        if platform.name == "cpu":
+            kv_cache_memory_bytes = CPU_DEFAULT_KV_BYTES
+        else:
+            kv_cache_memory_bytes = int(platform.free_memory_bytes(device_index) * gpu_memory_utilization)
+    return max(1, kv_cache_memory_bytes // bytes_per_block)

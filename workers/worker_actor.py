@@ -1,0 +1,115 @@
+"""A worker process: owns one device, the model's weights on it and its KV cache; executes the step
+plans the scheduler publishes and pushes back the sampled tokens. Socket loop only; the compute is in
+workers.model_runner.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+import torch
+import zmq
+
+from ascend_ops.platform import current_platform
+from bus.codec import CodecError
+from bus.endpoints import PLAN_TOPIC, Endpoints, presence_topic
+from bus.member import MemberLink
+from bus.messages import PROTOCOL_VERSION, Command, Hello, StepPlan, StepResult
+from bus.sockets import make_socket, recv, report_ready, send
+from engine.config import EngineConfig
+from engine.logs import setup_logging
+from workers.kv_cache import KVCache, plan_num_blocks
+from workers.loader import load_model
+from workers.model_runner import ModelRunner
+
+log = structlog.get_logger()
+
+
+class WorkerActor:
+    def __init__(self, cfg: EngineConfig, rank: int, ctx: zmq.Context, ep: Endpoints):
+        self.cfg, self.rank = cfg, rank
+        self.name = f"worker-{rank}"
+        platform = current_platform()
+        device = platform.device(rank)
+        model, hf_config, max_model_len = load_model(cfg, device)
+        nl, nkv, hd = model.kv_spec
+        dtype = next(model.parameters()).dtype
+        per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, dtype)
+        num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
+                                     kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+                                     num_blocks_override=cfg.num_gpu_blocks_override,
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization, device_index=rank)
+        if num_blocks * cfg.block_size < max_model_len:
+            raise SystemExit(
+                f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
+        kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
+        self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed)
+        self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "device": str(device),
+                     "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes}
+        log.info("worker.loaded", **self.info)
+        self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
+        self.plans.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
+        self.plans.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
+        self.results = make_socket(ctx, zmq.PUSH, connect=ep.results)
+        self.link = MemberLink(ctx, ep, role="worker", name=self.name, apply=self._apply, info=self.info,
+                               heartbeat_interval_s=cfg.heartbeat_interval_s,
+                               heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        self.stopping = False
+
+    def start(self) -> None:
+        self.link.wait_welcome(timeout_s=120)
+        send(self.results, Hello("worker", self.name, 0, PROTOCOL_VERSION, self.info))
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self.plans, *self.link.sockets):
+            poller.register(s, zmq.POLLIN)
+        idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
+        while not self.stopping:
+            for sock, _ in poller.poll(idle_ms):
+                if sock is self.plans:
+                    self._on_plan()
+                else:
+                    self.link.handle(sock)
+            self.link.tick(time.monotonic())
+
+    def _on_plan(self) -> None:
+        try:
+            plan = recv(self.plans, topic=True)
+        except CodecError as e:
+            log.warning("worker.bad_plan", error=str(e))
+            return
+        if not isinstance(plan, StepPlan):
+            return
+        try:
+            result = self.runner.execute(plan)
+        except Exception as e:  # report, so the scheduler fails the step's requests instead of hanging
+            log.exception("worker.step_failed", step=plan.step_id)
+            result = StepResult(plan.step_id, self.rank, [], None, None, None, None,
+                                self.runner.weight_version, f"{type(e).__name__}: {e}")
+        if plan.seq_ids:
+            send(self.results, result)
+
+    def _apply(self, cmd: Command) -> dict[str, Any] | None:
+        if cmd.command == "health":
+            return {"ok": True}
+        if cmd.command == "shutdown":
+            self.stopping = True
+        return None
+
+
+def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
+    setup_logging(cfg.log_level, process=f"worker-{rank}")
+    torch.set_grad_enabled(False)
+    ctx = zmq.Context()
+    ep = Endpoints.from_config(cfg)
+    actor = WorkerActor(cfg, rank, ctx, ep)
+    try:
+        actor.start()
+        report_ready(ctx, ep.ready, "worker", actor.name, actor.info)
+        actor.run()
+    finally:
+        ctx.destroy(linger=500)
