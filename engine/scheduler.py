@@ -94,13 +94,16 @@ class Scheduler:
         new_seqs: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and seq.num_computed == 0:
-                seq.num_computed = self.blocks.match_prefix(seq, self.weight_version)
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = seq.num_computed
+            seq.num_computed = self.blocks.match_prefix(seq, self.weight_version)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.can_allocate(seq, seq.num_computed + n):
+                # Give the matched blocks back: a waiting sequence must hold nothing, or two of them
+                # could each hold part of what the other needs.
+                self.blocks.free_seq(seq)
+                seq.num_computed = 0
                 break
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed
             self.blocks.allocate(seq, seq.num_computed + n)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

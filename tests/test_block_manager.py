@@ -1,0 +1,82 @@
+from engine.block_manager import BlockManager
+from engine.request import Sequence
+from engine.sampling_params import SamplingParams
+
+
+def seq(sid, tokens):
+    return Sequence(sid, list(tokens), SamplingParams(), [0])
+
+
+def test_allocate_is_all_or_nothing():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    s = seq("a", range(20))
+    assert not bm.can_allocate(s, 20)  # needs 5 blocks
+    assert bm.can_allocate(s, 16)
+    bm.allocate(s, 16)
+    assert len(s.block_table) == 4 and bm.num_free == 0
+    bm.free_seq(s)
+    assert bm.num_free == 4 and s.block_table == []
+
+
+def test_prefix_blocks_are_shared_and_refcounted():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", range(10))
+    bm.allocate(a, 10)
+    a.num_computed = 10
+    bm.commit_full_blocks(a, weight_version=0)
+    assert len(a.block_hashes) == 2
+    b = seq("b", list(range(8)) + [99, 98, 97])
+    assert bm.match_prefix(b, weight_version=0) == 8
+    assert b.block_table == a.block_table[:2]
+    assert bm.ref[a.block_table[0]] == 2
+    bm.free_seq(a)
+    assert bm.ref[b.block_table[0]] == 1  # still used by b
+
+
+def test_prefix_cache_never_crosses_weight_versions():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", range(9))
+    bm.allocate(a, 9)
+    a.num_computed = 9
+    bm.commit_full_blocks(a, weight_version=1)
+    bm.free_seq(a)
+    assert bm.match_prefix(seq("b", range(9)), weight_version=2) == 0
+    assert bm.match_prefix(seq("c", range(9)), weight_version=1) == 8
+
+
+def test_freed_blocks_stay_cached_until_reused():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = seq("a", range(9))
+    bm.allocate(a, 9)
+    a.num_computed = 9
+    bm.commit_full_blocks(a, 0)
+    bm.free_seq(a)
+    assert bm.match_prefix(seq("b", range(9)), 0) == 8  # cache hit after free
+    # Filling the cache with other content evicts the old hashes.
+    bm2 = BlockManager(num_blocks=2, block_size=4)
+    x = seq("x", range(5))
+    bm2.allocate(x, 5)
+    x.num_computed = 5
+    bm2.commit_full_blocks(x, 0)
+    bm2.free_seq(x)
+    y = seq("y", range(100, 108))
+    bm2.allocate(y, 8)  # takes both blocks, overwriting x's
+    assert bm2.match_prefix(seq("z", range(5)), 0) == 0
+
+
+def test_whole_prompt_hit_leaves_one_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", range(8))
+    bm.allocate(a, 8)
+    a.num_computed = 8
+    bm.commit_full_blocks(a, 0)
+    assert bm.match_prefix(seq("b", range(8)), 0) == 4
+
+
+def test_disabled_prefix_caching():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = seq("a", range(9))
+    bm.allocate(a, 9)
+    a.num_computed = 9
+    bm.commit_full_blocks(a, 0)
+    assert bm.match_prefix(seq("b", range(9)), 0) == 0

@@ -1,0 +1,138 @@
+"""Scheduler policy, driven by a fake "model" that samples a fixed token: no sockets, no tensors."""
+
+from engine.block_manager import BlockManager
+from engine.request import Sequence, SeqStatus
+from engine.sampling_params import SamplingParams
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=128):
+    from engine.scheduler import Scheduler
+
+    return Scheduler(BlockManager(num_blocks, block_size), max_seqs, budget, max_len)
+
+
+def seq(sid, n_prompt=5, first=None, **sp):
+    # distinct prompts per id unless `first` is given, so the prefix cache only hits where a test wants it
+    start = first if first is not None else 1 + 100 * (abs(hash(sid)) % 1000)
+    return Sequence(sid, list(range(start, start + n_prompt)), SamplingParams(**sp), eos_token_ids=[0])
+
+
+def run_step(s, token=7):
+    step = s.schedule()
+    sampled = {}
+    for q, n, before in zip(step.seqs, step.num_new, step.num_computed):
+        if before + n == q.num_tokens:
+            sampled[q.seq_id] = (token, -1.0, None)
+    return step, s.update(step, sampled)
+
+
+def test_requests_join_and_leave_the_running_batch_every_step():
+    s = make()
+    s.add(seq("a", max_tokens=2))
+    step, ups = run_step(s)
+    assert [q.seq_id for q in step.seqs] == ["a"] and step.num_new == [5]
+    s.add(seq("b", max_tokens=3))
+    step, ups = run_step(s)
+    # a decodes (first), b prefills in the same step
+    assert [q.seq_id for q in step.seqs] == ["a", "b"] and step.num_new == [1, 5]
+    assert [u.finished for u in ups] == [True, False]  # a reached max_tokens=2
+    step, _ = run_step(s)
+    assert [q.seq_id for q in step.seqs] == ["b"]
+    assert "a" in step.finished_ids
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = make(budget=8)
+    s.add(seq("long", n_prompt=20, max_tokens=1))
+    s.add(seq("short", n_prompt=3, max_tokens=1))
+    steps = []
+    for _ in range(4):
+        step, ups = run_step(s)
+        steps.append((dict(zip([q.seq_id for q in step.seqs], step.num_new)), [u.seq.seq_id for u in ups]))
+        assert step.num_tokens <= 8
+    assert steps[0] == ({"long": 8}, [])
+    assert steps[1] == ({"long": 8}, [])
+    assert steps[2] == ({"long": 4, "short": 3}, ["long", "short"])
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    # 7 blocks of 4 hold one 27-token sequence, not two: the later one is preempted and recomputed.
+    s = make(num_blocks=7, block_size=4, budget=64)
+    a, b = seq("a", n_prompt=7, max_tokens=20), seq("b", n_prompt=7, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    recompute = None
+    for _ in range(200):
+        if a.status is SeqStatus.FINISHED and b.status is SeqStatus.FINISHED:
+            break
+        known = b.num_tokens
+        step, _ = run_step(s)
+        assert sum(len(q.block_table) for q in s.running) <= 7
+        if b.num_preemptions and b in step.seqs and recompute is None:
+            i = step.seqs.index(b)
+            recompute = (step.num_computed[i], step.num_new[i], known)
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    computed, new, total = recompute
+    assert computed + new == total and total > 7  # prompt and kept outputs recomputed, none regenerated
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 20
+
+
+def test_stop_rules():
+    s = make()
+    e = seq("eos", max_tokens=10)
+    s.add(e)
+    _, ups = run_step(s, token=0)
+    assert ups[0].finished and e.finish_reason == "stop"
+    m = seq("min", max_tokens=10, min_tokens=2)
+    s.add(m)
+    _, ups = run_step(s, token=0)
+    assert not ups[0].finished  # eos ignored below min_tokens (the worker masks it too)
+    st = seq("stopid", max_tokens=10, stop_token_ids=[9])
+    s.add(st)
+    run_step(s, token=9)
+    assert st.finish_reason == "stop" and st.stop_reason == 9
+    ig = seq("ign", max_tokens=2, ignore_eos=True)
+    s.add(ig)
+    run_step(s, token=0)
+    run_step(s, token=0)
+    assert ig.finish_reason == "length"
+
+
+def test_max_model_len_ends_with_length():
+    s = make(max_len=8)
+    q = seq("a", n_prompt=6, max_tokens=100)
+    s.add(q)
+    for _ in range(3):
+        run_step(s)
+    assert q.finish_reason == "length" and q.num_tokens == 8
+
+
+def test_abort_frees_blocks_and_tells_workers():
+    s = make()
+    q = seq("a", max_tokens=100)
+    s.add(q)
+    run_step(s)
+    free_before = s.blocks.num_free
+    s.abort("a")
+    assert q.finish_reason == "abort" and s.blocks.num_free > free_before
+    step = s.schedule()
+    assert step.finished_ids == ["a"] and not step.seqs
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = make(max_seqs=2)
+    for i in range(4):
+        s.add(seq(f"r{i}", max_tokens=5))
+    step, _ = run_step(s)
+    assert len(step.seqs) == 2 and len(s.waiting) == 2
+
+
+def test_prefix_cache_hit_skips_prompt_compute():
+    s = make(block_size=4)
+    a = seq("a", n_prompt=9, first=1, max_tokens=1)
+    s.add(a)
+    run_step(s)
+    b = seq("b", n_prompt=9, first=1, max_tokens=1)
+    s.add(b)
+    step, _ = run_step(s)
+    assert step.num_computed == [8] and step.num_new == [1] and b.num_cached_tokens == 8
