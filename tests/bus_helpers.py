@@ -1,0 +1,103 @@
+"""Real coordinator processes and real member loops for bus tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import zmq
+
+from bus.codec import decode
+from bus.endpoints import Endpoints
+from bus.member import MemberLink
+from bus.messages import ControlReply, ControlRequest
+from bus.sockets import make_socket, send
+from engine.config import EngineConfig
+
+
+def bus_config(tmp_path, **kw) -> EngineConfig:
+    kw.setdefault("heartbeat_interval_s", 0.2)
+    kw.setdefault("heartbeat_timeout_s", 1.5)
+    kw.setdefault("control_timeout_s", 3.0)
+    return EngineConfig(bus_dir=str(tmp_path), **kw)
+
+
+def start_coordinator(cfg: EngineConfig) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "engine.cli", "coordinator", *cfg.to_argv()])
+    return p
+
+
+class MemberThread:
+    """A member's poll loop in a thread (its sockets are created and used only there)."""
+
+    def __init__(self, ep: Endpoints, name: str, role: str = "worker", *, interval=0.2, timeout=3.0,
+                 apply=None, protocol_version=None):
+        self.ep, self.name, self.role = ep, name, role
+        self.interval, self.timeout = interval, timeout
+        self.applied: list = []
+        self.user_apply = apply
+        self.error: Exception | None = None
+        self.stop = threading.Event()
+        self.welcomed = threading.Event()
+        self.link: MemberLink | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _apply(self, cmd):
+        self.applied.append((cmd.seq, cmd.command))
+        return self.user_apply(cmd) if self.user_apply else {"name": self.name}
+
+    def _run(self):
+        ctx = zmq.Context()
+        try:
+            self.link = MemberLink(ctx, self.ep, role=self.role, name=self.name, apply=self._apply,
+                                   heartbeat_interval_s=self.interval, heartbeat_timeout_s=self.timeout)
+            poller = zmq.Poller()
+            for s in self.link.sockets:
+                poller.register(s, zmq.POLLIN)
+            while not self.stop.is_set():
+                for s, _ in poller.poll(50):
+                    self.link.handle(s)
+                if self.link.welcomed:
+                    self.welcomed.set()
+                self.link.tick(time.monotonic())
+        except Exception as e:
+            self.error = e
+        finally:
+            ctx.destroy(linger=0)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+
+
+class ControlClient:
+    def __init__(self, ep: Endpoints):
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.DEALER, connect=ep.control, identity=f"test-{uuid.uuid4().hex[:6]}")
+
+    def request(self, command: str, args=None, timeout_s: float = 3.0) -> ControlReply:
+        rid = uuid.uuid4().hex
+        send(self.sock, ControlRequest(rid, command, args or {}, timeout_s))
+        deadline = time.monotonic() + timeout_s + 5
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = decode(self.sock.recv_multipart())
+                if isinstance(msg, ControlReply) and msg.request_id == rid:
+                    return msg
+        raise TimeoutError(f"no reply to {command}")
+
+    def close(self):
+        self.ctx.destroy(linger=0)
+
+
+def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
