@@ -9,6 +9,7 @@ return value (a dict) travels back in the Ack, an exception becomes a failed Ack
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -44,9 +45,10 @@ class MemberLink:
         self.sub.setsockopt(zmq.SUBSCRIBE, presence_topic(name))
         self.dealer = make_socket(ctx, zmq.DEALER, connect=ep.control, identity=name)
         now = time.monotonic()
-        self._next_beat = now
         self._coordinator_seen = now
+        self._last_tick = now
         self._hello()
+        self._beat = _HeartbeatThread(ctx, ep.control, name, heartbeat_interval_s, lambda: self.follower.seq or 0)
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -89,13 +91,16 @@ class MemberLink:
             self._apply_all(ready)
 
     def tick(self, now: float) -> None:
-        if now >= self._next_beat:
-            send(self.dealer, Heartbeat(self.name, self.follower.seq or 0))
-            self._next_beat = now + self.interval
+        """Call every loop turn. Raises BusError when the coordinator has been silent too long."""
+        if now - self._last_tick > self.interval:
+            # We were busy (a long step), not listening: silence over that time proves nothing.
+            self._coordinator_seen = max(self._coordinator_seen, now - self.interval)
+        self._last_tick = now
         if now - self._coordinator_seen > self.timeout:
             raise BusError(f"{self.name}: coordinator silent for {now - self._coordinator_seen:.1f}s")
 
     def close(self) -> None:
+        self._beat.stop()
         self.sub.close(0)
         self.dealer.close(0)
 
@@ -122,3 +127,30 @@ class MemberLink:
                 log.exception("bus.command_failed", member=self.name, command=cmd.command)
                 ack = Ack(cmd.seq, self.name, False, f"{type(e).__name__}: {e}")
             send(self.dealer, ack)
+
+
+class _HeartbeatThread:
+    """Process liveness, independent of the actor's loop: a worker in a long forward pass is alive and
+    must not be declared dead. It has its own DEALER (sockets are not shared across threads); the
+    coordinator keys heartbeats by the name inside the message, not by socket identity. A hung loop
+    (alive but not applying commands) is caught by the control deadlines instead."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, name: str, interval_s: float, seq: Callable[[], int]):
+        self._stop = threading.Event()
+        self._args = (ctx, endpoint, name, interval_s, seq)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctx, endpoint, name, interval_s, seq = self._args
+        try:
+            sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=f"{name}.heartbeat")
+            while not self._stop.wait(interval_s):
+                send(sock, Heartbeat(name, seq()))
+            sock.close(0)
+        except zmq.ZMQError:
+            pass  # the process is tearing its context down: nothing left to keep alive
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)

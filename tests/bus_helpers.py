@@ -67,6 +67,8 @@ class MemberThread:
         except Exception as e:
             self.error = e
         finally:
+            if self.link is not None:
+                self.link.close()
             ctx.destroy(linger=0)
 
     def close(self):
