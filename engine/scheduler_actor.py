@@ -169,7 +169,9 @@ class SchedulerActor:
         errors = [r.error for r in self.pending_results.values() if r.error]
         self.pending_results = {}
         if errors:
-            self._fail_all(f"worker step failed: {errors[0]}")
+            # A step that raised (a bug, or out of memory) fails the requests in it; the engine
+            # keeps serving the others. Dead workers are handled by member_lost, not here.
+            self._fail_seqs(step.seqs, f"worker step failed: {errors[0]}")
             return
         dt = time.perf_counter() - self.step_started
         self.step_time_ema = dt if not self.step_time_ema else 0.9 * self.step_time_ema + 0.1 * dt
@@ -235,9 +237,13 @@ class SchedulerActor:
         log.error("scheduler.failing_all", reason=reason)
         self.dead_reason = reason
         self.in_flight = None
+        self._fail_seqs(list(self.sched.seqs.values()), reason)
+
+    def _fail_seqs(self, seqs: list[Sequence], reason: str) -> None:
         outs = []
-        for seq in list(self.sched.seqs.values()):
-            self.sched.abort(seq.seq_id)
+        for seq in seqs:
+            if self.sched.abort(seq.seq_id) is None:
+                continue
             seq.finish_reason = "error"
             outs.append((seq, self._output(seq, [], finished=True, error=reason)))
         self._emit(outs)

@@ -47,6 +47,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(plan)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta, self.kv.views)
+            if not sample_ids:  # only partial prefill chunks this step: nothing to sample
+                return self._result(plan, [], None, t0)
             # Sampling runs on the host with per-request CPU generators, so seeded draws are identical
             # on every platform; on accelerators this costs one [S, V] copy per step.
             logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)]).float().cpu()
