@@ -1,0 +1,325 @@
+"""One dense decoder for the Llama family: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+
+The three differ only in flags read from the HF config (qkv/o bias, per-head q/k RMSNorm, head_dim),
+so one implementation keeps the fast path in one place. The step is a flattened [T] token batch
+(decodes first, then prefill chunks; no padding) over a paged KV cache; every matmul, norm and attention
+goes through ascend_ops so an NPU or batch-invariant kernel can be swapped in underneath.
+q/k/v and gate/up are fused into one GEMM each; HF checkpoint pieces are loaded into their slices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ascend_ops import ops
+from ascend_ops.attention import AttentionMetadata, paged_attention
+
+
+class KVSpec(NamedTuple):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """The fields of an HF config dict this decoder needs, with each family's defaults applied."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_positions: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> DecoderConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        qwen2, qwen3 = arch.startswith("Qwen2"), arch.startswith("Qwen3")
+        if cfg.get("use_sliding_window"):
+            raise NotImplementedError(f"{arch}: sliding-window attention is not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"{arch}: hidden_act {act!r} is not supported (only silu)")
+        heads = cfg["num_attention_heads"]
+        # Transformers 5 nests rope settings under rope_parameters; older configs use rope_theta/rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or rope or None
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        attn_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_positions=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if qwen2 else attn_bias,
+            o_bias=False if qwen2 else attn_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=qwen3,
+        )
+
+
+def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
+    """Scaled inverse frequencies for llama3 rope; None for plain rope (ops.rope_cos_sin handles it)."""
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (only default and llama3)")
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old_len = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > old_len / lo, inv / factor, inv)  # long wavelengths: fully scaled
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * out / factor + smooth * out
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, mid, out)
+
+
+def _rope_tables(
+    cfg: DecoderConfig, n: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, head_dim], computed once in fp32 then cast, as HF does per step."""
+    inv = _inv_freq(cfg)
+    if inv is None:
+        return ops.rope_cos_sin(cfg.head_dim, n, cfg.rope_theta, device, dtype)
+    freqs = torch.outer(torch.arange(n, dtype=torch.int64).float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device, ones: bool = False) -> nn.Parameter:
+    make = torch.ones if ones else torch.empty
+    return nn.Parameter(make(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.hq, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.d**-0.5
+        qkv = (self.hq + 2 * self.hk) * self.d
+        kw = dict(dtype=dtype, device=device)
+        self.qkv_proj = nn.Module()
+        self.qkv_proj.weight = _param(qkv, cfg.hidden_size, **kw)
+        self.qkv_proj.bias = _param(qkv, **kw) if cfg.qkv_bias else None
+        self.o_proj = nn.Module()
+        self.o_proj.weight = _param(cfg.hidden_size, self.hq * self.d, **kw)
+        self.o_proj.bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
+        if cfg.qk_norm:
+            self.q_norm = nn.Module()
+            self.q_norm.weight = _param(self.d, ones=True, **kw)
+            self.k_norm = nn.Module()
+            self.k_norm.weight = _param(self.d, ones=True, **kw)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hk)*D]
+        q, k, v = qkv.split([self.hq * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        q, k, v = q.view(T, self.hq, self.d), k.view(T, self.hk, self.d), v.view(T, self.hk, self.d)
+        if self.qk_norm:
+            q = ops.rms_norm(q, self.q_norm.weight, self.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.eps)
+        q, k = ops.apply_rope(q, k, cos, sin)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        return ops.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.i = cfg.intermediate_size
+        kw = dict(dtype=dtype, device=device)
+        self.gate_up_proj = nn.Module()
+        self.gate_up_proj.weight = _param(2 * self.i, cfg.hidden_size, **kw)
+        self.gate_up_proj.bias = _param(2 * self.i, **kw) if cfg.mlp_bias else None
+        self.down_proj = nn.Module()
+        self.down_proj.weight = _param(cfg.hidden_size, self.i, **kw)
+        self.down_proj.bias = _param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
+        h = ops.silu_and_mul(gu[:, : self.i], gu[:, self.i :])  # [T, I]
+        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        x = x + self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, meta, kv)
+        return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+
+
+class _Body(nn.Module):
+    """Named `model` inside DecoderLM so parameter names line up with HF's `model.` prefix."""
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = nn.Module()
+        self.norm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
+
+
+class DecoderLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache; built from the HF config dict."""
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.cfg = cfg = DecoderConfig.from_hf(hf_config)
+        self.dtype = dtype
+        self.model = _Body(cfg, dtype, device)
+        self.lm_head = nn.Module()
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one shared tensor
+        else:
+            self.lm_head.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        cos, sin = _rope_tables(cfg, max_positions or cfg.max_positions, device, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._targets = self._weight_targets()
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        return KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of this step's tokens; writes their k/v into kv_caches."""
+        x = self.model.embed_tokens.weight[input_ids]  # [T, H]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, kv)
+        return ops.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] for the rows the sampler needs (hidden [N, H])."""
+        return ops.linear(hidden, self.lm_head.weight).float()
+
+    # ---- weights ----------------------------------------------------------------------------------
+
+    def _weight_targets(self) -> dict[str, tuple[str, int, int]]:
+        """Accepted name -> (our parameter, first row, rows); rows -1 means the whole parameter.
+
+        HF's separate q/k/v and gate/up pieces map to slices of our fused weights; our own (fused)
+        names map to themselves so a weight update may send either form.
+        """
+        cfg = self.cfg
+        t: dict[str, tuple[str, int, int]] = {n: (n, 0, -1) for n, _ in self.named_parameters()}
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        i = cfg.intermediate_size
+        for li in range(cfg.num_layers):
+            a, m = f"model.layers.{li}.self_attn", f"model.layers.{li}.mlp"
+            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                t[f"{a}.q_proj.{kind}"] = (f"{a}.qkv_proj.{kind}", 0, qd)
+                t[f"{a}.k_proj.{kind}"] = (f"{a}.qkv_proj.{kind}", qd, kd)
+                t[f"{a}.v_proj.{kind}"] = (f"{a}.qkv_proj.{kind}", qd + kd, kd)
+            for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                t[f"{m}.gate_proj.{kind}"] = (f"{m}.gate_up_proj.{kind}", 0, i)
+                t[f"{m}.up_proj.{kind}"] = (f"{m}.gate_up_proj.{kind}", i, i)
+        if cfg.tie_word_embeddings:
+            t["lm_head.weight"] = ("model.embed_tokens.weight", 0, -1)
+        return t
+
+    def required_weight_names(self) -> set[str]:
+        """HF names a complete checkpoint must provide (lm_head is optional when tied)."""
+        fused = {p for p, _, rows in self._targets.values() if rows >= 0}
+        # Pieces of fused weights, plus unfused parameters under their own name (not aliases).
+        return {n for n, (p, _, rows) in self._targets.items() if rows >= 0 or (n == p and p not in fused)}
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy tensors into the existing parameters in place (no re-allocation); returns names loaded.
+
+        Used for the first load and for every later weight update, so parameter storage (and anything
+        holding pointers to it, e.g. captured graphs) stays valid.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            target = self._targets.get(name)
+            if target is None:
+                raise KeyError(f"{self.cfg.architecture}: unknown checkpoint tensor {name!r}")
+            pname, start, rows = target
+            dst = params[pname].data
+            if rows >= 0:
+                dst = dst.narrow(0, start, rows)
+            if dst.shape != w.shape:
+                raise ValueError(
+                    f"{self.cfg.architecture}: tensor {name!r} has shape {tuple(w.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(w)
+            loaded.add(name)
+        return loaded

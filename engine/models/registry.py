@@ -1,0 +1,41 @@
+"""Architecture name (config.json `architectures[0]`) -> model class, and the one place models are built.
+
+Mixture-of-experts families (Qwen3MoeForCausalLM, MixtralForCausalLM) will register their own class here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.models.llama import DecoderLM
+
+ARCHITECTURES: dict[str, type[DecoderLM]] = {
+    "LlamaForCausalLM": DecoderLM,
+    "Qwen2ForCausalLM": DecoderLM,
+    "Qwen3ForCausalLM": DecoderLM,
+}
+
+# Older or hand-made configs sometimes lack `architectures`; model_type then names the family.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture_of(hf_config: dict[str, Any]) -> str:
+    archs = hf_config.get("architectures") or []
+    if archs:
+        return archs[0]
+    return _MODEL_TYPES.get(hf_config.get("model_type", ""), f"<model_type {hf_config.get('model_type')!r}>")
+
+
+def build_model(
+    hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str, **kwargs: Any
+) -> DecoderLM:
+    """Instantiate (uninitialised weights) the class registered for the config's architecture."""
+    arch = architecture_of(hf_config)
+    cls = ARCHITECTURES.get(arch)
+    if cls is None:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    if not hf_config.get("architectures"):
+        hf_config = {**hf_config, "architectures": [arch]}
+    return cls(hf_config, dtype, device, **kwargs)

@@ -1,0 +1,160 @@
+"""The FastAPI app: vLLM's routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /ping,
+/version, /metrics), the --api-key check, and the error envelope. Handlers live in serving_*.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.config import EngineConfig
+from gateway.engine_client import EngineClient
+from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
+from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.serving import ModelInfo, ServingContext
+from gateway.serving_chat import create_chat_completion
+from gateway.serving_completions import create_completion
+
+log = structlog.get_logger()
+
+
+def rollbus_version() -> str:
+    """The installed distribution's version, else the one in the source tree's pyproject.toml."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("rollbus")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+    except (OSError, KeyError, ImportError, ValueError):
+        return "unknown"
+
+
+class APIKeyMiddleware:
+    """vLLM's --api-key: every /v1 request needs `Authorization: Bearer KEY`, else 401."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS":
+            path = scope.get("path", "")
+            root = scope.get("root_path", "")
+            if path.startswith(f"{root}/v1"):
+                given = dict(scope.get("headers") or []).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    resp = JSONResponse(envelope("Unauthorized", UNAUTHORIZED, 401), status_code=401)
+                    await resp(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+class HealthProbe:
+    """/health asks every engine process to ack; concurrent probes share one broadcast."""
+
+    def __init__(self, client: EngineClient, timeout_s: float):
+        self.client, self.timeout_s = client, timeout_s
+        self._inflight: asyncio.Task[bool] | None = None
+
+    async def _probe(self) -> bool:
+        try:
+            reply = await self.client.control("health", timeout_s=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
+            log.warning("gateway.health_failed", error=repr(e))
+            return False
+        if not reply.ok:
+            log.warning("gateway.unhealthy", error=reply.error, missing=reply.missing)
+        return bool(reply.ok)
+
+    async def check(self) -> bool:
+        if not self.client.healthy:
+            return False
+        if self._inflight is None or self._inflight.done():
+            self._inflight = asyncio.create_task(self._probe())
+        return await asyncio.shield(self._inflight)
+
+
+def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_info: ModelInfo, *,
+              manage_client: bool = True) -> FastAPI:
+    """The gateway's app. With manage_client, the app's lifespan starts and closes the EngineClient."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_client:
+            await client.start()
+        try:
+            yield
+        finally:
+            if manage_client:
+                await client.close()
+
+    app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan)
+    install_error_handlers(app)
+    if cfg.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
+    metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy)
+    ctx = ServingContext(cfg, client, tokenizer, model_info, metrics)
+    health = HealthProbe(client, cfg.control_timeout_s)
+    created = int(time.time())
+    app.state.serving = ctx
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "rollbus",
+                 "root": model_info.root, "parent": None, "max_model_len": model_info.max_model_len,
+                 "permission": [_permission(created)]} for name in model_info.names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = CompletionRequest.model_validate_json(await request.body())
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = ChatCompletionRequest.model_validate_json(await request.body())
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/health")
+    async def health_route() -> Response:
+        return Response(status_code=200 if await health.check() else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200 if await health.check() else 503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": app.version})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's (and OpenAI's legacy) model permission record; clients still parse it."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}

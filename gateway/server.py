@@ -1,0 +1,117 @@
+"""The gateway process: bind the HTTP port first (a taken port fails fast and clearly), load the model's
+tokenizer and limits, serve the app with uvicorn on uvloop, and tell the launcher once it is serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import importlib.util
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import structlog
+import uvicorn
+import zmq
+
+from bus.endpoints import Endpoints
+from bus.sockets import report_ready
+from engine.config import EngineConfig
+from engine.logs import setup_logging
+from gateway.app import build_app
+from gateway.engine_client import EngineClient
+from gateway.serving import ModelInfo
+
+log = structlog.get_logger()
+
+# generation_config.json keys vLLM takes as default sampling parameters (its --generation-config auto)
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Listen on host:port or exit with a message saying why (port taken, bad address)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise SystemExit(f"rollbus gateway: port {port} on {host} is already in use "
+                             f"(another server running? pick one with --port)") from None
+        raise SystemExit(f"rollbus gateway: cannot listen on {host}:{port}: {e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def load_model_info(cfg: EngineConfig, folder: Path) -> ModelInfo:
+    """Served names, context length and vocabulary size from config.json; generation defaults."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    text_config = config.get("text_config") or {}
+    vocab = config.get("vocab_size") or text_config.get("vocab_size")
+    derived = config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
+    max_model_len = cfg.max_model_len or derived
+    if not vocab or not max_model_len:
+        raise SystemExit(f"rollbus gateway: {folder}/config.json lacks vocab_size or max_position_embeddings "
+                         f"(set --max-model-len)")
+    if derived and cfg.max_model_len and cfg.max_model_len > derived:
+        log.warning("gateway.max_model_len_above_model", max_model_len=cfg.max_model_len, model_limit=derived)
+    defaults: dict[str, Any] = {}
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        gen = json.loads(gen_path.read_text(encoding="utf-8"))
+        defaults = {k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None}
+        if defaults:
+            log.info("gateway.generation_defaults", note="Default sampling parameters have been overridden "
+                     "by the model's generation config recommended from the model creator.", **defaults)
+    names = list(cfg.served_model_name) or [cfg.model_name]
+    return ModelInfo(names=names, root=str(folder), max_model_len=int(max_model_len), vocab_size=int(vocab),
+                     sampling_defaults=defaults)
+
+
+def _http_impl() -> str:
+    return "httptools" if importlib.util.find_spec("httptools") else "h11"
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, cfg: EngineConfig, client: EngineClient) -> bool:
+    """Serve until shut down; report READY once uvicorn accepts connections. Returns whether it started."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        url = f"http://{cfg.host}:{cfg.port}"
+        await asyncio.to_thread(report_ready, zmq.Context.instance(), cfg.ready_endpoint, "gateway",
+                                client.name, {"url": url})
+        log.info("gateway.serving", url=url, http=_http_impl())
+    await task
+    return server.started
+
+
+def run_gateway_process(cfg: EngineConfig) -> None:
+    """Entry point of `rollbus gateway`: returns when uvicorn shuts down; exits non-zero on failure."""
+    setup_logging(cfg.log_level, process="gateway")
+    from engine.model_store import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    sock = bind_socket(cfg.host, cfg.port)
+    folder = resolve_model(cfg.model, progress=False)
+    tokenizer = Tokenizer.from_dir(folder)
+    info = load_model_info(cfg, folder)
+    client = EngineClient(Endpoints.from_config(cfg), heartbeat_interval_s=cfg.heartbeat_interval_s,
+                          heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+    app = build_app(cfg, client, tokenizer, info)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http=_http_impl(),
+                            log_level=cfg.log_level, timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        uvloop = None
+    runner = uvloop.run if uvloop is not None else asyncio.run
+    started = runner(_serve(server, sock, cfg, client))
+    if not started:
+        raise SystemExit("rollbus gateway: failed to start (see the log above)")

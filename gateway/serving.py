@@ -1,0 +1,364 @@
+"""What /v1/completions and /v1/chat/completions share: prompt validation against the model's limits,
+turning engine output deltas into text (stop strings live here: the engine only knows token ids),
+running the n x prompts engine requests of one HTTP request concurrently, and aborting them when the
+client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from bus.messages import RequestOutput
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from gateway.engine_client import EngineClient, EngineDead
+from gateway.errors import (INTERNAL, APIError, api_error_from, bad_request, engine_unavailable,
+                            model_not_found)
+from gateway.metrics import Metrics
+
+log = structlog.get_logger()
+T = TypeVar("T")
+MAX_LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps to this
+THREAD_TOKENIZE_CHARS = 8_000  # ~3 ms of tokenizing: above this, a thread keeps the streams flowing
+
+
+@dataclass
+class ModelInfo:
+    """What the gateway knows about the served model (from config.json and the flags)."""
+
+    names: list[str]  # served names; the first is reported in responses
+    root: str  # model folder
+    max_model_len: int
+    vocab_size: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+
+
+class ServingContext:
+    """Everything a handler needs; one per app."""
+
+    def __init__(self, cfg: EngineConfig, client: EngineClient, tokenizer: Any, model: ModelInfo,
+                 metrics: Metrics):
+        self.cfg, self.client, self.tokenizer, self.model, self.metrics = cfg, client, tokenizer, model, metrics
+        self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids)
+        self._token_strs: dict[int, str] = {}
+
+    def token_str(self, token_id: int) -> str:
+        """The text of one token as logprobs report it (each id decoded alone, like vLLM)."""
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_strs[token_id] = s
+        return s
+
+    # --- validation ----------------------------------------------------------------------------------
+
+    def check_ready(self, model: str | None) -> str:
+        """404 for a model we do not serve, 503 when the engine is dead; returns the name to report."""
+        if model and model not in self.model.names:
+            raise model_not_found(model)
+        if not self.client.healthy:
+            raise engine_unavailable(self.client.dead_reason)
+        return self.model.names[0]
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("The decoder prompt cannot be empty", param)
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.model.vocab_size:
+            raise bad_request(f"Token id {lo if lo < 0 else hi} is out of vocabulary", param)
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, param: str, prompt_param: str) -> int:
+        """vLLM's context-length rule; returns the default max_tokens (the rest of the context)."""
+        limit = self.model.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+                                  f"request has {prompt_len} input tokens. Please reduce the length of the "
+                                  f"input messages.", prompt_param)
+        elif prompt_len + requested > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in "
+                              f"the completion). Please reduce the length of the messages or completion.", param)
+        return max(limit - prompt_len, 1)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
+
+    async def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Tokenize prompts. Big inputs go to a thread through `encode_batch`, which releases the GIL
+        (plain `encode` holds it: measured, a thread would not unblock the loop); small ones inline,
+        since the thread hop costs more than the work."""
+        if sum(map(len, texts)) < THREAD_TOKENIZE_CHARS or not hasattr(self.tokenizer, "encode_batch"):
+            return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+        return await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens)
+
+
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: the whole context)."""
+    return ids[-keep:] if keep and keep > 0 else ids
+
+
+# --- one engine request --------------------------------------------------------------------------
+
+
+def find_stop(text: str, new_from: int, stops: list[str], include: bool) -> tuple[int, str] | None:
+    """Earliest stop string that ends after `new_from`; returns (where to cut the text, the string)."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return None
+    i, s = best
+    return (i + len(s) if include else i), s
+
+
+@dataclass
+class ChoiceUpdate:
+    """What one engine delta adds to one choice, ready to be shaped into a chunk."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[list[float]]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    text_offset: int  # where `text` starts in the choice's whole text
+
+
+class ChoiceState:
+    """One choice (= one engine request): detokenizes deltas, applies stop strings, and holds back
+    text that could still become a stop string, so streamed text never has to be taken back."""
+
+    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 detokenizer: Any, prefix: str = ""):
+        self.index, self.request_id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
+        self.detok = detokenizer
+        self.stops = list(params.stop)
+        self.include = params.include_stop_str_in_output
+        self.holdback = 0 if self.include or not self.stops else max(map(len, self.stops)) - 1
+        self.text = prefix  # echo puts the prompt text here
+        self.sent = 0
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[list[float]]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_cached_tokens = 0
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, out: RequestOutput) -> ChoiceUpdate:
+        new = list(out.token_ids)
+        if new and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        self.token_ids += new
+        if out.logprobs is not None:
+            self.logprobs += out.logprobs
+        if out.top_logprobs is not None:
+            self.top_logprobs += out.top_logprobs
+        text_ids = new
+        if out.finished and out.finish_reason == "stop" and new and not self.include:
+            text_ids = new[:-1]  # the EOS / stop token's text is not part of the output (vLLM)
+        before = len(self.text)
+        self.text += self.detok.push(text_ids) if text_ids else ""
+        if self.stops and len(self.token_ids) > self.params.min_tokens and len(self.text) > before:
+            hit = find_stop(self.text, before, self.stops, self.include)
+            if hit is not None:
+                self.text = self.text[:hit[0]]
+                self.finish_reason, self.stop_reason = "stop", hit[1]
+        if out.finished and self.finish_reason is None:
+            self.finish_reason, self.stop_reason, self.error = out.finish_reason or "stop", out.stop_reason, out.error
+        end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.holdback)
+        start, self.sent = self.sent, end
+        return ChoiceUpdate(self.index, self.text[start:end], new,
+                            out.logprobs if out.logprobs is not None else None,
+                            out.top_logprobs if out.top_logprobs is not None else None,
+                            self.finish_reason, self.stop_reason, start)
+
+
+# --- many engine requests of one HTTP request ----------------------------------------------------
+
+
+class _Done:
+    pass
+
+
+@dataclass
+class _Failed:
+    error: APIError
+
+
+def engine_failure(ctx: ServingContext, message: str | None) -> APIError:
+    if not ctx.client.healthy:
+        return engine_unavailable(ctx.client.dead_reason or message)
+    return APIError(message or "the engine failed this request", status=500, type=INTERNAL)
+
+
+async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Queue) -> None:
+    try:
+        gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids)
+        async with aclosing(gen):  # leaving early closes it, which aborts the engine request
+            async for out in gen:
+                sink.put_nowait(state.feed(out))
+                if state.finished:
+                    break
+        if state.finish_reason == "error":
+            raise engine_failure(ctx, state.error)
+        if not state.finished:
+            raise engine_failure(ctx, "the engine ended the request without finishing it")
+    except asyncio.CancelledError:
+        raise
+    except EngineDead as e:
+        sink.put_nowait(_Failed(engine_unavailable(str(e))))
+    except ValueError as e:
+        if "already running" not in str(e):
+            raise
+        sink.put_nowait(_Failed(bad_request(f"request id {state.request_id!r} is already running", "request_id")))
+    except Exception as e:  # noqa: BLE001 - reported to the client in the envelope
+        if not isinstance(e, APIError):
+            log.error("gateway.choice_failed", request_id=state.request_id, exc_info=e)
+        sink.put_nowait(_Failed(api_error_from(e)))
+    finally:
+        ctx.metrics.observe_choice(state)
+        sink.put_nowait(_Done())
+
+
+async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIterator[ChoiceUpdate]:
+    """Run every choice's engine request concurrently; yield their updates as they come. The first
+    failure raises (APIError) and, like a client going away, aborts the requests still running."""
+    sink: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_run_choice(ctx, s, sink)) for s in states]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await sink.get()
+            if isinstance(item, _Done):
+                remaining -= 1
+            elif isinstance(item, _Failed):
+                raise item.error
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --- client disconnects ---------------------------------------------------------------------------
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (aborting its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream that stops producing (closing the body generator, which aborts the engine
+    requests) as soon as the client disconnects, on every ASGI spec version."""
+
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def produce() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
+                async for chunk in body:
+                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnected(receive, produce())
+        except (ClientDisconnected, OSError):
+            log.debug("gateway.client_disconnected", path=scope.get("path"))
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """SSE framing plus vLLM's stream error contract: an error chunk, then [DONE]."""
+    try:
+        async with aclosing(chunks) as it:  # type: ignore[type-var]
+            async for chunk in it:
+                yield sse(chunk)
+    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
+        err = api_error_from(e)
+        if err.status >= 500 and not isinstance(e, APIError):
+            log.error("gateway.stream_failed", exc_info=e)
+        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}})
+    yield SSE_DONE
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                         "completion_tokens": completion_tokens}
+    u["prompt_tokens_details"] = None if cached_tokens is None else {"cached_tokens": cached_tokens}
+    return u
+
+
+def clamp_logprob(x: float) -> float:
+    return x if x > MAX_LOGPROB_FLOOR else MAX_LOGPROB_FLOOR
+
+
+def request_base_id(request: Request, body_request_id: str | None, new_id: Callable[[], str]) -> str:
+    """vLLM: the X-Request-Id header, else the body's request_id, else a fresh id."""
+    return request.headers.get("x-request-id") or body_request_id or new_id()
+
+
+async def collect(ctx: ServingContext, states: list[ChoiceState]) -> None:
+    """Run every choice to the end (non-streaming responses read the states afterwards)."""
+    async with aclosing(run_choices(ctx, states)) as updates:  # type: ignore[type-var]
+        async for _ in updates:
+            pass
+
+
+def child_seed(seed: int | None, i: int) -> int | None:
+    """vLLM's seeds for the n samples of one prompt: seed + i (wrapped to 64 bits)."""
+    if seed is None:
+        return None
+    return ((seed + i + 2**63) % 2**64) - 2**63

@@ -1,0 +1,174 @@
+"""POST /v1/chat/completions: render the chat template, validate, run n samples, shape vLLM's responses.
+
+Tools are rendered into the prompt by the template; parsing tool calls out of the output is not done
+yet, so `tool_calls` is always empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.sampling_params import ParamError
+from gateway.errors import bad_request
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import (ChoiceState, ChoiceUpdate, ClientDisconnected, ServingContext, SSEResponse,
+                             child_seed, clamp_logprob, collect, request_base_id, run_choices, sse_stream,
+                             truncate_prompt, until_disconnected, usage)
+
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
+
+
+def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[float] | None,
+                  top: list[list[list[float]]] | None, top_n: int, as_ids: bool = False) -> dict[str, Any] | None:
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    if logprobs is None:
+        return None
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        s = f"token_id:{t}" if as_ids else ctx.token_str(t)
+        return {"token": s, "logprob": clamp_logprob(lp), "bytes": list(s.encode("utf-8", errors="replace"))}
+
+    content = []
+    for k, tid in enumerate(token_ids):
+        alts = sorted(top[k], key=lambda p: -p[1])[:top_n] if top and k < len(top) and top_n else []
+        content.append({**entry(tid, logprobs[k]), "top_logprobs": [entry(int(a), lp) for a, lp in alts]})
+    return {"content": content}
+
+
+def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
+    """Chat template -> prompt text (jinja holds the GIL, so a thread would not help; 20k chars ~5 ms)."""
+    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    messages = body.template_messages()
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                 tools=body.template_tools(), **kwargs)
+    except Exception as e:  # noqa: BLE001 - template errors are the request's fault (vLLM: 400)
+        raise bad_request(f"Error rendering the chat template: {e}", "messages") from None
+    if body.continue_final_message:
+        final = messages[-1]["content"].rstrip()
+        cut = text.rfind(final) if final else -1
+        if cut < 0:
+            raise bad_request("The final assistant message was not found in the rendered chat; cannot "
+                              "continue it", "continue_final_message")
+        text = text[:cut + len(final)]
+    return text
+
+
+def _remap(e: ParamError, body: ChatCompletionRequest) -> ParamError:
+    """Name the chat field the user actually set ("top_logprobs", "max_completion_tokens")."""
+    param = {"logprobs": "top_logprobs", "max_tokens": body.max_tokens_param()}.get(e.param, e.param)
+    return ParamError(param, str(e))
+
+
+async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> list[ChoiceState]:
+    """Render, tokenize and validate; one ChoiceState per sample. Raises APIError / ParamError."""
+    try:
+        body.check()
+    except ParamError as e:
+        raise _remap(e, body) from None
+    if body.chat_template is not None:
+        raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                          "set. Refused request with untrusted chat template.", "chat_template")
+    (ids,) = await ctx.encode_many([render_prompt(ctx, body)], body.add_special_tokens)
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens)
+    ctx.check_prompt(ids, "messages")
+    default = ctx.max_tokens_for(len(ids), body.requested_max_tokens(), body.max_tokens_param(), "messages")
+    try:
+        params = body.to_sampling_params(default, ctx.model.sampling_defaults)
+        ctx.validate_params(params)
+    except ParamError as e:
+        raise _remap(e, body) from None
+    states = []
+    for i in range(params.n):
+        child = dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
+        detok = ctx.tokenizer.new_detokenizer(ids, skip_special_tokens=child.skip_special_tokens)
+        states.append(ChoiceState(i, f"{request_id}-{i}", ids, child, detok))
+    return states
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
+    model_name = ctx.check_ready(body.model)
+    request_id = "chatcmpl-" + request_base_id(request, body.request_id, lambda: uuid.uuid4().hex)
+    states = await prepare(ctx, body, request_id)
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name}
+    if body.stream:
+        return SSEResponse(sse_stream(_chunks(ctx, body, {**head, "object": "chat.completion.chunk"}, states)))
+    try:
+        await until_disconnected(request.receive, collect(ctx, states))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(_response(ctx, body, head, states))
+
+
+def _logprobs_of(ctx: ServingContext, body: ChatCompletionRequest, state: ChoiceState, token_ids: list[int],
+                 logprobs: list[float] | None, top: list[list[list[float]]] | None) -> dict[str, Any] | None:
+    if state.params.logprobs is None:
+        return None
+    return chat_logprobs(ctx, token_ids, logprobs, top, body.top_logprobs or 0,
+                         bool(body.return_tokens_as_token_ids))
+
+
+def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any],
+              states: list[ChoiceState]) -> dict[str, Any]:
+    choices = []
+    for s in states:
+        choice: dict[str, Any] = {
+            "index": s.index,
+            "message": {"role": "assistant", "content": s.text, "refusal": None, "tool_calls": [],
+                        "reasoning_content": None},
+            "logprobs": _logprobs_of(ctx, body, s, s.token_ids, s.logprobs, s.top_logprobs),
+            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = s.token_ids
+        choices.append(choice)
+    prompt_ids = states[0].prompt_ids
+    out = {**head, "choices": choices,
+           "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states), states[0].num_cached_tokens),
+           "system_fingerprint": None, "prompt_logprobs": None}
+    if body.return_token_ids:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
+async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any],
+                  states: list[ChoiceState]) -> AsyncIterator[dict[str, Any]]:
+    prompt_ids = states[0].prompt_ids
+    for s in states:  # vLLM: one role chunk per choice first
+        first: dict[str, Any] = {**head, "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]}
+        if body.return_token_ids:
+            first["prompt_token_ids"] = prompt_ids
+        if body.continuous_usage():
+            first["usage"] = usage(len(prompt_ids), 0)
+        yield first
+    by_index = {s.index: s for s in states}
+    async with aclosing(run_choices(ctx, states)) as updates:  # type: ignore[type-var]
+        async for upd in updates:
+            if not (upd.text or upd.token_ids or upd.finish_reason):
+                continue
+            yield _chunk(ctx, body, head, upd, by_index[upd.index])
+    if body.include_usage():
+        yield {**head, "choices": [], "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states),
+                                                     states[0].num_cached_tokens)}
+
+
+def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any], upd: ChoiceUpdate,
+           state: ChoiceState) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": upd.index, "delta": {"content": upd.text} if upd.text else {},
+        "logprobs": _logprobs_of(ctx, body, state, upd.token_ids, upd.logprobs, upd.top_logprobs),
+        "finish_reason": upd.finish_reason, "stop_reason": upd.stop_reason}
+    if body.return_token_ids:
+        choice["token_ids"] = upd.token_ids
+    chunk = {**head, "choices": [choice]}
+    if body.continuous_usage():
+        chunk["usage"] = usage(len(state.prompt_ids), len(state.token_ids))
+    return chunk

@@ -1,0 +1,124 @@
+"""Requests the gateway must answer with a clean status (and `param`), for replay against any server.
+
+`bad_input_cases(max_model_len=..., vocab_size=..., max_logprobs=...)` builds them for the served
+model's limits; each case is (description, path, body, status, param). `body` is a dict/list (send as
+JSON) or bytes (send raw, Content-Type: application/json). Cases with status 200 are combinations that
+must work; they ask for at most 4 tokens. Bodies leave `model` out (the server's model), except the
+unknown-model case.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+class BadInput(NamedTuple):
+    description: str
+    path: str
+    body: Any  # dict | list | str | bytes
+    status: int
+    param: str | None
+
+
+def _msgs(text: str = "Hi") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
+                    max_n: int = 128) -> list[BadInput]:
+    L, V, M = max_model_len, vocab_size, max_logprobs
+    cmp = {"prompt": "Hello", "max_tokens": 4}
+    chat = {"messages": _msgs(), "max_tokens": 4}
+    c: list[BadInput] = []
+
+    def add(desc: str, path: str, body: Any, status: int = 400, param: str | None = None) -> None:
+        c.append(BadInput(desc, path, body, status, param))
+
+    # --- not JSON, or not an object
+    add("malformed JSON", COMPLETIONS, b'{"prompt": "Hello", ')
+    add("malformed JSON (chat)", CHAT, b'{"messages": [}')
+    add("empty body", COMPLETIONS, b"")
+    add("body is a JSON array", COMPLETIONS, [1, 2, 3])
+    add("body is a JSON string", CHAT, "hello")
+    add("body is a JSON number", CHAT, b"42")
+    # --- wrong types
+    add("max_tokens is a word", COMPLETIONS, {**cmp, "max_tokens": "ten"}, param="max_tokens")
+    add("temperature is a word", COMPLETIONS, {**cmp, "temperature": "hot"}, param="temperature")
+    add("n is a word", CHAT, {**chat, "n": "two"}, param="n")
+    add("prompt is an object", COMPLETIONS, {"prompt": {"text": "Hi"}}, param="prompt")
+    add("prompt missing", COMPLETIONS, {"max_tokens": 4}, param="prompt")
+    add("messages is a string", CHAT, {"messages": "Hi"}, param="messages")
+    add("messages missing", CHAT, {"max_tokens": 4}, param="messages")
+    add("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, param="messages.0.role")
+    add("content part of an unsupported type", CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        param="messages.0.content")
+    add("stop is a number", COMPLETIONS, {**cmp, "stop": 3}, param="stop")
+    add("stream_options is a string", CHAT, {**chat, "stream": True, "stream_options": "yes"},
+        param="stream_options")
+    # --- out of range
+    add("negative max_tokens", COMPLETIONS, {**cmp, "max_tokens": -1}, param="max_tokens")
+    add("zero max_tokens", CHAT, {**chat, "max_tokens": 0}, param="max_tokens")
+    add("huge max_tokens", COMPLETIONS, {**cmp, "max_tokens": 10**9}, param="max_tokens")
+    add("huge max_completion_tokens", CHAT, {"messages": _msgs(), "max_completion_tokens": 10**9},
+        param="max_completion_tokens")
+    add("prompt longer than the context", COMPLETIONS, {"prompt": [1] * (L + 1), "max_tokens": None},
+        param="prompt")
+    add("prompt exactly the context (no room to generate)", COMPLETIONS, {"prompt": [1] * L, "max_tokens": None},
+        param="prompt")
+    add("prompt + max_tokens beyond the context", COMPLETIONS, {"prompt": [1] * (L - 1), "max_tokens": 2},
+        param="max_tokens")
+    add("n too large", COMPLETIONS, {**cmp, "n": max_n + 1}, param="n")
+    add("n zero", CHAT, {**chat, "n": 0}, param="n")
+    add("token id = vocab size", COMPLETIONS, {"prompt": [1, V], "max_tokens": 4}, param="prompt")
+    add("negative token id", COMPLETIONS, {"prompt": [-1, 5], "max_tokens": 4}, param="prompt")
+    add("token id out of vocabulary in the 2nd prompt", COMPLETIONS,
+        {"prompt": [[1, 2], [3, V + 10]], "max_tokens": 4}, param="prompt")
+    add("empty token-id prompt", COMPLETIONS, {"prompt": [], "max_tokens": 4}, param="prompt")
+    add("empty text prompt", COMPLETIONS, {"prompt": "", "max_tokens": 4, "add_special_tokens": False},
+        param="prompt")
+    add("empty prompt among several", COMPLETIONS, {"prompt": [[1, 2], []], "max_tokens": 4}, param="prompt")
+    add("logprobs above the maximum", COMPLETIONS, {**cmp, "logprobs": M + 1}, param="logprobs")
+    add("negative logprobs", COMPLETIONS, {**cmp, "logprobs": -1}, param="logprobs")
+    add("top_logprobs above the maximum", CHAT, {**chat, "logprobs": True, "top_logprobs": M + 1},
+        param="top_logprobs")
+    add("top_logprobs without logprobs", CHAT, {**chat, "top_logprobs": 2}, param="top_logprobs")
+    add("negative top_logprobs", CHAT, {**chat, "logprobs": True, "top_logprobs": -1}, param="top_logprobs")
+    add("negative temperature", COMPLETIONS, {**cmp, "temperature": -0.5}, param="temperature")
+    add("top_p zero", COMPLETIONS, {**cmp, "top_p": 0}, param="top_p")
+    add("top_p above one", CHAT, {**chat, "top_p": 1.5}, param="top_p")
+    add("top_k below -1", COMPLETIONS, {**cmp, "top_k": -2}, param="top_k")
+    add("min_p above one", COMPLETIONS, {**cmp, "min_p": 2}, param="min_p")
+    add("repetition_penalty zero", CHAT, {**chat, "repetition_penalty": 0}, param="repetition_penalty")
+    add("presence_penalty above 2", CHAT, {**chat, "presence_penalty": 3}, param="presence_penalty")
+    add("min_tokens above max_tokens", COMPLETIONS, {**cmp, "min_tokens": 10}, param="min_tokens")
+    add("stop token id out of vocabulary", COMPLETIONS, {**cmp, "stop_token_ids": [V]}, param="stop_token_ids")
+    add("seed beyond 64 bits", COMPLETIONS, {**cmp, "seed": 2**64}, param="seed")
+    add("empty stop string", COMPLETIONS, {**cmp, "stop": [""]}, param="stop")
+    add("stream_options without stream", COMPLETIONS, {**cmp, "stream_options": {"include_usage": True}},
+        param="stream_options")
+    add("suffix (unsupported)", COMPLETIONS, {**cmp, "suffix": "end"}, param="suffix")
+    add("request chat_template (untrusted)", CHAT, {**chat, "chat_template": "{{ messages }}"},
+        param="chat_template")
+    # --- unknown model
+    add("unknown model", COMPLETIONS, {**cmp, "model": "no-such-model"}, status=404, param="model")
+    add("unknown model (chat)", CHAT, {**chat, "model": "no-such-model"}, status=404, param="model")
+    # --- combinations that must work
+    add("stream + n=2 + logprobs", COMPLETIONS, {**cmp, "stream": True, "n": 2, "logprobs": 2}, status=200)
+    add("stream + include_usage + several prompts + n=2", COMPLETIONS,
+        {"prompt": ["Hello", "Bye"], "max_tokens": 3, "n": 2, "stream": True,
+         "stream_options": {"include_usage": True}}, status=200)
+    add("chat stream + n=2 + top_logprobs", CHAT,
+        {**chat, "stream": True, "n": 2, "logprobs": True, "top_logprobs": 2}, status=200)
+    add("logprobs exactly the maximum", COMPLETIONS, {**cmp, "logprobs": M}, status=200)
+    add("chat top_logprobs exactly the maximum", CHAT, {**chat, "logprobs": True, "top_logprobs": M}, status=200)
+    add("n=3 with a seed", CHAT, {**chat, "n": 3, "seed": 7, "temperature": 1.0}, status=200)
+    add("several token-id prompts", COMPLETIONS, {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 3}, status=200)
+    add("unknown extra fields are ignored", CHAT, {**chat, "best_of": None, "frobnicate": 1}, status=200)
+    add("text content parts", CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 2},
+        status=200)
+    return c
