@@ -177,7 +177,10 @@ class SchedulerActor:
         self.step_time_ema = dt if not self.step_time_ema else 0.9 * self.step_time_ema + 0.1 * dt
         self.counters["steps"] += 1
         self.counters["step_time_total"] += dt
-        self.counters["prompt_tokens"] += sum(n for n in step.num_new if n > 1)
+        # the worker's own compute time: step_time_total - step_compute_total is what the bus hop costs
+        self.counters["step_compute_total"] += main.step_time_s
+        self.counters["prompt_tokens"] += sum(max(0, min(b + n, q.num_prompt_tokens) - b)
+                                              for q, n, b in zip(step.seqs, step.num_new, step.num_computed))
         sampled: dict[str, tuple[int, float, list[list[float]] | None]] = {}
         k = main.topk_ids.shape[1] if main.topk_ids.ndim == 2 else 0
         for i, sid in enumerate(main.seq_ids):

@@ -121,12 +121,18 @@ def _filter(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
-    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i."""
-    q = torch.empty_like(probs)
+    """Inverse-CDF sampling: one uniform per row, from the row's own generator when it has a seed.
+
+    One draw per row (not one per vocabulary entry, as exponential/Gumbel races need) keeps a seeded
+    row's randomness tiny and cheap; the cumulative sum runs in float64 so the 50k-entry CDF stays exact
+    enough, and `right=True` never lands on a token of zero probability."""
+    u = torch.empty(len(rows), dtype=torch.float64)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=default_generator)
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=default_generator)
     for i, r in enumerate(rows):
         if r.generator is not None:
-            q[i].exponential_(generator=r.generator)
-    return (probs / q).argmax(dim=-1)
+            u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator)
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -1,0 +1,250 @@
+"""RL rollout benchmark: rollbus (all processes, over HTTP) against HF transformers `generate` on the
+same weights, in the same run.
+
+Workloads (per dtype):
+  A  64 prompts submitted at once, 64 new tokens, temperature 1.0
+  B  16 prompts x n=8, 64 new tokens, temperature 1.0
+  C  streaming latency: time to first token and inter-token latency at 1 and 32 concurrent streams
+  D  the bus hop: scheduler's wall time per step minus the worker's compute time per step
+
+"Useful" tokens stop at each sequence's first eos (inclusive), for both engines. HF runs after the
+server is stopped, so the two never share the cores.
+
+    python bench/rollout.py                      # fp32 and bf16, prints tables
+    python bench/rollout.py --dtypes float32 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.model_store import resolve_model  # noqa: E402
+from engine.serve_process import start_server  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+TOPICS = ["the ocean", "a robot", "mathematics", "autumn", "a city at night", "friendship", "volcanoes",
+          "the moon", "coffee", "a library", "rain", "chess", "bicycles", "music", "a forest", "time"]
+TASKS = ["Write a short poem about {}.", "Explain {} to a child.", "List facts about {}.", "Tell a story about {}."]
+
+
+def make_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = TASKS[i % len(TASKS)].format(TOPICS[i % len(TOPICS)])
+        out.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])))
+    return out
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- rollbus -------------------------------------------------------------------------------------
+
+async def _complete(h: httpx.AsyncClient, model: str, prompt: list[int], n: int, max_tokens: int, seed: int) -> int:
+    r = await h.post("/v1/completions", json={"model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens,
+                                              "temperature": 1.0, "seed": seed})
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
+
+
+async def rollout(url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as h:
+        await _complete(h, model, prompts[0], 1, 4, 0)  # warm-up
+        t0 = time.perf_counter()
+        toks = await asyncio.gather(*[_complete(h, model, p, n, max_tokens, i) for i, p in enumerate(prompts)])
+        return sum(toks), time.perf_counter() - t0
+
+
+async def _stream(h: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    async with h.stream("POST", "/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                stamps.append(time.perf_counter())
+    ttft = stamps[0] - t0
+    return ttft, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+async def latency(url: str, model: str, prompts: list[list[int]], streams: int, max_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as h:
+        res = await asyncio.gather(*[_stream(h, model, prompts[i % len(prompts)], max_tokens)
+                                     for i in range(streams)])
+    ttfts = [r[0] for r in res]
+    itls = [x for r in res for x in r[1]]
+    return {"ttft_ms_p50": 1e3 * statistics.median(ttfts), "ttft_ms_max": 1e3 * max(ttfts),
+            "itl_ms_p50": 1e3 * statistics.median(itls), "itl_ms_p99": 1e3 * _pct(itls, 0.99)}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def scheduler_counters(url: str) -> dict[str, float]:
+    want = {"rollbus_step_latency_seconds_count": "steps", "rollbus_step_latency_seconds_sum": "wall",
+            "rollbus_step_compute_total": "compute"}
+    out = dict.fromkeys(want.values(), 0.0)
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in want:
+            out[want[name]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def bench_rollbus(dtype: str, prompts: list[list[int]], args) -> dict:
+    say(f"[rollbus {dtype}] starting the server ...")
+    work = Path(tempfile.mkdtemp(prefix="rollbus-bench-"))
+    t0 = time.perf_counter()
+    server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", "256")
+    out: dict = {"ready_s": time.perf_counter() - t0}
+    try:
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x {args.max_tokens} tokens ...")
+        before = scheduler_counters(server.url)
+        toks, dt = asyncio.run(rollout(server.url, model, prompts[: args.num_prompts], 1, args.max_tokens))
+        after = scheduler_counters(server.url)
+        out["A"] = {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
+        steps = after["steps"] - before["steps"]
+        out["bus"] = {"steps": steps,
+                      "step_ms": 1e3 * (after["wall"] - before["wall"]) / steps,
+                      "compute_ms": 1e3 * (after["compute"] - before["compute"]) / steps}
+        out["bus"]["hop_ms"] = out["bus"]["step_ms"] - out["bus"]["compute_ms"]
+        say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
+        toks, dt = asyncio.run(rollout(server.url, model, prompts[:16], 8, args.max_tokens))
+        out["B"] = {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
+        for streams in (1, 32):
+            say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
+            out[f"C{streams}"] = asyncio.run(latency(server.url, model, prompts, streams, args.max_tokens))
+    finally:
+        server.stop()
+    return out
+
+
+# --- HF transformers -----------------------------------------------------------------------------
+
+def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]], n: int, max_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    pad = tok.eos_token_ids[0]
+    batch = [p for p in prompts for _ in range(n)]
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                             top_k=0, max_new_tokens=max_tokens, pad_token_id=pad)
+    dt = time.perf_counter() - t0
+    useful = 0
+    eos = set(tok.eos_token_ids)
+    for row in out[:, width:].tolist():
+        k = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        useful += k
+    return {"tokens": useful, "seconds": dt, "tok_s": useful / dt}
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--skip-hf", action="store_true", help="Only measure rollbus.")
+    p.add_argument("--json", help="Write all numbers to this file.")
+    p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
+    args = p.parse_args()
+
+    folder = resolve_model(None, progress=True)
+    tok = Tokenizer.from_dir(folder)
+    prompts = make_prompts(tok, max(64, args.num_prompts))
+    results: dict = {}
+    for dtype in args.dtypes:
+        r = bench_rollbus(dtype, prompts, args)
+        if not args.skip_hf:
+            say(f"[hf {dtype}] A: generate on one left-padded batch of {args.num_prompts} ...")
+            r["hf_A"] = bench_hf(dtype, folder, tok, prompts[: args.num_prompts], 1, args.max_tokens)
+            say(f"[hf {dtype}] B: 16 prompts x 8 ...")
+            r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens)
+        results[dtype] = r
+
+    rows = [["dtype", "workload", "rollbus tok/s", "HF tok/s", "ratio"]]
+    for dtype, r in results.items():
+        for w, name in (("A", f"{args.num_prompts}x{args.max_tokens}"), ("B", "16 x n=8")):
+            hf = r.get(f"hf_{w}", {}).get("tok_s")
+            rows.append([dtype, name, f"{r[w]['tok_s']:.0f}", f"{hf:.0f}" if hf else "-",
+                         f"{r[w]['tok_s'] / hf:.2f}x" if hf else "-"])
+    print("\nThroughput (useful tokens/s)\n" + table(rows))
+    rows = [["dtype", "streams", "TTFT p50 ms", "TTFT max ms", "ITL p50 ms", "ITL p99 ms"]]
+    for dtype, r in results.items():
+        for s in (1, 32):
+            c = r[f"C{s}"]
+            rows.append([dtype, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
+                         f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
+    print("\nStreaming latency over HTTP\n" + table(rows))
+    rows = [["dtype", "steps", "step ms (scheduler)", "compute ms (worker)", "bus hop ms/step"]]
+    for dtype, r in results.items():
+        b = r["bus"]
+        rows.append([dtype, f"{b['steps']:.0f}", f"{b['step_ms']:.2f}", f"{b['compute_ms']:.2f}", f"{b['hop_ms']:.3f}"])
+    print("\nBus cost per decode step (workload A)\n" + table(rows))
+    print("\nServer ready in: " + ", ".join(f"{d} {r['ready_s']:.1f}s" for d, r in results.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.plot:
+        _plot(results, args.plot)
+
+
+def _plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed: no plot")
+        return
+    labels, ours, theirs = [], [], []
+    for dtype, r in results.items():
+        for w in ("A", "B"):
+            labels.append(f"{dtype} {w}")
+            ours.append(r[w]["tok_s"])
+            theirs.append(r.get(f"hf_{w}", {}).get("tok_s", 0))
+    x = range(len(labels))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([i - 0.2 for i in x], ours, 0.4, label="rollbus")
+    ax.bar([i + 0.2 for i in x], theirs, 0.4, label="HF generate")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("useful tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    say(f"plot saved to {path}")
+
+
+if __name__ == "__main__":
+    main()
