@@ -1,0 +1,68 @@
+"""The other ways to run the same processes: honcho with the Procfile, and tcp:// endpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the launcher exited during start-up"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("never healthy")
+
+
+def complete(url: str, model: str) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=60,
+                   json={"model": model, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.skipif(shutil.which("honcho") is None or shutil.which("rollbus") is None,
+                    reason="honcho and the rollbus console script must be installed (pip install -e .)")
+def test_honcho_runs_the_procfile(tmp_path, smollm2_dir):
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
+    port = free_port()
+    env = dict(os.environ, ROLLBUS_ARGS=f"{folder} --port {port} --bus-dir {tmp_path / 'bus'} --max-model-len 256")
+    proc = subprocess.Popen(["honcho", "start"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        assert complete(f"http://127.0.0.1:{port}", str(folder))["usage"]["completion_tokens"] == 4
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=30)[0].decode(errors="replace")
+    for role in ("coordinator", "scheduler", "worker0", "gateway"):
+        assert f"{role}." in out or role in out, out[-2000:]
+
+
+def test_tcp_endpoints(tmp_path, smollm2_dir):
+    folder = tiny_model_with_tokenizer("qwen2", tmp_path / "qwen2", smollm2_dir)
+    base = free_port()
+    s = start_server(tmp_path, str(folder), "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
+                     "--bus-port-base", str(base), "--max-model-len", "256")
+    try:
+        assert complete(s.url, str(folder))["usage"]["completion_tokens"] == 4
+        assert f"tcp://127.0.0.1:{base + 4}" in s.log() or f"tcp://127.0.0.1:{base}" in s.log()
+    finally:
+        assert s.stop() == 0
