@@ -56,7 +56,7 @@ class EngineConfig:
         argv: list[str] = [self.model] if self.model else []
         defaults = EngineConfig()
         for f in dataclasses.fields(self):
-            if f.name == "model":
+            if f.name in ("model", "api_key"):  # the key travels in the environment, not in `ps` output
                 continue
             value = getattr(self, f.name)
             if value == getattr(defaults, f.name):

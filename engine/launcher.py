@@ -61,11 +61,14 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         argv = self.cfg.to_argv() + ["--ready-endpoint", endpoint]
+        env = dict(os.environ)
+        if self.cfg.api_key:
+            env["VLLM_API_KEY"] = self.cfg.api_key
         try:
             for name, role_argv in roles(self.cfg):
                 self.procs[name] = subprocess.Popen(
                     [sys.executable, "-m", "engine.cli", *role_argv, *argv],
-                    start_new_session=True, preexec_fn=_die_with_parent)
+                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
             code = self._wait_ready(ready_sock)
             if code is None:
                 code = self._supervise()

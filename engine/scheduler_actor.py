@@ -227,12 +227,23 @@ class SchedulerActor:
 
     def _apply(self, cmd: Command) -> dict[str, Any] | None:
         if cmd.command == "health":
-            return {"ok": self.dead_reason is None, "running": len(self.sched.running)} if hasattr(self, "sched") else {}
+            if not hasattr(self, "sched"):
+                return {"ok": False, "why": "waiting for workers"}
+            return {"ok": self.dead_reason is None, "running": len(self.sched.running)}
         if cmd.command == "shutdown":
             self.stopping = True
             return None
-        if cmd.command == "member_lost" and cmd.args.get("role") == "worker":
-            self._fail_all(f"{cmd.args.get('name')} died ({cmd.args.get('why')})")
+        if cmd.command == "member_lost":
+            role, name = cmd.args.get("role"), str(cmd.args.get("name"))
+            if role == "worker":
+                self._fail_all(f"{name} died ({cmd.args.get('why')})")
+            elif role == "gateway" and hasattr(self, "sched"):
+                # Nobody is left to read these outputs: stop computing them.
+                orphans = [s for s in self.sched.seqs.values() if s.client == name.encode()]
+                for seq in orphans:
+                    self.sched.abort(seq.seq_id)
+                if orphans:
+                    log.warning("scheduler.aborted_orphans", gateway=name, count=len(orphans))
         return None
 
     def _fail_all(self, reason: str) -> None:

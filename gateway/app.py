@@ -82,7 +82,14 @@ class HealthProbe:
             return False
         if not reply.ok:
             log.warning("gateway.unhealthy", error=reply.error, missing=reply.missing)
-        return bool(reply.ok)
+            return False
+        # Healthy means the engine can serve: a scheduler and at least one worker acked (under honcho
+        # the gateway can be up before they have joined) and none of them reported a problem.
+        roles = {name.split("-")[0] for name in reply.results}
+        if not {"scheduler", "worker"} <= roles:
+            log.info("gateway.not_ready", joined=sorted(reply.results))
+            return False
+        return all(r.get("ok", True) for r in reply.results.values())
 
     async def check(self) -> bool:
         if not self.client.healthy:

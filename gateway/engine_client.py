@@ -134,7 +134,9 @@ class EngineClient:
                 msg = decode(frames[1:])
             except CodecError:
                 continue
-            if isinstance(msg, Command) and msg.command == "member_lost":
+            # Only the engine's own processes matter here: another gateway going away is not our problem.
+            if isinstance(msg, Command) and msg.command == "member_lost" and \
+                    msg.args.get("role") in ("scheduler", "worker"):
                 self._fail_all(f"engine process {msg.args.get('name')} died ({msg.args.get('why')})")
 
     async def _read_control(self) -> None:

@@ -5,6 +5,7 @@ workers.model_runner.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -61,7 +62,7 @@ class WorkerActor:
 
     def start(self) -> None:
         self.link.wait_welcome(timeout_s=120)
-        send(self.results, Hello("worker", self.name, 0, PROTOCOL_VERSION, self.info))
+        send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, self.info))
 
     def run(self) -> None:
         poller = zmq.Poller()

@@ -1,0 +1,100 @@
+"""Processes joining and leaving a running engine (as under honcho, where nothing waits for anyone)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from tests.server_helpers import free_port, metric, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.timeout(180)
+
+FAKE_GATEWAY = """
+import sys, time, zmq
+from bus.endpoints import Endpoints
+from bus.member import MemberLink
+from bus.messages import AddRequest
+from bus.sockets import make_socket, send
+from engine.config import parse_config
+ep = Endpoints.from_config(parse_config(sys.argv[1:]))
+ctx = zmq.Context()
+link = MemberLink(ctx, ep, role="gateway", name="gateway-fake", apply=lambda c: None, heartbeat_interval_s=0.2)
+link.wait_welcome(30)
+req = make_socket(ctx, zmq.DEALER, connect=ep.requests, identity="gateway-fake")
+send(req, AddRequest("orphan", [1, 2, 3], {"max_tokens": 200, "ignore_eos": True}, [0], time.time()))
+print("sent", flush=True)
+while True:
+    for s in link.sockets:
+        while s.poll(0):
+            link.handle(s)
+    link.tick(time.monotonic())
+    time.sleep(0.05)
+"""
+
+
+def role(cfg_argv, *role_argv, log=None):
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", *role_argv, *cfg_argv], stderr=log)
+
+
+def health(url):
+    try:
+        return httpx.get(url + "/health", timeout=10).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def wait_status(url, want, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if health(url) == want:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"/health never returned {want}")
+
+
+def test_health_waits_for_workers_and_a_lost_gateway_only_costs_its_own_requests(tmp_path, smollm2_dir):
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
+    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=256,
+                       heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+    argv = cfg.to_argv()
+    url = f"http://127.0.0.1:{cfg.port}"
+    sched_log = open(tmp_path / "scheduler.log", "w")
+    procs = [role(argv, "coordinator"), role(argv, "scheduler", log=sched_log), role(argv, "gateway")]
+    fake = None
+    try:
+        wait_status(url, 503)  # gateway up, no worker yet: not ready
+        procs.append(role(argv, "worker", "--rank", "0"))
+        wait_status(url, 200)
+        fake = subprocess.Popen([sys.executable, "-c", FAKE_GATEWAY, *argv], stdout=subprocess.PIPE, text=True)
+        assert fake.stdout.readline().strip() == "sent"
+        fake.send_signal(signal.SIGKILL)
+        fake.wait()
+        time.sleep(2.5)  # past the heartbeat timeout: the coordinator has declared gateway-fake lost
+        # our gateway is unaffected by another gateway's death, and the orphan no longer runs
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": str(folder), "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert health(url) == 200
+        assert metric_running(url) == 0
+        log = (tmp_path / "scheduler.log").read_text()
+        assert "scheduler.aborted_orphans" in log and "gateway-fake" in log, log[-2000:]
+    finally:
+        for p in procs + ([fake] if fake else []):
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+
+def metric_running(url):
+    class S:  # metric() takes a server-like object
+        pass
+
+    s = S()
+    s.url = url
+    return metric(s, "vllm:num_requests_running")
