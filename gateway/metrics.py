@@ -33,11 +33,11 @@ _GAUGES = {
 # scheduler counters -> (metric name, help)
 _COUNTERS = {
     "num_preemptions": ("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine."),
-    "prompt_tokens": ("rollbus_prefill_tokens_computed_total", "Prompt tokens the engine computed (prefix-cache "
-                      "hits excluded)."),
+    "prompt_tokens": ("rollbus_prefill_tokens_computed_total",
+                      "Prompt tokens the engine computed (prefix-cache hits excluded)."),
     "generation_tokens": ("rollbus_engine_generation_tokens_total", "Tokens the engine sampled."),
-    "prefix_cache_queries": ("rollbus_prefix_cache_queried_blocks_total", "KV blocks looked up in the prefix "
-                             "cache."),
+    "prefix_cache_queries": ("rollbus_prefix_cache_queried_blocks_total",
+                             "KV blocks looked up in the prefix cache."),
     "prefix_cache_hits": ("rollbus_prefix_cache_hit_blocks_total", "KV blocks found in the prefix cache."),
 }
 _FINISH_REASONS = ("stop", "length", "abort")

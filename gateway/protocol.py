@@ -17,7 +17,7 @@ from engine.sampling_params import ParamError, SamplingParams
 
 log = structlog.get_logger()
 
-_I64 = dict(ge=-(2**63), le=2**63 - 1)
+_I64: dict[str, int] = {"ge": -(2**63), "le": 2**63 - 1}
 # vLLM's defaults for fields a request leaves out (a model's generation_config.json may override them).
 _FALLBACKS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                               "repetition_penalty": 1.0}

@@ -23,8 +23,14 @@ from bus.messages import RequestOutput
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from gateway.engine_client import EngineClient, EngineDead
-from gateway.errors import (INTERNAL, APIError, api_error_from, bad_request, engine_unavailable,
-                            model_not_found)
+from gateway.errors import (
+    INTERNAL,
+    APIError,
+    api_error_from,
+    bad_request,
+    engine_unavailable,
+    model_not_found,
+)
 from gateway.metrics import Metrics
 
 log = structlog.get_logger()
@@ -190,9 +196,7 @@ class ChoiceState:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason or "stop", out.stop_reason, out.error
         end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.holdback)
         start, self.sent = self.sent, end
-        return ChoiceUpdate(self.index, self.text[start:end], new,
-                            out.logprobs if out.logprobs is not None else None,
-                            out.top_logprobs if out.top_logprobs is not None else None,
+        return ChoiceUpdate(self.index, self.text[start:end], new, out.logprobs, out.top_logprobs,
                             self.finish_reason, self.stop_reason, start)
 
 
@@ -234,7 +238,7 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         if "already running" not in str(e):
             raise
         sink.put_nowait(_Failed(bad_request(f"request id {state.request_id!r} is already running", "request_id")))
-    except Exception as e:  # noqa: BLE001 - reported to the client in the envelope
+    except Exception as e:
         if not isinstance(e, APIError):
             log.error("gateway.choice_failed", request_id=state.request_id, exc_info=e)
         sink.put_nowait(_Failed(api_error_from(e)))
@@ -326,7 +330,7 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str
         async with aclosing(chunks) as it:  # type: ignore[type-var]
             async for chunk in it:
                 yield sse(chunk)
-    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
+    except Exception as e:
         err = api_error_from(e)
         if err.status >= 500 and not isinstance(e, APIError):
             log.error("gateway.stream_failed", exc_info=e)
@@ -342,7 +346,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def clamp_logprob(x: float) -> float:
-    return x if x > MAX_LOGPROB_FLOOR else MAX_LOGPROB_FLOOR
+    return max(MAX_LOGPROB_FLOOR, x)
 
 
 def request_base_id(request: Request, body_request_id: str | None, new_id: Callable[[], str]) -> str:

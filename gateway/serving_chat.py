@@ -19,9 +19,22 @@ from fastapi.responses import JSONResponse, Response
 from engine.sampling_params import ParamError
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import (ChoiceState, ChoiceUpdate, ClientDisconnected, ServingContext, SSEResponse,
-                             child_seed, clamp_logprob, collect, request_base_id, run_choices, sse_stream,
-                             truncate_prompt, until_disconnected, usage)
+from gateway.serving import (
+    ChoiceState,
+    ChoiceUpdate,
+    ClientDisconnected,
+    ServingContext,
+    SSEResponse,
+    child_seed,
+    clamp_logprob,
+    collect,
+    request_base_id,
+    run_choices,
+    sse_stream,
+    truncate_prompt,
+    until_disconnected,
+    usage,
+)
 
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
 

@@ -17,9 +17,22 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.protocol import CompletionRequest
-from gateway.serving import (ChoiceState, ChoiceUpdate, ClientDisconnected, ServingContext, SSEResponse,
-                             child_seed, clamp_logprob, collect, request_base_id, run_choices, sse_stream,
-                             truncate_prompt, until_disconnected, usage)
+from gateway.serving import (
+    ChoiceState,
+    ChoiceUpdate,
+    ClientDisconnected,
+    ServingContext,
+    SSEResponse,
+    child_seed,
+    clamp_logprob,
+    collect,
+    request_base_id,
+    run_choices,
+    sse_stream,
+    truncate_prompt,
+    until_disconnected,
+    usage,
+)
 
 
 def completion_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[float] | None,
