@@ -137,7 +137,10 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args) -> dict:
 
 # --- HF transformers -----------------------------------------------------------------------------
 
-def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]], n: int, max_tokens: int) -> dict:
+def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]], n: int, max_tokens: int,
+             library_defaults: bool = False) -> dict:
+    """HF generate on one left-padded batch. By default with the same sampling as rollbus (temperature
+    1, no top-k/top-p); library_defaults leaves HF's own defaults in place (top_k=50)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -150,8 +153,9 @@ def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]],
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                             top_k=0, max_new_tokens=max_tokens, pad_token_id=pad)
+        filters = {} if library_defaults else {"top_p": 1.0, "top_k": 0}
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                             max_new_tokens=max_tokens, pad_token_id=pad, **filters)
     dt = time.perf_counter() - t0
     useful = 0
     eos = set(tok.eos_token_ids)
@@ -176,6 +180,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true", help="Only measure rollbus.")
+    p.add_argument("--hf-library-defaults", action="store_true",
+                   help="Run HF generate with its own sampling defaults (top_k=50) instead of rollbus's.")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
     args = p.parse_args()
@@ -188,9 +194,10 @@ def main() -> None:
         r = bench_rollbus(dtype, prompts, args)
         if not args.skip_hf:
             say(f"[hf {dtype}] A: generate on one left-padded batch of {args.num_prompts} ...")
-            r["hf_A"] = bench_hf(dtype, folder, tok, prompts[: args.num_prompts], 1, args.max_tokens)
+            r["hf_A"] = bench_hf(dtype, folder, tok, prompts[: args.num_prompts], 1, args.max_tokens,
+                                 args.hf_library_defaults)
             say(f"[hf {dtype}] B: 16 prompts x 8 ...")
-            r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens)
+            r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens, args.hf_library_defaults)
         results[dtype] = r
 
     rows = [["dtype", "workload", "rollbus tok/s", "HF tok/s", "ratio"]]
