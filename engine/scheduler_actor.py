@@ -42,6 +42,7 @@ class SchedulerActor:
         self.link = MemberLink(ctx, ep, role="scheduler", name=NAME, apply=self._apply,
                                heartbeat_interval_s=cfg.heartbeat_interval_s,
                                heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        self.sched: Scheduler | None = None  # built once the workers report their KV capacity
         self.dead_reason: str | None = None
         self.stopping = False
         self.step_id = 0
@@ -227,7 +228,7 @@ class SchedulerActor:
 
     def _apply(self, cmd: Command) -> dict[str, Any] | None:
         if cmd.command == "health":
-            if not hasattr(self, "sched"):
+            if self.sched is None:
                 return {"ok": False, "why": "waiting for workers"}
             return {"ok": self.dead_reason is None, "running": len(self.sched.running)}
         if cmd.command == "shutdown":
@@ -237,7 +238,7 @@ class SchedulerActor:
             role, name = cmd.args.get("role"), str(cmd.args.get("name"))
             if role == "worker":
                 self._fail_all(f"{name} died ({cmd.args.get('why')})")
-            elif role == "gateway" and hasattr(self, "sched"):
+            elif role == "gateway" and self.sched is not None:
                 # Nobody is left to read these outputs: stop computing them.
                 orphans = [s for s in self.sched.seqs.values() if s.client == name.encode()]
                 for seq in orphans:
@@ -249,6 +250,8 @@ class SchedulerActor:
     def _fail_all(self, reason: str) -> None:
         """A worker is gone: nothing can be computed any more. Fail every request; refuse new ones."""
         log.error("scheduler.failing_all", reason=reason)
+        if self.sched is None:
+            return  # still starting: nothing to fail, and wait_for_workers waits for its replacement
         self.dead_reason = reason
         self.in_flight = None
         self._fail_seqs(list(self.sched.seqs.values()), reason)
