@@ -38,7 +38,8 @@ class SampleOutput:
 def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> SampleOutput:
     """logits [S, V] fp32."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = logits.clone() if _needs_edit(rows) else logits
+    edited = _needs_edit(rows)
+    logits = logits.clone() if edited else logits
     _apply_penalties(logits, rows)
     _mask_until_min_tokens(logits, rows)
 
@@ -49,10 +50,13 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
         token_ids[greedy] = logits[greedy].argmax(dim=-1)
     if not greedy.all():
         idx = (~greedy).nonzero().squeeze(1)
-        sub = logits[idx] / temps[idx].unsqueeze(1)
-        sub = _filter(sub, [rows[i] for i in idx.tolist()])
-        probs = torch.softmax(sub, dim=-1)
-        token_ids[idx] = _draw(probs, [rows[i] for i in idx.tolist()], default_generator)
+        sub_rows = [rows[i] for i in idx.tolist()]
+        if not edited and all(r.params.temperature == 1.0 and not _filters(r) for r in sub_rows):
+            probs = raw_logprobs[idx].exp()  # the common RL case: plain sampling at temperature 1
+        else:
+            sub = logits[idx] / temps[idx].unsqueeze(1)
+            probs = torch.softmax(_filter(sub, sub_rows), dim=-1)
+        token_ids[idx] = _draw(probs, sub_rows, default_generator)
 
     k = max((r.params.logprobs or 0) for r in rows)
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
@@ -70,6 +74,10 @@ def _needs_edit(rows: list[RowState]) -> bool:
         or len(r.output_token_ids) < r.params.min_tokens
         for r in rows
     )
+
+
+def _filters(r: RowState) -> bool:
+    return r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> None:
@@ -136,3 +144,4 @@ def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Ge
     cdf = probs.double().cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
