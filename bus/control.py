@@ -15,8 +15,9 @@ snapshot covers every seq <= welcome.seq, so buffered commands up to it are drop
 replayed. A command that skips a seq raises SequenceGap: the member resyncs from a fresh snapshot
 rather than drift.
 
-The snapshot is the state that commands leave behind (paused? sleeping? weight version?). Each
-stateful command registers a reducer in SNAPSHOT_REDUCERS; stateless ones (health, shutdown) have none.
+The snapshot is the state that commands leave behind (paused? sleeping? weight version?). The ledger
+is given a reducer per stateful command (engine.control_state); stateless ones (health, shutdown) have
+none.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from bus.messages import Ack, Command
 
 ACKING_ROLES = ("scheduler", "worker")
 
-SNAPSHOT_REDUCERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {}
+Reducer = Callable[[dict[str, Any], dict[str, Any]], None]  # (snapshot, command args) -> mutate snapshot
 
 
 class SequenceGap(Exception):
@@ -107,6 +108,7 @@ class ControlLedger:
     snapshot: dict[str, Any] = field(default_factory=dict)
     members: dict[str, Member] = field(default_factory=dict)
     pending: dict[int, Pending] = field(default_factory=dict)
+    reducers: dict[str, Reducer] = field(default_factory=dict)
 
     def join(self, m: Member) -> None:
         """A (re)joining member is welcomed with the snapshot at self.seq, so it owes no ack up to it."""
@@ -118,7 +120,7 @@ class ControlLedger:
                 request_id: str = "", requester: bytes | None = None) -> tuple[Command, list[Pending]]:
         """Number a command; returns it and any pending entries already complete (no acking members)."""
         self.seq += 1
-        reducer = SNAPSHOT_REDUCERS.get(command)
+        reducer = self.reducers.get(command)
         if reducer:
             reducer(self.snapshot, args)
         waiting = {n for n, m in self.members.items() if m.acks}

@@ -4,6 +4,10 @@ coordinator's commands in order, ack each one, heartbeat both ways.
 The owning actor registers `sockets` in its poller, calls `handle(sock)` when one is readable and
 `tick(now)` every loop turn. Commands are applied through the `apply` callback the actor passes in; its
 return value (a dict) travels back in the Ack, an exception becomes a failed Ack with its message.
+
+A command that completes later (pause in wait mode: ack once the running requests have finished)
+returns DEFER; the actor then calls `complete()`. Later commands are held until then, so commands are
+still applied, and acked, strictly in order.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from bus.sockets import make_socket, send
 log = structlog.get_logger()
 
 
+DEFER = object()  # returned by `apply`: the actor acks later through MemberLink.complete()
+
+
 class BusError(RuntimeError):
     """The bus refused us (protocol mismatch) or the coordinator went silent."""
 
@@ -38,6 +45,8 @@ class MemberLink:
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
         self.follower = ControlFollower()
         self.snapshot: dict[str, Any] = {}
+        self.deferred: Command | None = None
+        self._held: list[Command] = []
         # Subscribe before saying Hello: the coordinator waits to see our presence topic arrive on its
         # XPUB before it welcomes us, so no command published after the Welcome can miss us.
         self.sub = make_socket(ctx, zmq.SUB, connect=ep.commands)
@@ -120,13 +129,28 @@ class MemberLink:
 
     def _apply_all(self, cmds: list[Command]) -> None:
         for cmd in cmds:
+            if self.deferred is not None:
+                self._held.append(cmd)
+                continue
             try:
-                result = self.apply(cmd) or {}
-                ack = Ack(cmd.seq, self.name, True, "", result)
+                result = self.apply(cmd)
             except Exception as e:  # a failed command is reported, never fatal to the member
                 log.exception("bus.command_failed", member=self.name, command=cmd.command)
-                ack = Ack(cmd.seq, self.name, False, f"{type(e).__name__}: {e}")
-            send(self.dealer, ack)
+                send(self.dealer, Ack(cmd.seq, self.name, False, f"{type(e).__name__}: {e}"))
+                continue
+            if result is DEFER:
+                self.deferred = cmd
+            else:
+                send(self.dealer, Ack(cmd.seq, self.name, True, "", result or {}))
+
+    def complete(self, result: dict[str, Any] | None = None, error: str = "") -> None:
+        """Ack the deferred command, then apply the commands held behind it."""
+        cmd, self.deferred = self.deferred, None
+        if cmd is None:
+            return
+        send(self.dealer, Ack(cmd.seq, self.name, not error, error, result or {}))
+        held, self._held = self._held, []
+        self._apply_all(held)
 
 
 class _HeartbeatThread:

@@ -44,6 +44,9 @@ class EngineConfig:
     heartbeat_timeout_s: float = 3.0
     control_timeout_s: float = 10.0
     log_level: str = "info"
+    # RL
+    additional_config: str | None = None  # JSON; see engine.rl_config
+    enable_sleep_mode: bool = False
 
     @property
     def model_name(self) -> str:
@@ -128,6 +131,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Deadline for every member to ack a control command.")
     g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="Log level of every process.")
+    add_rl_args(p)
+
+
+def add_rl_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("RL")
+    g.add_argument("--additional-config", default=None,
+                   help='JSON object. {"rl_config": {"enabled": true}} turns on RL mode: development endpoints '
+                        "(/pause, /resume, /is_paused, /server_info, ...), NZ weight format off, "
+                        "expandable_segments stripped from the allocator config of workers. Optional "
+                        "rl_config keys (only with enabled): sleep_mode_extra_cleanup, "
+                        "enable_training_consistency, enable_batch_invariant.")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="Allow /sleep and /wake_up (weights and KV cache released by tag).")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -135,6 +151,12 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     cfg = EngineConfig(**{k: v for k, v in vars(ns).items() if k in names})
     if cfg.num_workers < 1:
         raise SystemExit("--num-workers must be at least 1")
+    from engine.rl_config import parse_additional_config
+
+    try:
+        parse_additional_config(cfg.additional_config)
+    except ValueError as e:
+        raise SystemExit(f"rollbus: {e}") from None
     return cfg
 
 

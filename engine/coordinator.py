@@ -20,6 +20,7 @@ from bus.endpoints import COMMAND_TOPIC, Endpoints
 from bus.messages import (PROTOCOL_VERSION, Ack, ControlReply, ControlRequest, Heartbeat, Hello,
                           Welcome)
 from bus.sockets import make_socket, recv_from, report_ready, send, subscription_event
+from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 
@@ -31,7 +32,7 @@ NAME = "coordinator"
 class Coordinator:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
-        self.ledger = ControlLedger()
+        self.ledger = ControlLedger(snapshot=control_state.initial_state(), reducers=control_state.REDUCERS)
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
         self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))

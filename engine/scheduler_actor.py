@@ -17,11 +17,12 @@ import zmq
 
 from bus.codec import CodecError
 from bus.endpoints import PLAN_TOPIC, Endpoints
-from bus.member import MemberLink
+from bus.member import DEFER, MemberLink
 from bus.messages import (AbortRequests, AddRequest, Command, Hello, NewSeq, OutputBatch, RequestOutput,
                           StepPlan, StepResult)
 from bus.sockets import make_socket, recv, recv_from, report_ready, send, subscription_event
 from engine.block_manager import BlockManager
+from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.request import Sequence
@@ -51,6 +52,8 @@ class SchedulerActor:
         self.step_started = 0.0
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
+        self.control = control_state.initial_state()
+        self.pause_pending: dict[str, Any] | None = None  # a deferred pause waiting to complete
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -84,6 +87,11 @@ class SchedulerActor:
         self.max_model_len = max_len
         self.sched = Scheduler(BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching),
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
+        # A late or restarted scheduler starts from the control state every other member is in.
+        self.control = dict(self.link.snapshot) or control_state.initial_state()
+        paused = self.control.get("paused")
+        if paused:
+            self.sched.pause(paused["mode"], paused["clear_cache"])
         log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len)
         return {"num_blocks": num_blocks, "max_model_len": max_len}
 
@@ -95,7 +103,7 @@ class SchedulerActor:
             poller.register(s, zmq.POLLIN)
         idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
-            busy = self.in_flight is None and self.sched.has_work() and not self.dead_reason
+            busy = self._can_start_step()
             for sock, _ in poller.poll(0 if busy else idle_ms):
                 if sock is self.router:
                     self._on_request()
@@ -104,8 +112,13 @@ class SchedulerActor:
                 else:
                     self.link.handle(sock)
             self.link.tick(time.monotonic())
-            if self.in_flight is None and self.sched.has_work() and not self.dead_reason:
+            self._maybe_complete_pause()
+            if self._can_start_step():
                 self._start_step()
+
+    def _can_start_step(self) -> bool:
+        return (self.in_flight is None and self.sched.has_work() and not self.dead_reason
+                and self.sched.can_step())
 
     def _on_request(self) -> None:
         try:
@@ -125,6 +138,8 @@ class SchedulerActor:
         seq = Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams.from_wire(msg.sampling),
                        msg.eos_token_ids, msg.arrival_time, client)
         error = self.dead_reason
+        if error is None and control_state.rejects_new_requests(self.control):
+            error = control_state.PAUSED_MESSAGE
         if error is None and msg.request_id in self.sched.seqs:
             error = f"request id {msg.request_id!r} is already running"
         if error is None and seq.num_prompt_tokens >= self.max_model_len:
@@ -234,6 +249,8 @@ class SchedulerActor:
         if cmd.command == "shutdown":
             self.stopping = True
             return None
+        if cmd.command in ("pause", "resume"):
+            return self._apply_pause(cmd)
         if cmd.command == "member_lost":
             role, name = cmd.args.get("role"), str(cmd.args.get("name"))
             if role == "worker":
@@ -246,6 +263,35 @@ class SchedulerActor:
                 if orphans:
                     log.warning("scheduler.aborted_orphans", gateway=name, count=len(orphans))
         return None
+
+    def _apply_pause(self, cmd: Command) -> Any:
+        was_paused = self.control.get("paused") is not None
+        control_state.apply(self.control, cmd.command, cmd.args)
+        if cmd.command == "resume":
+            self.sched.resume()
+            return {"paused": False}
+        if was_paused:
+            return {"paused": True}  # pausing twice: a no-op
+        mode, clear = cmd.args["mode"], bool(cmd.args.get("clear_cache", True))
+        aborted = self.sched.pause(mode, clear)
+        for seq in aborted:
+            seq.finish_reason = "abort"
+        self._emit([(seq, self._output(seq, [], finished=True)) for seq in aborted])
+        # Ack only when no step runs on the workers any more (and, for wait, nothing is left to run):
+        # whoever paused may now change the weights under them.
+        self.pause_pending = {"mode": mode, "clear_cache": clear, "aborted": len(aborted)}
+        self._maybe_complete_pause()
+        return DEFER if self.pause_pending is not None else {"paused": True, "aborted": len(aborted)}
+
+    def _maybe_complete_pause(self) -> None:
+        p = self.pause_pending
+        if p is None or self.in_flight is not None:
+            return
+        if not self.sched.complete_pause(p["clear_cache"]):
+            return
+        self.pause_pending = None
+        if self.link.deferred is not None:
+            self.link.complete({"paused": True, "aborted": p["aborted"]})
 
     def _fail_all(self, reason: str) -> None:
         """A worker is gone: nothing can be computed any more. Fail every request; refuse new ones."""

@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import EngineConfig
+from engine.rl_config import dev_endpoints_enabled, parse_additional_config
+from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
 from gateway.metrics import CONTENT_TYPE, Metrics
@@ -48,7 +50,7 @@ def rollbus_version() -> str:
 
 
 class APIKeyMiddleware:
-    """vLLM's --api-key: every /v1 request needs `Authorization: Bearer KEY`, else 401."""
+    """vLLM's --api-key: every /v1 (and dev) request needs `Authorization: Bearer KEY`, else 401."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -58,7 +60,8 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope.get("method") != "OPTIONS":
             path = scope.get("path", "")
             root = scope.get("root_path", "")
-            if path.startswith(f"{root}/v1"):
+            # Beyond vLLM (whose dev routes take no key): with --api-key the dev endpoints need it too.
+            if path.startswith(f"{root}/v1") or path.removeprefix(root) in DEV_PATHS:
                 given = dict(scope.get("headers") or []).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     resp = JSONResponse(envelope("Unauthorized", UNAUTHORIZED, 401), status_code=401)
@@ -117,6 +120,15 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     install_error_handlers(app)
     if cfg.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
+    extra = parse_additional_config(cfg.additional_config)
+    if dev_endpoints_enabled(extra):
+        log.warning("gateway.dev_endpoints", message="SECURITY WARNING: Development endpoints are enabled!",
+                    paths=list(DEV_PATHS))
+        if not cfg.api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("gateway.dev_endpoints_exposed",
+                        message=f"development endpoints listen on {cfg.host} without --api-key: anyone who can "
+                                "reach this port can pause the engine")
+        add_dev_routes(app, cfg, client, extra)
     metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy)
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics)
     health = HealthProbe(client, cfg.control_timeout_s)

@@ -23,6 +23,7 @@ from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
 from bus.messages import (PROTOCOL_VERSION, AbortRequests, AddRequest, Command, ControlReply,
                           ControlRequest, Heartbeat, Hello, OutputBatch, RequestOutput, Welcome)
 from bus.sockets import make_socket
+from engine import control_state
 from engine.sampling_params import SamplingParams
 
 log = structlog.get_logger()
@@ -42,12 +43,21 @@ class EngineClient:
         self.replies: dict[str, asyncio.Future[ControlReply]] = {}
         self.stats: dict[str, float] = {}
         self.dead_reason: str | None = None
+        self.control_state = control_state.initial_state()  # mirrored from the coordinator's broadcasts
         self._coordinator_seen = time.monotonic()
         self._tasks: list[asyncio.Task] = []
 
     @property
     def healthy(self) -> bool:
         return self.dead_reason is None
+
+    @property
+    def paused(self) -> bool:
+        return self.control_state.get("paused") is not None
+
+    @property
+    def rejecting_new_requests(self) -> bool:
+        return control_state.rejects_new_requests(self.control_state)
 
     async def start(self, timeout_s: float = 60.0) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -134,6 +144,8 @@ class EngineClient:
                 msg = decode(frames[1:])
             except CodecError:
                 continue
+            if isinstance(msg, Command):
+                control_state.apply(self.control_state, msg.command, msg.args)
             # Only the engine's own processes matter here: another gateway going away is not our problem.
             if isinstance(msg, Command) and msg.command == "member_lost" and \
                     msg.args.get("role") in ("scheduler", "worker"):
@@ -150,6 +162,7 @@ class EngineClient:
                 if not msg.accepted:
                     self._fail_all(f"coordinator refused the gateway: {msg.reason}")
                 if not self.welcomed.done():
+                    self.control_state = dict(msg.snapshot) or control_state.initial_state()
                     self.welcomed.set_result(msg)
             elif isinstance(msg, ControlReply):
                 fut = self.replies.get(msg.request_id)

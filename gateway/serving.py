@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from bus.messages import RequestOutput
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.control_state import PAUSED_MESSAGE
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
     INTERNAL,
@@ -75,6 +76,8 @@ class ServingContext:
             raise model_not_found(model)
         if not self.client.healthy:
             raise engine_unavailable(self.client.dead_reason)
+        if self.client.rejecting_new_requests:
+            raise engine_unavailable(PAUSED_MESSAGE)  # 503: retry after /resume
         return self.model.names[0]
 
     def check_prompt(self, ids: list[int], param: str) -> None:
@@ -215,6 +218,8 @@ class _Failed:
 def engine_failure(ctx: ServingContext, message: str | None) -> APIError:
     if not ctx.client.healthy:
         return engine_unavailable(ctx.client.dead_reason or message)
+    if message == PAUSED_MESSAGE:  # paused between our check and the scheduler's
+        return engine_unavailable(message)
     return APIError(message or "the engine failed this request", status=500, type=INTERNAL)
 
 

@@ -84,6 +84,9 @@ class FakeClient:
     def healthy(self) -> bool:
         return self.dead_reason is None
 
+    rejecting_new_requests = False
+    paused = False
+
     async def start(self) -> None:
         pass
 

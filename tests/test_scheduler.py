@@ -136,3 +136,42 @@ def test_prefix_cache_hit_skips_prompt_compute():
     s.add(b)
     step, _ = run_step(s)
     assert step.num_computed == [8] and step.num_new == [1] and b.num_cached_tokens == 8
+
+
+def test_a_sequence_preempted_during_a_step_keeps_the_sampled_token():
+    s = make()
+    q = seq("a", max_tokens=10)
+    s.add(q)
+    run_step(s)
+    step = s.schedule()
+    s._preempt(q)  # e.g. a pause that drops KV while the step runs
+    s.update(step, {"a": (42, -1.0, None)})
+    assert q.output_token_ids[-1] == 42 and q.num_computed == 0
+    step = s.schedule()
+    assert step.num_computed[0] + step.num_new[0] == q.num_tokens  # recompute (prefix cache helps), sample
+
+
+def test_pause_modes():
+    s = make()
+    for i in range(3):
+        s.add(seq(f"r{i}", max_tokens=50))
+    run_step(s)
+    aborted = s.pause("abort", clear_cache=True)
+    assert len(aborted) == 3 and all(q.finish_reason == "abort" for q in aborted) and not s.has_work()
+    s.resume()
+    a = seq("k", max_tokens=50)
+    s.add(a)
+    run_step(s)
+    s.pause("keep", clear_cache=True)
+    assert not s.can_step()
+    assert s.complete_pause(clear_cache=True)
+    assert a.num_computed == 0 and a.status is SeqStatus.WAITING  # KV dropped: recomputed on resume
+    s.resume()
+    assert s.can_step()
+    w = seq("w", max_tokens=2)
+    s.add(w)
+    s.pause("wait", clear_cache=False)
+    assert not s.complete_pause(clear_cache=False)
+    while s.has_work():
+        run_step(s)
+    assert s.complete_pause(clear_cache=False)

@@ -21,6 +21,7 @@ from bus.messages import PROTOCOL_VERSION, Command, Hello, StepPlan, StepResult
 from bus.sockets import make_socket, recv, report_ready, send
 from engine.config import EngineConfig
 from engine.logs import setup_logging
+from engine.rl_config import parse_additional_config, worker_env_updates
 from workers.kv_cache import KVCache, plan_num_blocks
 from workers.loader import load_model
 from workers.model_runner import ModelRunner
@@ -104,6 +105,13 @@ class WorkerActor:
 
 def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
     setup_logging(cfg.log_level, process=f"worker-{rank}")
+    # RL mode: allocator and NZ settings must change before the first device allocation.
+    for var, value in worker_env_updates(parse_additional_config(cfg.additional_config), dict(os.environ)).items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+        log.info("worker.rl_env", var=var, value=value)
     torch.set_grad_enabled(False)
     ctx = zmq.Context()
     ep = Endpoints.from_config(cfg)

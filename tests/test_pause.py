@@ -1,0 +1,161 @@
+"""Pause and resume as acknowledged broadcasts, through the whole engine (vLLM v0.33 semantics)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_helpers import start_server
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+RL = '{"rl_config": {"enabled": true}}'
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_dir):
+    s = start_server(tmp_path_factory.mktemp("pause"), "--additional-config", RL, "--max-model-len", "1024")
+    yield s
+    s.stop()
+
+
+def launch(url: str, n: int, max_tokens: int) -> tuple[list[threading.Thread], dict[int, dict]]:
+    out: dict[int, dict] = {}
+
+    def go(i):
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": f"Story number {i}:", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0})
+        out[i] = {"status": r.status_code, **r.json()}
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    return ts, out
+
+
+def wait_running(url: str, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics").text
+        line = next(ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running"))
+        if float(line.rsplit(" ", 1)[1]) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError("requests never ran")
+
+
+def post(url, path, **params):
+    return httpx.post(url + path, params=params, timeout=120)
+
+
+def test_abort_ends_requests_with_partial_output_and_refuses_new_ones(server):
+    url = server.url
+    ts, out = launch(url, 4, 400)
+    wait_running(url, 4)
+    t0 = time.monotonic()
+    r = post(url, "/pause", mode="abort")
+    assert r.status_code == 200 and r.json() == {"status": "paused"}
+    assert time.monotonic() - t0 < 2
+    for t in ts:
+        t.join(60)
+    for o in out.values():
+        assert o["choices"][0]["finish_reason"] == "abort"
+        assert 0 < o["usage"]["completion_tokens"] < 400
+    assert httpx.get(url + "/is_paused").json() == {"is_paused": True}
+    refused = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 503 and "paused" in refused.json()["error"]["message"]
+    assert post(url, "/pause", mode="abort").status_code == 200  # twice: no-op
+    assert post(url, "/resume").json() == {"status": "resumed"}
+    assert post(url, "/resume").status_code == 200  # resume when running: no-op
+    assert httpx.get(url + "/is_paused").json() == {"is_paused": False}
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_keep_freezes_requests_which_finish_after_resume(server):
+    url = server.url
+    ts, out = launch(url, 3, 120)
+    wait_running(url, 3)
+    assert post(url, "/pause", mode="keep", clear_cache="true").status_code == 200
+    frozen = httpx.get(url + "/metrics").text
+    time.sleep(1.0)
+    assert httpx.get(url + "/metrics").text.count("generation_tokens_total") == frozen.count("generation_tokens_total")
+    gen = _metric(url, "vllm:generation_tokens_total")
+    time.sleep(1.0)
+    assert _metric(url, "vllm:generation_tokens_total") == gen  # nothing is stepped while kept
+    late_ts, late = launch(url, 1, 5)  # keep queues new requests instead of refusing them
+    time.sleep(0.5)
+    assert not late
+    assert post(url, "/resume").status_code == 200
+    for t in ts + late_ts:
+        t.join(120)
+    assert all(o["choices"][0]["finish_reason"] == "length" and o["usage"]["completion_tokens"] == 120
+               for o in out.values())
+    assert late[0]["status"] == 200
+
+
+def test_keep_with_recompute_gives_the_same_greedy_tokens(server):
+    """clear_cache=true drops the kept requests' KV; recomputed after resume, greedy output is unchanged
+    (same weights), which shows the recompute path is exact."""
+    url = server.url
+    ref = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "Story number 0:", "max_tokens": 80, "ignore_eos": True, "temperature": 0})
+    ts, out = launch(url, 1, 80)
+    wait_running(url, 1)
+    time.sleep(0.3)
+    assert post(url, "/pause", mode="keep", clear_cache="true").status_code == 200
+    assert post(url, "/resume").status_code == 200
+    ts[0].join(120)
+    assert out[0]["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+
+
+def test_wait_returns_after_running_requests_finish(server):
+    url = server.url
+    ts, out = launch(url, 3, 40)
+    wait_running(url, 3)
+    r = post(url, "/pause", mode="wait")
+    assert r.status_code == 200
+    assert len(out) == 3 or all(not t.is_alive() for t in ts) or _metric(url, "vllm:num_requests_running") == 0
+    for t in ts:
+        t.join(60)
+    assert all(o["choices"][0]["finish_reason"] == "length" for o in out.values())
+    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 503
+    assert post(url, "/resume").status_code == 200
+
+
+def test_bad_pause_parameters(server):
+    url = server.url
+    for params, field in (({"mode": "later"}, "mode"), ({"clear_cache": "maybe"}, "clear_cache"),
+                          ({"timeout": "-1"}, "timeout")):
+        r = post(url, "/pause", **params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert httpx.get(url + "/is_paused").json() == {"is_paused": False}
+
+
+def test_server_info_shows_the_effective_rl_config(server):
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["rl_config"]["enabled"] is True and info["ascend_config"]["weight_nz_mode"] == 0
+
+
+def test_dev_endpoints_are_404_outside_rl_mode(tmp_path, smollm2_dir):
+    from tests.server_helpers import tiny_model_with_tokenizer
+
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "m", smollm2_dir)
+    s = start_server(tmp_path, str(folder), "--max-model-len", "256")
+    try:
+        for path in ("/pause", "/resume"):
+            assert httpx.post(s.url + path).status_code == 404
+        assert httpx.get(s.url + "/is_paused").status_code == 404
+    finally:
+        s.stop()
+
+
+def _metric(url, name):
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
