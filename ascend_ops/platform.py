@@ -78,3 +78,14 @@ def current_platform() -> Platform:
     if forced == "cuda" or (not forced and torch.cuda.is_available()):
         return Platform("cuda", "cuda", "nccl", "PYTORCH_CUDA_ALLOC_CONF")
     return Platform("cpu", "cpu", "gloo", None)
+
+
+def release_host_memory() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them otherwise, so RSS would not drop after
+    sleep on CPU). A no-op where malloc_trim does not exist."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

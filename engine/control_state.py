@@ -10,8 +10,44 @@ from typing import Any
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+
+
 def initial_state() -> dict[str, Any]:
-    return {"paused": None}  # None, or {"mode": abort|wait|keep, "clear_cache": bool}
+    return {
+        "paused": None,  # None, or {"mode": abort|wait|keep, "clear_cache": bool}
+        "sleep_level": None,  # None when awake, else the level of the sleep in force
+        "sleeping_tags": [],  # level 0: ["scheduling"]; levels 1 and 2: ["weights", "kv_cache"]
+    }
+
+
+def _sleep(state: dict[str, Any], args: dict[str, Any]) -> None:
+    if state.get("sleeping_tags"):
+        return  # asleep already: a no-op, as vLLM
+    level = int(args["level"])
+    state["sleep_level"] = level
+    state["sleeping_tags"] = ["scheduling"] if level == 0 else ["weights", "kv_cache"]
+
+
+def _wake_up(state: dict[str, Any], args: dict[str, Any]) -> None:
+    tags = args.get("tags") or list(SLEEP_TAGS)
+    left = [t for t in state.get("sleeping_tags", []) if t not in tags]
+    state["sleeping_tags"] = left
+    if not left:
+        state["sleep_level"] = None
+
+
+def is_sleeping(state: dict[str, Any]) -> bool:
+    """vLLM's definition: paused for any reason, or any tag asleep."""
+    return state.get("paused") is not None or bool(state.get("sleeping_tags"))
+
+
+def sleep_state_label(state: dict[str, Any]) -> str:
+    """vllm:engine_sleep_state's label."""
+    level = state.get("sleep_level")
+    if not state.get("sleeping_tags") or level in (None, 0):
+        return "awake"
+    return "weights_offloaded" if level == 1 else "discard_all"
 
 
 def _pause(state: dict[str, Any], args: dict[str, Any]) -> None:
@@ -23,7 +59,7 @@ def _resume(state: dict[str, Any], args: dict[str, Any]) -> None:
     state["paused"] = None
 
 
-REDUCERS = {"pause": _pause, "resume": _resume}
+REDUCERS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wake_up": _wake_up}
 
 
 def apply(state: dict[str, Any], command: str, args: dict[str, Any]) -> None:

@@ -54,6 +54,7 @@ class SchedulerActor:
         self.counters = defaultdict(float)
         self.control = control_state.initial_state()
         self.pause_pending: dict[str, Any] | None = None  # a deferred pause waiting to complete
+        self.sleep_paused = False  # the scheduler is quiet because of a sleep, not a user pause
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -92,6 +93,9 @@ class SchedulerActor:
         paused = self.control.get("paused")
         if paused:
             self.sched.pause(paused["mode"], paused["clear_cache"])
+        elif self.control.get("sleeping_tags"):
+            self.sched.pause("keep", True)
+            self.sleep_paused = True
         log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len)
         return {"num_blocks": num_blocks, "max_model_len": max_len}
 
@@ -118,7 +122,7 @@ class SchedulerActor:
 
     def _can_start_step(self) -> bool:
         return (self.in_flight is None and self.sched.has_work() and not self.dead_reason
-                and self.sched.can_step())
+                and self.sched.can_step() and not self.control.get("sleeping_tags"))
 
     def _on_request(self) -> None:
         try:
@@ -251,6 +255,8 @@ class SchedulerActor:
             return None
         if cmd.command in ("pause", "resume"):
             return self._apply_pause(cmd)
+        if cmd.command in ("sleep", "wake_up"):
+            return self._apply_sleep(cmd)
         if cmd.command == "member_lost":
             role, name = cmd.args.get("role"), str(cmd.args.get("name"))
             if role == "worker":
@@ -268,18 +274,40 @@ class SchedulerActor:
         was_paused = self.control.get("paused") is not None
         control_state.apply(self.control, cmd.command, cmd.args)
         if cmd.command == "resume":
-            self.sched.resume()
+            if not self.control.get("sleeping_tags"):
+                self.sched.resume()
+            self.sleep_paused = False
             return {"paused": False}
         if was_paused:
             return {"paused": True}  # pausing twice: a no-op
-        mode, clear = cmd.args["mode"], bool(cmd.args.get("clear_cache", True))
-        aborted = self.sched.pause(mode, clear)
+        if self.sched.paused_mode is not None:  # already quiet because of a sleep
+            self.sleep_paused = False  # the user's pause now holds it after the wake
+            return {"paused": True}
+        return self._quiesce(cmd.args["mode"], bool(cmd.args.get("clear_cache", True)))
+
+    def _apply_sleep(self, cmd: Command) -> Any:
+        """Sleep pauses like /pause (mode), except that new requests queue; levels 1 and 2 drop the KV
+        of kept requests, since the workers are about to discard it. Wake resumes once no tag sleeps."""
+        was_asleep = bool(self.control.get("sleeping_tags"))
+        control_state.apply(self.control, cmd.command, cmd.args)
+        if cmd.command == "wake_up":
+            if not self.control["sleeping_tags"] and self.sleep_paused:
+                self.sched.resume()
+                self.sleep_paused = False
+            return {"sleeping_tags": self.control["sleeping_tags"]}
+        if was_asleep or self.sched.paused_mode is not None:
+            return {"sleeping": True}  # asleep already, or held by a user pause: nothing to quiesce
+        self.sleep_paused = True
+        return self._quiesce(cmd.args["mode"], int(cmd.args["level"]) >= 1)
+
+    def _quiesce(self, mode: str, clear_cache: bool) -> Any:
+        aborted = self.sched.pause(mode, clear_cache)
         for seq in aborted:
             seq.finish_reason = "abort"
         self._emit([(seq, self._output(seq, [], finished=True)) for seq in aborted])
         # Ack only when no step runs on the workers any more (and, for wait, nothing is left to run):
-        # whoever paused may now change the weights under them.
-        self.pause_pending = {"mode": mode, "clear_cache": clear, "aborted": len(aborted)}
+        # whoever paused may now change the weights or free the memory under them.
+        self.pause_pending = {"mode": mode, "clear_cache": clear_cache, "aborted": len(aborted)}
         self._maybe_complete_pause()
         return DEFER if self.pause_pending is not None else {"paused": True, "aborted": len(aborted)}
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import EngineConfig
+from engine import control_state
 from engine.rl_config import dev_endpoints_enabled, parse_additional_config
 from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.engine_client import EngineClient
@@ -166,7 +167,12 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        label = control_state.sleep_state_label(client.control_state)
+        sleep = "".join(
+            f'vllm:engine_sleep_state{{model_name="{model_info.names[0]}",sleep_state="{s}"}} {int(s == label)}\n'
+            for s in ("awake", "weights_offloaded", "discard_all"))
+        head = "# HELP vllm:engine_sleep_state Sleep state of the engine.\n# TYPE vllm:engine_sleep_state gauge\n"
+        return Response(metrics.render() + head + sleep, media_type=CONTENT_TYPE)
 
     return app
 

@@ -8,18 +8,22 @@ when the scheduler and every worker have applied it, or fails with 504 naming wh
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
+from engine import control_state
 from engine.config import EngineConfig
-from engine.control_state import PAUSE_MODES
+from engine.control_state import PAUSE_MODES, SLEEP_TAGS
 from engine.rl_config import AdditionalConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError, bad_request
 
-DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info")
+DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake_up", "/is_sleeping",
+             "/collective_rpc", "/abort_requests")
+RPC_METHODS = ("reload_weights",)
 GATEWAY_TIMEOUT = "GatewayTimeoutError"
 
 
@@ -63,6 +67,62 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
     async def is_paused() -> JSONResponse:
         return JSONResponse({"is_paused": client.paused})
 
+    @app.post("/sleep")
+    async def sleep(level: str = "1", mode: str = "abort") -> JSONResponse:
+        if not cfg.enable_sleep_mode:
+            raise bad_request("sleep mode is not enabled: start the server with --enable-sleep-mode", "level")
+        if level not in ("0", "1", "2"):
+            raise bad_request(f"level must be 0, 1 or 2, got {level!r}", "level")
+        if mode not in PAUSE_MODES:
+            raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
+        deadline = 3600.0 if mode == "wait" else cfg.control_timeout_s
+        # Two broadcasts: first every member quiesces (the scheduler acks once no step runs), then the
+        # workers release memory, which is only safe once nothing can touch it.
+        await broadcast(client, "sleep", {"level": int(level), "mode": mode}, deadline)
+        results = await broadcast(client, "release_memory", {"level": int(level)}, cfg.control_timeout_s)
+        released = sum(int(r.get("released_bytes", 0)) for r in results.values())
+        return JSONResponse({"status": "sleeping", "level": int(level), "released_bytes": released})
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(default=None)) -> JSONResponse:
+        for t in tags or []:
+            if t not in SLEEP_TAGS:
+                raise bad_request(f"tags must be among {', '.join(SLEEP_TAGS)}, got {t!r}", "tags")
+        results = await broadcast(client, "wake_up", {"tags": tags}, cfg.control_timeout_s)
+        restored = sum(int(r.get("restored_bytes", 0)) for r in results.values())
+        status = "sleeping" if client.control_state.get("sleeping_tags") else "awake"
+        return JSONResponse({"status": status, "tags": tags, "restored_bytes": restored})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": control_state.is_sleeping(client.control_state)})
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        method = body.get("method")
+        if method not in RPC_METHODS:
+            raise bad_request(f"method must be one of {', '.join(RPC_METHODS)}, got {method!r}", "method")
+        kwargs = body.get("kwargs") or {}
+        if not isinstance(kwargs, dict) or set(kwargs) - {"weights_path"}:
+            raise bad_request("kwargs may only hold weights_path", "kwargs")
+        timeout = float(body.get("timeout") or cfg.control_timeout_s * 6)
+        results = await broadcast(client, "collective_rpc", {"method": method, "kwargs": kwargs}, timeout)
+        return JSONResponse({"results": [r for n, r in sorted(results.items()) if n.startswith("worker")]})
+
+    @app.post("/abort_requests")
+    async def abort_requests(request: Request) -> JSONResponse:
+        body = await _json_object(request, allow_empty=True)
+        ids = body.get("request_ids")
+        if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
+            raise bad_request("request_ids must be a list of strings", "request_ids")
+        running = list(client.queues)
+        # Engine ids are "<request id>-<choice index>"; match the ids clients know.
+        hit = running if not ids else [r for r in running if any(r == i or r.startswith(i + "-") for i in ids)]
+        if hit:
+            await client.abort(hit)
+        return JSONResponse({"status": "aborted", "aborted": len({r.rsplit("-", 1)[0] for r in hit})})
+
     @app.get("/server_info")
     async def server_info() -> JSONResponse:
         engine = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
@@ -72,3 +132,16 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             "ascend_config": {"weight_nz_mode": extra.weight_nz_mode},
             "control_state": client.control_state,
         })
+
+
+async def _json_object(request: Request, allow_empty: bool = False) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip() and allow_empty:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise bad_request(f"body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("body must be a JSON object")
+    return body

@@ -86,6 +86,7 @@ class FakeClient:
 
     rejecting_new_requests = False
     paused = False
+    control_state: dict = {"paused": None, "sleep_level": None, "sleeping_tags": []}
 
     async def start(self) -> None:
         pass

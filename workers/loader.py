@@ -25,3 +25,10 @@ def load_model(cfg: EngineConfig, device: torch.device):
                              f"max_position_embeddings {max_len}")
         max_len = cfg.max_model_len
     return model, hf_config, max_len
+
+
+def reload_weights(model, cfg: EngineConfig, weights_path: str | None = None) -> set[str]:
+    """Refill the existing parameters in place from the checkpoint (or another folder of the same
+    architecture): the level-2 sleep recipe's `reload_weights`."""
+    folder = resolve_model(weights_path or cfg.model, progress=False)
+    return model.load_weights(iter_safetensors(folder))

@@ -23,7 +23,8 @@ from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.rl_config import parse_additional_config, worker_env_updates
 from workers.kv_cache import KVCache, plan_num_blocks
-from workers.loader import load_model
+from workers.loader import load_model, reload_weights
+from workers.sleep import SleepManager
 from workers.model_runner import ModelRunner
 
 log = structlog.get_logger()
@@ -49,6 +50,7 @@ class WorkerActor:
                 f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
         kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
         self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed)
+        self.sleep = SleepManager(model, kv, platform)
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes}
         log.info("worker.loaded", **self.info)
@@ -62,7 +64,9 @@ class WorkerActor:
         self.stopping = False
 
     def start(self) -> None:
-        self.link.wait_welcome(timeout_s=120)
+        snapshot = self.link.wait_welcome(timeout_s=120)
+        if "weights" in snapshot.get("sleeping_tags", []):  # joined a sleeping engine: sleep as well
+            self.sleep.sleep(int(snapshot.get("sleep_level") or 1))
         send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, self.info))
 
     def run(self) -> None:
@@ -86,6 +90,8 @@ class WorkerActor:
             return
         if not isinstance(plan, StepPlan):
             return
+        if self.sleep.asleep and plan.seq_ids:
+            self._await_wake()
         try:
             result = self.runner.execute(plan)
         except Exception as e:  # report, so the scheduler fails the step's requests instead of hanging
@@ -95,12 +101,47 @@ class WorkerActor:
         if plan.seq_ids:
             send(self.results, result)
 
+    def _await_wake(self, timeout_s: float = 10.0) -> None:
+        """A plan can overtake the wake_up command (they travel on different sockets): apply pending
+        commands before computing, so the step never runs on released memory."""
+        poller = zmq.Poller()
+        for s in self.link.sockets:
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while self.sleep.asleep and time.monotonic() < deadline:
+            for sock, _ in poller.poll(100):
+                self.link.handle(sock)
+        if self.sleep.asleep:
+            raise RuntimeError(f"{self.name} got a step while {sorted(self.sleep.asleep)} sleep")
+
     def _apply(self, cmd: Command) -> dict[str, Any] | None:
-        if cmd.command == "health":
+        c, args = cmd.command, cmd.args
+        if c == "health":
             return {"ok": True}
-        if cmd.command == "shutdown":
+        if c == "shutdown":
             self.stopping = True
+        elif c == "release_memory":  # second phase of /sleep: the scheduler has quiesced
+            level = int(args["level"])
+            released = self.sleep.sleep(level)
+            log.info("worker.sleep", level=level, released_bytes=released)
+            return {"released_bytes": released}
+        elif c == "wake_up":
+            tags = [t for t in (args.get("tags") or ["weights", "kv_cache"]) if t != "scheduling"]
+            restored = self.sleep.wake(tags) if tags else 0
+            log.info("worker.wake_up", tags=tags, restored_bytes=restored)
+            return {"restored_bytes": restored}
+        elif c == "collective_rpc":
+            return self._rpc(str(args.get("method")), args.get("args") or [], args.get("kwargs") or {})
         return None
+
+    def _rpc(self, method: str, args: list, kwargs: dict) -> dict[str, Any]:
+        """The allow-listed worker methods reachable through POST /collective_rpc."""
+        if method != "reload_weights":
+            raise ValueError(f"method {method!r} is not callable through collective_rpc")
+        if "weights" in self.sleep.asleep:
+            raise RuntimeError("the weights are asleep: wake_up?tags=weights first")
+        names = reload_weights(self.runner.model, self.cfg, kwargs.get("weights_path"))
+        return {"loaded_tensors": len(names)}
 
 
 def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:

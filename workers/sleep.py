@@ -1,0 +1,73 @@
+"""Sleep mode on a worker: release and restore device memory by tag (vLLM's `weights` and `kv_cache`).
+
+  level 1: weights are offloaded to host memory, the KV cache is discarded
+  level 2: weights and KV cache are discarded (buffers, e.g. rope tables, are kept); the weights'
+           content is garbage after a wake until they are reloaded or transferred
+
+Parameters keep their identity (the same nn.Parameter objects, only `.data` changes), so in-place
+weight loading and any handle a trainer holds on names keep working after a wake. On CPU the host is
+the device: offloading weights frees nothing, so level 1 releases the KV cache only and leaves the
+weights in place; level 2 frees both (malloc_trim hands the pages back to the OS).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ascend_ops.platform import Platform, release_host_memory
+from workers.kv_cache import KVCache
+
+TAGS = ("weights", "kv_cache")
+
+
+class SleepManager:
+    def __init__(self, model: torch.nn.Module, kv: KVCache, platform: Platform):
+        self.model, self.kv, self.platform = model, kv, platform
+        self.asleep: set[str] = set()
+        self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._host: dict[str, torch.Tensor] = {}  # level-1 offload of the weights (accelerators only)
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters())  # shared (tied) parameters appear once
+
+    def sleep(self, level: int) -> int:
+        """Release memory; returns the bytes released on the device."""
+        if level == 0 or self.asleep:
+            return 0
+        released = self.kv.nbytes
+        self.kv.release()
+        offload = level == 1
+        if offload and self.platform.name == "cpu":
+            pass  # the host is the device: nothing to gain by copying the weights to itself
+        else:
+            for name, p in self._params().items():
+                self._shapes[name] = (p.shape, p.dtype)
+                if offload:
+                    self._host[name] = p.data.to("cpu", non_blocking=True).pin_memory()
+                released += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.asleep = set(TAGS)
+        self.platform.synchronize()
+        release_host_memory()
+        return released
+
+    def wake(self, tags: list[str] | None) -> int:
+        """Restore the given tags (all when None); returns the bytes allocated again."""
+        restored = 0
+        for tag in tags or TAGS:
+            if tag not in self.asleep:
+                continue  # waking what is awake is a no-op, as in vLLM
+            if tag == "weights":
+                for name, p in self._params().items():
+                    if name not in self._shapes:
+                        continue
+                    shape, dtype = self._shapes.pop(name)
+                    host = self._host.pop(name, None)
+                    p.data = (host.to(p.device) if host is not None
+                              else torch.empty(shape, dtype=dtype, device=p.device))
+                    restored += p.numel() * p.element_size()
+            elif tag == "kv_cache":
+                self.kv.allocate()
+                restored += self.kv.nbytes
+            self.asleep.discard(tag)
+        return restored
