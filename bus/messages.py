@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 REGISTRY: dict[int, type] = {}
 
@@ -144,7 +144,8 @@ class RequestOutput:
     error: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    weight_version: int
+    weight_version: int  # epoch of the weights that computed these tokens (engine.control_state)
+    stale_kv: bool = False  # computed on KV that older weights produced (a keep pause without clear_cache)
 
 
 @_message(23)

@@ -18,7 +18,22 @@ def initial_state() -> dict[str, Any]:
         "paused": None,  # None, or {"mode": abort|wait|keep, "clear_cache": bool}
         "sleep_level": None,  # None when awake, else the level of the sleep in force
         "sleeping_tags": [],  # level 0: ["scheduling"]; levels 1 and 2: ["weights", "kv_cache"]
+        # Weight versions are free-form labels (vLLM); the engine numbers them with an epoch that travels
+        # in every StepPlan/StepResult/RequestOutput and keys the prefix cache.
+        "weight_version": "default",
+        "weight_epoch": 0,
+        "version_labels": {"0": "default"},
     }
+
+
+def _update_weight_version(state: dict[str, Any], args: dict[str, Any]) -> None:
+    state["weight_epoch"] = int(state.get("weight_epoch", 0)) + 1
+    state["weight_version"] = str(args["new_version"])
+    state.setdefault("version_labels", {})[str(state["weight_epoch"])] = state["weight_version"]
+
+
+def version_label(state: dict[str, Any], epoch: int) -> str:
+    return state.get("version_labels", {}).get(str(epoch), f"epoch-{epoch}")
 
 
 def _sleep(state: dict[str, Any], args: dict[str, Any]) -> None:
@@ -59,7 +74,8 @@ def _resume(state: dict[str, Any], args: dict[str, Any]) -> None:
     state["paused"] = None
 
 
-REDUCERS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wake_up": _wake_up}
+REDUCERS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wake_up": _wake_up,
+            "update_weight_version": _update_weight_version}
 
 
 def apply(state: dict[str, Any], command: str, args: dict[str, Any]) -> None:

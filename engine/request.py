@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0
+    kv_epoch: int | None = None  # weight epoch of the oldest KV this sequence holds (None: holds none)
 
     @property
     def num_tokens(self) -> int:

@@ -163,6 +163,8 @@ class Scheduler:
             if seq.status is SeqStatus.FINISHED:
                 continue  # aborted while the step ran
             if seq.status is SeqStatus.RUNNING:
+                if seq.kv_epoch is None or before == 0:
+                    seq.kv_epoch = step.weight_version
                 seq.num_computed += n
                 self.blocks.commit_full_blocks(seq, step.weight_version)
             # A sequence preempted while the step ran still takes its token: the worker has appended
@@ -197,6 +199,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_seq(seq)
         seq.num_computed = 0
+        seq.kv_epoch = None
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -90,6 +90,7 @@ class SchedulerActor:
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
         # A late or restarted scheduler starts from the control state every other member is in.
         self.control = dict(self.link.snapshot) or control_state.initial_state()
+        self.sched.weight_version = int(self.control.get("weight_epoch", 0))
         paused = self.control.get("paused")
         if paused:
             self.sched.pause(paused["mode"], paused["clear_cache"])
@@ -217,8 +218,10 @@ class SchedulerActor:
         top = None
         if want_lp and u.seq.sampling.logprobs:
             top = [u.top[: u.seq.sampling.logprobs] if u.top else []]
-        return self._output(u.seq, [u.token_id], finished=u.finished,
-                            logprobs=[u.logprob] if want_lp else None, top=top, version=version)
+        out = self._output(u.seq, [u.token_id], finished=u.finished,
+                           logprobs=[u.logprob] if want_lp else None, top=top, version=version)
+        out.stale_kv = u.seq.kv_epoch is not None and u.seq.kv_epoch != version
+        return out
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: str | None = None,
                 logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
@@ -257,6 +260,10 @@ class SchedulerActor:
             return self._apply_pause(cmd)
         if cmd.command in ("sleep", "wake_up"):
             return self._apply_sleep(cmd)
+        if cmd.command == "update_weight_version":
+            control_state.apply(self.control, cmd.command, cmd.args)
+            self.sched.weight_version = self.control["weight_epoch"]  # new prefix-cache key space too
+            return {"weight_epoch": self.sched.weight_version}
         if cmd.command == "member_lost":
             role, name = cmd.args.get("role"), str(cmd.args.get("name"))
             if role == "worker":

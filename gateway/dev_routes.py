@@ -22,7 +22,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import APIError, bad_request
 
 DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake_up", "/is_sleeping",
-             "/collective_rpc", "/abort_requests")
+             "/collective_rpc", "/abort_requests", "/weight_info", "/update_weight_version")
 RPC_METHODS = ("reload_weights",)
 GATEWAY_TIMEOUT = "GatewayTimeoutError"
 
@@ -122,6 +122,19 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         if hit:
             await client.abort(hit)
         return JSONResponse({"status": "aborted", "aborted": len({r.rsplit("-", 1)[0] for r in hit})})
+
+    @app.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse({"weight_version": client.control_state.get("weight_version", "default")})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            raise bad_request("new_version must be a non-empty string", "new_version")
+        await broadcast(client, "update_weight_version", {"new_version": version}, cfg.control_timeout_s)
+        return JSONResponse({"success": True, "new_version": version})
 
     @app.get("/server_info")
     async def server_info() -> JSONResponse:

@@ -73,6 +73,7 @@ class _SamplingRequest(OpenAIModel):
     request_id: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_weight_versions: bool | None = None  # vLLM v0.33: per-choice weight_versions spans
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from bus.messages import RequestOutput
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.control_state import PAUSED_MESSAGE
+from engine.control_state import PAUSED_MESSAGE, version_label
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
     INTERNAL,
@@ -170,16 +170,35 @@ class ChoiceState:
         self.num_cached_tokens = 0
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
+        self.spans: list[list] = []  # [epoch, start, end, stale_kv] over output token indices
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def weight_versions(self, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Half-open spans of output tokens per weight version (vLLM's `weight_versions`); a span whose
+        tokens were computed on KV from older weights (keep pause, clear_cache=false) says stale_kv."""
+        out = []
+        for epoch, start, end, stale in self.spans:
+            span: dict[str, Any] = {"version": version_label(state, epoch), "start": start, "end": end}
+            if stale:
+                span["stale_kv"] = True
+            out.append(span)
+        return out
 
     def feed(self, out: RequestOutput) -> ChoiceUpdate:
         new = list(out.token_ids)
         if new and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if new:
+            n0 = len(self.token_ids)
+            last = self.spans[-1] if self.spans else None
+            if last and last[0] == out.weight_version and last[3] == out.stale_kv and last[2] == n0:
+                last[2] += len(new)
+            else:
+                self.spans.append([out.weight_version, n0, n0 + len(new), out.stale_kv])
         self.token_ids += new
         if out.logprobs is not None:
             self.logprobs += out.logprobs

@@ -141,6 +141,8 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, 
             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
         if body.return_token_ids:
             choice["token_ids"] = s.token_ids
+        if body.return_weight_versions:
+            choice["weight_versions"] = s.weight_versions(ctx.client.control_state)
         choices.append(choice)
     prompt_ids = states[0].prompt_ids
     out = {**head, "choices": choices,
@@ -181,6 +183,8 @@ def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any
         "finish_reason": upd.finish_reason, "stop_reason": upd.stop_reason}
     if body.return_token_ids:
         choice["token_ids"] = upd.token_ids
+    if body.return_weight_versions and upd.finish_reason is not None:  # the last chunk only
+        choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
     chunk = {**head, "choices": [choice]}
     if body.continuous_usage():
         chunk["usage"] = usage(len(state.prompt_ids), len(state.token_ids))

@@ -122,6 +122,8 @@ def _response(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any]
             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason, "prompt_logprobs": None}
         if body.return_token_ids:
             choice["prompt_token_ids"], choice["token_ids"] = s.prompt_ids, s.token_ids
+        if body.return_weight_versions:
+            choice["weight_versions"] = s.weight_versions(ctx.client.control_state)
         choices.append(choice)
     n = max(1, len(states) // max(1, len(encoded)))
     cached = sum(states[pi * n].num_cached_tokens for pi in range(len(encoded)))
@@ -158,6 +160,8 @@ def _chunk(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any], u
         choice["token_ids"] = upd.token_ids
         if first:
             choice["prompt_token_ids"] = state.prompt_ids
+    if body.return_weight_versions and upd.finish_reason is not None:  # the last chunk only
+        choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
     chunk = {**head, "choices": [choice]}
     if body.continuous_usage():
         chunk["usage"] = usage(len(state.prompt_ids), len(state.token_ids))

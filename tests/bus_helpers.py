@@ -6,15 +6,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import zmq
 
-from bus.codec import decode
 from bus.endpoints import Endpoints
 from bus.member import MemberLink
-from bus.messages import ControlReply, ControlRequest
-from bus.sockets import make_socket, send
+from bus.control_client import ControlClient  # noqa: F401  (re-exported for the bus tests)
 from engine.config import EngineConfig
 
 
@@ -74,26 +71,6 @@ class MemberThread:
     def close(self):
         self.stop.set()
         self.thread.join(5)
-
-
-class ControlClient:
-    def __init__(self, ep: Endpoints):
-        self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.DEALER, connect=ep.control, identity=f"test-{uuid.uuid4().hex[:6]}")
-
-    def request(self, command: str, args=None, timeout_s: float = 3.0) -> ControlReply:
-        rid = uuid.uuid4().hex
-        send(self.sock, ControlRequest(rid, command, args or {}, timeout_s))
-        deadline = time.monotonic() + timeout_s + 5
-        while time.monotonic() < deadline:
-            if self.sock.poll(100):
-                msg = decode(self.sock.recv_multipart())
-                if isinstance(msg, ControlReply) and msg.request_id == rid:
-                    return msg
-        raise TimeoutError(f"no reply to {command}")
-
-    def close(self):
-        self.ctx.destroy(linger=0)
 
 
 def wait_for(pred, timeout_s: float = 10.0, what: str = "condition"):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from tests.server_helpers import free_port, metric, tiny_model_with_tokenizer
+from tests.server_helpers import free_port, metric
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,7 +27,7 @@ ctx = zmq.Context()
 link = MemberLink(ctx, ep, role="gateway", name="gateway-fake", apply=lambda c: None, heartbeat_interval_s=0.2)
 link.wait_welcome(30)
 req = make_socket(ctx, zmq.DEALER, connect=ep.requests, identity="gateway-fake")
-send(req, AddRequest("orphan", [1, 2, 3], {"max_tokens": 200, "ignore_eos": True}, [0], time.time()))
+send(req, AddRequest("orphan", [1, 2, 3], {"max_tokens": 2000, "ignore_eos": True}, [0], time.time()))
 print("sent", flush=True)
 while True:
     for s in link.sockets:
@@ -59,8 +59,9 @@ def wait_status(url, want, timeout_s=60):
 
 
 def test_health_waits_for_workers_and_a_lost_gateway_only_costs_its_own_requests(tmp_path, smollm2_dir):
-    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=256,
+    # the real model: its orphan request must still be running when its gateway is declared lost
+    folder = smollm2_dir
+    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=2048,
                        heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
     argv = cfg.to_argv()
     url = f"http://127.0.0.1:{cfg.port}"

@@ -159,3 +159,67 @@ def _metric(url, name):
         if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _versions(url, **extra):
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "Story number 7:", "max_tokens": 60, "ignore_eos": True, "temperature": 0,
+        "return_weight_versions": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("clear_cache", ["true", "false"])
+def test_weight_version_spans_across_a_keep_pause(server, clear_cache):
+    url = server.url
+    assert httpx.post(url + "/update_weight_version", json={"new_version": "v1"}).json() == \
+        {"success": True, "new_version": "v1"}
+    assert httpx.get(url + "/weight_info").json() == {"weight_version": "v1"}
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(_versions(url)))
+    t.start()
+    wait_running(url, 1)
+    time.sleep(0.4)
+    assert post(url, "/pause", mode="keep", clear_cache=clear_cache).status_code == 200
+    assert httpx.post(url + "/update_weight_version", json={"new_version": "v2"}).status_code == 200
+    assert post(url, "/resume").status_code == 200
+    t.join(120)
+    spans = got["choices"][0]["weight_versions"]
+    assert [s["version"] for s in spans] == ["v1", "v2"], spans
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 60
+    # clear_cache=false keeps KV computed under v1: the v2 tokens say so
+    assert spans[1].get("stale_kv", False) is (clear_cache == "false")
+
+
+def test_prefix_cache_is_not_reused_across_weight_versions(server):
+    url = server.url
+    prompt = "A long shared prefix for caching. " * 10
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    httpx.post(url + "/v1/completions", json=body, timeout=60)
+    again = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert httpx.post(url + "/update_weight_version", json={"new_version": "v9"}).status_code == 200
+    after = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for bad in ({}, {"new_version": 3}, {"new_version": ""}):
+        r = httpx.post(url + "/update_weight_version", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "new_version"
+
+
+def test_a_member_that_misses_the_deadline_makes_the_call_fail_with_504(tmp_path, smollm2_dir):
+    import os
+    import signal as sig
+
+    from tests.server_helpers import tiny_model_with_tokenizer
+
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "m", smollm2_dir)
+    s = start_server(tmp_path, str(folder), "--max-model-len", "256", "--additional-config", RL,
+                     "--control-timeout-s", "1")
+    worker = s.child_pids()["worker-0"]
+    try:
+        os.kill(worker, sig.SIGSTOP)
+        r = httpx.post(s.url + "/pause", timeout=30)
+        assert r.status_code == 504 and "worker-0" in r.json()["error"]["message"], r.text
+    finally:
+        os.kill(worker, sig.SIGCONT)
+        s.stop()

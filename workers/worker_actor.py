@@ -19,6 +19,7 @@ from bus.endpoints import PLAN_TOPIC, Endpoints, presence_topic
 from bus.member import MemberLink
 from bus.messages import PROTOCOL_VERSION, Command, Hello, StepPlan, StepResult
 from bus.sockets import make_socket, recv, report_ready, send
+from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.rl_config import parse_additional_config, worker_env_updates
@@ -65,6 +66,8 @@ class WorkerActor:
 
     def start(self) -> None:
         snapshot = self.link.wait_welcome(timeout_s=120)
+        self.control = dict(snapshot) or control_state.initial_state()
+        self.runner.weight_version = int(self.control.get("weight_epoch", 0))
         if "weights" in snapshot.get("sleeping_tags", []):  # joined a sleeping engine: sleep as well
             self.sleep.sleep(int(snapshot.get("sleep_level") or 1))
         send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, self.info))
@@ -130,6 +133,9 @@ class WorkerActor:
             restored = self.sleep.wake(tags) if tags else 0
             log.info("worker.wake_up", tags=tags, restored_bytes=restored)
             return {"restored_bytes": restored}
+        elif c == "update_weight_version":
+            control_state.apply(self.control, c, args)
+            self.runner.weight_version = int(self.control["weight_epoch"])
         elif c == "collective_rpc":
             return self._rpc(str(args.get("method")), args.get("args") or [], args.get("kwargs") or {})
         return None

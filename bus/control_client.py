@@ -1,0 +1,41 @@
+"""A blocking client for the acknowledged control broadcast: send a command through the coordinator,
+get the reply once every member acked. For scripts, benchmarks and trainers that talk to the bus
+directly (the gateway uses its asyncio twin in gateway/engine_client.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from bus.codec import CodecError, decode
+from bus.endpoints import Endpoints
+from bus.messages import ControlReply, ControlRequest
+from bus.sockets import make_socket, send
+
+
+class ControlClient:
+    def __init__(self, ep: Endpoints, name: str | None = None):
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.DEALER, connect=ep.control,
+                                identity=name or f"client-{uuid.uuid4().hex[:8]}")
+
+    def request(self, command: str, args: dict[str, Any] | None = None, timeout_s: float = 10.0) -> ControlReply:
+        """Raises TimeoutError when the coordinator does not answer within timeout_s + 5 s."""
+        rid = uuid.uuid4().hex
+        send(self.sock, ControlRequest(rid, command, args or {}, timeout_s))
+        deadline = time.monotonic() + timeout_s + 5
+        while (left := deadline - time.monotonic()) > 0:
+            if self.sock.poll(left * 1000):
+                try:
+                    msg = decode(self.sock.recv_multipart())
+                except CodecError:
+                    continue
+                if isinstance(msg, ControlReply) and msg.request_id == rid:
+                    return msg
+        raise TimeoutError(f"no reply to {command!r} from the coordinator")
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
