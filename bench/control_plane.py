@@ -121,6 +121,7 @@ def serve_benchmarks(cycles: int) -> dict:
             assert httpx.post(url + "/pause", params={"mode": "abort"}, timeout=60).status_code == 200
             pauses.append(time.perf_counter() - t0)
             th.join(120)
+            time.sleep(0.5)  # resume comes after the weight update, when the aborted responses are long gone
             t0 = time.perf_counter()
             assert httpx.post(url + "/resume", timeout=60).status_code == 200
             resumes.append(time.perf_counter() - t0)

@@ -189,6 +189,10 @@ class SchedulerActor:
         main = self.pending_results[0]
         errors = [r.error for r in self.pending_results.values() if r.error]
         self.pending_results = {}
+        if errors and all(e == "interrupted" for e in errors):
+            # An abort pause cut the step short: its sequences were aborted, nothing advanced.
+            self._maybe_complete_pause()
+            return
         if errors:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
             # keeps serving the others. Dead workers are handled by member_lost, not here.

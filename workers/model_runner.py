@@ -33,7 +33,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, between_layers=None) -> StepResult:
         t0 = time.perf_counter()
         for ns in plan.new_seqs:
             params = SamplingParams.from_wire(ns.sampling)
@@ -46,7 +46,7 @@ class ModelRunner:
             return self._result(plan, [], None, t0)
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(plan)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta, self.kv.views)
+            hidden = self.model(input_ids, positions, meta, self.kv.views, between_layers)
             if not sample_ids:  # only partial prefill chunks this step: nothing to sample
                 return self._result(plan, [], None, t0)
             # Sampling runs on the host with per-request CPU generators, so seeded draws are identical

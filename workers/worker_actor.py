@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from ascend_ops.platform import current_platform
-from bus.codec import CodecError
+from bus.codec import CodecError, decode
 from bus.endpoints import PLAN_TOPIC, Endpoints, presence_topic
 from bus.member import MemberLink
 from bus.messages import PROTOCOL_VERSION, Command, Hello, StepPlan, StepResult
@@ -29,6 +29,12 @@ from workers.sleep import SleepManager
 from workers.model_runner import ModelRunner
 
 log = structlog.get_logger()
+
+INTERRUPTED = "interrupted"
+
+
+class StepInterrupted(Exception):
+    pass
 
 
 class WorkerActor:
@@ -63,6 +69,7 @@ class WorkerActor:
                                heartbeat_interval_s=cfg.heartbeat_interval_s,
                                heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
+        self._early: list[list] = []  # command frames read during a step, applied after it
 
     def start(self) -> None:
         snapshot = self.link.wait_welcome(timeout_s=120)
@@ -96,13 +103,33 @@ class WorkerActor:
         if self.sleep.asleep and plan.seq_ids:
             self._await_wake()
         try:
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan, self._check_interrupt)
+        except StepInterrupted:
+            result = StepResult(plan.step_id, self.rank, [], None, None, None, None,
+                                self.runner.weight_version, INTERRUPTED)
         except Exception as e:  # report, so the scheduler fails the step's requests instead of hanging
             log.exception("worker.step_failed", step=plan.step_id)
             result = StepResult(plan.step_id, self.rank, [], None, None, None, None,
                                 self.runner.weight_version, f"{type(e).__name__}: {e}")
         if plan.seq_ids:
             send(self.results, result)
+        early, self._early = self._early, []
+        for frames in early:  # commands that arrived during the step, in order
+            self.link.handle_frames(frames, from_sub=True)
+
+    def _check_interrupt(self) -> None:
+        """Between layers: an abort pause (or abort sleep) ends the step now instead of after it, so
+        /pause?mode=abort returns in milliseconds even while a long step runs. Only aborting commands
+        interrupt (their requests are dropped anyway); everything else waits for the step to end."""
+        while self.link.sub.poll(0):
+            frames = self.link.sub.recv_multipart()
+            self._early.append(frames)
+            try:
+                msg = decode(frames[1:])
+            except CodecError:
+                continue
+            if isinstance(msg, Command) and msg.command in ("pause", "sleep") and msg.args.get("mode") == "abort":
+                raise StepInterrupted()
 
     def _await_wake(self, timeout_s: float = 10.0) -> None:
         """A plan can overtake the wake_up command (they travel on different sockets): apply pending

@@ -10,7 +10,7 @@ q/k/v and gate/up are fused into one GEMM each; HF checkpoint pieces are loaded 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -252,12 +252,16 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [T, H] of this step's tokens; writes their k/v into kv_caches."""
+        """Final-norm hidden states [T, H] of this step's tokens; writes their k/v into kv_caches.
+        `between_layers` runs after each layer; raising there abandons the step (an abort pause)."""
         x = self.model.embed_tokens.weight[input_ids]  # [T, H]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv)
+            if between_layers is not None:
+                between_layers()
         return ops.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
