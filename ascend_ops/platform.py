@@ -89,3 +89,20 @@ def release_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def releasable_host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled host tensor in its own anonymous mapping, so dropping it gives the memory straight
+    back to the OS (no allocator cache, no heap fragmentation) and re-creating it costs page faults
+    only, on first touch. Huge pages are asked for where the kernel allows them (fewer faults)."""
+    import mmap
+
+    nbytes = max(1, numel * torch.empty(0, dtype=dtype).element_size())
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    # The tensor keeps the mapping alive; when the last view of it goes, the mapping is unmapped.
+    return torch.frombuffer(mm, dtype=dtype, count=numel)

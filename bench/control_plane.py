@@ -101,6 +101,17 @@ def rss(pid: int) -> int:
     return 0
 
 
+def kv_resident(pid: int, kv_bytes: int) -> int:
+    """Resident bytes of the KV cache's own mapping (/proc/<pid>/smaps)."""
+    best, size = 0, None
+    for line in open(f"/proc/{pid}/smaps"):
+        if line.startswith("Size:"):
+            size = int(line.split()[1]) * 1024
+        elif line.startswith("Rss:") and size is not None and 0.95 * kv_bytes <= size <= kv_bytes:
+            best = max(best, int(line.split()[1]) * 1024)
+    return best
+
+
 def serve_benchmarks(cycles: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="rollbus-cp-serve-"))
     s = start_server(work, "--additional-config", '{"rl_config": {"enabled": true}}', "--enable-sleep-mode",
@@ -133,10 +144,11 @@ def serve_benchmarks(cycles: int) -> dict:
         info = httpx.get(url + "/server_info").json()
         kv_bytes = int(info["engine_config"]["kv_cache_memory_bytes"])
         weight_bytes = 134_515_008 * 4
-        start_rss = rss(worker)
+        start_rss, kv_in_ram = rss(worker), kv_resident(worker, kv_bytes)
         r = httpx.post(url + "/sleep", params={"level": 2}, timeout=60).json()
         out["level2_released_frac"] = r["released_bytes"] / (kv_bytes + weight_bytes)
-        out["level2_rss_drop_frac"] = (start_rss - rss(worker)) / (kv_bytes + weight_bytes)
+        # the KV is faulted in lazily: what it held in RAM is its resident pages, not its size
+        out["level2_rss_drop_frac"] = (start_rss - rss(worker)) / (kv_in_ram + weight_bytes)
         httpx.post(url + "/wake_up", timeout=60)
         httpx.post(url + "/collective_rpc", json={"method": "reload_weights"}, timeout=120)
 
@@ -188,7 +200,7 @@ def main() -> None:
         ("/pause?mode=abort, 64 running", f"{r['pause_abort_ms']:.1f} ms", "< 50 ms"),
         ("/resume", f"{r['resume_ms']:.1f} ms", "< 10 ms"),
         ("level 2: released / (weights + KV)", f"{100 * r['level2_released_frac']:.1f} %", ">= 90 %"),
-        ("level 2: RSS drop / (weights + KV)", f"{100 * r['level2_rss_drop_frac']:.1f} %", "-"),
+        ("level 2: RSS drop / (weights + KV in RAM)", f"{100 * r['level2_rss_drop_frac']:.1f} %", "-"),
         (f"{args.cycles} cycles: RSS drift", f"{100 * r['cycles_rss_drift_frac']:+.2f} %", "within 5 %"),
         (f"{args.cycles} cycles: RSS max", f"{100 * r['cycles_rss_max_frac']:+.2f} %", "-"),
         ("wake from level 1", f"{r['wake1_ms']:.1f} ms", f"<= 2 x memcpy ({2 * r['memcpy_weights_ms']:.1f} ms)"),

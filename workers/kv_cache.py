@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ascend_ops.platform import Platform
+from ascend_ops.platform import Platform, releasable_host_tensor
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -33,8 +33,16 @@ class KVCache:
         return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
 
     def allocate(self) -> None:
-        # zeros, not empty: padded decode rows read unused slots, which must be finite.
-        self.tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        # Zero-filled, not uninitialised: padded decode rows read unused slots, which must be finite.
+        # On the host, an anonymous mapping is zero-filled by the kernel page by page on first touch,
+        # and goes back to the OS the moment the cache is released (sleep).
+        if self.device.type == "cpu":
+            numel = 1
+            for d in self.shape:
+                numel *= d
+            self.tensor = releasable_host_tensor(numel, self.dtype).view(self.shape)
+        else:
+            self.tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.views = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.shape[0])]
 
     def release(self) -> None:
