@@ -119,6 +119,7 @@ def serve_benchmarks(cycles: int) -> dict:
     out: dict = {}
     try:
         url, worker = s.url, s.child_pids()["worker-0"]
+        h = httpx.Client(timeout=60)  # one connection: a new client per call costs tens of ms itself
         say("pause?mode=abort with 64 running requests ...")
         pauses, resumes = [], []
         for _ in range(3):
@@ -129,12 +130,12 @@ def serve_benchmarks(cycles: int) -> dict:
             while running(url) < 64:
                 time.sleep(0.05)
             t0 = time.perf_counter()
-            assert httpx.post(url + "/pause", params={"mode": "abort"}, timeout=60).status_code == 200
+            assert h.post(url + "/pause", params={"mode": "abort"}).status_code == 200
             pauses.append(time.perf_counter() - t0)
             th.join(120)
             time.sleep(0.5)  # resume comes after the weight update, when the aborted responses are long gone
             t0 = time.perf_counter()
-            assert httpx.post(url + "/resume", timeout=60).status_code == 200
+            assert h.post(url + "/resume").status_code == 200
             resumes.append(time.perf_counter() - t0)
         out["pause_abort_ms"] = 1e3 * statistics.median(pauses)
         out["resume_ms"] = 1e3 * statistics.median(resumes)
@@ -171,7 +172,7 @@ def serve_benchmarks(cycles: int) -> dict:
         for _ in range(5):
             httpx.post(url + "/sleep", params={"level": 1}, timeout=60)
             t0 = time.perf_counter()
-            httpx.post(url + "/wake_up", timeout=60)
+            h.post(url + "/wake_up")
             wakes.append(time.perf_counter() - t0)
         src = torch.empty(weight_bytes // 4)
         dst = torch.empty_like(src)
