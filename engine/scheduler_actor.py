@@ -52,9 +52,17 @@ class SchedulerActor:
         self.step_started = 0.0
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
-        self.control = control_state.initial_state()
+        self._control: dict[str, Any] | None = None
         self.pause_pending: dict[str, Any] | None = None  # a deferred pause waiting to complete
         self.sleep_paused = False  # the scheduler is quiet because of a sleep, not a user pause
+
+    @property
+    def control(self) -> dict[str, Any]:
+        """Our copy of the control state: the Welcome snapshot, then every stateful command applied in
+        order (commands replayed right after the Welcome included)."""
+        if self._control is None:
+            self._control = dict(self.link.snapshot) or control_state.initial_state()
+        return self._control
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -88,8 +96,8 @@ class SchedulerActor:
         self.max_model_len = max_len
         self.sched = Scheduler(BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching),
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
-        # A late or restarted scheduler starts from the control state every other member is in.
-        self.control = dict(self.link.snapshot) or control_state.initial_state()
+        # Start from the control state every other member is in (the Welcome snapshot plus whatever
+        # was broadcast while we waited for the workers).
         self.sched.weight_version = int(self.control.get("weight_epoch", 0))
         paused = self.control.get("paused")
         if paused:
@@ -253,6 +261,9 @@ class SchedulerActor:
     # --- control --------------------------------------------------------------------------------
 
     def _apply(self, cmd: Command) -> dict[str, Any] | None:
+        if self.sched is None and cmd.command in control_state.REDUCERS:
+            control_state.apply(self.control, cmd.command, cmd.args)  # applied when the workers are up
+            return {"starting": True}
         if cmd.command == "health":
             if self.sched is None:
                 return {"ok": False, "why": "waiting for workers"}

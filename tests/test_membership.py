@@ -99,3 +99,44 @@ def metric_running(url):
     s = S()
     s.url = url
     return metric(s, "vllm:num_requests_running")
+
+
+def test_a_late_worker_and_scheduler_start_from_the_current_control_state(tmp_path, smollm2_dir):
+    """Commands broadcast before the worker exists (a version change, a keep pause) are in force when
+    it joins: served tokens carry the version, the pause holds until /resume."""
+    from tests.server_helpers import tiny_model_with_tokenizer
+
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
+    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=256,
+                       additional_config='{"rl_config": {"enabled": true}}')
+    argv = cfg.to_argv()
+    url = f"http://127.0.0.1:{cfg.port}"
+    procs = [role(argv, "coordinator"), role(argv, "scheduler"), role(argv, "gateway")]
+    try:
+        wait_status(url, 503)
+        assert httpx.post(url + "/update_weight_version", json={"new_version": "v5"}, timeout=30).status_code == 200
+        assert httpx.post(url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        procs.append(role(argv, "worker", "--rank", "0"))
+        wait_status(url, 200)
+        assert httpx.get(url + "/is_paused").json() == {"is_paused": True}
+        got: dict = {}
+
+        def go():
+            got.update(httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": str(folder), "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True,
+                "return_weight_versions": True}).json())
+
+        import threading
+
+        t = threading.Thread(target=go)
+        t.start()
+        time.sleep(1.0)
+        assert not got  # kept: queued, not served
+        assert httpx.post(url + "/resume", timeout=30).status_code == 200
+        t.join(60)
+        assert got["choices"][0]["weight_versions"] == [{"version": "v5", "start": 0, "end": 3}]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)

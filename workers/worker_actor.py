@@ -70,10 +70,17 @@ class WorkerActor:
                                heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
         self._early: list[list] = []  # command frames read during a step, applied after it
+        self._control: dict[str, Any] | None = None
+
+    @property
+    def control(self) -> dict[str, Any]:
+        """The Welcome snapshot, then every stateful command applied in order."""
+        if self._control is None:
+            self._control = dict(self.link.snapshot) or control_state.initial_state()
+        return self._control
 
     def start(self) -> None:
         snapshot = self.link.wait_welcome(timeout_s=120)
-        self.control = dict(snapshot) or control_state.initial_state()
         self.runner.weight_version = int(self.control.get("weight_epoch", 0))
         if "weights" in snapshot.get("sleeping_tags", []):  # joined a sleeping engine: sleep as well
             self.sleep.sleep(int(snapshot.get("sleep_level") or 1))
