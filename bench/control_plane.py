@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bus.control_client import ControlClient  # noqa: E402
 from bus.endpoints import Endpoints  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.procstats import mapping_rss, rss  # noqa: E402
 from engine.serve_process import start_server  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -94,24 +95,6 @@ def running(url: str) -> float:
     return 0.0
 
 
-def rss(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def kv_resident(pid: int, kv_bytes: int) -> int:
-    """Resident bytes of the KV cache's own mapping (/proc/<pid>/smaps)."""
-    best, size = 0, None
-    for line in open(f"/proc/{pid}/smaps"):
-        if line.startswith("Size:"):
-            size = int(line.split()[1]) * 1024
-        elif line.startswith("Rss:") and size is not None and 0.95 * kv_bytes <= size <= kv_bytes:
-            best = max(best, int(line.split()[1]) * 1024)
-    return best
-
-
 def serve_benchmarks(cycles: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="rollbus-cp-serve-"))
     s = start_server(work, "--additional-config", '{"rl_config": {"enabled": true}}', "--enable-sleep-mode",
@@ -145,7 +128,7 @@ def serve_benchmarks(cycles: int) -> dict:
         info = httpx.get(url + "/server_info").json()
         kv_bytes = int(info["engine_config"]["kv_cache_memory_bytes"])
         weight_bytes = 134_515_008 * 4
-        start_rss, kv_in_ram = rss(worker), kv_resident(worker, kv_bytes)
+        start_rss, kv_in_ram = rss(worker), mapping_rss(worker, kv_bytes)
         r = httpx.post(url + "/sleep", params={"level": 2}, timeout=60).json()
         out["level2_released_frac"] = r["released_bytes"] / (kv_bytes + weight_bytes)
         # the KV is faulted in lazily: what it held in RAM is its resident pages, not its size

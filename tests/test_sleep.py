@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from engine.procstats import mapping_rss, rss
 from tests.server_helpers import start_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,23 +25,9 @@ def server(tmp_path_factory, smollm2_dir):
     s.stop()
 
 
-def rss(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def kv_resident(pid: int) -> int:
-    """Resident bytes of the worker's KV-cache mapping (its own anonymous mapping of KV_BYTES or a
-    little less), from /proc/<pid>/smaps: the KV is faulted in lazily, so only used pages count."""
-    best, size = 0, None
-    for line in open(f"/proc/{pid}/smaps"):
-        if line.startswith("Size:"):
-            size = int(line.split()[1]) * 1024
-        elif line.startswith("Rss:") and size is not None and 0.95 * KV_BYTES <= size <= KV_BYTES:
-            best = max(best, int(line.split()[1]) * 1024)
-    return best
+    """Resident bytes of the worker's KV cache: it is faulted in lazily, so only used pages count."""
+    return mapping_rss(pid, KV_BYTES)
 
 
 def greedy(url: str) -> dict:
