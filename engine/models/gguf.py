@@ -8,7 +8,6 @@ fp32 tensor plus the output the caller keeps.
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
