@@ -75,7 +75,8 @@ def in_process(folder: Path, seqs: int, tokens: int) -> tuple[float, float]:
     runner = ModelRunner(model, kv, rank=0, block_size=16, device=torch.device("cpu"))
     sched = Scheduler(BlockManager(1024, 16), 256, 4096, 2048)
     for k, p in enumerate(prompts(seqs)):
-        sched.add(Sequence(f"r{k}", p, SamplingParams(temperature=1.0, seed=k, max_tokens=tokens, ignore_eos=True), [2]))
+        sp = SamplingParams(temperature=1.0, seed=k, max_tokens=tokens, ignore_eos=True)
+        sched.add(Sequence(f"r{k}", p, sp, [2]))
     exec_t, codec_t, steps = 0.0, 0.0, 0
     while sched.has_work():
         step = sched.schedule()
@@ -152,7 +153,8 @@ def main() -> None:
     print("over the bus (coordinator, scheduler, worker processes) ...", file=sys.stderr)
     bus = over_the_bus(folder, args.seqs, args.tokens)
     print(f"\nPer decode step, {args.seqs} sequences ({bus['steps']:.0f} steps over the bus)")
-    print(f"  in one process: execute            {exec_ms:8.3f} ms  (+ encode/decode of plan and result {codec_ms:.3f} ms)")
+    print(f"  in one process: execute            {exec_ms:8.3f} ms"
+          f"  (+ encode/decode of plan and result {codec_ms:.3f} ms)")
     print(f"  over the bus:   scheduler wall     {bus['step_ms']:8.3f} ms")
     print(f"                  worker compute     {bus['compute_ms']:8.3f} ms")
     print(f"                  bus hop            {bus['hop_ms']:8.3f} ms   (wall - compute)")

@@ -17,8 +17,7 @@ import zmq
 from bus.codec import CodecError
 from bus.control import ControlLedger, Member, Pending
 from bus.endpoints import COMMAND_TOPIC, Endpoints
-from bus.messages import (PROTOCOL_VERSION, Ack, ControlReply, ControlRequest, Heartbeat, Hello,
-                          Welcome)
+from bus.messages import PROTOCOL_VERSION, Ack, ControlReply, ControlRequest, Heartbeat, Hello, Welcome
 from bus.sockets import make_socket, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.config import EngineConfig

@@ -64,7 +64,8 @@ class SamplingParams:
                 else f"logprobs must be >= 0, got {self.logprobs}",
             )
         for t in self.stop_token_ids:
-            _check(0 <= t < vocab_size, "stop_token_ids", f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+            _check(0 <= t < vocab_size, "stop_token_ids",
+                   f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", "seed must fit in 64 bits")
 

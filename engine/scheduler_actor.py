@@ -18,11 +18,20 @@ import zmq
 from bus.codec import CodecError
 from bus.endpoints import PLAN_TOPIC, Endpoints
 from bus.member import DEFER, MemberLink
-from bus.messages import (AbortRequests, AddRequest, Command, Hello, NewSeq, OutputBatch, RequestOutput,
-                          StepPlan, StepResult)
+from bus.messages import (
+    AbortRequests,
+    AddRequest,
+    Command,
+    Hello,
+    NewSeq,
+    OutputBatch,
+    RequestOutput,
+    StepPlan,
+    StepResult,
+)
 from bus.sockets import make_socket, recv, recv_from, report_ready, send, subscription_event
-from engine.block_manager import BlockManager
 from engine import control_state
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.request import Sequence

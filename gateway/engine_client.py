@@ -20,8 +20,19 @@ import zmq.asyncio
 
 from bus.codec import CodecError, decode, encode
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
-from bus.messages import (PROTOCOL_VERSION, AbortRequests, AddRequest, Command, ControlReply,
-                          ControlRequest, Heartbeat, Hello, OutputBatch, RequestOutput, Welcome)
+from bus.messages import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    AddRequest,
+    Command,
+    ControlReply,
+    ControlRequest,
+    Heartbeat,
+    Hello,
+    OutputBatch,
+    RequestOutput,
+    Welcome,
+)
 from bus.sockets import make_socket
 from engine import control_state
 from engine.sampling_params import SamplingParams

@@ -21,8 +21,8 @@ from starlette.types import Receive, Scope, Send
 
 from bus.messages import RequestOutput
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
 from engine.control_state import PAUSED_MESSAGE, version_label
+from engine.sampling_params import SamplingParams
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
     INTERNAL,

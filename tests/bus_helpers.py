@@ -9,9 +9,9 @@ import time
 
 import zmq
 
+from bus.control_client import ControlClient  # noqa: F401  (re-exported for the bus tests)
 from bus.endpoints import Endpoints
 from bus.member import MemberLink
-from bus.control_client import ControlClient  # noqa: F401  (re-exported for the bus tests)
 from engine.config import EngineConfig
 
 

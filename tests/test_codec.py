@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from bus.codec import CodecError, decode, encode
-from bus.messages import (Ack, AddRequest, NewSeq, OutputBatch, RequestOutput, StepPlan, StepResult,
-                          message_kinds)
+from bus.messages import Ack, AddRequest, NewSeq, OutputBatch, RequestOutput, StepPlan, StepResult, message_kinds
 
 
 def roundtrip(msg):

@@ -48,8 +48,8 @@ def hf_greedy_with_logprobs(hf, prompt_ids: list[int], n: int) -> tuple[list[int
 
 
 def test_chat_answers_like_the_model(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of Japan?"}],
-                                       max_tokens=20, temperature=0)
+    r = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0,
+                                       messages=[{"role": "user", "content": "What is the capital of Japan?"}])
     assert "Tokyo" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10

@@ -1,7 +1,7 @@
 """Scheduler policy, driven by a fake "model" that samples a fixed token: no sockets, no tensors."""
 
 from engine.block_manager import BlockManager
-from engine.request import Sequence, SeqStatus
+from engine.request import SeqStatus, Sequence
 from engine.sampling_params import SamplingParams
 
 

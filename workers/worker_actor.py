@@ -25,8 +25,8 @@ from engine.logs import setup_logging
 from engine.rl_config import parse_additional_config, worker_env_updates
 from workers.kv_cache import KVCache, plan_num_blocks
 from workers.loader import load_model, reload_weights
-from workers.sleep import SleepManager
 from workers.model_runner import ModelRunner
+from workers.sleep import SleepManager
 
 log = structlog.get_logger()
 
