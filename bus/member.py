@@ -45,6 +45,7 @@ class MemberLink:
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
         self.follower = ControlFollower()
         self.snapshot: dict[str, Any] = {}
+        self.welcomes = 0  # counts snapshots taken (1 at join, +1 per resync): actors refresh their copies
         self.deferred: Command | None = None
         self._held: list[Command] = []
         # Subscribe before saying Hello: the coordinator waits to see our presence topic arrive on its
@@ -128,6 +129,7 @@ class MemberLink:
         if not w.accepted:
             raise BusError(f"{self.name}: coordinator refused us: {w.reason}")
         self.snapshot = w.snapshot
+        self.welcomes += 1
         self._apply_all(self.follower.welcome(w.seq))
 
     def _apply_all(self, cmds: list[Command]) -> None:

@@ -8,6 +8,7 @@ cannot be lost. One step is in flight at a time: plan -> results of every worker
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import defaultdict
 from typing import Any
@@ -62,6 +63,7 @@ class SchedulerActor:
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
         self._control: dict[str, Any] | None = None
+        self._control_welcome = 0
         self.pause_pending: dict[str, Any] | None = None  # a deferred pause waiting to complete
         self.sleep_paused = False  # the scheduler is quiet because of a sleep, not a user pause
 
@@ -69,8 +71,10 @@ class SchedulerActor:
     def control(self) -> dict[str, Any]:
         """Our copy of the control state: the Welcome snapshot, then every stateful command applied in
         order (commands replayed right after the Welcome included)."""
-        if self._control is None:
-            self._control = dict(self.link.snapshot) or control_state.initial_state()
+        if self._control is None or self._control_welcome != self.link.welcomes:
+            # first use, or a resync after a sequence gap brought a fresh snapshot
+            self._control = copy.deepcopy(self.link.snapshot) or control_state.initial_state()
+            self._control_welcome = self.link.welcomes
         return self._control
 
     # --- start-up -------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ workers.model_runner.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from typing import Any
@@ -71,12 +72,15 @@ class WorkerActor:
         self.stopping = False
         self._early: list[list] = []  # command frames read during a step, applied after it
         self._control: dict[str, Any] | None = None
+        self._control_welcome = 0
 
     @property
     def control(self) -> dict[str, Any]:
         """The Welcome snapshot, then every stateful command applied in order."""
-        if self._control is None:
-            self._control = dict(self.link.snapshot) or control_state.initial_state()
+        if self._control is None or self._control_welcome != self.link.welcomes:
+            # first use, or a resync after a sequence gap brought a fresh snapshot
+            self._control = copy.deepcopy(self.link.snapshot) or control_state.initial_state()
+            self._control_welcome = self.link.welcomes
         return self._control
 
     def start(self) -> None:
