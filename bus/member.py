@@ -82,12 +82,9 @@ class MemberLink:
         return self.snapshot
 
     def handle(self, sock: zmq.Socket) -> None:
-        self.handle_frames(sock.recv_multipart(), from_sub=sock is self.sub)
-
-    def handle_frames(self, frames: list, *, from_sub: bool) -> None:
-        """Process a message already taken off a socket (see the worker's interrupt check)."""
+        frames = sock.recv_multipart()
         try:
-            msg = decode(frames[1:] if from_sub else frames)
+            msg = decode(frames[1:] if sock is self.sub else frames)
         except CodecError as e:
             log.warning("bus.bad_message", member=self.name, error=str(e))
             return

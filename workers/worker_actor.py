@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ import zmq
 
 from ascend_ops.platform import current_platform
 from bus.codec import CodecError, decode
-from bus.endpoints import PLAN_TOPIC, Endpoints, presence_topic
+from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
 from bus.member import MemberLink
 from bus.messages import PROTOCOL_VERSION, Command, Hello, StepPlan, StepResult
 from bus.sockets import make_socket, recv, report_ready, send
@@ -70,7 +71,7 @@ class WorkerActor:
                                heartbeat_interval_s=cfg.heartbeat_interval_s,
                                heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
-        self._early: list[list] = []  # command frames read during a step, applied after it
+        self.abort_watch = _AbortWatcher(ctx, ep.commands, self.name)
         self._control: dict[str, Any] | None = None
         self._control_welcome = 0
 
@@ -124,36 +125,14 @@ class WorkerActor:
                                 self.runner.weight_version, f"{type(e).__name__}: {e}")
         if plan.seq_ids:
             send(self.results, result)
-        early, self._early = self._early, []
-        for frames in early:  # commands that arrived during the step, in order
-            self.link.handle_frames(frames, from_sub=True)
 
     def _check_interrupt(self) -> None:
-        """Between layers: an abort pause (or abort sleep) ends the step now instead of after it, so
-        /pause?mode=abort returns in milliseconds even while a long step runs. Only aborting commands
-        interrupt (their requests are dropped anyway); everything else waits for the step to end."""
-        while self.link.sub.poll(0):
-            frames = self.link.sub.recv_multipart()
-            self._early.append(frames)
-            try:
-                msg = decode(frames[1:])
-            except CodecError:
-                continue
-            if isinstance(msg, Command) and msg.command in ("pause", "sleep") and msg.args.get("mode") == "abort":
-                raise StepInterrupted()
-
-    def _await_wake(self, timeout_s: float = 10.0) -> None:
-        """A plan can overtake the wake_up command (they travel on different sockets): apply pending
-        commands before computing, so the step never runs on released memory."""
-        poller = zmq.Poller()
-        for s in self.link.sockets:
-            poller.register(s, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while self.sleep.asleep and time.monotonic() < deadline:
-            for sock, _ in poller.poll(100):
-                self.link.handle(sock)
-        if self.sleep.asleep:
-            raise RuntimeError(f"{self.name} got a step while {sorted(self.sleep.asleep)} sleep")
+        """Between layers: an abort pause (or abort sleep) that the loop has not applied yet ends the
+        step now instead of after it, so /pause?mode=abort returns in milliseconds even while a long
+        step runs. Only aborting commands interrupt (their requests are dropped anyway). A plain int
+        compare: touching a zmq socket here slowed every step's neighbours on a busy 2-core host."""
+        if self.abort_watch.abort_seq > (self.link.follower.seq or 0):
+            raise StepInterrupted()
 
     def _apply(self, cmd: Command) -> dict[str, Any] | None:
         c, args = cmd.command, cmd.args
@@ -207,3 +186,36 @@ def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
         actor.run()
     finally:
         ctx.destroy(linger=500)
+
+
+class _AbortWatcher:
+    """Watches the command broadcast from a thread of its own (its own SUB socket) and records the
+    latest seq of an aborting pause or sleep, for the compute loop to compare against."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, name: str):
+        self.abort_seq = 0
+        self._stop = threading.Event()
+        self._args = (ctx, endpoint)
+        threading.Thread(target=self._run, name=f"{name}-abort-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        ctx, endpoint = self._args
+        try:
+            sub = make_socket(ctx, zmq.SUB, connect=endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, COMMAND_TOPIC)
+            while not self._stop.is_set():
+                if not sub.poll(500):
+                    continue
+                frames = sub.recv_multipart()
+                try:
+                    msg = decode(frames[1:])
+                except CodecError:
+                    continue
+                if isinstance(msg, Command) and msg.command in ("pause", "sleep") and msg.args.get("mode") == "abort":
+                    self.abort_seq = max(self.abort_seq, msg.seq)
+            sub.close(0)
+        except zmq.ZMQError:
+            pass  # context torn down at exit
+
+    def stop(self) -> None:
+        self._stop.set()
