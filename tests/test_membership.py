@@ -28,6 +28,7 @@ link = MemberLink(ctx, ep, role="gateway", name="gateway-fake", apply=lambda c: 
 link.wait_welcome(30)
 req = make_socket(ctx, zmq.DEALER, connect=ep.requests, identity="gateway-fake")
 send(req, AddRequest("orphan", [1, 2, 3], {"max_tokens": 2000, "ignore_eos": True}, [0], time.time()))
+assert req.poll(30000), "the scheduler never answered"  # the request is running, not just queued here
 print("sent", flush=True)
 while True:
     for s in link.sockets:
