@@ -386,4 +386,5 @@ def run_scheduler_process(cfg: EngineConfig) -> None:
         report_ready(ctx, ep.ready, "scheduler", NAME, info)
         actor.run()
     finally:
+        actor.link.close()
         ctx.destroy(linger=500)

@@ -7,6 +7,15 @@ def seq(sid, tokens):
     return Sequence(sid, list(tokens), SamplingParams(), [0])
 
 
+def computed(bm, sid, tokens, weight_version=0):
+    """A sequence whose tokens are all in the cache, its full blocks registered for sharing."""
+    q = seq(sid, tokens)
+    bm.allocate(q, q.num_tokens)
+    q.num_computed = q.num_tokens
+    bm.commit_full_blocks(q, weight_version)
+    return q
+
+
 def test_allocate_is_all_or_nothing():
     bm = BlockManager(num_blocks=4, block_size=4)
     s = seq("a", range(20))
@@ -20,10 +29,7 @@ def test_allocate_is_all_or_nothing():
 
 def test_prefix_blocks_are_shared_and_refcounted():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = seq("a", range(10))
-    bm.allocate(a, 10)
-    a.num_computed = 10
-    bm.commit_full_blocks(a, weight_version=0)
+    a = computed(bm, "a", range(10))
     assert len(a.block_hashes) == 2
     b = seq("b", list(range(8)) + [99, 98, 97])
     assert bm.match_prefix(b, weight_version=0) == 8
@@ -35,10 +41,7 @@ def test_prefix_blocks_are_shared_and_refcounted():
 
 def test_prefix_cache_never_crosses_weight_versions():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = seq("a", range(9))
-    bm.allocate(a, 9)
-    a.num_computed = 9
-    bm.commit_full_blocks(a, weight_version=1)
+    a = computed(bm, "a", range(9), weight_version=1)
     bm.free_seq(a)
     assert bm.match_prefix(seq("b", range(9)), weight_version=2) == 0
     assert bm.match_prefix(seq("c", range(9)), weight_version=1) == 8
@@ -46,18 +49,12 @@ def test_prefix_cache_never_crosses_weight_versions():
 
 def test_freed_blocks_stay_cached_until_reused():
     bm = BlockManager(num_blocks=3, block_size=4)
-    a = seq("a", range(9))
-    bm.allocate(a, 9)
-    a.num_computed = 9
-    bm.commit_full_blocks(a, 0)
+    a = computed(bm, "a", range(9))
     bm.free_seq(a)
     assert bm.match_prefix(seq("b", range(9)), 0) == 8  # cache hit after free
     # Filling the cache with other content evicts the old hashes.
     bm2 = BlockManager(num_blocks=2, block_size=4)
-    x = seq("x", range(5))
-    bm2.allocate(x, 5)
-    x.num_computed = 5
-    bm2.commit_full_blocks(x, 0)
+    x = computed(bm2, "x", range(5))
     bm2.free_seq(x)
     y = seq("y", range(100, 108))
     bm2.allocate(y, 8)  # takes both blocks, overwriting x's
@@ -66,17 +63,11 @@ def test_freed_blocks_stay_cached_until_reused():
 
 def test_whole_prompt_hit_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = seq("a", range(8))
-    bm.allocate(a, 8)
-    a.num_computed = 8
-    bm.commit_full_blocks(a, 0)
+    computed(bm, "a", range(8))
     assert bm.match_prefix(seq("b", range(8)), 0) == 4
 
 
 def test_disabled_prefix_caching():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    a = seq("a", range(9))
-    bm.allocate(a, 9)
-    a.num_computed = 9
-    bm.commit_full_blocks(a, 0)
+    computed(bm, "a", range(9))
     assert bm.match_prefix(seq("b", range(9)), 0) == 0

@@ -185,6 +185,8 @@ def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
         report_ready(ctx, ep.ready, "worker", actor.name, actor.info)
         actor.run()
     finally:
+        actor.abort_watch.stop()
+        actor.link.close()
         ctx.destroy(linger=500)
 
 
