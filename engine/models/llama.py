@@ -300,6 +300,19 @@ class DecoderLM(nn.Module):
         # Pieces of fused weights, plus unfused parameters under their own name (not aliases).
         return {n for n, (p, _, rows) in self._targets.items() if rows >= 0 or (n == p and p not in fused)}
 
+    def weight_destination(self, name: str) -> torch.Tensor:
+        """The exact view of an existing parameter that checkpoint tensor `name` is copied into.
+
+        Raises KeyError for an unknown name. Weight updates use it to validate every name, shape and
+        dtype before the first byte is written, and to copy straight into place.
+        """
+        target = self._targets.get(name)
+        if target is None:
+            raise KeyError(f"{self.cfg.architecture}: unknown checkpoint tensor {name!r}")
+        pname, start, rows = target
+        dst = self.get_parameter(pname).data
+        return dst.narrow(0, start, rows) if rows >= 0 else dst
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy tensors into the existing parameters in place (no re-allocation); returns names loaded.
@@ -307,18 +320,11 @@ class DecoderLM(nn.Module):
         Used for the first load and for every later weight update, so parameter storage (and anything
         holding pointers to it, e.g. captured graphs) stays valid.
         """
-        params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, w in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            target = self._targets.get(name)
-            if target is None:
-                raise KeyError(f"{self.cfg.architecture}: unknown checkpoint tensor {name!r}")
-            pname, start, rows = target
-            dst = params[pname].data
-            if rows >= 0:
-                dst = dst.narrow(0, start, rows)
+            dst = self.weight_destination(name)
             if dst.shape != w.shape:
                 raise ValueError(
                     f"{self.cfg.architecture}: tensor {name!r} has shape {tuple(w.shape)}, "
