@@ -25,17 +25,24 @@ class ControlClient:
     def request(self, command: str, args: dict[str, Any] | None = None, timeout_s: float = 10.0) -> ControlReply:
         """Raises TimeoutError when the coordinator does not answer within timeout_s + 5 s."""
         rid = uuid.uuid4().hex
-        send(self.sock, ControlRequest(rid, command, args or {}, timeout_s))
-        deadline = time.monotonic() + timeout_s + 5
+        return self.call(ControlRequest(rid, command, args or {}, timeout_s), ControlReply, timeout_s + 5)
+
+    def call(self, msg: Any, reply_type: type, timeout_s: float) -> Any:
+        """Send a message carrying a request_id; wait for the reply of reply_type with the same id."""
+        send(self.sock, msg)
+        return self.wait(msg.request_id, reply_type, timeout_s, getattr(msg, "command", type(msg).__name__))
+
+    def wait(self, request_id: str, reply_type: type, timeout_s: float, what: str = "request") -> Any:
+        deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if self.sock.poll(left * 1000):
                 try:
-                    msg = decode(self.sock.recv_multipart())
+                    reply = decode(self.sock.recv_multipart())
                 except CodecError:
                     continue
-                if isinstance(msg, ControlReply) and msg.request_id == rid:
-                    return msg
-        raise TimeoutError(f"no reply to {command!r} from the coordinator")
+                if isinstance(reply, reply_type) and reply.request_id == request_id:
+                    return reply
+        raise TimeoutError(f"no reply to {what!r} from the coordinator")
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

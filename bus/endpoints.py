@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 PLAN_TOPIC = b"P"
 COMMAND_TOPIC = b"C"
+WEIGHTS_TOPIC = b"W"  # WeightVersionCommitted, for trainers and monitors
 
 
 def presence_topic(name: str) -> bytes:
@@ -51,6 +52,23 @@ class Endpoints:
             os.makedirs(folder, mode=0o700, exist_ok=True)
             addrs = [f"ipc://{os.path.join(folder, n)}" for n in names]
         return cls(*addrs, ready=cfg.ready_endpoint)
+
+    @classmethod
+    def from_url(cls, url: str) -> "Endpoints":
+        """A bus named as a client knows it: "tcp://HOST:PORT_BASE" (--bus-host, --bus-port-base) or
+        "ipc:///FOLDER" (--bus-dir; default /tmp/rollbus-<uid>-<http port>)."""
+        from types import SimpleNamespace
+
+        if url.startswith("tcp://"):
+            host, _, port = url[len("tcp://"):].rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"bus url {url!r}: expected tcp://HOST:PORT_BASE")
+            return cls.from_config(SimpleNamespace(bus_transport="tcp", bus_host=host, bus_port_base=int(port),
+                                                   ready_endpoint=None))
+        if url.startswith("ipc://"):
+            return cls.from_config(SimpleNamespace(bus_transport="ipc", bus_dir=url[len("ipc://"):], port=0,
+                                                   ready_endpoint=None))
+        raise ValueError(f"bus url {url!r}: expected tcp://HOST:PORT_BASE or ipc:///FOLDER")
 
     def bind_address(self, addr: str) -> str:
         """tcp endpoints bind on all interfaces of the host named in them; ipc binds the path itself."""

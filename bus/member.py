@@ -138,7 +138,10 @@ class MemberLink:
                 result = self.apply(cmd)
             except Exception as e:  # a failed command is reported, never fatal to the member
                 log.exception("bus.command_failed", member=self.name, command=cmd.command)
-                send(self.dealer, Ack(cmd.seq, self.name, False, f"{type(e).__name__}: {e}"))
+                # An error that knows its HTTP status (e.g. a 400 for bad weight metadata) passes it on.
+                status, param = getattr(e, "status", None), getattr(e, "param", None)
+                extra = {"error_status": status, "error_param": param} if isinstance(status, int) else {}
+                send(self.dealer, Ack(cmd.seq, self.name, False, f"{type(e).__name__}: {e}", extra))
                 continue
             if result is DEFER:
                 self.deferred = cmd

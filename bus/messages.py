@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 REGISTRY: dict[int, type] = {}
 
@@ -202,3 +202,43 @@ class StepResult:
 def message_kinds() -> dict[int, str]:
     return {k: c.__name__ for k, c in REGISTRY.items()}
 
+
+
+# --- weight sync over the bus (trainer <-> coordinator) -------------------------------------------
+
+
+@_message(40)
+class WeightUpdateEvent:
+    """A trainer announces a new weight version (DEALER -> coordinator's control ROUTER). The coordinator
+    drives pause -> start_weight_update -> update_weights (one per entry of `updates`) ->
+    finish_weight_update -> commit -> resume, each step acked by every worker, then replies with a
+    WeightUpdateResult and publishes WeightVersionCommitted. For the collective backend the trainer
+    broadcasts the tensors while the workers receive them (after sending this event)."""
+
+    request_id: str
+    version: str  # the label the committed weights get ("" keeps the current label)
+    pause_mode: str  # abort | wait | keep | none; "" takes the server's weight-transfer-config pause_mode
+    clear_cache: bool
+    updates: list[dict[str, Any]]  # update_info of each update_weights call (vLLM's fields)
+    timeout_s: float
+
+
+@_message(41)
+class WeightUpdateResult:
+    request_id: str
+    ok: bool
+    error: str
+    status: int  # the HTTP status the same failure would get (200 when ok)
+    version: str
+    weight_epoch: int
+    timings_s: dict[str, float] = field(default_factory=dict)  # per step
+
+
+@_message(42)
+class WeightVersionCommitted:
+    """Published on the commands XPUB (topic WEIGHTS_TOPIC) whenever a weight update commits, whoever
+    drove it (HTTP or bus): every worker has the new weights in service."""
+
+    version: str
+    weight_epoch: int
+    committed_at: float  # unix time

@@ -47,6 +47,7 @@ class EngineConfig:
     # RL
     additional_config: str | None = None  # JSON; see engine.rl_config
     enable_sleep_mode: bool = False
+    weight_transfer_config: str | None = None  # JSON; see engine.weight_transfer_config
 
     @property
     def model_name(self) -> str:
@@ -144,6 +145,13 @@ def add_rl_args(p: argparse.ArgumentParser) -> None:
                         "enable_training_consistency, enable_batch_invariant.")
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="Allow /sleep and /wake_up (weights and KV cache released by tag).")
+    g.add_argument("--weight-transfer-config", default=None,
+                   help='JSON object. {"backend": "ipc"} (trainer on the same device: CUDA/NPU IPC, shared '
+                        'memory on CPU) or {"backend": "hccl"} (separate devices: HCCL/NCCL/Gloo broadcast); '
+                        "aliases npu_ipc, nccl, gloo. Enables /init_weight_transfer_engine, /start_weight_update, "
+                        "/update_weights, /finish_weight_update. Optional: stage_updates (default true: a failed "
+                        "update leaves the old weights in service; costs one extra copy of the updated weights), "
+                        "timeout_s (default 300).")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -152,9 +160,11 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     if cfg.num_workers < 1:
         raise SystemExit("--num-workers must be at least 1")
     from engine.rl_config import parse_additional_config
+    from engine.weight_transfer_config import parse_weight_transfer_config
 
     try:
         parse_additional_config(cfg.additional_config)
+        parse_weight_transfer_config(cfg.weight_transfer_config)
     except ValueError as e:
         raise SystemExit(f"rollbus: {e}") from None
     return cfg

@@ -23,6 +23,8 @@ def initial_state() -> dict[str, Any]:
         "weight_version": "default",
         "weight_epoch": 0,
         "version_labels": {"0": "default"},
+        # Between start_weight_update and its commit or abort: the scheduler holds steps meanwhile.
+        "weight_update_active": False,
     }
 
 
@@ -30,6 +32,20 @@ def _update_weight_version(state: dict[str, Any], args: dict[str, Any]) -> None:
     state["weight_epoch"] = int(state.get("weight_epoch", 0)) + 1
     state["weight_version"] = str(args["new_version"])
     state.setdefault("version_labels", {})[str(state["weight_epoch"])] = state["weight_version"]
+
+
+def _start_weight_update(state: dict[str, Any], args: dict[str, Any]) -> None:
+    state["weight_update_active"] = True
+
+
+def _commit_weight_update(state: dict[str, Any], args: dict[str, Any]) -> None:
+    """Every worker finished: the new weights are in service under a new epoch (and label, if given)."""
+    state["weight_update_active"] = False
+    _update_weight_version(state, {"new_version": args.get("new_version") or state.get("weight_version", "default")})
+
+
+def _abort_weight_update(state: dict[str, Any], args: dict[str, Any]) -> None:
+    state["weight_update_active"] = False
 
 
 def version_label(state: dict[str, Any], epoch: int) -> str:
@@ -75,7 +91,13 @@ def _resume(state: dict[str, Any], args: dict[str, Any]) -> None:
 
 
 REDUCERS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wake_up": _wake_up,
-            "update_weight_version": _update_weight_version}
+            "update_weight_version": _update_weight_version, "start_weight_update": _start_weight_update,
+            "commit_weight_update": _commit_weight_update, "abort_weight_update": _abort_weight_update}
+
+# Weight-transfer commands (gateway/weight_routes.py); the scheduler holds steps from start to commit/abort.
+WEIGHT_UPDATE_COMMANDS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                          "finish_weight_update", "commit_weight_update", "abort_weight_update",
+                          "shutdown_weight_transfer_engine", "weight_checker")
 
 
 def apply(state: dict[str, Any], command: str, args: dict[str, Any]) -> None:

@@ -16,12 +16,25 @@ import zmq
 
 from bus.codec import CodecError
 from bus.control import ControlLedger, Member, Pending
-from bus.endpoints import COMMAND_TOPIC, Endpoints
-from bus.messages import PROTOCOL_VERSION, Ack, ControlReply, ControlRequest, Heartbeat, Hello, Welcome
+from bus.endpoints import COMMAND_TOPIC, WEIGHTS_TOPIC, Endpoints
+from bus.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    ControlReply,
+    ControlRequest,
+    Heartbeat,
+    Hello,
+    WeightUpdateEvent,
+    WeightUpdateResult,
+    WeightVersionCommitted,
+    Welcome,
+)
 from bus.sockets import make_socket, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
+from engine.weight_sync_driver import StepReply, reply_status, sync_steps
+from engine.weight_transfer_config import PAUSE_MODES, parse_weight_transfer_config
 
 log = structlog.get_logger()
 
@@ -39,6 +52,8 @@ class Coordinator:
         self.hellos: dict[str, Hello] = {}  # waiting for their presence subscription
         self.stopping = False
         self._next_beat = 0.0
+        self.weight_cfg = parse_weight_transfer_config(cfg.weight_transfer_config)
+        self.sync: _Sync | None = None  # the bus-driven weight update in progress
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -85,6 +100,8 @@ class Coordinator:
             self._on_hello(sender, msg)
         elif isinstance(msg, ControlRequest):
             self._on_request(sender, msg)
+        elif isinstance(msg, WeightUpdateEvent):
+            self._on_weight_event(sender, msg)
 
     def _on_hello(self, sender: bytes, h: Hello) -> None:
         if h.protocol_version != PROTOCOL_VERSION:
@@ -115,6 +132,53 @@ class Coordinator:
         if r.command == "shutdown":
             self.stopping = True
 
+    def _on_weight_event(self, sender: bytes, ev: WeightUpdateEvent) -> None:
+        """A trainer announced a weight version: drive the acked steps of engine.weight_sync_driver."""
+        def refuse(status: int, error: str) -> None:
+            log.warning("coordinator.weight_event_refused", version=ev.version, error=error)
+            send(self.router, WeightUpdateResult(ev.request_id, False, error, status, ev.version,
+                                                 int(self.ledger.snapshot.get("weight_epoch", 0))), to=sender)
+
+        if self.weight_cfg is None:
+            return refuse(400, "weight transfer is not configured: start the server with --weight-transfer-config")
+        if self.sync is not None or self.ledger.snapshot.get("weight_update_active"):
+            return refuse(409, "another weight update is in progress")
+        mode = ev.pause_mode or self.weight_cfg.pause_mode
+        if mode not in PAUSE_MODES:
+            return refuse(400, f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if not ev.updates or not all(isinstance(u, dict) for u in ev.updates):
+            return refuse(400, "updates must be a non-empty list of update_info objects")
+        timeout = ev.timeout_s if ev.timeout_s > 0 else self.weight_cfg.timeout_s
+        steps = sync_steps(ev.version, mode, ev.clear_cache, ev.updates, self.cfg.control_timeout_s,
+                           timeout + self.cfg.control_timeout_s)
+        self.sync = _Sync(ev, sender, steps)
+        log.info("coordinator.weight_update", version=ev.version, pause=mode, updates=len(ev.updates))
+        self._advance(None)
+
+    def _advance(self, reply: StepReply | None) -> None:
+        s = self.sync
+        assert s is not None
+        now = time.monotonic()
+        if reply is not None:
+            s.timings[s.step] = s.timings.get(s.step, 0.0) + now - s.step_started
+        try:
+            step = s.steps.send(reply) if reply is not None else next(s.steps)
+        except StopIteration as stop:
+            outcome = stop.value
+            self.sync = None
+            epoch = int(self.ledger.snapshot.get("weight_epoch", 0))
+            version = str(self.ledger.snapshot.get("weight_version", ""))
+            log.info("coordinator.weight_update_done", ok=outcome.ok, error=outcome.error, epoch=epoch)
+            send(self.router, WeightUpdateResult(s.event.request_id, outcome.ok,
+                                                 f"{outcome.failed_step} failed: {outcome.error}" if not outcome.ok
+                                                 else "", outcome.status, version, epoch, s.timings), to=s.sender)
+            return
+        s.step, s.step_started = step.command, now
+        cmd, done = self.ledger.publish(step.command, step.args, now=now, timeout_s=step.timeout_s)
+        s.seq = cmd.seq
+        send(self.pub, cmd, topic=COMMAND_TOPIC)
+        self._reply(done)
+
     # --- outputs --------------------------------------------------------------------------------
 
     def _publish(self, command: str, args: dict, timeout_s: float, request_id: str = "",
@@ -128,6 +192,14 @@ class Coordinator:
         for p in done:
             if not p.ok:
                 log.warning("coordinator.command_failed", seq=p.seq, command=p.command, error=p.error_text())
+            elif p.command == "commit_weight_update":  # whoever drove it: tell every subscriber
+                snap = self.ledger.snapshot
+                send(self.pub, WeightVersionCommitted(str(snap.get("weight_version", "")),
+                                                      int(snap.get("weight_epoch", 0)), time.time()),
+                     topic=WEIGHTS_TOPIC)
+            if self.sync is not None and p.seq == self.sync.seq:
+                self._advance(StepReply(p.ok, p.error_text().replace(": WeightSyncError: ", ": "),
+                                        reply_status(p.ok, p.missing, p.results), p.results))
             if p.requester is not None:
                 send(self.router, ControlReply(p.request_id, p.ok, p.error_text(), p.seq, p.results, p.missing),
                      to=p.requester)
@@ -146,6 +218,17 @@ class Coordinator:
         for name in self.ledger.silent(now, self.cfg.heartbeat_timeout_s):
             self._lose(name, f"no heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s")
         self._reply(self.ledger.expire(now))
+
+
+class _Sync:
+    """A bus-driven weight update: the driver generator and whom to answer."""
+
+    def __init__(self, event: WeightUpdateEvent, sender: bytes, steps) -> None:
+        self.event, self.sender, self.steps = event, sender, steps
+        self.seq = -1
+        self.step = ""
+        self.step_started = 0.0
+        self.timings: dict[str, float] = {}
 
 
 def run_coordinator_process(cfg: EngineConfig) -> None:

@@ -118,6 +118,8 @@ class SchedulerActor:
         elif self.control.get("sleeping_tags"):
             self.sched.pause("keep", True)
             self.sleep_paused = True
+        elif self.control.get("weight_update_active"):
+            self.sched.pause("keep", False)
         log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len)
         return {"num_blocks": num_blocks, "max_model_len": max_len}
 
@@ -288,6 +290,8 @@ class SchedulerActor:
             return self._apply_pause(cmd)
         if cmd.command in ("sleep", "wake_up"):
             return self._apply_sleep(cmd)
+        if cmd.command in control_state.WEIGHT_UPDATE_COMMANDS:
+            return self._apply_weight_update(cmd)
         if cmd.command == "update_weight_version":
             control_state.apply(self.control, cmd.command, cmd.args)
             self.sched.weight_version = self.control["weight_epoch"]  # new prefix-cache key space too
@@ -309,7 +313,7 @@ class SchedulerActor:
         was_paused = self.control.get("paused") is not None
         control_state.apply(self.control, cmd.command, cmd.args)
         if cmd.command == "resume":
-            if not self.control.get("sleeping_tags"):
+            if not self.control.get("sleeping_tags") and not self.control.get("weight_update_active"):
                 self.sched.resume()
             self.sleep_paused = False
             return {"paused": False}
@@ -327,13 +331,34 @@ class SchedulerActor:
         control_state.apply(self.control, cmd.command, cmd.args)
         if cmd.command == "wake_up":
             if not self.control["sleeping_tags"] and self.sleep_paused:
-                self.sched.resume()
-                self.sleep_paused = False
+                self._resume_if_free()
             return {"sleeping_tags": self.control["sleeping_tags"]}
         if was_asleep or self.sched.paused_mode is not None:
             return {"sleeping": True}  # asleep already, or held by a user pause: nothing to quiesce
         self.sleep_paused = True
         return self._quiesce(cmd.args["mode"], int(cmd.args["level"]) >= 1)
+
+    def _apply_weight_update(self, cmd: Command) -> Any:
+        """From start_weight_update until its commit or abort no step runs, so no token is computed on
+        half-written weights (requests queue, running ones keep their KV, as a keep pause). Commit
+        moves the prefix cache to the new epoch's key space."""
+        control_state.apply(self.control, cmd.command, cmd.args)
+        if cmd.command == "start_weight_update":
+            if self.sched.paused_mode is not None:
+                return {"held": True}  # already quiet: a pause or a sleep holds it
+            return self._quiesce("keep", False)
+        if cmd.command in ("commit_weight_update", "abort_weight_update"):
+            self.sched.weight_version = int(self.control["weight_epoch"])
+            self._resume_if_free()
+            return {"weight_epoch": self.sched.weight_version}
+        return None  # the data path is the workers' business
+
+    def _resume_if_free(self) -> None:
+        """Resume once no pause, sleep or weight update holds the scheduler any more."""
+        c = self.control
+        if c.get("paused") is None and not c.get("sleeping_tags") and not c.get("weight_update_active"):
+            self.sched.resume()
+            self.sleep_paused = False
 
     def _quiesce(self, mode: str, clear_cache: bool) -> Any:
         aborted = self.sched.pause(mode, clear_cache)

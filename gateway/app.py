@@ -29,6 +29,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completions import create_completion
+from gateway.weight_routes import WEIGHT_PATHS, add_weight_routes
 
 log = structlog.get_logger()
 
@@ -62,7 +63,7 @@ class APIKeyMiddleware:
             path = scope.get("path", "")
             root = scope.get("root_path", "")
             # Beyond vLLM (whose dev routes take no key): with --api-key the dev endpoints need it too.
-            if path.startswith(f"{root}/v1") or path.removeprefix(root) in DEV_PATHS:
+            if path.startswith(f"{root}/v1") or path.removeprefix(root) in DEV_PATHS + WEIGHT_PATHS:
                 given = dict(scope.get("headers") or []).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     resp = JSONResponse(envelope("Unauthorized", UNAUTHORIZED, 401), status_code=401)
@@ -124,12 +125,13 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     extra = parse_additional_config(cfg.additional_config)
     if dev_endpoints_enabled(extra):
         log.warning("gateway.dev_endpoints", message="SECURITY WARNING: Development endpoints are enabled!",
-                    paths=list(DEV_PATHS))
+                    paths=list(DEV_PATHS + WEIGHT_PATHS))
         if not cfg.api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("gateway.dev_endpoints_exposed",
                         message=f"development endpoints listen on {cfg.host} without --api-key: anyone who can "
                                 "reach this port can pause the engine")
         add_dev_routes(app, cfg, client, extra)
+        add_weight_routes(app, cfg, client)
     metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy)
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics)
     health = HealthProbe(client, cfg.control_timeout_s)

@@ -25,10 +25,13 @@ from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.rl_config import parse_additional_config, worker_env_updates
+from engine.weight_transfer_config import parse_weight_transfer_config
+from engine.weight_update import WeightSyncError
 from workers.kv_cache import KVCache, plan_num_blocks
 from workers.loader import load_model, reload_weights
 from workers.model_runner import ModelRunner
 from workers.sleep import SleepManager
+from workers.weight_receiver import WeightReceiver
 
 log = structlog.get_logger()
 
@@ -60,6 +63,9 @@ class WorkerActor:
         kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
         self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed)
         self.sleep = SleepManager(model, kv, platform)
+        self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,
+                                      device=device,
+                                      nz_mode=parse_additional_config(cfg.additional_config).weight_nz_mode)
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes}
         log.info("worker.loaded", **self.info)
@@ -142,7 +148,7 @@ class WorkerActor:
             self.stopping = True
         elif c == "release_memory":  # second phase of /sleep: the scheduler has quiesced
             level = int(args["level"])
-            released = self.sleep.sleep(level)
+            released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
             log.info("worker.sleep", level=level, released_bytes=released)
             return {"released_bytes": released}
         elif c == "wake_up":
@@ -153,8 +159,44 @@ class WorkerActor:
         elif c == "update_weight_version":
             control_state.apply(self.control, c, args)
             self.runner.weight_version = int(self.control["weight_epoch"])
+        elif c in control_state.WEIGHT_UPDATE_COMMANDS:
+            return self._weight_command(c, args)
         elif c == "collective_rpc":
             return self._rpc(str(args.get("method")), args.get("args") or [], args.get("kwargs") or {})
+        return None
+
+    def _weight_command(self, c: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """The weight-transfer lifecycle (workers.weight_receiver); errors carry their HTTP status."""
+        w = self.weights
+        if c == "init_weight_transfer_engine":
+            return w.init(args.get("init_info") or {})
+        if c == "start_weight_update":
+            control_state.apply(self.control, c, args)
+            return w.start(weights_asleep="weights" in self.sleep.asleep)
+        if c == "update_weights":
+            info = args.get("update_info")
+            if isinstance(info, list):  # v0.33: one entry per global worker rank
+                if self.rank >= len(info):
+                    raise WeightSyncError(f"update_info has {len(info)} entries; worker rank {self.rank} has none",
+                                          param="update_info")
+                info = info[self.rank]
+            return w.update(info)
+        if c == "finish_weight_update":
+            return w.finish()
+        if c == "commit_weight_update":
+            control_state.apply(self.control, c, args)
+            out = w.commit()
+            self.runner.weight_version = int(self.control["weight_epoch"])
+            return out
+        if c == "abort_weight_update":
+            control_state.apply(self.control, c, args)
+            return w.abort()
+        if c == "shutdown_weight_transfer_engine":
+            return w.shutdown()
+        if c == "weight_checker":
+            if "weights" in self.sleep.asleep:
+                raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
+            return {"checksums": w.checksums(f"dp{self.rank}:pp0:pcp0:tp0:")}
         return None
 
     def _rpc(self, method: str, args: list, kwargs: dict) -> dict[str, Any]:

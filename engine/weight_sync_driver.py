@@ -1,0 +1,87 @@
+"""The sequence of acked broadcasts that applies one weight version, and what happens when a step fails.
+Pure: a generator that yields the commands to broadcast and is sent each reply; the coordinator runs it
+for bus-driven updates (WeightUpdateEvent).
+
+    pause (unless mode "none") -> start_weight_update -> update_weights x N -> finish_weight_update
+      -> commit_weight_update (new epoch and label: every worker has the update) -> resume
+
+A failure at start, update or finish broadcasts abort_weight_update (the workers drop what they staged:
+the previous weights stay in service) and then resume, so the engine never stays paused or half-updated
+because a trainer went wrong. The HTTP routes (gateway/weight_routes.py) apply the same rule call by call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    command: str
+    args: dict[str, Any]
+    timeout_s: float
+
+
+@dataclass(slots=True)
+class StepReply:
+    ok: bool
+    error: str = ""
+    status: int = 200  # the HTTP status of the failure (4xx from validation, 409 state, 504 timeout)
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SyncOutcome:
+    ok: bool
+    error: str = ""
+    status: int = 200
+    failed_step: str = ""
+
+
+def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[dict[str, Any]],
+               control_timeout_s: float, transfer_timeout_s: float,
+               ) -> Generator[Step, StepReply, SyncOutcome]:
+    paused = pause_mode != "none"
+    if paused:
+        deadline = 3600.0 if pause_mode == "wait" else control_timeout_s
+        r = yield Step("pause", {"mode": pause_mode, "clear_cache": clear_cache}, deadline)
+        if not r.ok:
+            return SyncOutcome(False, r.error, r.status, "pause")
+    failed: tuple[str, StepReply] | None = None
+    r = yield Step("start_weight_update", {}, control_timeout_s)
+    if not r.ok:
+        failed = ("start_weight_update", r)
+    else:
+        for info in updates:
+            r = yield Step("update_weights", {"update_info": info}, transfer_timeout_s)
+            if not r.ok:
+                failed = ("update_weights", r)
+                break
+        else:
+            r = yield Step("finish_weight_update", {}, control_timeout_s)
+            if not r.ok:
+                failed = ("finish_weight_update", r)
+    if failed is None:
+        yield Step("commit_weight_update", {"new_version": version}, control_timeout_s)
+    elif not (failed[0] == "start_weight_update" and failed[1].status == 409):
+        # (a 409 at start means someone else's update is active: not ours to abort)
+        yield Step("abort_weight_update", {}, control_timeout_s)
+    if paused:
+        yield Step("resume", {}, control_timeout_s)
+    if failed is not None:
+        step, r = failed
+        return SyncOutcome(False, r.error, r.status, step)
+    return SyncOutcome(True)
+
+
+def reply_status(ok: bool, missing: list[str], results: dict[str, Any]) -> int:
+    """The HTTP status of an acked broadcast: 504 when someone did not ack, else the highest status a
+    failing member reported (500 when none said)."""
+    if ok:
+        return 200
+    if missing:
+        return 504
+    codes = [r.get("error_status") for r in results.values() if isinstance(r, dict)]
+    return max((c for c in codes if isinstance(c, int)), default=500)

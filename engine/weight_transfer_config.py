@@ -1,0 +1,67 @@
+"""`--weight-transfer-config`: which backend moves a trainer's weights into the workers. Pure.
+
+    {"backend": "ipc"}    same device as the trainer: CUDA IPC, NPU IPC (torch_npu), shared memory on CPU
+    {"backend": "hccl"}   separate devices: torch.distributed broadcast, HCCL on NPU, NCCL on CUDA, Gloo on CPU
+
+Aliases: npu_ipc -> ipc; nccl and gloo -> hccl (the platform picks the collective library, so every name
+works on every platform). Optional keys beyond vLLM's:
+
+    stage_updates  (default true)  write an update into a second copy of the touched weights and swap it in
+                                   when every worker has finished: a failed update leaves the previous
+                                   weights in service, bit for bit. Costs one extra copy of the updated
+                                   weights in device memory while the transfer engine is initialised.
+                                   false: write in place (no extra memory; a failure midway leaves the
+                                   weights mixed until the next complete update).
+    timeout_s      (default 300)   deadline for a collective rendezvous and for each transfer call.
+    pause_mode     (default keep)  how the coordinator pauses generation for an update announced on the
+                                   bus (WeightUpdateEvent) that does not say: abort | wait | keep | none.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+BACKENDS = {"ipc": "ipc", "npu_ipc": "ipc", "hccl": "hccl", "nccl": "hccl", "gloo": "hccl"}
+_KEYS = {"backend", "stage_updates", "timeout_s", "pause_mode"}
+PAUSE_MODES = ("abort", "wait", "keep", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightTransferConfig:
+    backend: str  # canonical: ipc | hccl
+    name: str  # as the user wrote it
+    stage_updates: bool = True
+    timeout_s: float = 300.0
+    pause_mode: str = "keep"
+
+    def effective(self) -> dict:
+        return asdict(self)
+
+
+def parse_weight_transfer_config(text: str | None) -> WeightTransferConfig | None:
+    """None when the flag is absent; ValueError (a start-up error) for anything invalid."""
+    if text is None or not text.strip():
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--weight-transfer-config is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--weight-transfer-config must be a JSON object such as {\"backend\": \"ipc\"}")
+    unknown = set(raw) - _KEYS
+    if unknown:
+        raise ValueError(f"--weight-transfer-config: unknown keys {sorted(unknown)}; known: {sorted(_KEYS)}")
+    name = raw.get("backend")
+    if name not in BACKENDS:
+        raise ValueError(f"Invalid weight transfer backend: {name}. Available engines: {sorted(BACKENDS)}")
+    stage = raw.get("stage_updates", True)
+    if not isinstance(stage, bool):
+        raise ValueError(f"--weight-transfer-config: stage_updates must be true or false, got {stage!r}")
+    timeout = raw.get("timeout_s", 300.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise ValueError(f"--weight-transfer-config: timeout_s must be a positive number, got {timeout!r}")
+    pause = raw.get("pause_mode", "keep")
+    if pause not in PAUSE_MODES:
+        raise ValueError(f"--weight-transfer-config: pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause!r}")
+    return WeightTransferConfig(BACKENDS[name], name, stage, float(timeout), pause)

@@ -1,0 +1,155 @@
+"""Weight-transfer endpoints, vLLM v0.33's RL router: each route is one acked broadcast to every worker.
+
+    POST /init_weight_transfer_engine {"init_info": {...}}   rendezvous (collectives) or set packing (ipc)
+    POST /start_weight_update                                 the scheduler holds steps until commit/abort
+    POST /update_weights {"update_info": {...} | [...]}       validated in full on every worker, then written
+    POST /finish_weight_update {"weight_version": "..."}      every worker finished -> commit (new epoch)
+    POST /shutdown_weight_transfer_engine
+    GET  /get_world_size?include_dp=true
+    POST /weight_checker {"action": "checksum"|"compare"|"reset", "baseline": {...}}
+
+A failed update_weights or finish_weight_update aborts the whole update on every worker (what they staged
+is dropped; the previous weights stay in service) and answers with the worker's message: 400 for bad
+names/shapes/dtypes/handles, 409 for calls out of order, 504 for a rendezvous or transfer that timed out.
+Registered with the other development endpoints (RL mode or VLLM_SERVER_DEV_MODE=1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from engine.config import EngineConfig
+from engine.weight_sync_driver import reply_status
+from engine.weight_transfer_config import parse_weight_transfer_config
+from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
+from gateway.engine_client import EngineClient
+from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request
+
+WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                "/finish_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
+CHECKER_ACTIONS = ("checksum", "compare", "reset")
+_TYPES = {400: BAD_REQUEST, 409: "ConflictError", 504: GATEWAY_TIMEOUT}
+
+
+async def call(client: EngineClient, command: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """One acked broadcast; a failure becomes the status and message the failing worker gave."""
+    reply = await client.control(command, args, timeout_s=timeout_s)
+    if reply.ok:
+        return reply.results
+    status = reply_status(reply.ok, reply.missing, reply.results)
+    params = [r.get("error_param") for r in reply.results.values() if isinstance(r, dict) and r.get("error_param")]
+    message = reply.error.replace(": WeightSyncError: ", ": ")
+    raise APIError(f"{command} failed: {message}", status=status, type=_TYPES.get(status, INTERNAL),
+                   param=params[0] if params else None)
+
+
+def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
+    wt = parse_weight_transfer_config(cfg.weight_transfer_config)
+    control_s = cfg.control_timeout_s
+    transfer_s = (wt.timeout_s if wt else 300.0) + control_s
+    checksums: dict[int, dict[str, str]] = {}  # by weight epoch; /weight_checker reset drops it
+
+    async def abort_update() -> None:
+        """All or nothing: one worker failed, so every worker drops the update."""
+        try:
+            await call(client, "abort_weight_update", {}, control_s)
+        except APIError:
+            pass  # the original failure is what the caller needs to see
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        info = body.get("init_info")
+        if info is None:
+            raise bad_request("Missing 'init_info' in request body", "init_info")
+        if not isinstance(info, dict):
+            raise bad_request("init_info must be an object", "init_info")
+        timeout = info.get("timeout_s", wt.timeout_s if wt else 300.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise bad_request(f"init_info.timeout_s must be a positive number, got {timeout!r}", "timeout_s")
+        await call(client, "init_weight_transfer_engine", {"init_info": info}, float(timeout) + control_s)
+        return JSONResponse({"message": "Weight transfer initialized"})
+
+    @app.post("/start_weight_update")
+    async def start_weight_update() -> JSONResponse:
+        await call(client, "start_weight_update", {}, control_s)
+        return JSONResponse({"message": "Weight update started"})
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        info = body.get("update_info")
+        if info is None:
+            raise bad_request("Missing 'update_info' in request body", "update_info")
+        if not isinstance(info, dict | list) or (isinstance(info, list) and not all(isinstance(i, dict) for i in info)):
+            raise bad_request("update_info must be an object, or a list of objects (one per worker)", "update_info")
+        try:
+            await call(client, "update_weights", {"update_info": info}, transfer_s)
+        except APIError as e:
+            if e.status != 409:  # 409: no update of ours is active, nothing to abort
+                await abort_update()
+            raise
+        return JSONResponse({"message": "Weights updated"})
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> JSONResponse:
+        body = await _json_object(request, allow_empty=True)
+        version = body.get("weight_version")
+        if version is not None and (not isinstance(version, str) or not version):
+            raise bad_request("weight_version must be a non-empty string", "weight_version")
+        try:
+            await call(client, "finish_weight_update", {}, control_s)
+        except APIError as e:
+            if e.status != 409:
+                await abort_update()
+            raise
+        await call(client, "commit_weight_update", {"new_version": version or ""}, control_s)
+        return JSONResponse({"message": "Weight update finished"})
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine() -> JSONResponse:
+        await call(client, "shutdown_weight_transfer_engine", {}, control_s)
+        return JSONResponse({"message": "Weight transfer shut down"})
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: str = "true") -> JSONResponse:
+        # Data-parallel replicas only (no tensor or pipeline parallelism): TP * PP = 1.
+        return JSONResponse({"world_size": cfg.num_workers if _bool(include_dp, "include_dp") else 1})
+
+    @app.post("/weight_checker")
+    async def weight_checker(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        action = body.get("action")
+        if action not in CHECKER_ACTIONS:
+            raise bad_request(f"action must be one of {', '.join(CHECKER_ACTIONS)}, got {action!r}", "action")
+        if action == "reset":
+            checksums.clear()
+            return JSONResponse({"status": "reset"})
+        baseline = body.get("baseline")
+        if action == "compare" and not isinstance(baseline, dict):
+            raise bad_request("compare needs a baseline object {name: sha256 hex}", "baseline")
+        epoch = int(client.control_state.get("weight_epoch", 0))
+        if epoch not in checksums:
+            results = await call(client, "weight_checker", {"action": "checksum"}, transfer_s)
+            merged: dict[str, str] = {}
+            for r in results.values():
+                merged.update((r or {}).get("checksums", {}))
+            checksums.clear()
+            checksums[epoch] = merged
+        current = checksums[epoch]
+        if action == "checksum":
+            return JSONResponse({"checksums": current})
+        mismatches = sorted(k for k, v in baseline.items() if not _matches(current, k, v))
+        return JSONResponse({"match": not mismatches, "mismatches": mismatches})
+
+
+def _matches(current: dict[str, str], key: str, value: Any) -> bool:
+    """A baseline key is either a worker-prefixed key ("dp0:pp0:pcp0:tp0:<name>") or a bare tensor name,
+    which must match on every worker."""
+    if key in current:
+        return current[key] == value
+    hits = [v for k, v in current.items() if k.endswith(":" + key)]
+    return bool(hits) and all(v == value for v in hits)

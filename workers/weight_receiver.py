@@ -1,0 +1,359 @@
+"""A worker's side of weight transfer: the update state machine, validation, staging and the two data
+paths (IPC handles, collective broadcast). Device code; no sockets (the worker actor calls in).
+
+One update goes start -> update_weights (one or more calls) -> finish -> commit, or -> abort at any point.
+Every call is validated in full (names, shapes, dtypes, handles) before its first byte is written. With
+staging (the default) bytes land in a second copy of each touched parameter; commit fills the parts of
+those copies the update did not cover from the live weights and swaps them in, so the weights in service
+never mix versions and abort simply drops the copies. The copies are kept for the next update (the old
+storage becomes the next staging area), released on sleep and on shutdown.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from engine.weight_transfer_config import WeightTransferConfig
+from engine.weight_update import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    ParamMeta,
+    UpdateMeta,
+    WeightSyncError,
+    byte_views,
+    plan_chunks,
+    tensor_checksum,
+)
+
+log = structlog.get_logger()
+
+IDLE, ACTIVE, FINISHED = "idle", "active", "finished"
+
+
+@dataclass(slots=True)
+class _Touched:
+    """One parameter an update writes: its staging tensor and the flat ranges written so far."""
+
+    param: torch.nn.Parameter
+    stage: torch.Tensor | None  # None when writing in place
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    full: bool = False  # staging already holds every element (pre-filled, or a whole-tensor write)
+
+
+class WeightReceiver:
+    def __init__(self, model: torch.nn.Module, cfg: WeightTransferConfig | None, *, rank: int,
+                 device: torch.device, nz_mode: int = 0):
+        self.model, self.cfg, self.rank, self.device = model, cfg, rank, device
+        self.nz_mode = nz_mode
+        self.state = IDLE
+        self.initialized = False
+        self.was_shut_down = False
+        self.packed = False
+        self.buffer_size = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+        self.num_buffers = DEFAULT_PACKED_NUM_BUFFERS
+        self.group = None  # ascend_ops.collective.WeightGroup for the collective backend
+        self.importer = None  # ascend_ops.ipc.HandleImporter for the ipc backend
+        self.touched: dict[str, _Touched] = {}
+        self.pool: dict[str, torch.Tensor] = {}  # staging storage kept between updates
+        self.received: list[str] = []  # names of the update in progress, in order
+        self._owner = self._storage_owners()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def _require_backend(self) -> WeightTransferConfig:
+        if self.cfg is None:
+            raise WeightSyncError("weight transfer is not configured: start the server with "
+                                  "--weight-transfer-config '{\"backend\": \"ipc\"}' (or hccl)", status=400)
+        return self.cfg
+
+    def init(self, info: dict[str, Any]) -> dict[str, Any]:
+        cfg = self._require_backend()
+        if self.state != IDLE:
+            raise WeightSyncError("cannot initialise the weight transfer engine during an update", status=409)
+        self.packed = _opt_bool(info, "packed", False)
+        self.buffer_size = _opt_int(info, "packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+        self.num_buffers = _opt_int(info, "packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)
+        if cfg.backend == "hccl":
+            from ascend_ops.collective import WeightGroup
+
+            addr = info.get("master_address")
+            port = info.get("master_port")
+            world = info.get("world_size")
+            offset = info.get("rank_offset", 1)
+            if not isinstance(addr, str) or not addr:
+                raise WeightSyncError("init_info.master_address must be a host name or address", param="master_address")
+            for fname, v in (("master_port", port), ("world_size", world), ("rank_offset", offset)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise WeightSyncError(f"init_info.{fname} must be a non-negative integer, got {v!r}", param=fname)
+            my_rank = offset + self.rank
+            if not 0 < my_rank < world:
+                raise WeightSyncError(f"worker rank {my_rank} (rank_offset {offset} + worker {self.rank}) is outside "
+                                      f"world_size {world}; the trainer is rank 0", param="world_size")
+            timeout = float(info.get("timeout_s") or cfg.timeout_s)
+            if self.group is not None:
+                self.group.destroy()
+                self.group = None
+            try:
+                self.group = WeightGroup.create(addr, port, my_rank, world, timeout, self.device)
+            except TimeoutError as e:
+                raise WeightSyncError(str(e), status=504) from None
+        else:
+            from ascend_ops.ipc import HandleImporter
+
+            self.importer = self.importer or HandleImporter()
+        self.initialized, self.was_shut_down = True, False
+        return {"backend": cfg.backend, "packed": self.packed}
+
+    def start(self, weights_asleep: bool) -> dict[str, Any]:
+        cfg = self._require_backend()
+        if self.was_shut_down:
+            raise WeightSyncError("the weight transfer engine was shut down: call /init_weight_transfer_engine "
+                                  "again first", status=409)
+        if self.state != IDLE:
+            raise WeightSyncError("a weight update is already active: finish_weight_update (or its failure) "
+                                  "must end it before start_weight_update", status=409)
+        if cfg.backend == "hccl" and self.group is None:
+            raise WeightSyncError("the hccl backend needs /init_weight_transfer_engine before an update", status=409)
+        if self.nz_mode:
+            raise WeightSyncError("weight updates need the NZ weight format off (RL mode turns it off)", status=409)
+        if weights_asleep:
+            raise WeightSyncError("the weights are asleep: /wake_up?tags=weights before updating them", status=409)
+        if cfg.backend == "ipc" and self.importer is None:
+            from ascend_ops.ipc import HandleImporter
+
+            self.importer = HandleImporter()
+        self.refresh()  # parameter storage may have moved since the last update (commit, sleep)
+        self.state, self.touched, self.received = ACTIVE, {}, []
+        return {"started": True}
+
+    def finish(self) -> dict[str, Any]:
+        if self.state != ACTIVE:
+            raise WeightSyncError("start_weight_update must be called before finish_weight_update", status=409)
+        self.state = FINISHED
+        return {"tensors": len(self.received)}
+
+    def commit(self) -> dict[str, Any]:
+        """Swap the staged copies in (every worker finished). Returns what changed."""
+        if self.state != FINISHED:
+            return {"committed": False}
+        n = 0
+        for pname, t in self.touched.items():
+            if t.stage is None:
+                continue
+            if not t.full:
+                _fill_gaps(t)
+            live = t.param.data
+            t.param.data = t.stage
+            self.pool[pname] = live
+            n += 1
+        self.state, self.touched = IDLE, {}
+        return {"committed": True, "tensors": len(self.received), "parameters": n}
+
+    def abort(self) -> dict[str, Any]:
+        """Drop the update in progress; with staging the weights in service never changed."""
+        was = self.state
+        for pname, t in self.touched.items():
+            if t.stage is not None:
+                self.pool[pname] = t.stage
+        self.state, self.touched = IDLE, {}
+        return {"aborted": was != IDLE, "in_place": self.cfg is not None and not self.cfg.stage_updates}
+
+    def shutdown(self) -> dict[str, Any]:
+        if self.state != IDLE:
+            raise WeightSyncError("cannot shut down the weight transfer engine during an update", status=409)
+        self.release()
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        if self.importer is not None:
+            self.importer.close()
+            self.importer = None
+        self.initialized, self.was_shut_down = False, True
+        return {"shutdown": True}
+
+    def release(self) -> int:
+        """Free the staging copies (sleep); returns bytes released."""
+        freed = sum(t.numel() * t.element_size() for t in self.pool.values())
+        self.pool.clear()
+        return freed
+
+    # --- update_weights -------------------------------------------------------------------------
+
+    def update(self, info: dict[str, Any]) -> dict[str, Any]:
+        cfg = self._require_backend()
+        if self.was_shut_down:
+            raise WeightSyncError("the weight transfer engine was shut down: no update is possible until "
+                                  "/init_weight_transfer_engine", status=409)
+        if self.state != ACTIVE:
+            raise WeightSyncError("start_weight_update must be called before update_weights.", status=409)
+        meta = UpdateMeta.parse(info)
+        dests = self._validate(meta)
+        try:
+            if cfg.backend == "ipc":
+                self._receive_ipc(info, meta, dests)
+            else:
+                self._receive_collective(info, meta, dests)
+        except WeightSyncError:
+            raise
+        except TimeoutError as e:
+            raise WeightSyncError(f"weight transfer timed out: {e}", status=504) from None
+        except Exception as e:
+            raise WeightSyncError(f"weight transfer failed: {type(e).__name__}: {e}", status=500) from None
+        self.received += [p.name for p in meta.params]
+        return {"tensors": len(meta.params), "bytes": meta.nbytes}
+
+    def _validate(self, meta: UpdateMeta) -> list[torch.Tensor]:
+        """Every name known, every shape and dtype equal to the engine's, before anything is written."""
+        dests = []
+        for p in meta.params:
+            try:
+                dst = self.model.weight_destination(p.name)
+            except KeyError:
+                raise WeightSyncError(f"unknown parameter name {p.name!r}", param="names") from None
+            if tuple(dst.shape) != p.shape:
+                raise WeightSyncError(f"tensor {p.name!r}: shape {list(p.shape)} does not match the engine's "
+                                      f"{list(dst.shape)}", param="shapes")
+            if dst.dtype != p.dtype:
+                raise WeightSyncError(f"tensor {p.name!r}: dtype {str(p.dtype)[6:]} does not match the engine's "
+                                      f"{str(dst.dtype)[6:]}; cast before sending", param="dtype_names")
+            dests.append(dst)
+        return dests
+
+    def _target(self, dst: torch.Tensor) -> torch.Tensor:
+        """Where bytes for the live view `dst` go: the same view of the staging copy (or dst in place)."""
+        pname = self._owner[dst.untyped_storage().data_ptr()]
+        t = self.touched.get(pname)
+        param = self.model.get_parameter(pname)
+        if t is None:
+            stage = None
+            if self.cfg is not None and self.cfg.stage_updates:
+                stage = self.pool.pop(pname, None)
+                if stage is None or stage.shape != param.shape or stage.dtype != param.dtype:
+                    stage = torch.empty_like(param.data)
+            t = self.touched[pname] = _Touched(param, stage)
+        if t.stage is None:
+            return dst
+        base = param.data.storage_offset()
+        off = dst.storage_offset() - base
+        if not dst.is_contiguous() and not t.full:
+            t.stage.copy_(param.data)  # cannot track a strided range: start from the live values
+            t.full = True
+        elif dst.is_contiguous():
+            if dst.numel() == param.numel():
+                t.full = True
+            t.ranges.append((off, off + dst.numel()))
+        return t.stage.as_strided(dst.shape, dst.stride(), t.stage.storage_offset() + off)
+
+    def _storage_owners(self) -> dict[int, str]:
+        return {p.untyped_storage().data_ptr(): n for n, p in self.model.named_parameters()}
+
+    def refresh(self) -> None:
+        """Parameter storage moved (wake from sleep, commit): re-learn which storage is which parameter."""
+        self._owner = self._storage_owners()
+
+    def _receive_ipc(self, info: dict[str, Any], meta: UpdateMeta, dests: list[torch.Tensor]) -> None:
+        if "ipc_handles_pickled" in info:
+            raise WeightSyncError("pickled IPC handles are refused: rollbus takes plain-data handles in "
+                                  "update_info.ipc_handles (engine.trainer.WeightSyncClient sends them); "
+                                  "VLLM_ALLOW_INSECURE_SERIALIZATION is not needed", param="ipc_handles_pickled")
+        handles = info.get("ipc_handles")
+        if isinstance(handles, dict):  # packed: one buffer holding every tensor back to back
+            sizes = info.get("tensor_sizes")
+            if sizes is not None and sizes != [p.nbytes for p in meta.params]:
+                raise WeightSyncError("update_info.tensor_sizes does not match names/dtype_names/shapes",
+                                      param="tensor_sizes")
+            buf = self._open(handles, meta.nbytes, "ipc_handles")
+            sources = byte_views(buf, meta.params)
+        elif isinstance(handles, list):
+            if len(handles) != len(meta.params):
+                raise WeightSyncError(f"update_info.ipc_handles has {len(handles)} entries for "
+                                      f"{len(meta.params)} names", param="ipc_handles")
+            sources = [byte_views(self._open(h, p.nbytes, f"ipc_handles[{i}]"), [p])[0]
+                       for i, (h, p) in enumerate(zip(handles, meta.params))]
+        else:
+            raise WeightSyncError("update_info.ipc_handles must be a list (one handle per tensor) or one "
+                                  "handle object (packed)", param="ipc_handles")
+        # Everything is mapped and checked: now write.
+        for p, src, dst in zip(meta.params, sources, dests):
+            self._target(dst).copy_(src)
+
+    def _open(self, handle: Any, nbytes: int, where: str) -> torch.Tensor:
+        try:
+            buf = self.importer.open(handle, self.device)  # type: ignore[union-attr]
+        except ValueError as e:
+            raise WeightSyncError(f"update_info.{where}: {e}", param="ipc_handles") from None
+        if buf.numel() != nbytes:
+            raise WeightSyncError(f"update_info.{where} covers {buf.numel()} bytes, the tensors need {nbytes}",
+                                  param="ipc_handles")
+        return buf
+
+    def _receive_collective(self, info: dict[str, Any], meta: UpdateMeta, dests: list[torch.Tensor]) -> None:
+        group = self.group
+        packed = _opt_bool(info, "packed", self.packed)  # vllm-ascend's older layout puts it on update_info
+        if not packed:
+            for p, dst in zip(meta.params, dests):
+                target = self._target(dst)
+                if target.is_contiguous():
+                    group.broadcast(target, 0)
+                else:
+                    tmp = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                    group.broadcast(tmp, 0)
+                    target.copy_(tmp)
+            return
+        size = _opt_int(info, "packed_buffer_size_bytes", self.buffer_size)
+        nbuf = max(1, _opt_int(info, "packed_num_buffers", self.num_buffers))
+        chunks = plan_chunks(meta.params, size)
+        widest = max(sum(meta.params[i].nbytes for i in c) for c in chunks)
+        bufs = [torch.empty(widest, dtype=torch.uint8, device=self.device) for _ in range(min(nbuf, len(chunks)))]
+        inflight: deque = deque()
+
+        def consume() -> None:
+            chunk, buf, work = inflight.popleft()
+            work.wait()
+            params: list[ParamMeta] = [meta.params[i] for i in chunk]
+            for i, src in zip(chunk, byte_views(buf, params)):
+                self._target(dests[i]).copy_(src)
+
+        for ci, chunk in enumerate(chunks):
+            if len(inflight) == len(bufs):
+                consume()
+            buf = bufs[ci % len(bufs)][: sum(meta.params[i].nbytes for i in chunk)]
+            inflight.append((chunk, buf, group.broadcast_async(buf, 0)))
+        while inflight:
+            consume()
+
+    # --- /weight_checker ------------------------------------------------------------------------
+
+    def checksums(self, prefix: str) -> dict[str, str]:
+        """sha256 per tensor under the names a trainer sends (HF names), prefixed per worker."""
+        names = sorted(self.model.required_weight_names())
+        return {prefix + n: tensor_checksum(self.model.weight_destination(n)) for n in names}
+
+
+def _fill_gaps(t: _Touched) -> None:
+    """Copy from the live weights every element of the staging copy that the update did not write."""
+    live, stage = t.param.data.reshape(-1), t.stage.reshape(-1)
+    pos = 0
+    for a, b in sorted(t.ranges) + [(live.numel(), live.numel())]:
+        if a > pos:
+            stage[pos:a].copy_(live[pos:a])
+        pos = max(pos, b)
+
+
+def _opt_bool(info: dict[str, Any], key: str, default: bool) -> bool:
+    v = info.get(key, default)
+    if not isinstance(v, bool):
+        raise WeightSyncError(f"{key} must be true or false, got {v!r}", param=key)
+    return v
+
+
+def _opt_int(info: dict[str, Any], key: str, default: int) -> int:
+    v = info.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise WeightSyncError(f"{key} must be a positive integer, got {v!r}", param=key)
+    return v
