@@ -344,8 +344,9 @@ class WeightSyncClient:
 
     def _dtype(self) -> torch.dtype | None:
         if self._engine_dtype is None and self.base_url:
-            d = self._get("/weight_info").get("dtype")
-            self._engine_dtype = DTYPES.get(d) if isinstance(d, str) else None
+            workers = self._get("/server_info").get("workers", {})
+            dtypes = {w.get("dtype") for w in workers.values()}
+            self._engine_dtype = DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
         return self._engine_dtype
 
     def _control(self, path: str, command: str, body: dict[str, Any], timeout_s: float) -> Any:

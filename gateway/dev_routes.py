@@ -125,16 +125,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
 
     @app.get("/weight_info")
     async def weight_info() -> JSONResponse:
-        # vLLM answers weight_version only; the rest helps a trainer send what the workers accept.
-        state = client.control_state
-        reply = await client.control("members", {}, timeout_s=cfg.control_timeout_s)
-        dtypes = sorted({m["info"].get("dtype") for m in reply.results.values()
-                         if m.get("role") == "worker" and m.get("info", {}).get("dtype")})
-        return JSONResponse({"weight_version": state.get("weight_version", "default"),
-                             "weight_epoch": state.get("weight_epoch", 0),
-                             "weight_update_active": bool(state.get("weight_update_active")),
-                             "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-                             "weight_transfer_config": json.loads(cfg.weight_transfer_config or "null")})
+        return JSONResponse({"weight_version": client.control_state.get("weight_version", "default")})
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
@@ -148,7 +139,10 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
     @app.get("/server_info")
     async def server_info() -> JSONResponse:
         engine = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
+        reply = await client.control("members", {}, timeout_s=cfg.control_timeout_s)
+        workers = {n: m.get("info", {}) for n, m in sorted(reply.results.items()) if m.get("role") == "worker"}
         return JSONResponse({
+            "workers": workers,  # each one's device, dtype (what weight updates must send), KV blocks
             "engine_config": engine,
             "rl_config": extra.rl.effective(),
             "ascend_config": {"weight_nz_mode": extra.weight_nz_mode},
