@@ -216,7 +216,8 @@ class WeightSyncClient:
                 return
             chunks = [list(range(len(metas)))]
         else:
-            size = self.buffer_size or max(DEFAULT_PACKED_BUFFER_SIZE_BYTES // 4, max(m.nbytes for m in metas))
+            # a shared buffer must hold the largest tensor (vLLM's examples size it the same way)
+            size = max(self.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES // 4, max(m.nbytes for m in metas))
             chunks = plan_chunks(metas, size, fit=True)
         nbuf = len(chunks) if reuse is None else min(self.num_buffers, len(chunks))
         for k, chunk in enumerate(chunks):

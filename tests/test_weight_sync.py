@@ -1,0 +1,284 @@
+"""Weight sync end to end: a trainer (HF transformers in this process) changes its model, pushes it into a
+real `rollbus serve` through each backend and path, and the engine's logprobs then equal the trainer's.
+Failures leave the previous weights in service bit for bit."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import zmq
+
+from ascend_ops.ipc import SharedBuffer
+from bus.codec import decode
+from bus.endpoints import WEIGHTS_TOPIC, Endpoints
+from bus.messages import WeightVersionCommitted
+from engine.trainer import WeightSyncClient, WeightSyncFailed, weight_checksums
+from engine.weight_update import ParamMeta, UpdateMeta
+from tests.server_helpers import start_server, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+RL = '{"rl_config": {"enabled": true}}'
+PROMPT = [5, 17, 99, 250, 31, 8, 77]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, smollm2_dir):
+    return tiny_model_with_tokenizer("qwen2", tmp_path_factory.mktemp("wsync") / "qwen2", smollm2_dir)
+
+
+def serve(tmp_path_factory, folder, backend: str, *extra: str):
+    cfg = json.dumps({"backend": backend, "timeout_s": 20})
+    return start_server(tmp_path_factory.mktemp(backend), str(folder), "--additional-config", RL,
+                        "--weight-transfer-config", cfg, "--max-model-len", "128", "--block-size", "4", *extra)
+
+
+@pytest.fixture(scope="module")
+def ipc_server(tmp_path_factory, folder):
+    s = serve(tmp_path_factory, folder, "ipc", "--enable-sleep-mode")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def gloo_server(tmp_path_factory, folder):
+    s = serve(tmp_path_factory, folder, "gloo")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    """A stand-in for optimizer steps: every parameter moves."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def engine_greedy(url: str, n: int = 8) -> tuple[list[int], list[float]]:
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+        "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
+
+
+def trainer_logprobs(model, ids: list[int]) -> tuple[list[int], list[float]]:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([PROMPT + ids])).logits[0].float(), -1)
+    rows = lp[len(PROMPT) - 1:-1]
+    return rows.argmax(-1).tolist(), [rows[k, t].item() for k, t in enumerate(ids)]
+
+
+def assert_engine_matches(url: str, model) -> None:
+    ids, lps = engine_greedy(url)
+    want_ids, want_lps = trainer_logprobs(model, ids)
+    assert ids == want_ids, "engine's greedy tokens differ from the trainer's model"
+    assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
+
+
+def version(url: str) -> str:
+    return httpx.get(url + "/weight_info").json()["weight_version"]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_ipc_update_makes_the_engine_compute_the_trainers_logprobs(ipc_server, trainer, packed):
+    url = ipc_server.url
+    perturb(trainer, seed=1 + packed)
+    with WeightSyncClient(url, backend="ipc", packed=packed, packed_buffer_size_bytes=96 << 10) as client:
+        client.send_weights(trainer.named_parameters(), version=f"ipc-{packed}", pause="keep")
+    assert version(url) == f"ipc-{packed}"
+    assert_engine_matches(url, trainer)
+    # bitwise: the engine holds exactly the trainer's tensors
+    sums = weight_checksums(trainer.named_parameters())
+    r = httpx.post(url + "/weight_checker", json={"action": "compare", "baseline": sums}).json()
+    assert r == {"match": True, "mismatches": []}
+    checksum = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    assert checksum["dp0:pp0:pcp0:tp0:model.embed_tokens.weight"] == sums["model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_collective_update_through_gloo(gloo_server, trainer, packed):
+    url = gloo_server.url
+    assert httpx.get(url + "/get_world_size").json() == {"world_size": 1}
+    perturb(trainer, seed=10 + packed)
+    with WeightSyncClient(url, backend="nccl", packed=packed, packed_buffer_size_bytes=96 << 10) as client:
+        client.send_weights(trainer.named_parameters(), version=f"gloo-{packed}", pause="abort")
+        assert version(url) == f"gloo-{packed}"
+        assert_engine_matches(url, trainer)
+        perturb(trainer, seed=20 + packed)  # a second version over the same group
+        client.send_weights(trainer.named_parameters(), version=f"gloo-{packed}-2", pause=None)
+    assert version(url) == f"gloo-{packed}-2"
+    assert_engine_matches(url, trainer)
+
+
+def post(url: str, path: str, body=None) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def test_a_failure_midway_leaves_the_previous_weights_bitwise(ipc_server, trainer):
+    """Chunk 1 is written (staged), chunk 2 has a wrong shape: the update aborts everywhere and the
+    engine's outputs are bit for bit what they were."""
+    url = ipc_server.url
+    before, before_version = engine_greedy(url), version(url)
+    params = [(n, p.detach() + 1.0) for n, p in trainer.named_parameters()]
+    half = len(params) // 2
+    buf = SharedBuffer(sum(p.numel() * 4 for _, p in params))
+    try:
+        def chunk(items, offset, shape_override=None):
+            metas, off = [], offset
+            for i, (n, t) in enumerate(items):
+                buf.tensor[off:off + t.numel() * 4].copy_(t.reshape(-1).view(torch.uint8))
+                off += t.numel() * 4
+                shape = list(t.shape) if shape_override != i else [t.numel()]
+                metas.append(ParamMeta(n, t.dtype, tuple(shape)))
+            return {**UpdateMeta(metas).to_info(), "ipc_handles": buf.handle(offset, off - offset)}, off
+
+        first, off = chunk(params[:half], 0)
+        second, _ = chunk(params[half:], off, shape_override=1)
+        assert post(url, "/start_weight_update").status_code == 200
+        assert post(url, "/update_weights", {"update_info": first}).status_code == 200
+        r = post(url, "/update_weights", {"update_info": second})
+        assert r.status_code == 400, r.text
+        bad = params[half + 1][0]
+        assert bad in r.json()["error"]["message"] and "shape" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "shapes"
+    finally:
+        buf.close()
+    assert engine_greedy(url) == before and version(url) == before_version
+    # the update ended: a new one may start, and an update without start is refused
+    assert post(url, "/update_weights", {"update_info": first}).status_code == 409
+
+
+BAD_UPDATES = [
+    ({"names": ["model.nope.weight"], "dtype_names": ["float32"], "shapes": [[4]]}, "unknown parameter name"),
+    ({"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[3]]}, "shape [3] does not match"),
+    ({"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}, "dtype bfloat16 does not"),
+    ({"names": ["model.norm.weight", "model.norm.weight"], "dtype_names": ["float32"] * 2, "shapes": [[64]] * 2},
+     "duplicate tensor name"),
+    ({"names": ["model.norm.weight"], "dtype_names": ["float32", "float32"], "shapes": [[64]]}, "differ in length"),
+    ({"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]],
+      "ipc_handles_pickled": "gASV"}, "pickled IPC handles are refused"),
+    ({"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]],
+      "ipc_handles": {"kind": "shm", "name": "../etc/passwd", "offset": 0, "nbytes": 256, "size": 256}},
+     "ipc_handles"),
+]
+
+
+def test_bad_updates_are_400s_naming_the_problem_and_serving_goes_on(ipc_server):
+    url = ipc_server.url
+    before = engine_greedy(url)
+    for info, words in BAD_UPDATES:
+        assert post(url, "/start_weight_update").status_code == 200
+        r = post(url, "/update_weights", {"update_info": info})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (info, r.text)
+        assert r.json()["error"]["type"] == "BadRequestError"
+    assert post(url, "/update_weights", {}).status_code == 400  # no update_info
+    assert post(url, "/init_weight_transfer_engine", {}).json()["error"]["message"] == \
+        "Missing 'init_info' in request body"
+    assert engine_greedy(url) == before
+
+
+def test_state_machine_conflicts_are_409s(ipc_server):
+    url = ipc_server.url
+    assert post(url, "/finish_weight_update").status_code == 409
+    assert post(url, "/start_weight_update").status_code == 200
+    r = post(url, "/start_weight_update")
+    assert r.status_code == 409 and "already active" in r.json()["error"]["message"]
+    assert post(url, "/shutdown_weight_transfer_engine").status_code == 409  # during an update
+    assert post(url, "/finish_weight_update", {"weight_version": "empty"}).status_code == 200  # nothing sent
+    assert version(url) == "empty"
+    assert post(url, "/shutdown_weight_transfer_engine").status_code == 200
+    r = post(url, "/start_weight_update")
+    assert r.status_code == 409 and "shut down" in r.json()["error"]["message"]
+    assert post(url, "/init_weight_transfer_engine", {"init_info": {"packed": True}}).status_code == 200
+    assert post(url, "/start_weight_update").status_code == 200
+    assert post(url, "/finish_weight_update").status_code == 200
+
+
+def test_requests_wait_while_an_update_is_active(ipc_server):
+    """From start to commit no step runs: a request sent meanwhile completes after finish."""
+    url = ipc_server.url
+    assert post(url, "/start_weight_update").status_code == 200
+    done: list[float] = []
+    t = threading.Thread(target=lambda: (engine_greedy(url, 2), done.append(time.monotonic())))
+    t.start()
+    time.sleep(1.0)
+    assert not done, "a step ran during the weight update"
+    finished = time.monotonic()
+    assert post(url, "/finish_weight_update").status_code == 200
+    t.join(60)
+    assert done and done[0] >= finished
+
+
+def test_rendezvous_that_never_completes_is_a_504(gloo_server):
+    t0 = time.monotonic()
+    r = post(gloo_server.url, "/init_weight_transfer_engine", {"init_info": {
+        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "timeout_s": 2}})
+    assert r.status_code == 504, r.text
+    assert "127.0.0.1" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 30
+    assert engine_greedy(gloo_server.url)  # still serving
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_colocated_recipe_sleep_wake_weights_ipc_wake_kv(ipc_server, trainer, level):
+    url = ipc_server.url
+    perturb(trainer, seed=30 + level)
+    assert post(url, f"/sleep?level={level}").status_code == 200
+    assert post(url, "/wake_up?tags=weights").status_code == 200
+    with WeightSyncClient(url, backend="ipc") as client:
+        client.send_weights(trainer.named_parameters(), version=f"sleep-{level}", pause=None)
+    assert post(url, "/wake_up?tags=kv_cache").json()["status"] == "awake"
+    assert version(url) == f"sleep-{level}"
+    assert_engine_matches(url, trainer)
+
+
+@pytest.mark.parametrize("backend", ["ipc", "hccl"])
+def test_weight_version_event_on_the_bus(ipc_server, gloo_server, trainer, backend):
+    server = ipc_server if backend == "ipc" else gloo_server
+    bus_dir = server.log_path.parent / f"bus-{server.port}"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(Endpoints.from_url(f"ipc://{bus_dir}").commands)
+    sub.setsockopt(zmq.SUBSCRIBE, WEIGHTS_TOPIC)
+    time.sleep(0.3)
+    perturb(trainer, seed=40)
+    try:
+        with WeightSyncClient(None, backend=backend, bus=f"ipc://{bus_dir}") as client:
+            client.send_weights(trainer.named_parameters(), version=f"bus-{backend}", pause="keep")
+            assert client.timings["engine_commit_weight_update"] >= 0
+        assert sub.poll(5000), "no WeightVersionCommitted published"
+        msg = decode(sub.recv_multipart()[1:])
+        assert isinstance(msg, WeightVersionCommitted) and msg.version == f"bus-{backend}"
+    finally:
+        ctx.destroy(linger=0)
+    assert version(server.url) == f"bus-{backend}"
+    assert_engine_matches(server.url, trainer)
+
+
+def test_bus_update_with_a_bad_tensor_fails_cleanly(ipc_server, trainer):
+    url = ipc_server.url
+    before, v = engine_greedy(url), version(url)
+    bus = f"ipc://{ipc_server.log_path.parent / f'bus-{ipc_server.port}'}"
+    bad = [(n, p.detach()[..., :1] if n == "model.norm.weight" else p.detach() + 1)
+           for n, p in trainer.named_parameters()]
+    # clear_cache=False: the prompt's KV stays cached, so both measurements take the same (cached) path
+    with WeightSyncClient(None, backend="ipc", bus=bus, clear_cache=False) as client, \
+            pytest.raises(WeightSyncFailed) as e:
+        client.send_weights(bad, version="never")
+    assert e.value.status == 400 and "model.norm.weight" in str(e.value)
+    assert engine_greedy(url) == before and version(url) == v
+    assert not httpx.get(url + "/is_paused").json()["is_paused"]
