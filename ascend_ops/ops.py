@@ -49,3 +49,47 @@ def apply_rope(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over the experts, then the top_k: (fp32 weights [T, k], int64 ids [T, k]), best first.
+
+    With `renormalize` the k weights are divided by their sum (Mixtral always, Qwen3-MoE with norm_topk_prob).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    expert_ids: torch.Tensor,  # [T, k] int64
+    expert_weights: torch.Tensor,  # [T, k]
+    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up
+    down: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
+
+    The T*k (token, expert) pairs are sorted by expert so each expert runs one GEMM pair on its rows (a
+    loop over the experts that received tokens, never over tokens), then scattered back with index_add.
+    Each product is scaled in the promoted dtype of (output, weights) and accumulated in x's dtype,
+    experts in ascending order, like HF transformers' reference loop.
+    """
+    T, k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k  # [T*k] token of each sorted pair
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    xs = x[tokens]
+    out = torch.empty_like(xs)
+    inter = down.shape[-1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gu = linear(xs[start : start + n], gate_up[e])
+            out[start : start + n] = linear(silu_and_mul(gu[:, :inter], gu[:, inter:]), down[e])
+            start += n
+    out = (out * expert_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, out)

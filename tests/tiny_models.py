@@ -42,7 +42,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                   rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, vocab_size=1500, tie_word_embeddings=False,
                                   head_dim=32, rope_theta=1000000.0)),
+    # MoE: a dense layer among the sparse ones (mlp_only_layers / decoder_sparse_step), norm_topk_prob both
+    # ways, top-k of 8 and of 4 experts.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, vocab_size=1500, tie_word_embeddings=False,
+                                         head_dim=32, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_hidden_layers=4, vocab_size=1500, tie_word_embeddings=True,
+                                              num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+                                              decoder_sparse_step=2, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
+                                      num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0)),
 }
+MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral"}
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
