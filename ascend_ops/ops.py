@@ -73,16 +73,16 @@ def moe_experts(
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
 
     The T*k (token, expert) pairs are sorted by expert so each expert runs one GEMM pair on its rows (a
-    loop over the experts that received tokens, never over tokens), then scattered back with index_add.
-    Each product is scaled in the promoted dtype of (output, weights) and accumulated in x's dtype,
-    experts in ascending order, like HF transformers' reference loop.
+    loop over the experts that received tokens, never over tokens). The rows are then put back in
+    (token, slot) order and each token sums its own k products: unlike an index_add (atomic adds on a
+    GPU), the result does not depend on thread timing or on the other tokens in the batch. As in HF
+    transformers, each product is scaled in the promoted dtype of (output, weights), then cast to x's dtype.
     """
     T, k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    tokens = order // k  # [T*k] token of each sorted pair
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    xs = x[tokens]
+    xs = x[order // k]  # row j: the token of sorted pair j
     out = torch.empty_like(xs)
     inter = down.shape[-1]
     start = 0
@@ -91,5 +91,6 @@ def moe_experts(
             gu = linear(xs[start : start + n], gate_up[e])
             out[start : start + n] = linear(silu_and_mul(gu[:, :inter], gu[:, inter:]), down[e])
             start += n
-    out = (out * expert_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, out)
+    pairs = torch.empty_like(out)
+    pairs[order] = out  # back to (token, slot) order
+    return (pairs.view(T, k, x.shape[-1]) * expert_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
