@@ -14,7 +14,7 @@ import torch
 
 from engine.models.checkpoint import iter_safetensors, load_hf_config
 from engine.models.registry import build_model
-from tests.tiny_models import MOE, PagedRunner, load_model, make_tiny_checkpoint
+from tests.tiny_models import MOE, PagedRunner, load_model, make_tiny_checkpoint, random_prompt, tiny_with_oracle
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -28,14 +28,7 @@ MIN_MARGIN = 1e-6
 
 @pytest.fixture(scope="module", params=sorted(MOE))
 def tiny(request, tmp_path_factory) -> tuple[str, Path, object]:
-    arch = request.param
-    folder = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return arch, folder, hf
-
-
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tiny_with_oracle(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def hf_reference(hf, ids: list[int], top_k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -96,7 +89,7 @@ def test_router_capture_and_logprobs_match_hf(tiny) -> None:
     arch, folder, hf = tiny
     model = load_model(folder)
     v = model.cfg.vocab_size
-    a, b = _prompt(13, v, 1), _prompt(22, v, 2)
+    a, b = random_prompt(13, v, 1), random_prompt(22, v, 2)
     cap = Capture(PagedRunner(model, block_size=4))
     cap.step(prefills=[(0, a), (1, b[:9])])
     nxt = cap.step(decodes=[(0, 7)], prefills=[(1, b[9:])])  # 7: an arbitrary forced token
@@ -181,7 +174,7 @@ def test_expert_weight_names(tiny) -> None:
 def test_bf16_loads_and_routes(tiny) -> None:
     """bf16 weights load and run; routes mostly agree with fp32 (bf16 moves some near choices)."""
     _, folder, _ = tiny
-    ids = _prompt(24, 900, 5)
+    ids = random_prompt(24, 900, 5)
     got = {}
     for dt in (torch.float32, torch.bfloat16):
         model = load_model(folder, dt)

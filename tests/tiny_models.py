@@ -91,6 +91,18 @@ def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float
     return folder
 
 
+def tiny_with_oracle(arch: str, folder: Path) -> tuple[str, Path, Any]:
+    """(arch, checkpoint folder, the HF transformers model loaded from it in fp32): an oracle test's fixture."""
+    import transformers
+
+    make_tiny_checkpoint(arch, folder)
+    return arch, folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 # The upcycled SmolLM2 MoE (reference/models.md): bump the version whenever the recipe below changes.
 UPCYCLED_VERSION = "smollm2-moe-v1"
 UPCYCLED = dict(num_experts=4, top_k=2, noise=0.02, seed=0)
