@@ -166,7 +166,7 @@ def test_expert_weight_names(tiny) -> None:
     mine = dict(model.named_parameters())
     for n, p in other.named_parameters():
         assert torch.equal(p, mine[n]), n
-    # Every required name is a piece of the checkpoint HF saved, and loading it covers every parameter.
+    # The names a complete checkpoint must provide are exactly those HF save_pretrained wrote.
     names = {n for n, _ in iter_safetensors(folder)}
     assert model.required_weight_names() == names
 
