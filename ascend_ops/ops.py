@@ -49,3 +49,48 @@ def apply_rope(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over the experts, then the top_k: (fp32 weights [T, k], int64 ids [T, k]), best first.
+
+    With `renormalize` the k weights are divided by their sum (Mixtral always, Qwen3-MoE with norm_topk_prob).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    expert_ids: torch.Tensor,  # [T, k] int64
+    expert_weights: torch.Tensor,  # [T, k]
+    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up
+    down: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
+
+    The T*k (token, expert) pairs are sorted by expert so each expert runs one GEMM pair on its rows (a
+    loop over the experts that received tokens, never over tokens). The rows are then put back in
+    (token, slot) order and each token sums its own k products: unlike an index_add (atomic adds on a
+    GPU), the result does not depend on thread timing or on the other tokens in the batch. As in HF
+    transformers, each product is scaled in the promoted dtype of (output, weights), then cast to x's dtype.
+    """
+    T, k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    xs = x[order // k]  # row j: the token of sorted pair j
+    out = torch.empty_like(xs)
+    inter = down.shape[-1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gu = linear(xs[start : start + n], gate_up[e])
+            out[start : start + n] = linear(silu_and_mul(gu[:, :inter], gu[:, inter:]), down[e])
+            start += n
+    pairs = torch.empty_like(out)
+    pairs[order] = out  # back to (token, slot) order
+    return (pairs.view(T, k, x.shape[-1]) * expert_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)

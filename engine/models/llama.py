@@ -1,10 +1,13 @@
-"""One dense decoder for the Llama family: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+"""One decoder for the Llama family: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (and, through
+engine/models/moe.py, the mixture-of-experts families that share its attention).
 
 The three differ only in flags read from the HF config (qkv/o bias, per-head q/k RMSNorm, head_dim),
 so one implementation keeps the fast path in one place. The step is a flattened [T] token batch
 (decodes first, then prefill chunks; no padding) over a paged KV cache; every matmul, norm and attention
 goes through ascend_ops so an NPU or batch-invariant kernel can be swapped in underneath.
 q/k/v and gate/up are fused into one GEMM each; HF checkpoint pieces are loaded into their slices.
+Subclasses change the feed-forward block per layer (`_make_mlp`), the config (`config_class`) and the
+checkpoint names (`_weight_targets`); attention, rope, norms and the forward loop stay here.
 """
 
 from __future__ import annotations
@@ -175,18 +178,19 @@ class MLP(nn.Module):
         self.down_proj.weight = _param(cfg.hidden_size, self.i, **kw)
         self.down_proj.bias = _param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """A dense layer routes nothing, so it records nothing in routed_experts."""
         gu = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
         h = ops.silu_and_mul(gu[:, : self.i], gu[:, self.i :])  # [T, I]
         return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: DecoderConfig, mlp: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.self_attn = Attention(cfg, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = mlp  # MLP, or a sparse MoE block with the same forward(x, routed_experts)
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
         self.post_attention_layernorm = nn.Module()
@@ -199,25 +203,61 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv: tuple[torch.Tensor, torch.Tensor],
+        routed_experts: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, meta, kv)
-        return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+        return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps), routed_experts)
 
 
 class _Body(nn.Module):
     """Named `model` inside DecoderLM so parameter names line up with HF's `model.` prefix."""
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, make_mlp: Callable[[int], nn.Module]
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device) for i in range(cfg.num_layers))
         self.norm = nn.Module()
         self.norm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
 
 
+class _Target(NamedTuple):
+    """Where one checkpoint tensor goes: parameter `param`, index `expert` of its first dim when >= 0 (one
+    expert of a stacked tensor), then rows [start, start + rows) when rows >= 0."""
+
+    param: str
+    start: int = 0
+    rows: int = -1
+    expert: int = -1
+
+
+class WeightMap:
+    """Accepted checkpoint name -> _Target, and the names a complete standard checkpoint provides.
+
+    Every parameter is accepted under its own name (a trainer may send our fused tensors). `add` registers
+    how a standard HF checkpoint provides (a piece of) a parameter: those names are required instead of
+    the parameter's own. `alias` registers an optional alternative name (e.g. a tied lm_head).
+    """
+
+    def __init__(self, params: Iterable[str]) -> None:
+        self.targets: dict[str, _Target] = {n: _Target(n) for n in params}
+        self.required: set[str] = set(self.targets)
+
+    def add(self, name: str, param: str, start: int = 0, rows: int = -1, expert: int = -1) -> None:
+        self.targets[name] = _Target(param, start, rows, expert)
+        self.required.discard(param)
+        self.required.add(name)
+
+    def alias(self, name: str, param: str) -> None:
+        self.targets[name] = _Target(param)
+
+
 class DecoderLM(nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache; built from the HF config dict."""
+
+    config_class: type[DecoderConfig] = DecoderConfig
 
     def __init__(
         self,
@@ -228,9 +268,9 @@ class DecoderLM(nn.Module):
     ) -> None:
         super().__init__()
         device = torch.device(device)
-        self.cfg = cfg = DecoderConfig.from_hf(hf_config)
+        self.cfg = cfg = self.config_class.from_hf(hf_config)
         self.dtype = dtype
-        self.model = _Body(cfg, dtype, device)
+        self.model = _Body(cfg, dtype, device, lambda layer: self._make_mlp(layer, dtype, device))
         self.lm_head = nn.Module()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one shared tensor
@@ -239,11 +279,28 @@ class DecoderLM(nn.Module):
         cos, sin = _rope_tables(cfg, max_positions or cfg.max_positions, device, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._targets = self._weight_targets()
+        self._weights = self._weight_targets()
+
+    def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """The feed-forward block of decoder layer `layer` (dense here; MoE subclasses choose per layer)."""
+        return MLP(self.cfg, dtype, device)
 
     @property
     def kv_spec(self) -> KVSpec:
         return KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    # Router capture: a dense model has no MoE layers, so callers can test `model.num_moe_layers`.
+    @property
+    def num_moe_layers(self) -> int:
+        return 0
+
+    @property
+    def num_experts(self) -> int:
+        return 0
+
+    @property
+    def moe_top_k(self) -> int:
+        return 0
 
     @torch.inference_mode()
     def forward(
@@ -253,13 +310,19 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         between_layers: Callable[[], None] | None = None,
+        *,
+        routed_experts: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [T, H] of this step's tokens; writes their k/v into kv_caches.
-        `between_layers` runs after each layer; raising there abandons the step (an abort pause)."""
+
+        `between_layers` runs after each layer; raising there abandons the step (an abort pause).
+        `routed_experts`: when a list, each MoE layer appends its top-k expert ids [T, top_k] (int64, on
+        the model's device, best expert first) in layer order; dense layers append nothing.
+        """
         x = self.model.embed_tokens.weight[input_ids]  # [T, H]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv)
+            x = layer(x, cos, sin, meta, kv, routed_experts)
             if between_layers is not None:
                 between_layers()
         return ops.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
@@ -271,34 +334,35 @@ class DecoderLM(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------------------
 
-    def _weight_targets(self) -> dict[str, tuple[str, int, int]]:
-        """Accepted name -> (our parameter, first row, rows); rows -1 means the whole parameter.
+    def _weight_targets(self) -> WeightMap:
+        """Accepted checkpoint names and where each goes.
 
         HF's separate q/k/v and gate/up pieces map to slices of our fused weights; our own (fused)
         names map to themselves so a weight update may send either form.
         """
         cfg = self.cfg
-        t: dict[str, tuple[str, int, int]] = {n: (n, 0, -1) for n, _ in self.named_parameters()}
+        t = WeightMap(n for n, _ in self.named_parameters())
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        i = cfg.intermediate_size
-        for li in range(cfg.num_layers):
+        for li, layer in enumerate(self.model.layers):
             a, m = f"model.layers.{li}.self_attn", f"model.layers.{li}.mlp"
             for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                t[f"{a}.q_proj.{kind}"] = (f"{a}.qkv_proj.{kind}", 0, qd)
-                t[f"{a}.k_proj.{kind}"] = (f"{a}.qkv_proj.{kind}", qd, kd)
-                t[f"{a}.v_proj.{kind}"] = (f"{a}.qkv_proj.{kind}", qd + kd, kd)
+                t.add(f"{a}.q_proj.{kind}", f"{a}.qkv_proj.{kind}", 0, qd)
+                t.add(f"{a}.k_proj.{kind}", f"{a}.qkv_proj.{kind}", qd, kd)
+                t.add(f"{a}.v_proj.{kind}", f"{a}.qkv_proj.{kind}", qd + kd, kd)
+            if not isinstance(layer.mlp, MLP):
+                continue
+            i = layer.mlp.i
             for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-                t[f"{m}.gate_proj.{kind}"] = (f"{m}.gate_up_proj.{kind}", 0, i)
-                t[f"{m}.up_proj.{kind}"] = (f"{m}.gate_up_proj.{kind}", i, i)
+                t.add(f"{m}.gate_proj.{kind}", f"{m}.gate_up_proj.{kind}", 0, i)
+                t.add(f"{m}.up_proj.{kind}", f"{m}.gate_up_proj.{kind}", i, i)
         if cfg.tie_word_embeddings:
-            t["lm_head.weight"] = ("model.embed_tokens.weight", 0, -1)
+            t.alias("lm_head.weight", "model.embed_tokens.weight")
         return t
 
     def required_weight_names(self) -> set[str]:
-        """HF names a complete checkpoint must provide (lm_head is optional when tied)."""
-        fused = {p for p, _, rows in self._targets.values() if rows >= 0}
-        # Pieces of fused weights, plus unfused parameters under their own name (not aliases).
-        return {n for n, (p, _, rows) in self._targets.items() if rows >= 0 or (n == p and p not in fused)}
+        """HF names a complete checkpoint (as save_pretrained writes it) provides; lm_head is optional when
+        tied. A checkpoint may instead carry our own fused names, which load_weights accepts too."""
+        return set(self._weights.required)
 
     def weight_destination(self, name: str) -> torch.Tensor:
         """The exact view of an existing parameter that checkpoint tensor `name` is copied into.
@@ -306,12 +370,13 @@ class DecoderLM(nn.Module):
         Raises KeyError for an unknown name. Weight updates use it to validate every name, shape and
         dtype before the first byte is written, and to copy straight into place.
         """
-        target = self._targets.get(name)
+        target = self._weights.targets.get(name)
         if target is None:
             raise KeyError(f"{self.cfg.architecture}: unknown checkpoint tensor {name!r}")
-        pname, start, rows = target
-        dst = self.get_parameter(pname).data
-        return dst.narrow(0, start, rows) if rows >= 0 else dst
+        dst = self.get_parameter(target.param).data
+        if target.expert >= 0:
+            dst = dst[target.expert]
+        return dst.narrow(0, target.start, target.rows) if target.rows >= 0 else dst
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

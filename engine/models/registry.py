@@ -1,7 +1,4 @@
-"""Architecture name (config.json `architectures[0]`) -> model class, and the one place models are built.
-
-Mixture-of-experts families (Qwen3MoeForCausalLM, MixtralForCausalLM) will register their own class here.
-"""
+"""Architecture name (config.json `architectures[0]`) -> model class, and the one place models are built."""
 
 from __future__ import annotations
 
@@ -10,15 +7,19 @@ from typing import Any
 import torch
 
 from engine.models.llama import DecoderLM
+from engine.models.moe import MoEDecoderLM
 
 ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "LlamaForCausalLM": DecoderLM,
     "Qwen2ForCausalLM": DecoderLM,
     "Qwen3ForCausalLM": DecoderLM,
+    "Qwen3MoeForCausalLM": MoEDecoderLM,
+    "MixtralForCausalLM": MoEDecoderLM,
 }
 
 # Older or hand-made configs sometimes lack `architectures`; model_type then names the family.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:

@@ -1,0 +1,138 @@
+"""Mixture-of-experts decoders: Qwen3MoeForCausalLM and MixtralForCausalLM.
+
+They are the dense decoder of llama.py (attention, rope, norms, the paged forward loop) with a sparse
+feed-forward block in some or all layers. Only what differs lives here: the config fields, which layers
+are sparse, the router, the stacked expert weights and the checkpoint names of their pieces.
+
+Semantics follow HF transformers 5: router logits in the model dtype, softmax in fp32, top-k (best
+first), renormalised top-k weights (always for Mixtral, with `norm_topk_prob` for Qwen3-MoE). Qwen3-MoE
+casts the weights back to the model dtype before scaling the expert outputs; Mixtral scales in fp32.
+Experts are stored stacked like HF's in-memory layout: `experts.gate_up_proj` [E, 2I, H] (gate rows,
+then up rows) and `experts.down_proj` [E, H, I]; per-expert checkpoint tensors (what save_pretrained
+writes: Qwen3-MoE `experts.N.{gate,up,down}_proj.weight`, Mixtral `block_sparse_moe.experts.N.{w1,w3,w2}`)
+load into slices of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascend_ops import ops
+from engine.models.llama import MLP, DecoderConfig, DecoderLM, WeightMap, _param
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig(DecoderConfig):
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    fp32_expert_scale: bool  # Mixtral scales expert outputs by fp32 weights; Qwen3-MoE casts them first
+    sparse_layers: tuple[int, ...]  # indices of the MoE layers (the others are dense MLPs)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> MoEConfig:
+        arch = (cfg.get("architectures") or ["?"])[0]
+        mixtral = arch.startswith("Mixtral")
+        if mixtral:
+            if cfg.get("sliding_window") is not None:
+                raise NotImplementedError(f"{arch}: sliding-window attention is not supported")
+            # Mixtral's own defaults, where a hand-made config leaves them out.
+            cfg = {"rms_norm_eps": 1e-5, **cfg}
+            if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+                cfg["rope_theta"] = 1e6
+        base = DecoderConfig.from_hf(cfg)
+        layers = cfg["num_hidden_layers"]
+        if mixtral:
+            experts, top_k = int(cfg.get("num_local_experts", 8)), cfg.get("num_experts_per_tok", 2)
+            inter = base.intermediate_size  # Mixtral's intermediate_size is each expert's
+            sparse = tuple(range(layers))
+        else:
+            # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map alias).
+            experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+            top_k, inter = cfg.get("num_experts_per_tok", 8), cfg.get("moe_intermediate_size", 768)
+            step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+            sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return cls(
+            **{f.name: getattr(base, f.name) for f in fields(DecoderConfig)},
+            num_experts=experts,
+            top_k=int(top_k),
+            moe_intermediate_size=int(inter),
+            norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            fp32_expert_scale=mixtral,
+            sparse_layers=sparse,
+        )
+
+
+class SparseMoE(nn.Module):
+    """Router + stacked experts, named like HF's in-memory module (`mlp.gate`, `mlp.experts`)."""
+
+    def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.renormalize, self.fp32_scale = cfg.top_k, cfg.norm_topk_prob, cfg.fp32_expert_scale
+        kw = dict(dtype=dtype, device=device)
+        self.gate = nn.Module()
+        self.gate.weight = _param(e, h, **kw)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = _param(e, 2 * i, h, **kw)
+        self.experts.down_proj = _param(e, h, i, **kw)
+
+    def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        weights, ids = ops.moe_route(ops.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        if routed_experts is not None:
+            routed_experts.append(ids)
+        if not self.fp32_scale:
+            weights = weights.to(x.dtype)
+        return ops.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+
+
+class MoEDecoderLM(DecoderLM):
+    """Qwen3-MoE / Mixtral causal LM: DecoderLM with SparseMoE feed-forward blocks in cfg.sparse_layers."""
+
+    config_class = MoEConfig
+    cfg: MoEConfig
+
+    def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        if layer in self.cfg.sparse_layers:
+            return SparseMoE(self.cfg, dtype, device)
+        return MLP(self.cfg, dtype, device)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.cfg.sparse_layers)
+
+    @property
+    def num_experts(self) -> int:
+        return self.cfg.num_experts
+
+    @property
+    def moe_top_k(self) -> int:
+        return self.cfg.top_k
+
+    def _weight_targets(self) -> WeightMap:
+        """Dense names from DecoderLM, plus every expert's pieces as slices of the stacked tensors.
+
+        Accepted besides our own (= HF in-memory, stacked) names: Qwen3-MoE `mlp.experts.N.gate_proj.weight`
+        (rows [0, I) of gate_up_proj[N]), `up_proj` (rows [I, 2I)), `down_proj` (down_proj[N]); Mixtral
+        `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.N.{w1 (gate), w3 (up), w2 (down)}.weight`.
+        """
+        t = super()._weight_targets()
+        cfg, i = self.cfg, self.cfg.moe_intermediate_size
+        mixtral = cfg.architecture.startswith("Mixtral")
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        for li in cfg.sparse_layers:
+            m = f"model.layers.{li}.mlp"
+            ckpt = f"model.layers.{li}.block_sparse_moe" if mixtral else m
+            if mixtral:
+                t.add(f"{ckpt}.gate.weight", f"{m}.gate.weight")
+            for e in range(cfg.num_experts):
+                x = f"{ckpt}.experts.{e}"
+                t.add(f"{x}.{gate}.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e)
+                t.add(f"{x}.{up}.weight", f"{m}.experts.gate_up_proj", i, i, expert=e)
+                t.add(f"{x}.{down}.weight", f"{m}.experts.down_proj", expert=e)
+        return t
