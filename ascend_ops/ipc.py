@@ -352,6 +352,22 @@ class HandleImporter:
         self._shm.clear()
         self._dev.clear()
 
+    def prune(self) -> int:
+        """Forget shared-memory mappings whose segment the producer has unlinked (or replaced), so a
+        long-lived engine does not keep every departed trainer's buffers mapped. Returns how many."""
+        gone = []
+        for (name, size), m in self._shm.items():
+            try:
+                st = os.lstat(os.path.join(SHM_DIR, name))
+                if (st.st_dev, st.st_ino) == m.inode:
+                    continue
+            except OSError:
+                pass
+            gone.append((name, size))
+        for key in gone:
+            del self._shm[key]
+        return len(gone)
+
     def __enter__(self) -> HandleImporter:
         return self
 

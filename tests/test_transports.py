@@ -573,3 +573,21 @@ def test_broadcast_throughput_vs_raw_torch_distributed():
     print(f"\n256 MiB broadcast to 2 receivers (gloo, best of 5): raw torch.distributed {raw_gbs:.2f} GB/s, "
           f"WeightGroup {ours_gbs:.2f} GB/s, ratio {ratio:.2f}")
     assert ratio >= 0.25
+
+
+def test_importer_prunes_mappings_of_closed_segments():
+    from ascend_ops.ipc import HandleImporter, SharedBuffer
+
+    imp = HandleImporter()
+    keep, gone = SharedBuffer(4096), SharedBuffer(4096)
+    try:
+        imp.open(keep.handle(0, 16))
+        imp.open(gone.handle(0, 16))
+        gone.close()
+        assert imp.prune() == 1
+        assert imp.prune() == 0
+        imp.open(keep.handle(0, 16))
+        assert imp.maps_created == 2  # the live one stayed cached
+    finally:
+        keep.close()
+        imp.close()

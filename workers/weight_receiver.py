@@ -127,6 +127,8 @@ class WeightReceiver:
             from ascend_ops.ipc import HandleImporter
 
             self.importer = HandleImporter()
+        if self.importer is not None:
+            self.importer.prune()  # drop mappings of buffers their trainer has closed
         self.refresh()  # parameter storage may have moved since the last update (commit, sleep)
         self.state, self.touched, self.received = ACTIVE, {}, []
         return {"started": True}
