@@ -172,11 +172,11 @@ class WeightSyncClient:
         if pause:
             self._post(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
         self._mark("pause", t)
-        t = time.perf_counter()
-        self._post("/start_weight_update", None)
-        self._mark("start", t)
-        t = time.perf_counter()
-        try:
+        try:  # from here on the engine is resumed whatever happens
+            t = time.perf_counter()
+            self._start()
+            self._mark("start", t)
+            t = time.perf_counter()
             if self.backend == "hccl":
                 self._transfer_collective(tensors, metas, lambda info: self._post("/update_weights",
                                                                                    {"update_info": info}))
@@ -191,6 +191,18 @@ class WeightSyncClient:
                 t = time.perf_counter()
                 self._post("/resume", None)
                 self._mark("resume", t)
+
+    def _start(self) -> None:
+        try:
+            self._post("/start_weight_update", None)
+        except WeightSyncFailed as e:
+            # the engine slept with sleep_mode_extra_cleanup and released our group: form it again
+            if not (self.backend == "hccl" and e.status == 409 and "init_weight_transfer_engine" in str(e)):
+                raise
+            self.group.destroy()
+            self.group = None
+            self.init_transfer()
+            self._post("/start_weight_update", None)
 
     def _transfer_ipc(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None:
         """Fill buffer k+1 while the engine copies out of buffer k (packed), or one call for all."""

@@ -46,7 +46,8 @@ def ipc_server(tmp_path_factory, folder):
 
 @pytest.fixture(scope="module")
 def gloo_server(tmp_path_factory, folder):
-    s = serve(tmp_path_factory, folder, "gloo")
+    s = serve(tmp_path_factory, folder, "gloo", "--enable-sleep-mode", "--additional-config",
+              '{"rl_config": {"enabled": true, "sleep_mode_extra_cleanup": true}}')
     yield s
     s.stop()
 
@@ -282,3 +283,18 @@ def test_bus_update_with_a_bad_tensor_fails_cleanly(ipc_server, trainer):
     assert e.value.status == 400 and "model.norm.weight" in str(e.value)
     assert engine_greedy(url) == before and version(url) == v
     assert not httpx.get(url + "/is_paused").json()["is_paused"]
+
+
+def test_sleep_with_extra_cleanup_releases_the_group_and_the_client_forms_it_again(gloo_server, trainer):
+    url = gloo_server.url
+    with WeightSyncClient(url, backend="hccl") as client:
+        client.send_weights(trainer.named_parameters(), version="before-sleep")
+        r = post(url, "/sleep?level=1")
+        assert r.status_code == 200
+        assert post(url, "/wake_up").json()["status"] == "awake"
+        r = post(url, "/start_weight_update")
+        assert r.status_code == 409 and "sleep_mode_extra_cleanup" in r.json()["error"]["message"]
+        perturb(trainer, seed=50)
+        client.send_weights(trainer.named_parameters(), version="after-sleep")
+    assert version(url) == "after-sleep"
+    assert_engine_matches(url, trainer)

@@ -57,6 +57,7 @@ class WeightReceiver:
         self.buffer_size = DEFAULT_PACKED_BUFFER_SIZE_BYTES
         self.num_buffers = DEFAULT_PACKED_NUM_BUFFERS
         self.group = None  # ascend_ops.collective.WeightGroup for the collective backend
+        self.group_released = False  # by a sleep with sleep_mode_extra_cleanup
         self.importer = None  # ascend_ops.ipc.HandleImporter for the ipc backend
         self.touched: dict[str, _Touched] = {}
         self.pool: dict[str, torch.Tensor] = {}  # staging storage kept between updates
@@ -106,7 +107,7 @@ class WeightReceiver:
             from ascend_ops.ipc import HandleImporter
 
             self.importer = self.importer or HandleImporter()
-        self.initialized, self.was_shut_down = True, False
+        self.initialized, self.was_shut_down, self.group_released = True, False, False
         return {"backend": cfg.backend, "packed": self.packed}
 
     def start(self, weights_asleep: bool) -> dict[str, Any]:
@@ -118,7 +119,10 @@ class WeightReceiver:
             raise WeightSyncError("a weight update is already active: finish_weight_update (or its failure) "
                                   "must end it before start_weight_update", status=409)
         if cfg.backend == "hccl" and self.group is None:
-            raise WeightSyncError("the hccl backend needs /init_weight_transfer_engine before an update", status=409)
+            why = (" (a sleep with sleep_mode_extra_cleanup released the group: initialise it again)"
+                   if self.group_released else "")
+            raise WeightSyncError(f"the hccl backend needs /init_weight_transfer_engine before an update{why}",
+                                  status=409)
         if self.nz_mode:
             raise WeightSyncError("weight updates need the NZ weight format off (RL mode turns it off)", status=409)
         if weights_asleep:
@@ -177,6 +181,16 @@ class WeightReceiver:
             self.importer = None
         self.initialized, self.was_shut_down = False, True
         return {"shutdown": True}
+
+    def release_group(self) -> bool:
+        """sleep_mode_extra_cleanup: tear the collective group down (its communicator buffers go with it).
+        The trainer forms a new one with /init_weight_transfer_engine after the wake."""
+        if self.group is None:
+            return False
+        self.group.destroy()
+        self.group = None
+        self.group_released = True
+        return True
 
     def release(self) -> int:
         """Free the staging copies (sleep); returns bytes released."""

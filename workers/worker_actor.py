@@ -63,9 +63,10 @@ class WorkerActor:
         kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
         self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed)
         self.sleep = SleepManager(model, kv, platform)
+        extra = parse_additional_config(cfg.additional_config)
+        self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,
-                                      device=device,
-                                      nz_mode=parse_additional_config(cfg.additional_config).weight_nz_mode)
+                                      device=device, nz_mode=extra.weight_nz_mode)
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes}
         log.info("worker.loaded", **self.info)
@@ -149,8 +150,9 @@ class WorkerActor:
         elif c == "release_memory":  # second phase of /sleep: the scheduler has quiesced
             level = int(args["level"])
             released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
-            log.info("worker.sleep", level=level, released_bytes=released)
-            return {"released_bytes": released}
+            group = level >= 1 and self.extra_cleanup and self.weights.release_group()
+            log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
+            return {"released_bytes": released, "released_group": group}
         elif c == "wake_up":
             tags = [t for t in (args.get("tags") or ["weights", "kv_cache"]) if t != "scheduling"]
             restored = self.sleep.wake(tags) if tags else 0
