@@ -19,7 +19,7 @@ from bus.endpoints import WEIGHTS_TOPIC, Endpoints
 from bus.messages import WeightVersionCommitted
 from engine.trainer import WeightSyncClient, WeightSyncFailed, weight_checksums
 from engine.weight_update import ParamMeta, UpdateMeta
-from tests.server_helpers import start_server, tiny_model_with_tokenizer
+from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 RL = '{"rl_config": {"enabled": true}}'
@@ -298,3 +298,17 @@ def test_sleep_with_extra_cleanup_releases_the_group_and_the_client_forms_it_aga
         client.send_weights(trainer.named_parameters(), version="after-sleep")
     assert version(url) == "after-sleep"
     assert_engine_matches(url, trainer)
+
+
+def test_prefix_cache_never_serves_blocks_of_the_previous_version(ipc_server, trainer):
+    url = ipc_server.url
+    engine_greedy(url)
+    hits = metric(ipc_server, "vllm:prefix_cache_hits_total")
+    engine_greedy(url)
+    assert metric(ipc_server, "vllm:prefix_cache_hits_total") > hits  # cached under this version
+    perturb(trainer, seed=60)
+    with WeightSyncClient(url, backend="ipc") as client:
+        client.send_weights(trainer.named_parameters(), version="no-reuse", pause=None)  # no pause: no clear
+    hits = metric(ipc_server, "vllm:prefix_cache_hits_total")
+    assert_engine_matches(url, trainer)
+    assert metric(ipc_server, "vllm:prefix_cache_hits_total") == hits
