@@ -52,12 +52,17 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     transfer_s = (wt.timeout_s if wt else 300.0) + control_s
     checksums: dict[int, dict[str, str]] = {}  # by weight epoch; /weight_checker reset drops it
 
-    async def abort_update() -> None:
-        """All or nothing: one worker failed, so every worker drops the update."""
+    async def call_or_abort(command: str, args: dict[str, Any], timeout_s: float) -> None:
+        """All or nothing: when one worker fails a step of the update, every worker drops the update."""
         try:
-            await call(client, "abort_weight_update", {}, control_s)
-        except APIError:
-            pass  # the original failure is what the caller needs to see
+            await call(client, command, args, timeout_s)
+        except APIError as e:
+            if e.status != 409:  # 409: no update of ours is active, nothing to abort
+                try:
+                    await call(client, "abort_weight_update", {}, control_s)
+                except APIError:
+                    pass  # the original failure is what the caller needs to see
+            raise
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> JSONResponse:
@@ -86,12 +91,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             raise bad_request("Missing 'update_info' in request body", "update_info")
         if not isinstance(info, dict | list) or (isinstance(info, list) and not all(isinstance(i, dict) for i in info)):
             raise bad_request("update_info must be an object, or a list of objects (one per worker)", "update_info")
-        try:
-            await call(client, "update_weights", {"update_info": info}, transfer_s)
-        except APIError as e:
-            if e.status != 409:  # 409: no update of ours is active, nothing to abort
-                await abort_update()
-            raise
+        await call_or_abort("update_weights", {"update_info": info}, transfer_s)
         return JSONResponse({"message": "Weights updated"})
 
     @app.post("/finish_weight_update")
@@ -100,12 +100,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         version = body.get("weight_version")
         if version is not None and (not isinstance(version, str) or not version):
             raise bad_request("weight_version must be a non-empty string", "weight_version")
-        try:
-            await call(client, "finish_weight_update", {}, control_s)
-        except APIError as e:
-            if e.status != 409:
-                await abort_update()
-            raise
+        await call_or_abort("finish_weight_update", {}, control_s)
         await call(client, "commit_weight_update", {"new_version": version or ""}, control_s)
         return JSONResponse({"message": "Weight update finished"})
 
