@@ -121,7 +121,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help="Largest logprobs / top_logprobs a request may ask for.")
+                   help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the "
+                        "whole vocabulary (a request's -1 asks for the whole vocabulary).")
     g.add_argument("--num-workers", type=int, default=d.num_workers,
                    help="Worker processes (one per device). CPU: 1.")
     g = p.add_argument_group("bus")
