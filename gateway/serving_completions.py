@@ -213,7 +213,7 @@ async def _chunks(ctx: ServingContext, body: CompletionRequest, head: dict[str, 
 
 def _chunk(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any], upd: ChoiceUpdate,
            state: ChoiceState, first: bool) -> dict[str, Any]:
-    echo_now = bool(body.echo) and upd.first  # vLLM: the echoed prompt goes with the first chunk
+    echo_now = bool(body.echo) and first  # vLLM: the echoed prompt goes with the first chunk
     choice: dict[str, Any] = {
         "index": upd.index, "text": upd.text,
         "logprobs": choice_logprobs(ctx, body, state, upd.token_ids, upd.logprobs, upd.top_logprobs,

@@ -139,3 +139,17 @@ def test_plain_seeded_row_ignores_filtered_batch_mates():
     alone = sample(logits[1:2], [row(seed=5)], torch.Generator()).token_ids
     mixed = [row(seed=9, top_k=3, temperature=0.5), row(seed=5), row(temperature=0.0, presence_penalty=1.0, out=[2])]
     assert sample(logits, mixed, torch.Generator()).token_ids[1] == alone[0]
+
+
+def test_ranks_count_every_entry_at_least_as_likely():
+    logits = torch.randn(40, 300, generator=torch.Generator().manual_seed(2))
+    logits[0, :3] = 5.0  # a tie at the top
+    for k in (0, 1, 3):
+        rows = [row(seed=i, logprobs=k) for i in range(40)]
+        rows[0] = row(temperature=0.0, logprobs=k)
+        rows[1] = row(logprobs=k, trace_decode_token_ids=[299])  # far outside the top
+        out = sample(logits, rows, torch.Generator())
+        lp = torch.log_softmax(logits, -1)
+        want = (lp >= lp.gather(1, out.token_ids[:, None])).sum(-1)
+        assert torch.equal(out.ranks, want), k
+        assert out.topk_ids.shape == (40, k)

@@ -115,13 +115,21 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     k = min(max(r.params.num_logprobs(vocab) for r in rows), vocab)
     chosen = vals.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     ranks = None
-    if any(want_lp):
-        ranks = (vals >= chosen.unsqueeze(1)).sum(dim=-1)
-    if k:
-        top_lp, top_ids = vals.topk(k, dim=-1)
+    # Ranks come from the top-k when the token is in it (the usual case), so only the other rows pay
+    # for a count over the vocabulary; hence at least 2 columns when ranks are wanted.
+    k_eff = min(max(k, 2), vocab) if any(want_lp) else k
+    if k_eff:
+        top_lp, top_ids = vals.topk(k_eff, dim=-1)
     else:
         top_lp = torch.empty(n, 0)
         top_ids = torch.empty(n, 0, dtype=torch.int64)
+    if any(want_lp):
+        ranks = (top_lp >= chosen.unsqueeze(1)).sum(dim=-1)
+        # exact only where every entry >= the token is among the top columns
+        outside = (chosen <= top_lp[:, -1]).nonzero().squeeze(1) if k_eff < vocab else torch.empty(0, dtype=torch.long)
+        if len(outside):
+            ranks[outside] = (vals[outside] >= chosen[outside].unsqueeze(1)).sum(dim=-1)
+    top_lp, top_ids = top_lp[:, :k], top_ids[:, :k]
     mass = None
     if any(want_mass):
         mass = torch.ones(n, dtype=torch.float32)
