@@ -183,7 +183,6 @@ class ChoiceUpdate:
     text_offset: int  # where `text` starts in the choice's whole text
     ranks: list[int] | None = None
     sampling_mass: list[float] | None = None
-    first: bool = False  # the first update of this choice (echo and prompt ids go with it)
 
 
 class ChoiceState:
@@ -209,7 +208,6 @@ class ChoiceState:
         self.sampling_mass: list[float] = []
         self.prompt_logprobs: PromptLogprobs | None = None
         self.routed_experts: Any = None  # MoE capture (issue 5 item 5); see routed_experts_b64
-        self.updates = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -273,10 +271,8 @@ class ChoiceState:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason or "stop", out.stop_reason, out.error
         end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.holdback)
         start, self.sent = self.sent, end
-        self.updates += 1
         return ChoiceUpdate(self.index, self.text[start:end], new, out.logprobs, out.top_logprobs,
-                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass,
-                            self.updates == 1)
+                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass)
 
 
 # --- many engine requests of one HTTP request ----------------------------------------------------
