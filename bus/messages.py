@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 REGISTRY: dict[int, type] = {}
 
@@ -146,6 +146,22 @@ class RequestOutput:
     num_cached_tokens: int
     weight_version: int  # epoch of the weights that computed these tokens (engine.control_state)
     stale_kv: bool = False  # computed on KV that older weights produced (a keep pause without clear_cache)
+    ranks: list[int] | None = None  # per new token, its 1-based rank (with logprobs)
+    sampling_mass: list[float] | None = None  # per new token (return_sampling_mass): mass the filters kept
+    prompt_logprobs: PromptLogprobs | None = None  # on the first output only, when the request asked
+    routed_experts: Any = None  # MoE router capture: always None until the capture lands (issue 5 item 5)
+
+
+@_message(24)
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1..P-1 (token 0 has none), computed from the raw logits of the position
+    before each; rows in prompt order. Travels in StepResult (worker -> scheduler) and RequestOutput."""
+
+    seq_id: str
+    logprobs: Any  # np.float32 [P-1], of the prompt token itself
+    ranks: Any  # np.int64 [P-1], 1-based
+    topk_ids: Any  # np.int64 [P-1, K]
+    topk_logprobs: Any  # np.float32 [P-1, K]
 
 
 @_message(23)
@@ -197,6 +213,9 @@ class StepResult:
     weight_version: int
     error: str = ""
     step_time_s: float = 0.0
+    ranks: Any = None  # np.int64 [S]: rank of each sampled token (1-based; zeros when nobody asked)
+    sampling_mass: Any = None  # np.float32 [S]: kept probability mass (1.0 where nothing was filtered)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # for sequences sampled the first time
 
 
 def message_kinds() -> dict[int, str]:

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SCALE_OUT_ENV = "VLLM_ENABLE_SCALE_OUT_ENDPOINTS"
 
 
 @dataclass(slots=True)
@@ -48,6 +49,17 @@ class EngineConfig:
     additional_config: str | None = None  # JSON; see engine.rl_config
     enable_sleep_mode: bool = False
     weight_transfer_config: str | None = None  # JSON; see engine.weight_transfer_config
+    # training data (issue 5): logprob contract, tokens in/out, trace replay
+    logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs | raw_logits | processed_logits
+    tokens_only: bool = False  # no tokenizer anywhere; /inference/v1/generate on
+    enable_scale_out: bool = False  # /inference/v1/generate and /inference/v1/abort_requests on
+    enable_trace_replay: bool = False  # sampling_params.trace_decode_token_ids allowed
+
+    @property
+    def scale_out_enabled(self) -> bool:
+        """vLLM v0.33: --enable-scale-out or --tokens-only (or VLLM_ENABLE_SCALE_OUT_ENDPOINTS=1, the
+        releases between) register the tokens-in/tokens-out routes; otherwise they answer 403."""
+        return self.tokens_only or self.enable_scale_out or os.environ.get(SCALE_OUT_ENV, "").strip() == "1"
 
     @property
     def model_name(self) -> str:
@@ -110,7 +122,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help="Largest logprobs / top_logprobs a request may ask for.")
+                   help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the "
+                        "whole vocabulary (a request's -1 asks for the whole vocabulary).")
     g.add_argument("--num-workers", type=int, default=d.num_workers,
                    help="Worker processes (one per device). CPU: 1.")
     g = p.add_argument_group("bus")
@@ -133,6 +146,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="Log level of every process.")
     add_rl_args(p)
+    add_training_data_args(p)
 
 
 def add_rl_args(p: argparse.ArgumentParser) -> None:
@@ -154,11 +168,35 @@ def add_rl_args(p: argparse.ArgumentParser) -> None:
                         "timeout_s (default 300).")
 
 
+def add_training_data_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("training data (logprobs, tokens in/out, trace replay; docs/logprobs.md, docs/tokens.md)")
+    g.add_argument("--logprobs-mode", default=d.logprobs_mode,
+                   choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
+                   help="What logprobs report, as vLLM: raw_* come from the model's logits before penalties and "
+                        "temperature; processed_* from the logits the sampler drew from (penalties, temperature, "
+                        "min_p, top_k, top_p applied; filtered tokens -inf, so processed_logprobs are "
+                        "renormalised over what was kept). *_logits report logits instead of log-probabilities. "
+                        "Prompt logprobs are always raw logprobs.")
+    g.add_argument("--tokens-only", action="store_true",
+                   help="Serve token ids only: no tokenizer is loaded or called; /inference/v1/generate is on; "
+                        "stop strings and text prompts are refused (400).")
+    g.add_argument("--enable-scale-out", action="store_true",
+                   help=f"Register POST /inference/v1/generate and /inference/v1/abort_requests (tokens in, "
+                        f"tokens out); without it (or --tokens-only, or {SCALE_OUT_ENV}=1) they answer 403.")
+    g.add_argument("--enable-trace-replay", action="store_true",
+                   help="Allow sampling_params.trace_decode_token_ids on /inference/v1/generate: those tokens are "
+                        "forced as the output while logprobs and ranks come from the model's distribution. "
+                        "VLLM_USE_V2_MODEL_RUNNER is accepted and ignored (the one model runner supports it).")
+
+
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     cfg = EngineConfig(**{k: v for k, v in vars(ns).items() if k in names})
     if cfg.num_workers < 1:
         raise SystemExit("--num-workers must be at least 1")
+    if cfg.tokens_only and os.environ.get(SCALE_OUT_ENV, "").strip() == "0":
+        raise SystemExit(f"rollbus: `{SCALE_OUT_ENV}=0` conflicts with `--tokens-only`; unset it or set it to 1")
     from engine.rl_config import parse_additional_config
     from engine.weight_transfer_config import parse_weight_transfer_config
 

@@ -33,9 +33,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None  # number of top alternatives per sampled token (0: only the sampled)
+    logprobs: int | None = None  # number of top alternatives per sampled token (0: only the sampled; -1: all)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many top alternatives (-1: all)
+    # Beyond vLLM: per sampled token, the probability mass top-k/top-p/min-p (and a min_tokens ban) kept of
+    # the penalised, temperature-scaled distribution; processed logprob = log_softmax(z / T) - log(mass).
+    return_sampling_mass: bool = False
+    trace_decode_token_ids: list[int] | None = None  # trace replay: forced output tokens (vLLM v0.33)
 
     def validate(self, *, vocab_size: int, max_logprobs: int, max_n: int = 128) -> None:
         _check(1 <= self.n <= max_n, "n", f"n must be between 1 and {max_n}, got {self.n}")
@@ -55,19 +60,53 @@ class SamplingParams:
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
         _check(self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0")
-        if self.logprobs is not None:
-            _check(
-                0 <= self.logprobs <= max_logprobs,
-                "logprobs",
-                f"Requested sample logprobs of {self.logprobs}, which is greater than max allowed: {max_logprobs}"
-                if self.logprobs > max_logprobs
-                else f"logprobs must be >= 0, got {self.logprobs}",
-            )
+        # vLLM: -1 asks for the whole vocabulary; --max-logprobs -1 allows it.
+        cap = vocab_size if max_logprobs == -1 else max_logprobs
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check(value >= -1, name, f"`{name}` must be a positive value or -1.")
+            wanted = vocab_size if value == -1 else value
+            _check(wanted <= cap, name,
+                   f"Requested {what} logprobs of {wanted}, which is greater than max allowed: {cap}")
         for t in self.stop_token_ids:
             _check(0 <= t < vocab_size, "stop_token_ids",
                    f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", "seed must fit in 64 bits")
+
+    def validate_trace(self, *, vocab_size: int, enabled: bool) -> None:
+        """vLLM's trace-replay checks (sampling_params._validate_trace_replay), after `validate`."""
+        trace = self.trace_decode_token_ids
+        if trace is None:
+            return
+        p = "trace_decode_token_ids"
+        _check(enabled, p, "trace_decode_token_ids is set but trace replay is not enabled: start the server "
+                           "with --enable-trace-replay")
+        _check(len(trace) > 0, p, "trace_decode_token_ids must be a non-empty list.")
+        _check(self.n == 1, p, "trace_decode_token_ids requires n=1.")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in trace), p,
+               "trace_decode_token_ids must contain non-negative integers.")
+        _check(self.prompt_logprobs is None, p, "trace_decode_token_ids is not supported with prompt_logprobs.")
+        bad = [t for t in trace if t >= vocab_size]
+        _check(not bad, p, f"token_id(s) {bad[:8]} in trace_decode_token_ids contain out-of-vocab token ids. "
+                           f"Vocabulary size: {vocab_size}")
+
+    def for_trace_replay(self, prompt_len: int, max_model_len: int) -> "SamplingParams":
+        """vLLM's _normalize_trace_replay_params: the trace is cut to fit the context, max_tokens becomes
+        min(len(trace), max_tokens), and nothing may stop the replay early (no EOS, stop ids or strings)."""
+        trace = list(self.trace_decode_token_ids or [])[:max(max_model_len - prompt_len, 1)]
+        limit = len(trace) if self.max_tokens is None else min(len(trace), self.max_tokens)
+        return dataclasses.replace(self, trace_decode_token_ids=trace, max_tokens=limit, min_tokens=0,
+                                   ignore_eos=True, stop=[], stop_token_ids=[])
+
+    def num_logprobs(self, vocab_size: int) -> int:
+        """Top alternatives the worker computes per sampled token (-1: the whole vocabulary)."""
+        return vocab_size if self.logprobs == -1 else (self.logprobs or 0)
+
+    def num_prompt_logprobs(self, vocab_size: int) -> int:
+        return vocab_size if self.prompt_logprobs == -1 else (self.prompt_logprobs or 0)
 
     @property
     def greedy(self) -> bool:

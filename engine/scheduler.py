@@ -131,7 +131,10 @@ class Scheduler:
         new_seqs: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            seq.num_computed = self.blocks.match_prefix(seq, self.weight_version)
+            # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
+            # never reads the prefix cache (its blocks are still shared with later requests).
+            want_prompt_lp = seq.sampling.prompt_logprobs is not None
+            seq.num_computed = 0 if want_prompt_lp else self.blocks.match_prefix(seq, self.weight_version)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.can_allocate(seq, seq.num_computed + n):
                 # Give the matched blocks back: a waiting sequence must hold nothing, or two of them

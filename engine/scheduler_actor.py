@@ -26,6 +26,7 @@ from bus.messages import (
     Hello,
     NewSeq,
     OutputBatch,
+    PromptLogprobs,
     RequestOutput,
     StepPlan,
     StepResult,
@@ -230,24 +231,36 @@ class SchedulerActor:
         self.counters["prompt_tokens"] += sum(max(0, min(b + n, q.num_prompt_tokens) - b)
                                               for q, n, b in zip(step.seqs, step.num_new, step.num_computed))
         sampled: dict[str, tuple[int, float, list[list[float]] | None]] = {}
-        k = main.topk_ids.shape[1] if main.topk_ids.ndim == 2 else 0
+        row: dict[str, int] = {}
         for i, sid in enumerate(main.seq_ids):
-            top = [[int(t), float(lp)] for t, lp in zip(main.topk_ids[i], main.topk_logprobs[i])] if k else None
-            sampled[sid] = (int(main.token_ids[i]), float(main.logprobs[i]), top)
+            sampled[sid] = (int(main.token_ids[i]), float(main.logprobs[i]), None)
+            row[sid] = i
         updates = self.sched.update(step, sampled)
         self.counters["generation_tokens"] += len(updates)
-        self._emit([(u.seq, self._update_output(u, main.weight_version)) for u in updates])
+        prompt_lps = {p.seq_id: p for p in main.prompt_logprobs}
+        self._emit([(u.seq, self._update_output(u, main, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id)))
+                    for u in updates])
 
     # --- outputs --------------------------------------------------------------------------------
 
-    def _update_output(self, u: SeqUpdate, version: int) -> RequestOutput:
-        want_lp = u.seq.sampling.logprobs is not None
+    def _update_output(self, u: SeqUpdate, res: StepResult, i: int, prompt_lp: PromptLogprobs | None
+                       ) -> RequestOutput:
+        """One sampled token of one sequence, with what the request asked to know about it."""
+        sp = u.seq.sampling
+        want_lp = sp.logprobs is not None
         top = None
-        if want_lp and u.seq.sampling.logprobs:
-            top = [u.top[: u.seq.sampling.logprobs] if u.top else []]
+        if want_lp and sp.logprobs:
+            k = None if sp.logprobs == -1 else sp.logprobs  # -1: every column the worker computed (the vocab)
+            top = [[[int(t), float(lp)] for t, lp in zip(res.topk_ids[i, :k], res.topk_logprobs[i, :k])]]
+        version = res.weight_version
         out = self._output(u.seq, [u.token_id], finished=u.finished,
                            logprobs=[u.logprob] if want_lp else None, top=top, version=version)
         out.stale_kv = u.seq.kv_epoch is not None and u.seq.kv_epoch != version
+        if want_lp and res.ranks is not None:
+            out.ranks = [int(res.ranks[i])]
+        if sp.return_sampling_mass and res.sampling_mass is not None:
+            out.sampling_mass = [float(res.sampling_mass[i])]
+        out.prompt_logprobs = prompt_lp
         return out
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: str | None = None,

@@ -25,10 +25,11 @@ from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
 from gateway.metrics import CONTENT_TYPE, Metrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completions import create_completion
+from gateway.serving_generate import abort_requests, create_generate
 from gateway.weight_routes import WEIGHT_PATHS, add_weight_routes
 
 log = structlog.get_logger()
@@ -63,7 +64,8 @@ class APIKeyMiddleware:
             path = scope.get("path", "")
             root = scope.get("root_path", "")
             # Beyond vLLM (whose dev routes take no key): with --api-key the dev endpoints need it too.
-            if path.startswith(f"{root}/v1") or path.removeprefix(root) in DEV_PATHS + WEIGHT_PATHS:
+            if path.startswith((f"{root}/v1", f"{root}/inference")) or \
+                    path.removeprefix(root) in DEV_PATHS + WEIGHT_PATHS:
                 given = dict(scope.get("headers") or []).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     resp = JSONResponse(envelope("Unauthorized", UNAUTHORIZED, 401), status_code=401)
@@ -154,6 +156,20 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     async def chat_completions(request: Request) -> Response:
         body = ChatCompletionRequest.model_validate_json(await request.body())
         return await create_chat_completion(ctx, body, request)
+
+    # Tokens in, tokens out (docs/tokens.md): always routed, 403 unless scale-out is on (vLLM v0.33).
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request) -> Response:
+        body = GenerateRequest.model_validate_json(await request.body())
+        return await create_generate(ctx, body, request)
+
+    @app.post("/inference/v1/abort_requests")
+    async def generate_abort(request: Request) -> Response:
+        return await abort_requests(ctx, request)
+
+    if cfg.tokens_only and not dev_endpoints_enabled(extra):
+        # vLLM's legacy tokens-only abort route, unless the RL router already owns the path
+        app.add_api_route("/abort_requests", generate_abort, methods=["POST"])
 
     @app.get("/health")
     async def health_route() -> Response:

@@ -1,4 +1,4 @@
-"""Request bodies of /v1/completions and /v1/chat/completions, as vLLM accepts them.
+"""Request bodies of /v1/completions, /v1/chat/completions and /inference/v1/generate, as vLLM accepts them.
 
 Field names, types and defaults are vLLM's (OpenAI's fields plus vLLM's sampling extras), so clients
 port unchanged. Unknown fields are ignored with a log line, as vLLM does. Checks that span several
@@ -74,6 +74,8 @@ class _SamplingRequest(OpenAIModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     return_weight_versions: bool | None = None  # vLLM v0.33: per-choice weight_versions spans
+    prompt_logprobs: int | None = None
+    return_sampling_mass: bool | None = None  # beyond vLLM: per-token kept mass (docs/logprobs.md)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -93,9 +95,10 @@ class _SamplingRequest(OpenAIModel):
             raise ParamError("stop", "stop cannot contain an empty string.")
         if self.logit_bias:
             raise ParamError("logit_bias", "logit_bias is not supported by rollbus")
+        check_prompt_logprobs(self.prompt_logprobs, bool(self.stream))
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
-                  defaults: dict[str, Any] | None) -> SamplingParams:
+                  defaults: dict[str, Any] | None, prompt_logprobs: int | None = None) -> SamplingParams:
         d = {**_FALLBACKS, **(defaults or {})}
 
         def pick(name: str) -> Any:
@@ -109,7 +112,18 @@ class _SamplingRequest(OpenAIModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+            return_sampling_mass=bool(self.return_sampling_mass))
+
+
+def check_prompt_logprobs(value: int | None, stream: bool) -> None:
+    """vLLM's request-level checks (completion and chat protocol `check_logprobs`)."""
+    if value is None:
+        return
+    if stream and (value > 0 or value == -1):
+        raise ParamError("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+    if value < -1:
+        raise ParamError("prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
 
 
 # --- /v1/completions -----------------------------------------------------------------------------
@@ -140,9 +154,19 @@ class CompletionRequest(_SamplingRequest):
         self._check_common()
         if self.suffix is not None:
             raise ParamError("suffix", "suffix is not currently supported")
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo", "echo together with logprobs needs prompt logprobs, "
-                                     "which rollbus does not compute yet")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ParamError("logprobs", "`logprobs` must be a positive value or -1.")
+
+    @property
+    def echo_only(self) -> bool:
+        """vLLM: echo with max_tokens 0 scores the prompt (one token is generated and not shown)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def effective_prompt_logprobs(self) -> int | None:
+        """vLLM: with echo, prompt_logprobs defaults to logprobs (the echoed prompt gets logprobs too)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -151,7 +175,9 @@ class CompletionRequest(_SamplingRequest):
         """SamplingParams of one prompt; default_max_tokens (the rest of the context) fills a null."""
         self.check()
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        return self._sampling(max_tokens, self.logprobs, defaults)
+        if self.echo_only:
+            max_tokens = 1
+        return self._sampling(max_tokens, self.logprobs, defaults, self.effective_prompt_logprobs())
 
 
 # --- /v1/chat/completions ------------------------------------------------------------------------
@@ -241,9 +267,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def check(self) -> None:
         self._check_common()
         if self.top_logprobs is not None:
-            if self.top_logprobs < 0:
-                raise ParamError("top_logprobs", "`top_logprobs` must be a positive value.")
-            if self.top_logprobs > 0 and not self.logprobs:
+            if self.top_logprobs < -1:
+                raise ParamError("top_logprobs", "`top_logprobs` must be a positive value or -1.")
+            if (self.top_logprobs > 0 or self.top_logprobs == -1) and not self.logprobs:
                 raise ParamError("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
         if self.continue_final_message and self.add_generation_prompt:
             raise ParamError("continue_final_message", "Cannot set both `continue_final_message` and "
@@ -264,4 +290,92 @@ class ChatCompletionRequest(_SamplingRequest):
         requested = self.requested_max_tokens()
         max_tokens = requested if requested is not None else default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, defaults)
+        return self._sampling(max_tokens, logprobs, defaults, self.prompt_logprobs)
+
+
+# --- /inference/v1/generate (tokens in, tokens out) ----------------------------------------------
+
+
+class GenerateSamplingParams(OpenAIModel):
+    """vLLM's SamplingParams as the generate endpoint takes them: engine field names and engine defaults
+    (no generation_config.json overrides), every field the engine implements."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = Field(default=None, **_I64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = None  # left out or null: the rest of the context (vLLM's server-side default)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    trace_decode_token_ids: list[int] | None = None
+    return_sampling_mass: bool = False  # beyond vLLM (docs/logprobs.md)
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        for name in ("logit_bias", "bad_words", "allowed_token_ids"):
+            if getattr(self, name):
+                raise ParamError(f"sampling_params.{name}", f"{name} is not supported by rollbus")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ParamError("sampling_params.logprobs", "`logprobs` must be a positive value or -1.")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise ParamError("sampling_params.stop", "stop cannot contain an empty string.")
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
+            return_sampling_mass=self.return_sampling_mass, trace_decode_token_ids=self.trace_decode_token_ids)
+
+
+class GenerateRequest(OpenAIModel):
+    """POST /inference/v1/generate in tokens mode (vLLM v0.33 `GenerateRequest`)."""
+
+    request_id: str | None = None
+    token_ids: list[int]
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+    output_mode: Literal["tokens"] = "tokens"  # vLLM's text/derender modes are not offered here
+    cache_salt: str | None = None  # accepted; the prefix cache is per engine and unsalted
+    priority: int = 0
+
+    def check(self) -> None:
+        if not self.token_ids:
+            raise ParamError("token_ids", "token_ids must contain at least one token")
+        if any(t < 0 for t in self.token_ids):
+            raise ParamError("token_ids", "token_ids must not contain negative values")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "Stream options can only be defined when `stream=True`.")
+        p = self.sampling_params.prompt_logprobs
+        if p is not None and p < -1:
+            raise ParamError("sampling_params.prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
+        if self.priority != 0:
+            raise ParamError("priority", "priority scheduling is not enabled: priority must be 0")
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage() and self.stream_options and self.stream_options.continuous_usage_stats)

@@ -8,6 +8,7 @@ import asyncio
 import errno
 import importlib.util
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ def load_model_info(cfg: EngineConfig, folder: Path) -> ModelInfo:
     if derived and cfg.max_model_len and cfg.max_model_len > derived:
         log.warning("gateway.max_model_len_above_model", max_model_len=cfg.max_model_len, model_limit=derived)
     defaults: dict[str, Any] = {}
+    gen: dict[str, Any] = {}
     gen_path = folder / "generation_config.json"
     if gen_path.is_file():
         gen = json.loads(gen_path.read_text(encoding="utf-8"))
@@ -69,8 +71,14 @@ def load_model_info(cfg: EngineConfig, folder: Path) -> ModelInfo:
             log.info("gateway.generation_defaults", note="Default sampling parameters have been overridden "
                      "by the model's generation config recommended from the model creator.", **defaults)
     names = list(cfg.served_model_name) or [cfg.model_name]
+    eos: list[int] = []
+    for source in (config, text_config, gen):  # what --tokens-only stops at, with no tokenizer to ask
+        value = source.get("eos_token_id")
+        for i in [value] if isinstance(value, int) else list(value or []):
+            if i not in eos:
+                eos.append(int(i))
     return ModelInfo(names=names, root=str(folder), max_model_len=int(max_model_len), vocab_size=int(vocab),
-                     sampling_defaults=defaults)
+                     sampling_defaults=defaults, eos_token_ids=eos)
 
 
 def _http_impl() -> str:
@@ -95,11 +103,19 @@ def run_gateway_process(cfg: EngineConfig) -> None:
     """Entry point of `rollbus gateway`: returns when uvicorn shuts down; exits non-zero on failure."""
     setup_logging(cfg.log_level, process="gateway")
     from engine.model_store import resolve_model
-    from engine.tokenizer import Tokenizer
 
     sock = bind_socket(cfg.host, cfg.port)
     folder = resolve_model(cfg.model, progress=False)
-    tokenizer = Tokenizer.from_dir(folder)
+    tokenizer = None
+    if cfg.tokens_only:  # vLLM: skip tokenizer init entirely; nothing on the request path may need one
+        log.info("gateway.tokens_only", note="Tokens-only mode is enabled: no tokenizer is loaded.")
+    else:
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(folder)
+    if cfg.enable_trace_replay and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":
+        log.info("gateway.model_runner", note="VLLM_USE_V2_MODEL_RUNNER=0 is ignored: rollbus has one model "
+                                              "runner, and it supports trace replay.")
     info = load_model_info(cfg, folder)
     client = EngineClient(Endpoints.from_config(cfg), heartbeat_interval_s=cfg.heartbeat_interval_s,
                           heartbeat_timeout_s=cfg.heartbeat_timeout_s)

@@ -7,7 +7,10 @@ client goes away.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -19,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from bus.messages import RequestOutput
+from bus.messages import PromptLogprobs, RequestOutput
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label
 from engine.sampling_params import SamplingParams
@@ -49,6 +52,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    eos_token_ids: list[int] = field(default_factory=list)  # from the configs: what --tokens-only stops at
 
 
 class ServingContext:
@@ -56,12 +60,16 @@ class ServingContext:
 
     def __init__(self, cfg: EngineConfig, client: EngineClient, tokenizer: Any, model: ModelInfo,
                  metrics: Metrics):
+        """`tokenizer` is None with --tokens-only: nothing on the request path may touch one."""
         self.cfg, self.client, self.tokenizer, self.model, self.metrics = cfg, client, tokenizer, model, metrics
-        self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids)
+        self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids if tokenizer is not None else model.eos_token_ids)
         self._token_strs: dict[int, str] = {}
 
     def token_str(self, token_id: int) -> str:
-        """The text of one token as logprobs report it (each id decoded alone, like vLLM)."""
+        """The text of one token as logprobs report it (each id decoded alone, like vLLM); without a
+        tokenizer, vLLM's `token_id:<id>` placeholder."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         s = self._token_strs.get(token_id)
         if s is None:
             s = self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -103,6 +111,33 @@ class ServingContext:
 
     def validate_params(self, params: SamplingParams) -> None:
         params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
+        params.validate_trace(vocab_size=self.model.vocab_size, enabled=self.cfg.enable_trace_replay)
+
+    def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
+        """A streaming detokenizer for one choice; None without a tokenizer (the text stays empty)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.new_detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def prompt_logprobs_json(self, prompt_ids: list[int], plp: PromptLogprobs | None) -> list[Any] | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict (JSON keys are
+        the ids) of the prompt token itself and the top alternatives, each {logprob, rank, decoded_token}."""
+        if plp is None:
+            return None
+        out: list[Any] = [None]
+        lps, ranks = plp.logprobs.tolist(), plp.ranks.tolist()
+        ids, tops = plp.topk_ids.tolist(), plp.topk_logprobs.tolist()
+        for i, (lp, rank) in enumerate(zip(lps, ranks)):
+            tok = prompt_ids[i + 1]
+            entry = {str(tok): self._logprob_entry(tok, lp, rank)}
+            for j, (alt, alt_lp) in enumerate(zip(ids[i], tops[i])):
+                entry.setdefault(str(alt), self._logprob_entry(alt, alt_lp, j + 1))
+            out.append(entry)
+        return out
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        decoded = None if self.tokenizer is None else self.token_str(token_id)
+        return {"logprob": clamp_logprob(logprob), "rank": rank, "decoded_token": decoded}
 
     async def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Tokenize prompts. Big inputs go to a thread through `encode_batch`, which releases the GIL
@@ -146,6 +181,8 @@ class ChoiceUpdate:
     finish_reason: str | None
     stop_reason: int | str | None
     text_offset: int  # where `text` starts in the choice's whole text
+    ranks: list[int] | None = None
+    sampling_mass: list[float] | None = None
 
 
 class ChoiceState:
@@ -153,9 +190,12 @@ class ChoiceState:
     text that could still become a stop string, so streamed text never has to be taken back."""
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: Any, prefix: str = ""):
+                 detokenizer: Any, prefix: str = "", hide_output: bool = False):
+        """`detokenizer` None: no text (--tokens-only). `hide_output`: the generated tokens' text is not
+        part of the choice's text (vLLM's echo with max_tokens 0)."""
         self.index, self.request_id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
         self.detok = detokenizer
+        self.hide_output = hide_output
         self.stops = list(params.stop)
         self.include = params.include_stop_str_in_output
         self.holdback = 0 if self.include or not self.stops else max(map(len, self.stops)) - 1
@@ -164,6 +204,10 @@ class ChoiceState:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[list[float]]] = []
+        self.ranks: list[int] = []
+        self.sampling_mass: list[float] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.routed_experts: Any = None  # MoE capture (issue 5 item 5); see routed_experts_b64
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -204,11 +248,20 @@ class ChoiceState:
             self.logprobs += out.logprobs
         if out.top_logprobs is not None:
             self.top_logprobs += out.top_logprobs
+        if out.ranks is not None:
+            self.ranks += out.ranks
+        if out.sampling_mass is not None:
+            self.sampling_mass += out.sampling_mass
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.routed_experts is not None:
+            self.routed_experts = out.routed_experts
         text_ids = new
         if out.finished and out.finish_reason == "stop" and new and not self.include:
             text_ids = new[:-1]  # the EOS / stop token's text is not part of the output (vLLM)
         before = len(self.text)
-        self.text += self.detok.push(text_ids) if text_ids else ""
+        if text_ids and self.detok is not None and not self.hide_output:
+            self.text += self.detok.push(text_ids)
         if self.stops and len(self.token_ids) > self.params.min_tokens and len(self.text) > before:
             hit = find_stop(self.text, before, self.stops, self.include)
             if hit is not None:
@@ -219,7 +272,7 @@ class ChoiceState:
         end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.holdback)
         start, self.sent = self.sent, end
         return ChoiceUpdate(self.index, self.text[start:end], new, out.logprobs, out.top_logprobs,
-                            self.finish_reason, self.stop_reason, start)
+                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass)
 
 
 # --- many engine requests of one HTTP request ----------------------------------------------------
@@ -370,7 +423,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def clamp_logprob(x: float) -> float:
-    return max(MAX_LOGPROB_FLOOR, x)
+    """vLLM: -inf (and NaN) become -9999.0, which JSON can carry."""
+    return MAX_LOGPROB_FLOOR if math.isnan(x) else max(MAX_LOGPROB_FLOOR, x)
+
+
+def routed_experts_b64(value: Any) -> str | None:
+    """vLLM's `routed_experts` field: base64 of a `.npy` file (np.save, no pickle), or None. The one place
+    where the MoE capture (issue 5 item 5) reaches the responses: today the engine always sends None."""
+    if value is None:
+        return None
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(value), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def request_base_id(request: Request, body_request_id: str | None, new_id: Callable[[], str]) -> str:

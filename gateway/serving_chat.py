@@ -29,6 +29,7 @@ from gateway.serving import (
     clamp_logprob,
     collect,
     request_base_id,
+    routed_experts_b64,
     run_choices,
     sse_stream,
     truncate_prompt,
@@ -41,7 +42,9 @@ _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat
 
 def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[float] | None,
                   top: list[list[list[float]]] | None, top_n: int, as_ids: bool = False) -> dict[str, Any] | None:
-    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+    As vLLM: top_logprobs are the first top_n entries of {the token itself, then its top alternatives}
+    (all of them for -1)."""
     if logprobs is None:
         return None
 
@@ -51,8 +54,11 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[floa
 
     content = []
     for k, tid in enumerate(token_ids):
-        alts = sorted(top[k], key=lambda p: -p[1])[:top_n] if top and k < len(top) and top_n else []
-        content.append({**entry(tid, logprobs[k]), "top_logprobs": [entry(int(a), lp) for a, lp in alts]})
+        alts: dict[int, float] = {tid: logprobs[k]}
+        for a, lp in (top[k] if top and k < len(top) else []):
+            alts.setdefault(int(a), lp)
+        items = list(alts.items()) if top_n == -1 else list(alts.items())[:top_n]
+        content.append({**entry(tid, logprobs[k]), "top_logprobs": [entry(a, lp) for a, lp in items]})
     return {"content": content}
 
 
@@ -90,6 +96,9 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     if body.chat_template is not None:
         raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
+    if ctx.tokenizer is None:
+        raise bad_request("this server runs with --tokens-only and loads no tokenizer, so it cannot render a "
+                          "chat: render it yourself and send token ids to POST /inference/v1/generate", "messages")
     (ids,) = await ctx.encode_many([render_prompt(ctx, body)], body.add_special_tokens)
     ids = truncate_prompt(ids, body.truncate_prompt_tokens)
     ctx.check_prompt(ids, "messages")
@@ -102,8 +111,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     states = []
     for i in range(params.n):
         child = dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
-        detok = ctx.tokenizer.new_detokenizer(ids, skip_special_tokens=child.skip_special_tokens)
-        states.append(ChoiceState(i, f"{request_id}-{i}", ids, child, detok))
+        states.append(ChoiceState(i, f"{request_id}-{i}", ids, child, ctx.detokenizer(ids, child)))
     return states
 
 
@@ -143,11 +151,15 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, 
             choice["token_ids"] = s.token_ids
         if body.return_weight_versions:
             choice["weight_versions"] = s.weight_versions(ctx.client.control_state)
+        if body.return_sampling_mass:
+            choice["sampling_mass"] = s.sampling_mass
+        choice["routed_experts"] = routed_experts_b64(s.routed_experts)
         choices.append(choice)
     prompt_ids = states[0].prompt_ids
     out = {**head, "choices": choices,
            "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states), states[0].num_cached_tokens),
-           "system_fingerprint": None, "prompt_logprobs": None}
+           "system_fingerprint": None,
+           "prompt_logprobs": ctx.prompt_logprobs_json(prompt_ids, states[0].prompt_logprobs)}
     if body.return_token_ids:
         out["prompt_token_ids"] = prompt_ids
     return out
@@ -185,6 +197,8 @@ def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any
         choice["token_ids"] = upd.token_ids
     if body.return_weight_versions and upd.finish_reason is not None:  # the last chunk only
         choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
+    if body.return_sampling_mass:
+        choice["sampling_mass"] = upd.sampling_mass or []
     chunk = {**head, "choices": [choice]}
     if body.continuous_usage():
         chunk["usage"] = usage(len(state.prompt_ids), len(state.token_ids))

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.errors import bad_request
 from gateway.protocol import CompletionRequest
 from gateway.serving import (
     ChoiceState,
@@ -27,6 +28,7 @@ from gateway.serving import (
     clamp_logprob,
     collect,
     request_base_id,
+    routed_experts_b64,
     run_choices,
     sse_stream,
     truncate_prompt,
@@ -34,36 +36,78 @@ from gateway.serving import (
     usage,
 )
 
+Step = tuple[float, list[list[float]]] | None  # one position: (logprob, [[alt id, alt logprob], ...]) or None
+
 
 def completion_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[float] | None,
                         top: list[list[list[float]]] | None, text_offset: int,
                         as_ids: bool = False) -> dict[str, Any] | None:
-    """vLLM/OpenAI completions logprobs: tokens, token_logprobs, top_logprobs (token -> logprob,
-    always including the sampled token) and text_offset (character offsets into the choice's text)."""
+    """vLLM/OpenAI completions logprobs of generated tokens (see `logprobs_of_steps`)."""
     if logprobs is None:
         return None
+    steps: list[Step] = [(logprobs[k], top[k] if top and k < len(top) else []) for k in range(len(token_ids))]
+    return logprobs_of_steps(ctx, token_ids, steps, text_offset, as_ids, -1)
+
+
+def logprobs_of_steps(ctx: ServingContext, token_ids: list[int], steps: list[Step], text_offset: int,
+                      as_ids: bool, num_top: int) -> dict[str, Any]:
+    """vLLM's `_create_completion_logprobs`: parallel lists tokens, token_logprobs, top_logprobs (a dict
+    per position: the token itself first, then its top alternatives, at most num_top + 1 entries unless
+    num_top is -1) and text_offset (each offset = the previous one + the length of the previous token's
+    label). A position without logprobs (the first prompt token under echo) has null entries."""
 
     def label(t: int) -> str:
         return f"token_id:{t}" if as_ids else ctx.token_str(t)
 
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     offsets: list[int] = []
     pos = text_offset
-    for k, tid in enumerate(token_ids):
-        s, lp = label(tid), clamp_logprob(logprobs[k])
+    for tid, step in zip(token_ids, steps):
+        s = label(tid)
         tokens.append(s)
-        token_logprobs.append(lp)
-        alts: dict[str, float] = {}
-        for alt_id, alt_lp in (top[k] if top and k < len(top) else []):
-            alts.setdefault(label(int(alt_id)), clamp_logprob(alt_lp))
-        alts.setdefault(s, lp)
-        top_logprobs.append(alts)
         offsets.append(pos)
-        pos += len(ctx.token_str(tid))
+        pos += len(s)
+        if step is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        lp = clamp_logprob(step[0])
+        token_logprobs.append(lp)
+        alts: dict[str, float] = {s: lp}
+        for alt_id, alt_lp in step[1]:
+            if num_top != -1 and len(alts) > num_top:
+                break
+            alts.setdefault(label(int(alt_id)), clamp_logprob(alt_lp))
+        top_logprobs.append(alts)
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
             "top_logprobs": top_logprobs}
+
+
+def prompt_steps(state: ChoiceState) -> list[Step]:
+    """Logprob steps of the prompt positions (None first) from the engine's prompt logprobs."""
+    plp = state.prompt_logprobs
+    n = len(state.prompt_ids)
+    if plp is None:
+        return [None] * n
+    tops = [[[int(a), float(b)] for a, b in zip(ids, lps)] for ids, lps in zip(plp.topk_ids.tolist(),
+                                                                              plp.topk_logprobs.tolist())]
+    return [None, *((float(lp), t) for lp, t in zip(plp.logprobs.tolist(), tops))]
+
+
+def choice_logprobs(ctx: ServingContext, body: CompletionRequest, state: ChoiceState, token_ids: list[int],
+                    logprobs: list[float] | None, top: list[list[list[float]]] | None, text_offset: int,
+                    with_prompt: bool) -> dict[str, Any] | None:
+    """The choice's `logprobs`: output tokens, preceded by the prompt's under echo (vLLM)."""
+    if body.logprobs is None:
+        return None
+    steps: list[Step] = [] if body.echo_only else [
+        (logprobs[k] if logprobs else 0.0, top[k] if top and k < len(top) else []) for k in range(len(token_ids))]
+    ids = [] if body.echo_only else list(token_ids)
+    if with_prompt:
+        steps, ids = prompt_steps(state) + steps, state.prompt_ids + ids
+    return logprobs_of_steps(ctx, ids, steps, text_offset, bool(body.return_tokens_as_token_ids), body.logprobs)
 
 
 async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str) -> tuple[list[list[int]],
@@ -72,6 +116,8 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     body.check()
     prompts = body.prompts()
     texts = [p for p in prompts if isinstance(p, str)]
+    if ctx.tokenizer is None:
+        check_tokens_only(body, bool(texts))
     tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens) if texts else [])
     encoded: list[list[int]] = []
     for p in prompts:
@@ -84,16 +130,30 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
         ctx.validate_params(params)
         echo = ""
-        if body.echo:
+        if body.echo and not body.return_token_ids:  # vLLM: with return_token_ids the echoed text is ""
             p = prompts[pi]
             echo = p if isinstance(p, str) and not body.truncate_prompt_tokens else ctx.tokenizer.decode(
                 ids, skip_special_tokens=params.skip_special_tokens)
         for i in range(params.n):
             child = dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
             idx = pi * params.n + i
-            detok = ctx.tokenizer.new_detokenizer(ids, skip_special_tokens=child.skip_special_tokens)
-            states.append(ChoiceState(idx, f"{request_id}-{idx}", ids, child, detok, prefix=echo))
+            states.append(ChoiceState(idx, f"{request_id}-{idx}", ids, child, ctx.detokenizer(ids, child),
+                                      prefix=echo, hide_output=body.echo_only))
     return encoded, states
+
+
+def check_tokens_only(body: CompletionRequest, has_text: bool) -> None:
+    """--tokens-only loads no tokenizer: text in or text out cannot be served (vLLM refuses them too)."""
+    why = "this server runs with --tokens-only and loads no tokenizer"
+    if has_text:
+        raise bad_request(f"{why}: send the prompt as token ids (or use POST /inference/v1/generate)", "prompt")
+    if body.stop_list():
+        raise bad_request(f"stop strings are not supported: {why}; use stop_token_ids", "stop")
+    if body.echo and not body.return_token_ids:
+        raise bad_request(f"echo needs the prompt text: {why}; set return_token_ids", "echo")
+    if body.logprobs is not None and not body.return_tokens_as_token_ids:
+        raise bad_request(f"logprob tokens need a tokenizer: {why}; set return_tokens_as_token_ids",
+                          "return_tokens_as_token_ids")
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
@@ -117,13 +177,16 @@ def _response(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any]
     for s in states:
         choice: dict[str, Any] = {
             "index": s.index, "text": s.text,
-            "logprobs": completion_logprobs(ctx, s.token_ids, s.logprobs if s.params.logprobs is not None
-                                            else None, s.top_logprobs, 0, bool(body.return_tokens_as_token_ids)),
-            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason, "prompt_logprobs": None}
+            "logprobs": choice_logprobs(ctx, body, s, s.token_ids, s.logprobs, s.top_logprobs, 0, bool(body.echo)),
+            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
+            "prompt_logprobs": ctx.prompt_logprobs_json(s.prompt_ids, s.prompt_logprobs),
+            "routed_experts": routed_experts_b64(s.routed_experts)}
         if body.return_token_ids:
             choice["prompt_token_ids"], choice["token_ids"] = s.prompt_ids, s.token_ids
         if body.return_weight_versions:
             choice["weight_versions"] = s.weight_versions(ctx.client.control_state)
+        if body.return_sampling_mass:
+            choice["sampling_mass"] = s.sampling_mass
         choices.append(choice)
     n = max(1, len(states) // max(1, len(encoded)))
     cached = sum(states[pi * n].num_cached_tokens for pi in range(len(encoded)))
@@ -150,11 +213,11 @@ async def _chunks(ctx: ServingContext, body: CompletionRequest, head: dict[str, 
 
 def _chunk(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any], upd: ChoiceUpdate,
            state: ChoiceState, first: bool) -> dict[str, Any]:
-    logprobs = upd.logprobs if state.params.logprobs is not None else None
+    echo_now = bool(body.echo) and first  # vLLM: the echoed prompt goes with the first chunk
     choice: dict[str, Any] = {
         "index": upd.index, "text": upd.text,
-        "logprobs": completion_logprobs(ctx, upd.token_ids, logprobs, upd.top_logprobs, upd.text_offset,
-                                        bool(body.return_tokens_as_token_ids)),
+        "logprobs": choice_logprobs(ctx, body, state, upd.token_ids, upd.logprobs, upd.top_logprobs,
+                                    upd.text_offset, echo_now),
         "finish_reason": upd.finish_reason, "stop_reason": upd.stop_reason}
     if body.return_token_ids:
         choice["token_ids"] = upd.token_ids
@@ -162,6 +225,8 @@ def _chunk(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any], u
             choice["prompt_token_ids"] = state.prompt_ids
     if body.return_weight_versions and upd.finish_reason is not None:  # the last chunk only
         choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
+    if body.return_sampling_mass:
+        choice["sampling_mass"] = upd.sampling_mass or []
     chunk = {**head, "choices": [choice]}
     if body.continuous_usage():
         chunk["usage"] = usage(len(state.prompt_ids), len(state.token_ids))

@@ -1,7 +1,9 @@
 """Requests the gateway must answer with a clean status (and `param`), for replay against any server.
 
 `bad_input_cases(max_model_len=..., vocab_size=..., max_logprobs=...)` builds them for the served
-model's limits; each case is (description, path, body, status, param). `body` is a dict/list (send as
+model's limits; each case is (description, path, body, status, param). With `scale_out=True` the table
+also covers POST /inference/v1/generate, for a server started with --enable-scale-out and
+--enable-trace-replay. `body` is a dict/list (send as
 JSON) or bytes (send raw, Content-Type: application/json). Cases with status 200 are combinations that
 must work; they ask for at most 4 tokens. Bodies leave `model` out (the server's model), except the
 unknown-model case.
@@ -13,6 +15,7 @@ from typing import Any, NamedTuple
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+GENERATE = "/inference/v1/generate"
 
 
 class BadInput(NamedTuple):
@@ -28,7 +31,7 @@ def _msgs(text: str = "Hi") -> list[dict[str, Any]]:
 
 
 def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
-                    max_n: int = 128) -> list[BadInput]:
+                    max_n: int = 128, scale_out: bool = False) -> list[BadInput]:
     L, V, M = max_model_len, vocab_size, max_logprobs
     cmp = {"prompt": "Hello", "max_tokens": 4}
     chat = {"messages": _msgs(), "max_tokens": 4}
@@ -103,6 +106,19 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
     add("suffix (unsupported)", COMPLETIONS, {**cmp, "suffix": "end"}, param="suffix")
     add("request chat_template (untrusted)", CHAT, {**chat, "chat_template": "{{ messages }}"},
         param="chat_template")
+    # --- logprobs (issue 5)
+    add("logprobs below -1", COMPLETIONS, {**cmp, "logprobs": -2}, param="logprobs")
+    add("prompt_logprobs above the maximum", COMPLETIONS, {**cmp, "prompt_logprobs": M + 1}, param="prompt_logprobs")
+    add("prompt_logprobs -1 (whole vocabulary) above the maximum", COMPLETIONS, {**cmp, "prompt_logprobs": -1},
+        param="prompt_logprobs")
+    add("prompt_logprobs with stream", COMPLETIONS, {**cmp, "prompt_logprobs": 1, "stream": True},
+        param="prompt_logprobs")
+    add("prompt_logprobs with stream (chat)", CHAT, {**chat, "prompt_logprobs": -1, "stream": True},
+        param="prompt_logprobs")
+    add("prompt_logprobs below -1 (chat)", CHAT, {**chat, "prompt_logprobs": -3}, param="prompt_logprobs")
+    add("top_logprobs -1 (whole vocabulary) above the maximum", CHAT, {**chat, "logprobs": True, "top_logprobs": -1},
+        param="top_logprobs")
+    add("max_tokens 0 without echo", COMPLETIONS, {**cmp, "max_tokens": 0}, param="max_tokens")
     # --- unknown model
     add("unknown model", COMPLETIONS, {**cmp, "model": "no-such-model"}, status=404, param="model")
     add("unknown model (chat)", CHAT, {**chat, "model": "no-such-model"}, status=404, param="model")
@@ -121,4 +137,57 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
     add("text content parts", CHAT,
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 2},
         status=200)
+    add("echo + logprobs + prompt_logprobs", COMPLETIONS, {**cmp, "echo": True, "logprobs": 2, "prompt_logprobs": M},
+        status=200)
+    add("echo + max_tokens 0 (score the prompt)", COMPLETIONS, {**cmp, "echo": True, "max_tokens": 0, "logprobs": 1},
+        status=200)
+    add("stream + echo + logprobs", COMPLETIONS, {**cmp, "echo": True, "logprobs": 1, "stream": True}, status=200)
+    add("prompt_logprobs 0 with stream (vLLM allows it)", COMPLETIONS, {**cmp, "prompt_logprobs": 0, "stream": True},
+        status=200)
+    add("chat prompt_logprobs + return_sampling_mass", CHAT,
+        {**chat, "prompt_logprobs": 2, "return_sampling_mass": True, "top_p": 0.9}, status=200)
+    if scale_out:
+        c.extend(_generate_cases(L, V, M))
     return c
+
+
+def _generate_cases(L: int, V: int, M: int) -> list[BadInput]:
+    def g(desc: str, body: Any, status: int = 400, param: str | None = None) -> BadInput:
+        return BadInput("generate: " + desc, GENERATE, body, status, param)
+
+    def sp(**kw: Any) -> dict[str, Any]:
+        return {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, **kw}}
+
+    return [
+        g("malformed JSON", b'{"token_ids": [1, '),
+        g("token_ids missing", {"sampling_params": {"max_tokens": 2}}, param="token_ids"),
+        g("empty token_ids", {"token_ids": []}, param="token_ids"),
+        g("negative token id", {"token_ids": [-1, 5]}, param="token_ids"),
+        g("token id = vocab size", {"token_ids": [1, V]}, param="token_ids"),
+        g("token_ids is a string", {"token_ids": "hello"}, param="token_ids"),
+        g("temperature is a word", sp(temperature="hot"), param="sampling_params.temperature"),
+        g("prompt longer than the context", {"token_ids": [1] * (L + 1)}, param="token_ids"),
+        g("max_tokens beyond the context", sp(max_tokens=L), param="sampling_params.max_tokens"),
+        g("logprobs above the maximum", sp(logprobs=M + 1), param="sampling_params.logprobs"),
+        g("logprobs below -1", sp(logprobs=-2), param="sampling_params.logprobs"),
+        g("prompt_logprobs above the maximum", sp(prompt_logprobs=M + 1), param="sampling_params.prompt_logprobs"),
+        g("prompt_logprobs with stream", {**sp(prompt_logprobs=1), "stream": True},
+          param="sampling_params.prompt_logprobs"),
+        g("stop token id out of vocabulary", sp(stop_token_ids=[V]), param="sampling_params.stop_token_ids"),
+        g("n above max_num_seqs", sp(n=100000), param="sampling_params.n"),
+        g("trace with n > 1", sp(n=2, trace_decode_token_ids=[5, 6]), param="sampling_params.trace_decode_token_ids"),
+        g("empty trace", sp(trace_decode_token_ids=[]), param="sampling_params.trace_decode_token_ids"),
+        g("trace token out of vocabulary", sp(trace_decode_token_ids=[5, V]),
+          param="sampling_params.trace_decode_token_ids"),
+        g("negative trace token", sp(trace_decode_token_ids=[-3]), param="sampling_params.trace_decode_token_ids"),
+        g("trace with prompt_logprobs", sp(trace_decode_token_ids=[5], prompt_logprobs=1),
+          param="sampling_params.trace_decode_token_ids"),
+        g("logit_bias (unsupported)", sp(logit_bias={"5": 1.0}), param="sampling_params.logit_bias"),
+        g("stream_options without stream", {**sp(), "stream_options": {"include_usage": True}},
+          param="stream_options"),
+        g("unknown model", {**sp(), "model": "no-such-model"}, status=404, param="model"),
+        g("logprobs + prompt_logprobs + mass", sp(logprobs=2, prompt_logprobs=M, return_sampling_mass=True,
+                                                 top_k=5), status=200),
+        g("trace replay with logprobs", sp(trace_decode_token_ids=[5, 6, 7, 8], logprobs=1), status=200),
+        g("stream + n=2 + logprobs", {**sp(n=2, logprobs=1), "stream": True}, status=200),
+    ]

@@ -63,3 +63,18 @@ def test_kinds_are_unique_and_stable():
     kinds = message_kinds()
     assert kinds[1] == "Hello" and kinds[20] == "AddRequest" and kinds[31] == "StepPlan"
     assert len(set(kinds.values())) == len(kinds)
+
+
+def test_prompt_logprobs_travel_nested_with_their_arrays():
+    from bus.messages import PromptLogprobs
+
+    pl = PromptLogprobs("s", np.array([-0.5, -1.5], np.float32), np.array([1, 3]), np.array([[4, 5], [6, 7]]),
+                        np.zeros((2, 2), np.float32))
+    res = StepResult(2, 0, ["s"], np.array([9]), np.array([-0.1], np.float32), np.zeros((1, 0), np.int64),
+                     np.zeros((1, 0), np.float32), 0, "", 0.0, np.array([1]), np.array([0.5], np.float32), [pl])
+    back = roundtrip(res)
+    assert back.prompt_logprobs[0].seq_id == "s" and back.prompt_logprobs[0].topk_ids.tolist() == [[4, 5], [6, 7]]
+    assert back.sampling_mass.tolist() == [0.5] and back.ranks.tolist() == [1]
+    out = RequestOutput("r", [1], [-0.5], None, False, None, None, None, 3, 0, 1, False, [2], [0.9], pl, None)
+    again = roundtrip(OutputBatch([out], {})).outputs[0]
+    assert again.prompt_logprobs.logprobs.tolist() == [-0.5, -1.5] and again.routed_experts is None

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def smol_server(tmp_path_factory, smollm2_dir):
-    s = start_server(tmp_path_factory.mktemp("serve"), "--served-model-name", "tiny", "--max-model-len", "256")
+    s = start_server(tmp_path_factory.mktemp("serve"), "--served-model-name", "tiny", "--max-model-len", "256",
+                     "--enable-scale-out", "--enable-trace-replay")
     yield s
     s.stop()
 
@@ -28,7 +29,7 @@ def smol_server(tmp_path_factory, smollm2_dir):
 def test_bad_inputs_get_4xx_envelopes_and_the_engine_keeps_serving(smol_server, smollm2_dir):
     tiny_server = smol_server
     cfg = json.loads((smollm2_dir / "config.json").read_text())
-    cases = bad_input_cases(max_model_len=256, vocab_size=cfg["vocab_size"], max_logprobs=20)
+    cases = bad_input_cases(max_model_len=256, vocab_size=cfg["vocab_size"], max_logprobs=20, scale_out=True)
     assert len(cases) >= 20
     with httpx.Client(base_url=tiny_server.url, timeout=60) as h:
         for case in cases:
@@ -51,6 +52,8 @@ def test_bad_inputs_get_4xx_envelopes_and_the_engine_keeps_serving(smol_server, 
         ok = h.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5,
                                              "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+        ok = h.post("/inference/v1/generate", json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
     assert tiny_server.proc.poll() is None
 
 

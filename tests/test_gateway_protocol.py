@@ -184,7 +184,10 @@ def test_sampling_fields_and_defaults() -> None:
 
 @pytest.mark.parametrize("body,param", [
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),  # -1 (all) also needs logprobs: true
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stop": ["", "x"]}, "stop"),
     ({"continue_final_message": True}, "continue_final_message"),
@@ -296,10 +299,10 @@ def test_chat_logprobs_shape() -> None:
 # --- HTTP: errors ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", bad_input_cases(max_model_len=MAX_LEN, vocab_size=VOCAB, max_logprobs=5),
-                         ids=lambda c: c.description)
+@pytest.mark.parametrize("case", bad_input_cases(max_model_len=MAX_LEN, vocab_size=VOCAB, max_logprobs=5,
+                                                 scale_out=True), ids=lambda c: c.description)
 def test_bad_inputs(case: Any) -> None:
-    http, _ = make_app()
+    http, _ = make_app(enable_scale_out=True, enable_trace_replay=True)
     if isinstance(case.body, bytes):
         r = http.post(case.path, content=case.body, headers={"content-type": "application/json"})
     else:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -54,3 +55,101 @@ def test_penalties_and_min_tokens():
     assert sample(logits, [r], torch.Generator()).token_ids.item() == 1
     rep = row(temperature=0.0, repetition_penalty=2.0, prompt=[0])
     assert sample(torch.tensor([[5.0, 4.0, 0.0]]), [rep], torch.Generator()).token_ids.item() == 1
+
+
+# --- the logprob contract (docs/logprobs.md) ---------------------------------------------------------
+
+
+def _processed(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """Reference processed logits, written independently of workers.sampler (vLLM's order)."""
+    z = logits / (temperature or 1.0)
+    if min_p:
+        p = torch.softmax(z, -1)
+        z = z.masked_fill(p < min_p * p.max(), float("-inf"))
+    if top_k:
+        kth = z.topk(top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, order = z.sort(descending=True)
+        p = torch.softmax(srt, -1)
+        drop = (p.cumsum(-1) - p) >= top_p
+        z = z.clone()
+        z[order[drop]] = float("-inf")
+    return z
+
+
+def test_raw_modes_and_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    r = [row(temperature=0.0, logprobs=2)]
+    out = sample(logits, r, torch.Generator(), "raw_logits")
+    assert out.token_ids.tolist() == [1] and out.logprobs.tolist() == [3.0] and out.ranks.tolist() == [1]
+    assert out.topk_ids.tolist() == [[1, 2]] and out.topk_logprobs.tolist() == [[3.0, 2.0]]
+    forced = sample(logits, [row(temperature=0.0, logprobs=-1, trace_decode_token_ids=[3])], torch.Generator())
+    assert forced.token_ids.tolist() == [3] and forced.ranks.tolist() == [4]  # the trace wins over the argmax
+    assert torch.allclose(forced.logprobs, torch.log_softmax(logits, -1)[0, 3:4])
+    assert forced.topk_ids.shape == (1, 4)  # -1: the whole vocabulary
+
+
+@pytest.mark.parametrize("sp", [dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8),
+                                dict(temperature=0.9, min_p=0.05, top_k=20, top_p=0.95), dict(temperature=0.5)])
+def test_processed_logprobs_and_kept_mass(sp):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 50, generator=g) * 3
+    rows = [row(seed=i, logprobs=5, return_sampling_mass=True, **sp) for i in range(8)]
+    proc = sample(logits, rows, torch.Generator(), "processed_logprobs")
+    rows = [row(seed=i, logprobs=5, return_sampling_mass=True, **sp) for i in range(8)]
+    raw = sample(logits, rows, torch.Generator(), "raw_logprobs")
+    assert torch.equal(proc.token_ids, raw.token_ids)  # the mode changes what is reported, never the draw
+    for i, tok in enumerate(proc.token_ids.tolist()):
+        ref = torch.log_softmax(_processed(logits[i], **sp), -1)
+        assert abs(proc.logprobs[i].item() - ref[tok].item()) < 1e-5
+        assert torch.allclose(proc.topk_logprobs[i], ref.topk(5).values, atol=1e-5)
+        # the contract: processed = log_softmax(logits / T) - log(mass), from the raw side
+        scaled = torch.log_softmax(logits[i] / sp["temperature"], -1)[tok]
+        assert abs(scaled.item() - torch.log(raw.sampling_mass[i]).item() - ref[tok].item()) < 1e-5
+        assert torch.equal(proc.sampling_mass, raw.sampling_mass)
+    assert torch.allclose(raw.logprobs, torch.log_softmax(logits, -1).gather(1, raw.token_ids[:, None])[:, 0])
+
+
+def test_mass_with_min_tokens_ban_and_plain_rows():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
+    banned = row(seed=1, temperature=1.0, min_tokens=3, return_sampling_mass=True, logprobs=0)  # eos id 0
+    out = sample(logits, [banned], torch.Generator(), "processed_logprobs")
+    p = torch.softmax(logits[0], -1)
+    assert abs(out.sampling_mass.item() - (1 - p[0].item())) < 1e-6 and out.token_ids.item() != 0
+    tok = out.token_ids.item()
+    assert abs(out.logprobs.item() - (torch.log(p[tok]) - torch.log(1 - p[0])).item()) < 1e-6
+    plain = sample(logits, [row(seed=1, return_sampling_mass=True, logprobs=0)], torch.Generator(),
+                   "processed_logprobs")
+    assert plain.sampling_mass.tolist() == [1.0]
+    assert abs(plain.logprobs.item() - torch.log_softmax(logits, -1)[0, plain.token_ids.item()].item()) < 1e-6
+
+
+def test_greedy_processed_is_penalised_at_temperature_one():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    r = row(temperature=0.0, repetition_penalty=2.0, prompt=[0], logprobs=1, top_k=1)
+    out = sample(logits, [r], torch.Generator(), "processed_logprobs")
+    z = torch.tensor([1.5, 2.5, 0.0])  # token 0 seen: 3.0 / 2; no top_k for greedy rows (vLLM)
+    assert out.token_ids.item() == 1
+    assert abs(out.logprobs.item() - torch.log_softmax(z, -1)[1].item()) < 1e-6
+
+
+def test_plain_seeded_row_ignores_filtered_batch_mates():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    alone = sample(logits[1:2], [row(seed=5)], torch.Generator()).token_ids
+    mixed = [row(seed=9, top_k=3, temperature=0.5), row(seed=5), row(temperature=0.0, presence_penalty=1.0, out=[2])]
+    assert sample(logits, mixed, torch.Generator()).token_ids[1] == alone[0]
+
+
+def test_ranks_count_every_entry_at_least_as_likely():
+    logits = torch.randn(40, 300, generator=torch.Generator().manual_seed(2))
+    logits[0, :3] = 5.0  # a tie at the top
+    for k in (0, 1, 3):
+        rows = [row(seed=i, logprobs=k) for i in range(40)]
+        rows[0] = row(temperature=0.0, logprobs=k)
+        rows[1] = row(logprobs=k, trace_decode_token_ids=[299])  # far outside the top
+        out = sample(logits, rows, torch.Generator())
+        lp = torch.log_softmax(logits, -1)
+        want = (lp >= lp.gather(1, out.token_ids[:, None])).sum(-1)
+        assert torch.equal(out.ranks, want), k
+        assert out.topk_ids.shape == (40, k)

@@ -137,6 +137,17 @@ def test_prefix_cache_hit_skips_prompt_compute():
     step, _ = run_step(s)
     assert step.num_computed == [8] and step.num_new == [1] and b.num_cached_tokens == 8
 
+    # vLLM: prompt logprobs need every prompt position computed, so that request skips the cache ...
+    c = seq("c", n_prompt=9, first=1, max_tokens=1, prompt_logprobs=0)
+    s.add(c)
+    step, _ = run_step(s)
+    assert step.num_computed == [0] and step.num_new == [9] and c.num_cached_tokens == 0
+    # ... and its blocks are still shared with later requests
+    d = seq("d", n_prompt=9, first=1, max_tokens=1)
+    s.add(d)
+    step, _ = run_step(s)
+    assert step.num_computed == [8]
+
 
 def test_a_sequence_preempted_during_a_step_keeps_the_sampled_token():
     s = make()

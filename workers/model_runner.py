@@ -2,6 +2,11 @@
 
 The runner remembers each sequence's tokens (prompt + what it sampled), so a plan only says how many
 tokens to compute from where (see bus.messages.StepPlan).
+
+Prompt logprobs: for a sequence that asked for them, every prefill row whose next token is a prompt
+token also goes through the LM head (in slices, so a long prompt never holds [P, V] logits at once).
+The rows of each chunk are kept until the step that samples the sequence, which sends them all in one
+PromptLogprobs; a recompute after preemption skips the positions already done.
 """
 
 from __future__ import annotations
@@ -13,25 +18,35 @@ import numpy as np
 import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
-from bus.messages import StepPlan, StepResult
+from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from workers.kv_cache import KVCache
-from workers.sampler import RowState, sample
+from workers.sampler import LOGPROBS_MODES, RowState, sample
+
+PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows per LM-head slice: bounds the [rows, V] fp32 logits
 
 
 @dataclass(slots=True)
 class SeqState:
     tokens: list[int]
     row: RowState
+    num_prompt: int = 0
+    prompt_lp_next: int = 1  # next prompt token whose logprob is owed (token 0 has none)
+    prompt_lp_parts: list | None = None  # computed rows not yet sent: (logprobs, ranks, topk_ids, topk_lps)
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0,
+                 logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
         self.rank, self.block_size, self.device = rank, block_size, device
         self.seqs: dict[str, SeqState] = {}
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
+        self.logprobs_mode = logprobs_mode
+        self.vocab_size = int(model.cfg.vocab_size)
 
     def execute(self, plan: StepPlan, between_layers=None) -> StepResult:
         t0 = time.perf_counter()
@@ -39,25 +54,57 @@ class ModelRunner:
             params = SamplingParams.from_wire(ns.sampling)
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
             toks = list(ns.prompt_token_ids)
-            self.seqs[ns.seq_id] = SeqState(toks, RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen))
+            self.seqs[ns.seq_id] = SeqState(toks, RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen),
+                                            len(toks), prompt_lp_parts=[] if params.prompt_logprobs is not None
+                                            else None)
         for sid in plan.finished:
             self.seqs.pop(sid, None)
         if not plan.seq_ids:
             return self._result(plan, [], None, t0)
-        input_ids, positions, meta, sample_rows, sample_ids = self._prepare(plan)
+        input_ids, positions, meta, sample_rows, sample_ids, prompt_rows = self._prepare(plan)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta, self.kv.views, between_layers)
+            for sid, rows, targets in prompt_rows:
+                self._prompt_logprobs(self.seqs[sid], hidden, rows, targets)
             if not sample_ids:  # only partial prefill chunks this step: nothing to sample
                 return self._result(plan, [], None, t0)
             # Sampling runs on the host with per-request CPU generators, so seeded draws are identical
             # on every platform; on accelerators this costs one [S, V] copy per step.
             logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)]).float().cpu()
-            out = sample(logits, [self.seqs[s].row for s in sample_ids], self.generator)
+            out = sample(logits, [self.seqs[s].row for s in sample_ids], self.generator, self.logprobs_mode)
+        prompt_lps = [self._take_prompt_logprobs(sid) for sid in sample_ids
+                      if self.seqs[sid].prompt_lp_parts is not None]
         for sid, tok in zip(sample_ids, out.token_ids.tolist()):
             st = self.seqs[sid]
             st.tokens.append(tok)
             st.row.output_token_ids.append(tok)
-        return self._result(plan, sample_ids, out, t0)
+        result = self._result(plan, sample_ids, out, t0)
+        result.prompt_logprobs = prompt_lps
+        return result
+
+    def _prompt_logprobs(self, st: SeqState, hidden: torch.Tensor, rows: list[int], targets: list[int]) -> None:
+        """Raw logprobs of `targets` (prompt tokens) from the hidden states at `rows` (their positions - 1),
+        with ranks and the request's top alternatives; kept on the sequence until it is sampled."""
+        k = min(st.row.params.num_prompt_logprobs(self.vocab_size), self.vocab_size)
+        for a in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            idx = torch.tensor(rows[a:a + PROMPT_LOGITS_ROWS], dtype=torch.int64, device=hidden.device)
+            tgt = torch.tensor(targets[a:a + PROMPT_LOGITS_ROWS], dtype=torch.int64, device=hidden.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
+            chosen = lp.gather(1, tgt.unsqueeze(1))
+            ranks = (lp >= chosen).sum(dim=-1)
+            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tgt.unsqueeze(1)[:, :0])
+            st.prompt_lp_parts.append((chosen.squeeze(1).cpu().numpy(), ranks.cpu().numpy(),
+                                       top_ids.cpu().numpy(), top_lp.cpu().numpy()))
+
+    def _take_prompt_logprobs(self, sid: str) -> PromptLogprobs:
+        st = self.seqs[sid]
+        parts, st.prompt_lp_parts = st.prompt_lp_parts or [], None  # sent once: later steps owe nothing
+        st.prompt_lp_next = st.num_prompt
+        k = min(st.row.params.num_prompt_logprobs(self.vocab_size), self.vocab_size)
+        if not parts:
+            return PromptLogprobs(sid, np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, k), np.int64),
+                                  np.zeros((0, k), np.float32))
+        return PromptLogprobs(sid, *(np.concatenate([p[j] for p in parts]) for j in range(4)))
 
     def _prepare(self, plan: StepPlan):
         bs = self.block_size
@@ -70,10 +117,17 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        prompt_rows: list[tuple[str, list[int], list[int]]] = []
         q = 0
         for sid, start, n, table in zip(plan.seq_ids, plan.num_computed, plan.num_new, plan.block_tables):
             st = self.seqs[sid]
             tokens += st.tokens[start:start + n]
+            if st.prompt_lp_parts is not None:
+                # rows whose next token is a prompt token not yet reported: positions next-1 .. P-2
+                lo, hi = max(start, st.prompt_lp_next - 1), min(start + n, st.num_prompt - 1)
+                if hi > lo:
+                    prompt_rows.append((sid, list(range(q + lo - start, q + hi - start)), st.tokens[lo + 1:hi + 1]))
+                    st.prompt_lp_next = hi + 1
             pos = np.arange(start, start + n, dtype=np.int64)
             tab = np.asarray(table, dtype=np.int64)
             pos_parts.append(pos)
@@ -103,7 +157,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
             meta = _to_device(meta, self.device)
-        return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.int64), sample_ids
+        return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.int64), sample_ids, prompt_rows
 
     def _result(self, plan: StepPlan, sample_ids: list[str], out, t0: float) -> StepResult:
         if out is None:
@@ -112,7 +166,9 @@ class ModelRunner:
                               np.zeros((0, 0), np.float32), self.weight_version, "", time.perf_counter() - t0)
         return StepResult(plan.step_id, self.rank, sample_ids, out.token_ids.numpy(),
                           out.logprobs.float().numpy(), out.topk_ids.numpy(), out.topk_logprobs.float().numpy(),
-                          self.weight_version, "", time.perf_counter() - t0)
+                          self.weight_version, "", time.perf_counter() - t0,
+                          None if out.ranks is None else out.ranks.numpy(),
+                          None if out.sampling_mass is None else out.sampling_mass.numpy())
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

@@ -1,10 +1,23 @@
-"""Token sampling for one step's batch of rows (one row per sampled sequence).
+"""Token sampling for one step's batch of rows (one row per sampled sequence), and the logprobs the
+engine reports about it.
 
-Order, as vLLM v1: raw logits -> logprobs reported to the user (raw_logprobs: log-softmax of the
-model's logits, before penalties and temperature) -> penalties -> min_tokens masking -> temperature
--> min_p / top_k / top_p -> sample. Greedy rows (temperature 0) take the argmax of the penalised
-logits. A seeded row draws from its own torch.Generator, so its tokens depend only on its own seed
-and history, never on which other requests share the batch.
+Order, as vLLM v1: raw logits -> penalties -> min_tokens ban -> temperature -> min_p -> top_k ->
+top_p -> sample. Greedy rows (temperature 0) take the argmax of the penalised, banned logits. A
+seeded row draws from its own torch.Generator, so its tokens depend only on its own seed and history,
+never on which other requests share the batch. A trace-replay row takes the next trace token instead
+of drawing one.
+
+What is reported (`--logprobs-mode`, vLLM's meaning; docs/logprobs.md is the contract):
+  raw_logprobs        log_softmax(logits): the model's distribution, before penalties and temperature
+  raw_logits          the logits themselves
+  processed_logprobs  log_softmax of the logits the draw used: penalised, banned, divided by the
+                      temperature (1 for greedy rows), filtered by min_p/top_k/top_p (-inf outside)
+  processed_logits    those processed logits
+`rank` counts the vocabulary entries whose value is >= the token's (1 = the most likely). With
+`return_sampling_mass`, `mass` = sum over the tokens the sampler could draw of softmax(z / T), where z
+are the penalised logits before the ban and the filters, so processed_logprob = log_softmax(z / T) -
+log(mass) exactly. Rows whose distribution nothing changes (temperature 1, no penalty, filter or ban)
+have processed == raw and mass 1 without computing anything.
 """
 
 from __future__ import annotations
@@ -14,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 @dataclass(slots=True)
@@ -30,50 +45,127 @@ class RowState:
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: torch.Tensor  # [S] int64
-    logprobs: torch.Tensor  # [S] fp32, of the sampled tokens
+    logprobs: torch.Tensor  # [S] fp32: the reported value (see --logprobs-mode) of each chosen token
     topk_ids: torch.Tensor  # [S, K] int64
-    topk_logprobs: torch.Tensor  # [S, K] fp32
+    topk_logprobs: torch.Tensor  # [S, K] fp32, same kind of value
+    ranks: torch.Tensor | None = None  # [S] int64, when any row asked for logprobs
+    sampling_mass: torch.Tensor | None = None  # [S] fp32, when any row asked for it
 
 
-def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> SampleOutput:
-    """logits [S, V] fp32."""
+def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.Generator,
+           logprobs_mode: str = "raw_logprobs") -> SampleOutput:
+    """logits [S, V] fp32 (not modified)."""
+    n, vocab = logits.shape
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    edited = _needs_edit(rows)
-    logits = logits.clone() if edited else logits
-    _apply_penalties(logits, rows)
-    _mask_until_min_tokens(logits, rows)
+    z = logits.clone() if _needs_edit(rows) else logits
+    _apply_penalties(z, rows)
+    processed_mode = logprobs_mode.startswith("processed")
+    want_lp = [r.params.logprobs is not None for r in rows]
+    want_mass = [r.params.return_sampling_mass for r in rows]
+    temps = [r.params.temperature for r in rows]
+    greedy = [t == 0.0 for t in temps]
+    trace = [_trace_token(r) for r in rows]
+    plain = [_plain(r) for r in rows]
+    # Rows whose processed distribution must be built: drawn ones that something changes, and any row
+    # whose processed values or kept mass were asked for.
+    proc = [i for i in range(n) if not plain[i] and (
+        (not greedy[i] and trace[i] is None) or want_mass[i] or (want_lp[i] and processed_mode))]
+    lse_full = None
+    if proc and any(want_mass[i] for i in proc):
+        t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
+        lse_full = torch.logsumexp(z[proc] / t, dim=-1)  # before the ban and the filters
+    _mask_until_min_tokens(z, rows)
 
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-    greedy = temps == 0
-    token_ids = torch.empty(len(rows), dtype=torch.int64)
-    if greedy.any():
-        token_ids[greedy] = logits[greedy].argmax(dim=-1)
-    if not greedy.all():
-        idx = (~greedy).nonzero().squeeze(1)
-        sub_rows = [rows[i] for i in idx.tolist()]
-        if not edited and all(r.params.temperature == 1.0 and not _filters(r) for r in sub_rows):
-            probs = raw_logprobs[idx].exp()  # the common RL case: plain sampling at temperature 1
+    processed = None  # [len(proc), V] processed logits
+    if proc:
+        t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
+        scaled = z[proc] / t
+        drawn = [i for i, row in enumerate(proc) if not greedy[row]]
+        if drawn:  # greedy rows are not filtered (vLLM resets their top_k/top_p/min_p)
+            scaled[drawn] = _filter(scaled[drawn], [rows[proc[i]] for i in drawn])
+        processed = scaled
+
+    token_ids = torch.empty(n, dtype=torch.int64)
+    g = [i for i in range(n) if greedy[i] and trace[i] is None]
+    if g:
+        token_ids[g] = z[g].argmax(dim=-1)
+    draw = [i for i in range(n) if not greedy[i] and trace[i] is None]
+    if draw:
+        pos = {row: k for k, row in enumerate(proc)}
+        if all(plain[i] for i in draw):
+            probs = raw_logprobs[draw].exp()  # the common RL case: plain sampling at temperature 1
         else:
-            sub = logits[idx] / temps[idx].unsqueeze(1)
-            probs = torch.softmax(_filter(sub, sub_rows), dim=-1)
-        token_ids[idx] = _draw(probs, sub_rows, default_generator)
+            probs = torch.empty(len(draw), vocab, dtype=logits.dtype)
+            for k, i in enumerate(draw):
+                probs[k] = raw_logprobs[i].exp() if plain[i] else torch.softmax(processed[pos[i]], dim=-1)
+        token_ids[draw] = _draw(probs, [rows[i] for i in draw], default_generator)
+    for i, tok in enumerate(trace):
+        if tok is not None:
+            token_ids[i] = tok
 
-    k = max((r.params.logprobs or 0) for r in rows)
-    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    if k:
-        top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+    # The values reported, per --logprobs-mode; processed rows overwrite the raw ones.
+    base = logits if logprobs_mode.endswith("logits") else raw_logprobs
+    vals = base
+    if processed_mode and any(want_lp) and processed is not None:
+        keep = [k for k, row in enumerate(proc) if want_lp[row]]
+        if keep:
+            vals = base.clone()
+            p = processed[keep]
+            vals[[proc[k] for k in keep]] = p if logprobs_mode == "processed_logits" else torch.log_softmax(p, -1)
+    k = min(max(r.params.num_logprobs(vocab) for r in rows), vocab)
+    chosen = vals.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = None
+    # Ranks come from the top-k when the token is in it (the usual case), so only the other rows pay
+    # for a count over the vocabulary; hence at least 2 columns when ranks are wanted.
+    k_eff = min(max(k, 2), vocab) if any(want_lp) else k
+    if k_eff:
+        top_lp, top_ids = vals.topk(k_eff, dim=-1)
     else:
-        top_lp = torch.empty(len(rows), 0)
-        top_ids = torch.empty(len(rows), 0, dtype=torch.int64)
-    return SampleOutput(token_ids, chosen, top_ids, top_lp)
+        top_lp = torch.empty(n, 0)
+        top_ids = torch.empty(n, 0, dtype=torch.int64)
+    if any(want_lp):
+        ranks = (top_lp >= chosen.unsqueeze(1)).sum(dim=-1)
+        # exact only where every entry >= the token is among the top columns
+        outside = (chosen <= top_lp[:, -1]).nonzero().squeeze(1) if k_eff < vocab else torch.empty(0, dtype=torch.long)
+        if len(outside):
+            ranks[outside] = (vals[outside] >= chosen[outside].unsqueeze(1)).sum(dim=-1)
+    top_lp, top_ids = top_lp[:, :k], top_ids[:, :k]
+    mass = None
+    if any(want_mass):
+        mass = torch.ones(n, dtype=torch.float32)
+        if lse_full is not None:
+            idx = [k2 for k2, row in enumerate(proc) if want_mass[row]]
+            kept = torch.logsumexp(processed[idx], dim=-1) - lse_full[idx]
+            mass[[proc[k2] for k2 in idx]] = kept.exp().float()
+    return SampleOutput(token_ids, chosen.float(), top_ids, top_lp.float(), ranks, mass)
+
+
+def _trace_token(r: RowState) -> int | None:
+    trace = r.params.trace_decode_token_ids
+    if trace and len(r.output_token_ids) < len(trace):
+        return int(trace[len(r.output_token_ids)])
+    return None
+
+
+def _plain(r: RowState) -> bool:
+    """Nothing changes this row's distribution: processed == raw, mass 1."""
+    p = r.params
+    return (p.temperature in (0.0, 1.0) and not _row_edited(r) and not _banned(r)
+            and (p.temperature == 0.0 or not _filters(r)))
+
+
+def _row_edited(r: RowState) -> bool:
+    p = r.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+def _banned(r: RowState) -> bool:
+    p = r.params
+    return len(r.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or (r.eos_token_ids and not p.ignore_eos))
 
 
 def _needs_edit(rows: list[RowState]) -> bool:
-    return any(
-        r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-        or len(r.output_token_ids) < r.params.min_tokens
-        for r in rows
-    )
+    return any(_row_edited(r) or len(r.output_token_ids) < r.params.min_tokens for r in rows)
 
 
 def _filters(r: RowState) -> bool:
@@ -144,4 +236,3 @@ def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Ge
     cdf = probs.double().cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
