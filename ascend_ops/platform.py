@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -106,3 +108,22 @@ def releasable_host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
             pass
     # The tensor keeps the mapping alive; when the last view of it goes, the mapping is unmapped.
     return torch.frombuffer(mm, dtype=dtype, count=numel)
+
+
+@contextmanager
+def bulk_copy_threads() -> Iterator[None]:
+    """Run a burst of host-memory copies (weight transfer: hundreds of tensors) on one thread.
+
+    torch's intra-op pool spins its idle threads between operations; on a busy host each small parallel
+    copy then waits milliseconds for its helpers (measured: 2.3 s against 94 ms for 200 SmolLM2-sized
+    copies on 2 loaded cores), while one thread already copies near memory bandwidth. Accelerator copies
+    are not affected; elsewhere this is a no-op."""
+    if current_platform().name != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

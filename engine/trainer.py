@@ -83,6 +83,7 @@ class WeightSyncClient:
         self.device = torch.device(device) if device is not None else None
         self.group = None  # ascend_ops.collective.WeightGroup (hccl)
         self._buffers: list[Any] = []  # ascend_ops.ipc.SharedBuffer, reused across versions (ipc on CPU)
+        self._pack_bufs: list[torch.Tensor] = []  # packed broadcast chunks, reused across versions (hccl)
         self._engine_dtype: torch.dtype | None = None
         self._bus = None
         if bus is not None:
@@ -153,7 +154,7 @@ class WeightSyncClient:
             self.group = None
         for b in self._buffers:
             b.close()
-        self._buffers = []
+        self._buffers, self._pack_bufs = [], []
         if self._bus is not None:
             self._bus.close()
             self._bus = None
@@ -238,14 +239,7 @@ class WeightSyncClient:
                 reuse[slot].result()  # the engine is done with this buffer
             nbytes = sum(metas[i].nbytes for i in chunk)
             buf = self._buffer(slot, nbytes, tensors[0][1].device)
-            off = 0
-            offsets = []
-            for i in chunk:
-                t = tensors[i][1]
-                n = metas[i].nbytes
-                buf.tensor[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
-                offsets.append((off, n))
-                off += n
+            offsets = _pack(buf.tensor, [tensors[i][1] for i in chunk])
             sub = UpdateMeta([metas[i] for i in chunk]).to_info()
             if self.packed:
                 info = {**sub, "ipc_handles": buf.handle(0, nbytes), "tensor_sizes": [n for _, n in offsets]}
@@ -291,11 +285,16 @@ class WeightSyncClient:
     def _broadcast_packed(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None:
         size = self.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES
         chunks = plan_chunks(metas, size)
+        widest = max(sum(metas[i].nbytes for i in c) for c in chunks)
+        n = min(self.num_buffers, len(chunks))
+        if len(self._pack_bufs) < n or any(b.numel() < widest for b in self._pack_bufs[:n]):
+            self._pack_bufs = [torch.empty(widest, dtype=torch.uint8, device=tensors[0][1].device) for _ in range(n)]
         inflight: list[Any] = []
-        for chunk in chunks:
-            if len(inflight) >= self.num_buffers:
-                inflight.pop(0).wait()
-            buf = torch.cat([tensors[i][1].reshape(-1).view(torch.uint8) for i in chunk])
+        for k, chunk in enumerate(chunks):
+            if len(inflight) >= n:
+                inflight.pop(0).wait()  # its buffer is free again
+            buf = self._pack_bufs[k % n][:sum(metas[i].nbytes for i in chunk)]
+            _pack(buf, [tensors[i][1] for i in chunk])
             inflight.append(self.group.broadcast_async(buf, 0))
         for w in inflight:
             w.wait()
@@ -412,6 +411,20 @@ class _DeviceBuffer:
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def _pack(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Copy tensors back to back into a flat uint8 buffer; returns (offset, nbytes) of each."""
+    from ascend_ops.platform import bulk_copy_threads
+
+    out, off = [], 0
+    with bulk_copy_threads():
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            buf[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+            out.append((off, n))
+            off += n
+    return out
 
 
 def _capture(failure: list[BaseException], fn):

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 import torch
 
+from ascend_ops.platform import bulk_copy_threads
 from engine.weight_transfer_config import WeightTransferConfig
 from engine.weight_update import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -61,6 +62,7 @@ class WeightReceiver:
         self.importer = None  # ascend_ops.ipc.HandleImporter for the ipc backend
         self.touched: dict[str, _Touched] = {}
         self.pool: dict[str, torch.Tensor] = {}  # staging storage kept between updates
+        self._recv: list[torch.Tensor] = []  # packed collective receive buffers, kept between updates
         self.received: list[str] = []  # names of the update in progress, in order
         self._owner = self._storage_owners()
 
@@ -152,7 +154,8 @@ class WeightReceiver:
             if t.stage is None:
                 continue
             if not t.full:
-                _fill_gaps(t)
+                with bulk_copy_threads():
+                    _fill_gaps(t)
             live = t.param.data
             t.param.data = t.stage
             self.pool[pname] = live
@@ -194,8 +197,9 @@ class WeightReceiver:
 
     def release(self) -> int:
         """Free the staging copies (sleep); returns bytes released."""
-        freed = sum(t.numel() * t.element_size() for t in self.pool.values())
+        freed = sum(t.numel() * t.element_size() for t in [*self.pool.values(), *self._recv])
         self.pool.clear()
+        self._recv = []
         return freed
 
     # --- update_weights -------------------------------------------------------------------------
@@ -210,10 +214,11 @@ class WeightReceiver:
         meta = UpdateMeta.parse(info)
         dests = self._validate(meta)
         try:
-            if cfg.backend == "ipc":
-                self._receive_ipc(info, meta, dests)
-            else:
-                self._receive_collective(info, meta, dests)
+            with bulk_copy_threads():
+                if cfg.backend == "ipc":
+                    self._receive_ipc(info, meta, dests)
+                else:
+                    self._receive_collective(info, meta, dests)
         except WeightSyncError:
             raise
         except TimeoutError as e:
@@ -325,7 +330,7 @@ class WeightReceiver:
         nbuf = max(1, _opt_int(info, "packed_num_buffers", self.num_buffers))
         chunks = plan_chunks(meta.params, size)
         widest = max(sum(meta.params[i].nbytes for i in c) for c in chunks)
-        bufs = [torch.empty(widest, dtype=torch.uint8, device=self.device) for _ in range(min(nbuf, len(chunks)))]
+        bufs = self._recv_buffers(min(nbuf, len(chunks)), widest)
         inflight: deque = deque()
 
         def consume() -> None:
@@ -342,6 +347,13 @@ class WeightReceiver:
             inflight.append((chunk, buf, group.broadcast_async(buf, 0)))
         while inflight:
             consume()
+
+    def _recv_buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
+        """Packed receive buffers, kept between updates (n x chunk bytes resident; freed by sleep and
+        shutdown): allocating them per update cost a page fault per 4 KiB of every chunk on the host."""
+        if len(self._recv) < n or any(b.numel() < nbytes for b in self._recv[:n]):
+            self._recv = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        return self._recv[:n]
 
     # --- /weight_checker ------------------------------------------------------------------------
 
