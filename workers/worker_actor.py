@@ -105,11 +105,14 @@ class WorkerActor:
             poller.register(s, zmq.POLLIN)
         idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
-            for sock, _ in poller.poll(idle_ms):
-                if sock is self.plans:
-                    self._on_plan()
-                else:
+            ready = [sock for sock, _ in poller.poll(idle_ms)]
+            # Commands first: a step can take seconds, and an ack (say, of a resume that arrived with the
+            # step it unblocked) must not wait behind it.
+            for sock in ready:
+                if sock is not self.plans:
                     self.link.handle(sock)
+            if self.plans in ready and not self.stopping:
+                self._on_plan()
             self.link.tick(time.monotonic())
 
     def _on_plan(self) -> None:
