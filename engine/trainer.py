@@ -68,7 +68,7 @@ class WeightSyncClient:
                  bus: str | None = None, api_key: str | None = None, timeout_s: float = 300.0,
                  packed_buffer_size_bytes: int | None = None, packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
                  master_address: str = "127.0.0.1", master_port: int | None = None, clear_cache: bool = True,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, share_memory: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if base_url is None and bus is None:
@@ -84,6 +84,9 @@ class WeightSyncClient:
         self.group = None  # ascend_ops.collective.WeightGroup (hccl)
         self._buffers: list[Any] = []  # ascend_ops.ipc.SharedBuffer, reused across versions (ipc on CPU)
         self._pack_bufs: list[torch.Tensor] = []  # packed broadcast chunks, reused across versions (hccl)
+        # ipc on CPU, unpacked: the trainer's tensors moved into one shared segment, sent without a copy
+        self.share_memory = share_memory
+        self._arena = None
         self._engine_dtype: torch.dtype | None = None
         self._bus = None
         if bus is not None:
@@ -101,6 +104,8 @@ class WeightSyncClient:
         if pause is not None and pause not in PAUSE_MODES:
             raise ValueError(f"pause must be one of {PAUSE_MODES} or None, got {pause!r}")
         t0 = time.perf_counter()
+        if self.share_memory and self.backend == "ipc" and not self.packed:
+            named_tensors = self._share(list(named_tensors))
         tensors = self._prepare(named_tensors)
         metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
         self.timings = {"prepare": time.perf_counter() - t0}
@@ -155,6 +160,9 @@ class WeightSyncClient:
         for b in self._buffers:
             b.close()
         self._buffers, self._pack_bufs = [], []
+        if self._arena is not None:
+            self._arena.close()  # unlinks the name; the trainer's tensors keep the memory
+            self._arena = None
         if self._bus is not None:
             self._bus.close()
             self._bus = None
@@ -227,6 +235,10 @@ class WeightSyncClient:
                 handles = [ipc.export_handle(t) for _, t in tensors]
                 yield {**UpdateMeta(metas).to_info(), "ipc_handles": handles}, list(range(len(metas)))
                 return
+            if self._arena is not None and all(self._arena_offset(t) is not None for _, t in tensors):
+                handles = [self._arena.handle(self._arena_offset(t), m.nbytes) for (_, t), m in zip(tensors, metas)]
+                yield {**UpdateMeta(metas).to_info(), "ipc_handles": handles}, list(range(len(metas)))
+                return
             chunks = [list(range(len(metas)))]
         else:
             # a shared buffer must hold the largest tensor (vLLM's examples size it the same way)
@@ -246,6 +258,41 @@ class WeightSyncClient:
             else:
                 info = {**sub, "ipc_handles": [buf.handle(o, n) for o, n in offsets]}
             yield info, chunk
+
+    def _share(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """share_memory: move the trainer's own tensors into one shared-memory segment (once; again only
+        if some tensor left it), re-pointing each tensor's .data, so sends need no copy on this side: the
+        engine reads the trainer's memory, as CUDA IPC does. Parameters keep their identity (optimizers
+        hold the same objects). Tensors that cannot be shared as they are (other dtype than the engine's,
+        non-contiguous, on a device) leave everything on the staging path."""
+        from ascend_ops import ipc
+
+        dtype = self._dtype()
+        ts = [t for _, t in named]
+        if any(t.device.type != "cpu" or not t.is_contiguous() or (dtype is not None and t.dtype != dtype)
+               for t in ts):
+            return named
+        if self._arena is not None and all(self._arena_offset(t) is not None for t in ts):
+            return named
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in ts]  # 64-byte aligned slots
+        arena = ipc.SharedBuffer(sum(sizes))
+        off = 0
+        with torch.no_grad():
+            for t, n in zip(ts, sizes):
+                nb = t.numel() * t.element_size()
+                view = arena.tensor[off:off + nb].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                t.data = view
+                off += n
+        if self._arena is not None:
+            self._arena.close()  # tensors still viewing it keep its memory
+        self._arena = arena
+        return named
+
+    def _arena_offset(self, t: torch.Tensor) -> int | None:
+        base = self._arena.tensor.data_ptr()
+        off = t.data_ptr() - base
+        return off if 0 <= off and off + t.numel() * t.element_size() <= self._arena.size else None
 
     def _buffer(self, slot: int, nbytes: int, device: torch.device):
         from ascend_ops import ipc

@@ -315,3 +315,24 @@ def test_prefix_cache_never_serves_blocks_of_the_previous_version(ipc_server, tr
     hits = metric(ipc_server, "vllm:prefix_cache_hits_total")
     assert_engine_matches(url, trainer)
     assert metric(ipc_server, "vllm:prefix_cache_hits_total") == hits
+
+
+def test_ipc_share_memory_sends_the_trainers_own_memory(ipc_server, trainer):
+    """share_memory=True: the trainer's parameters move into shared memory once; later versions are
+    read by the engine straight from them (no staging copy on the trainer side)."""
+    url = ipc_server.url
+    with WeightSyncClient(url, backend="ipc", packed=False, share_memory=True) as client:
+        perturb(trainer, seed=70)
+        client.send_weights(trainer.named_parameters(), version="shared-1", pause="keep")
+        arena = client._arena
+        assert arena is not None
+        first = next(trainer.parameters())
+        assert client._arena_offset(first) is not None  # the parameter now lives in the segment
+        assert_engine_matches(url, trainer)
+        perturb(trainer, seed=71)  # in-place updates, as an optimizer step makes
+        client.send_weights(trainer.named_parameters(), version="shared-2", pause="keep")
+        assert client._arena is arena and not client._buffers  # nothing re-shared, nothing staged
+    assert version(url) == "shared-2"
+    assert_engine_matches(url, trainer)
+    with torch.no_grad():  # the trainer's tensors outlive the client's segment name
+        assert torch.isfinite(first.add_(0.0)).all()
