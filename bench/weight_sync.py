@@ -173,8 +173,11 @@ def bench_ipc(server: Server, model: torch.nn.Module, nbytes: int, rounds: int, 
     src = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named])
     dst = torch.zeros_like(src)  # pre-faulted
     assert src.numel() == nbytes
+    # "shared": share_memory=True moves the trainer's tensors into shared memory at the first send, so
+    # later sends copy nothing on the trainer side (the other two then read that memory too: same bytes).
     clients = {"packed": WeightSyncClient(url, backend="ipc", packed=True),
-               "unpacked": WeightSyncClient(url, backend="ipc", packed=False)}
+               "unpacked": WeightSyncClient(url, backend="ipc", packed=False),
+               "shared": WeightSyncClient(url, backend="ipc", packed=False, share_memory=True)}
     calls = {m: instrument(c) for m, c in clients.items()}
     try:
         for mode, c in clients.items():

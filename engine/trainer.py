@@ -465,10 +465,10 @@ def _pack(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[int, int
     from ascend_ops.platform import bulk_copy_threads
 
     out, off = [], 0
-    with bulk_copy_threads():
+    with bulk_copy_threads() as copy:
         for t in tensors:
             n = t.numel() * t.element_size()
-            buf[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+            copy(buf[off:off + n], t.reshape(-1).view(torch.uint8))
             out.append((off, n))
             off += n
     return out

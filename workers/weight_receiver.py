@@ -63,6 +63,8 @@ class WeightReceiver:
         self.touched: dict[str, _Touched] = {}
         self.pool: dict[str, torch.Tensor] = {}  # staging storage kept between updates
         self._recv: list[torch.Tensor] = []  # packed collective receive buffers, kept between updates
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._copy = None  # bulk_copy_threads' copy(dst, src) during an update
         self.received: list[str] = []  # names of the update in progress, in order
         self._owner = self._storage_owners()
 
@@ -154,8 +156,8 @@ class WeightReceiver:
             if t.stage is None:
                 continue
             if not t.full:
-                with bulk_copy_threads():
-                    _fill_gaps(t)
+                with bulk_copy_threads() as copy:
+                    _fill_gaps(t, copy)
             live = t.param.data
             t.param.data = t.stage
             self.pool[pname] = live
@@ -214,7 +216,7 @@ class WeightReceiver:
         meta = UpdateMeta.parse(info)
         dests = self._validate(meta)
         try:
-            with bulk_copy_threads():
+            with bulk_copy_threads() as self._copy:
                 if cfg.backend == "ipc":
                     self._receive_ipc(info, meta, dests)
                 else:
@@ -249,7 +251,7 @@ class WeightReceiver:
         """Where bytes for the live view `dst` go: the same view of the staging copy (or dst in place)."""
         pname = self._owner[dst.untyped_storage().data_ptr()]
         t = self.touched.get(pname)
-        param = self.model.get_parameter(pname)
+        param = self._params[pname]
         if t is None:
             stage = None
             if self.cfg is not None and self.cfg.stage_updates:
@@ -271,7 +273,8 @@ class WeightReceiver:
         return t.stage.as_strided(dst.shape, dst.stride(), t.stage.storage_offset() + off)
 
     def _storage_owners(self) -> dict[int, str]:
-        return {p.untyped_storage().data_ptr(): n for n, p in self.model.named_parameters()}
+        self._params = dict(self.model.named_parameters())
+        return {p.untyped_storage().data_ptr(): n for n, p in self._params.items()}
 
     def refresh(self) -> None:
         """Parameter storage moved (wake from sleep, commit): re-learn which storage is which parameter."""
@@ -301,7 +304,7 @@ class WeightReceiver:
                                   "handle object (packed)", param="ipc_handles")
         # Everything is mapped and checked: now write.
         for p, src, dst in zip(meta.params, sources, dests):
-            self._target(dst).copy_(src)
+            self._copy(self._target(dst), src)
 
     def _open(self, handle: Any, nbytes: int, where: str) -> torch.Tensor:
         try:
@@ -338,7 +341,7 @@ class WeightReceiver:
             work.wait()
             params: list[ParamMeta] = [meta.params[i] for i in chunk]
             for i, src in zip(chunk, byte_views(buf, params)):
-                self._target(dests[i]).copy_(src)
+                self._copy(self._target(dests[i]), src)
 
         for ci, chunk in enumerate(chunks):
             if len(inflight) == len(bufs):
@@ -363,13 +366,13 @@ class WeightReceiver:
         return {prefix + n: tensor_checksum(self.model.weight_destination(n)) for n in names}
 
 
-def _fill_gaps(t: _Touched) -> None:
+def _fill_gaps(t: _Touched, copy) -> None:
     """Copy from the live weights every element of the staging copy that the update did not write."""
     live, stage = t.param.data.reshape(-1), t.stage.reshape(-1)
     pos = 0
     for a, b in sorted(t.ranges) + [(live.numel(), live.numel())]:
         if a > pos:
-            stage[pos:a].copy_(live[pos:a])
+            copy(stage[pos:a], live[pos:a])
         pos = max(pos, b)
 
 
