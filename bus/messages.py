@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 REGISTRY: dict[int, type] = {}
 
@@ -149,7 +149,11 @@ class RequestOutput:
     ranks: list[int] | None = None  # per new token, its 1-based rank (with logprobs)
     sampling_mass: list[float] | None = None  # per new token (return_sampling_mass): mass the filters kept
     prompt_logprobs: PromptLogprobs | None = None  # on the first output only, when the request asked
-    routed_experts: Any = None  # MoE router capture: always None until the capture lands (issue 5 item 5)
+    # MoE router capture (--enable-return-routed-experts): expert ids np.uint8/uint16 [n, num_moe_layers, top_k]
+    # of positions routed_experts_start .. +n, computed since the last output. A recompute after preemption
+    # sends positions again: later rows replace earlier ones of the same position. None: nothing new.
+    routed_experts: Any = None
+    routed_experts_start: int = 0
 
 
 @_message(24)
@@ -216,6 +220,12 @@ class StepResult:
     ranks: Any = None  # np.int64 [S]: rank of each sampled token (1-based; zeros when nobody asked)
     sampling_mass: Any = None  # np.float32 [S]: kept probability mass (1.0 where nothing was filtered)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # for sequences sampled the first time
+    # --enable-return-routed-experts on an MoE model (rank 0 only): expert ids np.uint8/uint16 [R, layers, top_k]
+    # and which rows are whose: [[seq_id, first position, first row, rows], ...]. Rows are this step's tokens
+    # in plan order; positions a prefix-cache hit skipped are appended after them (read from the worker's
+    # per-KV-slot copy), so every position of a sequence is reported once it is in the KV cache.
+    routed_experts: Any = None
+    routed_spans: list[list[Any]] | None = None
 
 
 def message_kinds() -> dict[int, str]:

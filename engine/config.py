@@ -54,6 +54,7 @@ class EngineConfig:
     tokens_only: bool = False  # no tokenizer anywhere; /inference/v1/generate on
     enable_scale_out: bool = False  # /inference/v1/generate and /inference/v1/abort_requests on
     enable_trace_replay: bool = False  # sampling_params.trace_decode_token_ids allowed
+    enable_return_routed_experts: bool = False  # MoE: each choice returns its router top-k (docs/tokens.md)
 
     @property
     def scale_out_enabled(self) -> bool:
@@ -170,7 +171,8 @@ def add_rl_args(p: argparse.ArgumentParser) -> None:
 
 def add_training_data_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    g = p.add_argument_group("training data (logprobs, tokens in/out, trace replay; docs/logprobs.md, docs/tokens.md)")
+    g = p.add_argument_group("training data (logprobs, tokens in/out, trace replay, routed experts; docs/logprobs.md, "
+                                "docs/tokens.md)")
     g.add_argument("--logprobs-mode", default=d.logprobs_mode,
                    choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
                    help="What logprobs report, as vLLM: raw_* come from the model's logits before penalties and "
@@ -188,6 +190,13 @@ def add_training_data_args(p: argparse.ArgumentParser) -> None:
                    help="Allow sampling_params.trace_decode_token_ids on /inference/v1/generate: those tokens are "
                         "forced as the output while logprobs and ranks come from the model's distribution. "
                         "VLLM_USE_V2_MODEL_RUNNER is accepted and ignored (the one model runner supports it).")
+    g.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="Mixture-of-experts models: every choice of /v1/completions, /v1/chat/completions and "
+                        "/inference/v1/generate returns `routed_experts`, the experts the router picked (top-k, "
+                        "best first) at every MoE layer for every prompt and generated token except the last: "
+                        "base64 of a .npy array (num_tokens - 1 - routed_experts_prompt_start, num_moe_layers, "
+                        "top_k), uint8 with at most 256 experts, else uint16. For router replay in training. "
+                        "Dense models (and requests aborted before any forward pass) return null.")
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:

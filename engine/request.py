@@ -1,4 +1,5 @@
-"""Per-sequence state the scheduler keeps. Pure data: no sockets, no tensors."""
+"""Per-sequence state the scheduler keeps. Pure data: no sockets, no tensors (numpy views of routed experts
+at most, on their way to the gateway)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class Sequence:
     stop_reason: int | None = None
     num_preemptions: int = 0
     kv_epoch: int | None = None  # weight epoch of the oldest KV this sequence holds (None: holds none)
+    # routed experts computed but not yet sent to the gateway: (first position, rows) pieces whose rows are
+    # read-only views of a StepResult's array (engine.routed_experts)
+    routed_pieces: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

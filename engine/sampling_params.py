@@ -41,6 +41,9 @@ class SamplingParams:
     # the penalised, temperature-scaled distribution; processed logprob = log_softmax(z / T) - log(mass).
     return_sampling_mass: bool = False
     trace_decode_token_ids: list[int] | None = None  # trace replay: forced output tokens (vLLM v0.33)
+    # routed experts (--enable-return-routed-experts) are returned from this prompt position on (vLLM);
+    # the gateway's business: the engine reports every position
+    routed_experts_prompt_start: int = 0
 
     def validate(self, *, vocab_size: int, max_logprobs: int, max_n: int = 128) -> None:
         _check(1 <= self.n <= max_n, "n", f"n must be between 1 and {max_n}, got {self.n}")
@@ -75,6 +78,13 @@ class SamplingParams:
                    f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", "seed must fit in 64 bits")
+
+    def validate_routed_experts(self, prompt_len: int) -> None:
+        """vLLM: routed_experts_prompt_start must lie within [0, prompt_len]."""
+        v = self.routed_experts_prompt_start
+        _check(0 <= v <= prompt_len, "routed_experts_prompt_start",
+               f"routed_experts_prompt_start must be within [0, {prompt_len}] (the prompt's length in tokens), "
+               f"got {v}")
 
     def validate_trace(self, *, vocab_size: int, enabled: bool) -> None:
         """vLLM's trace-replay checks (sampling_params._validate_trace_replay), after `validate`."""

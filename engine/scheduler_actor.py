@@ -36,7 +36,8 @@ from engine import control_state
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.logs import setup_logging
-from engine.request import Sequence
+from engine.request import SeqStatus, Sequence
+from engine.routed_experts import merge as merge_routed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler, SeqUpdate
 
@@ -230,6 +231,8 @@ class SchedulerActor:
         self.counters["step_compute_total"] += main.step_time_s
         self.counters["prompt_tokens"] += sum(max(0, min(b + n, q.num_prompt_tokens) - b)
                                               for q, n, b in zip(step.seqs, step.num_new, step.num_computed))
+        if main.routed_experts is not None:
+            self._file_routed(step, main)
         sampled: dict[str, tuple[int, float, list[list[float]] | None]] = {}
         row: dict[str, int] = {}
         for i, sid in enumerate(main.seq_ids):
@@ -240,6 +243,16 @@ class SchedulerActor:
         prompt_lps = {p.seq_id: p for p in main.prompt_logprobs}
         self._emit([(u.seq, self._update_output(u, main, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id)))
                     for u in updates])
+
+    def _file_routed(self, step: ScheduledStep, res: StepResult) -> None:
+        """Routed experts of this step, filed as numpy views under their sequences until their next output
+        (a partial prefill chunk has none). Sequences aborted while the step ran drop theirs."""
+        seqs = {s.seq_id: s for s in step.seqs}
+        rows = res.routed_experts
+        for sid, start, first, n in res.routed_spans or ():
+            seq = seqs.get(sid)
+            if seq is not None and seq.status is not SeqStatus.FINISHED:
+                seq.routed_pieces.append((start, rows[first:first + n]))
 
     # --- outputs --------------------------------------------------------------------------------
 
@@ -265,9 +278,13 @@ class SchedulerActor:
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: str | None = None,
                 logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
-        return RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
-                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
-                             error, seq.num_prompt_tokens, seq.num_cached_tokens, version)
+        out = RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
+                            seq.finish_reason if finished else None, seq.stop_reason if finished else None,
+                            error, seq.num_prompt_tokens, seq.num_cached_tokens, version)
+        if seq.routed_pieces:  # every output carries the routes computed since the previous one
+            out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
+            seq.routed_pieces = []
+        return out
 
     def _emit(self, items: list[tuple[Sequence, RequestOutput]]) -> None:
         """One OutputBatch per gateway that owns any of these outputs."""

@@ -11,7 +11,7 @@ import json
 from typing import Any, Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from engine.sampling_params import ParamError, SamplingParams
 
@@ -76,6 +76,7 @@ class _SamplingRequest(OpenAIModel):
     return_weight_versions: bool | None = None  # vLLM v0.33: per-choice weight_versions spans
     prompt_logprobs: int | None = None
     return_sampling_mass: bool | None = None  # beyond vLLM: per-token kept mass (docs/logprobs.md)
+    routed_experts_prompt_start: StrictInt | None = None  # routed experts from this prompt position on (vLLM)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -113,7 +114,8 @@ class _SamplingRequest(OpenAIModel):
             repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-            return_sampling_mass=bool(self.return_sampling_mass))
+            return_sampling_mass=bool(self.return_sampling_mass),
+            routed_experts_prompt_start=self.routed_experts_prompt_start or 0)
 
 
 def check_prompt_logprobs(value: int | None, stream: bool) -> None:
@@ -325,6 +327,7 @@ class GenerateSamplingParams(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     trace_decode_token_ids: list[int] | None = None
     return_sampling_mass: bool = False  # beyond vLLM (docs/logprobs.md)
+    routed_experts_prompt_start: StrictInt | None = None  # routed experts from this prompt position on (vLLM)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         for name in ("logit_bias", "bad_words", "allowed_token_ids"):
@@ -344,7 +347,8 @@ class GenerateSamplingParams(OpenAIModel):
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
-            return_sampling_mass=self.return_sampling_mass, trace_decode_token_ids=self.trace_decode_token_ids)
+            return_sampling_mass=self.return_sampling_mass, trace_decode_token_ids=self.trace_decode_token_ids,
+            routed_experts_prompt_start=self.routed_experts_prompt_start or 0)
 
 
 class GenerateRequest(OpenAIModel):

@@ -7,8 +7,6 @@ client goes away.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import math
 import time
@@ -23,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from bus.messages import PromptLogprobs, RequestOutput
+from engine import routed_experts
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label
 from engine.sampling_params import SamplingParams
@@ -109,8 +108,9 @@ class ServingContext:
                               f"the completion). Please reduce the length of the messages or completion.", param)
         return max(limit - prompt_len, 1)
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams, prompt_len: int) -> None:
         params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
+        params.validate_routed_experts(prompt_len)
         params.validate_trace(vocab_size=self.model.vocab_size, enabled=self.cfg.enable_trace_replay)
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
@@ -207,7 +207,7 @@ class ChoiceState:
         self.ranks: list[int] = []
         self.sampling_mass: list[float] = []
         self.prompt_logprobs: PromptLogprobs | None = None
-        self.routed_experts: Any = None  # MoE capture (issue 5 item 5); see routed_experts_b64
+        self.routed_pieces: list[routed_experts.Piece] = []  # MoE router capture; see routed_experts_b64
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -255,7 +255,7 @@ class ChoiceState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.routed_experts is not None:
-            self.routed_experts = out.routed_experts
+            self.routed_pieces.append((out.routed_experts_start, out.routed_experts))
         text_ids = new
         if out.finished and out.finish_reason == "stop" and new and not self.include:
             text_ids = new[:-1]  # the EOS / stop token's text is not part of the output (vLLM)
@@ -427,16 +427,18 @@ def clamp_logprob(x: float) -> float:
     return MAX_LOGPROB_FLOOR if math.isnan(x) else max(MAX_LOGPROB_FLOOR, x)
 
 
-def routed_experts_b64(value: Any) -> str | None:
-    """vLLM's `routed_experts` field: base64 of a `.npy` file (np.save, no pickle), or None. The one place
-    where the MoE capture (issue 5 item 5) reaches the responses: today the engine always sends None."""
-    if value is None:
+def routed_experts_b64(state: ChoiceState) -> str | None:
+    """vLLM's `routed_experts` of a choice: base64 of a `.npy` file (np.save, no pickle) of the router's
+    top-k [num_tokens - 1 - routed_experts_prompt_start, num_moe_layers, top_k] from the prompt position
+    routed_experts_prompt_start on, prompt and generated tokens but the last (never forwarded). None when
+    the engine sent none: the flag is off, the model is dense, or the request ended before any forward
+    pass. An aborted request has the positions computed until then."""
+    pieces = state.routed_pieces
+    if not pieces:
         return None
-    import numpy as np
-
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(value), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    hi = min(routed_experts.end(pieces), len(state.prompt_ids) + len(state.token_ids) - 1)
+    lo = min(state.params.routed_experts_prompt_start, hi)
+    return routed_experts.to_b64(routed_experts.assemble(pieces, lo, hi))
 
 
 def request_base_id(request: Request, body_request_id: str | None, new_id: Callable[[], str]) -> str:

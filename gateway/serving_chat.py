@@ -105,7 +105,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     default = ctx.max_tokens_for(len(ids), body.requested_max_tokens(), body.max_tokens_param(), "messages")
     try:
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
-        ctx.validate_params(params)
+        ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e, body) from None
     states = []
@@ -153,7 +153,7 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, 
             choice["weight_versions"] = s.weight_versions(ctx.client.control_state)
         if body.return_sampling_mass:
             choice["sampling_mass"] = s.sampling_mass
-        choice["routed_experts"] = routed_experts_b64(s.routed_experts)
+        choice["routed_experts"] = routed_experts_b64(s)
         choices.append(choice)
     prompt_ids = states[0].prompt_ids
     out = {**head, "choices": choices,
@@ -195,8 +195,10 @@ def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any
         "finish_reason": upd.finish_reason, "stop_reason": upd.stop_reason}
     if body.return_token_ids:
         choice["token_ids"] = upd.token_ids
-    if body.return_weight_versions and upd.finish_reason is not None:  # the last chunk only
-        choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
+    if upd.finish_reason is not None:  # the last chunk of the choice only
+        if body.return_weight_versions:
+            choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
+        choice["routed_experts"] = routed_experts_b64(state)
     if body.return_sampling_mass:
         choice["sampling_mass"] = upd.sampling_mass or []
     chunk = {**head, "choices": [choice]}

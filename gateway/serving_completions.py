@@ -128,7 +128,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     for pi, ids in enumerate(encoded):
         default = ctx.max_tokens_for(len(ids), body.max_tokens, "max_tokens", "prompt")
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
-        ctx.validate_params(params)
+        ctx.validate_params(params, len(ids))
         echo = ""
         if body.echo and not body.return_token_ids:  # vLLM: with return_token_ids the echoed text is ""
             p = prompts[pi]
@@ -180,7 +180,7 @@ def _response(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any]
             "logprobs": choice_logprobs(ctx, body, s, s.token_ids, s.logprobs, s.top_logprobs, 0, bool(body.echo)),
             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
             "prompt_logprobs": ctx.prompt_logprobs_json(s.prompt_ids, s.prompt_logprobs),
-            "routed_experts": routed_experts_b64(s.routed_experts)}
+            "routed_experts": routed_experts_b64(s)}
         if body.return_token_ids:
             choice["prompt_token_ids"], choice["token_ids"] = s.prompt_ids, s.token_ids
         if body.return_weight_versions:
@@ -223,8 +223,10 @@ def _chunk(ctx: ServingContext, body: CompletionRequest, head: dict[str, Any], u
         choice["token_ids"] = upd.token_ids
         if first:
             choice["prompt_token_ids"] = state.prompt_ids
-    if body.return_weight_versions and upd.finish_reason is not None:  # the last chunk only
-        choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
+    if upd.finish_reason is not None:  # the last chunk of the choice only
+        if body.return_weight_versions:
+            choice["weight_versions"] = state.weight_versions(ctx.client.control_state)
+        choice["routed_experts"] = routed_experts_b64(state)
     if body.return_sampling_mass:
         choice["sampling_mass"] = upd.sampling_mass or []
     chunk = {**head, "choices": [choice]}

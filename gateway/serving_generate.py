@@ -95,7 +95,7 @@ def prepare(ctx: ServingContext, body: GenerateRequest, request_id: str) -> list
     default = ctx.max_tokens_for(len(ids), sp.max_tokens, "sampling_params.max_tokens", "token_ids")
     try:
         params = sp.to_sampling_params(default)
-        ctx.validate_params(params)
+        ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e) from None
     if params.stop and ctx.tokenizer is None:
@@ -143,7 +143,7 @@ def _response(ctx: ServingContext, body: GenerateRequest, request_id: str, model
             "index": s.index,
             "logprobs": _choice_logprobs(s, s.token_ids, s.logprobs, s.top_logprobs, s.ranks),
             "finish_reason": s.finish_reason or "stop", "stop_reason": s.stop_reason, "token_ids": s.token_ids,
-            "routed_experts": routed_experts_b64(s.routed_experts), "sampling_mask": None,
+            "routed_experts": routed_experts_b64(s), "sampling_mask": None,
             "weight_versions": s.weight_versions(ctx.client.control_state)}
         if s.params.return_sampling_mass:
             choice["sampling_mass"] = s.sampling_mass
@@ -183,7 +183,7 @@ def _chunk(ctx: ServingContext, body: GenerateRequest, request_id: str, upd: Cho
         "index": upd.index, "finish_reason": upd.finish_reason, "stop_reason": upd.stop_reason,
         "token_ids": upd.token_ids,
         "logprobs": _choice_logprobs(state, upd.token_ids, upd.logprobs, upd.top_logprobs, upd.ranks),
-        "routed_experts": routed_experts_b64(state.routed_experts) if upd.finish_reason else None,
+        "routed_experts": routed_experts_b64(state) if upd.finish_reason else None,
         "sampling_mask": None,
         "weight_versions": state.weight_versions(ctx.client.control_state) if upd.finish_reason else None}
     if state.params.return_sampling_mass:

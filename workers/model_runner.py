@@ -7,6 +7,13 @@ Prompt logprobs: for a sequence that asked for them, every prefill row whose nex
 token also goes through the LM head (in slices, so a long prompt never holds [P, V] logits at once).
 The rows of each chunk are kept until the step that samples the sequence, which sends them all in one
 PromptLogprobs; a recompute after preemption skips the positions already done.
+
+Routed experts (--enable-return-routed-experts, MoE models, rank 0): the model appends each MoE layer's
+top-k ids; per step they become one array [T, layers, top_k] (one stack, one cast to uint8/uint16, one
+host copy) that goes back whole in the StepResult with spans saying which rows are whose, starting at
+which position (engine.routed_experts). The rows are also kept per KV slot, so a sequence whose prompt
+starts with a prefix-cache hit gets the routes of the positions it never computed, from whichever
+sequence computed them. With the flag off, or on a dense model, nothing of this runs.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from bus.messages import PromptLogprobs, StepPlan, StepResult
+from engine.routed_experts import wire_dtype
 from engine.sampling_params import SamplingParams
 from workers.kv_cache import KVCache
 from workers.sampler import LOGPROBS_MODES, RowState, sample
@@ -33,11 +41,12 @@ class SeqState:
     num_prompt: int = 0
     prompt_lp_next: int = 1  # next prompt token whose logprob is owed (token 0 has none)
     prompt_lp_parts: list | None = None  # computed rows not yet sent: (logprobs, ranks, topk_ids, topk_lps)
+    routed_next: int = 0  # routed experts: positions below this were reported
 
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
@@ -47,6 +56,13 @@ class ModelRunner:
         self.weight_version = 0
         self.logprobs_mode = logprobs_mode
         self.vocab_size = int(model.cfg.vocab_size)
+        self.route_dtype: torch.dtype | None = None  # routed-experts capture: None = off
+        if return_routed_experts and model.num_moe_layers and rank == 0:  # the scheduler reads rank 0's result
+            wire = wire_dtype(model.num_experts)
+            # uint16 travels as int16 on the device (a cast torch supports everywhere), viewed back on the host
+            self.route_dtype = torch.uint8 if wire == np.uint8 else torch.int16
+            # the routes of the token whose KV is in each slot (np.zeros: pages are touched only when used)
+            self.route_store = np.zeros((kv.num_blocks * block_size, model.num_moe_layers, model.moe_top_k), wire)
 
     def execute(self, plan: StepPlan, between_layers=None) -> StepResult:
         t0 = time.perf_counter()
@@ -61,26 +77,46 @@ class ModelRunner:
             self.seqs.pop(sid, None)
         if not plan.seq_ids:
             return self._result(plan, [], None, t0)
-        input_ids, positions, meta, sample_rows, sample_ids, prompt_rows = self._prepare(plan)
+        input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
+        out = None
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta, self.kv.views, between_layers)
+            if routes is None:
+                hidden = self.model(input_ids, positions, meta, self.kv.views, between_layers)
+            else:
+                routed: list[torch.Tensor] = []
+                hidden = self.model(input_ids, positions, meta, self.kv.views, between_layers, routed_experts=routed)
+                routed_ids = torch.stack(routed, dim=1).to(self.route_dtype)  # [T, layers, top_k], on the device
             for sid, rows, targets in prompt_rows:
                 self._prompt_logprobs(self.seqs[sid], hidden, rows, targets)
-            if not sample_ids:  # only partial prefill chunks this step: nothing to sample
-                return self._result(plan, [], None, t0)
-            # Sampling runs on the host with per-request CPU generators, so seeded draws are identical
-            # on every platform; on accelerators this costs one [S, V] copy per step.
-            logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)]).float().cpu()
-            out = sample(logits, [self.seqs[s].row for s in sample_ids], self.generator, self.logprobs_mode)
+            if sample_ids:  # else only partial prefill chunks this step: nothing to sample
+                # Sampling runs on the host with per-request CPU generators, so seeded draws are identical
+                # on every platform; on accelerators this costs one [S, V] copy per step.
+                logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)]).float().cpu()
+                out = sample(logits, [self.seqs[s].row for s in sample_ids], self.generator, self.logprobs_mode)
         prompt_lps = [self._take_prompt_logprobs(sid) for sid in sample_ids
                       if self.seqs[sid].prompt_lp_parts is not None]
-        for sid, tok in zip(sample_ids, out.token_ids.tolist()):
-            st = self.seqs[sid]
-            st.tokens.append(tok)
-            st.row.output_token_ids.append(tok)
+        if out is not None:
+            for sid, tok in zip(sample_ids, out.token_ids.tolist()):
+                st = self.seqs[sid]
+                st.tokens.append(tok)
+                st.row.output_token_ids.append(tok)
         result = self._result(plan, sample_ids, out, t0)
         result.prompt_logprobs = prompt_lps
+        if routes is not None:
+            result.routed_experts, result.routed_spans = self._routed_rows(routed_ids, *routes)
         return result
+
+    def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
+                     skipped: list[np.ndarray]) -> tuple[np.ndarray, list[list]]:
+        """The step's routes on the host, remembered per KV slot; the positions prefix-cache hits skipped
+        (their slots in `skipped`, spans already in `spans`) are read back from there and appended."""
+        rows = routed_ids.cpu().numpy()
+        if self.route_dtype is torch.int16:
+            rows = rows.view(np.uint16)
+        self.route_store[slots] = rows
+        if skipped:
+            rows = np.concatenate([rows, *(self.route_store[s] for s in skipped)])
+        return rows, spans
 
     def _prompt_logprobs(self, st: SeqState, hidden: torch.Tensor, rows: list[int], targets: list[int]) -> None:
         """Raw logprobs of `targets` (prompt tokens) from the hidden states at `rows` (their positions - 1),
@@ -118,6 +154,10 @@ class ModelRunner:
         dec_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         prompt_rows: list[tuple[str, list[int], list[int]]] = []
+        capture = self.route_dtype is not None
+        spans: list[list] = []  # routed experts: [seq_id, first position, first row, rows]
+        skipped: list[np.ndarray] = []  # slots of positions a prefix-cache hit skipped
+        num_rows = sum(plan.num_new) if capture else 0  # skipped positions go after the step's rows
         q = 0
         for sid, start, n, table in zip(plan.seq_ids, plan.num_computed, plan.num_new, plan.block_tables):
             st = self.seqs[sid]
@@ -132,6 +172,14 @@ class ModelRunner:
             tab = np.asarray(table, dtype=np.int64)
             pos_parts.append(pos)
             slot_parts.append(tab[pos // bs] * bs + pos % bs)
+            if capture:
+                if start > st.routed_next:  # cache hit: those positions' routes were stored with their KV
+                    hit = np.arange(st.routed_next, start)
+                    skipped.append(tab[hit // bs] * bs + hit % bs)
+                    spans.append([sid, st.routed_next, num_rows, len(hit)])
+                    num_rows += len(hit)
+                spans.append([sid, start, q, n])
+                st.routed_next = start + n
             if n == 1 and not prefills:
                 num_decodes += 1
                 dec_tables.append(table)
@@ -142,7 +190,8 @@ class ModelRunner:
                 sample_rows.append(q + n - 1)
                 sample_ids.append(sid)
             q += n
-        meta = AttentionMetadata(torch.from_numpy(np.concatenate(slot_parts)), num_decodes=num_decodes)
+        slots = np.concatenate(slot_parts)
+        meta = AttentionMetadata(torch.from_numpy(slots), num_decodes=num_decodes)
         if num_decodes:
             width = max(len(t) for t in dec_tables)
             padded = np.zeros((num_decodes, width), dtype=np.int64)
@@ -157,7 +206,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
             meta = _to_device(meta, self.device)
-        return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.int64), sample_ids, prompt_rows
+        routes = (slots, spans, skipped) if capture else None
+        return (input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.int64), sample_ids, prompt_rows,
+                routes)
 
     def _result(self, plan: StepPlan, sample_ids: list[str], out, t0: float) -> StepResult:
         if out is None:

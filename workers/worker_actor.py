@@ -62,7 +62,8 @@ class WorkerActor:
                 f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
         kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
         self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed,
-                                  logprobs_mode=cfg.logprobs_mode)
+                                  logprobs_mode=cfg.logprobs_mode,
+                                  return_routed_experts=cfg.enable_return_routed_experts)
         self.sleep = SleepManager(model, kv, platform)
         extra = parse_additional_config(cfg.additional_config)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
