@@ -119,6 +119,13 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
     add("top_logprobs -1 (whole vocabulary) above the maximum", CHAT, {**chat, "logprobs": True, "top_logprobs": -1},
         param="top_logprobs")
     add("max_tokens 0 without echo", COMPLETIONS, {**cmp, "max_tokens": 0}, param="max_tokens")
+    # --- routed experts (issue 5): the start must lie within [0, prompt length]
+    rx = "routed_experts_prompt_start"
+    add("routed_experts_prompt_start beyond the prompt", COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 2, rx: 4},
+        param=rx)
+    add("negative routed_experts_prompt_start (chat)", CHAT, {**chat, rx: -1}, param=rx)
+    add("routed_experts_prompt_start is a word", COMPLETIONS, {**cmp, rx: "two"}, param=rx)
+    add("routed_experts_prompt_start is fractional", CHAT, {**chat, rx: 1.5}, param=rx)
     # --- unknown model
     add("unknown model", COMPLETIONS, {**cmp, "model": "no-such-model"}, status=404, param="model")
     add("unknown model (chat)", CHAT, {**chat, "model": "no-such-model"}, status=404, param="model")
@@ -146,6 +153,8 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
         status=200)
     add("chat prompt_logprobs + return_sampling_mass", CHAT,
         {**chat, "prompt_logprobs": 2, "return_sampling_mass": True, "top_p": 0.9}, status=200)
+    add("routed_experts_prompt_start = the prompt length", COMPLETIONS,
+        {"prompt": [1, 2, 3], "max_tokens": 2, rx: 3}, status=200)
     if scale_out:
         c.extend(_generate_cases(L, V, M))
     return c
@@ -183,6 +192,12 @@ def _generate_cases(L: int, V: int, M: int) -> list[BadInput]:
         g("trace with prompt_logprobs", sp(trace_decode_token_ids=[5], prompt_logprobs=1),
           param="sampling_params.trace_decode_token_ids"),
         g("logit_bias (unsupported)", sp(logit_bias={"5": 1.0}), param="sampling_params.logit_bias"),
+        g("routed_experts_prompt_start beyond the prompt", sp(routed_experts_prompt_start=4),
+          param="sampling_params.routed_experts_prompt_start"),
+        g("negative routed_experts_prompt_start", sp(routed_experts_prompt_start=-1),
+          param="sampling_params.routed_experts_prompt_start"),
+        g("routed_experts_prompt_start is a string", sp(routed_experts_prompt_start="1"),
+          param="sampling_params.routed_experts_prompt_start"),
         g("stream_options without stream", {**sp(), "stream_options": {"include_usage": True}},
           param="stream_options"),
         g("unknown model", {**sp(), "model": "no-such-model"}, status=404, param="model"),
@@ -190,4 +205,5 @@ def _generate_cases(L: int, V: int, M: int) -> list[BadInput]:
                                                  top_k=5), status=200),
         g("trace replay with logprobs", sp(trace_decode_token_ids=[5, 6, 7, 8], logprobs=1), status=200),
         g("stream + n=2 + logprobs", {**sp(n=2, logprobs=1), "stream": True}, status=200),
+        g("routed_experts_prompt_start = the prompt length", sp(routed_experts_prompt_start=3), status=200),
     ]

@@ -10,11 +10,12 @@ import httpx
 from engine.serve_process import Server, free_port, start_server  # noqa: F401  (re-exported for tests)
 
 
-def tiny_model_with_tokenizer(arch: str, folder: Path, tokenizer_dir: Path) -> Path:
-    """A tiny random checkpoint with a real tokenizer beside it, servable by the gateway."""
+def tiny_model_with_tokenizer(arch: str, folder: Path, tokenizer_dir: Path, **overrides) -> Path:
+    """A tiny random checkpoint with a real tokenizer beside it, servable by the gateway. `overrides` go to
+    make_tiny_checkpoint (vocab_size=<the tokenizer's> makes text prompts valid)."""
     from tests.tiny_models import make_tiny_checkpoint
 
-    make_tiny_checkpoint(arch, folder)
+    make_tiny_checkpoint(arch, folder, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, folder / name)
     return folder

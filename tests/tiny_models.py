@@ -65,16 +65,17 @@ MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral"}
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
-def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float = 0.2) -> Path:
+def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float = 0.2, **overrides: Any) -> Path:
     """Save a small random fp32 HF checkpoint for `arch` into folder (safetensors); returns folder.
 
     Every parameter (norms and biases included) is randomised, and init_std is large enough that
-    greedy decoding keeps changing tokens instead of collapsing onto one.
+    greedy decoding keeps changing tokens instead of collapsing onto one. `overrides` replace config
+    fields of the variant (e.g. vocab_size=49152 to serve text through SmolLM2's tokenizer).
     """
     import transformers
 
     cls_name, extra = TINY_CONFIGS[arch]
-    cfg = getattr(transformers, cls_name)(**_COMMON, **extra, initializer_range=init_std)
+    cfg = getattr(transformers, cls_name)(**{**_COMMON, **extra, **overrides}, initializer_range=init_std)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
