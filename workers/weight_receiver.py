@@ -352,8 +352,11 @@ class WeightReceiver:
             consume()
 
     def _recv_buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
-        """Packed receive buffers, kept between updates (n x chunk bytes resident; freed by sleep and
-        shutdown): allocating them per update cost a page fault per 4 KiB of every chunk on the host."""
+        """Packed receive buffers. On the host they are kept between updates (n x chunk bytes resident;
+        freed by sleep and shutdown): allocating them per update cost a page fault per 4 KiB of every
+        chunk. On accelerators the caching allocator makes them cheap, so they live for one update only."""
+        if self.device.type != "cpu":
+            return [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(n)]
         if len(self._recv) < n or any(b.numel() < nbytes for b in self._recv[:n]):
             self._recv = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(n)]
         return self._recv[:n]
