@@ -100,10 +100,10 @@ class ModelRunner:
                 st = self.seqs[sid]
                 st.tokens.append(tok)
                 st.row.output_token_ids.append(tok)
-        result = self._result(plan, sample_ids, out, t0)
+        routed_rows = self._routed_rows(routed_ids, *routes) if routes is not None else (None, None)
+        result = self._result(plan, sample_ids, out, t0)  # step_time_s counts the capture too
         result.prompt_logprobs = prompt_lps
-        if routes is not None:
-            result.routed_experts, result.routed_spans = self._routed_rows(routed_ids, *routes)
+        result.routed_experts, result.routed_spans = routed_rows
         return result
 
     def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
