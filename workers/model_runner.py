@@ -21,7 +21,7 @@ from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from workers.kv_cache import KVCache
-from workers.sampler import LOGPROBS_MODES, RowState, sample
+from workers.sampler import LOGPROBS_MODES, RowState, sample, topk
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows per LM-head slice: bounds the [rows, V] fp32 logits
 
@@ -92,7 +92,7 @@ class ModelRunner:
             lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
             chosen = lp.gather(1, tgt.unsqueeze(1))
             ranks = (lp >= chosen).sum(dim=-1)
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tgt.unsqueeze(1)[:, :0])
+            top_lp, top_ids = topk(lp, k) if k else (lp[:, :0], tgt.unsqueeze(1)[:, :0])
             st.prompt_lp_parts.append((chosen.squeeze(1).cpu().numpy(), ranks.cpu().numpy(),
                                        top_ids.cpu().numpy(), top_lp.cpu().numpy()))
 
