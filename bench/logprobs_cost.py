@@ -7,6 +7,11 @@ shared machine hits both sides alike; seeds make both sides generate the very sa
     python bench/logprobs_cost.py --dtype bfloat16 --rounds 5 --json out.json
     python bench/logprobs_cost.py --routed-experts --model /models/tiny-moe   # once MoE capture exists
 
+Then the same comparison without HTTP, processes or scheduling, and robust to other work on the machine:
+one ModelRunner in this process decodes two groups of the same prompts, one plain and one with top-k
+logprobs, alternating step by step, so any disturbance hits both; reported as the median of the
+per-step compute times (what the worker adds per step).
+
 Reports, per side, the best round (least disturbed by other work on a shared machine) and the median
 of: useful tokens/s; the CPU seconds all engine processes spent per 1000 tokens (from /proc); the
 worker's compute time per step (from /metrics). Then the costs in percent, from the best rounds; the
@@ -100,6 +105,47 @@ def sampler_ms(rows: int, vocab: int, k: int, reps: int = 20) -> float:
     return 1e3 * best
 
 
+def engine_only(folder: Path, dtype: str, prompts: list[list[int]], steps: int, k: int) -> dict:
+    """Median per-step compute of a 64-sequence decode with and without top-k logprobs, steps interleaved."""
+    import numpy as np
+    import torch
+
+    from bus.messages import NewSeq, StepPlan
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+    from workers.kv_cache import KVCache
+    from workers.loader import load_model
+    from workers.model_runner import ModelRunner
+
+    torch.set_grad_enabled(False)
+    model, _, _ = load_model(EngineConfig(model=str(folder), dtype=dtype), torch.device("cpu"))
+    bs = 16
+    per_seq = (max(map(len, prompts)) + steps + bs) // bs
+    n = len(prompts)
+    kv = KVCache(*model.kv_spec, bs, 2 * n * per_seq, next(model.parameters()).dtype, torch.device("cpu"))
+    runner = ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"))
+    groups = {"plain": None, "logprobs": k}
+    tables = {g: [list(range((j + gi * n) * per_seq, (j + gi * n + 1) * per_seq)) for j in range(n)]
+              for gi, g in enumerate(groups)}
+    times: dict[str, list[float]] = {g: [] for g in groups}
+    step_id = 0
+    for g, lp in groups.items():
+        ids = [f"{g}-{j}" for j in range(n)]
+        new = [NewSeq(i, p, SamplingParams(seed=j, logprobs=lp, ignore_eos=True).to_wire(), [])
+               for j, (i, p) in enumerate(zip(ids, prompts))]
+        step_id += 1
+        runner.execute(StepPlan(step_id, new, ids, [0] * n, [len(p) for p in prompts], tables[g], [], 0))
+    for s in range(steps):
+        for g in groups:
+            step_id += 1
+            ids = [f"{g}-{j}" for j in range(n)]
+            res = runner.execute(StepPlan(step_id, [], ids, [len(p) + s for p in prompts], [1] * n, tables[g], [], 0))
+            times[g].append(res.step_time_s)
+    plain, lp = np.array(times["plain"]), np.array(times["logprobs"])
+    return {"plain_ms": 1e3 * float(np.median(plain)), "logprobs_ms": 1e3 * float(np.median(lp)),
+            "paired_delta_ms": 1e3 * float(np.median(lp - plain)), "steps": steps}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32")
@@ -111,6 +157,8 @@ def main() -> None:
     p.add_argument("--routed-experts", action="store_true",
                    help="also return routed experts on the measured side: starts the server with "
                         "--enable-return-routed-experts (needs an MoE --model and the MoE capture, issue 5 item 5)")
+    p.add_argument("--engine-steps", type=int, default=40, help="decode steps per group of the in-process part")
+    p.add_argument("--skip-http", action="store_true", help="only the in-process ModelRunner comparison")
     p.add_argument("--json", help="write every number to this file")
     args = p.parse_args()
 
@@ -121,6 +169,15 @@ def main() -> None:
         server_args.insert(0, args.model)
     if args.routed_experts:
         server_args.append("--enable-return-routed-experts")
+    say(f"in-process ModelRunner: {args.num_prompts} sequences x {args.engine_steps} decode steps per side ...")
+    eng = engine_only(folder, args.dtype, prompts, args.engine_steps, args.top_logprobs)
+    eng_line = (f"in-process ModelRunner, {args.num_prompts} decodes per step, median of {args.engine_steps} "
+                f"interleaved steps: {eng['plain_ms']:.1f} ms plain, {eng['logprobs_ms']:.1f} ms with "
+                f"top-{args.top_logprobs} (paired +{eng['paired_delta_ms']:.2f} ms per step, "
+                f"{100 * eng['paired_delta_ms'] / eng['plain_ms']:+.1f} %)")
+    if args.skip_http:
+        print(eng_line)
+        return
     work = Path(tempfile.mkdtemp(prefix="rollbus-lpbench-"))
     say(f"starting rollbus serve {' '.join(server_args)} ...")
     server = start_server(work, *server_args)
@@ -168,8 +225,10 @@ def main() -> None:
           f"compute per step {cost['compute_per_step_pct']:+.1f} %")
     print(f"sampler alone, {args.num_prompts} rows x {vocab}: {micro['plain_ms']:.2f} ms plain, "
           f"{micro['topk_ms']:.2f} ms with top-{args.top_logprobs} (+{cost['sampler_ms_added']:.2f} ms per step)")
+    print(eng_line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "cost": cost, "sampler": micro}, indent=2))
+        Path(args.json).write_text(json.dumps({"results": results, "cost": cost, "sampler": micro,
+                                               "engine_only": eng}, indent=2))
 
 
 if __name__ == "__main__":
