@@ -50,6 +50,9 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, between_layers=None) -> StepResult:
         t0 = time.perf_counter()
+        # Forget first: a finished id may come back at once as a new request with the same id.
+        for sid in plan.finished:
+            self.seqs.pop(sid, None)
         for ns in plan.new_seqs:
             params = SamplingParams.from_wire(ns.sampling)
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -57,8 +60,6 @@ class ModelRunner:
             self.seqs[ns.seq_id] = SeqState(toks, RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen),
                                             len(toks), prompt_lp_parts=[] if params.prompt_logprobs is not None
                                             else None)
-        for sid in plan.finished:
-            self.seqs.pop(sid, None)
         if not plan.seq_ids:
             return self._result(plan, [], None, t0)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows = self._prepare(plan)
