@@ -91,3 +91,13 @@ def test_trace_replay_forces_tokens_and_reports_teacher_forced_logprobs(tiny):
     want = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(trace)]
     assert max(abs(a - b) for a, b in zip(lps, want)) < 1e-4
     assert ranks == [int((ref[len(prompt) - 1 + i] >= ref[len(prompt) - 1 + i, t]).sum()) for i, t in enumerate(trace)]
+
+
+def test_an_id_reused_right_after_it_finished(tiny):
+    """The plan that forgets a finished request may bring a new one with the same id (clients choose ids)."""
+    model, _ = tiny
+    r = _runner(model)
+    sp = SamplingParams(temperature=0.0).to_wire()
+    r.execute(_plan(1, [NewSeq("x", [1, 2, 3], sp, [])], ["x"], [0], [3], [[0]]))
+    res = r.execute(StepPlan(2, [NewSeq("x", [4, 5], sp, [])], ["x"], [0], [2], [[1]], ["x"], 0))
+    assert res.seq_ids == ["x"]

@@ -153,3 +153,18 @@ def test_ranks_count_every_entry_at_least_as_likely():
         want = (lp >= lp.gather(1, out.token_ids[:, None])).sum(-1)
         assert torch.equal(out.ranks, want), k
         assert out.topk_ids.shape == (40, k)
+
+
+@pytest.mark.parametrize("shape,k", [((7, 49152), 5), ((3, 5000), 2), ((4, 3001), 3), ((2, 300), 5), ((5, 20000), 20)])
+def test_two_stage_topk_is_exact(shape, k):
+    from workers.sampler import topk
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(k)) * 3
+    x[0, 100:110] = float("-inf")
+    want_v, want_i = x.topk(k, dim=-1)
+    got_v, got_i = topk(x, k)
+    assert torch.equal(got_v, want_v) and torch.equal(got_i, want_i)
+    peaked = torch.full((2, 40000), float("-inf"))
+    peaked[:, [5, 39999]] = torch.tensor([1.0, 2.0])
+    v, i = topk(peaked, 3)
+    assert i[:, :2].tolist() == [[39999, 5]] * 2 and v[:, 2].tolist() == [float("-inf")] * 2

@@ -29,7 +29,7 @@ from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
 from engine.sampling_params import SamplingParams
 from workers.kv_cache import KVCache
-from workers.sampler import LOGPROBS_MODES, RowState, sample
+from workers.sampler import LOGPROBS_MODES, RowState, sample, topk
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows per LM-head slice: bounds the [rows, V] fp32 logits
 
@@ -66,6 +66,9 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, between_layers=None) -> StepResult:
         t0 = time.perf_counter()
+        # Forget first: a finished id may come back at once as a new request with the same id.
+        for sid in plan.finished:
+            self.seqs.pop(sid, None)
         for ns in plan.new_seqs:
             params = SamplingParams.from_wire(ns.sampling)
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -73,8 +76,6 @@ class ModelRunner:
             self.seqs[ns.seq_id] = SeqState(toks, RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen),
                                             len(toks), prompt_lp_parts=[] if params.prompt_logprobs is not None
                                             else None)
-        for sid in plan.finished:
-            self.seqs.pop(sid, None)
         if not plan.seq_ids:
             return self._result(plan, [], None, t0)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
@@ -128,7 +129,7 @@ class ModelRunner:
             lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
             chosen = lp.gather(1, tgt.unsqueeze(1))
             ranks = (lp >= chosen).sum(dim=-1)
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tgt.unsqueeze(1)[:, :0])
+            top_lp, top_ids = topk(lp, k) if k else (lp[:, :0], tgt.unsqueeze(1)[:, :0])
             st.prompt_lp_parts.append((chosen.squeeze(1).cpu().numpy(), ranks.cpu().numpy(),
                                        top_ids.cpu().numpy(), top_lp.cpu().numpy()))
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
 
+TOPK_CHUNK = 256  # vocabulary slice of the two-stage top-k
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -119,7 +121,7 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     # for a count over the vocabulary; hence at least 2 columns when ranks are wanted.
     k_eff = min(max(k, 2), vocab) if any(want_lp) else k
     if k_eff:
-        top_lp, top_ids = vals.topk(k_eff, dim=-1)
+        top_lp, top_ids = topk(vals, k_eff)
     else:
         top_lp = torch.empty(n, 0)
         top_ids = torch.empty(n, 0, dtype=torch.int64)
@@ -138,6 +140,23 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
             kept = torch.logsumexp(processed[idx], dim=-1) - lse_full[idx]
             mass[[proc[k2] for k2 in idx]] = kept.exp().float()
     return SampleOutput(token_ids, chosen.float(), top_ids, top_lp.float(), ranks, mass)
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact `x.topk(k, dim=-1)` (values descending) for [S, V], several times faster on CPU for small k:
+    the k slices of TOPK_CHUNK entries with the largest maxima hold every top-k entry (the k-th largest
+    value is at least the k-th largest slice maximum), so only those k x TOPK_CHUNK entries are sorted.
+    Among equal values the index chosen may differ from torch.topk's."""
+    n, v = x.shape
+    if k * TOPK_CHUNK * 4 > v:
+        return x.topk(k, dim=-1)
+    pad = (-v) % TOPK_CHUNK
+    xp = F.pad(x, (0, pad), value=float("-inf")) if pad else x
+    blocks = xp.view(n, -1, TOPK_CHUNK)
+    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [n, k] slices
+    cand = blocks.gather(1, best.unsqueeze(-1).expand(n, k, TOPK_CHUNK)).reshape(n, k * TOPK_CHUNK)
+    vals, pos = cand.topk(k, dim=-1)
+    return vals, best.gather(1, pos // TOPK_CHUNK) * TOPK_CHUNK + pos % TOPK_CHUNK
 
 
 def _trace_token(r: RowState) -> int | None:
