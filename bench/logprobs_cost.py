@@ -6,7 +6,8 @@ tokens.
 
     python bench/logprobs_cost.py                          # fp32, 64 x 64 tokens, top-5, 3 rounds each
     python bench/logprobs_cost.py --dtype bfloat16 --rounds 5 --json out.json
-    python bench/logprobs_cost.py --routed-experts --model ~/.cache/rollbus/test-models/smollm2-moe-v1
+    python bench/logprobs_cost.py --routed-experts --model ~/.cache/rollbus/test-models/smollm2-moe-v1 \
+        --runner-steps 30                                  # + the worker alone, in this process
 
 --routed-experts (an MoE --model): --enable-return-routed-experts is server-wide, so two servers run side
 by side (only one is measured at a time): the plain and logprobs sides on one started without the flag,
