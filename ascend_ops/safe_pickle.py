@@ -1,0 +1,80 @@
+"""A restricted unpickler for the pickled formats of vLLM's trainer-side code, and nothing else.
+
+rollbus never pickles on its own wires. Two vLLM formats are pickles, and real trainers send them:
+the IPC handles of ``/update_weights`` (``ipc_handles_pickled``, behind vLLM's opt-in variable
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) and the small objects ``StatelessProcessGroup.broadcast_obj``
+puts into the TCPStore during a collective rendezvous. Plain ``pickle.loads`` runs whatever callable a
+pickle names; :func:`restricted_loads` resolves a global only when it is on the caller's allow-list and
+refuses anything else with :class:`UnsafePickleError` naming the global, before anything is called.
+
+An allow-list is a set of ``(module, qualname)`` pairs. :data:`PLAIN_DATA` admits only what the standard
+containers need (nothing: ints, floats, str, bytes, lists, tuples, dicts, sets and None need no global
+in protocol 2+ pickles, except the few below).
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import io
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+# Globals that plain-data pickles may name (protocol 0/1 pickles and some containers).
+PLAIN_DATA: frozenset[tuple[str, str]] = frozenset({
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "bytearray"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+    ("builtins", "range"),
+    ("collections", "OrderedDict"),
+    ("_codecs", "encode"),  # protocol < 3 pickles write bytes through it
+})
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """The pickle names a global outside the allow-list (the attribute ``global_name`` says which)."""
+
+    def __init__(self, global_name: str, what: str):
+        self.global_name = global_name
+        super().__init__(f"{what}: refused to unpickle global {global_name!r} (not on the allow-list)")
+
+
+class _Restricted(pickle.Unpickler):
+    def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]], what: str):
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._what = what
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # Python 2 names, as pickle's own fix_imports maps them
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        if (module, name) not in self._allowed:
+            raise UnsafePickleError(f"{module}.{name}", self._what)
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError(f"{self._what}: persistent ids are not allowed")
+
+
+def allow(*extra: Iterable[tuple[str, str]] | tuple[str, str]) -> frozenset[tuple[str, str]]:
+    """PLAIN_DATA plus the given (module, qualname) pairs or iterables of them."""
+    out = set(PLAIN_DATA)
+    for item in extra:
+        if isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item):
+            out.add(item)  # type: ignore[arg-type]
+        else:
+            out.update(item)  # type: ignore[arg-type]
+    return frozenset(out)
+
+
+def restricted_loads(data: bytes | bytearray | memoryview, allowed: frozenset[tuple[str, str]] = PLAIN_DATA,
+                     what: str = "pickle") -> Any:
+    """Unpickle `data`, resolving only the allowed globals. Raises UnsafePickleError (naming the global)
+    or pickle.UnpicklingError / EOFError / ValueError on malformed input; `what` prefixes the message."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise pickle.UnpicklingError(f"{what}: expected bytes, got {type(data).__name__}")
+    return _Restricted(bytes(data), allowed, what).load()
