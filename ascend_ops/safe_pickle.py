@@ -48,10 +48,11 @@ class _Restricted(pickle.Unpickler):
         self._what = what
 
     def find_class(self, module: str, name: str) -> Any:
-        if self.proto < 3:  # Python 2 names, as pickle's own fix_imports maps them
-            if (module, name) in _compat_pickle.NAME_MAPPING:
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        # Python 2 names (protocol < 3 pickles), mapped as pickle's own fix_imports does; no Python 3
+        # module carries these names.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) not in self._allowed:
             raise UnsafePickleError(f"{module}.{name}", self._what)
         return super().find_class(module, name)
