@@ -31,7 +31,7 @@ from bus.messages import AddRequest, NewSeq, OutputBatch, StepPlan  # noqa: E402
 from bus.sockets import make_socket, send  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.models.registry import build_model  # noqa: E402
+from workers.models.registry import build_model  # noqa: E402
 from engine.request import Sequence  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
@@ -67,7 +67,7 @@ def prompts(n: int) -> list[list[int]]:
 
 def in_process(folder: Path, seqs: int, tokens: int) -> tuple[float, float]:
     """(mean execute ms per step, mean codec ms per step) with no sockets at all."""
-    from engine.models.checkpoint import iter_safetensors
+    from workers.models.checkpoint import iter_safetensors
 
     model = build_model(CONFIG, torch.float32, torch.device("cpu"))
     model.load_weights(iter_safetensors(folder))

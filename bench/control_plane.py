@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bus.control_client import ControlClient  # noqa: E402
 from bus.endpoints import Endpoints  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.procstats import mapping_rss, rss  # noqa: E402
-from engine.serve_process import start_server  # noqa: E402
+from tests.procstats import mapping_rss, rss  # noqa: E402
+from tests.serve_process import start_server  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MEMBER = """

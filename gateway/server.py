@@ -110,7 +110,7 @@ def run_gateway_process(cfg: EngineConfig) -> None:
     if cfg.tokens_only:  # vLLM: skip tokenizer init entirely; nothing on the request path may need one
         log.info("gateway.tokens_only", note="Tokens-only mode is enabled: no tokenizer is loaded.")
     else:
-        from engine.tokenizer import Tokenizer
+        from gateway.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(folder)
     if cfg.enable_trace_replay and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":

@@ -64,7 +64,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     """A byte-level BPE vocab: 3 control tokens, the 256 byte symbols, a few merges, one user-defined."""
-    from engine.models.gguf import byte_alphabet
+    from engine.model_store.gguf import byte_alphabet
 
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + list(byte_alphabet().values())
     # No digit merges: real smollm/qwen2 vocabs have none (their pre-tokenizers split digits singly).

@@ -1,4 +1,4 @@
-"""Integration-test helpers around the real engine (see engine.serve_process)."""
+"""Integration-test helpers around the real engine (see tests.serve_process)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.serve_process import Server, free_port, start_server  # noqa: F401  (re-exported for tests)
+from tests.serve_process import Server, free_port, start_server  # noqa: F401  (re-exported for tests)
 
 
 def tiny_model_with_tokenizer(arch: str, folder: Path, tokenizer_dir: Path, **overrides) -> Path:

@@ -56,7 +56,7 @@ def test_chat_answers_like_the_model(client):
 
 
 def test_greedy_tokens_and_logprobs_equal_hf(client, hf_model, smollm2_dir):
-    from engine.tokenizer import Tokenizer
+    from gateway.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     prompts = ["The history of the Roman empire", "def fibonacci(n):", "Once upon a time, in a small village"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.gguf import QUANT_TYPES, dequantize, hf_tensor_name, read_gguf
+from engine.model_store.gguf import QUANT_TYPES, dequantize, hf_tensor_name, read_gguf
 from tests.fixtures_models import smollm2_dir, smollm2_gguf, write_tiny_gguf  # noqa: F401
 
 gguf = pytest.importorskip("gguf")

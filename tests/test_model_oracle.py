@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype, safetensors_files
-from engine.models.registry import ARCHITECTURES, build_model
+from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype, safetensors_files
+from workers.models.registry import ARCHITECTURES, build_model
 from tests.tiny_models import (
     MOE,
     SHARDED,

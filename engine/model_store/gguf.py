@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.models.gguf_tokenizer import byte_alphabet, tokenizer_files  # noqa: F401  (re-exported)
+from engine.model_store.gguf_tokenizer import byte_alphabet, tokenizer_files  # noqa: F401  (re-exported)
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32

@@ -160,7 +160,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, progress: bool = True, sou
     sibling temp folder, `.complete` last, then renamed into place; a crash leaves no complete folder."""
     from safetensors.torch import save_file
 
-    from engine.models.gguf import read_gguf
+    from engine.model_store.gguf import read_gguf
 
     started = time.perf_counter()
     gguf = read_gguf(gguf_path)

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from engine.models.llama import DecoderLM
-from engine.models.moe import MoEDecoderLM
+from workers.models.llama import DecoderLM
+from workers.models.moe import MoEDecoderLM
 
 ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "LlamaForCausalLM": DecoderLM,
