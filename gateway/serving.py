@@ -25,6 +25,7 @@ from engine import routed_experts
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label
 from engine.sampling_params import SamplingParams
+from gateway.request_log import log_request
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
     INTERNAL,
@@ -106,7 +107,8 @@ class ServingContext:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in "
                               f"the completion). Please reduce the length of the messages or completion.", param)
-        return max(limit - prompt_len, 1)
+        rest = max(limit - prompt_len, 1)  # vLLM: generation config's max_new_tokens caps a request's default
+        return min(rest, int(self.model.sampling_defaults.get("max_tokens", rest)))
 
     def validate_params(self, params: SamplingParams, prompt_len: int) -> None:
         params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
@@ -296,6 +298,8 @@ def engine_failure(ctx: ServingContext, message: str | None) -> APIError:
 
 
 async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Queue) -> None:
+    if ctx.cfg.enable_log_requests:
+        log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.max_log_len)
     try:
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids)
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request

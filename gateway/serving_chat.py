@@ -68,7 +68,8 @@ def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     messages = body.template_messages()
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                 tools=body.template_tools(), **kwargs)
+                                                 tools=body.template_tools(), chat_template=body.chat_template,
+                                                 **kwargs)
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault (vLLM: 400)
         raise bad_request(f"Error rendering the chat template: {e}", "messages") from None
     if body.continue_final_message:
@@ -93,7 +94,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         body.check()
     except ParamError as e:
         raise _remap(e, body) from None
-    if body.chat_template is not None:
+    if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:
         raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
     if ctx.tokenizer is None:
