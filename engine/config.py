@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -570,8 +571,13 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=1)
+def _cached_parser() -> argparse.ArgumentParser:
+    return new_parser()  # parsing leaves a parser unchanged, so one serves every call
+
+
 def parse_config(argv: list[str]) -> EngineConfig:
     from engine.argv import normalize_argv
 
-    p = new_parser()
+    p = _cached_parser()
     return config_from_args(p.parse_args(normalize_argv(argv, p)))

@@ -25,7 +25,6 @@ from engine import routed_experts
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label
 from engine.sampling_params import SamplingParams
-from gateway.request_log import log_request
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
     INTERNAL,
@@ -36,6 +35,7 @@ from gateway.errors import (
     model_not_found,
 )
 from gateway.metrics import Metrics
+from gateway.request_log import log_request
 
 log = structlog.get_logger()
 T = TypeVar("T")

@@ -29,8 +29,10 @@ def initialize_dummy_weights(model: torch.nn.Module) -> int:
             gen = torch.Generator(device=t.device)
             gen.manual_seed(DUMMY_SEED)
             with torch.no_grad():
-                if t.dtype in (torch.int8, torch.uint8):
-                    t.random_(-128, 128, generator=gen) if t.dtype == torch.int8 else t.random_(0, 256, generator=gen)
+                if t.dtype == torch.int8:
+                    t.random_(-128, 128, generator=gen)
+                elif t.dtype == torch.uint8:
+                    t.random_(0, 256, generator=gen)
                 elif not torch.is_floating_point(t):
                     continue
                 elif torch.finfo(t.dtype).bits < 16:  # uniform_ has no 8-bit float kernels
