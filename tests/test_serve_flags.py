@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.argv import normalize_argv
-from engine.config import ONLY_VALUES, EngineConfig, new_parser, parse_config
+from engine.config import NO_OP_FLAGS, ONLY_VALUES, EngineConfig, new_parser, parse_config
 from engine.generation_defaults import default_sampling_params
 from engine.tokenizer import resolve_chat_template
 from engine.vllm_flags import VLLM_SERVE_FLAGS
@@ -223,6 +223,34 @@ def dataclasses_equal(a: EngineConfig, b: EngineConfig, ignore: tuple[str, ...])
     import dataclasses
 
     return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a) if f.name not in ignore)
+
+
+def render_flag_table() -> str:
+    """docs/serving.md's table of vLLM's flags, from the classification in engine.config. Regenerate with
+    `python -c 'from tests.test_serve_flags import render_flag_table as r; print(r())'`."""
+    groups: dict[str, dict[str, list[str]]] = {}
+    for dest, group, _, opts in VLLM_SERVE_FLAGS:
+        action = PARSER._option_string_actions[opts[0]]
+        name = f"`{opts[0]}`" + (" (" + ", ".join(f"`{o}`" for o in opts[1:]) + ")" if len(opts) > 1 else "")
+        g = groups.setdefault(group if group != "options" else "(top level)", {"s": [], "n": [], "r": []})
+        if not action.dest.startswith("vllm__"):
+            g["s"].append(name)
+        elif dest in ONLY_VALUES:
+            g["s"].append(f"{name} {'/'.join(ONLY_VALUES[dest][0])} only")
+        elif dest in NO_OP_FLAGS:
+            g["n"].append(name)
+        else:
+            g["r"].append(name)
+    rows = ["| vLLM group | supported (vLLM's meaning) | no-op (accepted, one note in the log) | refused by name |",
+            "|---|---|---|---|"]
+    rows += [f"| {k} | {', '.join(g['s']) or '-'} | {', '.join(g['n']) or '-'} | {', '.join(g['r']) or '-'} |"
+             for k, g in groups.items()]
+    return "\n".join(rows)
+
+
+def test_docs_list_every_vllm_flag_with_what_rollbus_does():
+    docs = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert render_flag_table() in docs, "docs/serving.md's flag table is stale: regenerate it (render_flag_table)"
 
 
 def test_help_explains_the_flags():
