@@ -550,6 +550,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         raise SystemExit("--num-workers must be at least 1")
     if cfg.tokens_only and os.environ.get(SCALE_OUT_ENV, "").strip() == "0":
         raise SystemExit(f"rollbus: `{SCALE_OUT_ENV}=0` conflicts with `--tokens-only`; unset it or set it to 1")
+    if cfg.tokens_only and cfg.chat_template is not None:
+        raise SystemExit("rollbus: --chat-template has no effect with --tokens-only (no tokenizer renders chats)")
     if cfg.max_log_len is not None and cfg.max_log_len < 0:
         raise SystemExit("rollbus: --max-log-len must be non-negative")
     from engine.generation_defaults import check_generation_config

@@ -274,6 +274,7 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         resolve_chat_template("{% for %}")
     assert "missing.jinja" in refused(["--chat-template", str(tmp_path / "missing.jinja")])
+    assert "--tokens-only" in refused(["--chat-template", "{{ 'x' }}", "--tokens-only"])
 
 
 # ------------------------------------------------------------------------- generation config
