@@ -14,7 +14,10 @@ log = structlog.get_logger()
 
 
 def log_request(request_id: str, prompt_ids: list[int], params: Any, max_log_len: int | None) -> None:
-    fields = dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(getattr(params, "__dict__", {}))
+    if dataclasses.is_dataclass(params):
+        fields = dataclasses.asdict(params)
+    else:  # a msgspec Struct
+        fields = {f: getattr(params, f) for f in getattr(params, "__struct_fields__", ())}
     log.info("gateway.request", request_id=request_id, prompt_tokens=len(prompt_ids),
              params={k: v for k, v in fields.items() if v not in (None, [], {})})
     shown = prompt_ids if max_log_len is None else prompt_ids[:max_log_len]

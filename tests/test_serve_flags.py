@@ -354,3 +354,34 @@ def test_extension_is_mixed_in_with_vllms_collision_rule():
         extend_worker_class(WorkerActor, "tests.worker_extension.Missing")
     with pytest.raises(WorkerExtensionError, match="has no class not_a_class"):
         extend_worker_class(WorkerActor, "tests.worker_extension.not_a_class")
+
+
+def test_access_log_filter_drops_the_named_paths_only():
+    import logging
+
+    from gateway.request_log import AccessLogFilter
+
+    def record(path: str) -> logging.LogRecord:  # uvicorn's access-log record
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5000", "GET", path, "1.1", 200), None)
+
+    f = AccessLogFilter("/health, /metrics")
+    assert not f.filter(record("/health")) and not f.filter(record("/metrics?x=1"))
+    assert f.filter(record("/v1/models"))
+
+
+def test_request_log_lines_carry_id_and_params(capsys):
+    from engine.logs import setup_logging
+    from engine.sampling_params import SamplingParams
+    from gateway.request_log import log_request
+
+    import structlog
+
+    setup_logging("debug")
+    try:
+        log_request("req-7", list(range(50)), SamplingParams(max_tokens=3), max_log_len=5)
+    finally:
+        structlog.reset_defaults()  # the test's stderr goes away after it
+    err = capsys.readouterr().err
+    assert "gateway.request" in err and "req-7" in err and "max_tokens" in err
+    assert "[0, 1, 2, 3, 4]" in err and "truncated=True" in err
