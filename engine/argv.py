@@ -114,6 +114,16 @@ def normalize_argv(argv: list[str], parser: argparse.ArgumentParser | None = Non
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg.startswith("-O") and not arg.startswith("--"):  # vLLM: -O3, -O=3 and -O 3 are --optimization-level
+            level = arg[3:] if arg[2:3] == "=" else arg[2:]
+            if level:
+                out += ["--optimization-level", level]
+                i += 1
+                continue
+            if i + 1 < len(argv) and argv[i + 1] in ("0", "1", "2", "3"):
+                out.append("--optimization-level")
+                i += 1
+                continue
         if not arg.startswith("--") or arg == "--":
             out.append(arg)
             i += 1

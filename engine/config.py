@@ -53,6 +53,8 @@ class EngineConfig:
     use_tqdm_on_load: bool = True
     chat_template: str | None = None  # a file path or the template itself
     trust_request_chat_template: bool = False
+    default_chat_template_kwargs: str | None = None  # JSON object
+    return_tokens_as_token_ids: bool = False
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     override_generation_config: str | None = None  # JSON object
     worker_extension_cls: str = ""  # module.Class mixed into every worker (workers.extension)
@@ -216,6 +218,11 @@ NO_OP_FLAGS: dict[str, str] = {
     "disable_frontend_multiprocessing": "the gateway is always its own process",
     "ray_workers_use_nsight": "rollbus does not use Ray",
     "aggregate_engine_logging": "rollbus logs one line per event from each process",
+    "compilation_config": "rollbus neither compiles the model nor captures graphs",
+    "optimization_level": "rollbus neither compiles the model nor captures graphs",
+    "cudagraph_capture_sizes": "rollbus captures no CUDA/NPU graphs",
+    "max_cudagraph_capture_size": "rollbus captures no CUDA/NPU graphs",
+    "disable_cascade_attn": "rollbus has no cascade attention",
 }
 # vLLM flags accepted only with the values rollbus implements (compared as given, lower case).
 ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -290,6 +297,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "one of '{', '}' or a newline is the template).")
     g.add_argument("--trust-request-chat-template", action=Switch, default=d.trust_request_chat_template,
                    help="Allow a request's own chat_template field (otherwise such a request is a 400).")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
+                   default=None, help='JSON object of chat template variables for every chat request, e.g. '
+                                      '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win key by key.')
+    g.add_argument("--return-tokens-as-token-ids", action=Switch, default=d.return_tokens_as_token_ids,
+                   help="Logprob tokens as 'token_id:N' for requests that do not set return_tokens_as_token_ids.")
     g.add_argument("--generation-config", default=d.generation_config,
                    help="Default sampling parameters: 'auto' takes the model folder's generation_config.json "
                         "(temperature, top_p, top_k, min_p, repetition/presence/frequency penalty, "

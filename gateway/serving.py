@@ -95,6 +95,15 @@ class ServingContext:
         if lo < 0 or hi >= self.model.vocab_size:
             raise bad_request(f"Token id {lo if lo < 0 else hi} is out of vocabulary", param)
 
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """vLLM: a request's return_tokens_as_token_ids, else the server's --return-tokens-as-token-ids."""
+        return self.cfg.return_tokens_as_token_ids if requested is None else requested
+
+    @property
+    def default_chat_template_kwargs(self) -> dict[str, Any]:
+        """--default-chat-template-kwargs (a request's chat_template_kwargs win key by key)."""
+        return json.loads(self.cfg.default_chat_template_kwargs) if self.cfg.default_chat_template_kwargs else {}
+
     def max_tokens_for(self, prompt_len: int, requested: int | None, param: str, prompt_param: str) -> int:
         """vLLM's context-length rule; returns the default max_tokens (the rest of the context)."""
         limit = self.model.max_model_len

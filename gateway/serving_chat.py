@@ -64,7 +64,8 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[floa
 
 def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     """Chat template -> prompt text (jinja holds the GIL, so a thread would not help; 20k chars ~5 ms)."""
-    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    given = {**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}  # vLLM: the request's win
+    kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     messages = body.template_messages()
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
@@ -135,7 +136,7 @@ def _logprobs_of(ctx: ServingContext, body: ChatCompletionRequest, state: Choice
     if state.params.logprobs is None:
         return None
     return chat_logprobs(ctx, token_ids, logprobs, top, body.top_logprobs or 0,
-                         bool(body.return_tokens_as_token_ids))
+                         ctx.tokens_as_ids(body.return_tokens_as_token_ids))
 
 
 def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any],

@@ -107,7 +107,8 @@ def choice_logprobs(ctx: ServingContext, body: CompletionRequest, state: ChoiceS
     ids = [] if body.echo_only else list(token_ids)
     if with_prompt:
         steps, ids = prompt_steps(state) + steps, state.prompt_ids + ids
-    return logprobs_of_steps(ctx, ids, steps, text_offset, bool(body.return_tokens_as_token_ids), body.logprobs)
+    return logprobs_of_steps(ctx, ids, steps, text_offset, ctx.tokens_as_ids(body.return_tokens_as_token_ids),
+                             body.logprobs)
 
 
 async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str) -> tuple[list[list[int]],
@@ -151,7 +152,7 @@ def check_tokens_only(body: CompletionRequest, has_text: bool) -> None:
         raise bad_request(f"stop strings are not supported: {why}; use stop_token_ids", "stop")
     if body.echo and not body.return_token_ids:
         raise bad_request(f"echo needs the prompt text: {why}; set return_token_ids", "echo")
-    if body.logprobs is not None and not body.return_tokens_as_token_ids:
+    if body.logprobs is not None and not ctx.tokens_as_ids(body.return_tokens_as_token_ids):
         raise bad_request(f"logprob tokens need a tokenizer: {why}; set return_tokens_as_token_ids",
                           "return_tokens_as_token_ids")
 

@@ -18,7 +18,7 @@ from tests.server_helpers import start_server
 
 pytestmark = pytest.mark.timeout(240)
 
-TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+TEMPLATE = ("{{ greeting }}{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
             "{% if add_generation_prompt %}[assistant:{% endif %}")
 EXTENSION = "tests.worker_extension.ChecksumExtension"
 
@@ -50,7 +50,7 @@ def served(tmp_path_factory, smollm2_dir):
         "--override-generation-config", '{"temperature": 0.0}', "--worker-extension-cls", EXTENSION,
         "--additional-config.rl_config.enabled", "true", "--enforce-eager", "--trust-remote-code",
         "--disable-log-stats", "--disable-uvicorn-access-log", "--enable-log-requests", "--uvicorn-log-level",
-        "info")
+        "info", "--default-chat-template-kwargs", '{"greeting": "hi"}', "--return_tokens_as_token_ids")
     yield server, Tokenizer.from_dir(folder)
     server.stop()
 
@@ -77,7 +77,21 @@ def test_the_chat_template_flag_renders_the_prompt(served):
     r = post(server, "/v1/chat/completions", {"model": "vllm-style", "max_tokens": 1, "return_token_ids": True,
                                              "messages": [{"role": "user", "content": "hello"}]})
     assert r.status_code == 200, r.text
-    assert tok.decode(r.json()["prompt_token_ids"], skip_special_tokens=False) == "[user:hello][assistant:"
+    assert tok.decode(r.json()["prompt_token_ids"], skip_special_tokens=False) == "hi[user:hello][assistant:"
+    r = post(server, "/v1/chat/completions", {"model": "vllm-style", "max_tokens": 1, "return_token_ids": True,
+                                             "messages": [{"role": "user", "content": "hello"}],
+                                             "chat_template_kwargs": {"greeting": "yo"}})
+    assert tok.decode(r.json()["prompt_token_ids"], skip_special_tokens=False) == "yo[user:hello][assistant:"
+
+
+def test_return_tokens_as_token_ids_is_the_servers_default(served):
+    server, _ = served
+    body = {"model": "vllm-style", "prompt": "Tokens", "max_tokens": 2, "logprobs": 1}
+    tokens = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    tokens = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()[
+        "choices"][0]["logprobs"]["tokens"]
+    assert not any(t.startswith("token_id:") for t in tokens), tokens
 
 
 def test_a_request_chat_template_needs_the_trust_flag(served):
