@@ -299,7 +299,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Allow a request's own chat_template field (otherwise such a request is a 400).")
     g.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
                    default=None, help='JSON object of chat template variables for every chat request, e.g. '
-                                      '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win key by key.')
+                                      '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win '
+                                      'key by key.')
     g.add_argument("--return-tokens-as-token-ids", action=Switch, default=d.return_tokens_as_token_ids,
                    help="Logprob tokens as 'token_id:N' for requests that do not set return_tokens_as_token_ids.")
     g.add_argument("--generation-config", default=d.generation_config,
@@ -342,12 +343,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="module.Class mixed into every worker, as vLLM: its public methods become callable "
                         "through POST /collective_rpc (a dev endpoint); names it shares with the worker are "
                         "a start-up error; init_worker_extension / destroy_worker_extension hooks run if defined.")
-    g.add_argument("--tensor-parallel-size", "-tp", action=_VllmFlag, dest=_vllm_dest("tensor_parallel_size"), metavar="N",
-                   help="1 only (tensor parallelism is not implemented yet).")
-    g.add_argument("--data-parallel-size", "-dp", action=_VllmFlag, dest=_vllm_dest("data_parallel_size"), metavar="N",
-                   help="1 only (run one server per replica until scale-out lands).")
-    g.add_argument("--pipeline-parallel-size", "-pp", action=_VllmFlag, dest=_vllm_dest("pipeline_parallel_size"), metavar="N",
-                   help="1 only.")
+    g.add_argument("--tensor-parallel-size", "-tp", action=_VllmFlag, dest=_vllm_dest("tensor_parallel_size"),
+                   metavar="N", help="1 only (tensor parallelism is not implemented yet).")
+    g.add_argument("--data-parallel-size", "-dp", action=_VllmFlag, dest=_vllm_dest("data_parallel_size"),
+                   metavar="N", help="1 only (run one server per replica until scale-out lands).")
+    g.add_argument("--pipeline-parallel-size", "-pp", action=_VllmFlag, dest=_vllm_dest("pipeline_parallel_size"),
+                   metavar="N", help="1 only.")
     g = p.add_argument_group("scheduling and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="Most sequences in the running batch.")

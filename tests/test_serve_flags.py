@@ -371,11 +371,11 @@ def test_access_log_filter_drops_the_named_paths_only():
 
 
 def test_request_log_lines_carry_id_and_params(capsys):
+    import structlog
+
     from engine.logs import setup_logging
     from engine.sampling_params import SamplingParams
     from gateway.request_log import log_request
-
-    import structlog
 
     setup_logging("debug")
     try:

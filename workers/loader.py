@@ -10,7 +10,6 @@ from engine.model_store import resolve_model
 from engine.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
 from engine.models.registry import build_model
 
-
 DUMMY_RANGE = 1e-3  # vLLM's dummy loader: floating-point weights uniform in [-1e-3, 1e-3]
 DUMMY_SEED = 1234  # ... each tensor from a fresh generator with this seed (so runs and ranks agree)
 

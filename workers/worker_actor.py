@@ -27,8 +27,8 @@ from engine.logs import setup_logging
 from engine.rl_config import parse_additional_config, worker_env_updates
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
-from workers.kv_cache import KVCache, plan_num_blocks
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
+from workers.kv_cache import KVCache, plan_num_blocks
 from workers.loader import load_model, reload_weights
 from workers.model_runner import ModelRunner
 from workers.sleep import SleepManager
