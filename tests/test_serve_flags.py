@@ -346,7 +346,7 @@ def test_extension_is_mixed_in_with_vllms_collision_rule():
 
     cls = extend_worker_class(WorkerActor, "tests.worker_extension.ChecksumExtension")
     assert issubclass(cls, WorkerActor) and cls.__name__ == "WorkerActor"
-    assert extension_methods(cls.__new__(cls)) == ["count", "fill_param", "param_checksum"]
+    assert extension_methods(cls.__new__(cls)) == ["count", "fill_param", "param_checksum", "tensor_dict"]
     assert extend_worker_class(WorkerActor, "") is WorkerActor
     with pytest.raises(WorkerExtensionError, match="already has an attribute start"):
         extend_worker_class(WorkerActor, "tests.worker_extension.CollidingExtension")

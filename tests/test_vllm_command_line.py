@@ -143,6 +143,9 @@ def test_extension_results_have_vllms_shape_and_unknown_methods_are_400(served):
         assert r.status_code == 400 and method in r.json()["error"]["message"], method
     r = post(server, "/collective_rpc", {"method": "param_checksum", "args": "not a list"})
     assert r.status_code == 400
+    r = post(server, "/collective_rpc", {"method": "tensor_dict"})
+    assert r.status_code == 500 and "tensor_dict returned a dict that is not JSON" in r.json()["error"]["message"]
+    assert post(server, "/collective_rpc", {"method": "count"}).json() == {"results": ["3"]}  # still serving
 
 
 def test_an_extension_loads_weights_the_vllm_way(served):

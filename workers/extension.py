@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 from typing import Any
 
@@ -118,4 +119,10 @@ def call_extension(worker: Any, method: str, args: list, kwargs: dict) -> Any:
     if method not in extension_methods(worker):
         raise WorkerExtensionError(f"method {method!r} is not a public method of --worker-extension-cls")
     result = getattr(worker, method)(*args, **kwargs)
-    return result if result is None or isinstance(result, (dict, list)) else str(result)
+    if result is None or isinstance(result, (dict, list)):
+        try:  # it must cross the bus and become JSON: say so here rather than fail in the socket layer
+            json.dumps(result)
+        except (TypeError, ValueError) as e:
+            raise WorkerExtensionError(f"{method} returned a {type(result).__name__} that is not JSON: {e}") from None
+        return result
+    return str(result)
