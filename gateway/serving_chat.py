@@ -64,6 +64,9 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[floa
 
 def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     """Chat template -> prompt text (jinja holds the GIL, so a thread would not help; 20k chars ~5 ms)."""
+    if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:  # every caller: vLLM's rule
+        raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                          "set. Refused request with untrusted chat template.", "chat_template")
     given = {**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}  # vLLM: the request's win
     kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     messages = body.template_messages()

@@ -385,3 +385,37 @@ def test_request_log_lines_carry_id_and_params(capsys):
     err = capsys.readouterr().err
     assert "gateway.request" in err and "req-7" in err and "max_tokens" in err
     assert "[0, 1, 2, 3, 4]" in err and "truncated=True" in err
+
+
+def test_fastapi_docs_can_be_switched_off():
+    from tests.test_gateway_protocol import make_app
+
+    on, _ = make_app()
+    off, _ = make_app(disable_fastapi_docs=True)
+    for path in ("/docs", "/openapi.json"):
+        assert on.get(path).status_code == 200 and off.get(path).status_code == 404, path
+
+
+def test_a_request_chat_template_needs_the_trust_flag_and_is_then_rendered(smollm2_dir):
+    from fastapi.testclient import TestClient
+
+    from engine.tokenizer import Tokenizer
+    from gateway.app import build_app
+    from gateway.serving import ModelInfo
+    from tests.test_gateway_protocol import FakeClient
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    info = ModelInfo(names=["tiny"], root=str(smollm2_dir), max_model_len=256, vocab_size=49152)
+
+    def chat(trust: bool, **extra):
+        app = build_app(EngineConfig(trust_request_chat_template=trust), FakeClient(), tok, info, manage_client=False)
+        body = {"model": "tiny", "max_tokens": 1, "return_token_ids": True,
+                "messages": [{"role": "user", "content": "hi"}], **extra}
+        return TestClient(app, raise_server_exceptions=False).post("/v1/chat/completions", json=body)
+
+    r = chat(False, chat_template="<{{ messages[0]['content'] }}>")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    r = chat(True, chat_template="<{{ messages[0]['content'] }}>")
+    assert r.status_code == 200 and tok.decode(r.json()["prompt_token_ids"]) == "<hi>", r.text
+    r = chat(True)  # no template in the request: the tokenizer's
+    assert tok.decode(r.json()["prompt_token_ids"], skip_special_tokens=False).startswith("<|im_start|>")
