@@ -115,8 +115,10 @@ class EngineConfig:
                 argv.append(flag if value else "--no-" + flag[2:])
             elif isinstance(value, list):
                 argv += [flag, *map(str, value)]
+            elif str(value).startswith("-"):
+                argv.append(f"{flag}={value}")  # a value that looks like a flag (say, an inline template)
             else:
-                argv.append(f"{flag}={value}")  # `=`: a value may start with "-" (an inline template)
+                argv += [flag, str(value)]
         return argv
 
 

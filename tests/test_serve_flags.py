@@ -217,6 +217,9 @@ def test_children_get_the_same_config():
     again = parse_config(normalize_argv(cfg.to_argv()))
     assert dataclasses_equal(again, cfg, ignore=("notes",))
     assert again.notes == ()  # no-op flags are noted once, by the process that was given them
+    assert cfg.to_argv()[cfg.to_argv().index("--load-format") + 1] == "dummy"  # test helpers read `--port N`
+    dash = parse_config(["--chat-template=-{{ 'x' }}"])
+    assert parse_config(dash.to_argv()).chat_template == "-{{ 'x' }}"
 
 
 def dataclasses_equal(a: EngineConfig, b: EngineConfig, ignore: tuple[str, ...]) -> bool:
