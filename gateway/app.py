@@ -120,7 +120,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
             if manage_client:
                 await client.close()
 
-    app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if cfg.disable_fastapi_docs else {}
+    app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan, **docs)
     install_error_handlers(app)
     if cfg.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)

@@ -101,14 +101,31 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
     async def collective_rpc(request: Request) -> JSONResponse:
         body = await _json_object(request)
         method = body.get("method")
-        if method not in RPC_METHODS:
-            raise bad_request(f"method must be one of {', '.join(RPC_METHODS)}, got {method!r}", "method")
-        kwargs = body.get("kwargs") or {}
-        if not isinstance(kwargs, dict) or set(kwargs) - {"weights_path"}:
+        if method is None:
+            raise bad_request("Missing 'method' in request body", "method")
+        extension = method not in RPC_METHODS and await _extension_method(method)
+        if method not in RPC_METHODS and not extension:
+            raise bad_request(f"method must be one of {', '.join(RPC_METHODS)} or a public method of "
+                              f"--worker-extension-cls, got {method!r}", "method")
+        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise bad_request("args must be a list and kwargs an object", "args" if not isinstance(args, list)
+                              else "kwargs")
+        if not extension and (args or set(kwargs) - {"weights_path"}):
             raise bad_request("kwargs may only hold weights_path", "kwargs")
         timeout = float(body.get("timeout") or cfg.control_timeout_s * 6)
-        results = await broadcast(client, "collective_rpc", {"method": method, "kwargs": kwargs}, timeout)
-        return JSONResponse({"results": [r for n, r in sorted(results.items()) if n.startswith("worker")]})
+        results = await broadcast(client, "collective_rpc", {"method": method, "args": args, "kwargs": kwargs},
+                                  timeout)
+        workers = [r for n, r in sorted(results.items()) if n.startswith("worker")]
+        return JSONResponse({"results": [r.get("extension_result") for r in workers] if extension else workers})
+
+    async def _extension_method(method: Any) -> bool:
+        """Whether every worker has `method` from --worker-extension-cls (the workers report theirs)."""
+        if not cfg.worker_extension_cls or not isinstance(method, str):
+            return False
+        reply = await client.control("members", {}, timeout_s=cfg.control_timeout_s)
+        infos = [m.get("info", {}) for m in reply.results.values() if m.get("role") == "worker"]
+        return bool(infos) and all(method in i.get("worker_extension_methods", []) for i in infos)
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> JSONResponse:

@@ -20,7 +20,8 @@ log = structlog.get_logger()
 _I64: dict[str, int] = {"ge": -(2**63), "le": 2**63 - 1}
 # vLLM's defaults for fields a request leaves out (a model's generation_config.json may override them).
 _FALLBACKS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                              "repetition_penalty": 1.0}
+                              "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                              "skip_special_tokens": True}
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -56,8 +57,8 @@ class _SamplingRequest(OpenAIModel):
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
@@ -68,7 +69,7 @@ class _SamplingRequest(OpenAIModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     request_id: str | None = None
     return_token_ids: bool | None = None
@@ -110,10 +111,10 @@ class _SamplingRequest(OpenAIModel):
             n=self.n, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
             min_p=pick("min_p"), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=pick("skip_special_tokens"), prompt_logprobs=prompt_logprobs,
             return_sampling_mass=bool(self.return_sampling_mass),
             routed_experts_prompt_start=self.routed_experts_prompt_start or 0)
 

@@ -20,15 +20,15 @@ import zmq
 from bus.endpoints import Endpoints
 from bus.sockets import report_ready
 from engine.config import EngineConfig
+from engine.generation_defaults import default_sampling_params
 from engine.logs import setup_logging
 from gateway.app import build_app
 from gateway.engine_client import EngineClient
+from gateway.request_log import install_access_filter
 from gateway.serving import ModelInfo
 
 log = structlog.get_logger()
 
-# generation_config.json keys vLLM takes as default sampling parameters (its --generation-config auto)
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -61,15 +61,13 @@ def load_model_info(cfg: EngineConfig, folder: Path) -> ModelInfo:
                          f"(set --max-model-len)")
     if derived and cfg.max_model_len and cfg.max_model_len > derived:
         log.warning("gateway.max_model_len_above_model", max_model_len=cfg.max_model_len, model_limit=derived)
-    defaults: dict[str, Any] = {}
-    gen: dict[str, Any] = {}
     gen_path = folder / "generation_config.json"
-    if gen_path.is_file():
-        gen = json.loads(gen_path.read_text(encoding="utf-8"))
-        defaults = {k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None}
-        if defaults:
-            log.info("gateway.generation_defaults", note="Default sampling parameters have been overridden "
-                     "by the model's generation config recommended from the model creator.", **defaults)
+    gen: dict[str, Any] = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+    defaults = default_sampling_params(cfg.generation_config, folder, cfg.override_generation_config)
+    if defaults and cfg.generation_config != "vllm":
+        source = "the model's generation_config.json" if cfg.generation_config == "auto" else cfg.generation_config
+        log.info("gateway.generation_defaults", note=f"Default sampling parameters have been overridden by "
+                 f"{source}; start with --generation-config vllm if this is not intended.", **defaults)
     names = list(cfg.served_model_name) or [cfg.model_name]
     eos: list[int] = []
     for source in (config, text_config, gen):  # what --tokens-only stops at, with no tokenizer to ask
@@ -110,9 +108,11 @@ def run_gateway_process(cfg: EngineConfig) -> None:
     if cfg.tokens_only:  # vLLM: skip tokenizer init entirely; nothing on the request path may need one
         log.info("gateway.tokens_only", note="Tokens-only mode is enabled: no tokenizer is loaded.")
     else:
-        from gateway.tokenizer import Tokenizer
+        from gateway.tokenizer import Tokenizer, resolve_chat_template
 
         tokenizer = Tokenizer.from_dir(folder)
+        if cfg.chat_template is not None:  # vLLM's --chat-template: a file path or the template itself
+            tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
     if cfg.enable_trace_replay and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":
         log.info("gateway.model_runner", note="VLLM_USE_V2_MODEL_RUNNER=0 is ignored: rollbus has one model "
                                               "runner, and it supports trace replay.")
@@ -121,8 +121,10 @@ def run_gateway_process(cfg: EngineConfig) -> None:
                           heartbeat_timeout_s=cfg.heartbeat_timeout_s)
     app = build_app(cfg, client, tokenizer, info)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http=_http_impl(),
-                            log_level=cfg.log_level, timeout_keep_alive=5)
+                            log_level=cfg.uvicorn_log_level, access_log=not cfg.disable_uvicorn_access_log,
+                            timeout_keep_alive=5)
     server = uvicorn.Server(config)
+    install_access_filter(cfg.disable_access_log_for_endpoints)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

@@ -35,6 +35,7 @@ from gateway.errors import (
     model_not_found,
 )
 from gateway.metrics import Metrics
+from gateway.request_log import log_request
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -94,6 +95,15 @@ class ServingContext:
         if lo < 0 or hi >= self.model.vocab_size:
             raise bad_request(f"Token id {lo if lo < 0 else hi} is out of vocabulary", param)
 
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """vLLM: a request's return_tokens_as_token_ids, else the server's --return-tokens-as-token-ids."""
+        return self.cfg.return_tokens_as_token_ids if requested is None else requested
+
+    @property
+    def default_chat_template_kwargs(self) -> dict[str, Any]:
+        """--default-chat-template-kwargs (a request's chat_template_kwargs win key by key)."""
+        return json.loads(self.cfg.default_chat_template_kwargs) if self.cfg.default_chat_template_kwargs else {}
+
     def max_tokens_for(self, prompt_len: int, requested: int | None, param: str, prompt_param: str) -> int:
         """vLLM's context-length rule; returns the default max_tokens (the rest of the context)."""
         limit = self.model.max_model_len
@@ -106,7 +116,8 @@ class ServingContext:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in "
                               f"the completion). Please reduce the length of the messages or completion.", param)
-        return max(limit - prompt_len, 1)
+        rest = max(limit - prompt_len, 1)  # vLLM: generation config's max_new_tokens caps a request's default
+        return min(rest, int(self.model.sampling_defaults.get("max_tokens", rest)))
 
     def validate_params(self, params: SamplingParams, prompt_len: int) -> None:
         params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
@@ -296,6 +307,8 @@ def engine_failure(ctx: ServingContext, message: str | None) -> APIError:
 
 
 async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Queue) -> None:
+    if ctx.cfg.enable_log_requests:
+        log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.max_log_len)
     try:
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids)
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request

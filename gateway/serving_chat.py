@@ -64,11 +64,16 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[floa
 
 def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     """Chat template -> prompt text (jinja holds the GIL, so a thread would not help; 20k chars ~5 ms)."""
-    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:  # every caller: vLLM's rule
+        raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                          "set. Refused request with untrusted chat template.", "chat_template")
+    given = {**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}  # vLLM: the request's win
+    kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     messages = body.template_messages()
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                 tools=body.template_tools(), **kwargs)
+                                                 tools=body.template_tools(), chat_template=body.chat_template,
+                                                 **kwargs)
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault (vLLM: 400)
         raise bad_request(f"Error rendering the chat template: {e}", "messages") from None
     if body.continue_final_message:
@@ -93,7 +98,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         body.check()
     except ParamError as e:
         raise _remap(e, body) from None
-    if body.chat_template is not None:
+    if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:
         raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
     if ctx.tokenizer is None:
@@ -134,7 +139,7 @@ def _logprobs_of(ctx: ServingContext, body: ChatCompletionRequest, state: Choice
     if state.params.logprobs is None:
         return None
     return chat_logprobs(ctx, token_ids, logprobs, top, body.top_logprobs or 0,
-                         bool(body.return_tokens_as_token_ids))
+                         ctx.tokens_as_ids(body.return_tokens_as_token_ids))
 
 
 def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any],

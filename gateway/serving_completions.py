@@ -107,7 +107,8 @@ def choice_logprobs(ctx: ServingContext, body: CompletionRequest, state: ChoiceS
     ids = [] if body.echo_only else list(token_ids)
     if with_prompt:
         steps, ids = prompt_steps(state) + steps, state.prompt_ids + ids
-    return logprobs_of_steps(ctx, ids, steps, text_offset, bool(body.return_tokens_as_token_ids), body.logprobs)
+    return logprobs_of_steps(ctx, ids, steps, text_offset, ctx.tokens_as_ids(body.return_tokens_as_token_ids),
+                             body.logprobs)
 
 
 async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str) -> tuple[list[list[int]],
@@ -117,7 +118,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     prompts = body.prompts()
     texts = [p for p in prompts if isinstance(p, str)]
     if ctx.tokenizer is None:
-        check_tokens_only(body, bool(texts))
+        check_tokens_only(body, bool(texts), ctx.tokens_as_ids(body.return_tokens_as_token_ids))
     tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens) if texts else [])
     encoded: list[list[int]] = []
     for p in prompts:
@@ -142,7 +143,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     return encoded, states
 
 
-def check_tokens_only(body: CompletionRequest, has_text: bool) -> None:
+def check_tokens_only(body: CompletionRequest, has_text: bool, tokens_as_ids: bool) -> None:
     """--tokens-only loads no tokenizer: text in or text out cannot be served (vLLM refuses them too)."""
     why = "this server runs with --tokens-only and loads no tokenizer"
     if has_text:
@@ -151,7 +152,7 @@ def check_tokens_only(body: CompletionRequest, has_text: bool) -> None:
         raise bad_request(f"stop strings are not supported: {why}; use stop_token_ids", "stop")
     if body.echo and not body.return_token_ids:
         raise bad_request(f"echo needs the prompt text: {why}; set return_token_ids", "echo")
-    if body.logprobs is not None and not body.return_tokens_as_token_ids:
+    if body.logprobs is not None and not tokens_as_ids:
         raise bad_request(f"logprob tokens need a tokenizer: {why}; set return_tokens_as_token_ids",
                           "return_tokens_as_token_ids")
 

@@ -53,6 +53,26 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def resolve_chat_template(value: str) -> str:
+    """vLLM's --chat-template rule: a path that opens is read; otherwise a value containing '{', '}' or a
+    newline is the template itself; anything else looked like a path that does not exist (an error: vLLM
+    would also try its built-in template folder, which rollbus does not ship). The result is compiled
+    once here, so a broken template fails at start-up, naming the flag."""
+    try:
+        with open(Path(value).expanduser(), encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be opened "
+                             f"({e.strerror}); pass an existing file or the template itself") from None
+        text = value
+    try:
+        compile_chat_template(text)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from None
+    return text
+
+
 @lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile once per template text; same environment options and helpers as transformers."""

@@ -10,13 +10,47 @@ from engine.model_store import resolve_model
 from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
 from workers.models.registry import build_model
 
+DUMMY_RANGE = 1e-3  # vLLM's dummy loader: floating-point weights uniform in [-1e-3, 1e-3]
+DUMMY_SEED = 1234  # ... each tensor from a fresh generator with this seed (so runs and ranks agree)
+
+
+def initialize_dummy_weights(model: torch.nn.Module) -> int:
+    """`--load-format dummy`, as vLLM: every parameter and persistent buffer of a floating dtype filled
+    uniformly in [-1e-3, 1e-3] from a generator seeded 1234 per tensor (identical on every worker and run);
+    8-bit integers random bytes; other integer tensors and non-persistent buffers (RoPE tables) untouched.
+    Returns how many tensors were filled."""
+    filled = 0
+    for module in model.modules():
+        tensors = [*module.named_parameters(recurse=False),
+                   *((n, b) for n, b in module.named_buffers(recurse=False)
+                     if n not in module._non_persistent_buffers_set)]
+        for _, t in tensors:
+            gen = torch.Generator(device=t.device)
+            gen.manual_seed(DUMMY_SEED)
+            with torch.no_grad():
+                if t.dtype == torch.int8:
+                    t.random_(-128, 128, generator=gen)
+                elif t.dtype == torch.uint8:
+                    t.random_(0, 256, generator=gen)
+                elif not torch.is_floating_point(t):
+                    continue
+                elif torch.finfo(t.dtype).bits < 16:  # uniform_ has no 8-bit float kernels
+                    t.copy_(torch.empty_like(t, dtype=torch.float16).uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen))
+                else:
+                    t.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+            filled += 1
+    return filled
+
 
 def load_model(cfg: EngineConfig, device: torch.device):
-    folder = resolve_model(cfg.model, progress=True)
+    folder = resolve_model(cfg.model, progress=cfg.use_tqdm_on_load)
     hf_config = load_hf_config(folder)
     dtype = resolve_dtype(cfg.dtype, hf_config)
     model = build_model(hf_config, dtype, device)
-    model.load_weights(iter_safetensors(folder, progress=True))
+    if cfg.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
+        initialize_dummy_weights(model)
+    else:
+        model.load_weights(iter_safetensors(folder, progress=cfg.use_tqdm_on_load))
     model.eval()
     max_len = int(hf_config.get("max_position_embeddings", 2048))
     if cfg.max_model_len:

@@ -27,6 +27,7 @@ from engine.logs import setup_logging
 from engine.rl_config import parse_additional_config, worker_env_updates
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
+from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
 from workers.kv_cache import KVCache, plan_num_blocks
 from workers.loader import load_model, reload_weights
 from workers.model_runner import ModelRunner
@@ -70,7 +71,8 @@ class WorkerActor:
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,
                                       device=device, nz_mode=extra.weight_nz_mode)
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "device": str(device),
-                     "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes}
+                     "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
+                     "worker_extension_methods": extension_methods(self)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
         self.plans.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
@@ -208,6 +210,8 @@ class WorkerActor:
 
     def _rpc(self, method: str, args: list, kwargs: dict) -> dict[str, Any]:
         """The allow-listed worker methods reachable through POST /collective_rpc."""
+        if method in self.info["worker_extension_methods"]:  # --worker-extension-cls (workers.extension)
+            return {"extension_result": call_extension(self, method, args, kwargs)}
         if method != "reload_weights":
             raise ValueError(f"method {method!r} is not callable through collective_rpc")
         if "weights" in self.sleep.asleep:
@@ -228,12 +232,14 @@ def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
     torch.set_grad_enabled(False)
     ctx = zmq.Context()
     ep = Endpoints.from_config(cfg)
-    actor = WorkerActor(cfg, rank, ctx, ep)
+    actor = extend_worker_class(WorkerActor, cfg.worker_extension_cls)(cfg, rank, ctx, ep)
+    call_hook(actor, "init_worker_extension")
     try:
         actor.start()
         report_ready(ctx, ep.ready, "worker", actor.name, actor.info)
         actor.run()
     finally:
+        call_hook(actor, "destroy_worker_extension")
         actor.abort_watch.stop()
         actor.link.close()
         ctx.destroy(linger=500)

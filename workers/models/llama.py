@@ -1,5 +1,5 @@
 """One decoder for the Llama family: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (and, through
-engine/models/moe.py, the mixture-of-experts families that share its attention).
+workers/models/moe.py, the mixture-of-experts families that share its attention).
 
 The three differ only in flags read from the HF config (qkv/o bias, per-head q/k RMSNorm, head_dim),
 so one implementation keeps the fast path in one place. The step is a flattened [T] token batch

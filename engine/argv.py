@@ -1,0 +1,178 @@
+"""vLLM's command-line spelling rules, applied to an argv before argparse sees it (pure; no I/O but the
+`--config` file).
+
+As vLLM's FlexibleArgumentParser: `--config FILE.yaml` inserts the file's flags right after the role and
+model (so the command line, parsed later, wins); underscores in a flag name become dashes
+(`--max_num_seqs 8`, `--max-num_batched-tokens=8k`); `--json-flag.key.sub value` parts (and `key+` list
+items) are merged into one JSON object for `--json-flag`; `--model X` is the model. Unlike vLLM, a dotted
+part must start with `--`, so a negative number such as `-0.5` stays a value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+_NAME = re.compile(r"(?<=--)[^.]*")  # the flag name: after the leading --, up to the first "."
+
+
+def _dashes(arg: str) -> str:
+    if "=" in arg:
+        key, value = arg.split("=", 1)
+        return _NAME.sub(lambda m: m.group(0).replace("_", "-"), key, count=1) + "=" + value
+    return _NAME.sub(lambda m: m.group(0).replace("_", "-"), arg, count=1)
+
+
+def load_config_file(path: str, parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """A YAML mapping of flag -> value as argv: true -> --flag, false -> --no-flag (when the parser has it;
+    else nothing), a list -> --flag item..., a mapping -> --flag JSON, anything else -> --flag str(value)."""
+    import yaml
+
+    if Path(path).suffix not in (".yaml", ".yml"):
+        raise ValueError(f"--config must be a .yaml or .yml file, got {path!r}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path} is not valid YAML: {e}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of flag: value, got {type(data).__name__}")
+    known = parser._option_string_actions if parser is not None else {}
+    out: list[str] = []
+    for key, value in data.items():
+        flag = _dashes("--" + str(key))
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+            elif "--no-" + flag[2:] in known:
+                out.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            if value:
+                out += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _pull_config(argv: list[str], parser: argparse.ArgumentParser | None, has_role: bool) -> list[str]:
+    configs = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not configs:
+        return argv
+    if len(configs) > 1:
+        raise ValueError("--config is given more than once")
+    i = configs[0]
+    if argv[i] == "--config":
+        if i == len(argv) - 1:
+            raise ValueError("--config needs a file")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+    from_file = load_config_file(path, parser)
+    head = 1 if has_role and rest else 0
+    if len(rest) > head and not rest[head].startswith("-"):
+        head += 1  # the positional model stays first
+    return rest[:head] + from_file + rest[head:]
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        from engine.config import human_int
+
+        try:
+            return human_int(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            return text
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        elif isinstance(v, list) and isinstance(into.get(k), list):
+            into[k] += v
+        else:
+            into[k] = v
+
+
+def normalize_argv(argv: list[str], parser: argparse.ArgumentParser | None = None,
+                   has_role: bool = False) -> list[str]:
+    """vLLM's rules (module docstring). has_role: argv[0] is a subcommand (`serve`, `worker`, ...)."""
+    argv = _pull_config(_move_model_option(list(argv), has_role), parser, has_role)
+    out: list[str] = []
+    dotted: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-O") and not arg.startswith("--"):  # vLLM: -O3, -O=3 and -O 3 are --optimization-level
+            level = arg[3:] if arg[2:3] == "=" else arg[2:]
+            if level:
+                out += ["--optimization-level", level]
+                i += 1
+                continue
+            if i + 1 < len(argv) and argv[i + 1] in ("0", "1", "2", "3"):
+                out.append("--optimization-level")
+                i += 1
+                continue
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            i += 1
+            continue
+        if arg.startswith("--help="):  # vLLM's --help=<group or keyword>: here the whole help
+            out.append("--help")
+            i += 1
+            continue
+        arg = _dashes(arg)
+        name = arg.split("=", 1)[0]
+        if "." not in name:
+            out.append(arg)
+            i += 1
+            continue
+        if "=" in arg:
+            value_text = arg.split("=", 1)[1]
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{name} needs a value")
+            value_text = argv[i + 1]
+            i += 2
+        value: Any
+        if name.endswith("+"):
+            name, value = name[:-1], value_text.split(",")
+        else:
+            value = _parse_value(value_text)
+        flag, *keys = name.split(".")
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        _merge(dotted.setdefault(flag, {}), nested)
+    for flag, obj in dotted.items():
+        out += [flag, json.dumps(obj)]
+    return out
+
+
+def _move_model_option(argv: list[str], has_role: bool) -> list[str]:
+    """vLLM: `--model X` on the command line is the positional model (moved to the front). A model in a
+    --config file stays an option, and a positional model wins over it."""
+    for i, a in enumerate(argv):
+        if a == "--model" and i + 1 < len(argv):
+            tag, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        elif a.startswith("--model="):
+            tag, rest = a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+        else:
+            continue
+        head = 1 if has_role and rest else 0
+        if len(rest) > head and not rest[head].startswith("-"):
+            raise ValueError(f"the model is given twice: {rest[head]!r} and --model {tag!r}")
+        return rest[:head] + [tag] + rest[head:]
+    return argv
