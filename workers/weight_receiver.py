@@ -283,7 +283,7 @@ class WeightReceiver:
             handles = self._pickled_handles(info, meta)
         else:
             handles = info.get("ipc_handles")
-        if isinstance(handles, dict):  # packed: one buffer holding every tensor back to back
+        if isinstance(handles, dict | torch.Tensor):  # packed: one buffer holding every tensor back to back
             sizes = info.get("tensor_sizes")
             if sizes is not None and sizes != [p.nbytes for p in meta.params]:
                 raise WeightSyncError("update_info.tensor_sizes does not match names/dtype_names/shapes",
