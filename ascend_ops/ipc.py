@@ -575,23 +575,43 @@ def insecure_serialization_allowed(environ: Any = None) -> bool:
                          "set it to 1 to accept pickled handles)") from None
 
 
-@dataclass(frozen=True)
 class _Global:
-    """Inert stand-in for an allowed class global (calling it is refused)."""
+    """Inert stand-in for an allowed class global (calling it is refused). The stand-ins are shared across
+    requests, so none has any state a pickle could change: slots only, no __setattr__, and a BUILD opcode
+    (__setstate__) is refused (a frozen slotted dataclass would accept one)."""
 
-    name: str
+    __slots__ = ("name",)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(f"{_PICKLED}: the pickle calls {self.name}, which is only allowed as a value")
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("read-only")
+
+    def __setstate__(self, state: Any) -> None:
+        raise ValueError(f"{_PICKLED}: the pickle tries to set the state of {self.name}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.name == self.name  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.name))
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
 
     def __reduce__(self) -> Any:  # never pickled back out
         raise TypeError("not picklable")
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(f"{_PICKLED}: the pickle calls {self.name}, which is only allowed as a value")
 
-@dataclass(frozen=True)
+
 class _RebuildFn(_Global):
     """Stand-in for one of torch's rebuild functions: a pickle that calls it gets the (function, args) pair
     back, which is then checked like any other handle; the real function is only run after the checks."""
+
+    __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -599,24 +619,53 @@ class _RebuildFn(_Global):
         return (self, args)
 
 
-@dataclass(frozen=True)
 class _InlineStorage:
     """``torch.storage._load_from_bytes(blob)`` as the pickle asked for it; parsed by _parse_legacy_storage."""
 
-    blob: bytes
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes) -> None:
+        object.__setattr__(self, "blob", blob)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("read-only")
+
+    def __setstate__(self, state: Any) -> None:
+        raise ValueError(f"{_PICKLED}: the pickle tries to set the state of an inline storage")
 
 
-def _load_from_bytes(blob: Any) -> _InlineStorage:
-    if not isinstance(blob, bytes):
-        raise ValueError(f"{_PICKLED}: torch.storage._load_from_bytes expects bytes, got {type(blob).__name__}")
-    return _InlineStorage(blob)
+class _Builder:
+    """A callable stand-in with no attributes a pickle could set (functions have a __dict__)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Any) -> None:
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("read-only")
+
+    def __setstate__(self, state: Any) -> None:
+        raise ValueError(f"{_PICKLED}: the pickle tries to set the state of a stand-in")
 
 
-def _size(*args: Any) -> tuple[int, ...]:
+def _load_from_bytes_fn(*args: Any) -> _InlineStorage:
+    if len(args) != 1 or not isinstance(args[0], bytes):
+        raise ValueError(f"{_PICKLED}: torch.storage._load_from_bytes expects one bytes argument")
+    return _InlineStorage(args[0])
+
+
+def _size_fn(*args: Any) -> tuple[int, ...]:
     if len(args) != 1 or not isinstance(args[0], tuple | list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in args[0]):
         raise ValueError(f"{_PICKLED}: torch.Size expects one sequence of non-negative ints")
     return tuple(args[0])
+
+
+_load_from_bytes, _size = _Builder(_load_from_bytes_fn), _Builder(_size_fn)
 
 
 TENSOR_DTYPES = {n: getattr(torch, n) for n in (

@@ -425,6 +425,13 @@ def test_the_pickle_cannot_call_what_the_allow_list_admits_as_values():
 
     with pytest.raises(ValueError, match="calls torch.Tensor, which is only allowed as a value"):
         ipc.load_pickled_handles(base64.b64encode(pickle.dumps([CallsTensor()])).decode())
+    # BUILD on a shared stand-in (plain state, and slot state): it would be renamed for every later request
+    for module, name in (("torch", "Tensor"), ("torch", "float32"), ("torch", "Size")):
+        glob = f"c{module}\n{name}\n".encode()
+        for state in (b"}X\x04\x00\x00\x00nameX\x01\x00\x00\x00xs", b"N}X\x04\x00\x00\x00nameX\x01\x00\x00\x00xs\x86"):
+            with pytest.raises(ValueError):
+                ipc.load_pickled_handles(base64.b64encode(b"\x80\x02" + glob + state + b"b.").decode())
+    assert ipc.PICKLED_HANDLE_GLOBALS[("torch", "Tensor")].name == "torch.Tensor"
     with pytest.raises(ValueError, match="not valid base64"):
         ipc.load_pickled_handles("%%%")
     with pytest.raises(ValueError, match="is not an integer"):

@@ -94,7 +94,7 @@ class SleepManager:
         """Checkpoint tensors `names` now hold real values (a committed update, reload_weights): cross off the
         parameters they cover entirely. A parameter fed by several tensors (fused q/k/v, experts) counts once
         all its parts arrived, across updates. Returns how many are still missing."""
-        if not self._discarded or self.asleep:
+        if not self._discarded or "weights" in self.asleep:
             return self.missing
         params = self._params()
         owner = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
