@@ -964,5 +964,6 @@ def _parse_legacy_storage(blob: bytes, where: str) -> tuple[torch.dtype, torch.T
     (count,) = struct.unpack_from("<q", blob, pos)
     if count != numel:
         raise ValueError(f"{what}: element count {count} disagrees with the storage record's {numel}")
-    data = torch.frombuffer(bytearray(blob[pos + 8:]), dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
+    raw = bytearray(blob[pos + 8:])
+    data = torch.frombuffer(raw, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
     return dtype, data

@@ -130,7 +130,8 @@ VLLM_TRAINER = textwrap.dedent('''
             for _, _, f in chunk:
                 buf[off:off + f.numel()].copy_(f)
                 off += f.numel()
-            engine._do_send(names=[n for n, _, _ in chunk], dtype_names=[str(t.dtype).split(".")[-1] for _, t, _ in chunk],
+            engine._do_send(names=[n for n, _, _ in chunk],
+                            dtype_names=[str(t.dtype).split(".")[-1] for _, t, _ in chunk],
                             shapes=[list(t.shape) for _, t, _ in chunk], ipc_handles={key: args},
                             tensor_sizes=[f.numel() for _, _, f in chunk])
     else:
@@ -199,7 +200,8 @@ def test_pickles_with_anything_else_are_400s_naming_it_and_serving_goes_on(serve
         ([{host: (torch.multiprocessing.reductions.rebuild_storage_filename, ())}],
          "'torch.multiprocessing.reductions.rebuild_storage_filename'"),
         ([{host: _cpu_args(torch.ones(32))}], "shape [32] is not the declared [64]"),
-        ([{host: _cpu_args(torch.ones(64, dtype=torch.float16))}], "the handle holds float16, dtype_names says float32"),
+        ([{host: _cpu_args(torch.ones(64, dtype=torch.float16))}],
+         "the handle holds float16, dtype_names says float32"),
         ([{host: _cpu_args(torch.ones(8, 8).t())}], "not the declared [64]"),
         ([{"GPU-elsewhere": tuple(range(15))}], "available device keys: ['GPU-elsewhere']"),
         ([{host: tuple(range(15))}], "cannot be opened on a cpu device"),
@@ -411,8 +413,8 @@ def test_cuda_handles_pickled_as_vllm_does_are_checked_then_rebuilt_as_flat_byte
     for counter, offset, words in [(ref_counter, ipc.CUDA_IPC_REF_COUNTER_FILE_SIZE, "outside the ref-counter"),
                                    (b"/torch_nobody_here", 0, "no ref-counter segment"),
                                    (b"/../../etc/passwd", 0, "not a shared-memory name")]:
-        h = ipc.resolve_pickled_handle(unpickled({"GPU-abc": cuda_args([2], torch.float32, counter, counter_offset=offset)}),
-                                       ipc.Expect(torch.float32, (2,)), dev, "t")
+        args = cuda_args([2], torch.float32, counter, counter_offset=offset)
+        h = ipc.resolve_pickled_handle(unpickled({"GPU-abc": args}), ipc.Expect(torch.float32, (2,)), dev, "t")
         with pytest.raises(ValueError, match=words):
             HandleImporter().open(h, dev)
     assert len(calls) == 2

@@ -127,8 +127,9 @@ class WorkerActor:
         if self.sleep.asleep and plan.seq_ids:
             self._await_wake()
         if plan.seq_ids and self.sleep.missing:  # never compute with weights a level-2 sleep discarded
-            send(self.results, StepResult(plan.step_id, self.rank, [], None, None, None, None, self.runner.weight_version,
-                                          control_state.weights_discarded_message(self.sleep.weights_status())))
+            why = control_state.weights_discarded_message(self.sleep.weights_status())
+            send(self.results, StepResult(plan.step_id, self.rank, [], None, None, None, None,
+                                          self.runner.weight_version, why))
             return
         try:
             result = self.runner.execute(plan, self._check_interrupt)
