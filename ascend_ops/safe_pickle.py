@@ -7,7 +7,9 @@ puts into the TCPStore during a collective rendezvous. Plain ``pickle.loads`` ru
 pickle names; :func:`restricted_loads` resolves a global only when it is on the caller's allow-list and
 refuses anything else with :class:`UnsafePickleError` naming the global, before anything is called.
 
-An allow-list is a set of ``(module, qualname)`` pairs. :data:`PLAIN_DATA` admits only what the standard
+An allow-list is a set of ``(module, qualname)`` pairs, or a mapping from such pairs to the object to hand
+the pickle instead of importing the real one (an inert stand-in, so that a caller can check what a pickle
+asks for before anything runs). :data:`PLAIN_DATA` admits only what the standard
 containers need (nothing: ints, floats, str, bytes, lists, tuples, dicts, sets and None need no global
 in protocol 2+ pickles, except the few below).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import _compat_pickle
 import io
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 # Globals that plain-data pickles may name (protocol 0/1 pickles and some containers).
@@ -42,10 +44,12 @@ class UnsafePickleError(pickle.UnpicklingError):
 
 
 class _Restricted(pickle.Unpickler):
-    def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]], what: str):
+    def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]] | Mapping[tuple[str, str], Any], what: str,
+                 persistent_load: Callable[[Any], Any] | None = None):
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
         self._what = what
+        self._persistent = persistent_load
 
     def find_class(self, module: str, name: str) -> Any:
         # Python 2 names (protocol < 3 pickles), mapped as pickle's own fix_imports does; no Python 3
@@ -55,9 +59,13 @@ class _Restricted(pickle.Unpickler):
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) not in self._allowed:
             raise UnsafePickleError(f"{module}.{name}", self._what)
+        if isinstance(self._allowed, Mapping):
+            return self._allowed[(module, name)]  # the caller's stand-in; the module is never imported
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is not None:
+            return self._persistent(pid)
         raise pickle.UnpicklingError(f"{self._what}: persistent ids are not allowed")
 
 
@@ -72,10 +80,13 @@ def allow(*extra: Iterable[tuple[str, str]] | tuple[str, str]) -> frozenset[tupl
     return frozenset(out)
 
 
-def restricted_loads(data: bytes | bytearray | memoryview, allowed: frozenset[tuple[str, str]] = PLAIN_DATA,
-                     what: str = "pickle") -> Any:
-    """Unpickle `data`, resolving only the allowed globals. Raises UnsafePickleError (naming the global)
-    or pickle.UnpicklingError / EOFError / ValueError on malformed input; `what` prefixes the message."""
+def restricted_loads(data: bytes | bytearray | memoryview,
+                     allowed: frozenset[tuple[str, str]] | Mapping[tuple[str, str], Any] = PLAIN_DATA,
+                     what: str = "pickle", persistent_load: Callable[[Any], Any] | None = None) -> Any:
+    """Unpickle `data`, resolving only the allowed globals (with a mapping: to the stand-ins it gives).
+    Raises UnsafePickleError (naming the global) or pickle.UnpicklingError / EOFError / ValueError on
+    malformed input; `what` prefixes the message. Persistent ids are refused unless `persistent_load`
+    (which sees the id, already built from allowed parts only) is given."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise pickle.UnpicklingError(f"{what}: expected bytes, got {type(data).__name__}")
-    return _Restricted(bytes(data), allowed, what).load()
+    return _Restricted(bytes(data), allowed, what, persistent_load).load()

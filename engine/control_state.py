@@ -25,6 +25,10 @@ def initial_state() -> dict[str, Any]:
         "version_labels": {"0": "default"},
         # Between start_weight_update and its commit or abort: the scheduler holds steps meanwhile.
         "weight_update_active": False,
+        # A level-2 sleep discards the weights: requests are refused (503) until every parameter is loaded
+        # again. -1: all of them (until the workers report a count); the workers' acks update it (coordinator).
+        "weights_missing": 0,
+        "weights_total": 0,
     }
 
 
@@ -58,6 +62,26 @@ def _sleep(state: dict[str, Any], args: dict[str, Any]) -> None:
     level = int(args["level"])
     state["sleep_level"] = level
     state["sleeping_tags"] = ["scheduling"] if level == 0 else ["weights", "kv_cache"]
+    if level == 2:
+        state["weights_missing"] = -1
+
+
+def _weights_missing(state: dict[str, Any], args: dict[str, Any]) -> None:
+    state["weights_missing"], state["weights_total"] = int(args["count"]), int(args.get("total", 0))
+
+
+WEIGHTS_DISCARDED_MESSAGE = "weights were discarded by sleep level 2; load weights first"
+
+
+def weights_discarded_message(state: dict[str, Any]) -> str | None:
+    """The 503 for requests while discarded weights are not all loaded again (None when they are)."""
+    n = int(state.get("weights_missing", 0) or 0)
+    if n == 0:
+        return None
+    how = "a weight update (/update_weights) or POST /collective_rpc {\"method\": \"reload_weights\"} fills them"
+    if n < 0:
+        return f"{WEIGHTS_DISCARDED_MESSAGE} ({how})"
+    return f"{WEIGHTS_DISCARDED_MESSAGE} ({n} of {state.get('weights_total', '?')} parameters still missing; {how})"
 
 
 def _wake_up(state: dict[str, Any], args: dict[str, Any]) -> None:
@@ -92,7 +116,8 @@ def _resume(state: dict[str, Any], args: dict[str, Any]) -> None:
 
 REDUCERS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wake_up": _wake_up,
             "update_weight_version": _update_weight_version, "start_weight_update": _start_weight_update,
-            "commit_weight_update": _commit_weight_update, "abort_weight_update": _abort_weight_update}
+            "commit_weight_update": _commit_weight_update, "abort_weight_update": _abort_weight_update,
+            "weights_missing": _weights_missing}
 
 # Weight-transfer commands (gateway/weight_routes.py); the scheduler holds steps from start to commit/abort.
 WEIGHT_UPDATE_COMMANDS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",

@@ -190,6 +190,8 @@ class Coordinator:
 
     def _reply(self, done: list[Pending]) -> None:
         for p in done:
+            if p.ok:
+                self._note_weights_missing(p)
             if not p.ok:
                 log.warning("coordinator.command_failed", seq=p.seq, command=p.command, error=p.error_text())
             elif p.command == "commit_weight_update":  # whoever drove it: tell every subscriber
@@ -203,6 +205,20 @@ class Coordinator:
             if p.requester is not None:
                 send(self.router, ControlReply(p.request_id, p.ok, p.error_text(), p.seq, p.results, p.missing),
                      to=p.requester)
+
+    def _note_weights_missing(self, p: Pending) -> None:
+        """Workers report how many parameters a level-2 sleep left without content (sleep, wake, commit,
+        reload acks); a change is broadcast as `weights_missing`, before the requester hears back, so the
+        gateways refuse requests (503) until every worker has its weights again."""
+        counts = [(r["weights_missing"], r.get("weights_total", 0)) for r in p.results.values()
+                  if isinstance(r, dict) and isinstance(r.get("weights_missing"), int)]
+        if not counts:
+            return
+        count, total = max(counts)
+        snap = self.ledger.snapshot
+        if (count, total) != (snap.get("weights_missing", 0), snap.get("weights_total", 0)) and \
+                not (count == 0 and snap.get("weights_missing", 0) == 0):
+            self._publish("weights_missing", {"count": count, "total": total}, self.cfg.control_timeout_s)
 
     def _lose(self, name: str, why: str) -> None:
         member = self.ledger.members.get(name)

@@ -28,7 +28,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16,
     "float64": torch.float64, "double": torch.float64,
-    "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
+    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "bool": torch.bool,
 }
 
 

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from bus.messages import PromptLogprobs, RequestOutput
 from engine import routed_experts
 from engine.config import EngineConfig
-from engine.control_state import PAUSED_MESSAGE, version_label
+from engine.control_state import PAUSED_MESSAGE, WEIGHTS_DISCARDED_MESSAGE, version_label, weights_discarded_message
 from engine.sampling_params import SamplingParams
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
@@ -86,6 +86,10 @@ class ServingContext:
             raise engine_unavailable(self.client.dead_reason)
         if self.client.rejecting_new_requests:
             raise engine_unavailable(PAUSED_MESSAGE)  # 503: retry after /resume
+        state = self.client.control_state
+        discarded = None if state.get("sleeping_tags") else weights_discarded_message(state)  # asleep: queue
+        if discarded:
+            raise engine_unavailable(discarded)  # 503 until the weights are loaded again
         return self.model.names[0]
 
     def check_prompt(self, ids: list[int], param: str) -> None:
@@ -303,6 +307,8 @@ def engine_failure(ctx: ServingContext, message: str | None) -> APIError:
         return engine_unavailable(ctx.client.dead_reason or message)
     if message == PAUSED_MESSAGE:  # paused between our check and the scheduler's
         return engine_unavailable(message)
+    if message and WEIGHTS_DISCARDED_MESSAGE in message:  # queued during a level-2 sleep, woken without weights
+        return engine_unavailable(message[message.index(WEIGHTS_DISCARDED_MESSAGE):])
     return APIError(message or "the engine failed this request", status=500, type=INTERNAL)
 
 

@@ -406,7 +406,7 @@ def test_import_copy_speed_vs_memcpy():
     assert first_ratio <= 3.0
 
 
-def test_device_handle_plain_data_roundtrip(monkeypatch):
+def test_device_handle_plain_data_roundtrip(monkeypatch, request):
     """The CUDA/NPU handle path without a device: torch's 15-field IPC tuple becomes JSON and back, the consumer
     puts its own device index in, and one import per exported allocation is kept (a re-sent handle is not
     rebuilt; a fresh export of the same allocation is rebuilt once, which lets torch release its counter)."""
@@ -416,8 +416,12 @@ def test_device_handle_plain_data_roundtrip(monkeypatch):
         return (torch.arange(8192) % 251).to(torch.uint8)[args[3]: args[3] + args[1][0]]
 
     calls: list[tuple] = []
+    counter = f"/torch_{os.getpid()}_test_refcounter"  # the producer's ref-counter segment the rebuild maps
+    with open(f"/dev/shm{counter}", "wb") as f:
+        f.truncate(8 * ipc.CUDA_IPC_REF_COUNTER_FILE_SIZE)
+    request.addfinalizer(lambda: os.unlink(f"/dev/shm{counter}"))
     args = (torch.Tensor, torch.Size([4096]), (1,), 512, torch.storage.TypedStorage, torch.uint8, 0,
-            bytes(range(64)), 8192, 256, False, b"/torch_123_456", 3, b"\x00" * 64, False)
+            bytes(range(64)), 8192, 256, False, counter.encode(), 3, b"\x00" * 64, False)
     handle = json.loads(json.dumps(ipc._handle_from_reduction("cuda", rebuild_cuda_tensor, args, "GPU-abc")))
     assert handle["kind"] == "cuda" and handle["nbytes"] == 4096 and handle["device_key"] == "GPU-abc"
     monkeypatch.setattr(ipc, "_rebuild", lambda kind: rebuild_cuda_tensor)
@@ -445,6 +449,9 @@ def test_device_handle_plain_data_roundtrip(monkeypatch):
         ({**handle, "handle": "%%%"}, "not valid base64"),
         ({**handle, "event_sync_required": "no"}, "must be a boolean"),
         ({k: v for k, v in handle.items() if k != "ref_counter_handle"}, "lacks ref_counter_handle"),
+        ({**handle, "ref_counter_offset": ipc.CUDA_IPC_REF_COUNTER_FILE_SIZE}, "outside the ref-counter file"),
+        ({**handle, "ref_counter_handle": ipc._b64(b"/torch_no_such_segment")}, "no ref-counter segment"),
+        ({**handle, "ref_counter_handle": ipc._b64(b"/../etc/passwd")}, "not a shared-memory name"),
     ]:
         with pytest.raises(ValueError, match=msg):
             imp.open(bad, "cuda:1")

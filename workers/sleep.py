@@ -2,7 +2,9 @@
 
   level 1: weights are offloaded to host memory, the KV cache is discarded
   level 2: weights and KV cache are discarded (buffers, e.g. rope tables, are kept); the weights'
-           content is garbage after a wake until they are reloaded or transferred
+           content is garbage after a wake until they are reloaded or transferred, so the manager
+           counts the parameters still `missing` (the worker refuses to step while any is) and
+           `mark_loaded` crosses them off as a weight update commits or reload_weights fills them
 
 Parameters keep their identity (the same nn.Parameter objects, only `.data` changes), so in-place
 weight loading and any handle a trainer holds on names keep working after a wake. On CPU the host is
@@ -26,6 +28,8 @@ class SleepManager:
         self.asleep: set[str] = set()
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._host: dict[str, torch.Tensor] = {}  # level-1 offload of the weights (accelerators only)
+        # After a level-2 sleep: parameter -> flat element ranges written since (until each is whole).
+        self._discarded: dict[str, list[tuple[int, int]]] = {}
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())  # shared (tied) parameters appear once
@@ -46,6 +50,8 @@ class SleepManager:
                     self._host[name] = p.data.to("cpu", non_blocking=True).pin_memory()
                 released += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if not offload:
+                self._discarded = {name: [] for name in self._shapes}
         self.asleep = set(TAGS)
         self.platform.synchronize()
         release_host_memory()
@@ -71,3 +77,46 @@ class SleepManager:
                 restored += self.kv.nbytes
             self.asleep.discard(tag)
         return restored
+
+    # --- discarded weights (level 2) ---------------------------------------------------------------
+
+    @property
+    def missing(self) -> int:
+        """Parameters whose content a level-2 sleep discarded and nothing has written in full since."""
+        return len(self._discarded)
+
+    def weights_status(self) -> dict[str, int]:
+        """What the worker reports in its acks (the coordinator turns a change into the control state's
+        `weights_missing`, which the gateway refuses requests on)."""
+        return {"weights_missing": self.missing, "weights_total": len(self._params())}
+
+    def mark_loaded(self, names: list[str] | set[str]) -> int:
+        """Checkpoint tensors `names` now hold real values (a committed update, reload_weights): cross off the
+        parameters they cover entirely. A parameter fed by several tensors (fused q/k/v, experts) counts once
+        all its parts arrived, across updates. Returns how many are still missing."""
+        if not self._discarded or "weights" in self.asleep:
+            return self.missing
+        params = self._params()
+        owner = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
+        for name in names:
+            try:
+                dst = self.model.weight_destination(name)
+            except KeyError:
+                continue
+            pname = owner.get(dst.untyped_storage().data_ptr())
+            if pname not in self._discarded or not dst.is_contiguous():
+                continue  # (a strided destination is not tracked: it keeps counting as missing)
+            start = dst.storage_offset() - params[pname].storage_offset()
+            self._discarded[pname].append((start, start + dst.numel()))
+        for pname in [n for n, r in self._discarded.items() if _covers(r, params[n].numel())]:
+            del self._discarded[pname]
+        return self.missing
+
+
+def _covers(ranges: list[tuple[int, int]], numel: int) -> bool:
+    pos = 0
+    for a, b in sorted(ranges):
+        if a > pos:
+            return False
+        pos = max(pos, b)
+    return pos >= numel

@@ -241,9 +241,7 @@ class WeightReceiver:
             if tuple(dst.shape) != p.shape:
                 raise WeightSyncError(f"tensor {p.name!r}: shape {list(p.shape)} does not match the engine's "
                                       f"{list(dst.shape)}", param="shapes")
-            if dst.dtype != p.dtype:
-                raise WeightSyncError(f"tensor {p.name!r}: dtype {str(p.dtype)[6:]} does not match the engine's "
-                                      f"{str(dst.dtype)[6:]}; cast before sending", param="dtype_names")
+            check_castable(p.name, p.dtype, dst.dtype)
             dests.append(dst)
         return dests
 
@@ -281,12 +279,11 @@ class WeightReceiver:
         self._owner = self._storage_owners()
 
     def _receive_ipc(self, info: dict[str, Any], meta: UpdateMeta, dests: list[torch.Tensor]) -> None:
-        if "ipc_handles_pickled" in info:
-            raise WeightSyncError("pickled IPC handles are refused: rollbus takes plain-data handles in "
-                                  "update_info.ipc_handles (engine.trainer.WeightSyncClient sends them); "
-                                  "VLLM_ALLOW_INSECURE_SERIALIZATION is not needed", param="ipc_handles_pickled")
-        handles = info.get("ipc_handles")
-        if isinstance(handles, dict):  # packed: one buffer holding every tensor back to back
+        if info.get("ipc_handles_pickled") is not None:
+            handles = self._pickled_handles(info, meta)
+        else:
+            handles = info.get("ipc_handles")
+        if isinstance(handles, dict | torch.Tensor):  # packed: one buffer holding every tensor back to back
             sizes = info.get("tensor_sizes")
             if sizes is not None and sizes != [p.nbytes for p in meta.params]:
                 raise WeightSyncError("update_info.tensor_sizes does not match names/dtype_names/shapes",
@@ -304,9 +301,46 @@ class WeightReceiver:
                                   "handle object (packed)", param="ipc_handles")
         # Everything is mapped and checked: now write.
         for p, src, dst in zip(meta.params, sources, dests):
-            self._copy(self._target(dst), src)
+            receive_into(self._target(dst), src, self._copy)
+
+    def _pickled_handles(self, info: dict[str, Any], meta: UpdateMeta) -> Any:
+        """vLLM's ``ipc_handles_pickled`` (its HTTP client's form of reduce_tensor's args) -> the handles
+        ``_open`` takes, every field checked against the declared tensors; see ascend_ops.ipc."""
+        from ascend_ops import ipc
+
+        where = "update_info.ipc_handles_pickled"
+        if info.get("ipc_handles") is not None:
+            raise WeightSyncError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`", param="ipc_handles")
+        try:
+            allowed = ipc.insecure_serialization_allowed()
+        except ValueError as e:
+            raise WeightSyncError(str(e), param="ipc_handles_pickled") from None
+        if not allowed:
+            raise WeightSyncError(
+                f"Refusing to deserialize `ipc_handles_pickled` without {ipc.INSECURE_SERIALIZATION_VAR}=1: set it "
+                "in the environment of `rollbus serve` (vLLM's opt-in; rollbus then admits only torch's "
+                "tensor-rebuild arguments, see docs/weight-sync.md), or send plain-data `ipc_handles` "
+                "(engine.trainer.WeightSyncClient does)", param="ipc_handles_pickled")
+        try:
+            obj = ipc.load_pickled_handles(info["ipc_handles_pickled"])
+            if isinstance(obj, dict):  # packed: one buffer, the tensors back to back
+                return ipc.resolve_pickled_handle(obj, ipc.Expect(torch.uint8, (meta.nbytes,), packed=True),
+                                                  self.device, where)
+            if not isinstance(obj, list):
+                raise ValueError(f"{where} must hold a list (one handle dict per tensor) or one dict (packed), "
+                                 f"got {type(obj).__name__}")
+            if len(obj) != len(meta.params):
+                raise ValueError(f"`ipc_handles` should be of the same size as `names`: got {len(obj)} and "
+                                 f"{len(meta.params)}")
+            return [ipc.resolve_pickled_handle(h, ipc.Expect(p.dtype, p.shape), self.device,
+                                               f"{where}[{i}] ({p.name!r})")
+                    for i, (h, p) in enumerate(zip(obj, meta.params))]
+        except ValueError as e:
+            raise WeightSyncError(str(e), param="ipc_handles_pickled") from None
 
     def _open(self, handle: Any, nbytes: int, where: str) -> torch.Tensor:
+        if isinstance(handle, torch.Tensor):  # a CPU trainer's inline bytes (pickled handles), already checked
+            return handle
         try:
             buf = self.importer.open(handle, self.device)  # type: ignore[union-attr]
         except ValueError as e:
@@ -322,12 +356,12 @@ class WeightReceiver:
         if not packed:
             for p, dst in zip(meta.params, dests):
                 target = self._target(dst)
-                if target.is_contiguous():
+                if target.is_contiguous() and target.dtype == p.dtype:
                     group.broadcast(target, 0)
-                else:
+                else:  # strided, or sent in another dtype: receive as sent, then cast into place
                     tmp = torch.empty(p.shape, dtype=p.dtype, device=self.device)
                     group.broadcast(tmp, 0)
-                    target.copy_(tmp)
+                    receive_into(target, tmp, self._copy)
             return
         size = _opt_int(info, "packed_buffer_size_bytes", self.buffer_size)
         nbuf = max(1, _opt_int(info, "packed_num_buffers", self.num_buffers))
@@ -341,7 +375,7 @@ class WeightReceiver:
             work.wait()
             params: list[ParamMeta] = [meta.params[i] for i in chunk]
             for i, src in zip(chunk, byte_views(buf, params)):
-                self._copy(self._target(dests[i]), src)
+                receive_into(self._target(dests[i]), src, self._copy)
 
         for ci, chunk in enumerate(chunks):
             if len(inflight) == len(bufs):
@@ -367,6 +401,28 @@ class WeightReceiver:
         """sha256 per tensor under the names a trainer sends (HF names), prefixed per worker."""
         names = sorted(self.model.required_weight_names())
         return {prefix + n: tensor_checksum(self.model.weight_destination(n)) for n in names}
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_castable(name: str, sent: torch.dtype, engine: torch.dtype) -> None:
+    """vLLM loads a received tensor with ``param.copy_(tensor)``, which casts to the parameter's dtype; rollbus
+    casts the same way, between floating dtypes only (bf16/fp16 from a trainer into an fp32 engine and back).
+    Anything else (int into float weights, float into int buffers, bool) would be garbage, not a cast: a 400
+    naming the tensor and both dtypes, raised before anything is written."""
+    if sent == engine or (sent in FLOAT_DTYPES and engine in FLOAT_DTYPES):
+        return
+    raise WeightSyncError(f"tensor {name!r}: dtype {str(sent)[6:]} cannot be cast to the engine's "
+                          f"{str(engine)[6:]} (only floating dtypes are cast on receive); send it as "
+                          f"{str(engine)[6:]}", param="dtype_names")
+
+
+def receive_into(target: torch.Tensor, src: torch.Tensor, copy) -> None:
+    """Write one received tensor into its destination, cast to the engine's dtype on the way (every data path
+    uses this: IPC plain-data and pickled handles, collective broadcasts). `copy` is bulk_copy_threads' copy;
+    torch's copy_ does the cast (round to nearest even, as vLLM's load)."""
+    copy(target, src)
 
 
 def _fill_gaps(t: _Touched, copy) -> None:

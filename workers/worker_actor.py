@@ -78,7 +78,7 @@ class WorkerActor:
         self.plans.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
         self.plans.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
         self.results = make_socket(ctx, zmq.PUSH, connect=ep.results)
-        self.link = MemberLink(ctx, ep, role="worker", name=self.name, apply=self._apply, info=self.info,
+        self.link = MemberLink(ctx, ep, role="worker", name=self.name, apply=self._apply_and_report, info=self.info,
                                heartbeat_interval_s=cfg.heartbeat_interval_s,
                                heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
@@ -128,6 +128,11 @@ class WorkerActor:
             return
         if self.sleep.asleep and plan.seq_ids:
             self._await_wake()
+        if plan.seq_ids and self.sleep.missing:  # never compute with weights a level-2 sleep discarded
+            why = control_state.weights_discarded_message(self.sleep.weights_status())
+            send(self.results, StepResult(plan.step_id, self.rank, [], None, None, None, None,
+                                          self.runner.weight_version, why))
+            return
         try:
             result = self.runner.execute(plan, self._check_interrupt)
         except StepInterrupted:
@@ -147,6 +152,13 @@ class WorkerActor:
         compare: touching a zmq socket here slowed every step's neighbours on a busy 2-core host."""
         if self.abort_watch.abort_seq > (self.link.follower.seq or 0):
             raise StepInterrupted()
+
+    def _apply_and_report(self, cmd: Command) -> dict[str, Any] | None:
+        """Acks of the commands that can change it carry how many parameters lack content (sleep level 2)."""
+        out = self._apply(cmd)
+        if cmd.command in ("release_memory", "wake_up", "commit_weight_update", "collective_rpc"):
+            out = {**(out or {}), **self.sleep.weights_status()}
+        return out
 
     def _apply(self, cmd: Command) -> dict[str, Any] | None:
         c, args = cmd.command, cmd.args
@@ -195,6 +207,8 @@ class WorkerActor:
         if c == "commit_weight_update":
             control_state.apply(self.control, c, args)
             out = w.commit()
+            if out.get("committed"):
+                self.sleep.mark_loaded(w.received)
             self.runner.weight_version = int(self.control["weight_epoch"])
             return out
         if c == "abort_weight_update":
@@ -217,6 +231,7 @@ class WorkerActor:
         if "weights" in self.sleep.asleep:
             raise RuntimeError("the weights are asleep: wake_up?tags=weights first")
         names = reload_weights(self.runner.model, self.cfg, kwargs.get("weights_path"))
+        self.sleep.mark_loaded(names)
         return {"loaded_tensors": len(names)}
 
 
