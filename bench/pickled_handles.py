@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from ascend_ops import ipc
 from engine.model_store import resolve_model
-from engine.models.checkpoint import iter_safetensors
+from workers.models.checkpoint import iter_safetensors
 
 warnings.simplefilter("ignore")  # TypedStorage deprecation, from reduce_tensor
 tensors = [(n, t.to(torch.bfloat16).contiguous()) for n, t in iter_safetensors(resolve_model(None, progress=False))]
