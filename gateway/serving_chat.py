@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: render the chat template, validate, run n samples, shape vLLM's responses.
 
-Tools are rendered into the prompt by the template; parsing tool calls out of the output is not done
-yet, so `tool_calls` is always empty.
+Tools are rendered into the prompt by the template (tool_choice "none"); parsing tool calls out of the
+output is not done yet, so other tool choices are refused (gateway/protocol.py) and `tool_calls` is empty.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[floa
 
 def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     """Chat template -> prompt text (jinja holds the GIL, so a thread would not help; 20k chars ~5 ms)."""
-    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    kwargs = {k: v for k, v in body.template_kwargs().items() if k not in _RESERVED_TEMPLATE_KWARGS}
     messages = body.template_messages()
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
@@ -100,7 +100,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         raise bad_request("this server runs with --tokens-only and loads no tokenizer, so it cannot render a "
                           "chat: render it yourself and send token ids to POST /inference/v1/generate", "messages")
     (ids,) = await ctx.encode_many([render_prompt(ctx, body)], body.add_special_tokens)
-    ids = truncate_prompt(ids, body.truncate_prompt_tokens)
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side)
     ctx.check_prompt(ids, "messages")
     default = ctx.max_tokens_for(len(ids), body.requested_max_tokens(), body.max_tokens_param(), "messages")
     try:
