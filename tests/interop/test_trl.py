@@ -81,7 +81,9 @@ def test_reset_prefix_cache_server_info_world_size(trl) -> None:
 
 def test_update_control_flow_reaches_the_nccl_step(trl) -> None:
     """On CPU TRL stops where NCCL starts: init_communicator has read /server_info (weight_transfer_config)
-    and /get_world_size and refuses the CPU device; the start/finish pair of an update is served."""
+    and /get_world_size and refuses the CPU device. An update started without that init is refused at
+    once with a 409 that says what is missing (TRL's client raises it), not left hanging."""
     assert trl["init_communicator"]["error"].startswith("NotImplementedError") and \
         "needs a CUDA device" in trl["init_communicator"]["error"]
-    assert trl["weight_update"] == {"ok": True, "s": trl["weight_update"]["s"]}, trl["weight_update"]
+    err = trl["weight_update"]["error"]
+    assert "409" in err and "/init_weight_transfer_engine" in err and trl["weight_update"]["s"] < 5
