@@ -91,6 +91,17 @@ class Scheduler:
     def resume(self) -> None:
         self.paused_mode = None
 
+    def reset_prefix_cache(self, reset_running: bool) -> bool:
+        """vLLM's: forget every cached prefix, only once no block is held (False otherwise: retry later).
+        reset_running first preempts the running requests (recomputed later, FIFO order kept)."""
+        if reset_running:
+            for seq in reversed(list(self.running)):
+                self._preempt(seq)  # safe with a step in flight: see update()
+        if any(self.blocks.ref):
+            return False
+        self.blocks.reset_prefix_cache()
+        return True
+
     def can_step(self) -> bool:
         return self.paused_mode != "keep"
 

@@ -326,6 +326,8 @@ class SchedulerActor:
             control_state.apply(self.control, cmd.command, cmd.args)
             self.sched.weight_version = self.control["weight_epoch"]  # new prefix-cache key space too
             return {"weight_epoch": self.sched.weight_version}
+        if cmd.command == "reset_prefix_cache":
+            return {"success": self.sched.reset_prefix_cache(bool(cmd.args.get("reset_running_requests")))}
         if cmd.command == "member_lost":
             role, name = cmd.args.get("role"), str(cmd.args.get("name"))
             if role == "worker":

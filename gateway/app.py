@@ -30,6 +30,7 @@ from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completions import create_completion
 from gateway.serving_generate import abort_requests, create_generate
+from gateway.vllm_routes import add_vllm_routes
 from gateway.weight_routes import WEIGHT_PATHS, add_weight_routes
 
 log = structlog.get_logger()
@@ -133,13 +134,14 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
             log.warning("gateway.dev_endpoints_exposed",
                         message=f"development endpoints listen on {cfg.host} without --api-key: anyone who can "
                                 "reach this port can pause the engine")
-        add_dev_routes(app, cfg, client, extra)
+        add_dev_routes(app, cfg, client, extra, model_info)
         add_weight_routes(app, cfg, client)
     metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy)
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics)
     health = HealthProbe(client, cfg.control_timeout_s)
     created = int(time.time())
     app.state.serving = ctx
+    add_vllm_routes(app, ctx)  # /tokenize, /detokenize, /v1/chat/completions/render, /v1/completions/render
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

@@ -18,11 +18,14 @@ from engine import control_state
 from engine.config import EngineConfig
 from engine.control_state import PAUSE_MODES, SLEEP_TAGS
 from engine.rl_config import AdditionalConfig
+from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError, bad_request
+from gateway.serving import ModelInfo
+from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
 
 DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake_up", "/is_sleeping",
-             "/collective_rpc", "/abort_requests", "/weight_info", "/update_weight_version")
+             "/collective_rpc", "/abort_requests", "/weight_info", "/update_weight_version", "/reset_prefix_cache")
 RPC_METHODS = ("reload_weights",)
 GATEWAY_TIMEOUT = "GatewayTimeoutError"
 
@@ -45,7 +48,8 @@ async def broadcast(client: EngineClient, command: str, args: dict[str, Any], ti
     return reply.results
 
 
-def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra: AdditionalConfig) -> None:
+def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra: AdditionalConfig,
+                   model: ModelInfo) -> None:
     @app.post("/pause")
     async def pause(mode: str = "abort", clear_cache: str = "true", timeout: float | None = None) -> JSONResponse:
         if mode not in PAUSE_MODES:
@@ -153,12 +157,39 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         await broadcast(client, "update_weight_version", {"new_version": version}, cfg.control_timeout_s)
         return JSONResponse({"success": True, "new_version": version})
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request, reset_running_requests: str = "false",
+                                 reset_external: str = "false") -> JSONResponse:
+        """vLLM's: forget every cached prefix. {"success": false} while requests hold KV blocks (retry
+        later), unless reset_running_requests=true, which first preempts them (they are recomputed).
+        reset_external resets a KV connector's cache: there is none here, so it succeeds (as vLLM)."""
+        running = _bool(reset_running_requests, "reset_running_requests")
+        external = _bool(reset_external, "reset_external")
+        body = await _json_object(request, allow_empty=True)
+        # vLLM reads only the query: a body saying otherwise would be ignored there; here it is refused
+        for key, value in body.items():
+            if key not in ("reset_running_requests", "reset_external") or \
+                    value is not {"reset_running_requests": running, "reset_external": external}[key]:
+                raise bad_request(f"POST /reset_prefix_cache takes its options as query parameters (as vLLM), "
+                                  f"not in the body: got {key}={value!r} in the body", key)
+        results = await broadcast(client, "reset_prefix_cache", {"reset_running_requests": running},
+                                  cfg.control_timeout_s)
+        ok = [r["success"] for r in results.values() if "success" in r]
+        return JSONResponse({"success": bool(ok) and all(ok)})
+
     @app.get("/server_info")
-    async def server_info() -> JSONResponse:
+    async def server_info(config_format: str = "text") -> JSONResponse:
+        if config_format not in ("text", "json"):
+            raise bad_request(f"config_format must be text or json, got {config_format!r}", "config_format")
         engine = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
         reply = await client.control("members", {}, timeout_s=cfg.control_timeout_s)
         workers = {n: m.get("info", {}) for n, m in sorted(reply.results.items()) if m.get("role") == "worker"}
+        wt = parse_weight_transfer_config(cfg.weight_transfer_config)
+        vc = vllm_config(cfg, model, workers, None if wt is None else {"backend": wt.name})
         return JSONResponse({
+            # vLLM's keys first: its VllmConfig (text by default, JSON with config_format=json), VLLM_* env
+            "vllm_config": vc if config_format == "json" else vllm_config_text(vc),
+            "vllm_env": vllm_env(),
             "workers": workers,  # each one's device, dtype (what weight updates must send), KV blocks
             "engine_config": engine,
             "rl_config": extra.rl.effective(),

@@ -3,12 +3,19 @@
 Field names, types and defaults are vLLM's (OpenAI's fields plus vLLM's sampling extras), so clients
 port unchanged. Unknown fields are ignored with a log line, as vLLM does. Checks that span several
 fields raise ParamError (naming the field), which the gateway reports as a 400 with `param` set.
+
+Every field of vLLM v0.33's schemas is declared here with vLLM's type, so none is dropped unread: a
+field rollbus does not implement is refused (400 naming it) when its value asks for something, through
+the `Refuse` tables below (docs/openai-api.md lists them); a value that asks for nothing (the default,
+null, an empty list) is accepted. The removed `guided_*` fields, which vLLM v0.33 ignores with a
+warning, are refused too: ignoring a constraint corrupts outputs silently.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -24,6 +31,106 @@ _FALLBACKS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min
                               "skip_special_tokens": True}
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+# --- fields of vLLM's schemas that rollbus does not implement ----------------------------------
+
+
+class Refuse(NamedTuple):
+    """A vLLM field rollbus does not implement: `neutral(value)` says the value asks for nothing."""
+
+    neutral: Callable[[Any], bool]
+    why: str
+
+
+def _unset(v: Any) -> bool:
+    return v is None or v is False or v == [] or v == {} or v == ""
+
+
+def _equals(default: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or v == default
+
+
+def _no_constraint(v: Any) -> bool:
+    """structured_outputs asks for nothing when absent or when every constraint in it is unset."""
+    return v is None or (isinstance(v, dict) and all(_unset(x) for x in v.values()))
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+_STRUCTURED = "structured outputs (guided decoding) are not supported yet"
+_MULTIMODAL = "rollbus serves text-only models"
+_DISAGG = "disaggregated serving (KV/EC transfer) is not supported"
+_LEGACY_GUIDED = ("removed from vLLM; use structured_outputs, which rollbus does not support yet either: "
+                  "the output would not be constrained")
+
+# Shared by /v1/completions and /v1/chat/completions (vLLM v0.33 field names).
+REFUSED_SAMPLING: dict[str, Refuse] = {
+    "use_beam_search": Refuse(_unset, "beam search is not supported"),
+    "length_penalty": Refuse(_equals(1.0), "it only applies to beam search, which is not supported"),
+    "watermarking": Refuse(_unset, "watermarking is not supported"),
+    "logit_bias": Refuse(_unset, "logit bias is not supported"),
+    "allowed_token_ids": Refuse(_unset, "restricting the vocabulary is not supported"),
+    "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
+    "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
+    "structured_outputs": Refuse(_no_constraint, _STRUCTURED),
+    "response_format": Refuse(_text_format, _STRUCTURED + ': only {"type": "text"} is accepted'),
+    "thinking_token_budget": Refuse(_unset, "it needs a reasoning parser, which rollbus does not have"),
+    "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
+    "kv_transfer_params": Refuse(_unset, _DISAGG),
+    "ec_transfer_params": Refuse(_unset, _DISAGG),
+    "vllm_xargs": Refuse(_unset, "custom sampling extensions are not supported"),
+    "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
+    "best_of": Refuse(_equals(1), "removed from vLLM; use n"),
+    **{f"guided_{k}": Refuse(_unset, _LEGACY_GUIDED) for k in (
+        "json", "regex", "choice", "grammar", "json_object", "decoding_backend", "whitespace_pattern")},
+}
+REFUSED_COMPLETION: dict[str, Refuse] = {
+    **REFUSED_SAMPLING,
+    "suffix": Refuse(_unset, "suffix is not currently supported"),
+    "prompt_embeds": Refuse(_unset, "prompt embeddings are not supported"),
+}
+REFUSED_CHAT: dict[str, Refuse] = {
+    **REFUSED_SAMPLING,
+    "echo": Refuse(_unset, "echoing the last message into the response is not supported yet"),
+    "include_reasoning": Refuse(_equals(True), "it needs a reasoning parser, which rollbus does not have"),
+    "return_prompt_text": Refuse(_unset, "returning the rendered prompt is not supported yet; "
+                                         "use POST /v1/chat/completions/render"),
+    "media_io_kwargs": Refuse(_unset, _MULTIMODAL),
+    "mm_processor_kwargs": Refuse(_unset, _MULTIMODAL),
+}
+# POST /inference/v1/generate: the request and its sampling_params (vLLM's SamplingParams).
+REFUSED_GENERATE: dict[str, Refuse] = {
+    "features": Refuse(_unset, _MULTIMODAL),
+    "content_parts": Refuse(_unset, _MULTIMODAL),
+    "kv_transfer_params": Refuse(_unset, _DISAGG),
+    "ec_transfer_params": Refuse(_unset, _DISAGG),
+    "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
+}
+REFUSED_ENGINE_SAMPLING: dict[str, Refuse] = {
+    "watermarking": Refuse(_unset, "watermarking is not supported"),
+    "prompt_logprob_token_ids": Refuse(_unset, "prompt logprobs of chosen token ids are not supported"),
+    "prompt_logprob_start": Refuse(_unset, "prompt logprobs from a start position are not supported"),
+    "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
+    "structured_outputs": Refuse(_no_constraint, _STRUCTURED),
+    "logit_bias": Refuse(_unset, "logit bias is not supported"),
+    "allowed_token_ids": Refuse(_unset, "restricting the vocabulary is not supported"),
+    "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
+    "extra_args": Refuse(_unset, "custom sampling extensions are not supported"),
+    "skip_reading_prefix_cache": Refuse(_unset, "every request may read the prefix cache here"),
+    "thinking_token_budget": Refuse(_unset, "it needs a reasoning parser, which rollbus does not have"),
+    "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
+}
+
+
+def refuse_unsupported(model: BaseModel, table: dict[str, Refuse], prefix: str = "") -> None:
+    """400 (ParamError naming the field) for a field the request set to something rollbus cannot do."""
+    for name in model.model_fields_set:
+        rule = table.get(name)
+        if rule is not None and not rule.neutral(getattr(model, name)):
+            raise ParamError(prefix + name, f"`{prefix}{name}` is not supported by rollbus: {rule.why}.")
 
 
 class OpenAIModel(BaseModel):
@@ -69,7 +176,6 @@ class _SamplingRequest(OpenAIModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     request_id: str | None = None
     return_token_ids: bool | None = None
@@ -78,6 +184,38 @@ class _SamplingRequest(OpenAIModel):
     prompt_logprobs: int | None = None
     return_sampling_mass: bool | None = None  # beyond vLLM: per-token kept mass (docs/logprobs.md)
     routed_experts_prompt_start: StrictInt | None = None  # routed experts from this prompt position on (vLLM)
+    skip_special_tokens: bool | None = None  # null: the generation defaults' value (True unless configured)
+    spaces_between_special_tokens: bool = True  # fast tokenizers ignore it, in vLLM too
+    truncation_side: Literal["left", "right"] | None = None  # null: left (keep the last tokens), as vLLM
+    session_id: str | None = None  # routing identity; no effect on the output
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # see docs/openai-api.md
+    return_token_offsets: bool | None = False  # vLLM: only the render endpoints return offsets
+    mm_payload: Literal["tensors", "none"] = "tensors"  # render-only; no multimodal items here
+    return_mm_kwargs: bool | None = None  # deprecated alias of mm_payload
+    stream_interval: int | None = Field(default=None, ge=1)  # chunking only: tokens are sent as they come
+    # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_SAMPLING)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    watermarking: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    priority: int = 0
+    best_of: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_json_object: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -95,8 +233,6 @@ class _SamplingRequest(OpenAIModel):
             raise ParamError("stream_options", "Stream options can only be defined when `stream=True`.")
         if any(not s for s in self.stop_list()):
             raise ParamError("stop", "stop cannot contain an empty string.")
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported by rollbus")
         check_prompt_logprobs(self.prompt_logprobs, bool(self.stream))
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
@@ -139,6 +275,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     add_special_tokens: bool = True
+    prompt_embeds: bytes | list[bytes] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a text or a list of token ids (OpenAI batch semantics)."""
@@ -154,9 +291,8 @@ class CompletionRequest(_SamplingRequest):
         return out
 
     def check(self) -> None:
+        refuse_unsupported(self, REFUSED_COMPLETION)
         self._check_common()
-        if self.suffix is not None:
-            raise ParamError("suffix", "suffix is not currently supported")
         if self.logprobs is not None and self.logprobs < -1:
             raise ParamError("logprobs", "`logprobs` must be a positive value or -1.")
 
@@ -259,6 +395,14 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # given to the chat template, as vLLM
+    reasoning_effort: str | None = None  # given to the chat template (and enable_thinking), as vLLM
+    # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_CHAT)
+    echo: bool = False
+    include_reasoning: bool = True
+    return_prompt_text: bool | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def max_tokens_param(self) -> str:
         """Which field the user set, so errors name it."""
@@ -268,6 +412,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check(self) -> None:
+        refuse_unsupported(self, REFUSED_CHAT)
+        self._check_tools()
         self._check_common()
         if self.top_logprobs is not None:
             if self.top_logprobs < -1:
@@ -280,6 +426,34 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.continue_final_message and (not self.messages or self.messages[-1].role != "assistant"):
             raise ParamError("continue_final_message",
                              "continue_final_message needs a final assistant message to continue")
+
+    def _check_tools(self) -> None:
+        """Tools are rendered into the prompt; tool calls are not parsed out of the output yet. So, like
+        vLLM without --tool-call-parser, only tool_choice "none" is served."""
+        if self.tools == []:
+            raise ParamError("tools", "`tools` must not be an empty array. Either provide at least one tool or "
+                                      "omit the field entirely.")
+        choice = self.tool_choice if "tool_choice" in self.model_fields_set else ("auto" if self.tools else "none")
+        if choice in (None, "none"):
+            return
+        if not self.tools:
+            raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
+        desc = f'function "{choice.get("function", {}).get("name")}"' if isinstance(choice, dict) else f'"{choice}"'
+        raise ParamError("tool_choice", f"`tool_choice` {desc} is not supported by rollbus: tool calling is not "
+                                        "supported yet. Send tool_choice \"none\" to have the tools rendered into "
+                                        "the prompt and parse the calls from the output yourself.")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template sees beyond messages and tools (vLLM's ChatParams)."""
+        user = dict(self.chat_template_kwargs or {})
+        extra: dict[str, Any] = {}
+        if self.documents is not None:
+            extra["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            extra["reasoning_effort"] = self.reasoning_effort
+            if "enable_thinking" not in user:
+                extra["enable_thinking"] = self.reasoning_effort != "none"
+        return {**extra, **user}
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template() for m in self.messages]
@@ -329,11 +503,25 @@ class GenerateSamplingParams(OpenAIModel):
     trace_decode_token_ids: list[int] | None = None
     return_sampling_mass: bool = False  # beyond vLLM (docs/logprobs.md)
     routed_experts_prompt_start: StrictInt | None = None  # routed experts from this prompt position on (vLLM)
+    # vLLM fields that change nothing in a tokens-mode response
+    output_kind: int | None = None  # JSON responses are whole; SSE streams deltas
+    flat_logprobs: bool = False  # the engine's logprobs container; the JSON is the same
+    stream_interval: int | None = Field(default=None, ge=1)
+    skip_clone: bool = False
+    output_text_buffer_length: int = 0
+    # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_ENGINE_SAMPLING)
+    watermarking: bool | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    logprob_token_ids: list[int] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        for name in ("logit_bias", "bad_words", "allowed_token_ids"):
-            if getattr(self, name):
-                raise ParamError(f"sampling_params.{name}", f"{name} is not supported by rollbus")
+        refuse_unsupported(self, REFUSED_ENGINE_SAMPLING, "sampling_params.")
         if self.logprobs is not None and self.logprobs < -1:
             raise ParamError("sampling_params.logprobs", "`logprobs` must be a positive value or -1.")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -362,11 +550,25 @@ class GenerateRequest(OpenAIModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
-    output_mode: Literal["tokens"] = "tokens"  # vLLM's text/derender modes are not offered here
-    cache_salt: str | None = None  # accepted; the prefix cache is per engine and unsalted
+    output_mode: str = "tokens"  # vLLM's text/derender modes are not offered here
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # see docs/openai-api.md
     priority: int = 0
+    # what POST /v1/chat/completions/render puts in its output, read only by modes refused here
+    token_offsets: list[tuple[int, int]] | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+    parse_context: dict[str, Any] | None = None
+    # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_GENERATE)
+    features: dict[str, Any] | None = None
+    content_parts: list[dict[str, Any]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
 
     def check(self) -> None:
+        refuse_unsupported(self, REFUSED_GENERATE)
+        if self.output_mode != "tokens":
+            raise ParamError("output_mode", f"`output_mode` {self.output_mode!r} is not supported by rollbus: only "
+                                            "\"tokens\" is; decode the token ids on the client (POST /detokenize).")
         if not self.token_ids:
             raise ParamError("token_ids", "token_ids must contain at least one token")
         if any(t < 0 for t in self.token_ids):
@@ -376,8 +578,6 @@ class GenerateRequest(OpenAIModel):
         p = self.sampling_params.prompt_logprobs
         if p is not None and p < -1:
             raise ParamError("sampling_params.prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
-        if self.priority != 0:
-            raise ParamError("priority", "priority scheduling is not enabled: priority must be 0")
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

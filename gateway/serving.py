@@ -163,9 +163,12 @@ class ServingContext:
         return await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens)
 
 
-def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: the whole context)."""
-    return ids[-keep:] if keep and keep > 0 else ids
+def truncate_prompt(ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: the whole context); with
+    truncation_side "right", the first ones."""
+    if not keep or keep <= 0:
+        return ids
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 # --- one engine request --------------------------------------------------------------------------

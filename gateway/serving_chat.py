@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: render the chat template, validate, run n samples, shape vLLM's responses.
 
-Tools are rendered into the prompt by the template; parsing tool calls out of the output is not done
-yet, so `tool_calls` is always empty.
+Tools are rendered into the prompt by the template (tool_choice "none"); parsing tool calls out of the
+output is not done yet, so other tool choices are refused (gateway/protocol.py) and `tool_calls` is empty.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:  # every caller: vLLM's rule
         raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
-    given = {**ctx.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}  # vLLM: the request's win
+    given = {**ctx.default_chat_template_kwargs, **body.template_kwargs()}  # vLLM: the request's win
     kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     messages = body.template_messages()
     try:
@@ -105,7 +105,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         raise bad_request("this server runs with --tokens-only and loads no tokenizer, so it cannot render a "
                           "chat: render it yourself and send token ids to POST /inference/v1/generate", "messages")
     (ids,) = await ctx.encode_many([render_prompt(ctx, body)], body.add_special_tokens)
-    ids = truncate_prompt(ids, body.truncate_prompt_tokens)
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side)
     ctx.check_prompt(ids, "messages")
     default = ctx.max_tokens_for(len(ids), body.requested_max_tokens(), body.max_tokens_param(), "messages")
     try:

@@ -122,7 +122,8 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens) if texts else [])
     encoded: list[list[int]] = []
     for p in prompts:
-        ids = truncate_prompt(list(p) if isinstance(p, list) else next(tokenized), body.truncate_prompt_tokens)
+        ids = truncate_prompt(list(p) if isinstance(p, list) else next(tokenized), body.truncate_prompt_tokens,
+                              body.truncation_side)
         ctx.check_prompt(ids, "prompt")
         encoded.append(ids)
     states: list[ChoiceState] = []

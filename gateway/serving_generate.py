@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.sampling_params import ParamError
 from gateway.errors import APIError, bad_request
-from gateway.protocol import GenerateRequest
+from gateway.protocol import REFUSED_GENERATE, GenerateRequest
 from gateway.serving import (
     ChoiceState,
     ChoiceUpdate,
@@ -74,7 +74,8 @@ def tokens_logprobs(token_ids: list[int], logprobs: list[float] | None, top: lis
 
 def _remap(e: ParamError) -> ParamError:
     """Engine field names live under sampling_params on this endpoint."""
-    if e.param.startswith("sampling_params.") or e.param in ("token_ids", "model", "stream_options"):
+    if e.param.startswith("sampling_params.") or e.param in ("token_ids", "model", "stream_options", "output_mode",
+                                                             *REFUSED_GENERATE):
         return e
     return ParamError(f"sampling_params.{e.param}", str(e))
 

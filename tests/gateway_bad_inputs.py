@@ -155,8 +155,95 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
         {**chat, "prompt_logprobs": 2, "return_sampling_mass": True, "top_p": 0.9}, status=200)
     add("routed_experts_prompt_start = the prompt length", COMPLETIONS,
         {"prompt": [1, 2, 3], "max_tokens": 2, rx: 3}, status=200)
+    c.extend(unsupported_field_cases())
     if scale_out:
         c.extend(_generate_cases(L, V, M))
+        c.extend(unsupported_generate_cases())
+    return c
+
+
+# vLLM v0.33 fields rollbus does not implement, each with a value that asks for something (-> 400 naming
+# the field) and, where the field has one, a value that asks for nothing (-> 200).
+ASKING_SAMPLING: dict[str, Any] = {
+    "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "logit_bias": {"5": 1.0},
+    "allowed_token_ids": [5, 6], "bad_words": ["bad"], "logprob_token_ids": [5],
+    "structured_outputs": {"regex": "[ab]+"}, "response_format": {"type": "json_object"},
+    "thinking_token_budget": 10, "repetition_detection": {"max_pattern_size": 3},
+    "kv_transfer_params": {"do_remote_prefill": True}, "ec_transfer_params": {"x": 1},
+    "vllm_xargs": {"k": 1}, "priority": 1, "best_of": 3,
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "g",
+    "guided_json_object": True, "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+}
+ASKING_COMPLETION: dict[str, Any] = {**ASKING_SAMPLING, "suffix": "end", "prompt_embeds": "AAAA"}
+ASKING_CHAT: dict[str, Any] = {
+    **ASKING_SAMPLING, "echo": True, "include_reasoning": False, "return_prompt_text": True,
+    "media_io_kwargs": {"image": {"x": 1}}, "mm_processor_kwargs": {"x": 1},
+}
+NEUTRAL: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "watermarking": None, "logit_bias": {},
+    "allowed_token_ids": None, "bad_words": [], "logprob_token_ids": None, "structured_outputs": {"regex": None},
+    "response_format": {"type": "text"}, "priority": 0, "best_of": 1, "guided_json": None,
+    "kv_transfer_params": None, "vllm_xargs": {}, "echo": False, "include_reasoning": True,
+}
+# Fields that change nothing in the output: accepted with any valid value.
+HARMLESS_CHAT: dict[str, Any] = {
+    "user": "u-1", "metadata": {"run": "7"}, "request_id": "abc", "session_id": "s-1", "cache_salt": "salty",
+    "parallel_tool_calls": False, "stream_interval": 4, "return_token_offsets": True, "mm_payload": "none",
+    "spaces_between_special_tokens": False, "skip_special_tokens": None,
+}
+ASKING_ENGINE_SAMPLING: dict[str, Any] = {
+    "watermarking": True, "prompt_logprob_token_ids": [5], "prompt_logprob_start": 1, "logprob_token_ids": [5],
+    "structured_outputs": {"json": {"type": "object"}}, "logit_bias": {"5": 1.0}, "allowed_token_ids": [5],
+    "bad_words": ["x"], "extra_args": {"k": 1}, "skip_reading_prefix_cache": True, "thinking_token_budget": 3,
+    "repetition_detection": {"max_pattern_size": 2},
+}
+ASKING_GENERATE: dict[str, Any] = {
+    "features": {"mm_hashes": {}}, "content_parts": [{"type": "image_url"}], "kv_transfer_params": {"x": 1},
+    "ec_transfer_params": {"x": 1}, "priority": 2, "output_mode": "text",
+}
+
+
+def unsupported_field_cases() -> list[BadInput]:
+    cmp = {"prompt": "Hello", "max_tokens": 2}
+    chat = {"messages": _msgs(), "max_tokens": 2}
+    c = [BadInput(f"unsupported {k} (completions)", COMPLETIONS, {**cmp, k: v}, 400, k)
+         for k, v in ASKING_COMPLETION.items()]
+    c += [BadInput(f"unsupported {k} (chat)", CHAT, {**chat, k: v}, 400, k) for k, v in ASKING_CHAT.items()]
+    # one request each carrying every neutral value (a real engine replays these: keep them few)
+    chat_only = ("echo", "include_reasoning")
+    c.append(BadInput("refusable fields asking for nothing (completions)", COMPLETIONS,
+                      {**cmp, **{k: v for k, v in NEUTRAL.items() if k not in chat_only}}, 200, None))
+    c.append(BadInput("refusable fields asking for nothing (chat)", CHAT, {**chat, **NEUTRAL}, 200, None))
+    c.append(BadInput("fields that change no output (chat)", CHAT, {**chat, **HARMLESS_CHAT}, 200, None))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for desc, extra, status, param in (
+            ("tools with the default tool_choice (auto)", {"tools": [tool]}, 400, "tool_choice"),
+            ("tool_choice auto", {"tools": [tool], "tool_choice": "auto"}, 400, "tool_choice"),
+            ("tool_choice required", {"tools": [tool], "tool_choice": "required"}, 400, "tool_choice"),
+            ("named tool_choice", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+             400, "tool_choice"),
+            ("tool_choice without tools", {"tool_choice": "required"}, 400, "tool_choice"),
+            ("empty tools", {"tools": []}, 400, "tools"),
+            ("tools rendered, tool_choice none", {"tools": [tool], "tool_choice": "none"}, 200, None),
+            ("truncation_side right", {"truncate_prompt_tokens": 3, "truncation_side": "right"}, 200, None),
+            ("truncation_side sideways", {"truncation_side": "up"}, 400, "truncation_side"),
+            ("cache_salt empty", {"cache_salt": ""}, 400, "cache_salt"),
+            ("documents and reasoning_effort go to the template",
+             {"documents": [{"title": "t", "text": "x"}], "reasoning_effort": "low"}, 200, None)):
+        c.append(BadInput(desc, CHAT, {**chat, **extra}, status, param))
+    return c
+
+
+def unsupported_generate_cases() -> list[BadInput]:
+    base = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    c = [BadInput(f"generate: unsupported sampling_params.{k}", GENERATE,
+                  {**base, "sampling_params": {"max_tokens": 2, k: v}}, 400, f"sampling_params.{k}")
+         for k, v in ASKING_ENGINE_SAMPLING.items()]
+    c += [BadInput(f"generate: unsupported {k}", GENERATE, {**base, k: v}, 400, k) for k, v in ASKING_GENERATE.items()]
+    c.append(BadInput("generate: what TRL and SkyRL send (output_kind, cache_salt, neutral values)", GENERATE,
+                      {**base, "cache_salt": "v3-policy", "priority": 0, "features": None,
+                       "sampling_params": {"max_tokens": 2, "output_kind": 2, "logprobs": 0, "structured_outputs": None,
+                                           "skip_reading_prefix_cache": False, "detokenize": True}}, 200, None))
     return c
 
 
@@ -191,7 +278,6 @@ def _generate_cases(L: int, V: int, M: int) -> list[BadInput]:
         g("negative trace token", sp(trace_decode_token_ids=[-3]), param="sampling_params.trace_decode_token_ids"),
         g("trace with prompt_logprobs", sp(trace_decode_token_ids=[5], prompt_logprobs=1),
           param="sampling_params.trace_decode_token_ids"),
-        g("logit_bias (unsupported)", sp(logit_bias={"5": 1.0}), param="sampling_params.logit_bias"),
         g("routed_experts_prompt_start beyond the prompt", sp(routed_experts_prompt_start=4),
           param="sampling_params.routed_experts_prompt_start"),
         g("negative routed_experts_prompt_start", sp(routed_experts_prompt_start=-1),

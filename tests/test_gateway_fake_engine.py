@@ -133,8 +133,8 @@ def test_chat_template_features() -> None:
     assert "tool message without tools" in r.json()["error"]["message"]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}],
-                                                "tools": tools, "tool_choice": "auto", "max_tokens": 1})
-    assert r.status_code == 200, r.text
+                                                "tools": tools, "tool_choice": "none", "max_tokens": 1})
+    assert r.status_code == 200, r.text  # tools rendered into the prompt; tool calls are not parsed (yet)
 
 
 def test_metrics_exposition_is_well_formed() -> None:

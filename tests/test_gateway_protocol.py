@@ -45,6 +45,9 @@ class CharTokenizer:
         return "".join(("" if skip_special_tokens else self._special[i]) if i in self._special else chr(i)
                        for i in ids)
 
+    def id_to_token(self, i: int) -> str:
+        return self._special.get(i) or chr(i)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: Any = None, **kw: Any) -> str:
         if any(m["role"] == "tool" for m in messages) and not tools:

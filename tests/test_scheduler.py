@@ -186,3 +186,29 @@ def test_pause_modes():
     while s.has_work():
         run_step(s)
     assert s.complete_pause(clear_cache=False)
+
+
+def test_reset_prefix_cache_fails_while_blocks_are_held_unless_running_requests_are_preempted():
+    """vLLM's /reset_prefix_cache: False while a request holds KV; reset_running preempts (FIFO kept)."""
+    s = make()
+    s.add(seq("a", n_prompt=9, first=1, max_tokens=50))
+    s.add(seq("b", n_prompt=9, first=100, max_tokens=50))
+    run_step(s)
+    assert not s.reset_prefix_cache(reset_running=False)
+    assert s.blocks.cached  # nothing was forgotten
+    assert s.reset_prefix_cache(reset_running=True)
+    assert not s.blocks.cached and not s.running
+    assert [q.seq_id for q in s.waiting] == ["a", "b"] and all(q.num_computed == 0 for q in s.waiting)
+    run_step(s)  # recomputed, and their prompts are not found in the emptied cache
+    assert s.blocks.num_prefix_hits == 0
+
+
+def test_reset_prefix_cache_when_idle_forgets_finished_prompts():
+    s = make()
+    s.add(seq("a", n_prompt=9, first=1, max_tokens=1))
+    run_step(s)
+    assert not s.running and s.blocks.cached
+    assert s.reset_prefix_cache(reset_running=False)
+    s.add(seq("again", n_prompt=9, first=1, max_tokens=1))
+    run_step(s)
+    assert s.blocks.num_prefix_hits == 0

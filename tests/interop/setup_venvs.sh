@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates the virtual environments the interop tests (pytest -m interop) run the real RL clients in:
+#   ~/.cache/rollbus-interop/trl    TRL 1.16  (trl.generation.vllm_client.VLLMClient)
+#   ~/.cache/rollbus-interop/skyrl  SkyRL 0.4 (RemoteInferenceClient)
+# Each client lives in its own venv, never in the project's Python; the tests run it in a subprocess
+# with that venv's python and skip (saying why) when the venv is absent.
+# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl ...]   (default: both; re-running is cheap)
+# ROLLBUS_INTEROP_VENVS overrides the parent folder (the tests read the same variable).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="${ROLLBUS_INTEROP_VENVS:-$HOME/.cache/rollbus-interop}"
+py="${PYTHON:-python3}"
+targets=("$@")
+[ ${#targets[@]} -eq 0 ] && targets=(trl skyrl)
+mkdir -p "$root"
+
+make_venv() {  # name
+  [ -x "$root/$1/bin/python" ] || "$py" -m venv "$root/$1"
+  "$root/$1/bin/python" -m pip install -q --upgrade pip >/dev/null
+}
+
+for t in "${targets[@]}"; do
+  start=$(date +%s)
+  case "$t" in
+    trl)
+      make_venv trl
+      # TRL imports torch: requirements-trl.txt pins the machine's CPU build (torch 2.13.0+cpu, which pip
+      # finds beside the registry) so that pip never pulls a multi-GB CUDA build.
+      "$root/trl/bin/python" -m pip install -q -r "$here/requirements-trl.txt"
+      "$root/trl/bin/python" -c "import trl.generation.vllm_client, trl; print('trl', trl.__version__)"
+      ;;
+    skyrl)
+      make_venv skyrl
+      # skyrl 0.4 declares Python >= 3.12; its HTTP client runs on 3.11 (the test shims typing.TypedDict).
+      tmp="$(mktemp -d)"
+      "$root/skyrl/bin/python" -m pip download -q --no-deps skyrl==0.4.0 --python-version 3.12 \
+        --only-binary=:all: -d "$tmp"
+      "$root/skyrl/bin/python" -m pip install -q --no-deps --ignore-requires-python "$tmp"/skyrl-0.4.0-*.whl
+      rm -rf "$tmp"
+      "$root/skyrl/bin/python" -m pip install -q -r "$here/requirements-skyrl.txt"
+      ;;
+    *) echo "unknown target $t (trl, skyrl)" >&2; exit 2 ;;
+  esac
+  echo "$t venv ready in $(( $(date +%s) - start )) s: $root/$t"
+done
