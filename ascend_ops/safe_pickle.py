@@ -17,7 +17,7 @@ from __future__ import annotations
 import _compat_pickle
 import io
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # Globals that plain-data pickles may name (protocol 0/1 pickles and some containers).
@@ -42,10 +42,12 @@ class UnsafePickleError(pickle.UnpicklingError):
 
 
 class _Restricted(pickle.Unpickler):
-    def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]], what: str):
+    def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]], what: str,
+                 substitutes: Mapping[tuple[str, str], Any] | None = None):
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
         self._what = what
+        self._substitutes = substitutes or {}
 
     def find_class(self, module: str, name: str) -> Any:
         # Python 2 names (protocol < 3 pickles), mapped as pickle's own fix_imports does; no Python 3
@@ -55,6 +57,8 @@ class _Restricted(pickle.Unpickler):
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) not in self._allowed:
             raise UnsafePickleError(f"{module}.{name}", self._what)
+        if (module, name) in self._substitutes:
+            return self._substitutes[(module, name)]
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
@@ -73,9 +77,13 @@ def allow(*extra: Iterable[tuple[str, str]] | tuple[str, str]) -> frozenset[tupl
 
 
 def restricted_loads(data: bytes | bytearray | memoryview, allowed: frozenset[tuple[str, str]] = PLAIN_DATA,
-                     what: str = "pickle") -> Any:
+                     what: str = "pickle", substitutes: Mapping[tuple[str, str], Any] | None = None) -> Any:
     """Unpickle `data`, resolving only the allowed globals. Raises UnsafePickleError (naming the global)
-    or pickle.UnpicklingError / EOFError / ValueError on malformed input; `what` prefixes the message."""
+    or pickle.UnpicklingError / EOFError / ValueError on malformed input; `what` prefixes the message.
+
+    `substitutes` maps allowed globals to local stand-ins, resolved instead of importing the named module:
+    for types of packages this process does not have (vLLM's ``ncclUniqueId`` in a pickle from a vLLM
+    trainer) or a stricter replacement of a callable. An entry is used only if it is also allowed."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise pickle.UnpicklingError(f"{what}: expected bytes, got {type(data).__name__}")
-    return _Restricted(bytes(data), allowed, what).load()
+    return _Restricted(bytes(data), allowed, what, substitutes).load()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ascend_ops.ipc as ipc
-from ascend_ops.collective import WeightGroup
+from ascend_ops.collective import StoreCollision, WeightGroup
 from ascend_ops.ipc import HandleImporter, SharedBuffer, device_key, export_handle
 
 pytestmark = pytest.mark.timeout(180)
@@ -509,9 +509,9 @@ def test_rendezvous_timeout_names_the_group():
     assert f"127.0.0.1:{port}" in msg and "rank 1" in msg and "world size 3" in msg
 
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[1, 2\] never joined") as e:  # a trainer alone
+    with pytest.raises(TimeoutError, match=r"1/3 clients joined") as e:  # a trainer alone
         WeightGroup.create("127.0.0.1", port, 0, 3, 1.5)
-    assert time.monotonic() - t0 <= 2.5
+    assert time.monotonic() - t0 <= 3.0  # TCPStore's own deadline, whole seconds
     assert f"127.0.0.1:{port}" in str(e.value) and "rank 0" in str(e.value)
 
     # the port is free again: a complete group forms on it, and a second claim of rank 1 is refused
@@ -530,7 +530,7 @@ def test_rendezvous_timeout_names_the_group():
     for th in threads:
         th.join(30)
     assert not errors and sorted(groups) == [0, 1]
-    with pytest.raises(ValueError, match="rank 1 joined the weight-transfer group twice"):
+    with pytest.raises(StoreCollision, match="rank 1 is already taken"):  # a second engine, same rank_offset
         WeightGroup.create("127.0.0.1", port, 1, 2, 5.0)
     for g in groups.values():
         g.destroy()
