@@ -141,7 +141,7 @@ class WeightSyncClient:
         engine_side.start()
         try:
             self.group = WeightGroup.create(self.master_address, port, 0, world, self.timeout_s,
-                                            self.device or torch.device("cpu"))
+                                            self.device or torch.device("cpu"), op_timeout_s=self.timeout_s)
         finally:
             engine_side.join(self.timeout_s + 30)
         if failure:
