@@ -591,3 +591,38 @@ def test_importer_prunes_mappings_of_closed_segments():
     finally:
         keep.close()
         imp.close()
+
+
+def test_unique_id_pickles_admit_only_the_id_struct():
+    """The NCCL/HCCL unique id arrives as vLLM's pickled ctypes struct: exactly its two globals are admitted
+    (as local stand-ins, nothing from the pickle is called); anything else is refused by name."""
+    import ctypes
+    import os
+    import pickle
+
+    from ascend_ops.pyccl import HCCL_ID, NCCL_ID, dumps_unique_id, loads_unique_id
+    from ascend_ops.safe_pickle import UnsafePickleError
+
+    raw = bytes(range(128))
+    assert loads_unique_id(NCCL_ID, dumps_unique_id(NCCL_ID, raw), "t") == raw
+    hraw = os.urandom(4108)
+    assert loads_unique_id(HCCL_ID, dumps_unique_id(HCCL_ID, hraw), "t") == hraw
+
+    class Other(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_byte * 128)]
+
+    Other.__module__, Other.__qualname__ = "ctypes", "Other"
+    ctypes.Other = Other  # so that pickle can name it
+    try:
+        other = pickle.dumps(Other.from_buffer_copy(raw))
+    finally:
+        del ctypes.Other
+    for data, name in [(pickle.dumps(os.system), "posix.system"), (pickle.dumps(print), "builtins.print"),
+                       (other, "ctypes.Other"), (dumps_unique_id(HCCL_ID, hraw), "hcclUniqueId")]:
+        with pytest.raises(UnsafePickleError, match=name):
+            loads_unique_id(NCCL_ID, data, "the store key")
+    with pytest.raises(ValueError, match="not a ncclUniqueId"):  # the right globals, the wrong size
+        loads_unique_id(NCCL_ID, dumps_unique_id(NCCL_ID, raw).replace(b"B\x80\x00\x00\x00" + raw,
+                                                                       b"B\x04\x00\x00\x00" + raw[:4]), "t")
+    with pytest.raises(ValueError, match="128 bytes"):
+        dumps_unique_id(NCCL_ID, raw[:5])

@@ -372,6 +372,8 @@ class WeightReceiver:
         broadcasts after a successful start. When the metadata is too broken to know what the trainer sends,
         the group is torn down (Gloo peers then fail at once) and must be initialised again.
         """
+        if not isinstance(info, dict):
+            raise WeightSyncError("update_info must be an object", param="update_info")
         wire, resolved = self._wire_plan(info)
         packed = info.get("packed", self.packed)
         size = info.get("packed_buffer_size_bytes", self.buffer_size)
