@@ -244,6 +244,8 @@ def test_vllm_trainer_updates_land_bitwise_and_a_refusal_returns_within_seconds(
         bad[mid] = (bad[mid][0], bad[mid][1].reshape(-1)[:7].clone())
         r = trainer.round(bad)
         assert not r["ok"] and r["status"] == 400, r
+        print(f"\nrefused update (packed={packed}) returned to vLLM's send_weights in {r['seconds']:.2f} s",
+              file=sys.stderr)
         assert r["seconds"] < 5, f"vLLM's trainer was kept {r['seconds']:.1f} s by a refused update"
         assert bad[mid][0] in r["body"] and "discarded" in r["body"], r["body"]
         assert _compare(url, second) == {"match": True, "mismatches": []}  # the previous weights, bitwise
