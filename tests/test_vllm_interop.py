@@ -6,7 +6,8 @@ workers, and vLLM's `NCCLTrainerWeightTransferEngine` + `HTTPVLLMWeightSyncClien
 `rollbus serve` (tests/vllm_trainer_cpu.py says exactly which vLLM functions run unmodified: all but the
 NCCL communicator, replaced by Gloo on the same StatelessProcessGroup, and CUDA streams). Every landed update
 is checked bitwise with /weight_checker; a refused one (wrong shape mid-list) must return to vLLM's trainer
-in under 5 s with the previous weights still served.
+in under 5 s with the previous weights still served. TRL 1.16's VLLMClient weight sync (init_communicator,
+update_model_params) runs the same way (tests/trl_trainer_cpu.py), once /server_info has vllm_config.
 
 Heavy (a vLLM import per subprocess, ~10-20 s each): marked `interop`; `pytest -m interop` runs them.
 """
@@ -172,13 +173,13 @@ def model(folder):
 
 
 class VllmTrainer:
-    """tests/vllm_trainer_cpu.py in the vLLM venv: one round per call."""
+    """tests/vllm_trainer_cpu.py (or another trainer script) in the vLLM venv: one round per call."""
 
-    def __init__(self, url: str, packed: bool, work: Path):
+    def __init__(self, url: str, packed: bool, work: Path, script: Path = TRAINER, **extra):
         self.work, self.k = work, 0
-        args = {"url": url, "port": _free_port(), "packed": packed, "buffer": 96 << 10}
+        args = {"url": url, "port": _free_port(), "packed": packed, "buffer": 96 << 10, **extra}
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        self.proc = subprocess.Popen([str(VLLM_PY), str(TRAINER), json.dumps(args)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([str(VLLM_PY), str(script), json.dumps(args)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(work / "trainer.log", "w"), text=True,
                                      env=env, cwd="/")
 
@@ -258,3 +259,36 @@ def test_vllm_trainer_updates_land_bitwise_and_a_refusal_returns_within_seconds(
         trainer.close()
     print(f"\ninterop packed={packed}: {time.monotonic() - t0:.1f} s for 4 rounds incl. the vLLM import",
           file=sys.stderr)
+
+
+TRL_SITE = Path(os.environ.get("ROLLBUS_TRL_SITE", Path.home() / ".cache/rollbus-interop/trl/lib/python3.11/site-packages"))
+
+
+def test_trl_vllm_client_weight_sync_lands_bitwise_and_a_refusal_returns_within_seconds(server, model, tmp_path):
+    """TRL 1.16's VLLMClient.init_communicator + update_model_params (vLLM's packed producer underneath)."""
+    if not (TRL_SITE / "trl").is_dir():
+        pytest.skip(f"TRL is not installed at {TRL_SITE} (set ROLLBUS_TRL_SITE)")
+    info = httpx.get(server.url + "/server_info", params={"config_format": "json"}).json()
+    if "vllm_config" not in info:
+        pytest.skip("/server_info has no vllm_config, which TRL's init_communicator reads (the routes branch adds it)")
+    url = server.url
+    trainer = VllmTrainer(url, True, tmp_path, script=TRAINER.with_name("trl_trainer_cpu.py"), trl_site=str(TRL_SITE))
+    try:
+        first = _perturbed(model, seed=11)
+        r = trainer.round(first)
+        assert r["ok"], r
+        assert _compare(url, first) == {"match": True, "mismatches": []}
+        bad = _perturbed(model, seed=12)
+        mid = len(bad) // 2
+        bad[mid] = (bad[mid][0], bad[mid][1].reshape(-1)[:7].clone())
+        r = trainer.round(bad)
+        assert not r["ok"] and "400" in r["error"] and bad[mid][0] in r["error"], r
+        print(f"\nrefused update returned to TRL's update_model_params in {r['seconds']:.2f} s", file=sys.stderr)
+        assert r["seconds"] < 5, r
+        assert _compare(url, first) == {"match": True, "mismatches": []}
+        second = _perturbed(model, seed=13)
+        r = trainer.round(second)
+        assert r["ok"], r
+        assert _compare(url, second) == {"match": True, "mismatches": []}
+    finally:
+        trainer.close()

@@ -44,12 +44,14 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NC
 class GlooEndpoint:
     """PyNcclCommunicator's handshake on vLLM's StatelessProcessGroup, with Gloo for the bytes."""
 
-    def __init__(self, init_info) -> None:
-        self.spg = StatelessProcessGroup.create(host=init_info.master_address, port=init_info.master_port,
-                                                rank=0, world_size=init_info.world_size)
+    def __init__(self, init_info) -> None:  # an init info object, or a dict (as nccl_common.trainer_init takes)
+        get = init_info.get if isinstance(init_info, dict) else lambda k: getattr(init_info, k)
+        world = get("world_size")
+        self.spg = StatelessProcessGroup.create(host=get("master_address"), port=get("master_port"), rank=0,
+                                                world_size=world)
+        self.group = self.spg  # PyNcclCommunicator.group (TRL's close_communicator clears its store)
         prefix = self.spg.broadcast_obj(f"vllm-trainer/gloo/{uuid.uuid4().hex}/", src=0)
-        self.pg = init_gloo_process_group(PrefixStore(prefix, self.spg.store), 0, init_info.world_size,
-                                          timedelta(seconds=120))
+        self.pg = init_gloo_process_group(PrefixStore(prefix, self.spg.store), 0, world, timedelta(seconds=120))
         self.pg.allreduce(torch.zeros(1)).wait()  # PyNcclCommunicator's warm-up
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
