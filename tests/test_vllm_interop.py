@@ -160,7 +160,7 @@ def folder(tmp_path_factory, smollm2_dir):
 def server(tmp_path_factory, folder):
     s = start_server(tmp_path_factory.mktemp("gloo"), str(folder), "--additional-config", RL,
                      "--weight-transfer-config", '{"backend": "nccl", "timeout_s": 30}',
-                     "--max-model-len", "128", "--block-size", "4")
+                     "--max-model-len", "128", "--block-size", "4", "--num-workers", "2")
     yield s
     s.stop()
 
@@ -217,6 +217,7 @@ def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _compare(url: str, named) -> dict:
+    """Bare names: each must match on every worker (two here: trainer ranks 1 and 2)."""
     return httpx.post(url + "/weight_checker", timeout=60,
                       json={"action": "compare", "baseline": weight_checksums(named)}).json()
 
@@ -225,6 +226,7 @@ def _compare(url: str, named) -> dict:
 def test_vllm_trainer_updates_land_bitwise_and_a_refusal_returns_within_seconds(server, model, packed,
                                                                                   tmp_path):
     url = server.url
+    assert httpx.get(url + "/get_world_size").json() == {"world_size": 2}  # ranks 1 and 2 after the trainer
     t0 = time.monotonic()
     trainer = VllmTrainer(url, packed, tmp_path)
     try:
@@ -290,5 +292,32 @@ def test_trl_vllm_client_weight_sync_lands_bitwise_and_a_refusal_returns_within_
         r = trainer.round(second)
         assert r["ok"], r
         assert _compare(url, second) == {"match": True, "mismatches": []}
+    finally:
+        trainer.close()
+
+
+SKYRL_CONTROL_PLANE = Path(os.environ.get(
+    "ROLLBUS_SKYRL_CONTROL_PLANE", Path.home() / ".cache/rollbus-interop/skyrl/lib/python3.11/site-packages/skyrl/"
+    "backends/skyrl_train/weight_sync/control_plane.py"))
+
+
+def test_skyrl_weight_sync_client_drives_vllms_trainer_engine(server, model, tmp_path):
+    """SkyRL 0.4's SkyrlWeightSyncClient (with its per-server rank_offset rewrite) as the engine's client."""
+    if not SKYRL_CONTROL_PLANE.is_file():
+        pytest.skip(f"SkyRL is not installed ({SKYRL_CONTROL_PLANE}; set ROLLBUS_SKYRL_CONTROL_PLANE)")
+    url = server.url
+    trainer = VllmTrainer(url, True, tmp_path, skyrl_control_plane=str(SKYRL_CONTROL_PLANE))
+    try:
+        first = _perturbed(model, seed=21)
+        r = trainer.round(first)
+        assert r["ok"], r
+        assert _compare(url, first) == {"match": True, "mismatches": []}
+        bad = _perturbed(model, seed=22)
+        bad[1] = (bad[1][0], bad[1][1][:1].clone())
+        r = trainer.round(bad)
+        assert not r["ok"] and "400" in r["error"] and bad[1][0] in r["error"], r
+        print(f"\nrefused update returned to SkyRL's client in {r['seconds']:.2f} s", file=sys.stderr)
+        assert r["seconds"] < 5, r
+        assert _compare(url, first) == {"match": True, "mismatches": []}
     finally:
         trainer.close()

@@ -14,7 +14,10 @@ unmodified except for what has no CPU form:
 Everything else is vLLM's: ``NCCLTrainerWeightTransferEngine.trainer_init`` and ``send_weights`` (start,
 update_weights on a thread concurrent with the broadcast, finish), ``_checked_iter``, the packed producer
 ``packed_nccl_broadcast_producer`` / ``pack_tensors`` (chunking), ``ModuleSource``, ``NCCLTrainerInitInfo``,
-``worker_init_payload`` and ``HTTPVLLMWeightSyncClient`` (the HTTP calls).
+``worker_init_payload`` and ``HTTPVLLMWeightSyncClient`` (the HTTP calls), or SkyRL's
+``SkyrlWeightSyncClient`` with its ``nccl_init_payloads`` in its place ("skyrl_control_plane": the path of
+SkyRL's weight_sync/control_plane.py, loaded as a module of its own: the skyrl package does not import
+under this venv's pydantic).
 
 Usage: vllm_trainer_cpu.py '{"url": ..., "port": ..., "packed": ..., "buffer": ...}', then one JSON line per
 round on stdin ({"file": safetensors path, "order": [names], "empty_metadata": bool}); answers one JSON line
@@ -94,7 +97,15 @@ def main() -> None:
     import requests
 
     url = args["url"]
-    client = HTTPVLLMWeightSyncClient(url, timeout=120)
+    if args.get("skyrl_control_plane"):  # SkyRL 0.4's VLLMWeightSyncClient, its module loaded on its own
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("skyrl_control_plane", args["skyrl_control_plane"])
+        cp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cp)
+        client = cp.SkyrlWeightSyncClient([url], 1, init_payload_fn=cp.nccl_init_payloads)
+    else:
+        client = HTTPVLLMWeightSyncClient(url, timeout=120)
     world = requests.get(url + "/get_world_size", timeout=30).json()["world_size"] + 1
     info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=args["port"], world_size=world,
                                packed=args["packed"], packed_buffer_size_bytes=args["buffer"], rank=0)
