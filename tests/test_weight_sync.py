@@ -452,3 +452,62 @@ def test_init_info_fields_are_vllms(gloo_server):
     r = post(url, "/init_weight_transfer_engine", {"init_info": {
         "nccl_unique_id_b64": base64.b64encode(bytes(128)).decode(), "rank_offset": 1, "world_size": 2}})
     assert r.status_code == 400 and "CUDA" in r.json()["error"]["message"], r.text
+
+
+def test_a_trainer_that_never_publishes_its_communicator_id_is_a_504_naming_the_key(gloo_server):
+    port = _free_port()
+    store = _store(port)  # the store answers, but rank 0 never writes broadcast_from/0/0
+    t0 = time.monotonic()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 2}
+    r = post(gloo_server.url, "/init_weight_transfer_engine", {"init_info": init})
+    assert r.status_code == 504, r.text
+    msg = r.json()["error"]["message"]
+    assert "'broadcast_from/0/0'" in msg and f"127.0.0.1:{port}" in msg, msg
+    assert time.monotonic() - t0 < 15
+    del store
+    assert engine_greedy(gloo_server.url)
+
+
+def test_rank_offset_places_the_engine_after_other_ranks(gloo_server, trainer):
+    """SkyRL's layout for a second engine: rank_offset 2 (rank 1 is another engine's worker, played here by a
+    thread), world 3; the update lands and the other rank received the same bytes."""
+    from ascend_ops.collective import WeightGroup
+
+    url, port = gloo_server.url, _free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 2, "world_size": 3, "timeout_s": 30}
+    groups: dict[int, WeightGroup] = {}
+    replies: list[httpx.Response] = []
+
+    def call(path, body):
+        replies.append(post(url, path, body))
+
+    def join(rank):
+        groups[rank] = WeightGroup.create("127.0.0.1", port, rank, 3, 30.0, op_timeout_s=30)
+
+    threads = [threading.Thread(target=call, args=("/init_weight_transfer_engine", {"init_info": init})),
+               *(threading.Thread(target=join, args=(r,)) for r in (0, 1))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert replies[0].status_code == 200, replies[0].text
+    perturb(trainer, seed=95)
+    named = [(n, p.detach().contiguous()) for n, p in trainer.named_parameters()]
+    info = UpdateMeta([ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in named]).to_info()
+    assert post(url, "/start_weight_update").status_code == 200
+    engine_side = threading.Thread(target=call, args=("/update_weights", {"update_info": info}))
+    other = [torch.empty_like(t) for _, t in named]
+    other_side = threading.Thread(target=lambda: [groups[1].broadcast(t, 0) for t in other])
+    engine_side.start()
+    other_side.start()
+    for _, t in named:
+        groups[0].broadcast(t, 0)
+    engine_side.join(60)
+    other_side.join(60)
+    assert replies[1].status_code == 200, replies[1].text
+    assert post(url, "/finish_weight_update", {"weight_version": "offset-2"}).status_code == 200
+    assert all(torch.equal(a, b) for a, (_, b) in zip(other, named))
+    for g in groups.values():
+        g.destroy()
+    assert version(url) == "offset-2"
+    assert_engine_matches(url, trainer)
