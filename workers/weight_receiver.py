@@ -472,7 +472,7 @@ class WeightReceiver:
         group = self.group
         failure: BaseException | None = None
         if not packed:
-            scratch = torch.empty(max(p.nbytes for p in params), dtype=torch.uint8, device=self.device)
+            scratch: torch.Tensor | None = None  # for tensors not received in place (allocated once, lazily)
             for i, p in enumerate(params):
                 target = None
                 if dests is not None and failure is None:
@@ -483,6 +483,8 @@ class WeightReceiver:
                 if target is not None and target.is_contiguous() and target.dtype == p.dtype:
                     group.broadcast(target, 0)
                     continue
+                if scratch is None:
+                    scratch = torch.empty(max(q.nbytes for q in params), dtype=torch.uint8, device=self.device)
                 buf = scratch[:p.nbytes].view(p.dtype).view(p.shape)
                 group.broadcast(buf, 0)
                 if target is not None:
