@@ -110,7 +110,8 @@ class CclCommunicator:
         self._errstr = getattr(self.lib, f"{p}GetErrorString")
         self._errstr.restype = ctypes.c_char_p
         # the id is a struct passed by value to ncclCommInitRank (a bare array would decay to a pointer)
-        self._id_t = type(f"{fmt.qualname}_t", (ctypes.Structure,), {"_fields_": [("internal", ctypes.c_byte * fmt.nbytes)]})
+        self._id_t = type(f"{fmt.qualname}_t", (ctypes.Structure,),
+                          {"_fields_": [("internal", ctypes.c_byte * fmt.nbytes)]})
 
     def _check(self, result: int, call: str) -> None:
         if result != 0:
@@ -169,7 +170,9 @@ class CclCommunicator:
 
 
 def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else torch.npu.device(device)  # type: ignore[attr-defined]
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return torch.npu.device(device)  # type: ignore[attr-defined]
 
 
 def _stream(device: torch.device, raw: bool = True) -> Any:

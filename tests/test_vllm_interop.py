@@ -263,7 +263,8 @@ def test_vllm_trainer_updates_land_bitwise_and_a_refusal_returns_within_seconds(
           file=sys.stderr)
 
 
-TRL_SITE = Path(os.environ.get("ROLLBUS_TRL_SITE", Path.home() / ".cache/rollbus-interop/trl/lib/python3.11/site-packages"))
+TRL_SITE = Path(os.environ.get("ROLLBUS_TRL_SITE",
+                               Path.home() / ".cache/rollbus-interop/trl/lib/python3.11/site-packages"))
 
 
 def test_trl_vllm_client_weight_sync_lands_bitwise_and_a_refusal_returns_within_seconds(server, model, tmp_path):
