@@ -34,11 +34,10 @@ import uuid
 from datetime import timedelta
 
 import torch
-from safetensors.torch import load_file
-from torch.distributed import PrefixStore
-
 import vllm.distributed.weight_transfer.nccl_engine as nccl_engine
 import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
+from safetensors.torch import load_file
+from torch.distributed import PrefixStore
 from vllm.distributed.utils import StatelessProcessGroup, init_gloo_process_group
 from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
