@@ -1,7 +1,8 @@
 """`--weight-transfer-config`: which backend moves a trainer's weights into the workers. Pure.
 
     {"backend": "ipc"}    same device as the trainer: CUDA IPC, NPU IPC (torch_npu), shared memory on CPU
-    {"backend": "hccl"}   separate devices: torch.distributed broadcast, HCCL on NPU, NCCL on CUDA, Gloo on CPU
+    {"backend": "hccl"}   separate devices: vLLM's collective protocol (StatelessProcessGroup rendezvous, then
+                          HCCL on NPU / NCCL on CUDA as vLLM's PyHccl/PyNccl communicators, Gloo on CPU)
 
 Aliases: npu_ipc -> ipc; nccl and gloo -> hccl (the platform picks the collective library, so every name
 works on every platform). Optional keys beyond vLLM's:

@@ -11,6 +11,10 @@
 A failed update_weights or finish_weight_update aborts the whole update on every worker (what they staged
 is dropped; the previous weights stay in service) and answers with the worker's message: 400 for bad
 names/shapes/dtypes/handles, 409 for calls out of order, 504 for a rendezvous or transfer that timed out.
+Collective backend (vLLM's StatelessProcessGroup + PyNccl/PyHccl protocol, ascend_ops/collective.py): the
+workers answer a refused update_weights only after taking part in (and discarding) every broadcast the
+trainer issues for it, so the trainer is never left blocked; /init_weight_transfer_engine answers 409 for a
+store key collision (rank taken, group already formed) and 400 for a store object naming a refused global.
 Registered with the other development endpoints (RL mode or VLLM_SERVER_DEV_MODE=1).
 """
 

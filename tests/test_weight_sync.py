@@ -4,6 +4,7 @@ Failures leave the previous weights in service bit for bit."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -338,3 +339,177 @@ def test_ipc_share_memory_sends_the_trainers_own_memory(ipc_server, trainer):
     assert_engine_matches(url, trainer)
     with torch.no_grad():  # the trainer's tensors outlive the client's segment name
         assert torch.isfinite(first.add_(0.0)).all()
+
+
+# --- collective refusals: the trainer is never left blocked ----------------------------------------------
+
+
+def _wrong_shape_mid_list(model) -> tuple[list[tuple[str, torch.Tensor]], str]:
+    named = [(n, p.detach() + 1.0) for n, p in model.named_parameters()]
+    mid = len(named) // 2
+    name, t = named[mid]
+    named[mid] = (name, t.reshape(-1)[: t.numel() // 2].clone())
+    return named, name
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_refused_collective_update_returns_to_the_trainer_within_seconds(gloo_server, trainer, packed):
+    """Wrong shape mid-list: the workers still take part in every broadcast (and discard it), so our client
+    returns with the 400 at once; the previous weights stay bitwise and the group stays usable."""
+    url = gloo_server.url
+    with WeightSyncClient(url, backend="nccl", packed=packed, packed_buffer_size_bytes=96 << 10) as client:
+        perturb(trainer, seed=70 + packed)
+        client.send_weights(trainer.named_parameters(), version=f"kept-{packed}", pause=None)
+        baseline = weight_checksums(trainer.named_parameters())
+        bad, bad_name = _wrong_shape_mid_list(trainer)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncFailed) as e:
+            client.send_weights(bad, version="never", pause="keep")
+        took = time.monotonic() - t0
+        print(f"\nrefused update (packed={packed}) returned to WeightSyncClient in {took:.2f} s")
+        assert took < 5, f"the refused update kept the trainer {took:.1f} s"
+        assert e.value.status == 400 and bad_name in str(e.value) and "discarded" in str(e.value), str(e.value)
+        assert version(url) == f"kept-{packed}"
+        r = httpx.post(url + "/weight_checker", json={"action": "compare", "baseline": baseline}).json()
+        assert r == {"match": True, "mismatches": []}
+        assert not httpx.get(url + "/is_paused").json()["is_paused"]
+        perturb(trainer, seed=80 + packed)  # the same group, still lined up with the trainer
+        client.send_weights(trainer.named_parameters(), version=f"after-refusal-{packed}", pause=None)
+    assert version(url) == f"after-refusal-{packed}"
+    assert_engine_matches(url, trainer)
+
+
+def test_unreadable_metadata_tears_the_group_down_and_the_client_forms_it_again(gloo_server, trainer):
+    url = gloo_server.url
+    with WeightSyncClient(url, backend="nccl") as client:
+        client.init_transfer()
+        assert post(url, "/start_weight_update").status_code == 200
+        r = post(url, "/update_weights", {"update_info": {
+            "names": ["model.norm.weight"], "dtype_names": ["float32", "float32"], "shapes": [[64]]}})
+        assert r.status_code == 400 and "torn down" in r.json()["error"]["message"], r.text
+        r = post(url, "/start_weight_update")
+        assert r.status_code == 409 and "torn down" in r.json()["error"]["message"], r.text
+        perturb(trainer, seed=90)
+        client.send_weights(trainer.named_parameters(), version="re-formed", pause=None)  # re-initialises
+    assert version(url) == "re-formed"
+    assert_engine_matches(url, trainer)
+
+
+def _store(port: int):
+    """A trainer's store (rank 0 of 2) that a test fills by hand."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30),
+                         wait_for_workers=False, use_libuv=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_store_object_naming_another_global_is_refused_by_name(gloo_server):
+    import pickle
+
+    port = _free_port()
+    store = _store(port)
+    store.set("broadcast_from/0/0", pickle.dumps(print))  # where the CPU group's prefix (a str) belongs
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 10}
+    r = post(gloo_server.url, "/init_weight_transfer_engine", {"init_info": init})
+    assert r.status_code == 400, r.text
+    assert "'builtins.print'" in r.json()["error"]["message"] and f"127.0.0.1:{port}" in r.json()["error"]["message"]
+    del store
+    assert engine_greedy(gloo_server.url)  # still serving
+
+
+@pytest.mark.parametrize("key, words", [("rollbus/rank/1", "rank 1 is already taken"),
+                                        ("rollbus/formed", "already complete")])
+def test_store_key_collisions_are_409s_naming_the_store(gloo_server, key, words):
+    port = _free_port()
+    store = _store(port)
+    store.add(key, 1)  # a second engine holds rank 1, or the group on this store formed before
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 10}
+    r = post(gloo_server.url, "/init_weight_transfer_engine", {"init_info": init})
+    assert r.status_code == 409 and words in r.json()["error"]["message"], r.text
+    assert f"127.0.0.1:{port}" in r.json()["error"]["message"]
+    del store
+    assert engine_greedy(gloo_server.url)
+
+
+def test_init_info_fields_are_vllms(gloo_server):
+    url = gloo_server.url
+    base = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+    for extra, words, status in [
+        ({"backend": "nccl"}, "unknown field(s) ['backend']", 400),
+        ({"nccl_unique_id_b64": "AAAA"}, "not both", 400),
+        ({"world_size": 1}, "outside world_size 1", 400),
+    ]:
+        r = post(url, "/init_weight_transfer_engine", {"init_info": {**base, **extra}})
+        assert r.status_code == status and words in r.json()["error"]["message"], (extra, r.text)
+    r = post(url, "/init_weight_transfer_engine", {"init_info": {
+        "nccl_unique_id_b64": base64.b64encode(bytes(128)).decode(), "rank_offset": 1, "world_size": 2}})
+    assert r.status_code == 400 and "CUDA" in r.json()["error"]["message"], r.text
+
+
+def test_a_trainer_that_never_publishes_its_communicator_id_is_a_504_naming_the_key(gloo_server):
+    port = _free_port()
+    store = _store(port)  # the store answers, but rank 0 never writes broadcast_from/0/0
+    t0 = time.monotonic()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 2}
+    r = post(gloo_server.url, "/init_weight_transfer_engine", {"init_info": init})
+    assert r.status_code == 504, r.text
+    msg = r.json()["error"]["message"]
+    assert "'broadcast_from/0/0'" in msg and f"127.0.0.1:{port}" in msg, msg
+    assert time.monotonic() - t0 < 15
+    del store
+    assert engine_greedy(gloo_server.url)
+
+
+def test_rank_offset_places_the_engine_after_other_ranks(gloo_server, trainer):
+    """SkyRL's layout for a second engine: rank_offset 2 (rank 1 is another engine's worker, played here by a
+    thread), world 3; the update lands and the other rank received the same bytes."""
+    from ascend_ops.collective import WeightGroup
+
+    url, port = gloo_server.url, _free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 2, "world_size": 3, "timeout_s": 30}
+    groups: dict[int, WeightGroup] = {}
+    replies: list[httpx.Response] = []
+
+    def call(path, body):
+        replies.append(post(url, path, body))
+
+    def join(rank):
+        groups[rank] = WeightGroup.create("127.0.0.1", port, rank, 3, 30.0, op_timeout_s=30)
+
+    threads = [threading.Thread(target=call, args=("/init_weight_transfer_engine", {"init_info": init})),
+               *(threading.Thread(target=join, args=(r,)) for r in (0, 1))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert replies[0].status_code == 200, replies[0].text
+    perturb(trainer, seed=95)
+    named = [(n, p.detach().contiguous()) for n, p in trainer.named_parameters()]
+    info = UpdateMeta([ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in named]).to_info()
+    assert post(url, "/start_weight_update").status_code == 200
+    engine_side = threading.Thread(target=call, args=("/update_weights", {"update_info": info}))
+    other = [torch.empty_like(t) for _, t in named]
+    other_side = threading.Thread(target=lambda: [groups[1].broadcast(t, 0) for t in other])
+    engine_side.start()
+    other_side.start()
+    for _, t in named:
+        groups[0].broadcast(t, 0)
+    engine_side.join(60)
+    other_side.join(60)
+    assert replies[1].status_code == 200, replies[1].text
+    assert post(url, "/finish_weight_update", {"weight_version": "offset-2"}).status_code == 200
+    assert all(torch.equal(a, b) for a, (_, b) in zip(other, named))
+    for g in groups.values():
+        g.destroy()
+    assert version(url) == "offset-2"
+    assert_engine_matches(url, trainer)

@@ -11,6 +11,7 @@ storage becomes the next staging area), released on sleep and on shutdown.
 
 from __future__ import annotations
 
+import pickle
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,9 @@ from engine.weight_update import (
 log = structlog.get_logger()
 
 IDLE, ACTIVE, FINISHED = "idle", "active", "finished"
+# vLLM's NCCLWeightTransferInitInfo fields, plus rollbus's timeout_s
+INIT_INFO_KEYS = frozenset({"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64",
+                            "packed", "packed_buffer_size_bytes", "packed_num_buffers", "timeout_s"})
 
 
 @dataclass(slots=True)
@@ -66,6 +70,8 @@ class WeightReceiver:
         self._params: dict[str, torch.nn.Parameter] = {}
         self._copy = None  # bulk_copy_threads' copy(dst, src) during an update
         self.received: list[str] = []  # names of the update in progress, in order
+        self._last_wire: dict[str, Any] | None = None  # names/dtype_names/shapes vLLM 0.33 may leave out
+        self._group_lost: str | None = None  # why the collective group was torn down behind the trainer
         self._owner = self._storage_owners()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -84,29 +90,7 @@ class WeightReceiver:
         self.buffer_size = _opt_int(info, "packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
         self.num_buffers = _opt_int(info, "packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)
         if cfg.backend == "hccl":
-            from ascend_ops.collective import WeightGroup
-
-            addr = info.get("master_address")
-            port = info.get("master_port")
-            world = info.get("world_size")
-            offset = info.get("rank_offset", 1)
-            if not isinstance(addr, str) or not addr:
-                raise WeightSyncError("init_info.master_address must be a host name or address", param="master_address")
-            for fname, v in (("master_port", port), ("world_size", world), ("rank_offset", offset)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise WeightSyncError(f"init_info.{fname} must be a non-negative integer, got {v!r}", param=fname)
-            my_rank = offset + self.rank
-            if not 0 < my_rank < world:
-                raise WeightSyncError(f"worker rank {my_rank} (rank_offset {offset} + worker {self.rank}) is outside "
-                                      f"world_size {world}; the trainer is rank 0", param="world_size")
-            timeout = float(info.get("timeout_s") or cfg.timeout_s)
-            if self.group is not None:
-                self.group.destroy()
-                self.group = None
-            try:
-                self.group = WeightGroup.create(addr, port, my_rank, world, timeout, self.device)
-            except TimeoutError as e:
-                raise WeightSyncError(str(e), status=504) from None
+            self._init_collective(info, cfg)
         else:
             from ascend_ops.ipc import HandleImporter
 
@@ -124,7 +108,7 @@ class WeightReceiver:
                                   "must end it before start_weight_update", status=409)
         if cfg.backend == "hccl" and self.group is None:
             why = (" (a sleep with sleep_mode_extra_cleanup released the group: initialise it again)"
-                   if self.group_released else "")
+                   if self.group_released else f" ({self._group_lost})" if self._group_lost else "")
             raise WeightSyncError(f"the hccl backend needs /init_weight_transfer_engine before an update{why}",
                                   status=409)
         if self.nz_mode:
@@ -211,16 +195,15 @@ class WeightReceiver:
         if self.was_shut_down:
             raise WeightSyncError("the weight transfer engine was shut down: no update is possible until "
                                   "/init_weight_transfer_engine", status=409)
+        if cfg.backend == "hccl":
+            return self._update_collective(info)
         if self.state != ACTIVE:
             raise WeightSyncError("start_weight_update must be called before update_weights.", status=409)
         meta = UpdateMeta.parse(info)
         dests = self._validate(meta)
         try:
             with bulk_copy_threads() as self._copy:
-                if cfg.backend == "ipc":
-                    self._receive_ipc(info, meta, dests)
-                else:
-                    self._receive_collective(info, meta, dests)
+                self._receive_ipc(info, meta, dests)
         except WeightSyncError:
             raise
         except TimeoutError as e:
@@ -350,40 +333,225 @@ class WeightReceiver:
                                   param="ipc_handles")
         return buf
 
-    def _receive_collective(self, info: dict[str, Any], meta: UpdateMeta, dests: list[torch.Tensor]) -> None:
+    # --- collective backend (vLLM's NCCL weight-transfer engine protocol; ascend_ops.collective) -----------
+
+    def _init_collective(self, info: dict[str, Any], cfg: WeightTransferConfig) -> None:
+        """Join the trainer's group as rank rank_offset + dp_rank x (tp x pp) + worker rank (tp = pp = 1 here,
+        so rank_offset + this worker's data-parallel index). init_info is vLLM's NCCLWeightTransferInitInfo."""
+        import base64
+        import binascii
+
+        from ascend_ops.collective import StoreCollision, WeightGroup
+
+        unknown = sorted(set(info) - INIT_INFO_KEYS)
+        if unknown:
+            raise WeightSyncError(f"init_info: unknown field(s) {unknown}; known: {sorted(INIT_INFO_KEYS)}",
+                                  param=unknown[0])
+        addr, port, uid_b64 = info.get("master_address"), info.get("master_port"), info.get("nccl_unique_id_b64")
+        world, offset = info.get("world_size"), info.get("rank_offset", 1)
+        if uid_b64 and (addr is not None or port is not None):
+            raise WeightSyncError("init_info: pass nccl_unique_id_b64 OR master_address/master_port, not both",
+                                  param="nccl_unique_id_b64")
+        if not uid_b64:
+            if not isinstance(addr, str) or not addr:
+                raise WeightSyncError("init_info.master_address must be a host name or address",
+                                      param="master_address")
+            if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+                raise WeightSyncError(f"init_info.master_port must be a port number, got {port!r}", param="master_port")
+        for fname, v in (("world_size", world), ("rank_offset", offset)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise WeightSyncError(f"init_info.{fname} must be a non-negative integer, got {v!r}", param=fname)
+        my_rank = offset + self.rank
+        if not 0 < my_rank < world:
+            raise WeightSyncError(f"worker rank {my_rank} (rank_offset {offset} + worker {self.rank}) is outside "
+                                  f"world_size {world}; the trainer is rank 0", param="world_size")
+        timeout = info.get("timeout_s", cfg.timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise WeightSyncError(f"init_info.timeout_s must be a positive number, got {timeout!r}", param="timeout_s")
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        self._last_wire, self._group_lost = None, None
+        try:
+            if uid_b64:
+                try:
+                    uid = base64.b64decode(uid_b64, validate=True)
+                except (binascii.Error, ValueError, TypeError):
+                    raise WeightSyncError("init_info.nccl_unique_id_b64 is not valid standard base64 (URL-safe "
+                                          "base64 is not accepted)", param="nccl_unique_id_b64") from None
+                if len(uid) != 128:
+                    raise WeightSyncError(f"init_info.nccl_unique_id_b64 must decode to 128 bytes, got {len(uid)}",
+                                          param="nccl_unique_id_b64")
+                self.group = WeightGroup.from_unique_id(uid, my_rank, world, self.device)
+            else:
+                self.group = WeightGroup.create(addr, port, my_rank, world, float(timeout), self.device,
+                                                op_timeout_s=float(timeout))
+        except TimeoutError as e:
+            raise WeightSyncError(str(e), status=504) from None
+        except StoreCollision as e:
+            raise WeightSyncError(str(e), status=409) from None
+        except (ValueError, pickle.UnpicklingError) as e:  # a bad store object (naming its global), a uid off CUDA
+            raise WeightSyncError(str(e), status=400) from None
+        except (OSError, RuntimeError) as e:  # ConnectionError, an unloadable library, a failed init
+            raise WeightSyncError(f"weight-transfer rendezvous failed: {e}", status=502) from None
+
+    def _update_collective(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Receive one update_weights call's broadcasts; never leave the trainer blocked.
+
+        vLLM's trainer (and ours) broadcasts while this call runs, whatever the engine answers. So when the
+        update is refused for its content (a 400: unknown name, wrong shape, a dtype that cannot be cast) or
+        fails while writing, this worker still takes part in every broadcast the trainer issues for it and
+        discards the bytes, then answers; the trainer's broadcasts complete and it sees the error within
+        seconds. Refusals of state (409: no start_weight_update, no group) drain nothing: a trainer only
+        broadcasts after a successful start. When the metadata is too broken to know what the trainer sends,
+        the group is torn down (Gloo peers then fail at once) and must be initialised again.
+        """
+        if not isinstance(info, dict):
+            raise WeightSyncError("update_info must be an object", param="update_info")
+        wire, resolved = self._wire_plan(info)
+        packed = info.get("packed", self.packed)
+        size = info.get("packed_buffer_size_bytes", self.buffer_size)
+        nbuf = info.get("packed_num_buffers", self.num_buffers)
+        if self.was_shut_down:
+            raise WeightSyncError("the weight transfer engine was shut down: no update is possible until "
+                                  "/init_weight_transfer_engine", status=409)
+        if self.state != ACTIVE:
+            raise WeightSyncError("start_weight_update must be called before update_weights.", status=409)
+        if self.group is None:
+            raise WeightSyncError("the hccl backend needs /init_weight_transfer_engine before an update"
+                                  + (f" ({self._group_lost})" if self._group_lost else ""), status=409)
+        try:
+            packed = _opt_bool(info, "packed", self.packed)
+            size = _opt_int(info, "packed_buffer_size_bytes", self.buffer_size)
+            nbuf = _opt_int(info, "packed_num_buffers", self.num_buffers)
+            if resolved is None:
+                raise WeightSyncError("update_info.names is empty and no earlier update_weights call of this "
+                                      "group left metadata to reuse", param="names")
+            meta = UpdateMeta.parse(resolved)
+            dests = self._validate(meta)
+        except WeightSyncError as e:
+            if e.status != 400:
+                raise
+            raise WeightSyncError(f"{e}{self._discard(wire, packed, size, nbuf)}", status=400, param=e.param) from None
+        try:
+            with bulk_copy_threads() as self._copy:
+                failure = self._receive_collective(meta.params, dests, packed, size, nbuf)
+        except TimeoutError as e:
+            raise WeightSyncError(f"weight transfer timed out: {e}", status=504) from None
+        except Exception as e:  # the group itself failed: it cannot be trusted to line up with the trainer
+            self._lose_group(f"a broadcast failed ({type(e).__name__}: {e})")
+            raise WeightSyncError(f"weight transfer failed: {type(e).__name__}: {e}; the weight-transfer group "
+                                  "was torn down: initialise it again", status=500) from None
+        if failure is not None:
+            raise WeightSyncError(f"weight transfer failed: {type(failure).__name__}: {failure} (the rest of the "
+                                  "update's broadcasts were received and discarded)", status=500)
+        self.received += [p.name for p in meta.params]
+        return {"tensors": len(meta.params), "bytes": meta.nbytes}
+
+    def _wire_plan(self, info: dict[str, Any]) -> tuple[list[ParamMeta] | None, dict[str, Any] | None]:
+        """What the trainer broadcasts for this call, read leniently (any torch dtype name, so a refused dtype
+        can still be drained), and the update_info with vLLM 0.33's empty lists replaced by the previous
+        call's metadata. (None, ...) when the broadcasts cannot be sized."""
+        keys = ("names", "dtype_names", "shapes")
+        lists = [info.get(k) for k in keys]
+        if all(isinstance(v, list) and not v for v in lists):  # vLLM 0.33: "same parameters as last time"
+            if self._last_wire is None:
+                return None, None
+            info = {**info, **self._last_wire}
+            lists = [info[k] for k in keys]
+        names, dtypes, shapes = lists
+        if not all(isinstance(v, list) for v in lists) or not len(names) == len(dtypes) == len(shapes):
+            return None, info
+        wire = []
+        for name, dt, shape in zip(names, dtypes, shapes):
+            dtype = getattr(torch, dt.removeprefix("torch."), None) if isinstance(dt, str) else None
+            if (not isinstance(dtype, torch.dtype) or not isinstance(shape, list | tuple)
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+                return None, info
+            wire.append(ParamMeta(str(name), dtype, tuple(shape)))
+        if names:
+            self._last_wire = {k: info[k] for k in keys}
+        return wire, info
+
+    def _discard(self, wire: list[ParamMeta] | None, packed: Any, size: Any, nbuf: Any) -> str:
+        """Take part in the refused call's broadcasts and drop the bytes; returns a note for the error."""
+        if not isinstance(packed, bool):
+            packed = self.packed
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            size = self.buffer_size
+        if not isinstance(nbuf, int) or isinstance(nbuf, bool) or nbuf <= 0:
+            nbuf = self.num_buffers
+        if not wire:
+            self._lose_group("update_weights metadata could not be read, so its broadcasts could not be received")
+            return ("; the broadcasts of this call could not be sized, so the weight-transfer group was torn "
+                    "down: initialise it again")
+        try:
+            self._receive_collective(wire, None, packed, size, nbuf)
+        except Exception as e:
+            self._lose_group(f"discarding a refused update failed ({type(e).__name__}: {e})")
+            return f"; discarding its broadcasts failed ({type(e).__name__}: {e}), the group was torn down"
+        return f"; its {len(wire)} tensors were received from the trainer and discarded"
+
+    def _lose_group(self, why: str) -> None:
+        if self.group is not None:
+            self.group.destroy(abort=True)
+            self.group = None
+        self._group_lost = f"the weight-transfer group was torn down: {why}"
+
+    def _receive_collective(self, params: list[ParamMeta], dests: list[torch.Tensor] | None, packed: bool,
+                            size: int, nbuf: int) -> BaseException | None:
+        """Take part in every broadcast of one update_weights call, in vLLM's order: one per tensor in its own
+        dtype, or (packed) one uint8 buffer per chunk of plan_chunks. ``dests`` None: discard everything. A
+        failure while writing does not stop the receiving: it is returned once every broadcast is done."""
         group = self.group
-        packed = _opt_bool(info, "packed", self.packed)  # vllm-ascend's older layout puts it on update_info
+        failure: BaseException | None = None
         if not packed:
-            for p, dst in zip(meta.params, dests):
-                target = self._target(dst)
-                if target.is_contiguous() and target.dtype == p.dtype:
+            scratch: torch.Tensor | None = None  # for tensors not received in place (allocated once, lazily)
+            for i, p in enumerate(params):
+                target = None
+                if dests is not None and failure is None:
+                    try:
+                        target = self._target(dests[i])
+                    except Exception as e:
+                        failure = e
+                if target is not None and target.is_contiguous() and target.dtype == p.dtype:
                     group.broadcast(target, 0)
-                else:  # strided, or sent in another dtype: receive as sent, then cast into place
-                    tmp = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                    group.broadcast(tmp, 0)
-                    receive_into(target, tmp, self._copy)
-            return
-        size = _opt_int(info, "packed_buffer_size_bytes", self.buffer_size)
-        nbuf = max(1, _opt_int(info, "packed_num_buffers", self.num_buffers))
-        chunks = plan_chunks(meta.params, size)
-        widest = max(sum(meta.params[i].nbytes for i in c) for c in chunks)
+                    continue
+                if scratch is None:
+                    scratch = torch.empty(max(q.nbytes for q in params), dtype=torch.uint8, device=self.device)
+                buf = scratch[:p.nbytes].view(p.dtype).view(p.shape)
+                group.broadcast(buf, 0)
+                if target is not None:
+                    try:
+                        receive_into(target, buf, self._copy)  # casts when the trainer's dtype differs
+                    except Exception as e:
+                        failure = e
+            return failure
+        chunks = plan_chunks(params, size)
+        widest = max(sum(params[i].nbytes for i in c) for c in chunks)
         bufs = self._recv_buffers(min(nbuf, len(chunks)), widest)
         inflight: deque = deque()
 
         def consume() -> None:
+            nonlocal failure
             chunk, buf, work = inflight.popleft()
             work.wait()
-            params: list[ParamMeta] = [meta.params[i] for i in chunk]
-            for i, src in zip(chunk, byte_views(buf, params)):
-                receive_into(self._target(dests[i]), src, self._copy)
+            if dests is None or failure is not None:
+                return
+            try:
+                for i, src in zip(chunk, byte_views(buf, [params[i] for i in chunk])):
+                    receive_into(self._target(dests[i]), src, self._copy)
+            except Exception as e:
+                failure = e
 
         for ci, chunk in enumerate(chunks):
             if len(inflight) == len(bufs):
                 consume()
-            buf = bufs[ci % len(bufs)][: sum(meta.params[i].nbytes for i in chunk)]
+            buf = bufs[ci % len(bufs)][: sum(params[i].nbytes for i in chunk)]
             inflight.append((chunk, buf, group.broadcast_async(buf, 0)))
         while inflight:
             consume()
+        return failure
 
     def _recv_buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
         """Packed receive buffers. On the host they are kept between updates (n x chunk bytes resident;

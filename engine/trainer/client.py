@@ -15,9 +15,11 @@ Transfers:
   ipc  CPU: tensors are copied into shared-memory buffers (reused across versions) and the engine copies
        them out; CUDA/NPU: handles to the tensors' own device memory (unpacked) or to one staging buffer
        per chunk (packed). Handles are plain data: no pickle.
-  hccl one torch.distributed broadcast per tensor, or per packed chunk (packed=True), from this process as
-       rank 0 of a group of its own (it does not touch a default process group the trainer may have),
-       run while the engine's update_weights call receives them.
+  hccl one broadcast per tensor, or per packed chunk (packed=True), from this process as rank 0 of a group
+       of its own (it does not touch a default process group the trainer may have), run while the engine's
+       update_weights call receives them. The group is vLLM's: a StatelessProcessGroup rendezvous, then
+       NCCL/HCCL as vLLM's PyNccl/PyHccl communicators (Gloo on CPU), vLLM's init_info/update_info fields
+       and packed chunking (ascend_ops/collective.py); a vLLM trainer and this client are interchangeable.
 
 Importable without a running engine and without the server's modules (only the wire protocol).
 """
@@ -139,7 +141,7 @@ class WeightSyncClient:
         engine_side.start()
         try:
             self.group = WeightGroup.create(self.master_address, port, 0, world, self.timeout_s,
-                                            self.device or torch.device("cpu"))
+                                            self.device or torch.device("cpu"), op_timeout_s=self.timeout_s)
         finally:
             engine_side.join(self.timeout_s + 30)
         if failure:
@@ -310,18 +312,20 @@ class WeightSyncClient:
     def _transfer_collective(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
                              update_call) -> None:
         """The engine's update_weights call (on a thread) receives what this thread broadcasts."""
-        info = {**UpdateMeta(metas).to_info(), "packed": self.packed}
-        if self.buffer_size:
-            info["packed_buffer_size_bytes"] = self.buffer_size
+        info = UpdateMeta(metas).to_info()  # vLLM's NCCLWeightTransferUpdateInfo: packing was set at init
         failure: list[BaseException] = []
         engine_side = threading.Thread(target=_capture(failure, lambda: update_call(info)), daemon=True)
         engine_side.start()
         try:
+            # The engine takes part in every broadcast, even of an update it refuses, and answers after the
+            # last one; an answer before that means it receives nothing (say, a 409), so stop sending.
             if not self.packed:
                 for _, t in tensors:
+                    if failure:
+                        break
                     self.group.broadcast(t, 0)
             else:
-                self._broadcast_packed(tensors, metas)
+                self._broadcast_packed(tensors, metas, stop=lambda: bool(failure))
         except Exception as e:
             engine_side.join(self.timeout_s)
             raise WeightSyncFailed(f"broadcast failed: {e}; engine: {failure[0] if failure else 'no error'}") from e
@@ -329,7 +333,9 @@ class WeightSyncClient:
         if failure:
             raise failure[0]
 
-    def _broadcast_packed(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None:
+    def _broadcast_packed(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
+                          stop=lambda: False) -> None:
+        """vLLM's packed producer: chunks closed once they exceed the buffer size, num_buffers in flight."""
         size = self.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES
         chunks = plan_chunks(metas, size)
         widest = max(sum(metas[i].nbytes for i in c) for c in chunks)
@@ -338,6 +344,8 @@ class WeightSyncClient:
             self._pack_bufs = [torch.empty(widest, dtype=torch.uint8, device=tensors[0][1].device) for _ in range(n)]
         inflight: list[Any] = []
         for k, chunk in enumerate(chunks):
+            if stop():
+                break
             if len(inflight) >= n:
                 inflight.pop(0).wait()  # its buffer is free again
             buf = self._pack_bufs[k % n][:sum(metas[i].nbytes for i in chunk)]
