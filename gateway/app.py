@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import control_state
@@ -26,6 +26,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.responses import JSONResponse
 from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completions import create_completion
@@ -120,7 +121,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
             if manage_client:
                 await client.close()
 
-    app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan)
+    app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan, default_response_class=JSONResponse)
     install_error_handlers(app)
     if cfg.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)

@@ -8,11 +8,9 @@ when the scheduler and every worker have applied it, or fails with 504 naming wh
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse
 
 from engine import control_state
 from engine.config import EngineConfig
@@ -20,6 +18,7 @@ from engine.control_state import PAUSE_MODES, SLEEP_TAGS
 from engine.rl_config import AdditionalConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError, bad_request
+from gateway.responses import JSONResponse, loads
 
 DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake_up", "/is_sleeping",
              "/collective_rpc", "/abort_requests", "/weight_info", "/update_weight_version")
@@ -155,7 +154,7 @@ async def _json_object(request: Request, allow_empty: bool = False) -> dict[str,
     if not raw.strip() and allow_empty:
         return {}
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except ValueError as e:
         raise bad_request(f"body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

@@ -7,7 +7,6 @@ client goes away.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,6 +34,7 @@ from gateway.errors import (
     model_not_found,
 )
 from gateway.metrics import Metrics
+from gateway.responses import dumps
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -376,7 +376,7 @@ class SSEResponse(StreamingResponse):
     """text/event-stream that stops producing (closing the body generator, which aborts the engine
     requests) as soon as the client disconnects, on every ASGI spec version."""
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None):
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream", headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -384,7 +384,7 @@ class SSEResponse(StreamingResponse):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
                 async for chunk in body:
-                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
@@ -393,15 +393,15 @@ class SSEResponse(StreamingResponse):
             log.debug("gateway.client_disconnected", path=scope.get("path"))
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {body}\n\n"
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON chunk."""
+    return b"data: " + dumps(data) + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """SSE framing plus vLLM's stream error contract: an error chunk, then [DONE]."""
     try:
         async with aclosing(chunks) as it:  # type: ignore[type-var]
