@@ -213,7 +213,9 @@ class ChoiceState:
         self.error: str | None = None
         self.num_cached_tokens = 0
         self.arrival = time.monotonic()
-        self.first_token_at: float | None = None
+        self.first_token_at: float | None = None  # when the first delta with tokens arrived
+        self.last_token_at: float | None = None  # ... and the latest one
+        self.gap: float | None = None  # seconds from the previous delta with tokens to the latest (None: first)
         self.spans: list[list] = []  # [epoch, start, end, stale_kv] over output token indices
 
     @property
@@ -231,10 +233,16 @@ class ChoiceState:
             out.append(span)
         return out
 
-    def feed(self, out: RequestOutput) -> ChoiceUpdate:
+    def feed(self, out: RequestOutput, now: float | None = None) -> ChoiceUpdate:
+        """Take one engine delta (arrived at `now`, time.monotonic() by default)."""
         new = list(out.token_ids)
-        if new and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if new:
+            now = time.monotonic() if now is None else now
+            if self.last_token_at is None:
+                self.first_token_at = now
+            else:
+                self.gap = now - self.last_token_at
+            self.last_token_at = now
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if new:
             n0 = len(self.token_ids)
@@ -300,7 +308,9 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids)
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request
             async for out in gen:
-                sink.put_nowait(state.feed(out))
+                update = state.feed(out)
+                ctx.metrics.observe_delta(state, update)
+                sink.put_nowait(update)
                 if state.finished:
                     break
         if state.finish_reason == "error":
