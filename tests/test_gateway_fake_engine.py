@@ -6,19 +6,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.test_gateway_protocol import MAX_LEN, FakeClient, make_app, sse_events
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics text -> {(sample name, sorted labels): value}, whatever order the exposition writes."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def tiny(**extra: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted({"model_name": "tiny", "engine": "0", **extra}.items()))
 
 
 def test_completions_several_prompts_and_n() -> None:
@@ -125,13 +113,15 @@ def test_models_health_version_metrics() -> None:
     r = http.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     text = r.text
-    got = samples(text)
-    assert got["vllm:num_requests_running", tiny()] == 2.0
-    assert got["vllm:kv_cache_usage_perc", tiny()] == 0.25
-    assert got["vllm:generation_tokens_total", tiny()] == 2.0
-    assert got["vllm:request_success_total", tiny(finished_reason="length")] == 1.0
+    from tests.test_gateway_metrics import labels, samples
+
+    got, tiny = samples(text), labels(model="tiny")
+    assert got["vllm:num_requests_running", tiny] == 2.0
+    assert got["vllm:kv_cache_usage_perc", tiny] == 0.25
+    assert got["vllm:generation_tokens_total", tiny] == 2.0
+    assert got["vllm:request_success_total", labels(model="tiny", finished_reason="length")] == 1.0
     assert '# TYPE vllm:e2e_request_latency_seconds histogram' in text
-    assert got["vllm:e2e_request_latency_seconds_bucket", tiny(le="+Inf")] == 1
+    assert got["vllm:e2e_request_latency_seconds_bucket", labels(model="tiny", le="+Inf")] == 1
 
 
 def test_chat_template_features() -> None:
@@ -168,5 +158,7 @@ def test_metrics_exposition_is_well_formed() -> None:
         elif not line.startswith("# HELP "):
             assert sample.match(line), line
     assert "vllm:num_preemptions_total" in typed and "rollbus_step_latency_seconds" in typed
-    assert samples(text)["rollbus_step_latency_seconds_count", tiny()] == 4.0
+    from tests.test_gateway_metrics import labels, samples
+
+    assert samples(text)["rollbus_step_latency_seconds_count", labels(model="tiny")] == 4.0
     assert "rollbus_odd_key" in text

@@ -20,6 +20,8 @@ from gateway.responses import JSONResponse, dumps, loads
 from gateway.serving import ModelInfo, sse
 from tests.test_gateway_protocol import EOS, MAX_LEN, VOCAB, CharTokenizer, FakeClient, sse_events
 
+pytestmark = pytest.mark.unit
+
 GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from bus.messages import RequestOutput
 from engine.config import EngineConfig
@@ -13,12 +14,20 @@ from engine.sampling_params import SamplingParams
 from gateway.app import build_app
 from gateway.metrics import ITL_BUCKETS, Metrics
 from gateway.serving import ChoiceState, ModelInfo
-from tests.test_gateway_fake_engine import samples
 from tests.test_gateway_protocol import EOS, MAX_LEN, VOCAB, CharTokenizer, FakeClient
 
+pytestmark = pytest.mark.unit
 
-def labels(**extra: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted({"model_name": "m", "engine": "0", **extra}.items()))
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics text -> {(sample name, sorted labels): value}, whatever order the exposition writes."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def labels(model: str = "m", **extra: str) -> tuple[tuple[str, str], ...]:
+    """The sorted label set of a sample: vLLM's model_name and engine, plus `extra`."""
+    return tuple(sorted({"model_name": model, "engine": "0", **extra}.items()))
 
 
 def delta(tokens: list[int], finished: bool = False) -> RequestOutput:
