@@ -115,13 +115,19 @@ def test_error_envelope_goes_through_the_same_encoder(http: TestClient) -> None:
 
 
 def _stdlib_body_writers(path: Path) -> list[str]:
-    """Calls and imports in one module that would write a body without gateway/responses.py."""
+    """Calls and imports in one module that would write a body without gateway/responses.py (json.dumps
+    counts in the HTTP modules only, those importing fastapi or starlette: a chat template's tojson is
+    not a body)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    http = any(isinstance(n, (ast.Import, ast.ImportFrom)) and any(
+        (getattr(n, "module", None) or a.name).split(".")[0] in ("fastapi", "starlette") for a in n.names)
+        for n in ast.walk(tree))
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module in ("fastapi.responses", "starlette.responses"):
             found += [f"{node.module}.{a.name}" for a in node.names if "JSON" in a.name]
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "json" \
-                and node.attr == "dumps":
+        elif http and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "json" and node.attr == "dumps":
             found.append("json.dumps")
         elif isinstance(node, ast.Attribute) and node.attr == "json" and isinstance(node.value, ast.Name) \
                 and node.value.id == "request":
