@@ -31,12 +31,12 @@ from bus.messages import AddRequest, NewSeq, OutputBatch, StepPlan  # noqa: E402
 from bus.sockets import make_socket, send  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from workers.models.registry import build_model  # noqa: E402
 from engine.request import Sequence  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from workers.kv_cache import KVCache  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
+from workers.models.registry import build_model  # noqa: E402
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
           "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -30,8 +30,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.model_store import resolve_model  # noqa: E402
-from tests.serve_process import start_server  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
+from tests.serve_process import start_server  # noqa: E402
 
 TOPICS = ["the ocean", "a robot", "mathematics", "autumn", "a city at night", "friendship", "volcanoes",
           "the moon", "coffee", "a library", "rain", "chess", "bicycles", "music", "a forest", "time"]

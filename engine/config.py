@@ -571,8 +571,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         raise SystemExit("rollbus: --max-log-len must be non-negative")
     from engine.generation_defaults import check_generation_config
     from engine.rl_config import parse_additional_config
-    from gateway.tokenizer import resolve_chat_template
     from engine.weight_transfer_config import parse_weight_transfer_config
+    from gateway.tokenizer import resolve_chat_template
     from workers.extension import check_qualname
 
     try:

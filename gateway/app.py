@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import control_state
@@ -24,8 +24,9 @@ from engine.rl_config import dev_endpoints_enabled, parse_additional_config
 from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
-from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.responses import JSONResponse
 from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completions import create_completion
@@ -122,7 +123,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
                 await client.close()
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if cfg.disable_fastapi_docs else {}
-    app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan, **docs)
+    app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan, default_response_class=JSONResponse,
+                  **docs)
     install_error_handlers(app)
     if cfg.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
@@ -136,7 +138,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
                                 "reach this port can pause the engine")
         add_dev_routes(app, cfg, client, extra, model_info)
         add_weight_routes(app, cfg, client)
-    metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy)
+    metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy,
+                      sleep_state=lambda: control_state.sleep_state_label(client.control_state))
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics)
     health = HealthProbe(client, cfg.control_timeout_s)
     created = int(time.time())
@@ -187,13 +190,9 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
         return JSONResponse({"version": app.version})
 
     @app.get("/metrics")
-    async def metrics_route() -> Response:
-        label = control_state.sleep_state_label(client.control_state)
-        sleep = "".join(
-            f'vllm:engine_sleep_state{{model_name="{model_info.names[0]}",sleep_state="{s}"}} {int(s == label)}\n'
-            for s in ("awake", "weights_offloaded", "discard_all"))
-        head = "# HELP vllm:engine_sleep_state Sleep state of the engine.\n# TYPE vllm:engine_sleep_state gauge\n"
-        return Response(metrics.render() + head + sleep, media_type=CONTENT_TYPE)
+    async def metrics_route(request: Request) -> Response:
+        body, content_type = metrics.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     return app
 

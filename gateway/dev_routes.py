@@ -8,11 +8,9 @@ when the scheduler and every worker have applied it, or fails with 504 naming wh
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse
 
 from engine import control_state
 from engine.config import EngineConfig
@@ -21,6 +19,7 @@ from engine.rl_config import AdditionalConfig
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError, bad_request
+from gateway.responses import JSONResponse, loads
 from gateway.serving import ModelInfo
 from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
 
@@ -203,7 +202,7 @@ async def _json_object(request: Request, allow_empty: bool = False) -> dict[str,
     if not raw.strip() and allow_empty:
         return {}
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except ValueError as e:
         raise bad_request(f"body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

@@ -14,11 +14,11 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import ParamError
+from gateway.responses import JSONResponse
 
 log = structlog.get_logger()
 

@@ -1,27 +1,39 @@
-"""Prometheus metrics at /metrics, in the text exposition format (0.0.4), written by hand.
+"""Prometheus metrics at /metrics, with prometheus_client (one registry per app).
 
-Names are vLLM's where the quantity is the same, so existing dashboards work; what only rollbus has is
-prefixed `rollbus_`. Counters and latency histograms are kept here (the gateway sees every request
-finish); gauges come from the scheduler's stats that arrive with every output batch.
+Names, types, label names and bucket bounds are vLLM's (v0.33 vllm/v1/metrics/loggers.py, buckets.py)
+where the quantity is the same, so vLLM dashboards work; what only rollbus has is prefixed `rollbus_`.
+Every sample carries vLLM's labels model_name (the first served name) and engine ("0": one engine).
+
+Two sources: the gateway's own counters and histograms, kept live as engine outputs arrive (the gateway
+sees every token of every request), and the scheduler's stats, which arrive with every output batch and
+are read at scrape time by a collector (gauges, and counters the scheduler keeps the totals of).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.exposition import choose_encoder
 
-# Bucket bounds as vLLM uses them.
+LABELS = ["model_name", "engine"]  # vLLM's per-engine labels
+ENGINE = "0"
+
+# vLLM's default bucket bounds (vllm/v1/metrics/buckets.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# vLLM's FinishReason strings; every one is exposed from the start (at 0), as vLLM does
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 # scheduler stats key -> (metric name, help)
 _GAUGES = {
@@ -30,144 +42,134 @@ _GAUGES = {
     "kv_usage": ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
     "step_time_s": ("rollbus_step_time_seconds", "Moving average of the scheduler's step duration."),
 }
-# scheduler counters -> (metric name, help)
+# scheduler counters -> (metric name without _total, help); shown once the scheduler has reported them
 _COUNTERS = {
-    "num_preemptions": ("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine."),
-    "prompt_tokens": ("rollbus_prefill_tokens_computed_total",
+    "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+    "prompt_tokens": ("rollbus_prefill_tokens_computed",
                       "Prompt tokens the engine computed (prefix-cache hits excluded)."),
-    "generation_tokens": ("rollbus_engine_generation_tokens_total", "Tokens the engine sampled."),
-    "prefix_cache_queries": ("rollbus_prefix_cache_queried_blocks_total",
-                             "KV blocks looked up in the prefix cache."),
-    "prefix_cache_hits": ("rollbus_prefix_cache_hit_blocks_total", "KV blocks found in the prefix cache."),
+    "generation_tokens": ("rollbus_engine_generation_tokens", "Tokens the engine sampled."),
+    "prefix_cache_queries": ("rollbus_prefix_cache_queried_blocks", "KV blocks looked up in the prefix cache."),
+    "prefix_cache_hits": ("rollbus_prefix_cache_hit_blocks", "KV blocks found in the prefix cache."),
 }
-_FINISH_REASONS = ("stop", "length", "abort")
+_SUMMARY_KEYS = ("steps", "step_time_total")  # -> rollbus_step_latency_seconds _count / _sum
 
 
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    return repr(float(v))
+class _SchedulerStats:
+    """Collector: the scheduler's latest stats as metric families, read when /metrics is scraped. Any
+    number the scheduler adds shows up as rollbus_<key> (a counter when the key ends in _total)."""
 
+    def __init__(self, labels: list[str], stats: Callable[[], dict[str, float]], reserved: set[str]):
+        self.labels, self.stats, self.reserved = labels, stats, reserved
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def collect(self) -> Iterator[Metric]:
+        stats = dict(self.stats() or {})
+        for key, (name, doc) in _GAUGES.items():
+            yield self._one(GaugeMetricFamily(name, doc, labels=LABELS), float(stats.pop(key, 0.0)))
+        for key, (name, doc) in _COUNTERS.items():
+            if key in stats:
+                yield self._one(CounterMetricFamily(name, doc, labels=LABELS), float(stats.pop(key)))
+        steps, step_sum = (stats.pop(k, None) for k in _SUMMARY_KEYS)
+        if steps is not None and step_sum is not None:
+            summary = SummaryMetricFamily("rollbus_step_latency_seconds", "Scheduler step latency.", labels=LABELS)
+            summary.add_metric(self.labels, count_value=float(steps), sum_value=float(step_sum))
+            yield summary
+        for key, value in sorted(stats.items()):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name = "rollbus_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            if name in self.reserved or name.removesuffix("_total") in self.reserved:
+                continue  # never a second family under a name the gateway owns
+            doc = f"Scheduler statistic {key}."
+            family = CounterMetricFamily(name, doc, labels=LABELS) if name.endswith("_total") else \
+                GaugeMetricFamily(name, doc, labels=LABELS)
+            yield self._one(family, float(value))
 
-
-def _labels(labels: dict[str, str]) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}" if labels else ""
-
-
-class Histogram:
-    """Cumulative-bucket histogram (observations are rare enough that a linear scan is fine)."""
-
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.bounds = name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float, times: int = 1) -> None:
-        i = 0
-        while i < len(self.bounds) and v > self.bounds[i]:
-            i += 1
-        self.counts[i] += times
-        self.sum += v * times
-        self.count += times
-
-    def render(self, labels: dict[str, str]) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, c in zip((*self.bounds, math.inf), self.counts):
-            running += c
-            lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _fmt(bound)})} {running}")
-        lines.append(f"{self.name}_count{_labels(labels)} {self.count}")
-        lines.append(f"{self.name}_sum{_labels(labels)} {_fmt(self.sum)}")
-        return lines
+    def _one(self, family: Any, value: float) -> Metric:
+        family.add_metric(self.labels, value)
+        return family
 
 
 class Metrics:
-    """Gateway-side counters and histograms plus the engine's gauges, rendered on demand."""
+    """The gateway's metrics registry: request counters and latency histograms it records itself, the
+    engine's gauges through a collector, the sleep state and health as callback gauges."""
 
     def __init__(self, model_name: str, stats: Callable[[], dict[str, float]] = dict,
-                 healthy: Callable[[], bool] = lambda: True):
-        self.labels = {"model_name": model_name}
-        self.stats, self.healthy = stats, healthy
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cache_queries = 0
-        self.cache_hits = 0
-        self.finished: dict[str, int] = {r: 0 for r in _FINISH_REASONS}
-        self.errors = 0
-        self.started = time.time()
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+                 healthy: Callable[[], bool] = lambda: True, sleep_state: Callable[[], str] = lambda: "awake"):
+        self.registry = reg = CollectorRegistry()
+        lv = [model_name, ENGINE]
+        self.labels = dict(zip(LABELS, lv))
+        reg.register(_SchedulerStats(lv, stats, reserved={
+            "rollbus_request_errors", "rollbus_engine_healthy", "rollbus_step_latency_seconds",
+            *(name for name, _ in _GAUGES.values()), *(name for name, _ in _COUNTERS.values())}))
 
-    def observe_choice(self, state: Any) -> None:
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=reg).labels(*lv)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, LABELS, registry=reg, buckets=buckets).labels(*lv)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          LABELS + ["finished_reason"], registry=reg)
+        self.request_success = {r: success.labels(*lv, r) for r in FINISH_REASONS}
+        self._success, self._lv = success, lv
+        self.errors = counter("rollbus_request_errors", "Engine requests that ended in an error.")
+        Gauge("rollbus_engine_healthy", "1 while the engine is alive, else 0.", LABELS, registry=reg) \
+            .labels(*lv).set_function(lambda: 1.0 if healthy() else 0.0)
+        sleep = Gauge("vllm:engine_sleep_state",
+                      "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+                      "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+                      LABELS + ["sleep_state"], registry=reg)
+        for s in SLEEP_STATES:
+            sleep.labels(*lv, s).set_function(lambda s=s: float(sleep_state() == s))
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             E2E_BUCKETS)
+
+    def observe_delta(self, state: Any, update: Any) -> None:
+        """After every engine delta of a choice (`state` a serving.ChoiceState, `update` what its feed
+        returned): the first tokens give TTFT, each later delta with tokens one inter-token gap, as
+        vLLM records one ITL per engine step of the request."""
+        if not update.token_ids:
+            return
+        if state.gap is None:
+            self.ttft.observe(state.first_token_at - state.arrival)
+        else:
+            self.itl.observe(state.gap)
+
+    def observe_choice(self, state: Any, now: float | None = None) -> None:
         """Record one finished (or abandoned) engine request; `state` is a serving.ChoiceState."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         n_prompt, n_gen = len(state.prompt_ids), len(state.token_ids)
-        self.prompt_tokens += n_prompt
-        self.generation_tokens += n_gen
-        self.cache_queries += n_prompt
-        self.cache_hits += min(state.num_cached_tokens, n_prompt)
+        self.prompt_tokens.inc(n_prompt)
+        self.generation_tokens.inc(n_gen)
+        self.prefix_cache_queries.inc(n_prompt)
+        self.prefix_cache_hits.inc(min(state.num_cached_tokens, n_prompt))
         reason = state.finish_reason or "abort"
         if reason == "error":
-            self.errors += 1
-        else:
-            self.finished[reason] = self.finished.get(reason, 0) + 1
+            self.errors.inc()
+        (self.request_success.get(reason) or self._success.labels(*self._lv, reason)).inc()
         self.e2e.observe(now - state.arrival)
-        if state.first_token_at is not None:
-            self.ttft.observe(state.first_token_at - state.arrival)
-            if n_gen > 1:
-                # the mean gap between tokens of this request, observed once per token like vLLM
-                self.itl.observe((now - state.first_token_at) / (n_gen - 1), n_gen - 1)
+        if state.first_token_at is not None:  # vLLM: decode time over the tokens after the first, else 0
+            decode = state.last_token_at - state.first_token_at
+            self.tpot.observe(decode / (n_gen - 1) if n_gen > 1 else 0.0)
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The body and content type for a scrape: the text format (0.0.4), or OpenMetrics when the
+        Accept header asks for it (as prometheus_client's own handler, which vLLM mounts, negotiates)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
 
     def render(self) -> str:
-        lab = self.labels
-        out: list[str] = []
-
-        def scalar(name: str, kind: str, help: str, value: float, extra: dict[str, str] | None = None,
-                   header: bool = True) -> None:
-            if header:
-                out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
-            out.append(f"{name}{_labels({**lab, **(extra or {})})} {_fmt(value)}")
-
-        stats = dict(self.stats() or {})
-        for key, (name, help) in _GAUGES.items():
-            scalar(name, "gauge", help, float(stats.pop(key, 0.0)))
-        for key, (name, help) in _COUNTERS.items():
-            if key in stats:
-                scalar(name, "counter", help, float(stats.pop(key)))
-        steps, step_sum = stats.pop("steps", None), stats.pop("step_time_total", None)
-        if steps is not None and step_sum is not None:
-            out.extend(["# HELP rollbus_step_latency_seconds Scheduler step latency.",
-                        "# TYPE rollbus_step_latency_seconds summary",
-                        f"rollbus_step_latency_seconds_count{_labels(lab)} {_fmt(steps)}",
-                        f"rollbus_step_latency_seconds_sum{_labels(lab)} {_fmt(step_sum)}"])
-        for key, value in sorted(stats.items()):  # whatever else the scheduler reports
-            if isinstance(value, (int, float)):
-                name = "rollbus_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-                kind = "counter" if name.endswith("_total") else "gauge"
-                scalar(name, kind, f"Scheduler statistic {key}.", float(value))
-        scalar("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
-        scalar("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
-               self.generation_tokens)
-        scalar("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of "
-               "queried tokens.", self.cache_queries)
-        scalar("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached "
-               "tokens.", self.cache_hits)
-        for i, (reason, count) in enumerate(sorted(self.finished.items())):
-            scalar("vllm:request_success_total", "counter", "Count of successfully processed requests.",
-                   count, {"finished_reason": reason}, header=i == 0)
-        scalar("rollbus_request_errors_total", "counter", "Engine requests that ended in an error.", self.errors)
-        scalar("rollbus_engine_healthy", "gauge", "1 while the engine is alive, else 0.",
-               1.0 if self.healthy() else 0.0)
-        for h in (self.ttft, self.itl, self.e2e):
-            out.extend(h.render(lab))
-        return "\n".join(out) + "\n"
+        """The text exposition (0.0.4), e.g. for logs and tests."""
+        return self.exposition()[0].decode("utf-8")

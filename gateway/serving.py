@@ -36,6 +36,7 @@ from gateway.errors import (
 )
 from gateway.metrics import Metrics
 from gateway.request_log import log_request
+from gateway.responses import dumps
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -231,7 +232,9 @@ class ChoiceState:
         self.error: str | None = None
         self.num_cached_tokens = 0
         self.arrival = time.monotonic()
-        self.first_token_at: float | None = None
+        self.first_token_at: float | None = None  # when the first delta with tokens arrived
+        self.last_token_at: float | None = None  # ... and the latest one
+        self.gap: float | None = None  # seconds from the previous delta with tokens to the latest (None: first)
         self.spans: list[list] = []  # [epoch, start, end, stale_kv] over output token indices
 
     @property
@@ -249,10 +252,16 @@ class ChoiceState:
             out.append(span)
         return out
 
-    def feed(self, out: RequestOutput) -> ChoiceUpdate:
+    def feed(self, out: RequestOutput, now: float | None = None) -> ChoiceUpdate:
+        """Take one engine delta (arrived at `now`, time.monotonic() by default)."""
         new = list(out.token_ids)
-        if new and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if new:
+            now = time.monotonic() if now is None else now
+            if self.last_token_at is None:
+                self.first_token_at = now
+            else:
+                self.gap = now - self.last_token_at
+            self.last_token_at = now
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if new:
             n0 = len(self.token_ids)
@@ -322,7 +331,9 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids)
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request
             async for out in gen:
-                sink.put_nowait(state.feed(out))
+                update = state.feed(out)
+                ctx.metrics.observe_delta(state, update)
+                sink.put_nowait(update)
                 if state.finished:
                     break
         if state.finish_reason == "error":
@@ -398,7 +409,7 @@ class SSEResponse(StreamingResponse):
     """text/event-stream that stops producing (closing the body generator, which aborts the engine
     requests) as soon as the client disconnects, on every ASGI spec version."""
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None):
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream", headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -406,7 +417,7 @@ class SSEResponse(StreamingResponse):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
                 async for chunk in body:
-                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
@@ -415,15 +426,15 @@ class SSEResponse(StreamingResponse):
             log.debug("gateway.client_disconnected", path=scope.get("path"))
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {body}\n\n"
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON chunk."""
+    return b"data: " + dumps(data) + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """SSE framing plus vLLM's stream error contract: an error chunk, then [DONE]."""
     try:
         async with aclosing(chunks) as it:  # type: ignore[type-var]

@@ -14,11 +14,12 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.sampling_params import ParamError
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
+from gateway.responses import JSONResponse
 from gateway.serving import (
     ChoiceState,
     ChoiceUpdate,

@@ -14,10 +14,11 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from gateway.errors import bad_request
 from gateway.protocol import CompletionRequest
+from gateway.responses import JSONResponse
 from gateway.serving import (
     ChoiceState,
     ChoiceUpdate,

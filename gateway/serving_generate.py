@@ -18,11 +18,12 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.sampling_params import ParamError
 from gateway.errors import APIError, bad_request
 from gateway.protocol import REFUSED_GENERATE, GenerateRequest
+from gateway.responses import JSONResponse, loads
 from gateway.serving import (
     ChoiceState,
     ChoiceUpdate,
@@ -198,7 +199,7 @@ async def abort_requests(ctx: ServingContext, request: Request) -> Response:
     returned, e.g. generate-tokens-<id>) in the background; empty 200, as vLLM."""
     check_enabled(ctx)
     try:
-        body = await request.json()
+        body = loads(await request.body())
     except ValueError:
         raise bad_request("body is not valid JSON") from None
     ids = body.get("request_ids") if isinstance(body, dict) else None

@@ -18,13 +18,13 @@ import os
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
 from engine.sampling_params import ParamError, SamplingParams
 from gateway.errors import bad_request, model_not_found
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
+from gateway.responses import JSONResponse
 from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import prepare as prepare_chat
 from gateway.serving_chat import render_prompt

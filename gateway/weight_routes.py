@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from engine.config import EngineConfig
 from engine.weight_sync_driver import reply_status
@@ -31,6 +30,7 @@ from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
 from gateway.engine_client import EngineClient
 from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request
+from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                 "/finish_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")

@@ -113,12 +113,15 @@ def test_models_health_version_metrics() -> None:
     r = http.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     text = r.text
-    assert 'vllm:num_requests_running{model_name="tiny"} 2.0' in text
-    assert 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25' in text
-    assert 'vllm:generation_tokens_total{model_name="tiny"} 2.0' in text
-    assert 'vllm:request_success_total{model_name="tiny",finished_reason="length"} 1.0' in text
+    from tests.test_gateway_metrics import labels, samples
+
+    got, tiny = samples(text), labels(model="tiny")
+    assert got["vllm:num_requests_running", tiny] == 2.0
+    assert got["vllm:kv_cache_usage_perc", tiny] == 0.25
+    assert got["vllm:generation_tokens_total", tiny] == 2.0
+    assert got["vllm:request_success_total", labels(model="tiny", finished_reason="length")] == 1.0
     assert '# TYPE vllm:e2e_request_latency_seconds histogram' in text
-    assert 'vllm:e2e_request_latency_seconds_bucket{model_name="tiny",le="+Inf"} 1' in text
+    assert got["vllm:e2e_request_latency_seconds_bucket", labels(model="tiny", le="+Inf")] == 1
 
 
 def test_chat_template_features() -> None:
@@ -155,5 +158,7 @@ def test_metrics_exposition_is_well_formed() -> None:
         elif not line.startswith("# HELP "):
             assert sample.match(line), line
     assert "vllm:num_preemptions_total" in typed and "rollbus_step_latency_seconds" in typed
-    assert 'rollbus_step_latency_seconds_count{model_name="tiny"} 4.0' in text
+    from tests.test_gateway_metrics import labels, samples
+
+    assert samples(text)["rollbus_step_latency_seconds_count", labels(model="tiny")] == 4.0
     assert "rollbus_odd_key" in text

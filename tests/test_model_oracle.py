@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype, safetensors_files
-from workers.models.registry import ARCHITECTURES, build_model
 from tests.tiny_models import (
     MOE,
     SHARDED,
@@ -21,6 +19,8 @@ from tests.tiny_models import (
     random_prompt,
     tiny_with_oracle,
 )
+from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype, safetensors_files
+from workers.models.registry import ARCHITECTURES, build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import MOE, PagedRunner, load_model, make_tiny_checkpoint, random_prompt, tiny_with_oracle
 from workers.models.checkpoint import iter_safetensors, load_hf_config
 from workers.models.registry import build_model
-from tests.tiny_models import MOE, PagedRunner, load_model, make_tiny_checkpoint, random_prompt, tiny_with_oracle
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)

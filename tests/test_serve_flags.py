@@ -15,8 +15,8 @@ import torch
 from engine.argv import normalize_argv
 from engine.config import NO_OP_FLAGS, ONLY_VALUES, EngineConfig, new_parser, parse_config
 from engine.generation_defaults import default_sampling_params
-from gateway.tokenizer import resolve_chat_template
 from engine.vllm_flags import VLLM_SERVE_FLAGS
+from gateway.tokenizer import resolve_chat_template
 
 ROOT = Path(__file__).resolve().parents[1]
 PARSER = new_parser()
@@ -320,9 +320,9 @@ def test_requests_take_generation_defaults_unless_they_set_the_field():
 
 
 def test_dummy_weights_follow_vllms_dummy_loader(tmp_path):
-    from workers.models.registry import build_model
     from tests.tiny_models import _COMMON, TINY_CONFIGS
     from workers.loader import initialize_dummy_weights
+    from workers.models.registry import build_model
 
     config = {**_COMMON, **TINY_CONFIGS["llama"][1], "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     model = build_model(config, torch.float32, "cpu")
@@ -402,9 +402,9 @@ def test_fastapi_docs_can_be_switched_off():
 def test_a_request_chat_template_needs_the_trust_flag_and_is_then_rendered(smollm2_dir):
     from fastapi.testclient import TestClient
 
-    from gateway.tokenizer import Tokenizer
     from gateway.app import build_app
     from gateway.serving import ModelInfo
+    from gateway.tokenizer import Tokenizer
     from tests.test_gateway_protocol import FakeClient
 
     tok = Tokenizer.from_dir(smollm2_dir)

@@ -45,7 +45,7 @@ def post(url, path, params=None, **kw):
 
 def sleep_gauge(url: str) -> str:
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("vllm:engine_sleep_state") and line.endswith(" 1"):
+        if line.startswith("vllm:engine_sleep_state") and float(line.rsplit(" ", 1)[1]) == 1:
             return line.split('sleep_state="')[1].split('"')[0]
     raise AssertionError("no sleep gauge")
 
