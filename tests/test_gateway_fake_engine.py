@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.test_gateway_protocol import MAX_LEN, FakeClient, make_app, sse_events
+
+pytestmark = pytest.mark.unit
 
 
 def test_completions_several_prompts_and_n() -> None:
