@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.server_helpers import start_server
+from tests.waits import holds, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -48,6 +49,13 @@ def wait_running(url: str, n: int) -> None:
     raise AssertionError("requests never ran")
 
 
+def wait_generated(url: str, n: int) -> None:
+    """Until the engine has sampled n more tokens (its counter arrives with every step's outputs)."""
+    base = _metric(url, "rollbus_engine_generation_tokens_total")
+    wait_for(lambda: _metric(url, "rollbus_engine_generation_tokens_total") >= base + n, 60,
+             f"{n} tokens sampled")
+
+
 def post(url, path, **params):
     return httpx.post(url + path, params=params, timeout=120)
 
@@ -81,15 +89,11 @@ def test_keep_freezes_requests_which_finish_after_resume(server):
     ts, out = launch(url, 3, 120)
     wait_running(url, 3)
     assert post(url, "/pause", mode="keep", clear_cache="true").status_code == 200
-    frozen = httpx.get(url + "/metrics").text
-    time.sleep(1.0)
-    assert httpx.get(url + "/metrics").text.count("generation_tokens_total") == frozen.count("generation_tokens_total")
-    gen = _metric(url, "vllm:generation_tokens_total")
-    time.sleep(1.0)
-    assert _metric(url, "vllm:generation_tokens_total") == gen  # nothing is stepped while kept
+    steps = _metric(url, "rollbus_step_latency_seconds_count")  # arrives with every step's outputs
     late_ts, late = launch(url, 1, 5)  # keep queues new requests instead of refusing them
-    time.sleep(0.5)
-    assert not late
+    # nothing observable says the late request reached the scheduler: watch a window for any step
+    holds(lambda: not late and _metric(url, "rollbus_step_latency_seconds_count") == steps, 1.5,
+          "nothing is stepped while kept")
     assert post(url, "/resume").status_code == 200
     for t in ts + late_ts:
         t.join(120)
@@ -106,7 +110,7 @@ def test_keep_with_recompute_gives_the_same_greedy_tokens(server):
         "model": MODEL, "prompt": "Story number 0:", "max_tokens": 80, "ignore_eos": True, "temperature": 0})
     ts, out = launch(url, 1, 80)
     wait_running(url, 1)
-    time.sleep(0.3)
+    wait_generated(url, 10)  # the recompute then covers sampled tokens, not only the prompt
     assert post(url, "/pause", mode="keep", clear_cache="true").status_code == 200
     assert post(url, "/resume").status_code == 200
     ts[0].join(120)
@@ -179,7 +183,7 @@ def test_weight_version_spans_across_a_keep_pause(server, clear_cache):
     t = threading.Thread(target=lambda: got.update(_versions(url)))
     t.start()
     wait_running(url, 1)
-    time.sleep(0.4)
+    wait_generated(url, 5)  # some tokens under v1 before the pause
     assert post(url, "/pause", mode="keep", clear_cache=clear_cache).status_code == 200
     assert httpx.post(url + "/update_weight_version", json={"new_version": "v2"}).status_code == 200
     assert post(url, "/resume").status_code == 200
