@@ -1,1 +1,18 @@
+import subprocess
+
+import pytest
+
 from tests.fixtures_models import smollm2_dir, smollm2_gguf, smollm2_moe_dir  # noqa: F401  (shared fixtures)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """The `unit` lane stays in this process: a unit-marked test that starts a subprocess (a server, a
+    coordinator, a gloo peer) fails, so the lane cannot grow slow or flaky unnoticed. Session fixtures
+    (the model cache) are set up before this and may still fetch."""
+    if request.node.get_closest_marker("unit") is not None:
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} is marked unit but starts a subprocess: "
+                                 "move it out of the unit lane or drop the process")
+
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)

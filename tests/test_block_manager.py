@@ -1,6 +1,10 @@
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.request import Sequence
 from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def seq(sid, tokens):

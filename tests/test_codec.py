@@ -5,6 +5,8 @@ import torch
 from bus.codec import CodecError, decode, encode
 from bus.messages import Ack, AddRequest, NewSeq, OutputBatch, RequestOutput, StepPlan, StepResult, message_kinds
 
+pytestmark = pytest.mark.unit
+
 
 def roundtrip(msg):
     return decode([bytes(f) for f in encode(msg)])

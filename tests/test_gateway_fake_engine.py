@@ -4,9 +4,12 @@ seeds, stop strings aborting the engine request, SSE framing, chat templates, /v
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from tests.test_gateway_protocol import MAX_LEN, FakeClient, make_app, sse_events
+from tests.waits import wait_for
+
+pytestmark = pytest.mark.unit
 
 
 def test_completions_several_prompts_and_n() -> None:
@@ -90,10 +93,7 @@ def test_client_disconnect_aborts_stream() -> None:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # read one chunk, then hang up
-    for _ in range(100):
-        if client.aborted:
-            break
-        time.sleep(0.02)
+    wait_for(lambda: client.aborted, 5, "the engine request's abort")
     assert client.aborted == [client.submitted[0][0]]
 
 

@@ -24,6 +24,8 @@ from gateway.serving_chat import chat_logprobs
 from gateway.serving_completions import completion_logprobs
 from tests.gateway_bad_inputs import bad_input_cases
 
+pytestmark = pytest.mark.unit
+
 EOS, BOS, VOCAB, MAX_LEN = 0, 1, 128, 64
 
 

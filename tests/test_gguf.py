@@ -3,6 +3,7 @@ tokenizer), on the real SmolLM2 file and on tiny synthetic files."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,10 @@ from tests.fixtures_models import smollm2_dir, smollm2_gguf, write_tiny_gguf  # 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
+
+# The unit lane takes the reader's own tests on synthetic files; those against the real SmolLM2 file or
+# transformers' GGUF loader (seconds each: its first use imports a lot) run in the full suite.
+unit = pytest.mark.unit
 
 # Byte offsets of the f16 scale fields inside one block, per K-type (random bytes there could be NaN).
 _K_SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -36,9 +41,10 @@ def _random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) ->
         return blocks.reshape(rows, -1)
 
 
+@unit
 @pytest.mark.parametrize("name", [q.name for q in QUANT_TYPES.values()])
 def test_dequantize_matches_gguf_package(name: str) -> None:
-    rng = np.random.default_rng(hash(name) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same blocks every run (hash() is salted)
     raw = _random_blocks(name, 6, 512, rng)
     expected = quants.dequantize(raw, QT[name]).astype(np.float32)
     type_id = int(QT[name])
@@ -75,6 +81,7 @@ def test_real_file_dequant_matches_gguf_package(smollm2_gguf: Path) -> None:  # 
         np.testing.assert_array_equal(f.load(t.name), expected, err_msg=t.name)
 
 
+@unit
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("quant", [None, "Q8_0", "Q4_1"])
 def test_tiny_roundtrip_restores_hf_layout(tmp_path: Path, arch: str, quant: str | None) -> None:
@@ -90,6 +97,7 @@ def test_tiny_roundtrip_restores_hf_layout(tmp_path: Path, arch: str, quant: str
         assert got[name].dtype == torch.float32
 
 
+@unit
 def test_iter_tensors_dtype(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "m.gguf", "llama")
     assert all(t.dtype == torch.bfloat16 for _, t in read_gguf(tmp_path / "m.gguf").iter_tensors(torch.bfloat16))
@@ -149,6 +157,7 @@ def test_tiny_tokenizer_matches_transformers_gguf_loader(tmp_path: Path, arch: s
     assert mine.decode([2], skip_special_tokens=True) == ""  # control tokens are special
 
 
+@unit
 def test_smollm_pre_tokenizer_splits_digits(tmp_path: Path) -> None:
     """smollm isolates every digit (its HF tokenizer.json has Digits(individual_digits=True))."""
     from tokenizers import Tokenizer
@@ -171,6 +180,7 @@ def test_tokenizer_config_files(smollm2_gguf: Path) -> None:  # noqa: F811
     assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
 
 
+@unit
 def test_hf_tensor_names() -> None:
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"
@@ -181,6 +191,7 @@ def test_hf_tensor_names() -> None:
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
 
 
+@unit
 def test_rejects_bad_files(tmp_path: Path) -> None:
     (tmp_path / "bad.gguf").write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF"):

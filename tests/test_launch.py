@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,8 +53,13 @@ def test_honcho_runs_the_procfile(tmp_path, smollm2_dir):
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         out = proc.communicate(timeout=30)[0].decode(errors="replace")
-    for role in ("coordinator", "scheduler", "worker0", "gateway"):
-        assert f"{role}." in out or role in out, out[-2000:]
+    # each Procfile entry ran its own role: that role's start-up event, in honcho's lines for that entry
+    # (honcho prints every entry's name itself, so the names alone prove nothing)
+    for entry, event, member in (("coordinator", "coordinator.ready", "coordinator"),
+                                 ("scheduler", "scheduler.workers_ready", "scheduler"),
+                                 ("worker0", "worker.loaded", "worker-0"), ("gateway", "gateway.serving", "gateway")):
+        assert re.search(rf"^\S+ {entry}\.1\s+\| .*{re.escape(event)} .*\bproc={member}\b", out, re.M), \
+            (entry, out[-3000:])
 
 
 def test_tcp_endpoints(tmp_path, smollm2_dir):

@@ -16,6 +16,8 @@ from gateway.app import build_app
 from gateway.serving import ModelInfo
 from tests.test_gateway_protocol import EOS, MAX_LEN, VOCAB, CharTokenizer, FakeClient, sse_events
 
+pytestmark = pytest.mark.unit
+
 
 class LPClient(FakeClient):
     """FakeClient plus what the engine adds for logprob requests: prompt logprobs on the first output

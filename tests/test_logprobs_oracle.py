@@ -82,31 +82,46 @@ def arch(request, tmp_path_factory, smollm2_dir):
     return request.param, folder, hf, hf.config.vocab_size
 
 
-def test_raw_prompt_and_sampled_logprobs_and_trace_replay(arch, tmp_path):
+@pytest.fixture(scope="module")
+def serve(arch, tmp_path_factory):
+    """This arch's server for a --logprobs-mode, started on first use and shared by the arch's tests
+    (raw_logprobs, the default, serves both the raw test and the raw half of the processed one)."""
+    name, folder, _, _ = arch
+    started: dict = {}
+
+    def get(mode: str = "raw_logprobs"):
+        if mode not in started:
+            started[mode] = start_server(tmp_path_factory.mktemp(f"{name}-{mode}"), str(folder), *FLAGS,
+                                         "--logprobs-mode", mode)
+        return started[mode]
+
+    yield get
+    for s in started.values():
+        s.stop()
+
+
+def test_raw_prompt_and_sampled_logprobs_and_trace_replay(arch, serve):
     name, folder, hf, vocab = arch
     prompts = _prompts(vocab)
-    s = start_server(tmp_path, str(folder), *FLAGS)
-    try:
-        # fill the prefix cache with the first prompt: a prompt_logprobs request must not read it
-        _post(s.url, "/v1/completions", {"prompt": prompts[0], "max_tokens": 1})
+    s = serve()
+    # fill the prefix cache with the first prompt: a prompt_logprobs request must not read it
+    _post(s.url, "/v1/completions", {"prompt": prompts[0], "max_tokens": 1})
 
-        def completion(p):
-            return _post(s.url, "/v1/completions", {
-                "prompt": p, "echo": True, "logprobs": 3, "prompt_logprobs": 5, "max_tokens": 10,
-                "temperature": 1.0, "seed": len(p), "ignore_eos": True, "return_tokens_as_token_ids": True,
-                "return_token_ids": True})
+    def completion(p):
+        return _post(s.url, "/v1/completions", {
+            "prompt": p, "echo": True, "logprobs": 3, "prompt_logprobs": 5, "max_tokens": 10,
+            "temperature": 1.0, "seed": len(p), "ignore_eos": True, "return_tokens_as_token_ids": True,
+            "return_token_ids": True})
 
-        comps = _concurrently(completion, prompts)
-        traces = [[(97 * i + 13 * j) % vocab for j in range(6)] for i in range(len(prompts))]
+    comps = _concurrently(completion, prompts)
+    traces = [[(97 * i + 13 * j) % vocab for j in range(6)] for i in range(len(prompts))]
 
-        def replay(args):
-            p, trace = args
-            return _post(s.url, "/inference/v1/generate", {"token_ids": p, "sampling_params": {
-                "trace_decode_token_ids": trace, "logprobs": 2, "temperature": 0.8, "top_p": 0.5}})
+    def replay(args):
+        p, trace = args
+        return _post(s.url, "/inference/v1/generate", {"token_ids": p, "sampling_params": {
+            "trace_decode_token_ids": trace, "logprobs": 2, "temperature": 0.8, "top_p": 0.5}})
 
-        replays = _concurrently(replay, list(zip(prompts, traces)))
-    finally:
-        s.stop()
+    replays = _concurrently(replay, list(zip(prompts, traces)))
     worst = 0.0
     for p, comp, trace, rep in zip(prompts, comps, traces, replays):
         c = comp["choices"][0]
@@ -142,19 +157,16 @@ def test_raw_prompt_and_sampled_logprobs_and_trace_replay(arch, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
-def test_processed_logprobs_and_kept_mass(arch, tmp_path, mode):
+def test_processed_logprobs_and_kept_mass(arch, serve, mode):
     """processed server: logprobs == HF's warped distribution; raw server: raw - log(mass) == that same
     distribution (T = 1); both: log_softmax(logits / T) - log(mass) == processed."""
     name, folder, hf, vocab = arch
     p = _prompts(vocab)[0]
-    s = start_server(tmp_path, str(folder), *FLAGS, "--logprobs-mode", mode)
-    try:
-        bodies = _concurrently(lambda f: _post(s.url, "/v1/completions", {
-            "prompt": p, "max_tokens": 12, "seed": 5, "ignore_eos": True, "logprobs": 4,
-            "return_sampling_mass": True, "return_tokens_as_token_ids": True, "return_token_ids": True, **f}),
-            FILTERS)
-    finally:
-        s.stop()
+    s = serve(mode)
+    bodies = _concurrently(lambda f: _post(s.url, "/v1/completions", {
+        "prompt": p, "max_tokens": 12, "seed": 5, "ignore_eos": True, "logprobs": 4,
+        "return_sampling_mass": True, "return_tokens_as_token_ids": True, "return_token_ids": True, **f}),
+        FILTERS)
     worst = 0.0
     for f, body in zip(FILTERS, bodies):
         c = body["choices"][0]

@@ -12,6 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from tests.server_helpers import free_port, metric
+from tests.waits import holds, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,7 +78,9 @@ def test_health_waits_for_workers_and_a_lost_gateway_only_costs_its_own_requests
         assert fake.stdout.readline().strip() == "sent"
         fake.send_signal(signal.SIGKILL)
         fake.wait()
-        time.sleep(2.5)  # past the heartbeat timeout: the coordinator has declared gateway-fake lost
+        # past the heartbeat timeout the coordinator declares gateway-fake lost and the scheduler aborts its orphan
+        wait_for(lambda: "scheduler.aborted_orphans" in (tmp_path / "scheduler.log").read_text(), 30,
+                 "the orphan's abort")
         # our gateway is unaffected by another gateway's death, and the orphan no longer runs
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": str(folder), "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True})
@@ -131,8 +134,7 @@ def test_a_late_worker_and_scheduler_start_from_the_current_control_state(tmp_pa
 
         t = threading.Thread(target=go)
         t.start()
-        time.sleep(1.0)
-        assert not got  # kept: queued, not served
+        holds(lambda: not got, 1.0, "kept: queued, not served")  # no event says the request was queued
         assert httpx.post(url + "/resume", timeout=30).status_code == 200
         t.join(60)
         assert got["choices"][0]["weight_versions"] == [{"version": "v5", "start": 0, "end": 3}]

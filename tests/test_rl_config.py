@@ -2,6 +2,8 @@ import pytest
 
 from engine.rl_config import dev_endpoints_enabled, parse_additional_config, worker_env_updates
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_and_master_switch():
     assert not parse_additional_config(None).rl.enabled

@@ -8,6 +8,8 @@ import pytest
 
 from ascend_ops.safe_pickle import PLAIN_DATA, UnsafePickleError, allow, restricted_loads
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
 def test_plain_data_round_trips(protocol):

@@ -4,6 +4,8 @@ import torch
 from engine.sampling_params import SamplingParams
 from workers.sampler import RowState, sample
 
+pytestmark = pytest.mark.unit
+
 
 def row(seed=None, out=(), prompt=(1,), **sp):
     gen = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -1,8 +1,13 @@
 """Scheduler policy, driven by a fake "model" that samples a fixed token: no sockets, no tensors."""
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
 from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+_PROMPT_SLOT: dict[str, int] = {}  # seq id -> its own 100-token range above 100 (`first` prompts sit below)
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=128):
@@ -13,7 +18,8 @@ def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=128):
 
 def seq(sid, n_prompt=5, first=None, **sp):
     # distinct prompts per id unless `first` is given, so the prefix cache only hits where a test wants it
-    start = first if first is not None else 1 + 100 * (abs(hash(sid)) % 1000)
+    # (a slot per id, not hash(): str hashes change per run and two ids could share a slot)
+    start = first if first is not None else 101 + 100 * _PROMPT_SLOT.setdefault(sid, len(_PROMPT_SLOT))
     return Sequence(sid, list(range(start, start + n_prompt)), SamplingParams(**sp), eos_token_ids=[0])
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.procstats import mapping_rss, rss
 from tests.server_helpers import start_server
+from tests.waits import holds
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -82,8 +82,7 @@ def test_level2_recipe_and_requests_queue_while_asleep(server):
     queued: dict = {}
     t = threading.Thread(target=lambda: queued.update(greedy(url)))
     t.start()
-    time.sleep(0.5)
-    assert not queued
+    holds(lambda: not queued, 0.5, "queued while asleep")  # no event says the request reached the scheduler
     assert post(url, "/wake_up", {"tags": "weights"}).json()["status"] == "sleeping"
     rpc = post(url, "/collective_rpc", json={"method": "reload_weights"})
     assert rpc.status_code == 200 and rpc.json()["results"][0]["loaded_tensors"] > 0

@@ -15,6 +15,8 @@ from gateway import tokenizer as tokenizer_module
 from gateway.tokenizer import Tokenizer
 from tests.fixtures_models import require_qwen3_tokenizer_dir, smollm2_dir  # noqa: F401
 
+pytestmark = pytest.mark.unit
+
 transformers = pytest.importorskip("transformers")
 
 STRINGS = [

@@ -10,6 +10,8 @@ from engine.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import ParamMeta, UpdateMeta, WeightSyncError, byte_views, plan_chunks, tensor_checksum
 
+pytestmark = pytest.mark.unit
+
 
 def info(names, dtypes=None, shapes=None):
     return {"names": names, "dtype_names": dtypes or ["float32"] * len(names), "shapes": shapes or [[2]] * len(names)}
