@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bus.control_client import ControlClient  # noqa: E402
 from bus.endpoints import Endpoints  # noqa: E402
+from bus.messages import Health  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.procstats import mapping_rss, rss  # noqa: E402
 from engine.serve_process import start_server  # noqa: E402
@@ -38,7 +39,7 @@ from bus.endpoints import Endpoints
 from bus.member import MemberLink
 from engine.config import EngineConfig
 ep = Endpoints.from_config(EngineConfig(bus_dir=sys.argv[1]))
-link = MemberLink(zmq.Context(), ep, role="worker", name=sys.argv[2], apply=lambda c: None)
+link = MemberLink(zmq.Context(), ep, role="worker", name=sys.argv[2], default=lambda c: None)
 poller = zmq.Poller()
 for s in link.sockets:
     poller.register(s, zmq.POLLIN)
@@ -66,12 +67,12 @@ def broadcast_latency(n_workers: int = 4, rounds: int = 500) -> dict[str, float]
     client = ControlClient(Endpoints.from_config(cfg))
     try:
         deadline = time.monotonic() + 60
-        while len(client.request("health").results) < n_workers:
+        while len(client.request(Health()).results) < n_workers:
             assert time.monotonic() < deadline, "workers never joined"
         lat = []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            reply = client.request("health")
+            reply = client.request(Health())
             lat.append(time.perf_counter() - t0)
             assert reply.ok and len(reply.results) == n_workers
         return {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * pct(lat, 0.99)}
