@@ -38,7 +38,7 @@ from bus.messages import (
     describe,
     ErrorInfo,
 )
-from bus.sockets import make_socket, recv_from, report_ready, send, subscription_event
+from bus.sockets import member_name, make_socket, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
@@ -81,9 +81,9 @@ class Coordinator:
 
     def _on_subscription(self, frame: bytes) -> None:
         on, topic = subscription_event(frame)
-        if not topic.startswith(b"@"):
+        name = member_name(topic)
+        if name is None:
             return
-        name = topic[1:].decode()
         if on:
             self.subscribed.add(name)
             if name in self.hellos:

@@ -43,7 +43,7 @@ from bus.messages import (
     UpdateWeightVersion,
     WakeUp,
 )
-from bus.sockets import make_socket, recv, recv_from, report_ready, send, subscription_event
+from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -97,10 +97,15 @@ class SchedulerActor:
             for sock, _ in poller.poll(200):
                 if sock is self.plans:
                     on, topic = subscription_event(self.plans.recv())
-                    if on and topic.startswith(b"@"):
-                        subscribed.add(topic[1:].decode())
+                    name = member_name(topic)
+                    if on and name is not None:
+                        subscribed.add(name)
                 elif sock is self.results:
-                    msg = recv(self.results)
+                    try:
+                        msg = recv(self.results)
+                    except CodecError as e:
+                        log.warning("scheduler.bad_result", error=str(e))
+                        continue
                     if isinstance(msg, Hello):
                         hellos[msg.name] = msg
                 else:
