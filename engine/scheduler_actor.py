@@ -77,6 +77,7 @@ class SchedulerActor:
         self.in_flight: ScheduledStep | None = None
         self.pending_results: dict[int, StepResult] = {}
         self.step_started = 0.0
+        self.results_at = 0.0  # when the last step's results were all in (0: consumed by the next plan)
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
 
@@ -144,6 +145,7 @@ class SchedulerActor:
             self._maybe_complete_quiesce()
             if self._can_start_step():
                 self._start_step()
+            self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
 
     def _can_start_step(self) -> bool:
         return not self.dead_reason and self.gate.may_step(self.link.state, in_flight=self.in_flight is not None,
@@ -191,6 +193,14 @@ class SchedulerActor:
 
     def _publish(self, step: ScheduledStep) -> None:
         self.step_id += 1
+        self._send_plan(step)
+        if self.results_at:
+            # the scheduler's own time between a step's results and the next plan (the workers wait)
+            self.counters["turnaround_total"] += time.perf_counter() - self.results_at
+            self.counters["turnarounds"] += 1
+            self.results_at = 0.0
+
+    def _send_plan(self, step: ScheduledStep) -> None:
         plan = StepPlan(
             self.step_id,
             [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
@@ -210,6 +220,7 @@ class SchedulerActor:
         if len(self.pending_results) < self.cfg.num_workers:
             return
         step, self.in_flight = self.in_flight, None
+        self.results_at = time.perf_counter()
         main = self.pending_results[0]
         errors = [r.error for r in self.pending_results.values() if r.error]
         self.pending_results = {}
