@@ -34,7 +34,7 @@ from bus.messages import (
     command_name,
 )
 from engine.config import EngineConfig
-from engine.weight_sync_driver import reply_status
+from engine.coordinator.weight_sync_driver import reply_status
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
 from gateway.engine_client import EngineClient

@@ -163,7 +163,7 @@ def test_a_sequence_preempted_during_a_step_keeps_the_sampled_token():
 
 
 def test_quiet_mechanics():
-    """What a quiet does to the sequences (when to do it is engine.step_gate's: tests/test_step_gate.py)."""
+    """What a quiet does to the sequences (when to do it is engine.scheduler.step_gate's: tests/test_step_gate.py)."""
     s = make()
     for i in range(3):
         s.add(seq(f"r{i}", max_tokens=50))

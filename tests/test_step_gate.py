@@ -1,4 +1,4 @@
-"""engine.step_gate: when the scheduler may step, as a pure state machine over typed commands."""
+"""engine.scheduler.step_gate: when the scheduler may step, as a pure state machine over typed commands."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from bus.messages import (
     WakeUp,
 )
 from engine.control_state import reduce
-from engine.step_gate import Quiesce, StepGate
+from engine.scheduler.step_gate import Quiesce, StepGate
 
 
 class Engine:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bus.messages import ErrorInfo
-from engine.weight_sync_driver import StepReply, reply_status, sync_steps
+from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import ParamMeta, UpdateMeta, WeightSyncError, byte_views, plan_chunks, tensor_checksum
 

@@ -1,5 +1,5 @@
 """The scheduler process: requests in from gateways, step plans out to workers, results back, outputs
-out. Policy is engine.scheduler.Scheduler (which sequences run) and engine.step_gate.StepGate (whether
+out. Policy is engine.scheduler.policy.Scheduler (which sequences run) and engine.scheduler.step_gate.StepGate (whether
 a step may run at all); the control state is the follower's (bus.follower); this file only moves
 messages.
 
@@ -50,8 +50,8 @@ from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
-from engine.scheduler import ScheduledStep, Scheduler, SeqUpdate
-from engine.step_gate import Quiesce, StepGate
+from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
+from engine.scheduler.step_gate import Quiesce, StepGate
 
 log = structlog.get_logger()
 

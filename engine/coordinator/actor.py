@@ -42,7 +42,7 @@ from bus.sockets import member_name, make_socket, recv_from, report_ready, send,
 from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
-from engine.weight_sync_driver import StepReply, reply_status, sync_steps
+from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.weight_transfer_config import PAUSE_MODES, parse_weight_transfer_config
 
 log = structlog.get_logger()
@@ -144,7 +144,7 @@ class Coordinator:
             self.stopping = True
 
     def _on_weight_event(self, sender: bytes, ev: WeightUpdateEvent) -> None:
-        """A trainer announced a weight version: drive the acked steps of engine.weight_sync_driver."""
+        """A trainer announced a weight version: drive the acked steps of engine.coordinator.weight_sync_driver."""
         def refuse(status: int, error: str) -> None:
             log.warning("coordinator.weight_event_refused", version=ev.version, error=error)
             send(self.router, WeightUpdateResult(ev.request_id, False, error, status, ev.version,

@@ -1,6 +1,6 @@
 """When the scheduler may step: one pure state machine over the control commands (no sockets, no
 sequences). The scheduler actor asks it what a command means and whether to start the next step; the
-scheduler (engine.scheduler) does what it decides to the sequences (abort them all, drop their KV).
+scheduler (engine.scheduler.policy) does what it decides to the sequences (abort them all, drop their KV).
 
 A *quiet* starts when the first of these holds the engine and ends when none holds it any more:
 a user pause (/pause), a sleep (/sleep), a weight-update window (start_weight_update until its commit

@@ -57,7 +57,7 @@ class Scheduler:
     _finished_ids: list[str] = field(default_factory=list)
     num_preemptions: int = 0
 
-    # --- what a quiet (engine.step_gate) does to the sequences ------------------------------------
+    # --- what a quiet (engine.scheduler.step_gate) does to the sequences ------------------------------------
 
     def abort_all(self) -> list[Sequence]:
         """An abort pause or sleep: every request ends now (finish_reason abort). Returns them."""
