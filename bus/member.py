@@ -22,8 +22,17 @@ from bus.codec import CodecError, decode
 from bus.control import ACKING_ROLES
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
 from bus.follower import DEFER, Follower, Handler, Refused, SequenceGap  # noqa: F401  (DEFER re-exported)
-from bus.messages import PROTOCOL_FINGERPRINT, PROTOCOL_VERSION, Ack, Command, ControlState, ErrorInfo, Heartbeat, \
-    Hello, Welcome
+from bus.messages import (
+    PROTOCOL_FINGERPRINT,
+    PROTOCOL_VERSION,
+    Ack,
+    Command,
+    ControlState,
+    ErrorInfo,
+    Heartbeat,
+    Hello,
+    Welcome,
+)
 from bus.sockets import make_socket, send
 
 log = structlog.get_logger()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, ClassVar, Union
+from typing import Any, Union
 
 import msgspec
 import numpy as np

@@ -1,8 +1,7 @@
+import msgspec
 import numpy as np
 import pytest
 import torch
-
-import msgspec
 
 from bus.codec import CodecError, decode, encode
 from bus.messages import (

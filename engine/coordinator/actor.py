@@ -26,6 +26,7 @@ from bus.messages import (
     ControlReply,
     ControlRequest,
     ControlState,
+    ErrorInfo,
     Heartbeat,
     Hello,
     MemberLost,
@@ -36,13 +37,12 @@ from bus.messages import (
     WeightVersionCommitted,
     Welcome,
     describe,
-    ErrorInfo,
 )
-from bus.sockets import member_name, make_socket, recv_from, report_ready, send, subscription_event
+from bus.sockets import make_socket, member_name, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.config import EngineConfig
-from engine.logs import setup_logging
 from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
+from engine.logs import setup_logging
 from engine.weight_transfer_config import PAUSE_MODES, parse_weight_transfer_config
 
 log = structlog.get_logger()
