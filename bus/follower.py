@@ -138,6 +138,10 @@ class Follower:
                 self.current = None
             if result is DEFER:
                 self.deferred = cmd
+            elif result is not None and not isinstance(result, dict):
+                acks.append(Ack(cmd.seq, self.name, False, ErrorInfo(
+                    "TypeError", f"handler of {command_name(cmd.body)} returned {type(result).__name__}, not a dict",
+                    self.name)))
             else:
                 acks.append(Ack(cmd.seq, self.name, True, None, result or {}))
         return acks

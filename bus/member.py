@@ -136,9 +136,14 @@ class MemberLink:
         send(self.dealer, Hello(self.role, self.name, os.getpid(), PROTOCOL_VERSION, self.info, PROTOCOL_FINGERPRINT))
 
     def _send_acks(self, acks: list[Ack]) -> None:
-        if self.acks:
-            for a in acks:
+        if not self.acks:
+            return
+        for a in acks:
+            try:
                 send(self.dealer, a)
+            except CodecError as e:  # a handler returned something the bus cannot carry: fail, not crash
+                log.error("bus.unsendable_ack", member=self.name, seq=a.seq, error=str(e))
+                send(self.dealer, Ack(a.seq, self.name, False, ErrorInfo("CodecError", str(e), self.name)))
 
     def complete(self, result: dict[str, Any] | None = None, error: ErrorInfo | None = None) -> None:
         """Ack the deferred command, then apply the commands held behind it."""
