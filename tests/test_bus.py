@@ -15,7 +15,7 @@ from bus.codec import decode
 from bus.endpoints import COMMAND_TOPIC, Endpoints
 from bus.follower import Follower, SequenceGap
 from bus.member import BusError, MemberLink
-from bus.messages import Command, ControlState, Health, Hello, Pause, Resume, Welcome
+from bus.messages import PROTOCOL_VERSION, Command, ControlState, Health, Hello, Pause, Resume, Welcome
 from bus.sockets import make_socket, send
 from tests.bus_helpers import ControlClient, MemberThread, bus_config, start_coordinator, wait_for
 
@@ -152,6 +152,11 @@ def test_protocol_version_mismatch_is_refused(bus):
         assert dealer.poll(5000)
         w = decode(dealer.recv_multipart())
         assert isinstance(w, Welcome) and not w.accepted and "999" in w.reason
+        # the same version number with other struct definitions (someone forgot to bump it): refused too
+        send(dealer, Hello("worker", "old-worker", os.getpid(), PROTOCOL_VERSION, {}, "0123456789ab"))
+        assert dealer.poll(5000)
+        w = decode(dealer.recv_multipart())
+        assert isinstance(w, Welcome) and not w.accepted and "0123456789ab" in w.reason
     finally:
         ctx.destroy(linger=0)
 
@@ -214,3 +219,14 @@ def test_follower_orders_early_commands_and_detects_gaps():
     assert f.command(Command(6, Resume())) == []  # duplicate
     with pytest.raises(SequenceGap):
         f.command(Command(8, Health()))
+
+
+def test_a_stale_welcome_never_rolls_back_applied_commands():
+    f = Follower("gateway-0")
+    f.welcome(Welcome(True, "", 2, ControlState()))
+    f.command(Command(3, Pause("keep", False)))
+    assert f.welcome(Welcome(True, "", 2, ControlState())) == [] and f.seq == 3  # a late duplicate
+    assert f.state.paused.mode == "keep"
+    f.resync()  # after a gap: the next Welcome is the truth
+    f.welcome(Welcome(True, "", 5, ControlState()))
+    assert f.seq == 5 and f.state.paused is None and f.welcomes == 2
