@@ -230,3 +230,21 @@ def test_a_stale_welcome_never_rolls_back_applied_commands():
     f.resync()  # after a gap: the next Welcome is the truth
     f.welcome(Welcome(True, "", 5, ControlState()))
     assert f.seq == 5 and f.state.paused is None and f.welcomes == 2
+
+
+def test_a_failing_handler_acks_a_typed_error():
+    from engine.weight_update import WeightSyncError
+
+    def refuse(cmd):
+        raise WeightSyncError("tensor 'w' has the wrong shape", status=400, param="shapes")
+
+    f = Follower("worker-3", {Pause: refuse, Resume: lambda c: 7})
+    f.welcome(Welcome(True, "", 0, ControlState()))
+    (ack,) = f.command(Command(1, Pause("keep")))
+    assert not ack.ok and ack.error.kind == "WeightSyncError" and ack.error.status == 400
+    assert ack.error.param == "shapes" and ack.error.member == "worker-3"
+    assert ack.error.text() == "worker-3: tensor 'w' has the wrong shape"  # a status: no kind in the text
+    (ack,) = f.command(Command(2, Resume()))  # a result that is not a dict is a failure, not a lost ack
+    assert not ack.ok and "not a dict" in ack.error.message
+    (ack,) = f.command(Command(3, Health()))  # no handler: acked, empty
+    assert ack.ok and ack.result == {}
