@@ -80,7 +80,7 @@ def in_process(folder: Path, seqs: int, tokens: int) -> tuple[float, float]:
     exec_t, codec_t, steps = 0.0, 0.0, 0
     while sched.has_work():
         step = sched.schedule()
-        plan = StepPlan(steps, [NewSeq(q.seq_id, q.prompt_token_ids, q.sampling.to_wire(), q.eos_token_ids)
+        plan = StepPlan(steps, [NewSeq(q.seq_id, q.prompt_token_ids, q.sampling, q.eos_token_ids)
                                 for q in step.new_seqs], [q.seq_id for q in step.seqs], step.num_computed,
                         step.num_new, [q.block_table for q in step.seqs], step.finished_ids, 0)
         t0 = time.perf_counter()
@@ -112,7 +112,7 @@ def over_the_bus(folder: Path, seqs: int, tokens: int) -> dict[str, float]:
             ids = [uuid.uuid4().hex for _ in range(n)]
             for k, (rid, p) in enumerate(zip(ids, prompts(n))):
                 sp = SamplingParams(temperature=1.0, seed=k, max_tokens=max_tokens, ignore_eos=True)
-                send(sock, AddRequest(rid, p, sp.to_wire(), [2], time.time()))
+                send(sock, AddRequest(rid, p, sp, [2], time.time()))
             left = set(ids)
             stats: dict[str, float] = {}
             while left:

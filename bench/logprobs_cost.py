@@ -131,7 +131,7 @@ def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int,
     step_id = 0
     for g, (capture, lp) in groups.items():
         ids = [f"{g}-{j}" for j in range(n)]
-        new = [NewSeq(i, p, SamplingParams(seed=j, logprobs=lp, ignore_eos=True).to_wire(), [])
+        new = [NewSeq(i, p, SamplingParams(seed=j, logprobs=lp, ignore_eos=True), [])
                for j, (i, p) in enumerate(zip(ids, prompts))]
         step_id += 1
         runners[capture].execute(StepPlan(step_id, new, ids, [0] * n, [len(p) for p in prompts], tables[g], [], 0))

@@ -1,62 +1,69 @@
-"""msgpack codec for bus messages, with arrays and tensors as out-of-band frames.
+"""msgspec codec for bus messages, with arrays and tensors as out-of-band frames.
 
 Wire layout of one message (a list of ZeroMQ frames):
 
-    frame 0     : [kind: 1 byte][msgpack of the message's fields, in declaration order]
+    frame 0     : [kind: 1 byte][msgpack of the message struct (an array of its fields, in order)]
     frames 1..n : raw buffers of the arrays/tensors the message holds, in the order met
 
-Inside the msgpack body an array is ExtType(1, msgpack([frame_index, dtype, shape])) and a nested
-message is ExtType(2, msgpack([kind, *fields])). The bytes of an array never pass through msgpack, so a
-large tensor costs one memcpy into the socket (or none with zero-copy sends). No pickle: the only
-objects that can come back are msgpack scalars/containers, numpy arrays, torch tensors and the message
-classes in bus.messages.REGISTRY.
+Inside the msgpack body an array is ExtType(1, msgpack([frame_index, dtype, shape])), dtype "np:<str>"
+or "torch:<name>"; nested structs are plain msgpack arrays, typed by their parent's annotations (and
+commands by their tag). The bytes of an array never pass through msgpack, so a large tensor costs one
+memcpy into the socket (or none with zero-copy sends). Decoding is typed: the kind byte names the
+struct, and msgspec checks every field (count, types); a field annotated np.ndarray accepts only an
+array frame. No pickle: what comes back is scalars/containers, numpy arrays, torch tensors (only
+inside fields typed Any, e.g. an Ack's result) and the structs of bus.messages.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import threading
 from typing import Any
 
-import msgpack
+import msgspec
 import numpy as np
 
 from bus.messages import REGISTRY
 
 _EXT_ARRAY = 1
-_EXT_MESSAGE = 2
 
 # torch dtypes without a numpy twin travel as same-width integers and are re-viewed on arrival.
 _TORCH_VIEW_AS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+_pack = msgspec.msgpack.encode
+_unpack = msgspec.msgpack.decode
 
 
 class CodecError(ValueError):
     pass
 
 
+class _Local(threading.local):
+    """Per-thread encoder/decoders (a member's heartbeat thread encodes concurrently with its loop)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+        self.frames: list[Any] = []
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self.decoders = {k: msgspec.msgpack.Decoder(cls, ext_hook=_ext_hook, dec_hook=_dec_hook)
+                         for k, cls in REGISTRY.items()}
+
+
+
 def encode(msg: Any) -> list[Any]:
     """Message -> frames (bytes / memoryview)."""
-    buffers: list[Any] = []
-
-    def default(obj: Any) -> Any:
-        if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj)
-            buffers.append(memoryview(arr).cast("B") if arr.size else b"")
-            return msgpack.ExtType(_EXT_ARRAY, msgpack.packb([len(buffers), "np:" + arr.dtype.str, arr.shape]))
-        if _is_tensor(obj):
-            return _encode_tensor(obj, buffers)
-        kind = getattr(type(obj), "KIND", None)
-        if kind is not None and dataclasses.is_dataclass(obj):
-            body = msgpack.packb([kind, *_fields(obj)], default=default)
-            return msgpack.ExtType(_EXT_MESSAGE, body)
-        if isinstance(obj, (np.integer, np.floating, np.bool_)):
-            return obj.item()
-        raise CodecError(f"cannot encode {type(obj).__name__} on the bus")
-
     kind = getattr(type(msg), "KIND", None)
     if kind is None:
         raise CodecError(f"{type(msg).__name__} is not a bus message")
-    head = bytes((kind,)) + msgpack.packb(_fields(msg), default=default)
-    return [head, *buffers]
+    state = _local
+    state.buffers = buffers = []
+    try:
+        body = state.encoder.encode(msg)
+    except CodecError:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CodecError(f"cannot encode {type(msg).__name__}: {e}") from e
+    finally:
+        state.buffers = []
+    return [bytes((kind,)) + body, *buffers]
 
 
 def decode(frames: list[Any]) -> Any:
@@ -66,41 +73,53 @@ def decode(frames: list[Any]) -> Any:
     head = _as_bytes(frames[0])
     if not head:
         raise CodecError("empty header frame")
-
-    def ext_hook(code: int, data: bytes) -> Any:
-        if code == _EXT_ARRAY:
-            index, dtype, shape = msgpack.unpackb(data)
-            if not 0 < index < len(frames):
-                raise CodecError(f"array refers to missing frame {index}")
-            return _decode_array(frames[index], dtype, shape)
-        if code == _EXT_MESSAGE:
-            kind, *fields = msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False)
-            return _build(kind, fields)
-        raise CodecError(f"unknown ext type {code}")
-
+    state = _local
+    dec = state.decoders.get(head[0])
+    if dec is None:
+        raise CodecError(f"unknown message kind {head[0]}")
+    state.frames = frames
     try:
-        fields = msgpack.unpackb(head[1:], ext_hook=ext_hook, strict_map_key=False)
+        return dec.decode(memoryview(head)[1:])
     except CodecError:
         raise
-    except Exception as e:  # msgpack raises several types on garbage
-        raise CodecError(f"undecodable message: {e}") from e
-    if not isinstance(fields, list):
-        raise CodecError("message body is not a field list")
-    return _build(head[0], fields)
+    except Exception as e:  # msgspec.DecodeError/ValidationError, or a bad array header
+        raise CodecError(f"bad {REGISTRY[head[0]].__name__}: {e}") from e
+    finally:
+        state.frames = []
 
 
-def _build(kind: int, fields: list[Any]) -> Any:
-    cls = REGISTRY.get(kind)
-    if cls is None:
-        raise CodecError(f"unknown message kind {kind}")
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        buffers = _local.buffers
+        buffers.append(memoryview(arr).cast("B") if arr.size else b"")
+        return msgspec.msgpack.Ext(_EXT_ARRAY, _pack((len(buffers), "np:" + arr.dtype.str, arr.shape)))
+    if _is_tensor(obj):
+        return _encode_tensor(obj)
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    raise CodecError(f"cannot encode {type(obj).__name__} on the bus")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _EXT_ARRAY:
+        raise CodecError(f"unknown ext type {code}")
     try:
-        return cls(*fields)
-    except TypeError as e:
-        raise CodecError(f"bad fields for {cls.__name__}: {e}") from e
+        index, dtype, shape = _unpack(data)
+    except (ValueError, TypeError, msgspec.DecodeError) as e:
+        raise CodecError(f"bad array header: {e}") from e
+    frames = _local.frames
+    if not isinstance(index, int) or not 0 < index < len(frames):
+        raise CodecError(f"array refers to missing frame {index}")
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not all(isinstance(n, int) for n in shape):
+        raise CodecError("bad array header")
+    return _decode_array(frames[index], dtype, shape)
 
 
-def _fields(msg: Any) -> list[Any]:
-    return [getattr(msg, f.name) for f in dataclasses.fields(msg)]
+def _dec_hook(typ: type, obj: Any) -> Any:
+    if isinstance(obj, typ):
+        return obj
+    raise TypeError(f"expected an array frame, got {type(obj).__name__}")
 
 
 def _as_bytes(frame: Any) -> bytes | memoryview:
@@ -113,7 +132,7 @@ def _is_tensor(obj: Any) -> bool:
     return type(obj).__module__ == "torch" and type(obj).__name__ in ("Tensor", "Parameter")
 
 
-def _encode_tensor(t: Any, buffers: list[Any]) -> msgpack.ExtType:
+def _encode_tensor(t: Any) -> msgspec.msgpack.Ext:
     t = t.detach()
     if t.device.type != "cpu":
         raise CodecError("only host tensors travel on the bus; device tensors use the IPC/collective paths")
@@ -123,23 +142,34 @@ def _encode_tensor(t: Any, buffers: list[Any]) -> msgpack.ExtType:
     import torch
 
     arr = (t.view(getattr(torch, view_as)) if view_as else t).numpy()
+    buffers = _local.buffers
     buffers.append(memoryview(arr).cast("B") if arr.size else b"")
-    return msgpack.ExtType(_EXT_ARRAY, msgpack.packb([len(buffers), "torch:" + name, list(t.shape)]))
+    return msgspec.msgpack.Ext(_EXT_ARRAY, _pack((len(buffers), "torch:" + name, list(t.shape))))
 
 
 def _decode_array(frame: Any, dtype: str, shape: list[int]) -> Any:
     buf = _as_bytes(frame)
     lib, _, name = dtype.partition(":")
-    if lib == "np":
-        arr = np.frombuffer(buf, dtype=np.dtype(name))
-        return arr.reshape(shape)
-    if lib == "torch":
-        import torch
+    try:
+        if lib == "np":
+            return np.frombuffer(buf, dtype=np.dtype(name)).reshape(shape)
+        if lib == "torch":
+            import torch
 
-        view_as = _TORCH_VIEW_AS.get(name)
-        np_dtype = np.dtype(view_as) if view_as else torch.empty(0, dtype=getattr(torch, name)).numpy().dtype
-        # Copy into a writable tensor: zmq frames are read-only and torch would otherwise alias them.
-        arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
-        t = torch.from_numpy(arr.copy())
-        return t.view(getattr(torch, name)) if view_as else t
+            view_as = _TORCH_VIEW_AS.get(name)
+            tdtype = getattr(torch, name, None)
+            if not isinstance(tdtype, torch.dtype):
+                raise CodecError(f"unknown torch dtype {name!r}")
+            np_dtype = np.dtype(view_as) if view_as else torch.empty(0, dtype=tdtype).numpy().dtype
+            # Copy into a writable tensor: zmq frames are read-only and torch would otherwise alias them.
+            arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
+            t = torch.from_numpy(arr.copy())
+            return t.view(tdtype) if view_as else t
+    except CodecError:
+        raise
+    except (ValueError, TypeError) as e:  # a truncated frame, a shape that does not fit, a bad dtype
+        raise CodecError(f"bad array frame ({dtype} {shape}): {e}") from e
     raise CodecError(f"unknown array type {dtype}")
+
+
+_local = _Local()

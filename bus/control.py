@@ -9,61 +9,21 @@ Coordinator side, ControlLedger:
            member lost removes name and records it missing   --> reply error naming it
            deadline passes with names still waiting          --> reply error naming them
 
-Member side, ControlFollower: applies commands strictly in seq order. Before its Welcome it buffers what
-arrives on the SUB socket (the Welcome travels on another pipe and may come later); the Welcome's
-snapshot covers every seq <= welcome.seq, so buffered commands up to it are dropped and later ones
-replayed. A command that skips a seq raises SequenceGap: the member resyncs from a fresh snapshot
-rather than drift.
+Member side: bus.follower.Follower (sequence order, gaps, Welcome snapshots, reducers, handlers).
 
-The snapshot is the state that commands leave behind (paused? sleeping? weight version?). The ledger
-is given a reducer per stateful command (engine.control_state); stateless ones (health, shutdown) have
-none.
+The snapshot is the state that commands leave behind (paused? sleeping? weight version?): a
+bus.messages.ControlState, advanced by engine.control_state.reduce when a command is numbered.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from bus.messages import Ack, Command
+from bus.messages import Ack, Command, CommandBody, ControlState, ErrorInfo, command_name
+from engine.control_state import reduce
 
 ACKING_ROLES = ("scheduler", "worker")
-
-Reducer = Callable[[dict[str, Any], dict[str, Any]], None]  # (snapshot, command args) -> mutate snapshot
-
-
-class SequenceGap(Exception):
-    def __init__(self, expected: int, got: int):
-        super().__init__(f"control sequence gap: expected seq {expected}, got {got}")
-        self.expected = expected
-        self.got = got
-
-
-@dataclass(slots=True)
-class ControlFollower:
-    seq: int | None = None  # last applied; None until welcomed
-    _early: list[Command] = field(default_factory=list)
-
-    def welcome(self, seq: int) -> list[Command]:
-        """Start from a snapshot at `seq`; returns buffered commands that come after it, in order."""
-        self.seq = seq
-        early, self._early = sorted(self._early, key=lambda c: c.seq), []
-        out: list[Command] = []
-        for c in early:
-            out += self.accept(c)
-        return out
-
-    def accept(self, cmd: Command) -> list[Command]:
-        """Commands to apply now (zero or one). Raises SequenceGap."""
-        if self.seq is None:
-            self._early.append(cmd)
-            return []
-        if cmd.seq <= self.seq:
-            return []  # already covered by the snapshot or applied
-        if cmd.seq != self.seq + 1:
-            raise SequenceGap(self.seq + 1, cmd.seq)
-        self.seq = cmd.seq
-        return [cmd]
 
 
 @dataclass(slots=True)
@@ -71,22 +31,20 @@ class Pending:
     seq: int
     request_id: str
     requester: bytes | None
-    command: str
+    command: CommandBody
     deadline: float
     waiting: set[str]
     results: dict[str, Any] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[ErrorInfo] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.missing and not self.errors
 
-    def error_text(self) -> str:
-        parts = list(self.errors)
-        if self.missing:
-            parts.append(f"no ack from {', '.join(sorted(self.missing))}")
-        return "; ".join(parts)
+    @property
+    def name(self) -> str:
+        return command_name(self.command)
 
 
 @dataclass(slots=True)
@@ -105,10 +63,9 @@ class Member:
 @dataclass(slots=True)
 class ControlLedger:
     seq: int = 0
-    snapshot: dict[str, Any] = field(default_factory=dict)
+    snapshot: ControlState = field(default_factory=ControlState)
     members: dict[str, Member] = field(default_factory=dict)
     pending: dict[int, Pending] = field(default_factory=dict)
-    reducers: dict[str, Reducer] = field(default_factory=dict)
 
     def join(self, m: Member) -> None:
         """A (re)joining member is welcomed with the snapshot at self.seq, so it owes no ack up to it."""
@@ -116,17 +73,15 @@ class ControlLedger:
         for p in self.pending.values():
             p.waiting.discard(m.name)
 
-    def publish(self, command: str, args: dict[str, Any], *, now: float, timeout_s: float,
+    def publish(self, command: CommandBody, *, now: float, timeout_s: float,
                 request_id: str = "", requester: bytes | None = None) -> tuple[Command, list[Pending]]:
         """Number a command; returns it and any pending entries already complete (no acking members)."""
         self.seq += 1
-        reducer = self.reducers.get(command)
-        if reducer:
-            reducer(self.snapshot, args)
+        self.snapshot = reduce(self.snapshot, command)
         waiting = {n for n, m in self.members.items() if m.acks}
         p = Pending(self.seq, request_id, requester, command, now + timeout_s, waiting)
         self.pending[self.seq] = p
-        return Command(self.seq, command, args), self._collect()
+        return Command(self.seq, command), self._collect()
 
     def ack(self, a: Ack) -> list[Pending]:
         p = self.pending.get(a.seq)
@@ -134,7 +89,7 @@ class ControlLedger:
             p.waiting.discard(a.name)
             p.results[a.name] = a.result
             if not a.ok:
-                p.errors.append(f"{a.name}: {a.error}")
+                p.errors.append(a.error or ErrorInfo("Error", "failed without saying why", a.name))
         return self._collect()
 
     def seen(self, name: str, now: float) -> None:

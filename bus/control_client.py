@@ -12,7 +12,7 @@ import zmq
 
 from bus.codec import CodecError, decode
 from bus.endpoints import Endpoints
-from bus.messages import ControlReply, ControlRequest
+from bus.messages import CommandBody, ControlReply, ControlRequest, command_name
 from bus.sockets import make_socket, send
 
 
@@ -22,15 +22,18 @@ class ControlClient:
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=ep.control,
                                 identity=name or f"client-{uuid.uuid4().hex[:8]}")
 
-    def request(self, command: str, args: dict[str, Any] | None = None, timeout_s: float = 10.0) -> ControlReply:
-        """Raises TimeoutError when the coordinator does not answer within timeout_s + 5 s."""
+    def request(self, command: CommandBody, timeout_s: float = 10.0) -> ControlReply:
+        """Broadcast a typed command (bus.messages), e.g. `request(Health())`. Raises TimeoutError when
+        the coordinator does not answer within timeout_s + 5 s."""
         rid = uuid.uuid4().hex
-        return self.call(ControlRequest(rid, command, args or {}, timeout_s), ControlReply, timeout_s + 5)
+        return self.call(ControlRequest(rid, command, timeout_s), ControlReply, timeout_s + 5)
 
     def call(self, msg: Any, reply_type: type, timeout_s: float) -> Any:
         """Send a message carrying a request_id; wait for the reply of reply_type with the same id."""
         send(self.sock, msg)
-        return self.wait(msg.request_id, reply_type, timeout_s, getattr(msg, "command", type(msg).__name__))
+        body = getattr(msg, "body", None)
+        return self.wait(msg.request_id, reply_type, timeout_s,
+                         command_name(body) if body is not None else type(msg).__name__)
 
     def wait(self, request_id: str, reply_type: type, timeout_s: float, what: str = "request") -> Any:
         deadline = time.monotonic() + timeout_s

@@ -1,13 +1,11 @@
-"""A process's membership on the control bus (scheduler and workers): join with Hello, apply the
-coordinator's commands in order, ack each one, heartbeat both ways.
+"""A process's membership on the control bus for poll loops (scheduler, workers, scripts): join with
+Hello, follow the coordinator's commands through bus.follower.Follower, send the acks it returns,
+heartbeat both ways.
 
-The owning actor registers `sockets` in its poller, calls `handle(sock)` when one is readable and
-`tick(now)` every loop turn. Commands are applied through the `apply` callback the actor passes in; its
-return value (a dict) travels back in the Ack, an exception becomes a failed Ack with its message.
-
-A command that completes later (pause in wait mode: ack once the running requests have finished)
-returns DEFER; the actor then calls `complete()`. Later commands are held until then, so commands are
-still applied, and acked, strictly in order.
+The owning actor registers typed handlers (`link.on(Pause, self._pause)`, see bus.follower), puts
+`sockets` in its poller, calls `handle(sock)` when one is readable and `tick(now)` every loop turn.
+`link.state` is the control state at the last applied command. A handler that completes later returns
+DEFER; the actor then calls `link.complete(result)`.
 """
 
 from __future__ import annotations
@@ -21,15 +19,23 @@ import structlog
 import zmq
 
 from bus.codec import CodecError, decode
-from bus.control import ControlFollower, SequenceGap
+from bus.control import ACKING_ROLES
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
-from bus.messages import PROTOCOL_VERSION, Ack, Command, Heartbeat, Hello, Welcome
+from bus.follower import DEFER, Follower, Handler, Refused, SequenceGap  # noqa: F401  (DEFER re-exported)
+from bus.messages import (
+    PROTOCOL_FINGERPRINT,
+    PROTOCOL_VERSION,
+    Ack,
+    Command,
+    ControlState,
+    ErrorInfo,
+    Heartbeat,
+    Hello,
+    Welcome,
+)
 from bus.sockets import make_socket, send
 
 log = structlog.get_logger()
-
-
-DEFER = object()  # returned by `apply`: the actor acks later through MemberLink.complete()
 
 
 class BusError(RuntimeError):
@@ -38,16 +44,13 @@ class BusError(RuntimeError):
 
 class MemberLink:
     def __init__(self, ctx: zmq.Context, ep: Endpoints, *, role: str, name: str,
-                 apply: Callable[[Command], dict[str, Any] | None], info: dict[str, Any] | None = None,
+                 handlers: dict[type, Handler] | None = None, default: Handler | None = None,
+                 info: dict[str, Any] | None = None,
                  heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0):
         self.role, self.name, self.info = role, name, info or {}
-        self.apply = apply
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
-        self.follower = ControlFollower()
-        self.snapshot: dict[str, Any] = {}
-        self.welcomes = 0  # counts snapshots taken (1 at join, +1 per resync): actors refresh their copies
-        self.deferred: Command | None = None
-        self._held: list[Command] = []
+        self.follower = Follower(name, handlers, default=default)
+        self.acks = role in ACKING_ROLES
         # Subscribe before saying Hello: the coordinator waits to see our presence topic arrive on its
         # XPUB before it welcomes us, so no command published after the Welcome can miss us.
         self.sub = make_socket(ctx, zmq.SUB, connect=ep.commands)
@@ -66,9 +69,20 @@ class MemberLink:
 
     @property
     def welcomed(self) -> bool:
-        return self.follower.seq is not None
+        return self.follower.welcomed
 
-    def wait_welcome(self, timeout_s: float) -> dict[str, Any]:
+    @property
+    def state(self) -> ControlState:
+        return self.follower.state
+
+    @property
+    def deferred(self) -> Command | None:
+        return self.follower.deferred
+
+    def on(self, command_type: type, handler: Handler) -> None:
+        self.follower.on(command_type, handler)
+
+    def wait_welcome(self, timeout_s: float) -> ControlState:
         poller = zmq.Poller()
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
@@ -79,7 +93,7 @@ class MemberLink:
                 raise BusError(f"{self.name}: no Welcome from the coordinator within {timeout_s:.0f}s")
             for s, _ in poller.poll(left * 1000):
                 self.handle(s)
-        return self.snapshot
+        return self.follower.state
 
     def handle(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart()
@@ -90,15 +104,19 @@ class MemberLink:
             return
         self._coordinator_seen = time.monotonic()
         if isinstance(msg, Welcome):
-            self._on_welcome(msg)
+            try:
+                self._send_acks(self.follower.welcome(msg))
+            except Refused as e:
+                raise BusError(f"{self.name}: coordinator refused us: {e}") from None
         elif isinstance(msg, Command):
             try:
-                ready = self.follower.accept(msg)
+                acks = self.follower.command(msg)
             except SequenceGap as gap:
                 log.warning("bus.sequence_gap", member=self.name, expected=gap.expected, got=gap.got)
-                self._resync()
+                self.follower.resync()  # Clone pattern: drop our position and ask for a fresh snapshot
+                self._hello()
                 return
-            self._apply_all(ready)
+            self._send_acks(acks)
 
     def tick(self, now: float) -> None:
         """Call every loop turn. Raises BusError when the coordinator has been silent too long."""
@@ -115,47 +133,21 @@ class MemberLink:
         self.dealer.close(0)
 
     def _hello(self) -> None:
-        send(self.dealer, Hello(self.role, self.name, os.getpid(), PROTOCOL_VERSION, self.info))
+        send(self.dealer, Hello(self.role, self.name, os.getpid(), PROTOCOL_VERSION, self.info, PROTOCOL_FINGERPRINT))
 
-    def _resync(self) -> None:
-        """Clone pattern: drop our position and ask for a fresh snapshot."""
-        self.follower = ControlFollower()
-        self._hello()
-
-    def _on_welcome(self, w: Welcome) -> None:
-        if not w.accepted:
-            raise BusError(f"{self.name}: coordinator refused us: {w.reason}")
-        self.snapshot = w.snapshot
-        self.welcomes += 1
-        self._apply_all(self.follower.welcome(w.seq))
-
-    def _apply_all(self, cmds: list[Command]) -> None:
-        for cmd in cmds:
-            if self.deferred is not None:
-                self._held.append(cmd)
-                continue
-            try:
-                result = self.apply(cmd)
-            except Exception as e:  # a failed command is reported, never fatal to the member
-                log.exception("bus.command_failed", member=self.name, command=cmd.command)
-                # An error that knows its HTTP status (e.g. a 400 for bad weight metadata) passes it on.
-                status, param = getattr(e, "status", None), getattr(e, "param", None)
-                extra = {"error_status": status, "error_param": param} if isinstance(status, int) else {}
-                send(self.dealer, Ack(cmd.seq, self.name, False, f"{type(e).__name__}: {e}", extra))
-                continue
-            if result is DEFER:
-                self.deferred = cmd
-            else:
-                send(self.dealer, Ack(cmd.seq, self.name, True, "", result or {}))
-
-    def complete(self, result: dict[str, Any] | None = None, error: str = "") -> None:
-        """Ack the deferred command, then apply the commands held behind it."""
-        cmd, self.deferred = self.deferred, None
-        if cmd is None:
+    def _send_acks(self, acks: list[Ack]) -> None:
+        if not self.acks:
             return
-        send(self.dealer, Ack(cmd.seq, self.name, not error, error, result or {}))
-        held, self._held = self._held, []
-        self._apply_all(held)
+        for a in acks:
+            try:
+                send(self.dealer, a)
+            except CodecError as e:  # a handler returned something the bus cannot carry: fail, not crash
+                log.error("bus.unsendable_ack", member=self.name, seq=a.seq, error=str(e))
+                send(self.dealer, Ack(a.seq, self.name, False, ErrorInfo("CodecError", str(e), self.name)))
+
+    def complete(self, result: dict[str, Any] | None = None, error: ErrorInfo | None = None) -> None:
+        """Ack the deferred command, then apply the commands held behind it."""
+        self._send_acks(self.follower.complete(result, error))
 
 
 class _HeartbeatThread:

@@ -1,24 +1,55 @@
-"""Every message that crosses a process boundary, and nothing else.
+"""Every message and every command that crosses a process boundary, and nothing else.
 
-Rule of this module: plain data only (dataclasses of ints, floats, strings, lists, dicts, numpy arrays
-or torch tensors, and other messages). No behaviour, no sockets, no device code. Each class has a
-one-byte KIND that the codec writes ahead of the payload; decoding looks the class up in REGISTRY, never
-by name. Adding a field changes the wire format: bump PROTOCOL_VERSION.
+Rules of this module: typed msgspec Structs only (ints, floats, strings, lists, dicts, numpy arrays
+annotated `np.ndarray`, and other structs of this module). No behaviour, no sockets, no device code.
+
+- A top-level message has a one-byte KIND (`@message(k)`) that the codec writes ahead of the body;
+  decoding looks the class up by that byte, never by name. Structs nested inside others need no kind.
+- Every struct is array-like (fields travel in declaration order, no names on the wire) and forbids
+  unknown fields: an extra, missing (without a default) or wrongly typed field is a decode error.
+- Commands (what the coordinator broadcasts, numbered, in `Command`) are one struct per command,
+  subclasses of CommandBody, tagged with their snake_case name; `Command.body` is their tagged union.
+
+Adding a command (the whole change, three places):
+  1. here: `class ResetPrefixCache(CommandBody): reset_running_requests: bool = False` (fields typed);
+  2. if it changes the control state: a reducer in engine/control_state.py's REDUCERS;
+  3. a handler in each actor that acts on it: `handlers[ResetPrefixCache] = self._reset_prefix_cache`
+     (a member with no handler acks it with an empty result); the sender builds the struct:
+     `await client.control(ResetPrefixCache(), timeout_s=...)`.
+  Then run tests/test_codec.py: its fingerprint test prints the new PROTOCOL_FINGERPRINT; bump
+  PROTOCOL_VERSION and record both.
+
+Protocol version: PROTOCOL_FINGERPRINT is a hash of every struct definition below (names, tags, field
+names, types and defaults); tests/test_codec.py fails when the definitions change and the recorded pair
+(version, fingerprint) does not. Hello carries both; the coordinator refuses a member whose pair differs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import hashlib
+import re
+import types
+import typing
+from typing import Any, Union
 
-PROTOCOL_VERSION = 5
+import msgspec
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+
+# Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
+PROTOCOL_VERSION = 7
+PROTOCOL_FINGERPRINT = "4772feb8ee18"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
 
-def _message(kind: int):
+class Wire(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Base of every bus struct: positional on the wire, strict on decode."""
+
+
+def message(kind: int):
     def wrap(cls):
-        cls = dataclass(slots=True)(cls)
         if kind in REGISTRY:
             raise RuntimeError(f"duplicate message kind {kind}: {REGISTRY[kind].__name__}, {cls.__name__}")
         cls.KIND = kind
@@ -28,22 +59,194 @@ def _message(kind: int):
     return wrap
 
 
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+class ErrorInfo(Wire):
+    """A failure as it travels: what kind, what it says, who raised it, and what it concerns."""
+
+    kind: str  # the exception class, e.g. "WeightSyncError"
+    message: str
+    member: str = ""  # the member that failed ("" when the coordinator itself reports it)
+    status: int | None = None  # the HTTP status the failure maps to, when the raiser knew it
+    param: str | None = None  # the request field concerned, when known
+    tensor: str | None = None  # the tensor concerned, when known
+
+    def text(self) -> str:
+        """"worker-0: RuntimeError: boom". An error that knows its HTTP status (a WeightSyncError) is one
+        the engine anticipated: its message is written for the caller and goes without the kind."""
+        what = self.message if self.status is not None else f"{self.kind}: {self.message}"
+        return f"{self.member}: {what}" if self.member else what
+
+
+# --- commands (numbered broadcasts; see the module docstring for how to add one) -------------------
+
+
+class CommandBody(Wire, tag=_snake):
+    """Base of every command. The tag (the snake_case class name) is the command's name."""
+
+
+class Health(CommandBody):
+    pass
+
+
+class Shutdown(CommandBody):
+    pass
+
+
+class Members(CommandBody):
+    """Read-only: the coordinator answers with its member list, nothing is broadcast."""
+
+
+class MemberLost(CommandBody):
+    name: str
+    role: str
+    why: str
+
+
+class Pause(CommandBody):
+    mode: str  # abort | wait | keep
+    clear_cache: bool = True
+
+
+class Resume(CommandBody):
+    pass
+
+
+class Sleep(CommandBody):
+    """First phase of /sleep: every member quiesces (the scheduler acks once no step runs)."""
+
+    level: int  # 0: scheduling only; 1: weights offloaded; 2: weights discarded
+    mode: str = "abort"
+
+
+class ReleaseMemory(CommandBody):
+    """Second phase of /sleep: the workers release device memory."""
+
+    level: int
+
+
+class WakeUp(CommandBody):
+    tags: list[str] | None = None  # None: every tag
+
+
+class UpdateWeightVersion(CommandBody):
+    new_version: str
+
+
+class InitWeightTransferEngine(CommandBody):
+    init_info: dict[str, Any]  # vLLM's init_info (validated by the workers: workers/weight_receiver.py)
+
+
+class StartWeightUpdate(CommandBody):
+    pass
+
+
+class UpdateWeights(CommandBody):
+    update_info: Union[dict[str, Any], list[dict[str, Any]]]  # one object, or one per worker rank
+
+
+class FinishWeightUpdate(CommandBody):
+    pass
+
+
+class CommitWeightUpdate(CommandBody):
+    new_version: str = ""  # "" keeps the current label
+
+
+class AbortWeightUpdate(CommandBody):
+    pass
+
+
+class ShutdownWeightTransferEngine(CommandBody):
+    pass
+
+
+class WeightChecker(CommandBody):
+    action: str = "checksum"
+
+
+class ResetPrefixCache(CommandBody):
+    """vLLM's /reset_prefix_cache: the scheduler forgets every cached prefix (acks {"success": bool})."""
+
+    reset_running_requests: bool = False
+
+
+class WeightsMissing(CommandBody):
+    """How many parameters a level-2 sleep discarded are still not loaded again (the coordinator publishes
+    it from the workers' acks); requests are refused while it is not 0 (-1: all of them)."""
+
+    count: int
+    total: int = 0
+
+
+class CollectiveRpc(CommandBody):
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+AnyCommand = Union[Health, Shutdown, Members, MemberLost, Pause, Resume, Sleep, ReleaseMemory, WakeUp,
+                   UpdateWeightVersion, InitWeightTransferEngine, StartWeightUpdate, UpdateWeights,
+                   FinishWeightUpdate, CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine,
+                   WeightChecker, CollectiveRpc, ResetPrefixCache, WeightsMissing]
+
+WEIGHT_UPDATE_COMMANDS = (InitWeightTransferEngine, StartWeightUpdate, UpdateWeights, FinishWeightUpdate,
+                          CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine, WeightChecker)
+
+
+def command_name(body: CommandBody) -> str:
+    return type(body).__struct_config__.tag
+
+
+# --- the control state (what commands leave behind; the Welcome snapshot) --------------------------
+
+
+class PauseState(msgspec.Struct, forbid_unknown_fields=True):
+    mode: str  # abort | wait | keep
+    clear_cache: bool
+
+
+class ControlState(msgspec.Struct, forbid_unknown_fields=True):
+    """The engine's control state; engine.control_state holds how each command changes it. A map on the
+    wire (a snapshot is rare and small), so /server_info can show it as JSON as it is."""
+
+    paused: PauseState | None = None
+    sleep_level: int | None = None  # None when awake, else the level of the sleep in force
+    sleeping_tags: list[str] = []  # level 0: ["scheduling"]; levels 1 and 2: ["weights", "kv_cache"]
+    # Weight versions are free-form labels (vLLM); the engine numbers them with an epoch that travels
+    # in every StepPlan/StepResult/RequestOutput and keys the prefix cache.
+    weight_version: str = "default"
+    weight_epoch: int = 0
+    version_labels: dict[str, str] = msgspec.field(default_factory=lambda: {"0": "default"})
+    # Between start_weight_update and its commit or abort: the scheduler holds steps meanwhile.
+    weight_update_active: bool = False
+    # After a level-2 sleep: parameters not loaded again (-1: all; WeightsMissing), of weights_total.
+    weights_missing: int = 0
+    weights_total: int = 0
+
+
 # --- membership and liveness (every process <-> coordinator) -------------------------------------
 
 
-@_message(1)
-class Hello:
+@message(1)
+class Hello(Wire):
     """First message of a participant to the coordinator (and of a worker to the scheduler)."""
 
     role: str  # gateway | scheduler | worker | trainer
     name: str  # unique member name, e.g. "worker-0"
     pid: int
     protocol_version: int
-    info: dict[str, Any] = field(default_factory=dict)  # role-specific, e.g. a worker's KV capacity
+    info: dict[str, Any] = {}  # role-specific, e.g. a worker's KV capacity
+    protocol_fingerprint: str = ""  # bus.messages.PROTOCOL_FINGERPRINT of the sender
 
 
-@_message(2)
-class Welcome:
+@message(2)
+class Welcome(Wire):
     """Coordinator's answer to Hello: refused on a protocol mismatch, else the control snapshot.
 
     The snapshot is the state all commands up to `seq` produced (zguide "Clone"): a late or restarted
@@ -53,91 +256,113 @@ class Welcome:
     accepted: bool
     reason: str
     seq: int
-    snapshot: dict[str, Any]
+    snapshot: ControlState
 
 
-@_message(3)
-class Heartbeat:
+@message(3)
+class Heartbeat(Wire):
     name: str
     seq: int  # the sender's last applied control seq (coordinator: last published)
 
 
-@_message(4)
-class Ready:
+@message(4)
+class Ready(Wire):
     """A process finished start-up; sent to the launcher's ready socket when there is one."""
 
     role: str
     name: str
     pid: int
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = {}
 
 
 # --- acknowledged control broadcast --------------------------------------------------------------
 
 
-@_message(10)
-class ControlRequest:
+@message(10)
+class ControlRequest(Wire):
     """Ask the coordinator to broadcast a command and collect every member's ack."""
 
     request_id: str
-    command: str
-    args: dict[str, Any]
+    body: AnyCommand
     timeout_s: float
 
 
-@_message(11)
-class ControlReply:
+@message(11)
+class ControlReply(Wire):
     request_id: str
     ok: bool
-    error: str
     seq: int
     results: dict[str, Any]  # member name -> what its ack returned
-    missing: list[str] = field(default_factory=list)  # members that did not ack in time
+    errors: list[ErrorInfo] = []  # one per failing member
+    missing: list[str] = []  # members that did not ack in time
+
+    @property
+    def error(self) -> str:
+        """Human-readable: each failure, then who did not ack."""
+        return describe(self.errors, self.missing)
 
 
-@_message(12)
-class Command:
+def describe(errors: list[ErrorInfo], missing: list[str]) -> str:
+    parts = [e.text() for e in errors]
+    if missing:
+        parts.append(f"no ack from {', '.join(sorted(missing))}")
+    return "; ".join(parts)
+
+
+@message(12)
+class Command(Wire):
     """A numbered broadcast. Members apply commands strictly in seq order and ack each one."""
 
     seq: int
-    command: str
-    args: dict[str, Any]
+    body: AnyCommand
 
 
-@_message(13)
-class Ack:
+@message(13)
+class Ack(Wire):
     seq: int
     name: str
     ok: bool
-    error: str = ""
-    result: dict[str, Any] = field(default_factory=dict)
+    error: ErrorInfo | None = None
+    result: dict[str, Any] = {}
 
 
 # --- requests (gateway <-> scheduler) ------------------------------------------------------------
 
 
-@_message(20)
-class AddRequest:
+@message(20)
+class AddRequest(Wire):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # engine.sampling_params.SamplingParams.to_wire()
+    sampling: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float
 
 
-@_message(21)
-class AbortRequests:
+@message(21)
+class AbortRequests(Wire):
     request_ids: list[str]
 
 
-@_message(22)
-class RequestOutput:
+@message(24)
+class PromptLogprobs(Wire):
+    """Logprobs of prompt tokens 1..P-1 (token 0 has none), computed from the raw logits of the position
+    before each; rows in prompt order. Travels in StepResult (worker -> scheduler) and RequestOutput."""
+
+    seq_id: str
+    logprobs: np.ndarray  # np.float32 [P-1], of the prompt token itself
+    ranks: np.ndarray  # np.int64 [P-1], 1-based
+    topk_ids: np.ndarray  # np.int64 [P-1, K]
+    topk_logprobs: np.ndarray  # np.float32 [P-1, K]
+
+
+@message(22)
+class RequestOutput(Wire):
     """New tokens of one request since its last output (a delta)."""
 
     request_id: str
     token_ids: list[int]
     logprobs: list[float] | None  # per new token, when the request asked for logprobs
-    top_logprobs: list[list[list[float]]] | None  # per new token: [[token_id, logprob], ...]
+    top_logprobs: list[list[tuple[int, float]]] | None  # per new token: [(token_id, logprob), ...]
     finished: bool
     finish_reason: str | None  # stop | length | abort | error
     stop_reason: int | None  # the stop token id that ended it, if any
@@ -152,45 +377,33 @@ class RequestOutput:
     # MoE router capture (--enable-return-routed-experts): expert ids np.uint8/uint16 [n, num_moe_layers, top_k]
     # of positions routed_experts_start .. +n, computed since the last output. A recompute after preemption
     # sends positions again: later rows replace earlier ones of the same position. None: nothing new.
-    routed_experts: Any = None
+    routed_experts: np.ndarray | None = None
     routed_experts_start: int = 0
 
 
-@_message(24)
-class PromptLogprobs:
-    """Logprobs of prompt tokens 1..P-1 (token 0 has none), computed from the raw logits of the position
-    before each; rows in prompt order. Travels in StepResult (worker -> scheduler) and RequestOutput."""
-
-    seq_id: str
-    logprobs: Any  # np.float32 [P-1], of the prompt token itself
-    ranks: Any  # np.int64 [P-1], 1-based
-    topk_ids: Any  # np.int64 [P-1, K]
-    topk_logprobs: Any  # np.float32 [P-1, K]
-
-
-@_message(23)
-class OutputBatch:
+@message(23)
+class OutputBatch(Wire):
     """Everything one gateway gets from one scheduler step, plus the scheduler's gauges."""
 
     outputs: list[RequestOutput]
-    stats: dict[str, float]
+    stats: dict[str, Union[int, float]]
 
 
 # --- step execution (scheduler <-> workers) ------------------------------------------------------
 
 
-@_message(30)
-class NewSeq:
+@message(30)
+class NewSeq(Wire):
     """A sequence the workers have not seen: sent once, in full."""
 
     seq_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     eos_token_ids: list[int]  # masked until min_tokens is reached
 
 
-@_message(31)
-class StepPlan:
+@message(31)
+class StepPlan(Wire):
     """One forward step. Running sequences travel as deltas: workers remember each sequence's tokens
     (prompt + what they sampled), so a scheduled sequence is (id, tokens already in KV, tokens to
     compute now, its block table). A sequence is sampled when the step reaches its last known token."""
@@ -205,39 +418,34 @@ class StepPlan:
     weight_version: int
 
 
-@_message(32)
-class StepResult:
+@message(32)
+class StepResult(Wire):
     step_id: int
     rank: int
     seq_ids: list[str]  # the sampled sequences, in plan order
-    token_ids: Any  # np.int64 [S]
-    logprobs: Any  # np.float32 [S]
-    topk_ids: Any  # np.int64 [S, K] (K = 0 when nobody asked)
-    topk_logprobs: Any  # np.float32 [S, K]
+    token_ids: np.ndarray | None  # np.int64 [S] (None in a failed or interrupted step)
+    logprobs: np.ndarray | None  # np.float32 [S]
+    topk_ids: np.ndarray | None  # np.int64 [S, K] (K = 0 when nobody asked)
+    topk_logprobs: np.ndarray | None  # np.float32 [S, K]
     weight_version: int
     error: str = ""
     step_time_s: float = 0.0
-    ranks: Any = None  # np.int64 [S]: rank of each sampled token (1-based; zeros when nobody asked)
-    sampling_mass: Any = None  # np.float32 [S]: kept probability mass (1.0 where nothing was filtered)
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # for sequences sampled the first time
+    ranks: np.ndarray | None = None  # np.int64 [S]: rank of each sampled token (1-based; zeros when nobody asked)
+    sampling_mass: np.ndarray | None = None  # np.float32 [S]: kept probability mass (1.0 where nothing was filtered)
+    prompt_logprobs: list[PromptLogprobs] = []  # for sequences sampled the first time
     # --enable-return-routed-experts on an MoE model (rank 0 only): expert ids np.uint8/uint16 [R, layers, top_k]
     # and which rows are whose: [[seq_id, first position, first row, rows], ...]. Rows are this step's tokens
     # in plan order; positions a prefix-cache hit skipped are appended after them (read from the worker's
     # per-KV-slot copy), so every position of a sequence is reported once it is in the KV cache.
-    routed_experts: Any = None
-    routed_spans: list[list[Any]] | None = None
-
-
-def message_kinds() -> dict[int, str]:
-    return {k: c.__name__ for k, c in REGISTRY.items()}
-
+    routed_experts: np.ndarray | None = None
+    routed_spans: list[tuple[str, int, int, int]] | None = None
 
 
 # --- weight sync over the bus (trainer <-> coordinator) -------------------------------------------
 
 
-@_message(40)
-class WeightUpdateEvent:
+@message(40)
+class WeightUpdateEvent(Wire):
     """A trainer announces a new weight version (DEALER -> coordinator's control ROUTER). The coordinator
     drives pause -> start_weight_update -> update_weights (one per entry of `updates`) ->
     finish_weight_update -> commit -> resume, each step acked by every worker, then replies with a
@@ -252,22 +460,59 @@ class WeightUpdateEvent:
     timeout_s: float
 
 
-@_message(41)
-class WeightUpdateResult:
+@message(41)
+class WeightUpdateResult(Wire):
     request_id: str
     ok: bool
     error: str
     status: int  # the HTTP status the same failure would get (200 when ok)
     version: str
     weight_epoch: int
-    timings_s: dict[str, float] = field(default_factory=dict)  # per step
+    timings_s: dict[str, float] = {}  # per step
 
 
-@_message(42)
-class WeightVersionCommitted:
+@message(42)
+class WeightVersionCommitted(Wire):
     """Published on the commands XPUB (topic WEIGHTS_TOPIC) whenever a weight update commits, whoever
     drove it (HTTP or bus): every worker has the new weights in service."""
 
     version: str
     weight_epoch: int
     committed_at: float  # unix time
+
+
+def message_kinds() -> dict[int, str]:
+    return {k: c.__name__ for k, c in REGISTRY.items()}
+
+
+def _type_text(t: Any) -> str:
+    """A stable spelling of a field's type (independent of the msgspec and Python versions)."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is None:
+        if isinstance(t, type):
+            return t.__qualname__
+        return "Any" if t is Any else repr(t)
+    if origin in (Union, types.UnionType):
+        return "Union[" + ",".join(sorted(_type_text(a) for a in args)) + "]"
+    return f"{_type_text(origin)}[{','.join(_type_text(a) for a in args)}]"
+
+
+def _default_text(f: msgspec.structs.FieldInfo) -> str:
+    if f.default is not msgspec.NODEFAULT:
+        return repr(f.default)
+    if f.default_factory is not msgspec.NODEFAULT:
+        return repr(f.default_factory())
+    return "required"
+
+
+def protocol_fingerprint() -> str:
+    """A hash of every struct definition on the wire: kinds, names, tags, and each field's name, type and
+    default, in order (array-like structs travel positionally, so the order is part of the format)."""
+    structs = [*REGISTRY.values(), *AnyCommand.__args__, ControlState, PauseState, ErrorInfo, SamplingParams]
+    desc = []
+    for cls in sorted(set(structs), key=lambda c: c.__qualname__):
+        cfg = cls.__struct_config__
+        desc.append([cls.__qualname__, str(cfg.tag), getattr(cls, "KIND", None), bool(cfg.array_like),
+                     [[f.name, _type_text(f.type), _default_text(f)] for f in msgspec.structs.fields(cls)]])
+    blob = msgspec.json.encode(desc)
+    return hashlib.sha256(blob).hexdigest()[:12]

@@ -47,8 +47,21 @@ def recv(sock: zmq.Socket, *, topic: bool = False) -> Any:
 
 
 def subscription_event(frame: bytes) -> tuple[bool, bytes]:
-    """XPUB receive: (subscribed?, topic)."""
+    """XPUB receive: (subscribed?, topic). Anything but a (un)subscription (a peer's XSUB can send any
+    bytes upstream) is (False, b""), which names no member: it must never read as a member leaving."""
+    if frame[:1] not in (b"\x00", b"\x01"):
+        return False, b""
     return frame[:1] == b"\x01", frame[1:]
+
+
+def member_name(topic: bytes) -> str | None:
+    """The member a presence topic (b"@" + name) names, or None."""
+    if not topic.startswith(b"@"):
+        return None
+    try:
+        return topic[1:].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def report_ready(ctx: zmq.Context, ready_endpoint: str | None, role: str, name: str,

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
             run_gateway_process(cfg)
         elif args.role == "scheduler":
-            from engine.scheduler_actor import run_scheduler_process
+            from engine.scheduler.actor import run_scheduler_process
 
             run_scheduler_process(cfg)
         elif args.role == "worker":
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
 
             run_worker_process(cfg, args.rank)
         elif args.role == "coordinator":
-            from engine.coordinator import run_coordinator_process
+            from engine.coordinator.actor import run_coordinator_process
 
             run_coordinator_process(cfg)
     except KeyboardInterrupt:

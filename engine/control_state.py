@@ -1,140 +1,153 @@
-"""The engine's control state (what the coordinator snapshots for late joiners), and how each stateful
-command changes it. Pure; shared by the coordinator (snapshot), the scheduler and the gateway (to
-answer /is_paused without a round trip).
+"""The engine's control state (bus.messages.ControlState: what the coordinator snapshots for late
+joiners), and how each stateful command changes it. Pure.
+
+The reducers are applied in one place per process: the coordinator's ledger (bus.control) when it
+numbers a command, and every member's follower (bus.follower) before the member's handler runs, so
+the scheduler, the workers and the gateway all hold the same state at the same seq.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from bus.messages import (
+    AbortWeightUpdate,
+    CommandBody,
+    CommitWeightUpdate,
+    ControlState,
+    Pause,
+    PauseState,
+    Resume,
+    Sleep,
+    StartWeightUpdate,
+    UpdateWeightVersion,
+    WakeUp,
+    WeightsMissing,
+)
+
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 
 
-def initial_state() -> dict[str, Any]:
-    return {
-        "paused": None,  # None, or {"mode": abort|wait|keep, "clear_cache": bool}
-        "sleep_level": None,  # None when awake, else the level of the sleep in force
-        "sleeping_tags": [],  # level 0: ["scheduling"]; levels 1 and 2: ["weights", "kv_cache"]
-        # Weight versions are free-form labels (vLLM); the engine numbers them with an epoch that travels
-        # in every StepPlan/StepResult/RequestOutput and keys the prefix cache.
-        "weight_version": "default",
-        "weight_epoch": 0,
-        "version_labels": {"0": "default"},
-        # Between start_weight_update and its commit or abort: the scheduler holds steps meanwhile.
-        "weight_update_active": False,
-        # A level-2 sleep discards the weights: requests are refused (503) until every parameter is loaded
-        # again. -1: all of them (until the workers report a count); the workers' acks update it (coordinator).
-        "weights_missing": 0,
-        "weights_total": 0,
-    }
+def initial_state() -> ControlState:
+    return ControlState()
 
 
-def _update_weight_version(state: dict[str, Any], args: dict[str, Any]) -> None:
-    state["weight_epoch"] = int(state.get("weight_epoch", 0)) + 1
-    state["weight_version"] = str(args["new_version"])
-    state.setdefault("version_labels", {})[str(state["weight_epoch"])] = state["weight_version"]
+def _replace(state: ControlState, **changes: Any) -> ControlState:
+    return msgspec.structs.replace(state, **changes)
 
 
-def _start_weight_update(state: dict[str, Any], args: dict[str, Any]) -> None:
-    state["weight_update_active"] = True
+def _new_version(state: ControlState, label: str) -> ControlState:
+    epoch = state.weight_epoch + 1
+    return _replace(state, weight_epoch=epoch, weight_version=label,
+                    version_labels={**state.version_labels, str(epoch): label})
 
 
-def _commit_weight_update(state: dict[str, Any], args: dict[str, Any]) -> None:
+def _update_weight_version(state: ControlState, cmd: UpdateWeightVersion) -> ControlState:
+    return _new_version(state, cmd.new_version)
+
+
+def _start_weight_update(state: ControlState, cmd: StartWeightUpdate) -> ControlState:
+    return _replace(state, weight_update_active=True)
+
+
+def _commit_weight_update(state: ControlState, cmd: CommitWeightUpdate) -> ControlState:
     """Every worker finished: the new weights are in service under a new epoch (and label, if given)."""
-    state["weight_update_active"] = False
-    _update_weight_version(state, {"new_version": args.get("new_version") or state.get("weight_version", "default")})
+    return _new_version(_replace(state, weight_update_active=False), cmd.new_version or state.weight_version)
 
 
-def _abort_weight_update(state: dict[str, Any], args: dict[str, Any]) -> None:
-    state["weight_update_active"] = False
+def _abort_weight_update(state: ControlState, cmd: AbortWeightUpdate) -> ControlState:
+    return _replace(state, weight_update_active=False)
 
 
-def version_label(state: dict[str, Any], epoch: int) -> str:
-    return state.get("version_labels", {}).get(str(epoch), f"epoch-{epoch}")
+def _sleep(state: ControlState, cmd: Sleep) -> ControlState:
+    if state.sleeping_tags:
+        return state  # asleep already: a no-op, as vLLM
+    # A level-2 sleep discards the weights: -1 (all of them) until the workers report a count.
+    return _replace(state, sleep_level=cmd.level,
+                    sleeping_tags=["scheduling"] if cmd.level == 0 else ["weights", "kv_cache"],
+                    weights_missing=-1 if cmd.level == 2 else state.weights_missing)
 
 
-def _sleep(state: dict[str, Any], args: dict[str, Any]) -> None:
-    if state.get("sleeping_tags"):
-        return  # asleep already: a no-op, as vLLM
-    level = int(args["level"])
-    state["sleep_level"] = level
-    state["sleeping_tags"] = ["scheduling"] if level == 0 else ["weights", "kv_cache"]
-    if level == 2:
-        state["weights_missing"] = -1
-
-
-def _weights_missing(state: dict[str, Any], args: dict[str, Any]) -> None:
-    state["weights_missing"], state["weights_total"] = int(args["count"]), int(args.get("total", 0))
+def _weights_missing(state: ControlState, cmd: WeightsMissing) -> ControlState:
+    return _replace(state, weights_missing=cmd.count, weights_total=cmd.total)
 
 
 WEIGHTS_DISCARDED_MESSAGE = "weights were discarded by sleep level 2; load weights first"
 
 
-def weights_discarded_message(state: dict[str, Any]) -> str | None:
-    """The 503 for requests while discarded weights are not all loaded again (None when they are)."""
-    n = int(state.get("weights_missing", 0) or 0)
+def weights_discarded_message(missing: int, total: int) -> str | None:
+    """The 503 for requests while `missing` of `total` parameters a level-2 sleep discarded are not loaded
+    again (-1: all of them; None when nothing is missing)."""
+    n = missing
     if n == 0:
         return None
     how = "a weight update (/update_weights) or POST /collective_rpc {\"method\": \"reload_weights\"} fills them"
     if n < 0:
         return f"{WEIGHTS_DISCARDED_MESSAGE} ({how})"
-    return f"{WEIGHTS_DISCARDED_MESSAGE} ({n} of {state.get('weights_total', '?')} parameters still missing; {how})"
+    return f"{WEIGHTS_DISCARDED_MESSAGE} ({n} of {total} parameters still missing; {how})"
 
 
-def _wake_up(state: dict[str, Any], args: dict[str, Any]) -> None:
-    tags = args.get("tags") or list(SLEEP_TAGS)
-    left = [t for t in state.get("sleeping_tags", []) if t not in tags]
-    state["sleeping_tags"] = left
-    if not left:
-        state["sleep_level"] = None
+def _wake_up(state: ControlState, cmd: WakeUp) -> ControlState:
+    tags = cmd.tags or list(SLEEP_TAGS)
+    left = [t for t in state.sleeping_tags if t not in tags]
+    return _replace(state, sleeping_tags=left, sleep_level=state.sleep_level if left else None)
 
 
-def is_sleeping(state: dict[str, Any]) -> bool:
+def _pause(state: ControlState, cmd: Pause) -> ControlState:
+    if state.paused is not None:  # pausing twice keeps the first pause (a no-op, as vLLM)
+        return state
+    return _replace(state, paused=PauseState(cmd.mode, cmd.clear_cache))
+
+
+def _resume(state: ControlState, cmd: Resume) -> ControlState:
+    return _replace(state, paused=None)
+
+
+REDUCERS: dict[type, Callable[[ControlState, Any], ControlState]] = {
+    Pause: _pause, Resume: _resume, Sleep: _sleep, WakeUp: _wake_up,
+    UpdateWeightVersion: _update_weight_version, StartWeightUpdate: _start_weight_update,
+    CommitWeightUpdate: _commit_weight_update, AbortWeightUpdate: _abort_weight_update,
+    WeightsMissing: _weights_missing,
+}
+
+
+def reduce(state: ControlState, cmd: CommandBody) -> ControlState:
+    """The state after `cmd` (the same object when the command changes nothing)."""
+    reducer = REDUCERS.get(type(cmd))
+    return reducer(state, cmd) if reducer is not None else state
+
+
+def is_stateful(cmd: CommandBody) -> bool:
+    return type(cmd) in REDUCERS
+
+
+def version_label(state: ControlState, epoch: int) -> str:
+    return state.version_labels.get(str(epoch), f"epoch-{epoch}")
+
+
+def is_sleeping(state: ControlState) -> bool:
     """vLLM's definition: paused for any reason, or any tag asleep."""
-    return state.get("paused") is not None or bool(state.get("sleeping_tags"))
+    return state.paused is not None or bool(state.sleeping_tags)
 
 
-def sleep_state_label(state: dict[str, Any]) -> str:
+def sleep_state_label(state: ControlState) -> str:
     """vllm:engine_sleep_state's label."""
-    level = state.get("sleep_level")
-    if not state.get("sleeping_tags") or level in (None, 0):
+    level = state.sleep_level
+    if not state.sleeping_tags or level in (None, 0):
         return "awake"
     return "weights_offloaded" if level == 1 else "discard_all"
 
 
-def _pause(state: dict[str, Any], args: dict[str, Any]) -> None:
-    if state.get("paused") is None:  # pausing twice keeps the first pause (a no-op, as vLLM)
-        state["paused"] = {"mode": args["mode"], "clear_cache": bool(args.get("clear_cache", True))}
-
-
-def _resume(state: dict[str, Any], args: dict[str, Any]) -> None:
-    state["paused"] = None
-
-
-REDUCERS = {"pause": _pause, "resume": _resume, "sleep": _sleep, "wake_up": _wake_up,
-            "update_weight_version": _update_weight_version, "start_weight_update": _start_weight_update,
-            "commit_weight_update": _commit_weight_update, "abort_weight_update": _abort_weight_update,
-            "weights_missing": _weights_missing}
-
-# Weight-transfer commands (gateway/weight_routes.py); the scheduler holds steps from start to commit/abort.
-WEIGHT_UPDATE_COMMANDS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                          "finish_weight_update", "commit_weight_update", "abort_weight_update",
-                          "shutdown_weight_transfer_engine", "weight_checker")
-
-
-def apply(state: dict[str, Any], command: str, args: dict[str, Any]) -> None:
-    reducer = REDUCERS.get(command)
-    if reducer is not None:
-        reducer(state, args)
-
-
-def rejects_new_requests(state: dict[str, Any]) -> bool:
+def rejects_new_requests(state: ControlState) -> bool:
     """abort/wait pauses turn new requests away (HTTP 503, retryable); keep queues them."""
-    paused = state.get("paused")
-    return paused is not None and paused["mode"] in ("abort", "wait")
+    return state.paused is not None and state.paused.mode in ("abort", "wait")
 
 
-PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+def as_json(state: ControlState) -> dict[str, Any]:
+    """The state as /server_info shows it."""
+    return msgspec.to_builtins(state)

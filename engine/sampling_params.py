@@ -1,4 +1,5 @@
-"""Sampling parameters: one typed record, validated once at the edge, sent to workers as a dict.
+"""Sampling parameters: one typed record, built and validated once at the edge (the gateway), and sent
+as it is (a msgspec Struct, see bus/messages.py) to the scheduler and the workers.
 
 Names and defaults follow vLLM's SamplingParams so requests port unchanged. Validation raises
 ParamError naming the offending field; the gateway turns that into a 400.
@@ -6,9 +7,7 @@ ParamError naming the offending field; the gateway turns that into a 400.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+import msgspec
 
 
 class ParamError(ValueError):
@@ -17,8 +16,7 @@ class ParamError(ValueError):
         self.param = param
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -27,8 +25,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -108,7 +106,7 @@ class SamplingParams:
         min(len(trace), max_tokens), and nothing may stop the replay early (no EOS, stop ids or strings)."""
         trace = list(self.trace_decode_token_ids or [])[:max(max_model_len - prompt_len, 1)]
         limit = len(trace) if self.max_tokens is None else min(len(trace), self.max_tokens)
-        return dataclasses.replace(self, trace_decode_token_ids=trace, max_tokens=limit, min_tokens=0,
+        return self.replace(trace_decode_token_ids=trace, max_tokens=limit, min_tokens=0,
                                    ignore_eos=True, stop=[], stop_token_ids=[])
 
     def num_logprobs(self, vocab_size: int) -> int:
@@ -122,13 +120,8 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def to_wire(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def replace(self, **changes) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)
 
 
 def _check(ok: bool, param: str, message: str) -> None:

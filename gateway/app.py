@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from bus.messages import Health
 from engine import control_state
 from engine.config import EngineConfig
 from engine.rl_config import dev_endpoints_enabled, parse_additional_config
@@ -85,7 +86,7 @@ class HealthProbe:
 
     async def _probe(self) -> bool:
         try:
-            reply = await self.client.control("health", timeout_s=self.timeout_s)
+            reply = await self.client.control(Health(), timeout_s=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
             log.warning("gateway.health_failed", error=repr(e))
             return False

@@ -12,6 +12,19 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 
+from bus.messages import (
+    CollectiveRpc,
+    CommandBody,
+    Members,
+    Pause,
+    ReleaseMemory,
+    ResetPrefixCache,
+    Resume,
+    Sleep,
+    UpdateWeightVersion,
+    WakeUp,
+    command_name,
+)
 from engine import control_state
 from engine.config import EngineConfig
 from engine.control_state import PAUSE_MODES, SLEEP_TAGS
@@ -38,11 +51,11 @@ def _bool(value: str, param: str) -> bool:
     raise bad_request(f"{param} must be a boolean, got {value!r}", param)
 
 
-async def broadcast(client: EngineClient, command: str, args: dict[str, Any], timeout_s: float) -> dict:
-    reply = await client.control(command, args, timeout_s=timeout_s)
+async def broadcast(client: EngineClient, command: CommandBody, timeout_s: float) -> dict:
+    reply = await client.control(command, timeout_s=timeout_s)
     if not reply.ok:
         status = 504 if reply.missing else 500
-        raise APIError(f"{command} failed: {reply.error}", status=status,
+        raise APIError(f"{command_name(command)} failed: {reply.error}", status=status,
                        type=GATEWAY_TIMEOUT if reply.missing else "InternalServerError")
     return reply.results
 
@@ -55,15 +68,15 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
         if timeout is not None and timeout <= 0:
             raise bad_request(f"timeout must be positive, got {timeout}", "timeout")
-        args = {"mode": mode, "clear_cache": _bool(clear_cache, "clear_cache")}
+        command = Pause(mode, _bool(clear_cache, "clear_cache"))
         # wait mode may take as long as the longest running request; the default deadline is generous
         deadline = timeout if timeout is not None else (3600.0 if mode == "wait" else cfg.control_timeout_s)
-        await broadcast(client, "pause", args, deadline)
+        await broadcast(client, command, deadline)
         return JSONResponse({"status": "paused"})
 
     @app.post("/resume")
     async def resume() -> JSONResponse:
-        await broadcast(client, "resume", {}, cfg.control_timeout_s)
+        await broadcast(client, Resume(), cfg.control_timeout_s)
         return JSONResponse({"status": "resumed"})
 
     @app.get("/is_paused")
@@ -81,8 +94,8 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         deadline = 3600.0 if mode == "wait" else cfg.control_timeout_s
         # Two broadcasts: first every member quiesces (the scheduler acks once no step runs), then the
         # workers release memory, which is only safe once nothing can touch it.
-        await broadcast(client, "sleep", {"level": int(level), "mode": mode}, deadline)
-        results = await broadcast(client, "release_memory", {"level": int(level)}, cfg.control_timeout_s)
+        await broadcast(client, Sleep(int(level), mode), deadline)
+        results = await broadcast(client, ReleaseMemory(int(level)), cfg.control_timeout_s)
         released = sum(int(r.get("released_bytes", 0)) for r in results.values())
         return JSONResponse({"status": "sleeping", "level": int(level), "released_bytes": released})
 
@@ -91,9 +104,9 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         for t in tags or []:
             if t not in SLEEP_TAGS:
                 raise bad_request(f"tags must be among {', '.join(SLEEP_TAGS)}, got {t!r}", "tags")
-        results = await broadcast(client, "wake_up", {"tags": tags}, cfg.control_timeout_s)
+        results = await broadcast(client, WakeUp(tags), cfg.control_timeout_s)
         restored = sum(int(r.get("restored_bytes", 0)) for r in results.values())
-        status = "sleeping" if client.control_state.get("sleeping_tags") else "awake"
+        status = "sleeping" if client.control_state.sleeping_tags else "awake"
         return JSONResponse({"status": status, "tags": tags, "restored_bytes": restored})
 
     @app.get("/is_sleeping")
@@ -117,8 +130,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         if not extension and (args or set(kwargs) - {"weights_path"}):
             raise bad_request("kwargs may only hold weights_path", "kwargs")
         timeout = float(body.get("timeout") or cfg.control_timeout_s * 6)
-        results = await broadcast(client, "collective_rpc", {"method": method, "args": args, "kwargs": kwargs},
-                                  timeout)
+        results = await broadcast(client, CollectiveRpc(method, args, kwargs), timeout)
         workers = [r for n, r in sorted(results.items()) if n.startswith("worker")]
         return JSONResponse({"results": [r.get("extension_result") for r in workers] if extension else workers})
 
@@ -126,7 +138,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         """Whether every worker has `method` from --worker-extension-cls (the workers report theirs)."""
         if not cfg.worker_extension_cls or not isinstance(method, str):
             return False
-        reply = await client.control("members", {}, timeout_s=cfg.control_timeout_s)
+        reply = await client.control(Members(), timeout_s=cfg.control_timeout_s)
         infos = [m.get("info", {}) for m in reply.results.values() if m.get("role") == "worker"]
         return bool(infos) and all(method in i.get("worker_extension_methods", []) for i in infos)
 
@@ -145,7 +157,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
 
     @app.get("/weight_info")
     async def weight_info() -> JSONResponse:
-        return JSONResponse({"weight_version": client.control_state.get("weight_version", "default")})
+        return JSONResponse({"weight_version": client.control_state.weight_version})
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
@@ -153,7 +165,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         version = body.get("new_version")
         if not isinstance(version, str) or not version:
             raise bad_request("new_version must be a non-empty string", "new_version")
-        await broadcast(client, "update_weight_version", {"new_version": version}, cfg.control_timeout_s)
+        await broadcast(client, UpdateWeightVersion(version), cfg.control_timeout_s)
         return JSONResponse({"success": True, "new_version": version})
 
     @app.post("/reset_prefix_cache")
@@ -171,8 +183,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
                     value is not {"reset_running_requests": running, "reset_external": external}[key]:
                 raise bad_request(f"POST /reset_prefix_cache takes its options as query parameters (as vLLM), "
                                   f"not in the body: got {key}={value!r} in the body", key)
-        results = await broadcast(client, "reset_prefix_cache", {"reset_running_requests": running},
-                                  cfg.control_timeout_s)
+        results = await broadcast(client, ResetPrefixCache(running), cfg.control_timeout_s)
         ok = [r["success"] for r in results.values() if "success" in r]
         return JSONResponse({"success": bool(ok) and all(ok)})
 
@@ -181,7 +192,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         if config_format not in ("text", "json"):
             raise bad_request(f"config_format must be text or json, got {config_format!r}", "config_format")
         engine = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
-        reply = await client.control("members", {}, timeout_s=cfg.control_timeout_s)
+        reply = await client.control(Members(), timeout_s=cfg.control_timeout_s)
         workers = {n: m.get("info", {}) for n, m in sorted(reply.results.items()) if m.get("role") == "worker"}
         wt = parse_weight_transfer_config(cfg.weight_transfer_config)
         vc = vllm_config(cfg, model, workers, None if wt is None else {"backend": wt.name})
@@ -193,7 +204,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             "engine_config": engine,
             "rl_config": extra.rl.effective(),
             "ascend_config": {"weight_nz_mode": extra.weight_nz_mode},
-            "control_state": client.control_state,
+            "control_state": control_state.as_json(client.control_state),
         })
 
 

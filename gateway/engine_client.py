@@ -3,6 +3,8 @@ control commands through the coordinator, and notice when the engine dies.
 
 asyncio-native (zmq.asyncio sockets created inside the running loop). One reader task per socket
 dispatches incoming messages to per-request queues, so a request handler only awaits its own queue.
+The command stream is followed by bus.follower.Follower, as in every other member (sequence checks,
+gaps resynced with a fresh Welcome, the control state reduced in one place); the gateway does not ack.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import zmq.asyncio
 
 from bus.codec import CodecError, decode, encode
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
+from bus.follower import Follower, Refused, SequenceGap
 from bus.messages import (
+    PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
     AbortRequests,
     AddRequest,
     Command,
+    CommandBody,
     ControlReply,
     ControlRequest,
+    ControlState,
     Heartbeat,
     Hello,
+    MemberLost,
     OutputBatch,
     RequestOutput,
     Welcome,
@@ -54,7 +61,7 @@ class EngineClient:
         self.replies: dict[str, asyncio.Future[ControlReply]] = {}
         self.stats: dict[str, float] = {}
         self.dead_reason: str | None = None
-        self.control_state = control_state.initial_state()  # mirrored from the coordinator's broadcasts
+        self.follower = Follower(self.name, {MemberLost: self._on_member_lost})
         self._coordinator_seen = time.monotonic()
         self._tasks: list[asyncio.Task] = []
 
@@ -63,8 +70,13 @@ class EngineClient:
         return self.dead_reason is None
 
     @property
+    def control_state(self) -> ControlState:
+        """Mirrored from the coordinator's broadcasts (the Welcome snapshot, then every command)."""
+        return self.follower.state
+
+    @property
     def paused(self) -> bool:
-        return self.control_state.get("paused") is not None
+        return self.control_state.paused is not None
 
     @property
     def rejecting_new_requests(self) -> bool:
@@ -78,7 +90,7 @@ class EngineClient:
         self.sub.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
         self.control_sock = make_socket(self.ctx, zmq.DEALER, connect=self.ep.control, identity=self.name)
         self.welcomed = asyncio.get_running_loop().create_future()
-        await self._send(self.control_sock, Hello("gateway", self.name, os.getpid(), PROTOCOL_VERSION, {}))
+        await self._hello()
         self._tasks = [asyncio.create_task(t) for t in
                        (self._read_outputs(), self._read_commands(), self._read_control(), self._heartbeat())]
         await asyncio.wait_for(self.welcomed, timeout_s)
@@ -102,7 +114,7 @@ class EngineClient:
         self.queues[request_id] = q
         finished = False
         try:
-            await self._send(self.requests, AddRequest(request_id, list(prompt_token_ids), params.to_wire(),
+            await self._send(self.requests, AddRequest(request_id, list(prompt_token_ids), params,
                                                        list(eos_token_ids), time.time()))
             while not finished:
                 out = await q.get()
@@ -116,13 +128,14 @@ class EngineClient:
     async def abort(self, request_ids: list[str]) -> None:
         await self._send(self.requests, AbortRequests(list(request_ids)))
 
-    async def control(self, command: str, args: dict[str, Any] | None = None, timeout_s: float = 0.0) -> ControlReply:
-        """Broadcast a command through the coordinator; returns once every member acked (or failed)."""
+    async def control(self, command: CommandBody, timeout_s: float = 0.0) -> ControlReply:
+        """Broadcast a typed command (bus.messages) through the coordinator; returns once every member
+        acked (or failed)."""
         rid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.replies[rid] = fut
         try:
-            await self._send(self.control_sock, ControlRequest(rid, command, args or {}, timeout_s))
+            await self._send(self.control_sock, ControlRequest(rid, command, timeout_s))
             return await asyncio.wait_for(fut, (timeout_s or 30.0) + 5.0)
         finally:
             self.replies.pop(rid, None)
@@ -131,6 +144,10 @@ class EngineClient:
 
     async def _send(self, sock: zmq.asyncio.Socket, msg: Any) -> None:
         await sock.send_multipart(encode(msg), copy=False)
+
+    async def _hello(self) -> None:
+        await self._send(self.control_sock, Hello("gateway", self.name, os.getpid(), PROTOCOL_VERSION, {},
+                                                  PROTOCOL_FINGERPRINT))
 
     async def _read_outputs(self) -> None:
         while True:
@@ -153,27 +170,36 @@ class EngineClient:
             self._coordinator_seen = time.monotonic()
             try:
                 msg = decode(frames[1:])
-            except CodecError:
+            except CodecError as e:
+                log.warning("gateway.bad_message", error=str(e))
                 continue
             if isinstance(msg, Command):
-                control_state.apply(self.control_state, msg.command, msg.args)
-            # Only the engine's own processes matter here: another gateway going away is not our problem.
-            if isinstance(msg, Command) and msg.command == "member_lost" and \
-                    msg.args.get("role") in ("scheduler", "worker"):
-                self._fail_all(f"engine process {msg.args.get('name')} died ({msg.args.get('why')})")
+                try:
+                    self.follower.command(msg)  # the gateway does not ack: its acks would be ignored
+                except SequenceGap as gap:
+                    log.warning("bus.sequence_gap", member=self.name, expected=gap.expected, got=gap.got)
+                    self.follower.resync()
+                    await self._hello()
+
+    def _on_member_lost(self, cmd: MemberLost) -> None:
+        # Only the engine's own processes matter here: another gateway going away is not our problem.
+        if cmd.role in ("scheduler", "worker"):
+            self._fail_all(f"engine process {cmd.name} died ({cmd.why})")
 
     async def _read_control(self) -> None:
         while True:
             frames = await self.control_sock.recv_multipart()
             try:
                 msg = decode(frames)
-            except CodecError:
+            except CodecError as e:
+                log.warning("gateway.bad_message", error=str(e))
                 continue
             if isinstance(msg, Welcome):
-                if not msg.accepted:
-                    self._fail_all(f"coordinator refused the gateway: {msg.reason}")
+                try:
+                    self.follower.welcome(msg)  # a stale Welcome never rolls back what was applied
+                except Refused as e:
+                    self._fail_all(f"coordinator refused the gateway: {e}")
                 if not self.welcomed.done():
-                    self.control_state = dict(msg.snapshot) or control_state.initial_state()
                     self.welcomed.set_result(msg)
             elif isinstance(msg, ControlReply):
                 fut = self.replies.get(msg.request_id)
@@ -182,7 +208,7 @@ class EngineClient:
 
     async def _heartbeat(self) -> None:
         while True:
-            await self._send(self.control_sock, Heartbeat(self.name, 0))
+            await self._send(self.control_sock, Heartbeat(self.name, self.follower.seq or 0))
             if time.monotonic() - self._coordinator_seen > self.timeout:
                 self._fail_all("coordinator is silent: the engine is down")
             await asyncio.sleep(self.interval)

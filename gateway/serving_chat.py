@@ -6,7 +6,6 @@ output is not done yet, so other tool choices are refused (gateway/protocol.py) 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -116,7 +115,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         raise _remap(e, body) from None
     states = []
     for i in range(params.n):
-        child = dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
+        child = params.replace(n=1, seed=child_seed(params.seed, i))
         states.append(ChoiceState(i, f"{request_id}-{i}", ids, child, ctx.detokenizer(ids, child)))
     return states
 

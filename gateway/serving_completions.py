@@ -6,7 +6,6 @@ seed gets seed + i, like vLLM's child requests.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -138,7 +137,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
             echo = p if isinstance(p, str) and not body.truncate_prompt_tokens else ctx.tokenizer.decode(
                 ids, skip_special_tokens=params.skip_special_tokens)
         for i in range(params.n):
-            child = dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
+            child = params.replace(n=1, seed=child_seed(params.seed, i))
             idx = pi * params.n + i
             states.append(ChoiceState(idx, f"{request_id}-{idx}", ids, child, ctx.detokenizer(ids, child),
                                       prefix=echo, hide_output=body.echo_only))

@@ -10,7 +10,6 @@ See docs/tokens.md.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -110,7 +109,7 @@ def prepare(ctx: ServingContext, body: GenerateRequest, request_id: str) -> list
         params = params.for_trace_replay(len(ids), ctx.model.max_model_len)
     states = []
     for i in range(params.n):
-        child = dataclasses.replace(params, n=1, seed=child_seed(params.seed, i))
+        child = params.replace(n=1, seed=child_seed(params.seed, i))
         # Text is only needed to find stop strings; token ids are the output.
         detok = ctx.detokenizer(ids, child) if child.stop else None
         states.append(ChoiceState(i, f"{request_id}-{i}", ids, child, detok))

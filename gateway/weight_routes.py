@@ -24,8 +24,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from bus.messages import (
+    AbortWeightUpdate,
+    CommandBody,
+    CommitWeightUpdate,
+    FinishWeightUpdate,
+    InitWeightTransferEngine,
+    ShutdownWeightTransferEngine,
+    StartWeightUpdate,
+    UpdateWeights,
+    WeightChecker,
+    command_name,
+)
 from engine.config import EngineConfig
-from engine.weight_sync_driver import reply_status
+from engine.coordinator.weight_sync_driver import reply_status
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
 from gateway.engine_client import EngineClient
@@ -38,16 +50,15 @@ CHECKER_ACTIONS = ("checksum", "compare", "reset")
 _TYPES = {400: BAD_REQUEST, 409: "ConflictError", 504: GATEWAY_TIMEOUT}
 
 
-async def call(client: EngineClient, command: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """One acked broadcast; a failure becomes the status and message the failing worker gave."""
-    reply = await client.control(command, args, timeout_s=timeout_s)
+async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> dict[str, Any]:
+    """One acked broadcast; a failure becomes the status, message and field the failing worker gave."""
+    reply = await client.control(command, timeout_s=timeout_s)
     if reply.ok:
         return reply.results
-    status = reply_status(reply.ok, reply.missing, reply.results)
-    params = [r.get("error_param") for r in reply.results.values() if isinstance(r, dict) and r.get("error_param")]
-    message = reply.error.replace(": WeightSyncError: ", ": ")
-    raise APIError(f"{command} failed: {message}", status=status, type=_TYPES.get(status, INTERNAL),
-                   param=params[0] if params else None)
+    status = reply_status(reply.ok, reply.missing, reply.errors)
+    params = [e.param for e in reply.errors if e.param]
+    raise APIError(f"{command_name(command)} failed: {reply.error}", status=status,
+                   type=_TYPES.get(status, INTERNAL), param=params[0] if params else None)
 
 
 def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
@@ -56,14 +67,14 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     transfer_s = (wt.timeout_s if wt else 300.0) + control_s
     checksums: dict[int, dict[str, str]] = {}  # by weight epoch; /weight_checker reset drops it
 
-    async def call_or_abort(command: str, args: dict[str, Any], timeout_s: float) -> None:
+    async def call_or_abort(command: CommandBody, timeout_s: float) -> None:
         """All or nothing: when one worker fails a step of the update, every worker drops the update."""
         try:
-            await call(client, command, args, timeout_s)
+            await call(client, command, timeout_s)
         except APIError as e:
             if e.status != 409:  # 409: no update of ours is active, nothing to abort
                 try:
-                    await call(client, "abort_weight_update", {}, control_s)
+                    await call(client, AbortWeightUpdate(), control_s)
                 except APIError:
                     pass  # the original failure is what the caller needs to see
             raise
@@ -79,12 +90,12 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         timeout = info.get("timeout_s", wt.timeout_s if wt else 300.0)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise bad_request(f"init_info.timeout_s must be a positive number, got {timeout!r}", "timeout_s")
-        await call(client, "init_weight_transfer_engine", {"init_info": info}, float(timeout) + control_s)
+        await call(client, InitWeightTransferEngine(info), float(timeout) + control_s)
         return JSONResponse({"message": "Weight transfer initialized"})
 
     @app.post("/start_weight_update")
     async def start_weight_update() -> JSONResponse:
-        await call(client, "start_weight_update", {}, control_s)
+        await call(client, StartWeightUpdate(), control_s)
         return JSONResponse({"message": "Weight update started"})
 
     @app.post("/update_weights")
@@ -95,7 +106,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             raise bad_request("Missing 'update_info' in request body", "update_info")
         if not isinstance(info, dict | list) or (isinstance(info, list) and not all(isinstance(i, dict) for i in info)):
             raise bad_request("update_info must be an object, or a list of objects (one per worker)", "update_info")
-        await call_or_abort("update_weights", {"update_info": info}, transfer_s)
+        await call_or_abort(UpdateWeights(info), transfer_s)
         return JSONResponse({"message": "Weights updated"})
 
     @app.post("/finish_weight_update")
@@ -104,13 +115,13 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         version = body.get("weight_version")
         if version is not None and (not isinstance(version, str) or not version):
             raise bad_request("weight_version must be a non-empty string", "weight_version")
-        await call_or_abort("finish_weight_update", {}, control_s)
-        await call(client, "commit_weight_update", {"new_version": version or ""}, control_s)
+        await call_or_abort(FinishWeightUpdate(), control_s)
+        await call(client, CommitWeightUpdate(version or ""), control_s)
         return JSONResponse({"message": "Weight update finished"})
 
     @app.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> JSONResponse:
-        await call(client, "shutdown_weight_transfer_engine", {}, control_s)
+        await call(client, ShutdownWeightTransferEngine(), control_s)
         return JSONResponse({"message": "Weight transfer shut down"})
 
     @app.get("/get_world_size")
@@ -130,9 +141,9 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         baseline = body.get("baseline")
         if action == "compare" and not isinstance(baseline, dict):
             raise bad_request("compare needs a baseline object {name: sha256 hex}", "baseline")
-        epoch = int(client.control_state.get("weight_epoch", 0))
+        epoch = client.control_state.weight_epoch
         if epoch not in checksums:
-            results = await call(client, "weight_checker", {"action": "checksum"}, transfer_s)
+            results = await call(client, WeightChecker("checksum"), transfer_s)
             merged: dict[str, str] = {}
             for r in results.values():
                 merged.update((r or {}).get("checksums", {}))

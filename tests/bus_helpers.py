@@ -12,6 +12,7 @@ import zmq
 from bus.control_client import ControlClient  # noqa: F401  (re-exported for the bus tests)
 from bus.endpoints import Endpoints
 from bus.member import MemberLink
+from bus.messages import command_name
 from engine.config import EngineConfig
 
 
@@ -43,14 +44,15 @@ class MemberThread:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _apply(self, cmd):
-        self.applied.append((cmd.seq, cmd.command))
-        return self.user_apply(cmd) if self.user_apply else {"name": self.name}
+    def _apply(self, body):
+        """Every command (no typed handlers): record (seq, command name), answer with our name."""
+        self.applied.append((self.link.follower.current.seq, command_name(body)))
+        return self.user_apply(body) if self.user_apply else {"name": self.name}
 
     def _run(self):
         ctx = zmq.Context()
         try:
-            self.link = MemberLink(ctx, self.ep, role=self.role, name=self.name, apply=self._apply,
+            self.link = MemberLink(ctx, self.ep, role=self.role, name=self.name, default=self._apply,
                                    heartbeat_interval_s=self.interval, heartbeat_timeout_s=self.timeout)
             poller = zmq.Poller()
             for s in self.link.sockets:

@@ -12,10 +12,10 @@ import pytest
 import zmq
 
 from bus.codec import decode
-from bus.control import ControlFollower, SequenceGap
 from bus.endpoints import COMMAND_TOPIC, Endpoints
+from bus.follower import Follower, SequenceGap
 from bus.member import BusError, MemberLink
-from bus.messages import Command, Hello, Welcome
+from bus.messages import PROTOCOL_VERSION, Command, ControlState, Health, Hello, Pause, Resume, Welcome
 from bus.sockets import make_socket, send
 from tests.bus_helpers import ControlClient, MemberThread, bus_config, start_coordinator, wait_for
 
@@ -48,7 +48,7 @@ def test_broadcast_is_acked_by_every_member_in_order(bus):
     cfg, ep, client, members = bus
     ms = [join(ep, members, f"worker-{i}") for i in range(3)] + [join(ep, members, "scheduler", role="scheduler")]
     for _ in range(5):
-        reply = client.request("health")
+        reply = client.request(Health())
         assert reply.ok, reply.error
         assert set(reply.results) == {m.name for m in ms}
     seqs = [s for s, _ in ms[0].applied]
@@ -62,7 +62,7 @@ def test_late_joiners_never_miss_a_command(bus):
     join(ep, members, "worker-0")
     for i in range(1, 15):
         join(ep, members, f"worker-{i}")
-        reply = client.request("health")
+        reply = client.request(Health())
         assert reply.ok, reply.error
         assert len(reply.results) == i + 1
     first_seq_of = {m.name: m.applied[0][0] for m in members}
@@ -80,7 +80,7 @@ def test_a_failed_apply_is_reported_by_name(bus):
 
     join(ep, members, "worker-0")
     join(ep, members, "worker-1", apply=boom)
-    reply = client.request("health")
+    reply = client.request(Health())
     assert not reply.ok and "worker-1" in reply.error and "cannot do that" in reply.error
 
 
@@ -95,7 +95,7 @@ from bus.endpoints import Endpoints
 from engine.config import EngineConfig
 from bus.member import MemberLink
 cfg = EngineConfig(bus_dir={str(tmp_path)!r})
-link = MemberLink(zmq.Context(), Endpoints.from_config(cfg), role="worker", name="worker-9", apply=lambda c: None,
+link = MemberLink(zmq.Context(), Endpoints.from_config(cfg), role="worker", name="worker-9", default=lambda c: None,
                   heartbeat_interval_s=0.2)
 link.wait_welcome(10)
 print("joined", flush=True)
@@ -107,13 +107,13 @@ while True:
 """], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "joined"
-        assert client.request("health").ok
+        assert client.request(Health()).ok
         t0 = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         wait_for(lambda: any(c == "member_lost" for _, c in watcher.applied), 5, "member_lost")
         assert time.monotonic() - t0 < 5
-        reply = client.request("health")
+        reply = client.request(Health())
         assert reply.ok and "worker-9" not in reply.results  # the survivors keep working
     finally:
         proc.kill()
@@ -129,9 +129,9 @@ def test_silent_member_misses_the_deadline_and_is_named(tmp_path):
     try:
         assert m.welcomed.wait(10)
         hung_ctx = zmq.Context()
-        hung = MemberLink(hung_ctx, ep, role="worker", name="worker-1", apply=lambda c: None)
+        hung = MemberLink(hung_ctx, ep, role="worker", name="worker-1", default=lambda c: None)
         hung.wait_welcome(10)  # joined, then never reads again
-        reply = client.request("health", timeout_s=1.0)
+        reply = client.request(Health(), timeout_s=1.0)
         assert not reply.ok and reply.missing == ["worker-1"] and "worker-1" in reply.error
         hung_ctx.destroy(linger=0)
     finally:
@@ -152,6 +152,11 @@ def test_protocol_version_mismatch_is_refused(bus):
         assert dealer.poll(5000)
         w = decode(dealer.recv_multipart())
         assert isinstance(w, Welcome) and not w.accepted and "999" in w.reason
+        # the same version number with other struct definitions (someone forgot to bump it): refused too
+        send(dealer, Hello("worker", "old-worker", os.getpid(), PROTOCOL_VERSION, {}, "0123456789ab"))
+        assert dealer.poll(5000)
+        w = decode(dealer.recv_multipart())
+        assert isinstance(w, Welcome) and not w.accepted and "0123456789ab" in w.reason
     finally:
         ctx.destroy(linger=0)
 
@@ -164,7 +169,7 @@ def test_member_link_raises_on_refusal(tmp_path, monkeypatch):
         import bus.member as member
 
         monkeypatch.setattr(member, "PROTOCOL_VERSION", 999)
-        link = MemberLink(ctx, Endpoints.from_config(cfg), role="worker", name="w", apply=lambda c: None)
+        link = MemberLink(ctx, Endpoints.from_config(cfg), role="worker", name="w", default=lambda c: None)
         with pytest.raises(BusError, match="refused"):
             link.wait_welcome(10)
     finally:
@@ -186,10 +191,10 @@ def test_sequence_gap_is_detected_and_resynced(tmp_path):
         assert pub.poll(5000)  # wait for a subscription (presence or commands), not a sleep
         while pub.poll(200):
             pub.recv()
-        send(router, Welcome(True, "", 0, {}), to=b"worker-0")
+        send(router, Welcome(True, "", 0, ControlState()), to=b"worker-0")
         assert m.welcomed.wait(5)
-        send(pub, Command(1, "health", {}), topic=COMMAND_TOPIC)
-        send(pub, Command(3, "health", {}), topic=COMMAND_TOPIC)
+        send(pub, Command(1, Health()), topic=COMMAND_TOPIC)
+        send(pub, Command(3, Health()), topic=COMMAND_TOPIC)
         hellos = 0
         deadline = time.monotonic() + 5
         while hellos == 0 and time.monotonic() < deadline:
@@ -204,10 +209,42 @@ def test_sequence_gap_is_detected_and_resynced(tmp_path):
 
 
 def test_follower_orders_early_commands_and_detects_gaps():
-    f = ControlFollower()
-    assert f.accept(Command(6, "b", {})) == []  # before Welcome: buffered
-    assert f.accept(Command(5, "a", {})) == []
-    assert [c.seq for c in f.welcome(4)] == [5, 6]
-    assert f.accept(Command(6, "b", {})) == []  # duplicate
+    seen = []
+    f = Follower("w", default=lambda body: seen.append(f.current.seq))
+    assert f.command(Command(6, Resume())) == []  # before Welcome: buffered
+    assert f.command(Command(5, Pause("keep", False))) == []
+    acks = f.welcome(Welcome(True, "", 4, ControlState()))
+    assert [a.seq for a in acks] == [5, 6] and seen == [5, 6]
+    assert f.state.paused is None and f.before.paused.mode == "keep"  # reduced in order: pause, then resume
+    assert f.command(Command(6, Resume())) == []  # duplicate
     with pytest.raises(SequenceGap):
-        f.accept(Command(8, "c", {}))
+        f.command(Command(8, Health()))
+
+
+def test_a_stale_welcome_never_rolls_back_applied_commands():
+    f = Follower("gateway-0")
+    f.welcome(Welcome(True, "", 2, ControlState()))
+    f.command(Command(3, Pause("keep", False)))
+    assert f.welcome(Welcome(True, "", 2, ControlState())) == [] and f.seq == 3  # a late duplicate
+    assert f.state.paused.mode == "keep"
+    f.resync()  # after a gap: the next Welcome is the truth
+    f.welcome(Welcome(True, "", 5, ControlState()))
+    assert f.seq == 5 and f.state.paused is None and f.welcomes == 2
+
+
+def test_a_failing_handler_acks_a_typed_error():
+    from engine.weight_update import WeightSyncError
+
+    def refuse(cmd):
+        raise WeightSyncError("tensor 'w' has the wrong shape", status=400, param="shapes")
+
+    f = Follower("worker-3", {Pause: refuse, Resume: lambda c: 7})
+    f.welcome(Welcome(True, "", 0, ControlState()))
+    (ack,) = f.command(Command(1, Pause("keep")))
+    assert not ack.ok and ack.error.kind == "WeightSyncError" and ack.error.status == 400
+    assert ack.error.param == "shapes" and ack.error.member == "worker-3"
+    assert ack.error.text() == "worker-3: tensor 'w' has the wrong shape"  # a status: no kind in the text
+    (ack,) = f.command(Command(2, Resume()))  # a result that is not a dict is a failure, not a lost ack
+    assert not ack.ok and "not a dict" in ack.error.message
+    (ack,) = f.command(Command(3, Health()))  # no handler: acked, empty
+    assert ack.ok and ack.result == {}

@@ -1,9 +1,33 @@
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from bus.codec import CodecError, decode, encode
-from bus.messages import Ack, AddRequest, NewSeq, OutputBatch, RequestOutput, StepPlan, StepResult, message_kinds
+from bus.messages import (
+    PROTOCOL_FINGERPRINT,
+    PROTOCOL_VERSION,
+    Ack,
+    AddRequest,
+    AnyCommand,
+    Command,
+    ControlReply,
+    ControlRequest,
+    ControlState,
+    ErrorInfo,
+    NewSeq,
+    OutputBatch,
+    Pause,
+    RequestOutput,
+    StepPlan,
+    StepResult,
+    UpdateWeights,
+    Welcome,
+    message_kinds,
+    protocol_fingerprint,
+)
+from engine.control_state import reduce
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -13,12 +37,14 @@ def roundtrip(msg):
 
 
 def test_nested_messages_roundtrip():
-    plan = StepPlan(7, [NewSeq("a", [1, 2, 3], {"temperature": 0.5, "stop": ["x"]}, [2])], ["a"], [0], [3],
-                    [[4, 5]], ["old"], 3)
+    plan = StepPlan(7, [NewSeq("a", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"]), [2])], ["a"], [0],
+                    [3], [[4, 5]], ["old"], 3)
     assert roundtrip(plan) == plan
-    batch = OutputBatch([RequestOutput("r", [1], [-0.5], [[[1, -0.5], [2, -1.0]]], True, "stop", None, None,
-                                       3, 0, 1)], {"kv_usage": 0.25})
-    assert roundtrip(batch) == batch
+    batch = OutputBatch([RequestOutput("r", [1], [-0.5], [[(1, -0.5), (2, -1.0)]], True, "stop", None, None,
+                                       3, 0, 1)], {"kv_usage": 0.25, "steps": 3})
+    back = roundtrip(batch)
+    assert back == batch and isinstance(back.stats["steps"], int)
+    assert isinstance(back.outputs[0].top_logprobs[0][0][0], int)  # token ids stay ints
 
 
 def test_arrays_travel_out_of_band_with_dtype_and_shape():
@@ -35,7 +61,7 @@ def test_arrays_travel_out_of_band_with_dtype_and_shape():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
 def test_tensors_keep_dtype_and_values(dtype):
     t = (torch.randn(5, 3) * 10).to(dtype)
-    back = roundtrip(Ack(1, "w", True, "", {"t": t, "empty": torch.empty(0, 4, dtype=dtype)}))
+    back = roundtrip(Ack(1, "w", True, None, {"t": t, "empty": torch.empty(0, 4, dtype=dtype)}))
     assert back.result["t"].dtype == dtype
     assert torch.equal(back.result["t"], t)
     assert back.result["empty"].shape == (0, 4)
@@ -56,7 +82,7 @@ def test_unknown_objects_are_refused():
         pass
 
     with pytest.raises(CodecError):
-        encode(Ack(1, "w", True, "", {"x": Thing()}))
+        encode(Ack(1, "w", True, None, {"x": Thing()}))
     with pytest.raises(CodecError):
         encode(Thing())
 
@@ -80,3 +106,80 @@ def test_prompt_logprobs_travel_nested_with_their_arrays():
     out = RequestOutput("r", [1], [-0.5], None, False, None, None, None, 3, 0, 1, False, [2], [0.9], pl, None)
     again = roundtrip(OutputBatch([out], {})).outputs[0]
     assert again.prompt_logprobs.logprobs.tolist() == [-0.5, -1.5] and again.routed_experts is None
+
+
+def test_protocol_version_tracks_every_struct():
+    """Change any wire struct (or SamplingParams) and this fails until PROTOCOL_VERSION is bumped and the
+    new fingerprint recorded in bus/messages.py."""
+    assert protocol_fingerprint() == PROTOCOL_FINGERPRINT, (
+        f"the wire structs changed: bump PROTOCOL_VERSION (now {PROTOCOL_VERSION}) and set "
+        f"PROTOCOL_FINGERPRINT = {protocol_fingerprint()!r}")
+
+
+def test_the_fingerprint_sees_a_field_change(monkeypatch):
+    import bus.messages as m
+
+    class Pause2(m.CommandBody):  # what Pause would be with one more field
+        mode: str
+        clear_cache: bool = True
+        extra: int = 0
+
+    before = protocol_fingerprint()
+    monkeypatch.setattr(m, "AnyCommand", m.Union[tuple(c for c in AnyCommand.__args__ if c is not Pause) + (Pause2,)])
+    assert protocol_fingerprint() != before
+
+
+def test_commands_travel_as_typed_structs():
+    for body in AnyCommand.__args__:
+        fields = {f: v for f, v in {"mode": "keep", "level": 1, "name": "w", "role": "worker", "why": "x",
+                                    "new_version": "v", "init_info": {}, "update_info": [{"names": []}],
+                                    "method": "m", "count": 3}.items() if f in body.__struct_fields__}
+        cmd = Command(3, body(**fields))
+        assert roundtrip(cmd) == cmd
+    req = ControlRequest("r", UpdateWeights({"names": ["a"]}), 5.0)
+    assert roundtrip(req) == req
+    reply = ControlReply("r", False, 4, {"worker-0": {}}, [ErrorInfo("WeightSyncError", "bad shape", "worker-0", 400,
+                                                                  "shapes", "w.0")], ["worker-1"])
+    back = roundtrip(reply)
+    assert back.errors[0].status == 400 and back.errors[0].tensor == "w.0"
+    assert back.error == "worker-0: bad shape; no ack from worker-1"
+    state = reduce(ControlState(), Pause("keep", False))
+    assert roundtrip(Welcome(True, "", 9, state)).snapshot.paused.mode == "keep"
+
+
+def _raw(kind: int, body) -> list[bytes]:
+    return [bytes([kind]) + msgspec.msgpack.encode(body)]
+
+
+def test_unknown_missing_and_mistyped_fields_are_decode_errors():
+    good = encode(Command(1, Pause("abort")))[0]
+    assert decode([good]).body.mode == "abort"
+    bad = [
+        _raw(Command.KIND, [1, ["pause", "abort", True], "extra"]),  # unknown trailing field
+        _raw(Command.KIND, [1, ["pause", "abort", True, 7]]),  # unknown field in the command
+        _raw(Command.KIND, [1]),  # missing field
+        _raw(Command.KIND, ["one", ["pause", "abort", True]]),  # wrong type
+        _raw(Command.KIND, [1, ["no_such_command"]]),  # unknown command
+        _raw(Command.KIND, [1, ["pause", 5]]),  # wrong type inside the command
+        _raw(AddRequest.KIND, ["r", [1], {"temperature": 0.5}, [0], 1.0]),  # sampling params as a dict
+        _raw(200, []),  # unknown kind
+    ]
+    for frames in bad:
+        with pytest.raises(CodecError):
+            decode(frames)
+
+
+def test_array_frames_must_be_arrays_and_whole():
+    res = StepResult(1, 0, ["a"], np.arange(4, dtype=np.int64), np.zeros(4, np.float32), np.zeros((4, 2), np.int64),
+                     np.zeros((4, 2), np.float32), 0)
+    frames = [bytes(f) for f in encode(res)]
+    with pytest.raises(CodecError, match="bad array"):  # a truncated array frame
+        decode([frames[0], frames[1][:-3], *frames[2:]])
+    with pytest.raises(CodecError):  # an int where an array must be
+        decode(_raw(StepResult.KIND, [1, 0, ["a"], 5, None, None, None, 0]))
+    ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode([1, "np:<q8", [2]]))
+    with pytest.raises(CodecError):  # an array header with a dtype numpy does not know
+        decode([bytes([StepResult.KIND]) + msgspec.msgpack.encode([1, 0, [], ext, None, None, None, 0]), b"\0" * 16])
+    torch_ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode([1, "torch:no_such_dtype", [2]]))
+    with pytest.raises(CodecError):
+        decode([bytes([Ack.KIND]) + msgspec.msgpack.encode([1, "w", True, None, {"t": torch_ext}]), b"\0" * 4])

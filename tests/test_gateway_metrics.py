@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.messages import RequestOutput
+from bus.messages import ControlState, RequestOutput
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from gateway.app import build_app
@@ -91,7 +91,7 @@ def test_a_request_without_tokens_has_no_ttft_and_one_token_a_zero_tpot() -> Non
 @pytest.fixture(scope="module")
 def served() -> tuple[TestClient, FakeClient]:
     client = FakeClient("Hi")
-    client.control_state = {"paused": None, "sleep_level": None, "sleeping_tags": []}
+    client.control_state = ControlState()
     info = ModelInfo(names=["m"], root="/m", max_model_len=MAX_LEN, vocab_size=VOCAB, eos_token_ids=[EOS])
     app = build_app(EngineConfig(), client, CharTokenizer(), info, manage_client=False)
     return TestClient(app, raise_server_exceptions=False), client
@@ -132,11 +132,11 @@ def test_sleep_state_and_health_are_read_at_scrape_time(served: tuple[TestClient
     state = {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
     got = samples(http.get("/metrics").text)
     assert {s: got["vllm:engine_sleep_state", labels(sleep_state=s)] for s in state} == state
-    client.control_state = {"paused": None, "sleep_level": 2, "sleeping_tags": ["weights", "kv_cache"]}
+    client.control_state = ControlState(sleep_level=2, sleeping_tags=["weights", "kv_cache"])
     try:
         got = samples(http.get("/metrics").text)
     finally:
-        client.control_state = {"paused": None, "sleep_level": None, "sleeping_tags": []}
+        client.control_state = ControlState()
     assert {s: got["vllm:engine_sleep_state", labels(sleep_state=s)] for s in state} == \
         {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
     assert got["rollbus_engine_healthy", labels()] == 1.0

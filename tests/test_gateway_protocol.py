@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import pytest
 from fastapi.testclient import TestClient
 
-from bus.messages import ControlReply, RequestOutput
+from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, RequestOutput
 from engine.config import EngineConfig
 from engine.sampling_params import ParamError, SamplingParams
 from gateway.app import build_app
@@ -91,7 +91,7 @@ class FakeClient:
 
     rejecting_new_requests = False
     paused = False
-    control_state: dict = {"paused": None, "sleep_level": None, "sleeping_tags": []}
+    control_state = ControlState()
 
     async def start(self) -> None:
         pass
@@ -99,9 +99,10 @@ class FakeClient:
     async def close(self) -> None:
         pass
 
-    async def control(self, command: str, args: Any = None, timeout_s: float = 0.0) -> ControlReply:
+    async def control(self, command: CommandBody, timeout_s: float = 0.0) -> ControlReply:
         acks = {"scheduler": {"ok": True}, "worker-0": {"ok": True}} if self.health_ok else {}
-        return ControlReply("x", self.health_ok, "" if self.health_ok else "worker-0 silent", 1, acks)
+        errors = [] if self.health_ok else [ErrorInfo("RuntimeError", "silent", "worker-0")]
+        return ControlReply("x", self.health_ok, 1, acks, errors)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: list[int]) -> AsyncIterator[RequestOutput]:

@@ -42,10 +42,10 @@ def test_prompt_logprobs_across_chunks_and_a_recompute(tiny):
     model, hf = tiny
     prompt = [(17 * j + 3) % 1500 for j in range(13)]
     other = [5, 6, 7]
-    sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3, logprobs=2).to_wire()
+    sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3, logprobs=2)
     r = _runner(model)
     table = list(range(4))
-    new = [NewSeq("a", prompt, sp, []), NewSeq("b", other, SamplingParams(temperature=0.0).to_wire(), [])]
+    new = [NewSeq("a", prompt, sp, []), NewSeq("b", other, SamplingParams(temperature=0.0), [])]
     res = r.execute(_plan(1, new, ["a", "b"], [0, 0], [5, 3], [table, [10]]))
     assert res.seq_ids == ["b"] and res.prompt_logprobs == []  # a's rows are kept until it is sampled
     # preempted after its first chunk: recomputed from 0, and its first rows are not reported twice
@@ -67,7 +67,7 @@ def test_prompt_logprobs_across_chunks_and_a_recompute(tiny):
 def test_one_token_prompt_has_no_rows(tiny):
     model, _ = tiny
     r = _runner(model)
-    sp = SamplingParams(temperature=0.0, prompt_logprobs=0).to_wire()
+    sp = SamplingParams(temperature=0.0, prompt_logprobs=0)
     res = r.execute(_plan(1, [NewSeq("x", [9], sp, [])], ["x"], [0], [1], [[0]]))
     assert res.prompt_logprobs[0].logprobs.shape == (0,) and res.prompt_logprobs[0].topk_ids.shape == (0, 0)
 
@@ -79,7 +79,7 @@ def test_trace_replay_forces_tokens_and_reports_teacher_forced_logprobs(tiny):
     r = _runner(model)
     table = [0, 1, 2]
     got, lps, ranks = [], [], []
-    res = r.execute(_plan(1, [NewSeq("t", prompt, sp.to_wire(), [])], ["t"], [0], [5], [table]))
+    res = r.execute(_plan(1, [NewSeq("t", prompt, sp, [])], ["t"], [0], [5], [table]))
     for step in range(len(trace)):
         got += res.token_ids.tolist()
         lps += res.logprobs.tolist()
@@ -97,7 +97,7 @@ def test_an_id_reused_right_after_it_finished(tiny):
     """The plan that forgets a finished request may bring a new one with the same id (clients choose ids)."""
     model, _ = tiny
     r = _runner(model)
-    sp = SamplingParams(temperature=0.0).to_wire()
+    sp = SamplingParams(temperature=0.0)
     r.execute(_plan(1, [NewSeq("x", [1, 2, 3], sp, [])], ["x"], [0], [3], [[0]]))
     res = r.execute(StepPlan(2, [NewSeq("x", [4, 5], sp, [])], ["x"], [0], [2], [[1]], ["x"], 0))
     assert res.seq_ids == ["x"]

@@ -21,14 +21,15 @@ import sys, time, zmq
 from bus.endpoints import Endpoints
 from bus.member import MemberLink
 from bus.messages import AddRequest
+from engine.sampling_params import SamplingParams
 from bus.sockets import make_socket, send
 from engine.config import parse_config
 ep = Endpoints.from_config(parse_config(sys.argv[1:]))
 ctx = zmq.Context()
-link = MemberLink(ctx, ep, role="gateway", name="gateway-fake", apply=lambda c: None, heartbeat_interval_s=0.2)
+link = MemberLink(ctx, ep, role="gateway", name="gateway-fake", default=lambda c: None, heartbeat_interval_s=0.2)
 link.wait_welcome(30)
 req = make_socket(ctx, zmq.DEALER, connect=ep.requests, identity="gateway-fake")
-send(req, AddRequest("orphan", [1, 2, 3], {"max_tokens": 2000, "ignore_eos": True}, [0], time.time()))
+send(req, AddRequest("orphan", [1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True), [0], time.time()))
 assert req.poll(30000), "the scheduler never answered"  # the request is running, not just queued here
 print("sent", flush=True)
 while True:

@@ -283,7 +283,7 @@ def test_runner_uint16_prefix_hit_and_recompute(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model = load_model(folder)
     r = _runner(model)
-    sp = SamplingParams(temperature=0.0, max_tokens=8).to_wire()
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
     prompt = prompt_ids(2, 14)
     a = r.execute(_plan(1, [NewSeq("a", prompt, sp, [])], ["a"], [0], [14], [[0, 1, 2, 3]]))
     assert a.routed_experts.dtype == np.uint16 and a.routed_spans == [["a", 0, 0, 14]]
@@ -306,7 +306,7 @@ def test_runner_uint16_prefix_hit_and_recompute(tmp_path):
 def test_runner_captures_nothing_when_off_dense_or_not_rank_0(tmp_path):
     moe = load_model(make_tiny_checkpoint("qwen3_moe", tmp_path / "moe"))
     dense = load_model(make_tiny_checkpoint("qwen3", tmp_path / "dense"))
-    sp = SamplingParams(temperature=0.0).to_wire()
+    sp = SamplingParams(temperature=0.0)
     for model, rank, capture in ((moe, 0, False), (dense, 0, True), (moe, 1, True)):
         r = _runner(model, rank, capture)
         assert r.route_dtype is None

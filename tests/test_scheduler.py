@@ -168,30 +168,21 @@ def test_a_sequence_preempted_during_a_step_keeps_the_sampled_token():
     assert step.num_computed[0] + step.num_new[0] == q.num_tokens  # recompute (prefix cache helps), sample
 
 
-def test_pause_modes():
+def test_quiet_mechanics():
+    """What a quiet does to the sequences (when to do it is engine.scheduler.step_gate's: tests/test_step_gate.py)."""
     s = make()
     for i in range(3):
         s.add(seq(f"r{i}", max_tokens=50))
     run_step(s)
-    aborted = s.pause("abort", clear_cache=True)
+    aborted = s.abort_all()
     assert len(aborted) == 3 and all(q.finish_reason == "abort" for q in aborted) and not s.has_work()
-    s.resume()
     a = seq("k", max_tokens=50)
     s.add(a)
     run_step(s)
-    s.pause("keep", clear_cache=True)
-    assert not s.can_step()
-    assert s.complete_pause(clear_cache=True)
+    assert a.num_computed > 0
+    s.drop_kv()
     assert a.num_computed == 0 and a.status is SeqStatus.WAITING  # KV dropped: recomputed on resume
-    s.resume()
-    assert s.can_step()
-    w = seq("w", max_tokens=2)
-    s.add(w)
-    s.pause("wait", clear_cache=False)
-    assert not s.complete_pause(clear_cache=False)
-    while s.has_work():
-        run_step(s)
-    assert s.complete_pause(clear_cache=False)
+    assert not s.blocks.cached  # the prefix cache forgot every hash
 
 
 def test_reset_prefix_cache_fails_while_blocks_are_held_unless_running_requests_are_preempted():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.weight_sync_driver import StepReply, reply_status, sync_steps
+from bus.messages import ErrorInfo
+from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import ParamMeta, UpdateMeta, WeightSyncError, byte_views, plan_chunks, tensor_checksum
 
@@ -84,8 +85,8 @@ def run(gen, fail_at: str | None = None, status: int = 400):
     try:
         step = next(gen)
         while True:
-            seen.append(step.command)
-            ok = step.command != fail_at
+            seen.append(step.name)
+            ok = step.name != fail_at
             step = gen.send(StepReply(ok, "" if ok else "boom", 200 if ok else status))
     except StopIteration as stop:
         return seen, stop.value
@@ -110,10 +111,11 @@ def test_sync_steps_without_pause_and_a_busy_start_is_not_aborted():
 
 
 def test_reply_status_picks_the_members_status():
-    assert reply_status(True, [], {}) == 200
-    assert reply_status(False, ["worker-1"], {}) == 504
-    assert reply_status(False, [], {"worker-0": {"error_status": 400}, "scheduler": {}}) == 400
-    assert reply_status(False, [], {"worker-0": {}}) == 500
+    assert reply_status(True, [], []) == 200
+    assert reply_status(False, ["worker-1"], []) == 504
+    assert reply_status(False, [], [ErrorInfo("WeightSyncError", "bad", "worker-0", 400),
+                                    ErrorInfo("WeightSyncError", "busy", "worker-1", 409)]) == 409
+    assert reply_status(False, [], [ErrorInfo("RuntimeError", "boom", "worker-0")]) == 500
 
 
 def test_weight_transfer_config():

@@ -27,7 +27,6 @@ import torch
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
-from engine.sampling_params import SamplingParams
 from workers.kv_cache import KVCache
 from workers.sampler import LOGPROBS_MODES, RowState, sample, topk
 
@@ -70,7 +69,7 @@ class ModelRunner:
         for sid in plan.finished:
             self.seqs.pop(sid, None)
         for ns in plan.new_seqs:
-            params = SamplingParams.from_wire(ns.sampling)
+            params = ns.sampling
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
             toks = list(ns.prompt_token_ids)
             self.seqs[ns.seq_id] = SeqState(toks, RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen),

@@ -5,7 +5,6 @@ workers.model_runner.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
@@ -19,7 +18,31 @@ from ascend_ops.platform import current_platform
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
 from bus.member import MemberLink
-from bus.messages import PROTOCOL_VERSION, Command, Hello, StepPlan, StepResult
+from bus.messages import (
+    PROTOCOL_FINGERPRINT,
+    PROTOCOL_VERSION,
+    AbortWeightUpdate,
+    CollectiveRpc,
+    Command,
+    CommandBody,
+    CommitWeightUpdate,
+    FinishWeightUpdate,
+    Health,
+    Hello,
+    InitWeightTransferEngine,
+    Pause,
+    ReleaseMemory,
+    Shutdown,
+    ShutdownWeightTransferEngine,
+    Sleep,
+    StartWeightUpdate,
+    StepPlan,
+    StepResult,
+    UpdateWeights,
+    UpdateWeightVersion,
+    WakeUp,
+    WeightChecker,
+)
 from bus.sockets import make_socket, recv, report_ready, send
 from engine import control_state
 from engine.config import EngineConfig
@@ -78,29 +101,32 @@ class WorkerActor:
         self.plans.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
         self.plans.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
         self.results = make_socket(ctx, zmq.PUSH, connect=ep.results)
-        self.link = MemberLink(ctx, ep, role="worker", name=self.name, apply=self._apply_and_report, info=self.info,
-                               heartbeat_interval_s=cfg.heartbeat_interval_s,
-                               heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        w = self.weights
+        self.link = MemberLink(ctx, ep, role="worker", name=self.name, info=self.info, handlers={
+            Health: lambda c: {"ok": True},
+            Shutdown: self._shutdown,
+            ReleaseMemory: self._reporting(self._release_memory),
+            WakeUp: self._reporting(self._wake_up),
+            UpdateWeightVersion: self._new_epoch,
+            InitWeightTransferEngine: lambda c: w.init(c.init_info),
+            StartWeightUpdate: lambda c: w.start(weights_asleep="weights" in self.sleep.asleep),
+            UpdateWeights: self._update_weights,
+            FinishWeightUpdate: lambda c: w.finish(),
+            CommitWeightUpdate: self._reporting(self._commit),
+            AbortWeightUpdate: lambda c: w.abort(),
+            ShutdownWeightTransferEngine: lambda c: w.shutdown(),
+            WeightChecker: self._weight_checker,
+            CollectiveRpc: self._reporting(self._rpc),
+        }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
         self.abort_watch = _AbortWatcher(ctx, ep.commands, self.name)
-        self._control: dict[str, Any] | None = None
-        self._control_welcome = 0
-
-    @property
-    def control(self) -> dict[str, Any]:
-        """The Welcome snapshot, then every stateful command applied in order."""
-        if self._control is None or self._control_welcome != self.link.welcomes:
-            # first use, or a resync after a sequence gap brought a fresh snapshot
-            self._control = copy.deepcopy(self.link.snapshot) or control_state.initial_state()
-            self._control_welcome = self.link.welcomes
-        return self._control
 
     def start(self) -> None:
-        snapshot = self.link.wait_welcome(timeout_s=120)
-        self.runner.weight_version = int(self.control.get("weight_epoch", 0))
-        if "weights" in snapshot.get("sleeping_tags", []):  # joined a sleeping engine: sleep as well
-            self.sleep.sleep(int(snapshot.get("sleep_level") or 1))
-        send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, self.info))
+        state = self.link.wait_welcome(timeout_s=120)
+        self.runner.weight_version = state.weight_epoch
+        if "weights" in state.sleeping_tags:  # joined a sleeping engine: sleep as well
+            self.sleep.sleep(state.sleep_level or 1)
+        send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, self.info, PROTOCOL_FINGERPRINT))
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -129,7 +155,8 @@ class WorkerActor:
         if self.sleep.asleep and plan.seq_ids:
             self._await_wake()
         if plan.seq_ids and self.sleep.missing:  # never compute with weights a level-2 sleep discarded
-            why = control_state.weights_discarded_message(self.sleep.weights_status())
+            st = self.sleep.weights_status()
+            why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"])
             send(self.results, StepResult(plan.step_id, self.rank, [], None, None, None, None,
                                           self.runner.weight_version, why))
             return
@@ -153,77 +180,60 @@ class WorkerActor:
         if self.abort_watch.abort_seq > (self.link.follower.seq or 0):
             raise StepInterrupted()
 
-    def _apply_and_report(self, cmd: Command) -> dict[str, Any] | None:
-        """Acks of the commands that can change it carry how many parameters lack content (sleep level 2)."""
-        out = self._apply(cmd)
-        if cmd.command in ("release_memory", "wake_up", "commit_weight_update", "collective_rpc"):
-            out = {**(out or {}), **self.sleep.weights_status()}
+    # --- control (handlers of the typed commands; the follower has applied the state already) ------
+
+    def _reporting(self, handler):
+        """Acks of the commands that can change it carry how many parameters lack content (sleep level 2):
+        the coordinator turns a change into a WeightsMissing broadcast."""
+        def handle(cmd: CommandBody) -> dict[str, Any]:
+            return {**(handler(cmd) or {}), **self.sleep.weights_status()}
+        return handle
+
+    def _shutdown(self, cmd: Shutdown) -> None:
+        self.stopping = True
+
+    def _release_memory(self, cmd: ReleaseMemory) -> dict[str, Any]:
+        """Second phase of /sleep: the scheduler has quiesced."""
+        level = cmd.level
+        released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
+        group = level >= 1 and self.extra_cleanup and self.weights.release_group()
+        log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
+        return {"released_bytes": released, "released_group": group}
+
+    def _wake_up(self, cmd: WakeUp) -> dict[str, Any]:
+        tags = [t for t in (cmd.tags or ["weights", "kv_cache"]) if t != "scheduling"]
+        restored = self.sleep.wake(tags) if tags else 0
+        log.info("worker.wake_up", tags=tags, restored_bytes=restored)
+        return {"restored_bytes": restored}
+
+    def _new_epoch(self, cmd: UpdateWeightVersion) -> None:
+        self.runner.weight_version = self.link.state.weight_epoch
+
+    def _update_weights(self, cmd: UpdateWeights) -> dict[str, Any] | None:
+        """The weight-transfer lifecycle (workers.weight_receiver); errors carry their HTTP status."""
+        info = cmd.update_info
+        if isinstance(info, list):  # v0.33: one entry per global worker rank
+            if self.rank >= len(info):
+                raise WeightSyncError(f"update_info has {len(info)} entries; worker rank {self.rank} has none",
+                                      param="update_info")
+            info = info[self.rank]
+        return self.weights.update(info)
+
+    def _commit(self, cmd: CommitWeightUpdate) -> dict[str, Any] | None:
+        out = self.weights.commit()
+        if out.get("committed"):
+            self.sleep.mark_loaded(self.weights.received)
+        self.runner.weight_version = self.link.state.weight_epoch
         return out
 
-    def _apply(self, cmd: Command) -> dict[str, Any] | None:
-        c, args = cmd.command, cmd.args
-        if c == "health":
-            return {"ok": True}
-        if c == "shutdown":
-            self.stopping = True
-        elif c == "release_memory":  # second phase of /sleep: the scheduler has quiesced
-            level = int(args["level"])
-            released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
-            group = level >= 1 and self.extra_cleanup and self.weights.release_group()
-            log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
-            return {"released_bytes": released, "released_group": group}
-        elif c == "wake_up":
-            tags = [t for t in (args.get("tags") or ["weights", "kv_cache"]) if t != "scheduling"]
-            restored = self.sleep.wake(tags) if tags else 0
-            log.info("worker.wake_up", tags=tags, restored_bytes=restored)
-            return {"restored_bytes": restored}
-        elif c == "update_weight_version":
-            control_state.apply(self.control, c, args)
-            self.runner.weight_version = int(self.control["weight_epoch"])
-        elif c in control_state.WEIGHT_UPDATE_COMMANDS:
-            return self._weight_command(c, args)
-        elif c == "collective_rpc":
-            return self._rpc(str(args.get("method")), args.get("args") or [], args.get("kwargs") or {})
-        return None
+    def _weight_checker(self, cmd: WeightChecker) -> dict[str, Any]:
+        if "weights" in self.sleep.asleep:
+            raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
+        return {"checksums": self.weights.checksums(f"dp{self.rank}:pp0:pcp0:tp0:")}
 
-    def _weight_command(self, c: str, args: dict[str, Any]) -> dict[str, Any] | None:
-        """The weight-transfer lifecycle (workers.weight_receiver); errors carry their HTTP status."""
-        w = self.weights
-        if c == "init_weight_transfer_engine":
-            return w.init(args.get("init_info") or {})
-        if c == "start_weight_update":
-            control_state.apply(self.control, c, args)
-            return w.start(weights_asleep="weights" in self.sleep.asleep)
-        if c == "update_weights":
-            info = args.get("update_info")
-            if isinstance(info, list):  # v0.33: one entry per global worker rank
-                if self.rank >= len(info):
-                    raise WeightSyncError(f"update_info has {len(info)} entries; worker rank {self.rank} has none",
-                                          param="update_info")
-                info = info[self.rank]
-            return w.update(info)
-        if c == "finish_weight_update":
-            return w.finish()
-        if c == "commit_weight_update":
-            control_state.apply(self.control, c, args)
-            out = w.commit()
-            if out.get("committed"):
-                self.sleep.mark_loaded(w.received)
-            self.runner.weight_version = int(self.control["weight_epoch"])
-            return out
-        if c == "abort_weight_update":
-            control_state.apply(self.control, c, args)
-            return w.abort()
-        if c == "shutdown_weight_transfer_engine":
-            return w.shutdown()
-        if c == "weight_checker":
-            if "weights" in self.sleep.asleep:
-                raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
-            return {"checksums": w.checksums(f"dp{self.rank}:pp0:pcp0:tp0:")}
-        return None
-
-    def _rpc(self, method: str, args: list, kwargs: dict) -> dict[str, Any]:
+    def _rpc(self, cmd: CollectiveRpc) -> dict[str, Any]:
         """The allow-listed worker methods reachable through POST /collective_rpc."""
+        method, args, kwargs = cmd.method, cmd.args, cmd.kwargs
         if method in self.info["worker_extension_methods"]:  # --worker-extension-cls (workers.extension)
             return {"extension_result": call_extension(self, method, args, kwargs)}
         if method != "reload_weights":
@@ -283,7 +293,7 @@ class _AbortWatcher:
                     msg = decode(frames[1:])
                 except CodecError:
                     continue
-                if isinstance(msg, Command) and msg.command in ("pause", "sleep") and msg.args.get("mode") == "abort":
+                if isinstance(msg, Command) and isinstance(msg.body, (Pause, Sleep)) and msg.body.mode == "abort":
                     self.abort_seq = max(self.abort_seq, msg.seq)
             sub.close(0)
         except zmq.ZMQError:

@@ -136,8 +136,7 @@ class WeightSyncClient:
         info["packed_num_buffers"] = self.num_buffers
         failure: list[BaseException] = []
         engine_side = threading.Thread(target=_capture(failure, lambda: self._control(
-            "/init_weight_transfer_engine", "init_weight_transfer_engine", {"init_info": info},
-            self.timeout_s)), daemon=True)
+            "/init_weight_transfer_engine", {"init_info": info}, self.timeout_s)), daemon=True)
         engine_side.start()
         try:
             self.group = WeightGroup.create(self.master_address, port, 0, world, self.timeout_s,
@@ -154,7 +153,7 @@ class WeightSyncClient:
         """Tear down the group and the shared buffers (the engine keeps serving the last version)."""
         if self.group is not None:
             try:
-                self._control("/shutdown_weight_transfer_engine", "shutdown_weight_transfer_engine", {}, 30)
+                self._control("/shutdown_weight_transfer_engine", {}, 30)
             except (WeightSyncFailed, OSError):
                 pass
             self.group.destroy()
@@ -388,7 +387,9 @@ class WeightSyncClient:
             raise WeightSyncFailed(reply.error, reply.status)
 
     def _bus_world(self) -> int:
-        reply = self._bus.request("members", {}, 10)
+        from bus.messages import Members
+
+        reply = self._bus.request(Members(), 10)
         return 1 + sum(1 for m in reply.results.values() if m.get("role") == "worker")
 
     # --- plumbing -----------------------------------------------------------------------------------
@@ -416,10 +417,16 @@ class WeightSyncClient:
             self._engine_dtype = DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
         return self._engine_dtype
 
-    def _control(self, path: str, command: str, body: dict[str, Any], timeout_s: float) -> Any:
+    def _control(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        """POST path with body, or over the bus the command of that name with body as its fields."""
         if self.base_url:
             return self._post(path, body)
-        reply = self._bus.request(command, body, timeout_s)
+        from bus.messages import InitWeightTransferEngine, ShutdownWeightTransferEngine
+
+        command = path.removeprefix("/")
+        typ = {"init_weight_transfer_engine": InitWeightTransferEngine,
+               "shutdown_weight_transfer_engine": ShutdownWeightTransferEngine}[command]
+        reply = self._bus.request(typ(**body), timeout_s)
         if not reply.ok:
             raise WeightSyncFailed(f"{command} failed: {reply.error}")
         return reply.results

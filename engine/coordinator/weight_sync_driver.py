@@ -16,12 +16,28 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus.messages import (
+    AbortWeightUpdate,
+    CommandBody,
+    CommitWeightUpdate,
+    ErrorInfo,
+    FinishWeightUpdate,
+    Pause,
+    Resume,
+    StartWeightUpdate,
+    UpdateWeights,
+    command_name,
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    command: str
-    args: dict[str, Any]
+    command: CommandBody
     timeout_s: float
+
+    @property
+    def name(self) -> str:
+        return command_name(self.command)
 
 
 @dataclass(slots=True)
@@ -46,42 +62,41 @@ def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[d
     paused = pause_mode != "none"
     if paused:
         deadline = 3600.0 if pause_mode == "wait" else control_timeout_s
-        r = yield Step("pause", {"mode": pause_mode, "clear_cache": clear_cache}, deadline)
+        r = yield Step(Pause(pause_mode, clear_cache), deadline)
         if not r.ok:
             return SyncOutcome(False, r.error, r.status, "pause")
     failed: tuple[str, StepReply] | None = None
-    r = yield Step("start_weight_update", {}, control_timeout_s)
+    r = yield Step(StartWeightUpdate(), control_timeout_s)
     if not r.ok:
         failed = ("start_weight_update", r)
     else:
         for info in updates:
-            r = yield Step("update_weights", {"update_info": info}, transfer_timeout_s)
+            r = yield Step(UpdateWeights(info), transfer_timeout_s)
             if not r.ok:
                 failed = ("update_weights", r)
                 break
         else:
-            r = yield Step("finish_weight_update", {}, control_timeout_s)
+            r = yield Step(FinishWeightUpdate(), control_timeout_s)
             if not r.ok:
                 failed = ("finish_weight_update", r)
     if failed is None:
-        yield Step("commit_weight_update", {"new_version": version}, control_timeout_s)
+        yield Step(CommitWeightUpdate(version), control_timeout_s)
     elif not (failed[0] == "start_weight_update" and failed[1].status == 409):
         # (a 409 at start means someone else's update is active: not ours to abort)
-        yield Step("abort_weight_update", {}, control_timeout_s)
+        yield Step(AbortWeightUpdate(), control_timeout_s)
     if paused:
-        yield Step("resume", {}, control_timeout_s)
+        yield Step(Resume(), control_timeout_s)
     if failed is not None:
         step, r = failed
         return SyncOutcome(False, r.error, r.status, step)
     return SyncOutcome(True)
 
 
-def reply_status(ok: bool, missing: list[str], results: dict[str, Any]) -> int:
+def reply_status(ok: bool, missing: list[str], errors: list[ErrorInfo]) -> int:
     """The HTTP status of an acked broadcast: 504 when someone did not ack, else the highest status a
     failing member reported (500 when none said)."""
     if ok:
         return 200
     if missing:
         return 504
-    codes = [r.get("error_status") for r in results.values() if isinstance(r, dict)]
-    return max((c for c in codes if isinstance(c, int)), default=500)
+    return max((e.status for e in errors if e.status is not None), default=500)

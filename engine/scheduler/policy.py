@@ -56,40 +56,22 @@ class Scheduler:
     seqs: dict[str, Sequence] = field(default_factory=dict)
     _finished_ids: list[str] = field(default_factory=list)
     num_preemptions: int = 0
-    paused_mode: str | None = None  # abort | wait | keep while paused
 
-    # --- pause (the RL control plane) -------------------------------------------------------------
-    #   abort: every request ends now (finish_reason abort); new ones are refused until resume
-    #   wait:  running requests finish; new ones are refused; the pause completes when idle
-    #   keep:  nothing is stepped; requests (and new ones) wait for resume. With clear_cache their KV is
-    #          dropped (preempted), so every token after resume is computed under the weights of then.
+    # --- what a quiet (engine.scheduler.step_gate) does to the sequences ------------------------------------
 
-    def pause(self, mode: str, clear_cache: bool) -> list[Sequence]:
-        """Returns the sequences aborted by an abort pause."""
-        if self.paused_mode is not None:
-            return []
-        self.paused_mode = mode
-        aborted: list[Sequence] = []
-        if mode == "abort":
-            aborted = list(self.running) + list(self.waiting)
-            for seq in aborted:
-                self._finish(seq, "abort")
+    def abort_all(self) -> list[Sequence]:
+        """An abort pause or sleep: every request ends now (finish_reason abort). Returns them."""
+        aborted = list(self.running) + list(self.waiting)
+        for seq in aborted:
+            self._finish(seq, "abort")
         return aborted
 
-    def complete_pause(self, clear_cache: bool) -> bool:
-        """Call between steps (none in flight). False while a wait pause still has requests to finish.
-        With clear_cache, kept requests lose their KV (recomputed on resume) and the prefix cache is
-        emptied, so nothing computed under the old weights is reused."""
-        if self.paused_mode == "wait" and self.has_work():
-            return False
-        if clear_cache:
-            for seq in list(self.running):
-                self._preempt(seq)
-            self.blocks.reset_prefix_cache()
-        return True
-
-    def resume(self) -> None:
-        self.paused_mode = None
+    def drop_kv(self) -> None:
+        """clear_cache: kept requests lose their KV (recomputed when the quiet ends) and the prefix cache
+        is emptied, so nothing computed under the old weights is reused. Call with no step in flight."""
+        for seq in list(self.running):
+            self._preempt(seq)
+        self.blocks.reset_prefix_cache()
 
     def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's: forget every cached prefix, only once no block is held (False otherwise: retry later).
@@ -101,9 +83,6 @@ class Scheduler:
             return False
         self.blocks.reset_prefix_cache()
         return True
-
-    def can_step(self) -> bool:
-        return self.paused_mode != "keep"
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq

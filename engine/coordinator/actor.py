@@ -18,22 +18,32 @@ from bus.codec import CodecError
 from bus.control import ControlLedger, Member, Pending
 from bus.endpoints import COMMAND_TOPIC, WEIGHTS_TOPIC, Endpoints
 from bus.messages import (
+    PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
     Ack,
+    CommandBody,
+    CommitWeightUpdate,
     ControlReply,
     ControlRequest,
+    ControlState,
+    ErrorInfo,
     Heartbeat,
     Hello,
+    MemberLost,
+    Members,
+    Shutdown,
+    WeightsMissing,
     WeightUpdateEvent,
     WeightUpdateResult,
     WeightVersionCommitted,
     Welcome,
+    describe,
 )
-from bus.sockets import make_socket, recv_from, report_ready, send, subscription_event
+from bus.sockets import make_socket, member_name, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.config import EngineConfig
+from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.logs import setup_logging
-from engine.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.weight_transfer_config import PAUSE_MODES, parse_weight_transfer_config
 
 log = structlog.get_logger()
@@ -44,7 +54,7 @@ NAME = "coordinator"
 class Coordinator:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
-        self.ledger = ControlLedger(snapshot=control_state.initial_state(), reducers=control_state.REDUCERS)
+        self.ledger = ControlLedger(snapshot=control_state.initial_state())
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
         self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))
@@ -72,9 +82,9 @@ class Coordinator:
 
     def _on_subscription(self, frame: bytes) -> None:
         on, topic = subscription_event(frame)
-        if not topic.startswith(b"@"):
+        name = member_name(topic)
+        if name is None:
             return
-        name = topic[1:].decode()
         if on:
             self.subscribed.add(name)
             if name in self.hellos:
@@ -104,10 +114,11 @@ class Coordinator:
             self._on_weight_event(sender, msg)
 
     def _on_hello(self, sender: bytes, h: Hello) -> None:
-        if h.protocol_version != PROTOCOL_VERSION:
-            reason = f"protocol version {h.protocol_version} != coordinator's {PROTOCOL_VERSION}"
+        if (h.protocol_version, h.protocol_fingerprint) != (PROTOCOL_VERSION, PROTOCOL_FINGERPRINT):
+            reason = (f"protocol version {h.protocol_version} ({h.protocol_fingerprint}) != coordinator's "
+                      f"{PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})")
             log.error("coordinator.refused", member=h.name, reason=reason)
-            send(self.router, Welcome(False, reason, self.ledger.seq, {}), to=sender)
+            send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
             return
         if h.name in self.subscribed:
             self._welcome(h)
@@ -121,27 +132,28 @@ class Coordinator:
 
     def _on_request(self, sender: bytes, r: ControlRequest) -> None:
         if self.stopping:
-            send(self.router, ControlReply(r.request_id, False, "shutting down", self.ledger.seq, {}), to=sender)
+            send(self.router, ControlReply(r.request_id, False, self.ledger.seq, {},
+                                           [ErrorInfo("ShuttingDown", "shutting down")]), to=sender)
             return
-        if r.command == "members":  # read-only: answered directly, not broadcast
+        if isinstance(r.body, Members):  # read-only: answered directly, not broadcast
             members = {n: {"role": m.role, "pid": m.pid, "info": m.info} for n, m in self.ledger.members.items()}
-            send(self.router, ControlReply(r.request_id, True, "", self.ledger.seq, members), to=sender)
+            send(self.router, ControlReply(r.request_id, True, self.ledger.seq, members), to=sender)
             return
         timeout = r.timeout_s if r.timeout_s > 0 else self.cfg.control_timeout_s
-        self._publish(r.command, r.args, timeout, r.request_id, sender)
-        if r.command == "shutdown":
+        self._publish(r.body, timeout, r.request_id, sender)
+        if isinstance(r.body, Shutdown):
             self.stopping = True
 
     def _on_weight_event(self, sender: bytes, ev: WeightUpdateEvent) -> None:
-        """A trainer announced a weight version: drive the acked steps of engine.weight_sync_driver."""
+        """A trainer announced a weight version: drive the acked steps of engine.coordinator.weight_sync_driver."""
         def refuse(status: int, error: str) -> None:
             log.warning("coordinator.weight_event_refused", version=ev.version, error=error)
             send(self.router, WeightUpdateResult(ev.request_id, False, error, status, ev.version,
-                                                 int(self.ledger.snapshot.get("weight_epoch", 0))), to=sender)
+                                                 self.ledger.snapshot.weight_epoch), to=sender)
 
         if self.weight_cfg is None:
             return refuse(400, "weight transfer is not configured: start the server with --weight-transfer-config")
-        if self.sync is not None or self.ledger.snapshot.get("weight_update_active"):
+        if self.sync is not None or self.ledger.snapshot.weight_update_active:
             return refuse(409, "another weight update is in progress")
         mode = ev.pause_mode or self.weight_cfg.pause_mode
         if mode not in PAUSE_MODES:
@@ -166,24 +178,24 @@ class Coordinator:
         except StopIteration as stop:
             outcome = stop.value
             self.sync = None
-            epoch = int(self.ledger.snapshot.get("weight_epoch", 0))
-            version = str(self.ledger.snapshot.get("weight_version", ""))
+            epoch = self.ledger.snapshot.weight_epoch
+            version = self.ledger.snapshot.weight_version
             log.info("coordinator.weight_update_done", ok=outcome.ok, error=outcome.error, epoch=epoch)
             send(self.router, WeightUpdateResult(s.event.request_id, outcome.ok,
                                                  f"{outcome.failed_step} failed: {outcome.error}" if not outcome.ok
                                                  else "", outcome.status, version, epoch, s.timings), to=s.sender)
             return
-        s.step, s.step_started = step.command, now
-        cmd, done = self.ledger.publish(step.command, step.args, now=now, timeout_s=step.timeout_s)
+        s.step, s.step_started = step.name, now
+        cmd, done = self.ledger.publish(step.command, now=now, timeout_s=step.timeout_s)
         s.seq = cmd.seq
         send(self.pub, cmd, topic=COMMAND_TOPIC)
         self._reply(done)
 
     # --- outputs --------------------------------------------------------------------------------
 
-    def _publish(self, command: str, args: dict, timeout_s: float, request_id: str = "",
+    def _publish(self, command: CommandBody, timeout_s: float, request_id: str = "",
                  requester: bytes | None = None) -> None:
-        cmd, done = self.ledger.publish(command, args, now=time.monotonic(), timeout_s=timeout_s,
+        cmd, done = self.ledger.publish(command, now=time.monotonic(), timeout_s=timeout_s,
                                         request_id=request_id, requester=requester)
         send(self.pub, cmd, topic=COMMAND_TOPIC)
         self._reply(done)
@@ -193,17 +205,17 @@ class Coordinator:
             if p.ok:
                 self._note_weights_missing(p)
             if not p.ok:
-                log.warning("coordinator.command_failed", seq=p.seq, command=p.command, error=p.error_text())
-            elif p.command == "commit_weight_update":  # whoever drove it: tell every subscriber
+                log.warning("coordinator.command_failed", seq=p.seq, command=p.name,
+                            error=describe(p.errors, p.missing))
+            elif isinstance(p.command, CommitWeightUpdate):  # whoever drove it: tell every subscriber
                 snap = self.ledger.snapshot
-                send(self.pub, WeightVersionCommitted(str(snap.get("weight_version", "")),
-                                                      int(snap.get("weight_epoch", 0)), time.time()),
+                send(self.pub, WeightVersionCommitted(snap.weight_version, snap.weight_epoch, time.time()),
                      topic=WEIGHTS_TOPIC)
             if self.sync is not None and p.seq == self.sync.seq:
-                self._advance(StepReply(p.ok, p.error_text().replace(": WeightSyncError: ", ": "),
-                                        reply_status(p.ok, p.missing, p.results), p.results))
+                self._advance(StepReply(p.ok, describe(p.errors, p.missing),
+                                        reply_status(p.ok, p.missing, p.errors), p.results))
             if p.requester is not None:
-                send(self.router, ControlReply(p.request_id, p.ok, p.error_text(), p.seq, p.results, p.missing),
+                send(self.router, ControlReply(p.request_id, p.ok, p.seq, p.results, p.errors, p.missing),
                      to=p.requester)
 
     def _note_weights_missing(self, p: Pending) -> None:
@@ -216,16 +228,16 @@ class Coordinator:
             return
         count, total = max(counts)
         snap = self.ledger.snapshot
-        if (count, total) != (snap.get("weights_missing", 0), snap.get("weights_total", 0)) and \
-                not (count == 0 and snap.get("weights_missing", 0) == 0):
-            self._publish("weights_missing", {"count": count, "total": total}, self.cfg.control_timeout_s)
+        if (count, total) != (snap.weights_missing, snap.weights_total) and \
+                not (count == 0 and snap.weights_missing == 0):
+            self._publish(WeightsMissing(count, total), self.cfg.control_timeout_s)
 
     def _lose(self, name: str, why: str) -> None:
         member = self.ledger.members.get(name)
         role = member.role if member else "?"
         log.error("coordinator.member_lost", member=name, role=role, why=why)
         self._reply(self.ledger.lose(name))
-        self._publish("member_lost", {"name": name, "role": role, "why": why}, self.cfg.control_timeout_s)
+        self._publish(MemberLost(name, role, why), self.cfg.control_timeout_s)
 
     def _tick(self, now: float) -> None:
         if now >= self._next_beat:

@@ -1,5 +1,7 @@
 """The scheduler process: requests in from gateways, step plans out to workers, results back, outputs
-out. Policy is engine.scheduler.Scheduler; this file only moves messages.
+out. Policy is engine.scheduler.policy.Scheduler (which sequences run) and engine.scheduler.step_gate.StepGate (whether
+a step may run at all); the control state is the follower's (bus.follower); this file only moves
+messages.
 
 Start-up: join the control bus, then wait until every worker has both said Hello on the results socket
 (with its KV capacity) and subscribed to the plans socket (seen on the XPUB), so the first plan
@@ -8,7 +10,6 @@ cannot be lost. One step is in flight at a time: plan -> results of every worker
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import defaultdict
 from typing import Any
@@ -21,25 +22,37 @@ from bus.endpoints import PLAN_TOPIC, Endpoints
 from bus.member import DEFER, MemberLink
 from bus.messages import (
     AbortRequests,
+    AbortWeightUpdate,
     AddRequest,
-    Command,
+    CommandBody,
+    CommitWeightUpdate,
+    Health,
     Hello,
+    MemberLost,
     NewSeq,
     OutputBatch,
+    Pause,
     PromptLogprobs,
     RequestOutput,
+    ResetPrefixCache,
+    Resume,
+    Shutdown,
+    Sleep,
+    StartWeightUpdate,
     StepPlan,
     StepResult,
+    UpdateWeightVersion,
+    WakeUp,
 )
-from bus.sockets import make_socket, recv, recv_from, report_ready, send, subscription_event
+from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledStep, Scheduler, SeqUpdate
+from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
+from engine.scheduler.step_gate import Quiesce, StepGate
 
 log = structlog.get_logger()
 
@@ -52,9 +65,13 @@ class SchedulerActor:
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.requests))
         self.plans = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.plans))
         self.results = make_socket(ctx, zmq.PULL, bind=ep.bind_address(ep.results))
-        self.link = MemberLink(ctx, ep, role="scheduler", name=NAME, apply=self._apply,
-                               heartbeat_interval_s=cfg.heartbeat_interval_s,
-                               heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        self.link = MemberLink(ctx, ep, role="scheduler", name=NAME, handlers={
+            Health: self._health, Shutdown: self._shutdown, MemberLost: self._member_lost,
+            UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
+            ResetPrefixCache: self._reset_prefix_cache,
+            **dict.fromkeys((Pause, Resume, Sleep, WakeUp, StartWeightUpdate, AbortWeightUpdate), self._gate_command),
+        }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        self.gate = StepGate()
         self.sched: Scheduler | None = None  # built once the workers report their KV capacity
         self.dead_reason: str | None = None
         self.stopping = False
@@ -62,22 +79,9 @@ class SchedulerActor:
         self.in_flight: ScheduledStep | None = None
         self.pending_results: dict[int, StepResult] = {}
         self.step_started = 0.0
+        self.results_at = 0.0  # when the last step's results were all in (0: consumed by the next plan)
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
-        self._control: dict[str, Any] | None = None
-        self._control_welcome = 0
-        self.pause_pending: dict[str, Any] | None = None  # a deferred pause waiting to complete
-        self.sleep_paused = False  # the scheduler is quiet because of a sleep, not a user pause
-
-    @property
-    def control(self) -> dict[str, Any]:
-        """Our copy of the control state: the Welcome snapshot, then every stateful command applied in
-        order (commands replayed right after the Welcome included)."""
-        if self._control is None or self._control_welcome != self.link.welcomes:
-            # first use, or a resync after a sequence gap brought a fresh snapshot
-            self._control = copy.deepcopy(self.link.snapshot) or control_state.initial_state()
-            self._control_welcome = self.link.welcomes
-        return self._control
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -96,10 +100,15 @@ class SchedulerActor:
             for sock, _ in poller.poll(200):
                 if sock is self.plans:
                     on, topic = subscription_event(self.plans.recv())
-                    if on and topic.startswith(b"@"):
-                        subscribed.add(topic[1:].decode())
+                    name = member_name(topic)
+                    if on and name is not None:
+                        subscribed.add(name)
                 elif sock is self.results:
-                    msg = recv(self.results)
+                    try:
+                        msg = recv(self.results)
+                    except CodecError as e:
+                        log.warning("scheduler.bad_result", error=str(e))
+                        continue
                     if isinstance(msg, Hello):
                         hellos[msg.name] = msg
                 else:
@@ -113,15 +122,8 @@ class SchedulerActor:
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
-        self.sched.weight_version = int(self.control.get("weight_epoch", 0))
-        paused = self.control.get("paused")
-        if paused:
-            self.sched.pause(paused["mode"], paused["clear_cache"])
-        elif self.control.get("sleeping_tags"):
-            self.sched.pause("keep", True)
-            self.sleep_paused = True
-        elif self.control.get("weight_update_active"):
-            self.sched.pause("keep", False)
+        self.sched.weight_version = self.link.state.weight_epoch
+        self.gate = StepGate.from_state(self.link.state)
         log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len)
         return {"num_blocks": num_blocks, "max_model_len": max_len}
 
@@ -142,13 +144,14 @@ class SchedulerActor:
                 else:
                     self.link.handle(sock)
             self.link.tick(time.monotonic())
-            self._maybe_complete_pause()
+            self._maybe_complete_quiesce()
             if self._can_start_step():
                 self._start_step()
+            self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
 
     def _can_start_step(self) -> bool:
-        return (self.in_flight is None and self.sched.has_work() and not self.dead_reason
-                and self.sched.can_step() and not self.control.get("sleeping_tags"))
+        return not self.dead_reason and self.gate.may_step(self.link.state, in_flight=self.in_flight is not None,
+                                                           has_work=self.sched.has_work())
 
     def _on_request(self) -> None:
         try:
@@ -165,10 +168,10 @@ class SchedulerActor:
                     self._emit([(seq, self._output(seq, [], finished=True))])
 
     def _add(self, client: bytes, msg: AddRequest) -> None:
-        seq = Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams.from_wire(msg.sampling),
-                       msg.eos_token_ids, msg.arrival_time, client)
+        seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.eos_token_ids, msg.arrival_time,
+                       client)
         error = self.dead_reason
-        if error is None and control_state.rejects_new_requests(self.control):
+        if error is None and control_state.rejects_new_requests(self.link.state):
             error = control_state.PAUSED_MESSAGE
         if error is None and msg.request_id in self.sched.seqs:
             error = f"request id {msg.request_id!r} is already running"
@@ -192,9 +195,17 @@ class SchedulerActor:
 
     def _publish(self, step: ScheduledStep) -> None:
         self.step_id += 1
+        self._send_plan(step)
+        if self.results_at:
+            # the scheduler's own time between a step's results and the next plan (the workers wait)
+            self.counters["turnaround_total"] += time.perf_counter() - self.results_at
+            self.counters["turnarounds"] += 1
+            self.results_at = 0.0
+
+    def _send_plan(self, step: ScheduledStep) -> None:
         plan = StepPlan(
             self.step_id,
-            [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling.to_wire(), s.eos_token_ids) for s in step.new_seqs],
+            [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
             [s.seq_id for s in step.seqs], step.num_computed, step.num_new,
             [s.block_table for s in step.seqs], step.finished_ids, step.weight_version)
         send(self.plans, plan, topic=PLAN_TOPIC)
@@ -211,12 +222,13 @@ class SchedulerActor:
         if len(self.pending_results) < self.cfg.num_workers:
             return
         step, self.in_flight = self.in_flight, None
+        self.results_at = time.perf_counter()
         main = self.pending_results[0]
         errors = [r.error for r in self.pending_results.values() if r.error]
         self.pending_results = {}
         if errors and all(e == "interrupted" for e in errors):
             # An abort pause cut the step short: its sequences were aborted, nothing advanced.
-            self._maybe_complete_pause()
+            self._maybe_complete_quiesce()
             return
         if errors:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
@@ -303,115 +315,71 @@ class SchedulerActor:
                 "prefix_cache_queries": b.num_prefix_queries, "prefix_cache_hits": b.num_prefix_hits,
                 **self.counters}
 
-    # --- control --------------------------------------------------------------------------------
+    # --- control (handlers of the typed commands; the follower has applied the state already) ------
 
-    def _apply(self, cmd: Command) -> dict[str, Any] | None:
-        if self.sched is None and cmd.command in control_state.REDUCERS:
-            control_state.apply(self.control, cmd.command, cmd.args)  # applied when the workers are up
-            return {"starting": True}
-        if cmd.command == "health":
-            if self.sched is None:
-                return {"ok": False, "why": "waiting for workers"}
-            return {"ok": self.dead_reason is None, "running": len(self.sched.running)}
-        if cmd.command == "shutdown":
-            self.stopping = True
+    def _health(self, cmd: Health) -> dict[str, Any]:
+        if self.sched is None:
+            return {"ok": False, "why": "waiting for workers"}
+        return {"ok": self.dead_reason is None, "running": len(self.sched.running)}
+
+    def _shutdown(self, cmd: Shutdown) -> None:
+        self.stopping = True
+
+    def _member_lost(self, cmd: MemberLost) -> None:
+        if cmd.role == "worker":
+            self._fail_all(f"{cmd.name} died ({cmd.why})")
+        elif cmd.role == "gateway" and self.sched is not None:
+            # Nobody is left to read these outputs: stop computing them.
+            orphans = [s for s in self.sched.seqs.values() if s.client == cmd.name.encode()]
+            for seq in orphans:
+                self.sched.abort(seq.seq_id)
+            if orphans:
+                log.warning("scheduler.aborted_orphans", gateway=cmd.name, count=len(orphans))
+
+    def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> dict[str, Any]:
+        if self.sched is None:
+            return {"success": False}  # nothing cached before the workers are up; retry then
+        return {"success": self.sched.reset_prefix_cache(cmd.reset_running_requests)}
+
+    def _new_epoch(self, cmd: UpdateWeightVersion | CommitWeightUpdate) -> dict[str, Any]:
+        """A new weight epoch: new prefix-cache key space too. A commit also ends the update's window."""
+        if self.sched is None:
+            return {"starting": True}  # wait_for_workers starts from the state
+        self.sched.weight_version = self.link.state.weight_epoch
+        if isinstance(cmd, CommitWeightUpdate):
+            self._gate_command(cmd)
+        return {"weight_epoch": self.sched.weight_version}
+
+    def _gate_command(self, cmd: CommandBody) -> Any:
+        if self.sched is None:
+            return {"starting": True}  # wait_for_workers builds the gate from the state
+        f = self.link.follower
+        verdict = self.gate.on_command(cmd, f.before, f.state)
+        if not isinstance(verdict, Quiesce):
+            return verdict
+        if verdict.mode == "abort":
+            aborted = self.sched.abort_all()
+            verdict.aborted = len(aborted)
+            self._emit([(seq, self._output(seq, [], finished=True)) for seq in aborted])
+        done = self._complete_quiesce()
+        return DEFER if done is None else done
+
+    def _complete_quiesce(self) -> dict[str, Any] | None:
+        """The ack's result once the pending quiesce is complete (no step in flight, and for wait no work
+        left), else None."""
+        q = self.gate.quiesced(in_flight=self.in_flight is not None, has_work=self.sched.has_work())
+        if q is None:
             return None
-        if cmd.command in ("pause", "resume"):
-            return self._apply_pause(cmd)
-        if cmd.command in ("sleep", "wake_up"):
-            return self._apply_sleep(cmd)
-        if cmd.command in control_state.WEIGHT_UPDATE_COMMANDS:
-            return self._apply_weight_update(cmd)
-        if cmd.command == "update_weight_version":
-            control_state.apply(self.control, cmd.command, cmd.args)
-            self.sched.weight_version = self.control["weight_epoch"]  # new prefix-cache key space too
-            return {"weight_epoch": self.sched.weight_version}
-        if cmd.command == "reset_prefix_cache":
-            return {"success": self.sched.reset_prefix_cache(bool(cmd.args.get("reset_running_requests")))}
-        if cmd.command == "member_lost":
-            role, name = cmd.args.get("role"), str(cmd.args.get("name"))
-            if role == "worker":
-                self._fail_all(f"{name} died ({cmd.args.get('why')})")
-            elif role == "gateway" and self.sched is not None:
-                # Nobody is left to read these outputs: stop computing them.
-                orphans = [s for s in self.sched.seqs.values() if s.client == name.encode()]
-                for seq in orphans:
-                    self.sched.abort(seq.seq_id)
-                if orphans:
-                    log.warning("scheduler.aborted_orphans", gateway=name, count=len(orphans))
-        return None
+        if q.clear_cache:
+            self.sched.drop_kv()
+        return {"paused": True, "aborted": q.aborted}
 
-    def _apply_pause(self, cmd: Command) -> Any:
-        was_paused = self.control.get("paused") is not None
-        control_state.apply(self.control, cmd.command, cmd.args)
-        if cmd.command == "resume":
-            if not self.control.get("sleeping_tags") and not self.control.get("weight_update_active"):
-                self.sched.resume()
-            self.sleep_paused = False
-            return {"paused": False}
-        if was_paused:
-            return {"paused": True}  # pausing twice: a no-op
-        if self.sched.paused_mode is not None:  # already quiet because of a sleep
-            self.sleep_paused = False  # the user's pause now holds it after the wake
-            return {"paused": True}
-        return self._quiesce(cmd.args["mode"], bool(cmd.args.get("clear_cache", True)))
-
-    def _apply_sleep(self, cmd: Command) -> Any:
-        """Sleep pauses like /pause (mode), except that new requests queue; levels 1 and 2 drop the KV
-        of kept requests, since the workers are about to discard it. Wake resumes once no tag sleeps."""
-        was_asleep = bool(self.control.get("sleeping_tags"))
-        control_state.apply(self.control, cmd.command, cmd.args)
-        if cmd.command == "wake_up":
-            if not self.control["sleeping_tags"] and self.sleep_paused:
-                self._resume_if_free()
-            return {"sleeping_tags": self.control["sleeping_tags"]}
-        if was_asleep or self.sched.paused_mode is not None:
-            return {"sleeping": True}  # asleep already, or held by a user pause: nothing to quiesce
-        self.sleep_paused = True
-        return self._quiesce(cmd.args["mode"], int(cmd.args["level"]) >= 1)
-
-    def _apply_weight_update(self, cmd: Command) -> Any:
-        """From start_weight_update until its commit or abort no step runs, so no token is computed on
-        half-written weights (requests queue, running ones keep their KV, as a keep pause). Commit
-        moves the prefix cache to the new epoch's key space."""
-        control_state.apply(self.control, cmd.command, cmd.args)
-        if cmd.command == "start_weight_update":
-            if self.sched.paused_mode is not None:
-                return {"held": True}  # already quiet: a pause or a sleep holds it
-            return self._quiesce("keep", False)
-        if cmd.command in ("commit_weight_update", "abort_weight_update"):
-            self.sched.weight_version = int(self.control["weight_epoch"])
-            self._resume_if_free()
-            return {"weight_epoch": self.sched.weight_version}
-        return None  # the data path is the workers' business
-
-    def _resume_if_free(self) -> None:
-        """Resume once no pause, sleep or weight update holds the scheduler any more."""
-        c = self.control
-        if c.get("paused") is None and not c.get("sleeping_tags") and not c.get("weight_update_active"):
-            self.sched.resume()
-            self.sleep_paused = False
-
-    def _quiesce(self, mode: str, clear_cache: bool) -> Any:
-        aborted = self.sched.pause(mode, clear_cache)
-        for seq in aborted:
-            seq.finish_reason = "abort"
-        self._emit([(seq, self._output(seq, [], finished=True)) for seq in aborted])
-        # Ack only when no step runs on the workers any more (and, for wait, nothing is left to run):
-        # whoever paused may now change the weights or free the memory under them.
-        self.pause_pending = {"mode": mode, "clear_cache": clear_cache, "aborted": len(aborted)}
-        self._maybe_complete_pause()
-        return DEFER if self.pause_pending is not None else {"paused": True, "aborted": len(aborted)}
-
-    def _maybe_complete_pause(self) -> None:
-        p = self.pause_pending
-        if p is None or self.in_flight is not None:
+    def _maybe_complete_quiesce(self) -> None:
+        if self.gate.pending is None:
             return
-        if not self.sched.complete_pause(p["clear_cache"]):
-            return
-        self.pause_pending = None
-        if self.link.deferred is not None:
-            self.link.complete({"paused": True, "aborted": p["aborted"]})
+        done = self._complete_quiesce()
+        if done is not None and self.link.deferred is not None:
+            self.link.complete(done)
 
     def _fail_all(self, reason: str) -> None:
         """A worker is gone: nothing can be computed any more. Fail every request; refuse new ones."""

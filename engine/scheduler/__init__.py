@@ -1,0 +1,6 @@
+"""The scheduler process: policy.py (which sequences run each step: pure), step_gate.py (whether a step
+may run at all: a pure state machine over the control commands), actor.py (the sockets around them)."""
+
+from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
+
+__all__ = ["ScheduledStep", "Scheduler", "SeqUpdate"]

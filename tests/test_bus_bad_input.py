@@ -1,0 +1,218 @@
+"""Bad input on the bus: malformed frames, unknown kinds, wrong field types and truncated array frames
+sent to every bound socket of a running engine (coordinator ROUTER and XPUB, scheduler ROUTER, XPUB and
+PULL) are logged and dropped; no process dies and no request is lost. The SUB side (what a member reads
+from the coordinator) is fed the same garbage by a fake coordinator. Real processes, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from bus.codec import encode
+from bus.endpoints import COMMAND_TOPIC, Endpoints
+from bus.messages import (
+    Ack,
+    AddRequest,
+    Command,
+    ControlRequest,
+    ControlState,
+    Health,
+    Hello,
+    MemberLost,
+    StepResult,
+    Welcome,
+)
+from bus.sockets import make_socket, send
+from tests.bus_helpers import MemberThread, bus_config, wait_for
+from tests.server_helpers import start_server, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _raw(kind: int, body) -> list[bytes]:
+    return [bytes([kind]) + msgspec.msgpack.encode(body)]
+
+
+def garbage() -> list[tuple[str, list[bytes]]]:
+    res = [bytes(f) for f in encode(StepResult(1, 0, ["x"], np.arange(8), np.zeros(8, np.float32),
+                                               np.zeros((8, 2), np.int64), np.zeros((8, 2), np.float32), 0))]
+    missing_frame = msgspec.msgpack.Ext(1, msgspec.msgpack.encode([3, "np:<i8", [2]]))
+    return [
+        ("empty frame", [b""]),
+        ("unknown kind", [b"\xfe" + b"whatever"]),
+        ("malformed msgpack", [bytes([AddRequest.KIND]) + b"\xc1\xc1"]),
+        ("not an array body", _raw(AddRequest.KIND, {"request_id": "r"})),
+        ("wrong field type", _raw(AddRequest.KIND, ["bad-1", "not a list", [], [0], 1.0])),
+        ("sampling params as a dict", _raw(AddRequest.KIND, ["bad-2", [1, 2], {"max_tokens": 3}, [0], 1.0])),
+        ("unknown field", _raw(Hello.KIND, ["worker", "x", 1, 6, {}, "", "surplus"])),
+        ("missing field", _raw(Ack.KIND, [1])),
+        ("unknown command", _raw(ControlRequest.KIND, ["r", ["no_such_command"], 1.0])),
+        ("command field of the wrong type", _raw(ControlRequest.KIND, ["r", ["pause", 3, True], 1.0])),
+        ("truncated array frame", [res[0], res[1][:-5], *res[2:]]),
+        ("array frame missing", res[:2]),
+        ("array header naming no frame", [bytes([StepResult.KIND]) + msgspec.msgpack.encode(
+            [1, 0, [], missing_frame, None, None, None, 0])]),
+        ("int where an array must be", _raw(StepResult.KIND, [1, 0, ["x"], 7, None, None, None, 0])),
+        ("a multi-frame mess", [b"\x01", b"\x02", b"\x03" * 1000]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_dir):
+    tmp = tmp_path_factory.mktemp("badbus")
+    folder = tiny_model_with_tokenizer("llama", tmp / "llama", smollm2_dir)
+    s = start_server(tmp, str(folder), "--served-model-name", "tiny", "--max-model-len", "256")
+    yield s
+    s.stop()
+
+
+def test_garbage_on_every_bound_socket_is_dropped(server):
+    ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
+    pids = server.child_pids()
+    assert {"coordinator", "scheduler", "worker-0", "gateway"} <= set(pids), pids
+    result: dict = {}
+
+    def long_request() -> None:  # running while the garbage arrives: it must finish, whole
+        with httpx.Client(base_url=server.url, timeout=120) as h:
+            r = h.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 120,
+                                                "ignore_eos": True})
+            result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    ctx = zmq.Context()
+    try:
+        targets = [  # (socket type to connect, endpoint, who binds it)
+            (zmq.DEALER, ep.control, "coordinator ROUTER"),
+            (zmq.DEALER, ep.requests, "scheduler ROUTER"),
+            (zmq.PUSH, ep.results, "scheduler PULL"),
+            (zmq.XSUB, ep.commands, "coordinator XPUB"),
+            (zmq.XSUB, ep.plans, "scheduler XPUB"),
+        ]
+        for kind, endpoint, _ in targets:
+            sock = make_socket(ctx, kind, connect=endpoint, identity="rogue" if kind == zmq.DEALER else None)
+            for _, frames in garbage():
+                sock.send_multipart(frames)
+            if kind == zmq.XSUB:
+                # not a (un)subscription, but it ends in a member's presence topic: it must not read as
+                # worker-0 leaving (that would fail every request)
+                for frame in (b"\x02@worker-0", b"\x00@worker-0", b"\x01@\xff\xfe", b"\x01"):
+                    sock.send(frame)
+            sock.close(linger=2000)
+        t.join(150)
+        assert not t.is_alive(), "the running request never finished"
+        assert result["status"] == 200, result
+        assert result["body"]["usage"]["completion_tokens"] == 120  # nothing lost, nothing cut short
+        wait_for(lambda: all(w in server.log() for w in ("coordinator.bad_message", "scheduler.bad_message",
+                                                       "scheduler.bad_result")), 20, "the drops to be logged")
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            assert h.get("/health").status_code == 200
+            r = h.post("/v1/completions", json={"model": "tiny", "prompt": [4, 5], "max_tokens": 4,
+                                                "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert server.proc.poll() is None and server.child_pids() == pids  # nobody died or restarted
+        assert "member_lost" not in server.log()
+    finally:
+        ctx.destroy(linger=0)
+        t.join(10)
+
+
+class FakeCoordinator:
+    """Binds the control ROUTER and commands XPUB, welcomes whoever says Hello, publishes what it is told."""
+
+    def __init__(self, ctx: zmq.Context, ep: Endpoints):
+        self.router = make_socket(ctx, zmq.ROUTER, bind=ep.control)
+        self.pub = make_socket(ctx, zmq.XPUB, bind=ep.commands)
+
+    def welcome(self, name: str, timeout_s: float = 10.0) -> None:
+        """Wait for `name`'s presence subscription and its Hello, then welcome it at seq 0."""
+        from bus.codec import decode
+        from bus.sockets import member_name, subscription_event
+
+        subscribed = hello = False
+        deadline = time.monotonic() + timeout_s
+        while not (subscribed and hello):
+            assert time.monotonic() < deadline, f"{name} never joined"
+            if self.pub.poll(50):
+                on, topic = subscription_event(self.pub.recv())
+                subscribed |= on and member_name(topic) == name
+            if self.router.poll(50):
+                frames = self.router.recv_multipart()
+                msg = decode(frames[1:])
+                hello |= isinstance(msg, Hello) and msg.name == name
+        send(self.router, Welcome(True, "", 0, ControlState()), to=name.encode())
+
+    def publish_garbage_then(self, *cmds: Command) -> None:
+        for _, frames in garbage():
+            self.pub.send_multipart([COMMAND_TOPIC, *frames])
+        self.pub.send_multipart([COMMAND_TOPIC])  # a topic and nothing else
+        for c in cmds:
+            send(self.pub, c, topic=COMMAND_TOPIC)
+
+
+def test_a_member_drops_garbage_on_its_sub_socket(tmp_path):
+    ep = Endpoints.from_config(bus_config(tmp_path))
+    ctx = zmq.Context()
+    try:
+        coord = FakeCoordinator(ctx, ep)
+        m = MemberThread(ep, "worker-0", timeout=60)
+        coord.welcome("worker-0")
+        assert m.welcomed.wait(10)
+        coord.publish_garbage_then(Command(1, Health()))
+        wait_for(lambda: m.applied == [(1, "health")], 10, "the command after the garbage")
+        assert m.error is None and m.thread.is_alive()
+        m.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_gateway_drops_garbage_on_its_sub_socket_and_follows_the_stream(tmp_path):
+    from gateway.engine_client import EngineClient
+
+    ep = Endpoints.from_config(bus_config(tmp_path))
+    ctx = zmq.Context()
+
+    async def run() -> None:
+        client = EngineClient(ep, name="gateway-t", heartbeat_interval_s=0.2, heartbeat_timeout_s=30)
+        start = asyncio.create_task(client.start(timeout_s=20))
+        await asyncio.to_thread(coord.welcome, "gateway-t")
+        await start
+        seen = []
+        lost = client.follower.handlers[MemberLost]
+        client.follower.on(MemberLost, lambda c: (seen.append(c.name), lost(c)))
+        await asyncio.to_thread(coord.publish_garbage_then, Command(1, MemberLost("gateway-x", "gateway", "test")),
+                                Command(3, Health()))  # seq 2 is missing: a gap, so it asks again
+        deadline = time.monotonic() + 10
+        while client.follower.seq is not None:  # resyncing: it dropped its position after the gap
+            assert time.monotonic() < deadline, "the gateway never noticed the gap"
+            await asyncio.sleep(0.02)
+        assert seen == ["gateway-x"]  # seq 1 came through the garbage and was applied
+        assert client.healthy and client.follower.seq is None
+        hello = await asyncio.to_thread(_next_hello, coord)
+        assert hello.name == "gateway-t"  # the resync Hello
+        await client.close()
+
+    try:
+        coord = FakeCoordinator(ctx, ep)
+        asyncio.run(run())
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _next_hello(coord: FakeCoordinator) -> Hello:
+    from bus.codec import decode
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if coord.router.poll(100):
+            msg = decode(coord.router.recv_multipart()[1:])
+            if isinstance(msg, Hello):
+                return msg
+    raise AssertionError("no Hello")
