@@ -38,8 +38,8 @@ import numpy as np
 from engine.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 7
-PROTOCOL_FINGERPRINT = "4772feb8ee18"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 8
+PROTOCOL_FINGERPRINT = "b18d5a5e7c93"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 

@@ -11,6 +11,7 @@ Callers pair `can_allocate` with `allocate` so they never see a half-done alloca
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 from engine.request import Sequence
@@ -20,6 +21,15 @@ def block_hash(parent: int | None, tokens: tuple[int, ...], weight_version: int)
     # Python's hash of a tuple of ints is deterministic across processes (no hash randomisation for
     # ints), 64-bit; the scheduler is the only process that compares these.
     return hash((parent, tokens, weight_version))
+
+
+def salt_root(salt: str | None) -> int | None:
+    """The 'parent' of a salted sequence's first block (vLLM's cache_salt): requests with different salts
+    never share a block, because every later hash chains from this one. A stable 64-bit digest, so it
+    cannot collide with an unsalted chain by Python's per-process string hashing."""
+    if not salt:
+        return None
+    return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little") | (1 << 64)
 
 
 class BlockManager:
@@ -62,7 +72,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         max_blocks = (seq.num_prompt_tokens - 1) // bs
-        parent: int | None = None
+        parent: int | None = salt_root(seq.sampling.cache_salt)
         hits = 0
         for i in range(max_blocks):
             h = block_hash(parent, tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs]), weight_version)
@@ -85,7 +95,7 @@ class BlockManager:
         full = seq.num_computed // bs
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_root(seq.sampling.cache_salt)
             h = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_version)
             seq.block_hashes.append(h)
             bid = seq.block_table[i]

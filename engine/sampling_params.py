@@ -42,6 +42,9 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # routed experts (--enable-return-routed-experts) are returned from this prompt position on (vLLM);
     # the gateway's business: the engine reports every position
     routed_experts_prompt_start: int = 0
+    # vLLM's request-level cache_salt: prefix-cache blocks are shared only between requests with the same
+    # salt (it enters the hash of the first block, so every later block inherits it); None: unsalted.
+    cache_salt: str | None = None
 
     def validate(self, *, vocab_size: int, max_logprobs: int, max_n: int = 128) -> None:
         _check(1 <= self.n <= max_n, "n", f"n must be between 1 and {max_n}, got {self.n}")

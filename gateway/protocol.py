@@ -252,7 +252,7 @@ class _SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=pick("skip_special_tokens"), prompt_logprobs=prompt_logprobs,
             return_sampling_mass=bool(self.return_sampling_mass),
-            routed_experts_prompt_start=self.routed_experts_prompt_start or 0)
+            routed_experts_prompt_start=self.routed_experts_prompt_start or 0, cache_salt=self.cache_salt)
 
 
 def check_prompt_logprobs(value: int | None, stream: bool) -> None:

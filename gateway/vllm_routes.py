@@ -12,11 +12,11 @@ request would have. Request bodies are validated with the same models (and refus
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,7 +98,8 @@ async def _json(request: Request) -> Any:
 
 def sampling_params_json(params: SamplingParams, n: int, seed: int | None, stream: bool) -> dict[str, Any]:
     """Our SamplingParams under vLLM's field names, as /inference/v1/generate takes them back."""
-    d = dataclasses.asdict(params)
+    d = msgspec.structs.asdict(params)
+    d.pop("cache_salt")  # a request field in vLLM (GenerateRequest.cache_salt), not a sampling parameter
     d.update(n=n, seed=seed, output_kind=DELTA if stream else FINAL_ONLY)
     for beyond_vllm in ("return_sampling_mass", "trace_decode_token_ids"):  # only when asked for
         if not d[beyond_vllm]:

@@ -51,6 +51,27 @@ def test_prefix_cache_never_crosses_weight_versions():
     assert bm.match_prefix(seq("c", range(9)), weight_version=1) == 8
 
 
+def test_cache_salt_separates_prefixes_and_same_salt_shares():
+    """vLLM's cache_salt: blocks are shared only between requests with the same salt (any block of the
+    chain, since the salt enters the first block's hash)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+
+    def salted(sid, tokens, salt):
+        return Sequence(sid, list(tokens), SamplingParams(cache_salt=salt), [0])
+
+    a = salted("a", range(13), "tenant-a")
+    bm.allocate(a, a.num_tokens)
+    a.num_computed = a.num_tokens
+    bm.commit_full_blocks(a, 0)
+    bm.free_seq(a)
+    assert bm.match_prefix(salted("b", range(13), "tenant-b"), 0) == 0
+    assert bm.match_prefix(seq("plain", range(13)), 0) == 0
+    assert bm.match_prefix(salted("a2", range(13), "tenant-a"), 0) == 12
+    plain = computed(bm, "p", range(13))
+    bm.free_seq(plain)
+    assert bm.match_prefix(salted("c", range(13), "tenant-c"), 0) == 0  # an unsalted chain is not shared either
+
+
 def test_freed_blocks_stay_cached_until_reused():
     bm = BlockManager(num_blocks=3, block_size=4)
     a = computed(bm, "a", range(9))

@@ -144,7 +144,7 @@ VLLM_TRAINER = textwrap.dedent('''
 def vllm_send(tmp_path: Path, url: str, tensors: list[tuple[str, torch.Tensor]], mode: str, version: str,
               key: str | None = None) -> subprocess.CompletedProcess:
     if not VLLM_PY.exists():
-        pytest.skip(f"vLLM's CPU venv is not installed ({VLLM_PY}): the vLLM trainer-side interop test needs it")
+        pytest.skip(f"vLLM's CPU venv is not installed ({VLLM_PY}): the vLLM trainer-side interop test needs it: bash tests/interop/setup_venvs.sh vllm")
     from safetensors.torch import save_file
 
     path = tmp_path / "trainer.safetensors"
@@ -156,6 +156,7 @@ def vllm_send(tmp_path: Path, url: str, tensors: list[tuple[str, torch.Tensor]],
                           capture_output=True, text=True, timeout=240, env=env)
 
 
+@pytest.mark.interop  # real vLLM trainer code from its venv
 @pytest.mark.slow  # vLLM's import takes ~30 s on a busy 2-core host
 @pytest.mark.parametrize("mode", ["unpacked", "packed"])
 def test_vllm_trainer_sends_bf16_into_the_fp32_engine(server, trainer, tmp_path, mode):
@@ -323,6 +324,7 @@ def test_requests_queued_in_a_level2_sleep_fail_503_after_a_wake_without_weights
 
 # --- fp32 from a trainer into a bf16 engine -----------------------------------------------------------------
 
+@pytest.mark.interop  # real vLLM trainer code from its venv
 @pytest.mark.slow  # a second server and vLLM's import
 def test_vllm_trainer_sends_fp32_into_a_bf16_engine(tmp_path_factory, folder, trainer, tmp_path):
     s = _serve(tmp_path_factory, folder, "--dtype", "bfloat16")

