@@ -34,6 +34,7 @@ from gateway.errors import (
     engine_unavailable,
     model_not_found,
 )
+from gateway.limits import Admission
 from gateway.metrics import Metrics
 from gateway.request_log import log_request
 from gateway.responses import dumps
@@ -60,9 +61,10 @@ class ServingContext:
     """Everything a handler needs; one per app."""
 
     def __init__(self, cfg: EngineConfig, client: EngineClient, tokenizer: Any, model: ModelInfo,
-                 metrics: Metrics):
+                 metrics: Metrics, admission: Admission | None = None):
         """`tokenizer` is None with --tokens-only: nothing on the request path may touch one."""
         self.cfg, self.client, self.tokenizer, self.model, self.metrics = cfg, client, tokenizer, model, metrics
+        self.admission = admission or Admission(cfg.max_num_queued_reqs)
         self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids if tokenizer is not None else model.eos_token_ids)
         self._token_strs: dict[int, str] = {}
 
@@ -93,6 +95,23 @@ class ServingContext:
         if discarded:
             raise engine_unavailable(discarded)  # 503 until the weights are loaded again
         return self.model.names[0]
+
+    def check_prompt_count(self, count: int, param: str) -> None:
+        """--max-prompts-per-request, checked before anything is tokenised."""
+        if count > self.cfg.max_prompts_per_request:
+            raise bad_request(f"This request has {count} prompts; the server accepts at most "
+                              f"{self.cfg.max_prompts_per_request} per request (--max-prompts-per-request)", param)
+
+    def check_prompt_tokens(self, total: int, param: str) -> None:
+        """--max-prompt-tokens-per-request over all prompts of one request."""
+        if total > self.cfg.max_prompt_tokens_per_request:
+            raise bad_request(f"This request's prompts hold {total} tokens; the server accepts at most "
+                              f"{self.cfg.max_prompt_tokens_per_request} per request "
+                              f"(--max-prompt-tokens-per-request)", param)
+
+    def admit(self, request: Request, states: list[Any]) -> None:
+        """--max-num-queued-reqs: reserve one slot per engine request (503 + Retry-After when full)."""
+        self.admission.admit(request.scope, len(states))
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:

@@ -5,6 +5,8 @@ tokenizer, a scripted EngineClient) that tests/test_gateway_fake_engine.py share
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 import asyncio
 import json
 from collections.abc import AsyncIterator
@@ -305,10 +307,14 @@ def test_chat_logprobs_shape() -> None:
 # --- HTTP: errors ------------------------------------------------------------------------------------
 
 
+LIMITS = dict(max_prompts_per_request=8, max_prompt_tokens_per_request=100, max_request_body_bytes=64 * 1024)
+
+
 @pytest.mark.parametrize("case", bad_input_cases(max_model_len=MAX_LEN, vocab_size=VOCAB, max_logprobs=5,
-                                                 scale_out=True), ids=lambda c: c.description)
+                                                 scale_out=True, max_prompts=8, max_prompt_tokens=100,
+                                                 max_body_bytes=64 * 1024), ids=lambda c: c.description)
 def test_bad_inputs(case: Any) -> None:
-    http, _ = make_app(enable_scale_out=True, enable_trace_replay=True)
+    http, _ = make_app(enable_scale_out=True, enable_trace_replay=True, **LIMITS)
     if isinstance(case.body, bytes):
         r = http.post(case.path, content=case.body, headers={"content-type": "application/json"})
     else:
@@ -318,7 +324,7 @@ def test_bad_inputs(case: Any) -> None:
         err = r.json()["error"]
         assert err["param"] == case.param, err
         assert err["code"] == case.status and err["message"]
-        assert err["type"] == ("NotFoundError" if case.status == 404 else "BadRequestError")
+        assert err["type"] == {404: "NotFoundError", 413: HTTPStatus(413).phrase}.get(case.status, "BadRequestError")
 
 
 def test_context_length_message_is_vllms() -> None:

@@ -1,0 +1,129 @@
+"""Load limits at the gateway's door: the body-size limit (413 before anything is parsed), admission
+(vLLM's --max-num-queued-reqs: 503 with Retry-After beyond the bound), and draining on SIGTERM (503 for
+new generation requests while running ones finish).
+
+Why here and not in the scheduler: vLLM enforces max_num_queued_reqs in its API server too. The gateway
+knows every engine sequence it has in flight (waiting or running) before it tokenises anything into the
+engine, it can answer 503 without a round trip, and a request refused here never costs the scheduler or
+the bus anything. The count is exact: a request reserves its n x prompts sequences when it is admitted
+and this middleware releases them when the request's response is over, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from http import HTTPStatus
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import APIError, envelope
+from gateway.responses import JSONResponse
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+RETRY_AFTER_S = 1
+OVERLOADED_MESSAGE = ("The engine is currently busy and cannot accept new requests. Please try again later or "
+                      "on a different instance.")  # vLLM's QueueOverflowError
+DRAINING_MESSAGE = "The server is shutting down and accepts no new requests. Please retry on another instance."
+_ADMITTED = "rollbus.admitted"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def too_large(limit: int) -> JSONResponse:
+    phrase = HTTPStatus.REQUEST_ENTITY_TOO_LARGE.phrase
+    return JSONResponse(envelope(f"The request body is larger than the server's limit of {limit} bytes "
+                                 f"(--max-request-body-bytes)", phrase, 413), status_code=413)
+
+
+def unavailable(message: str) -> JSONResponse:
+    """vLLM's 503 envelope (type "Service Unavailable", as its GracefulHTTPError) plus Retry-After."""
+    return JSONResponse(envelope(message, HTTPStatus.SERVICE_UNAVAILABLE.phrase, 503), status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class Overloaded(APIError):
+    """vLLM's QueueOverflowError: 503, type "Service Unavailable"; rollbus adds Retry-After."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503, type=HTTPStatus.SERVICE_UNAVAILABLE.phrase)
+        self.headers = {"Retry-After": str(RETRY_AFTER_S)}
+
+
+class Admission:
+    """Engine sequences in flight, against --max-num-queued-reqs; HTTP generation requests in flight,
+    for draining."""
+
+    def __init__(self, max_sequences: int):
+        self.max_sequences = max_sequences
+        self.sequences = 0
+        self.requests = 0
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def admit(self, scope: Scope, n: int) -> None:
+        """Reserve n sequences for this request, or raise Overloaded (503). Released by the middleware."""
+        if self.draining:
+            raise Overloaded(DRAINING_MESSAGE)
+        if self.sequences + n > self.max_sequences:
+            raise Overloaded(OVERLOADED_MESSAGE)
+        self.sequences += n
+        state = scope.setdefault("state", {})
+        state[_ADMITTED] = state.get(_ADMITTED, 0) + n
+
+    def _enter(self) -> None:
+        self.requests += 1
+        self.idle.clear()
+
+    def _leave(self, scope: Scope) -> None:
+        self.requests -= 1
+        self.sequences -= scope.get("state", {}).pop(_ADMITTED, 0)
+        if self.requests == 0:
+            self.idle.set()
+
+
+class LoadLimitMiddleware:
+    """Body size on every request; admission bookkeeping and draining on the generation routes."""
+
+    def __init__(self, app: ASGIApp, admission: Admission, max_body_bytes: int):
+        self.app, self.admission, self.max_body = app, admission, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_body:
+            await too_large(self.max_body)(scope, receive, send)  # refused before a byte is read
+            return
+        limited = self._limited(receive)
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if path not in GENERATION_PATHS:
+            await self.app(scope, limited, send)
+            return
+        if self.admission.draining:
+            await unavailable(DRAINING_MESSAGE)(scope, receive, send)
+            return
+        self.admission._enter()
+        try:
+            await self.app(scope, limited, send)
+        finally:
+            self.admission._leave(scope)
+
+    def _limited(self, receive: Receive) -> Receive:
+        """A chunked body (no Content-Length) is counted as it arrives; past the limit, BodyTooLarge (413)."""
+        seen = 0
+        limit = self.max_body
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge()
+            return message
+
+        return wrapped
