@@ -77,11 +77,12 @@ class Admission:
         self.requests += 1
         self.idle.clear()
 
-    def _leave(self, scope: Scope) -> None:
-        self.requests -= 1
+    def _leave(self, scope: Scope, counted: bool) -> None:
         self.sequences -= scope.get("state", {}).pop(_ADMITTED, 0)
-        if self.requests == 0:
-            self.idle.set()
+        if counted:
+            self.requests -= 1
+            if self.requests == 0:
+                self.idle.set()
 
 
 class LoadLimitMiddleware:
@@ -98,19 +99,17 @@ class LoadLimitMiddleware:
         if length is not None and length.strip().isdigit() and int(length) > self.max_body:
             await too_large(self.max_body)(scope, receive, send)  # refused before a byte is read
             return
-        limited = self._limited(receive)
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        if path not in GENERATION_PATHS:
-            await self.app(scope, limited, send)
-            return
-        if self.admission.draining:
+        generation = path in GENERATION_PATHS
+        if generation and self.admission.draining:
             await unavailable(DRAINING_MESSAGE)(scope, receive, send)
             return
-        self.admission._enter()
+        if generation:
+            self.admission._enter()
         try:
-            await self.app(scope, limited, send)
-        finally:
-            self.admission._leave(scope)
+            await self.app(scope, self._limited(receive), send)
+        finally:  # whatever route admitted sequences, they are released here
+            self.admission._leave(scope, counted=generation)
 
     def _limited(self, receive: Receive) -> Receive:
         """A chunked body (no Content-Length) is counted as it arrives; past the limit, BodyTooLarge (413)."""
