@@ -27,14 +27,16 @@ DRAINING_MESSAGE = "The server is shutting down and accepts no new requests. Ple
 _ADMITTED = "rollbus.admitted"
 
 
+TOO_LARGE = "Content Too Large"  # RFC 9110's phrase for 413 (fixed: Python's HTTPStatus phrase varies by version)
+
+
 class BodyTooLarge(Exception):
     pass
 
 
 def too_large(limit: int) -> JSONResponse:
-    phrase = HTTPStatus.REQUEST_ENTITY_TOO_LARGE.phrase
     return JSONResponse(envelope(f"The request body is larger than the server's limit of {limit} bytes "
-                                 f"(--max-request-body-bytes)", phrase, 413), status_code=413)
+                                 f"(--max-request-body-bytes)", TOO_LARGE, 413), status_code=413)
 
 
 def unavailable(message: str) -> JSONResponse:

@@ -90,6 +90,10 @@ class DrainingServer(uvicorn.Server):
         self.admission = app.state.admission
         self.client, self.shutdown_timeout_s = client, shutdown_timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # held: not collected
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.admission.draining or self.loop is None or not self.started:
@@ -98,11 +102,12 @@ class DrainingServer(uvicorn.Server):
             return
         self.admission.draining = True
         log.info("gateway.draining", running=self.admission.requests, shutdown_timeout=self.shutdown_timeout_s)
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))  # type: ignore[union-attr]
+        self.loop.call_soon_threadsafe(self._start_drain)
 
     async def _drain(self) -> None:
         try:
-            await asyncio.wait_for(self.admission.idle.wait(), self.shutdown_timeout_s)
+            if not self.admission.idle.is_set():  # (wait_for with timeout 0 times out even on a set event)
+                await asyncio.wait_for(self.admission.idle.wait(), self.shutdown_timeout_s)
         except asyncio.TimeoutError:
             pending = list(self.client.queues)
             log.warning("gateway.shutdown_abort", requests=len(pending))

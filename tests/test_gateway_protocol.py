@@ -5,8 +5,6 @@ tokenizer, a scripted EngineClient) that tests/test_gateway_fake_engine.py share
 
 from __future__ import annotations
 
-from http import HTTPStatus
-
 import asyncio
 import json
 from collections.abc import AsyncIterator
@@ -19,6 +17,7 @@ from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, Req
 from engine.config import EngineConfig
 from engine.sampling_params import ParamError, SamplingParams
 from gateway.app import build_app
+from gateway.limits import TOO_LARGE
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ChoiceState, ModelInfo, ServingContext, find_stop
@@ -324,7 +323,7 @@ def test_bad_inputs(case: Any) -> None:
         err = r.json()["error"]
         assert err["param"] == case.param, err
         assert err["code"] == case.status and err["message"]
-        assert err["type"] == {404: "NotFoundError", 413: HTTPStatus(413).phrase}.get(case.status, "BadRequestError")
+        assert err["type"] == {404: "NotFoundError", 413: TOO_LARGE}.get(case.status, "BadRequestError")
 
 
 def test_context_length_message_is_vllms() -> None:
