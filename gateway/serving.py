@@ -34,7 +34,7 @@ from gateway.errors import (
     engine_unavailable,
     model_not_found,
 )
-from gateway.limits import Admission
+from gateway.limits import Admission, Overloaded
 from gateway.metrics import Metrics
 from gateway.request_log import log_request
 from gateway.responses import dumps
@@ -111,7 +111,12 @@ class ServingContext:
 
     def admit(self, request: Request, states: list[Any]) -> None:
         """--max-num-queued-reqs: reserve one slot per engine request (503 + Retry-After when full)."""
-        self.admission.admit(request.scope, len(states))
+        try:
+            self.admission.admit(request.scope, len(states))
+        except Overloaded:
+            if not self.admission.draining:
+                self.metrics.admission_rejections["max_num_queued_reqs"].inc()
+            raise
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:

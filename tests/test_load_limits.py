@@ -172,6 +172,8 @@ def test_beyond_max_num_queued_reqs_is_503_with_retry_after_and_slots_come_back(
                                  "code": 503}
     for _ in range(3):  # every finished request gives its slots back
         assert _complete(server.url, 2).status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert f'vllm:admission_rejections_total{{model_name="{MODEL}",reason="max_num_queued_reqs"}} 1.0' in metrics
 
 
 def test_a_chunked_body_above_the_limit_is_413(server):
