@@ -193,7 +193,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
-        return Response(status_code=200 if await health.check() else 503)
+        return Response(status_code=200 if not admission.draining and await health.check() else 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -211,6 +211,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(server):
     r = _complete(url, 1)  # sent after SIGTERM
     assert r.status_code == 503 and r.json()["error"]["message"] == DRAINING_MESSAGE, r.text
     assert r.headers["retry-after"] == "1"
+    assert httpx.get(url + "/ping", timeout=10).status_code == 503  # load balancers move on
     assert server.proc.poll() is None  # still draining: A is running
     assert httpx.post(url + "/resume", timeout=30).status_code == 200  # dev routes still answer
     a.join(60)
