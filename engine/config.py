@@ -77,6 +77,7 @@ class EngineConfig:
     disable_fastapi_docs: bool = False
     # load limits and stopping (docs/serving.md "Load limits and graceful stop")
     max_num_queued_reqs: int = 16384  # vLLM's flag; vLLM's default is no limit
+    max_num_queued_tokens: int | None = None  # vLLM's: prompt tokens waiting for prefill; None: no limit
     max_request_body_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 4096
     max_prompt_tokens_per_request: int = 2 * 1024 * 1024
@@ -421,6 +422,10 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's admission limit, enforced in the gateway: at most this many engine sequences in "
                         "flight (waiting + running; a request counts n x prompts). Beyond it a new request gets "
                         "503 with Retry-After. vLLM's default is no limit; rollbus bounds the queue.")
+    g.add_argument("--max-num-queued-tokens", type=_non_negative("--max-num-queued-tokens"), default=None,
+                   help="vLLM's prefill backlog limit, enforced in the gateway: while the prompt tokens of requests "
+                        "that have no output yet reach this many, a new request gets 503 with Retry-After. "
+                        "Default: no limit.")
     g.add_argument("--max-request-body-bytes", type=_non_negative("--max-request-body-bytes"),
                    default=d.max_request_body_bytes,
                    help="Larger request bodies get 413 before they are parsed (rollbus; vLLM has no limit).")

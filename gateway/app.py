@@ -128,7 +128,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan, default_response_class=JSONResponse,
                   **docs)
     install_error_handlers(app)
-    admission = Admission(cfg.max_num_queued_reqs)
+    admission = Admission(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
     app.state.admission = admission
 
     @app.exception_handler(BodyTooLarge)

@@ -23,8 +23,10 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/ge
 RETRY_AFTER_S = 1
 OVERLOADED_MESSAGE = ("The engine is currently busy and cannot accept new requests. Please try again later or "
                       "on a different instance.")  # vLLM's QueueOverflowError
+BACKLOG_MESSAGE = ("The engine has reached its prefill token backlog limit. Please try again later or on a "
+                   "different instance.")  # vLLM's MaxQueuedTokensError
 DRAINING_MESSAGE = "The server is shutting down and accepts no new requests. Please retry on another instance."
-_ADMITTED = "rollbus.admitted"
+_ADMITTED, _QUEUED = "rollbus.admitted", "rollbus.queued_tokens"
 
 
 TOO_LARGE = "Content Too Large"  # RFC 9110's phrase for 413 (fixed: Python's HTTPStatus phrase varies by version)
@@ -48,39 +50,57 @@ def unavailable(message: str) -> JSONResponse:
 class Overloaded(APIError):
     """vLLM's QueueOverflowError: 503, type "Service Unavailable"; rollbus adds Retry-After."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, reason: str | None = None):
         super().__init__(message, status=503, type=HTTPStatus.SERVICE_UNAVAILABLE.phrase)
         self.headers = {"Retry-After": str(RETRY_AFTER_S)}
+        self.reason = reason  # the vllm:admission_rejections label; None while draining
 
 
 class Admission:
-    """Engine sequences in flight, against --max-num-queued-reqs; HTTP generation requests in flight,
-    for draining."""
+    """Engine sequences in flight, against --max-num-queued-reqs; prompt tokens still waiting for their
+    prefill, against --max-num-queued-tokens; HTTP generation requests in flight, for draining."""
 
-    def __init__(self, max_sequences: int):
-        self.max_sequences = max_sequences
+    def __init__(self, max_sequences: int, max_queued_tokens: int | None = None):
+        self.max_sequences, self.max_queued_tokens = max_sequences, max_queued_tokens
         self.sequences = 0
+        self.queued_tokens = 0
         self.requests = 0
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
 
-    def admit(self, scope: Scope, n: int) -> None:
-        """Reserve n sequences for this request, or raise Overloaded (503). Released by the middleware."""
+    def admit(self, scope: Scope, n: int, prompt_tokens: int = 0) -> None:
+        """Reserve n sequences and their prompt tokens (all n prompts) for this request, or raise Overloaded
+        (503), with vLLM's rules: sequences may not go past the limit; tokens are refused once the backlog
+        has reached its limit. The middleware releases what is left when the request is over."""
         if self.draining:
             raise Overloaded(DRAINING_MESSAGE)
         if self.sequences + n > self.max_sequences:
-            raise Overloaded(OVERLOADED_MESSAGE)
+            raise Overloaded(OVERLOADED_MESSAGE, "max_num_queued_reqs")
+        if self.max_queued_tokens is not None and self.queued_tokens >= self.max_queued_tokens:
+            raise Overloaded(BACKLOG_MESSAGE, "max_num_queued_tokens")
         self.sequences += n
+        self.queued_tokens += prompt_tokens
         state = scope.setdefault("state", {})
         state[_ADMITTED] = state.get(_ADMITTED, 0) + n
+        state[_QUEUED] = state.get(_QUEUED, 0) + prompt_tokens
+
+    def prefilled(self, scope: Scope, tokens: int) -> None:
+        """One engine request of this HTTP request produced its first output: its prompt is no longer
+        in the prefill backlog (vLLM counts a prompt until the same moment)."""
+        state = scope.get("state", {})
+        k = min(tokens, state.get(_QUEUED, 0))
+        state[_QUEUED] = state.get(_QUEUED, 0) - k
+        self.queued_tokens -= k
 
     def _enter(self) -> None:
         self.requests += 1
         self.idle.clear()
 
     def _leave(self, scope: Scope, counted: bool) -> None:
-        self.sequences -= scope.get("state", {}).pop(_ADMITTED, 0)
+        state = scope.get("state", {})
+        self.sequences -= state.pop(_ADMITTED, 0)
+        self.queued_tokens -= state.pop(_QUEUED, 0)
         if counted:
             self.requests -= 1
             if self.requests == 0:

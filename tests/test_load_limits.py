@@ -115,6 +115,40 @@ def test_body_limit_by_content_length_and_by_counting_a_chunked_body():
     asyncio.run(main())
 
 
+@pytest.mark.unit
+def test_prefill_backlog_counts_prompts_until_their_first_output():
+    admission = Admission(100, max_queued_tokens=10)
+    a, b = {}, {}
+    admission.admit(a, 2, prompt_tokens=12)  # below the limit when it came: admitted, as in vLLM
+    with pytest.raises(Overloaded) as e:  # the backlog (12) has reached the limit (10)
+        admission.admit(b, 1, prompt_tokens=1)
+    assert e.value.reason == "max_num_queued_tokens" and e.value.headers == {"Retry-After": "1"}
+    admission.prefilled(a, 6)  # one of the two choices produced output: 6 < 10 left
+    admission.admit(b, 1, prompt_tokens=3)
+    assert admission.queued_tokens == 9
+    admission.prefilled(a, 6)
+    assert admission.queued_tokens == 3
+    admission._enter()
+    admission._leave(b, counted=True)  # a request that ended before its first output gives its tokens back
+    assert admission.queued_tokens == 0 and admission.sequences == 2
+
+
+@pytest.mark.unit
+def test_the_gateway_releases_the_backlog_and_counts_rejections_by_reason():
+    from tests.test_gateway_protocol import make_app
+
+    http, _ = make_app(max_num_queued_tokens=0)  # vLLM's rule: a backlog of 0 >= 0 refuses everything
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert "prefill token backlog" in r.json()["error"]["message"]
+    assert 'reason="max_num_queued_tokens"} 1.0' in http.get("/metrics").text
+    http, _ = make_app(max_num_queued_tokens=1000)
+    for _ in range(3):
+        assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "n": 2}).status_code == 200
+    admission = http.app.state.admission
+    assert (admission.queued_tokens, admission.sequences, admission.requests) == (0, 0, 0)
+
+
 # --- a real server ------------------------------------------------------------------------------------
 
 
