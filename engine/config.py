@@ -75,6 +75,13 @@ class EngineConfig:
     enable_log_requests: bool = False
     max_log_len: int | None = None
     disable_fastapi_docs: bool = False
+    # load limits and stopping (docs/serving.md "Load limits and graceful stop")
+    max_num_queued_reqs: int = 16384  # vLLM's flag; vLLM's default is no limit
+    max_num_queued_tokens: int | None = None  # vLLM's: prompt tokens waiting for prefill; None: no limit
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    max_prompts_per_request: int = 4096
+    max_prompt_tokens_per_request: int = 2 * 1024 * 1024
+    shutdown_timeout: int = 0  # vLLM's: seconds SIGTERM waits for running requests; 0 aborts them
     # RL
     additional_config: str | None = None  # JSON; see engine.rl_config
     enable_sleep_mode: bool = False
@@ -393,9 +400,45 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default=d.log_level, type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="Log level of every process (vLLM's upper-case spellings work too).")
+    add_limit_args(p)
     add_rl_args(p)
     add_training_data_args(p)
     add_vllm_only_args(p)
+
+
+def _non_negative(flag: str):
+    def parse(value: str) -> int:
+        n = human_int(value)
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be non-negative, got {n}")
+        return n
+    return parse
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("load limits and graceful stop (docs/serving.md)")
+    g.add_argument("--max-num-queued-reqs", type=_non_negative("--max-num-queued-reqs"), default=d.max_num_queued_reqs,
+                   help="vLLM's admission limit, enforced in the gateway: at most this many engine sequences in "
+                        "flight (waiting + running; a request counts n x prompts). Beyond it a new request gets "
+                        "503 with Retry-After. vLLM's default is no limit; rollbus bounds the queue.")
+    g.add_argument("--max-num-queued-tokens", type=_non_negative("--max-num-queued-tokens"), default=None,
+                   help="vLLM's prefill backlog limit, enforced in the gateway: while the prompt tokens of requests "
+                        "that have no output yet reach this many, a new request gets 503 with Retry-After. "
+                        "Default: no limit.")
+    g.add_argument("--max-request-body-bytes", type=_non_negative("--max-request-body-bytes"),
+                   default=d.max_request_body_bytes,
+                   help="Larger request bodies get 413 before they are parsed (rollbus; vLLM has no limit).")
+    g.add_argument("--max-prompts-per-request", type=_non_negative("--max-prompts-per-request"),
+                   default=d.max_prompts_per_request,
+                   help="A /v1/completions request with more prompts gets 400 naming `prompt` (rollbus).")
+    g.add_argument("--max-prompt-tokens-per-request", type=_non_negative("--max-prompt-tokens-per-request"),
+                   default=d.max_prompt_tokens_per_request,
+                   help="A request whose prompts hold more tokens in all gets 400 naming the prompt field (rollbus).")
+    g.add_argument("--shutdown-timeout", type=_non_negative("--shutdown-timeout"), default=d.shutdown_timeout,
+                   help="vLLM's: on SIGTERM (or Ctrl-C) new requests get 503 and running ones get this many "
+                        "seconds to finish; then the rest are aborted (an error, then [DONE]) and every process "
+                        "stops, exit code 0. 0 aborts at once. A second signal stops at once.")
 
 
 def add_rl_args(p: argparse.ArgumentParser) -> None:

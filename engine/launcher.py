@@ -83,7 +83,19 @@ class Launcher:
                 pass
 
     def _on_signal(self, signum, frame) -> None:
+        """First SIGTERM/SIGINT: stop gracefully (the gateway drains, see _stop_all). Second: at once."""
+        if self._stop:
+            print("rollbus: second signal; stopping at once", file=sys.stderr, flush=True)
+            self._kill_all()
         self._stop = True
+
+    def _kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.kill()
+                except OSError:
+                    pass
 
     def _dead_child(self) -> str | None:
         for name, p in self.procs.items():
@@ -126,7 +138,17 @@ class Launcher:
         return 0
 
     def _stop_all(self) -> None:
-        """SIGTERM everyone (gateway first, so no new work arrives), then SIGKILL stragglers."""
+        """The gateway first: SIGTERM makes it drain (new requests 503, running ones get --shutdown-timeout
+        seconds, then are aborted) and exit; then SIGTERM the rest, SIGKILL stragglers."""
+        gateway = self.procs.get("gateway")
+        if gateway is not None and gateway.poll() is None and self._stop:
+            print(f"rollbus: stopping; running requests get {self.cfg.shutdown_timeout}s (--shutdown-timeout)",
+                  file=sys.stderr, flush=True)
+            gateway.terminate()
+            try:
+                gateway.wait(self.cfg.shutdown_timeout + 2 * STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
         for name in reversed(list(self.procs)):
             p = self.procs[name]
             if p.poll() is None:

@@ -7,6 +7,8 @@ ParamError naming the offending field; the gateway turns that into a 400.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -48,7 +50,11 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
 
     def validate(self, *, vocab_size: int, max_logprobs: int, max_n: int = 128) -> None:
         _check(1 <= self.n <= max_n, "n", f"n must be between 1 and {max_n}, got {self.n}")
+        # vLLM v0.33: finite (JSON's 1e999 parses to inf) and within [0, 2]
+        _check(math.isfinite(self.temperature), "temperature",
+               f"temperature must be a finite number, got {self.temperature}")
         _check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        _check(self.temperature <= 2, "temperature", f"temperature must be in [0, 2], got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k >= 0, "top_k", f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
@@ -63,6 +69,8 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
             )
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        _check(math.isfinite(self.repetition_penalty), "repetition_penalty",
+               f"repetition_penalty must be a finite number, got {self.repetition_penalty}")
         _check(self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0")
         # vLLM: -1 asks for the whole vocabulary; --max-logprobs -1 allows it.
         cap = vocab_size if max_logprobs == -1 else max_logprobs

@@ -25,6 +25,7 @@ from engine.rl_config import dev_endpoints_enabled, parse_additional_config
 from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
+from gateway.limits import Admission, BodyTooLarge, LoadLimitMiddleware, too_large
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.responses import JSONResponse
@@ -127,7 +128,15 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan, default_response_class=JSONResponse,
                   **docs)
     install_error_handlers(app)
-    if cfg.api_key:
+    admission = Admission(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
+    app.state.admission = admission
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, __: BodyTooLarge) -> Response:
+        return too_large(cfg.max_request_body_bytes)
+
+    app.add_middleware(LoadLimitMiddleware, admission=admission, max_body_bytes=cfg.max_request_body_bytes)
+    if cfg.api_key:  # added last = outermost: a request without the key is 401 before any limit applies
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
     extra = parse_additional_config(cfg.additional_config)
     if dev_endpoints_enabled(extra):
@@ -141,7 +150,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
         add_weight_routes(app, cfg, client)
     metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy,
                       sleep_state=lambda: control_state.sleep_state_label(client.control_state))
-    ctx = ServingContext(cfg, client, tokenizer, model_info, metrics)
+    ctx = ServingContext(cfg, client, tokenizer, model_info, metrics, admission)
     health = HealthProbe(client, cfg.control_timeout_s)
     created = int(time.time())
     app.state.serving = ctx
@@ -180,12 +189,12 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
 
     @app.get("/health")
     async def health_route() -> Response:
-        return Response(status_code=200 if await health.check() else 503)
+        return Response(status_code=200 if not admission.draining and await health.check() else 503)
 
     @app.get("/ping")
     @app.post("/ping")  # two routes, so /openapi.json gives each method its own operation id
     async def ping() -> Response:
-        return Response(status_code=200 if await health.check() else 503)
+        return Response(status_code=200 if not admission.draining and await health.check() else 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -31,7 +31,7 @@ from engine.control_state import PAUSE_MODES, SLEEP_TAGS
 from engine.rl_config import AdditionalConfig
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.engine_client import EngineClient
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, check_timeout
 from gateway.responses import JSONResponse, loads
 from gateway.serving import ModelInfo
 from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
@@ -66,8 +66,8 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
     async def pause(mode: str = "abort", clear_cache: str = "true", timeout: float | None = None) -> JSONResponse:
         if mode not in PAUSE_MODES:
             raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        if timeout is not None and timeout <= 0:
-            raise bad_request(f"timeout must be positive, got {timeout}", "timeout")
+        if timeout is not None:
+            timeout = check_timeout(timeout, "timeout")
         command = Pause(mode, _bool(clear_cache, "clear_cache"))
         # wait mode may take as long as the longest running request; the default deadline is generous
         deadline = timeout if timeout is not None else (3600.0 if mode == "wait" else cfg.control_timeout_s)
@@ -129,7 +129,8 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
                               else "kwargs")
         if not extension and (args or set(kwargs) - {"weights_path"}):
             raise bad_request("kwargs may only hold weights_path", "kwargs")
-        timeout = float(body.get("timeout") or cfg.control_timeout_s * 6)
+        timeout = check_timeout(body["timeout"], "timeout") if body.get("timeout") is not None else \
+            cfg.control_timeout_s * 6
         results = await broadcast(client, CollectiveRpc(method, args, kwargs), timeout)
         workers = [r for n, r in sorted(results.items()) if n.startswith("worker")]
         return JSONResponse({"results": [r.get("extension_result") for r in workers] if extension else workers})

@@ -41,6 +41,21 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, status=400, type=BAD_REQUEST, param=param)
 
 
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.01, 7 * 24 * 3600.0
+
+
+def check_timeout(value: object, param: str) -> float:
+    """A client's timeout in seconds: a finite number from 10 ms to a week, else 400 naming `param`
+    (`2e-289`, `nan`, `inf`, `1e999` and negatives are mistakes, not deadlines)."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or \
+            not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise bad_request(f"{param} must be a number of seconds from {MIN_TIMEOUT_S} to {MAX_TIMEOUT_S:.0f}, "
+                          f"got {value!r}", param)
+    return float(value)
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(f"The model `{model}` does not exist.", status=404, type=NOT_FOUND, param="model")
 
@@ -54,7 +69,8 @@ def envelope(message: str, type: str, code: int, param: str | None = None) -> di
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(envelope(err.message, err.type, err.status, err.param), status_code=err.status)
+    return JSONResponse(envelope(err.message, err.type, err.status, err.param), status_code=err.status,
+                        headers=getattr(err, "headers", None))  # Retry-After on an overload 503
 
 
 def api_error_from(exc: BaseException) -> APIError:

@@ -119,6 +119,11 @@ class Metrics:
         self.request_success = {r: success.labels(*lv, r) for r in FINISH_REASONS}
         self._success, self._lv = success, lv
         self.errors = counter("rollbus_request_errors", "Engine requests that ended in an error.")
+        rejections = Counter("vllm:admission_rejections",  # vLLM's labels: no engine label
+                             "Number of admission attempts rejected by a queue limit, by reason.",
+                             ["model_name", "reason"], registry=reg)
+        self.admission_rejections = {r: rejections.labels(model_name, r)
+                                     for r in ("max_num_queued_reqs", "max_num_queued_tokens")}
         Gauge("rollbus_engine_healthy", "1 while the engine is alive, else 0.", LABELS, registry=reg) \
             .labels(*lv).set_function(lambda: 1.0 if healthy() else 0.0)
         sleep = Gauge("vllm:engine_sleep_state",

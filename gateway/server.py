@@ -79,12 +79,57 @@ def load_model_info(cfg: EngineConfig, folder: Path) -> ModelInfo:
                      sampling_defaults=defaults, eos_token_ids=eos)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT drain first (vLLM's --shutdown-timeout): new generation requests get
+    503 while the listener stays open, running ones get `shutdown_timeout_s` to finish, the rest are
+    aborted (each stream ends with an error chunk and [DONE]); then uvicorn shuts down. A second signal
+    exits at once. The process then exits 0 (the signal is not re-raised)."""
+
+    def __init__(self, config: uvicorn.Config, app: Any, client: EngineClient, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.admission = app.state.admission
+        self.client, self.shutdown_timeout_s = client, shutdown_timeout_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # held: not collected
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.admission.draining or self.loop is None or not self.started:
+            self.force_exit = self.admission.draining  # a second signal: at once
+            self.should_exit = True
+            return
+        self.admission.draining = True
+        log.info("gateway.draining", running=self.admission.requests, shutdown_timeout=self.shutdown_timeout_s)
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    async def _drain(self) -> None:
+        try:
+            if not self.admission.idle.is_set():  # (wait_for with timeout 0 times out even on a set event)
+                await asyncio.wait_for(self.admission.idle.wait(), self.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            pending = list(self.client.queues)
+            log.warning("gateway.shutdown_abort", requests=len(pending))
+            if pending:
+                await self.client.abort(pending)
+            # 503 on every open request (the engine is going away with this server)
+            self.client._fail_all("the server is shutting down: the request was aborted (--shutdown-timeout)")
+            try:  # the streams now end with their error chunk and [DONE]
+                await asyncio.wait_for(self.admission.idle.wait(), 5.0)
+            except asyncio.TimeoutError:
+                pass
+        self.should_exit = True
+
+
 def _http_impl() -> str:
     return "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket, cfg: EngineConfig, client: EngineClient) -> bool:
     """Serve until shut down; report READY once uvicorn accepts connections. Returns whether it started."""
+    if isinstance(server, DrainingServer):
+        server.loop = asyncio.get_running_loop()
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -122,8 +167,8 @@ def run_gateway_process(cfg: EngineConfig) -> None:
     app = build_app(cfg, client, tokenizer, info)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http=_http_impl(),
                             log_level=cfg.uvicorn_log_level, access_log=not cfg.disable_uvicorn_access_log,
-                            timeout_keep_alive=5)
-    server = uvicorn.Server(config)
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app, client, float(cfg.shutdown_timeout))
     install_access_filter(cfg.disable_access_log_for_endpoints)
     try:
         import uvloop

@@ -7,6 +7,7 @@ client goes away.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -34,6 +35,7 @@ from gateway.errors import (
     engine_unavailable,
     model_not_found,
 )
+from gateway.limits import Admission, Overloaded
 from gateway.metrics import Metrics
 from gateway.request_log import log_request
 from gateway.responses import dumps
@@ -60,9 +62,10 @@ class ServingContext:
     """Everything a handler needs; one per app."""
 
     def __init__(self, cfg: EngineConfig, client: EngineClient, tokenizer: Any, model: ModelInfo,
-                 metrics: Metrics):
+                 metrics: Metrics, admission: Admission | None = None):
         """`tokenizer` is None with --tokens-only: nothing on the request path may touch one."""
         self.cfg, self.client, self.tokenizer, self.model, self.metrics = cfg, client, tokenizer, model, metrics
+        self.admission = admission or Admission(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
         self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids if tokenizer is not None else model.eos_token_ids)
         self._token_strs: dict[int, str] = {}
 
@@ -93,6 +96,32 @@ class ServingContext:
         if discarded:
             raise engine_unavailable(discarded)  # 503 until the weights are loaded again
         return self.model.names[0]
+
+    def check_prompt_count(self, count: int, param: str) -> None:
+        """--max-prompts-per-request, checked before anything is tokenised."""
+        if count > self.cfg.max_prompts_per_request:
+            raise bad_request(f"This request has {count} prompts; the server accepts at most "
+                              f"{self.cfg.max_prompts_per_request} per request (--max-prompts-per-request)", param)
+
+    def check_prompt_tokens(self, total: int, param: str) -> None:
+        """--max-prompt-tokens-per-request over all prompts of one request."""
+        if total > self.cfg.max_prompt_tokens_per_request:
+            raise bad_request(f"This request's prompts hold {total} tokens; the server accepts at most "
+                              f"{self.cfg.max_prompt_tokens_per_request} per request "
+                              f"(--max-prompt-tokens-per-request)", param)
+
+    def admit(self, request: Request, states: list[Any]) -> None:
+        """--max-num-queued-reqs: reserve one slot per engine request; --max-num-queued-tokens: count the
+        prompts as prefill backlog until their first output (503 + Retry-After beyond either)."""
+        scope = request.scope
+        try:
+            self.admission.admit(scope, len(states), sum(len(s.prompt_ids) for s in states))
+        except Overloaded as e:
+            if e.reason:
+                self.metrics.admission_rejections[e.reason].inc()
+            raise
+        for s in states:  # --max-num-queued-tokens: a prompt leaves the backlog with its first output
+            s.on_first_output = functools.partial(self.admission.prefilled, scope, len(s.prompt_ids))
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -237,6 +266,7 @@ class ChoiceState:
         self.last_token_at: float | None = None  # ... and the latest one
         self.gap: float | None = None  # seconds from the previous delta with tokens to the latest (None: first)
         self.spans: list[list] = []  # [epoch, start, end, stale_kv] over output token indices
+        self.on_first_output: Callable[[], None] | None = None  # set by admission (gateway.limits)
 
     @property
     def finished(self) -> bool:
@@ -332,6 +362,9 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids)
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request
             async for out in gen:
+                if state.on_first_output is not None:
+                    state.on_first_output()
+                    state.on_first_output = None
                 update = state.feed(out)
                 ctx.metrics.observe_delta(state, update)
                 sink.put_nowait(update)

@@ -124,6 +124,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     model_name = ctx.check_ready(body.model)
     request_id = "chatcmpl-" + request_base_id(request, body.request_id, lambda: uuid.uuid4().hex)
     states = await prepare(ctx, body, request_id)
+    ctx.admit(request, states)
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name}
     if body.stream:
         return SSEResponse(sse_stream(_chunks(ctx, body, {**head, "object": "chat.completion.chunk"}, states)))

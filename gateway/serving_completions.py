@@ -116,6 +116,8 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     """Tokenize and validate every prompt; one ChoiceState per engine request. Raises APIError."""
     body.check()
     prompts = body.prompts()
+    ctx.check_prompt_count(len(prompts), "prompt")
+    ctx.check_prompt_tokens(sum(len(p) for p in prompts if not isinstance(p, str)), "prompt")  # before any copy
     texts = [p for p in prompts if isinstance(p, str)]
     if ctx.tokenizer is None:
         check_tokens_only(body, bool(texts), ctx.tokens_as_ids(body.return_tokens_as_token_ids))
@@ -126,6 +128,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
                               body.truncation_side)
         ctx.check_prompt(ids, "prompt")
         encoded.append(ids)
+    ctx.check_prompt_tokens(sum(map(len, encoded)), "prompt")
     states: list[ChoiceState] = []
     for pi, ids in enumerate(encoded):
         default = ctx.max_tokens_for(len(ids), body.max_tokens, "max_tokens", "prompt")
@@ -162,6 +165,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     model_name = ctx.check_ready(body.model)
     request_id = "cmpl-" + request_base_id(request, body.request_id, lambda: uuid.uuid4().hex)
     encoded, states = await prepare(ctx, body, request_id)
+    ctx.admit(request, states)
     created = int(time.time())
     head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
     if body.stream:

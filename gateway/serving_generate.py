@@ -121,6 +121,7 @@ async def create_generate(ctx: ServingContext, body: GenerateRequest, request: R
     model_name = ctx.check_ready(body.model)
     request_id = "generate-tokens-" + request_base_id(request, body.request_id, lambda: uuid.uuid4().hex)
     states = prepare(ctx, body, request_id)
+    ctx.admit(request, states)
     if body.stream:
         return SSEResponse(sse_stream(_chunks(ctx, body, request_id, states)))
     created = int(time.time())

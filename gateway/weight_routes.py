@@ -41,7 +41,7 @@ from engine.coordinator.weight_sync_driver import reply_status
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
 from gateway.engine_client import EngineClient
-from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request
+from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request, check_timeout
 from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
@@ -88,9 +88,8 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         if not isinstance(info, dict):
             raise bad_request("init_info must be an object", "init_info")
         timeout = info.get("timeout_s", wt.timeout_s if wt else 300.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise bad_request(f"init_info.timeout_s must be a positive number, got {timeout!r}", "timeout_s")
-        await call(client, InitWeightTransferEngine(info), float(timeout) + control_s)
+        timeout = check_timeout(timeout, "timeout_s")
+        await call(client, InitWeightTransferEngine(info), timeout + control_s)
         return JSONResponse({"message": "Weight transfer initialized"})
 
     @app.post("/start_weight_update")

@@ -31,7 +31,10 @@ def _msgs(text: str = "Hi") -> list[dict[str, Any]]:
 
 
 def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
-                    max_n: int = 128, scale_out: bool = False) -> list[BadInput]:
+                    max_n: int = 128, scale_out: bool = False, max_prompts: int | None = None,
+                    max_prompt_tokens: int | None = None, max_body_bytes: int | None = None) -> list[BadInput]:
+    """The max_* limits are the server's --max-prompts-per-request, --max-prompt-tokens-per-request and
+    --max-request-body-bytes; each adds its cases when given (replay against a server started with them)."""
     L, V, M = max_model_len, vocab_size, max_logprobs
     cmp = {"prompt": "Hello", "max_tokens": 4}
     chat = {"messages": _msgs(), "max_tokens": 4}
@@ -126,6 +129,43 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
     add("negative routed_experts_prompt_start (chat)", CHAT, {**chat, rx: -1}, param=rx)
     add("routed_experts_prompt_start is a word", COMPLETIONS, {**cmp, rx: "two"}, param=rx)
     add("routed_experts_prompt_start is fractional", CHAT, {**chat, rx: 1.5}, param=rx)
+    # --- absurd and non-finite numbers (issue 11): 400 before anything is allocated
+    add("temperature 1e999 (parses to inf)", COMPLETIONS, b'{"prompt": "Hello", "max_tokens": 4, "temperature": 1e999}',
+        param="temperature")
+    add("temperature Infinity (chat)", CHAT,
+        b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": Infinity}',
+        param="temperature")
+    add("temperature above 2 (vLLM's range)", CHAT, {**chat, "temperature": 2.5}, param="temperature")
+    add("repetition_penalty 1e999", COMPLETIONS,
+        b'{"prompt": "Hello", "max_tokens": 4, "repetition_penalty": 1e999}', param="repetition_penalty")
+    add("top_p NaN", COMPLETIONS, b'{"prompt": "Hello", "max_tokens": 4, "top_p": NaN}', param="top_p")
+    add("presence_penalty -1e999", CHAT,
+        b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "presence_penalty": -1e999}',
+        param="presence_penalty")
+    add("n = 10**9", COMPLETIONS, {**cmp, "n": 10**9}, param="n")
+    add("best_of = 10**9", COMPLETIONS, {**cmp, "best_of": 10**9}, param="best_of")
+    add("max_tokens = 10**30", COMPLETIONS, {**cmp, "max_tokens": 10**30}, param="max_tokens")
+    add("logprobs = 10**12", COMPLETIONS, {**cmp, "logprobs": 10**12}, param="logprobs")
+    add("top_logprobs = 10**12", CHAT, {**chat, "logprobs": True, "top_logprobs": 10**12}, param="top_logprobs")
+    # --- request limits (issue 11)
+    if max_prompts is not None:
+        add("more prompts than --max-prompts-per-request", COMPLETIONS,
+            {"prompt": [[1, 2]] * (max_prompts + 1), "max_tokens": 1}, param="prompt")
+        add("more text prompts than --max-prompts-per-request", COMPLETIONS,
+            {"prompt": ["a"] * (max_prompts + 1), "max_tokens": 1}, param="prompt")
+        add("exactly --max-prompts-per-request prompts", COMPLETIONS,
+            {"prompt": [[1, 2]] * min(max_prompts, 4), "max_tokens": 1}, status=200)
+    if max_prompt_tokens is not None:
+        per = min(L - 2, max_prompt_tokens + 1)
+        count = max_prompt_tokens // per + 1
+        if max_prompts is None or count <= max_prompts:
+            add("more prompt tokens than --max-prompt-tokens-per-request", COMPLETIONS,
+                {"prompt": [[1] * per] * count, "max_tokens": 1}, param="prompt")
+    if max_body_bytes is not None:
+        add("body above --max-request-body-bytes", COMPLETIONS,
+            b'{"prompt": "' + b"a" * max_body_bytes + b'", "max_tokens": 1}', status=413)
+        add("body above --max-request-body-bytes (chat)", CHAT,
+            b'{"messages": [{"role": "user", "content": "' + b"a" * max_body_bytes + b'"}]}', status=413)
     # --- unknown model
     add("unknown model", COMPLETIONS, {**cmp, "model": "no-such-model"}, status=404, param="model")
     add("unknown model (chat)", CHAT, {**chat, "model": "no-such-model"}, status=404, param="model")

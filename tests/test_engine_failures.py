@@ -25,7 +25,8 @@ def smol_server(tmp_path_factory, smollm2_dir):
     work = tmp_path_factory.mktemp("serve")
     folder = tiny_model_with_tokenizer("llama", work / "m", smollm2_dir, vocab_size=49152)
     s = start_server(work, str(folder), "--served-model-name", "tiny", "--max-model-len", "256",
-                     "--enable-scale-out", "--enable-trace-replay")
+                     "--enable-scale-out", "--enable-trace-replay", "--max-prompts-per-request", "8",
+                     "--max-prompt-tokens-per-request", "1000", "--max-request-body-bytes", "65536")
     yield s
     s.stop()
 
@@ -33,7 +34,8 @@ def smol_server(tmp_path_factory, smollm2_dir):
 def test_bad_inputs_get_4xx_envelopes_and_the_engine_keeps_serving(smol_server, smollm2_dir):
     tiny_server = smol_server
     cfg = json.loads((smollm2_dir / "config.json").read_text())
-    cases = bad_input_cases(max_model_len=256, vocab_size=cfg["vocab_size"], max_logprobs=20, scale_out=True)
+    cases = bad_input_cases(max_model_len=256, vocab_size=cfg["vocab_size"], max_logprobs=20, scale_out=True,
+                            max_prompts=8, max_prompt_tokens=1000, max_body_bytes=65536)
     assert len(cases) >= 20
     with httpx.Client(base_url=tiny_server.url, timeout=60) as h:
         for case in cases:

@@ -17,6 +17,7 @@ from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, Req
 from engine.config import EngineConfig
 from engine.sampling_params import ParamError, SamplingParams
 from gateway.app import build_app
+from gateway.limits import TOO_LARGE
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ChoiceState, ModelInfo, ServingContext, find_stop
@@ -305,10 +306,14 @@ def test_chat_logprobs_shape() -> None:
 # --- HTTP: errors ------------------------------------------------------------------------------------
 
 
+LIMITS = dict(max_prompts_per_request=8, max_prompt_tokens_per_request=100, max_request_body_bytes=64 * 1024)
+
+
 @pytest.mark.parametrize("case", bad_input_cases(max_model_len=MAX_LEN, vocab_size=VOCAB, max_logprobs=5,
-                                                 scale_out=True), ids=lambda c: c.description)
+                                                 scale_out=True, max_prompts=8, max_prompt_tokens=100,
+                                                 max_body_bytes=64 * 1024), ids=lambda c: c.description)
 def test_bad_inputs(case: Any) -> None:
-    http, _ = make_app(enable_scale_out=True, enable_trace_replay=True)
+    http, _ = make_app(enable_scale_out=True, enable_trace_replay=True, **LIMITS)
     if isinstance(case.body, bytes):
         r = http.post(case.path, content=case.body, headers={"content-type": "application/json"})
     else:
@@ -318,7 +323,7 @@ def test_bad_inputs(case: Any) -> None:
         err = r.json()["error"]
         assert err["param"] == case.param, err
         assert err["code"] == case.status and err["message"]
-        assert err["type"] == ("NotFoundError" if case.status == 404 else "BadRequestError")
+        assert err["type"] == {404: "NotFoundError", 413: TOO_LARGE}.get(case.status, "BadRequestError")
 
 
 def test_context_length_message_is_vllms() -> None:

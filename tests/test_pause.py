@@ -150,7 +150,8 @@ def test_wait_returns_after_running_requests_finish(server):
 def test_bad_pause_parameters(server):
     url = server.url
     for params, field in (({"mode": "later"}, "mode"), ({"clear_cache": "maybe"}, "clear_cache"),
-                          ({"timeout": "-1"}, "timeout")):
+                          ({"timeout": "-1"}, "timeout"), ({"timeout": "2e-289"}, "timeout"),
+                          ({"timeout": "nan"}, "timeout"), ({"timeout": "1e999"}, "timeout")):
         r = post(url, "/pause", **params)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert httpx.get(url + "/is_paused").json() == {"is_paused": False}

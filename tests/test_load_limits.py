@@ -1,0 +1,296 @@
+"""Load limits and graceful stop (issue 11): --max-num-queued-reqs (503 + Retry-After), the body-size
+limit (413 before parsing, chunked bodies too), and SIGTERM draining (new requests 503, running ones
+finish within --shutdown-timeout or are aborted with an error and [DONE], exit 0, no process left; a
+second signal stops at once). The request-limit 400s are rows of tests/gateway_bad_inputs.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.limits import DRAINING_MESSAGE, OVERLOADED_MESSAGE, Admission, LoadLimitMiddleware, Overloaded
+from tests.server_helpers import start_server, tiny_model_with_tokenizer
+from tests.waits import wait_for
+
+RL = '{"rl_config": {"enabled": true}}'
+MODEL = "tiny"
+
+
+# --- the policy, over ASGI directly -------------------------------------------------------------------
+
+
+def _asgi_call(mw: LoadLimitMiddleware, path: str, body: bytes = b"", headers: list | None = None,
+               chunks: list[bytes] | None = None) -> tuple[asyncio.Task, list[dict]]:
+    sent: list[dict] = []
+    parts = list(chunks) if chunks is not None else [body]
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": headers or []}
+
+    async def receive() -> dict:
+        if parts:
+            chunk = parts.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+        await asyncio.Event().wait()  # no disconnect while the test runs
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    return asyncio.ensure_future(mw(scope, receive, send)), sent
+
+
+async def wait_until(pred, timeout_s: float = 5.0) -> None:
+    async def poll() -> None:
+        while not pred():
+            await asyncio.sleep(0)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+@pytest.mark.unit
+def test_admission_counts_sequences_and_releases_them_however_the_request_ends():
+    async def main() -> None:
+        admission = Admission(3)
+        gates: dict[str, asyncio.Event] = {}
+
+        async def app(scope, receive, send):  # a handler: admits one sequence, then runs until its gate opens
+            while (await receive()).get("more_body"):
+                pass
+            admission.admit(scope, 1)
+            gate = gates.setdefault(scope["headers"][0][1].decode(), asyncio.Event())
+            await gate.wait()
+            if scope["headers"][0][1] == b"fail":
+                raise RuntimeError("handler failed")
+
+        mw = LoadLimitMiddleware(app, admission, max_body_bytes=100)
+        a, _ = _asgi_call(mw, "/v1/completions", headers=[(b"x-id", b"a")])
+        b, _ = _asgi_call(mw, "/v1/completions", headers=[(b"x-id", b"fail")])
+        await wait_until(lambda: admission.sequences == 2)
+        assert admission.sequences == 2 and admission.requests == 2
+        with pytest.raises(Overloaded):  # 2 + 2 > 3
+            admission.admit({}, 2)
+        gates["fail"].set()
+        with pytest.raises(RuntimeError):
+            await b
+        assert admission.sequences == 1 and admission.requests == 1  # released although the handler raised
+        admission.draining = True
+        with pytest.raises(Overloaded, match="shutting down"):
+            admission.admit({}, 1)
+        assert not admission.idle.is_set()
+        gates["a"].set()
+        await a
+        assert admission.sequences == 0 and admission.idle.is_set()
+
+    asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_body_limit_by_content_length_and_by_counting_a_chunked_body():
+    async def main() -> None:
+        reached = []
+
+        async def app(scope, receive, send):
+            while (await receive()).get("more_body"):
+                pass
+            reached.append(scope["path"])
+
+        mw = LoadLimitMiddleware(app, Admission(10), max_body_bytes=10)
+        t, sent = _asgi_call(mw, "/pause", headers=[(b"content-length", b"11")])
+        await t
+        assert sent[0]["status"] == 413 and not reached  # refused before the app saw it
+        t, sent = _asgi_call(mw, "/v1/completions", chunks=[b"12345", b"67890", b"1"])
+        from gateway.limits import BodyTooLarge
+
+        with pytest.raises(BodyTooLarge):  # the app's handler turns it into 413
+            await t
+        t, sent = _asgi_call(mw, "/v1/completions", chunks=[b"12345", b"67890"])
+        await t
+        assert reached == ["/v1/completions"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_prefill_backlog_counts_prompts_until_their_first_output():
+    admission = Admission(100, max_queued_tokens=10)
+    a, b = {}, {}
+    admission.admit(a, 2, prompt_tokens=12)  # below the limit when it came: admitted, as in vLLM
+    with pytest.raises(Overloaded) as e:  # the backlog (12) has reached the limit (10)
+        admission.admit(b, 1, prompt_tokens=1)
+    assert e.value.reason == "max_num_queued_tokens" and e.value.headers == {"Retry-After": "1"}
+    admission.prefilled(a, 6)  # one of the two choices produced output: 6 < 10 left
+    admission.admit(b, 1, prompt_tokens=3)
+    assert admission.queued_tokens == 9
+    admission.prefilled(a, 6)
+    assert admission.queued_tokens == 3
+    admission._enter()
+    admission._leave(b, counted=True)  # a request that ended before its first output gives its tokens back
+    assert admission.queued_tokens == 0 and admission.sequences == 2
+
+
+@pytest.mark.unit
+def test_the_gateway_releases_the_backlog_and_counts_rejections_by_reason():
+    from tests.test_gateway_protocol import make_app
+
+    http, _ = make_app(max_num_queued_tokens=0)  # vLLM's rule: a backlog of 0 >= 0 refuses everything
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert "prefill token backlog" in r.json()["error"]["message"]
+    assert 'reason="max_num_queued_tokens"} 1.0' in http.get("/metrics").text
+    http, _ = make_app(max_num_queued_tokens=1000)
+    for _ in range(3):
+        assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "n": 2}).status_code == 200
+    admission = http.app.state.admission
+    assert (admission.queued_tokens, admission.sequences, admission.requests) == (0, 0, 0)
+
+
+# --- a real server ------------------------------------------------------------------------------------
+
+
+def _tiny(work, smollm2_dir):
+    return tiny_model_with_tokenizer("llama", work / "m", smollm2_dir, vocab_size=49152)
+
+
+def _args(*extra: str) -> list[str]:
+    return ["--served-model-name", MODEL, "--max-model-len", "256", "--additional-config", RL, *extra]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_dir):
+    work = tmp_path_factory.mktemp("limits")
+    s = start_server(work, str(_tiny(work, smollm2_dir)), *_args("--max-num-queued-reqs", "2",
+                                                                  "--max-request-body-bytes", "65536",
+                                                                  "--shutdown-timeout", "60"))
+    yield s
+    s.stop()
+
+
+class Stream(threading.Thread):
+    """A streaming completion read on a thread: `started` once its first chunk arrived."""
+
+    def __init__(self, url: str, **body: Any):
+        super().__init__(daemon=True)
+        self.url, self.body = url, {"model": MODEL, "prompt": [1, 2, 3], "stream": True, **body}
+        self.started = threading.Event()
+        self.events: list[Any] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[6:]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        self.started.set()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+            self.started.set()
+
+
+def _complete(url: str, n: int) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "n": n},
+                      timeout=60)
+
+
+def test_beyond_max_num_queued_reqs_is_503_with_retry_after_and_slots_come_back(server):
+    r = _complete(server.url, 3)  # 3 sequences > --max-num-queued-reqs 2
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"] == {"message": OVERLOADED_MESSAGE, "type": "Service Unavailable", "param": None,
+                                 "code": 503}
+    for _ in range(3):  # every finished request gives its slots back
+        assert _complete(server.url, 2).status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert f'vllm:admission_rejections_total{{model_name="{MODEL}",reason="max_num_queued_reqs"}} 1.0' in metrics
+
+
+def test_a_chunked_body_above_the_limit_is_413(server):
+    def body():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(20):
+            yield b"a" * 4096
+        yield b'"}'
+
+    r = httpx.post(server.url + "/v1/completions", content=body(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", content=b"x" * 70000, timeout=60)  # by Content-Length
+    assert r.status_code == 413
+    assert _complete(server.url, 1).status_code == 200
+
+
+def _wait_draining(url: str) -> None:
+    wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, 30, "the gateway to drain")
+
+
+def _no_processes_left(s) -> None:
+    wait_for(lambda: not s.child_pids(), 20, "every child process to exit")
+
+
+def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(server):
+    """Runs last in the module: it stops the shared server."""
+    url = server.url
+    a = Stream(url, max_tokens=50, ignore_eos=True)
+    a.start()
+    assert a.started.wait(60) and a.error is None
+    assert httpx.post(url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200  # freeze it
+    server.proc.send_signal(signal.SIGTERM)
+    _wait_draining(url)
+    r = _complete(url, 1)  # sent after SIGTERM
+    assert r.status_code == 503 and r.json()["error"]["message"] == DRAINING_MESSAGE, r.text
+    assert r.headers["retry-after"] == "1"
+    assert httpx.get(url + "/ping", timeout=10).status_code == 503  # load balancers move on
+    assert server.proc.poll() is None  # still draining: A is running
+    assert httpx.post(url + "/resume", timeout=30).status_code == 200  # dev routes still answer
+    a.join(60)
+    assert a.error is None and a.events[-1] == "[DONE]"
+    finals = [e for e in a.events if isinstance(e, dict) and e["choices"][0].get("finish_reason")]
+    assert finals and finals[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("error" in e for e in a.events if isinstance(e, dict))
+    assert server.proc.wait(60) == 0
+    _no_processes_left(server)
+
+
+def test_after_the_shutdown_timeout_running_requests_end_with_an_error_and_done(tmp_path, smollm2_dir):
+    s = start_server(tmp_path, str(_tiny(tmp_path, smollm2_dir)), *_args("--shutdown-timeout", "1"))
+    try:
+        a = Stream(s.url, max_tokens=50, ignore_eos=True)
+        a.start()
+        assert a.started.wait(60) and a.error is None
+        assert httpx.post(s.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        s.proc.send_signal(signal.SIGTERM)
+        a.join(60)
+        assert a.error is None and a.events[-1] == "[DONE]", a.events[-3:]
+        err = a.events[-2]["error"]
+        assert err["code"] == 503 and "shutting down" in err["message"], err
+        assert s.proc.wait(60) == 0
+        _no_processes_left(s)
+    finally:
+        s.stop()
+
+
+def test_a_second_sigterm_stops_at_once(tmp_path, smollm2_dir):
+    s = start_server(tmp_path, str(_tiny(tmp_path, smollm2_dir)), *_args("--shutdown-timeout", "600"))
+    try:
+        a = Stream(s.url, max_tokens=50, ignore_eos=True)
+        a.start()
+        assert a.started.wait(60) and a.error is None
+        assert httpx.post(s.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        s.proc.send_signal(signal.SIGTERM)
+        _wait_draining(s.url)
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            assert s.proc.wait(20) == 0  # not the 600 s the running request was allowed
+        except subprocess.TimeoutExpired:
+            pytest.fail("a second SIGTERM did not stop the server at once")
+        _no_processes_left(s)
+        a.join(30)
+        assert not a.is_alive()
+    finally:
+        s.stop()
