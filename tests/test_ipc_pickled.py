@@ -144,7 +144,8 @@ VLLM_TRAINER = textwrap.dedent('''
 def vllm_send(tmp_path: Path, url: str, tensors: list[tuple[str, torch.Tensor]], mode: str, version: str,
               key: str | None = None) -> subprocess.CompletedProcess:
     if not VLLM_PY.exists():
-        pytest.skip(f"vLLM's CPU venv is not installed ({VLLM_PY}): the vLLM trainer-side interop test needs it: bash tests/interop/setup_venvs.sh vllm")
+        pytest.skip(f"vLLM's CPU venv is not installed ({VLLM_PY}): the vLLM trainer-side interop test needs it: "
+                    "bash tests/interop/setup_venvs.sh vllm")
     from safetensors.torch import save_file
 
     path = tmp_path / "trainer.safetensors"

@@ -270,7 +270,8 @@ TRL_SITE = Path(os.environ.get("ROLLBUS_TRL_SITE",
 def test_trl_vllm_client_weight_sync_lands_bitwise_and_a_refusal_returns_within_seconds(server, model, tmp_path):
     """TRL 1.16's VLLMClient.init_communicator + update_model_params (vLLM's packed producer underneath)."""
     if not (TRL_SITE / "trl").is_dir():
-        pytest.skip(f"TRL is not installed at {TRL_SITE}: bash tests/interop/setup_venvs.sh trl (or set ROLLBUS_TRL_SITE)")
+        pytest.skip(f"TRL is not installed at {TRL_SITE}: bash tests/interop/setup_venvs.sh trl "
+                    "(or set ROLLBUS_TRL_SITE)")
     info = httpx.get(server.url + "/server_info", params={"config_format": "json"}).json()
     if "vllm_config" not in info:
         pytest.skip("/server_info has no vllm_config, which TRL's init_communicator reads (the routes branch adds it)")
