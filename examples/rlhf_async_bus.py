@@ -52,6 +52,7 @@ from _common import PROMPT, TEXT, TOL, WeightSyncClient, encode, load_trainer, t
 
 from bus.codec import decode
 from bus.endpoints import WEIGHTS_TOPIC, Endpoints
+from bus.sockets import make_socket
 from bus.messages import WeightVersionCommitted
 
 PROMPTS = [PROMPT, "Once upon a time, in a small village,", "The three laws of thermodynamics",
@@ -91,8 +92,8 @@ def main() -> int:
     model, tok = load_trainer()
     # subscribe before anything commits: WeightVersionCommitted is published once per committed update
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.connect(Endpoints.from_url(bus).commands)
+    ep = Endpoints.from_url(bus).secure(ctx)  # tcp: the client keys from ROLLBUS_BUS_CURVE_DIR
+    sub = make_socket(ctx, zmq.SUB, connect=ep.commands)
     sub.setsockopt(zmq.SUBSCRIBE, WEIGHTS_TOPIC)
 
     prompts = [encode(tok, p) for p in PROMPTS]
