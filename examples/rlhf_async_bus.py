@@ -14,7 +14,8 @@ Start the server first (the default model, SmolLM2-135M-Instruct, in fp32 on CPU
                   --weight-transfer-config '{"backend": "ipc"}'
 
 then `python examples/rlhf_async_bus.py`. The bus is ipc:///tmp/rollbus-<uid>-<http port> by default
-(--bus-dir moves it); with `--bus-transport tcp --bus-port-base 5550` pass --bus tcp://127.0.0.1:5550.
+(--bus-dir moves it); with `--bus-transport tcp --bus-port-base 5550 --bus-curve-dir keys` pass
+--bus tcp://127.0.0.1:5550 and set ROLLBUS_BUS_CURVE_DIR=keys (the client keys, see docs/serving.md).
 Expected (token counts and numbers vary with the machine's speed):
 
     4 rollouts of 128 tokens streaming; training meanwhile

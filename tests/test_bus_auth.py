@@ -104,6 +104,18 @@ def test_rollbus_keys_writes_private_usable_keys(keys):
     assert r.returncode != 0 and "server.key exists" in r.stderr and "--force" in r.stderr
 
 
+def test_help_explains_the_bus_flags_and_the_keys_command():
+    r = rollbus("serve", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    for words in ("--bus-curve-dir", "rollbus keys DIR", "--bus-insecure", "Only with a loopback --bus-host"):
+        assert words in text, words
+    assert "keys" in rollbus("--help").stdout
+    r = rollbus("keys", "--help")
+    assert r.returncode == 0 and "--force" in r.stdout and "0600" in r.stdout
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("damage, words", [
     (lambda d: (d / "client.key_secret").write_text("not a certificate\n"), "client.key_secret"),
     (lambda d: (d / "server.key_secret").write_text('metadata\ncurve\n    public-key = "short"\n'
@@ -127,6 +139,7 @@ def test_rollbus_serve_reports_a_bad_key_file_and_exits(tmp_path):
     assert r.returncode != 0 and str(folder / "client.key_secret") in r.stderr, r.stderr
 
 
+@pytest.mark.unit
 def test_tcp_without_keys_is_refused_unless_insecure_on_loopback(tmp_path):
     with pytest.raises(SystemExit, match="rollbus keys DIR"):
         parse_config(["m", "--bus-transport", "tcp"])
@@ -154,6 +167,7 @@ def test_tcp_without_keys_is_refused_unless_insecure_on_loopback(tmp_path):
 # ---------------------------------------------------------------------------------------- ipc
 
 
+@pytest.mark.unit
 def test_ipc_folder_is_0700_and_its_sockets_owner_only(tmp_path):
     ep = Endpoints.from_config(SimpleNamespace(bus_transport="ipc", bus_dir=str(tmp_path / "bus"), port=0,
                                                ready_endpoint=None))
