@@ -52,7 +52,8 @@ class Endpoints:
         names = ("requests", "plans", "results", "control", "commands")
         keys = auth.check_config(cfg)
         if cfg.bus_transport == "tcp":
-            addrs = [f"tcp://{cfg.bus_host}:{cfg.bus_port_base + i}" for i in range(len(names))]
+            host = f"[{cfg.bus_host}]" if ":" in cfg.bus_host and not cfg.bus_host.startswith("[") else cfg.bus_host
+            addrs = [f"tcp://{host}:{cfg.bus_port_base + i}" for i in range(len(names))]
         else:
             folder = cfg.bus_dir or os.path.join(tempfile.gettempdir(), f"rollbus-{os.getuid()}-{cfg.port}")
             private_folder(folder)

@@ -19,6 +19,8 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     sock.setsockopt(zmq.LINGER, 1000)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if (bind or connect or "").startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)  # an IPv6 --bus-host (written tcp://[addr]:port)
     if kind == zmq.XPUB:
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every (re)subscription, not only the first
     if bind:

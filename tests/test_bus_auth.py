@@ -161,6 +161,8 @@ def test_tcp_without_keys_is_refused_unless_insecure_on_loopback(tmp_path):
         if env is not None:
             os.environ[auth.ENV_DIR] = env
     assert Endpoints.from_url("tcp://127.0.0.1:5550", insecure=True).keys is None
+    ipv6 = Endpoints.from_config(parse_config(["m", "--bus-transport", "tcp", "--bus-host", "::1", "--bus-insecure"]))
+    assert ipv6.control == "tcp://[::1]:5553" == Endpoints.from_url("tcp://[::1]:5550", insecure=True).control
     assert Endpoints.from_url("tcp://127.0.0.1:5550", curve_dir=str(tmp_path / "k")).keys.server_secret is None
 
 
