@@ -580,11 +580,11 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         raise SystemExit("rollbus: --chat-template has no effect with --tokens-only (no tokenizer renders chats)")
     if cfg.max_log_len is not None and cfg.max_log_len < 0:
         raise SystemExit("rollbus: --max-log-len must be non-negative")
+    from bus.auth import check_config as check_bus
     from engine.generation_defaults import check_generation_config
     from engine.rl_config import parse_additional_config
     from engine.weight_transfer_config import parse_weight_transfer_config
     from gateway.tokenizer import resolve_chat_template
-    from bus.auth import check_config as check_bus
     from workers.extension import check_qualname
 
     try:

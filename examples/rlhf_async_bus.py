@@ -53,8 +53,8 @@ from _common import PROMPT, TEXT, TOL, WeightSyncClient, encode, load_trainer, t
 
 from bus.codec import decode
 from bus.endpoints import WEIGHTS_TOPIC, Endpoints
-from bus.sockets import make_socket
 from bus.messages import WeightVersionCommitted
+from bus.sockets import make_socket
 
 PROMPTS = [PROMPT, "Once upon a time, in a small village,", "The three laws of thermodynamics",
            "Here is a recipe for pancakes:"]

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from bus import auth
-from bus.codec import decode, encode
+from bus.codec import encode
 from bus.control_client import ControlClient
 from bus.endpoints import Endpoints, private_folder
 from bus.messages import (

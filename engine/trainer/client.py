@@ -97,7 +97,8 @@ class WeightSyncClient:
             from bus.control_client import ControlClient
             from bus.endpoints import Endpoints
 
-            self._bus = ControlClient(Endpoints.from_url(bus, curve_dir=bus_curve_dir), name=f"trainer-{uuid.uuid4().hex[:8]}")
+            self._bus = ControlClient(Endpoints.from_url(bus, curve_dir=bus_curve_dir),
+                                      name=f"trainer-{uuid.uuid4().hex[:8]}")
         self.timings: dict[str, float] = {}  # of the last send_weights, per phase (seconds)
 
     # --- public -------------------------------------------------------------------------------------
