@@ -19,6 +19,7 @@ from bus.sockets import make_socket, send
 class ControlClient:
     def __init__(self, ep: Endpoints, name: str | None = None):
         self.ctx = zmq.Context()
+        ep.secure(self.ctx)
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=ep.control,
                                 identity=name or f"client-{uuid.uuid4().hex[:8]}")
 

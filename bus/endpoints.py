@@ -21,8 +21,11 @@ that hits it loses messages, which the seq numbers turn into a detected gap and 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
+
+from bus import auth
 
 PLAN_TOPIC = b"P"
 COMMAND_TOPIC = b"C"
@@ -41,37 +44,69 @@ class Endpoints:
     control: str
     commands: str
     ready: str | None = None
+    keys: auth.BusKeys | None = None  # tcp: the CURVE keys (None: ipc, or tcp with --bus-insecure)
 
     @classmethod
     def from_config(cls, cfg) -> "Endpoints":
+        """The engine's own processes: tcp needs --bus-curve-dir (or --bus-insecure on loopback)."""
         names = ("requests", "plans", "results", "control", "commands")
+        keys = auth.check_config(cfg)
         if cfg.bus_transport == "tcp":
-            addrs = [f"tcp://{cfg.bus_host}:{cfg.bus_port_base + i}" for i in range(len(names))]
+            host = f"[{cfg.bus_host}]" if ":" in cfg.bus_host and not cfg.bus_host.startswith("[") else cfg.bus_host
+            addrs = [f"tcp://{host}:{cfg.bus_port_base + i}" for i in range(len(names))]
         else:
             folder = cfg.bus_dir or os.path.join(tempfile.gettempdir(), f"rollbus-{os.getuid()}-{cfg.port}")
-            os.makedirs(folder, mode=0o700, exist_ok=True)
+            private_folder(folder)
             addrs = [f"ipc://{os.path.join(folder, n)}" for n in names]
-        return cls(*addrs, ready=cfg.ready_endpoint)
+        if cfg.bus_transport == "tcp" and keys is None:
+            auth.log.warning("bus.insecure", host=cfg.bus_host,
+                             detail="--bus-insecure: the tcp bus is unauthenticated and unencrypted; any local "
+                                    "user can pause, sleep or update the engine. Use --bus-curve-dir.")
+        return cls(*addrs, ready=cfg.ready_endpoint, keys=keys)
 
     @classmethod
-    def from_url(cls, url: str) -> "Endpoints":
+    def from_url(cls, url: str, *, curve_dir: str | None = None, insecure: bool | None = None) -> "Endpoints":
         """A bus named as a client knows it: "tcp://HOST:PORT_BASE" (--bus-host, --bus-port-base) or
-        "ipc:///FOLDER" (--bus-dir; default /tmp/rollbus-<uid>-<http port>)."""
-        from types import SimpleNamespace
-
+        "ipc:///FOLDER" (--bus-dir; default /tmp/rollbus-<uid>-<http port>). tcp needs the client keys:
+        curve_dir (default: env ROLLBUS_BUS_CURVE_DIR) with server.key and client.key_secret, or
+        insecure=True (default: env ROLLBUS_BUS_INSECURE=1) for an engine started with --bus-insecure."""
         if url.startswith("tcp://"):
             host, _, port = url[len("tcp://"):].rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"bus url {url!r}: expected tcp://HOST:PORT_BASE")
-            return cls.from_config(SimpleNamespace(bus_transport="tcp", bus_host=host, bus_port_base=int(port),
-                                                   ready_endpoint=None))
+            curve_dir = curve_dir or os.environ.get(auth.ENV_DIR) or None
+            insecure = auth.env_insecure() if insecure is None else insecure
+            if curve_dir:
+                keys = auth.load(curve_dir, server=False)
+            elif insecure:
+                keys = None
+            else:
+                raise ValueError(f"bus {url}: a tcp bus needs the client keys: pass the key folder "
+                                 f"(`rollbus keys DIR`) or set {auth.ENV_DIR}")
+            names = ("requests", "plans", "results", "control", "commands")
+            return cls(*[f"tcp://{host}:{int(port) + i}" for i in range(len(names))], keys=keys)
         if url.startswith("ipc://"):
+            from types import SimpleNamespace
+
             return cls.from_config(SimpleNamespace(bus_transport="ipc", bus_dir=url[len("ipc://"):], port=0,
                                                    ready_endpoint=None))
         raise ValueError(f"bus url {url!r}: expected tcp://HOST:PORT_BASE or ipc:///FOLDER")
 
+    def secure(self, ctx) -> "Endpoints":
+        """Every tcp socket bus.sockets.make_socket makes in ctx uses these endpoints' keys."""
+        auth.attach(ctx, self.keys)
+        return self
+
     def bind_address(self, addr: str) -> str:
-        """tcp endpoints bind on all interfaces of the host named in them; ipc binds the path itself."""
-        if addr.startswith("tcp://"):
-            return "tcp://*:" + addr.rsplit(":", 1)[1]
+        """Where a binding socket listens: exactly the address in the table. tcp binds --bus-host only
+        (never all interfaces); ipc binds the path itself."""
         return addr
+
+
+def private_folder(folder: str) -> None:
+    """The ipc socket folder: created 0700; an existing one must be ours and closed to other users."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.stat(folder)
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise PermissionError(f"bus folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}) "
+                              "is open to other users: use a folder of your own with mode 0700 (chmod 700)")

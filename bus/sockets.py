@@ -1,13 +1,15 @@
 """Small helpers so every actor makes sockets the same way: one context per process, linger bounded,
-messages encoded with bus.codec. The actors' poll loops own the sockets (zguide: a socket stays in the
-thread that made it)."""
+messages encoded with bus.codec, tcp sockets under the context's CURVE keys (bus.auth), ipc sockets
+owner-only. The actors' poll loops own the sockets (zguide: a socket stays in the thread that made it)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import zmq
 
+from bus.auth import secure_socket
 from bus.codec import decode, encode
 
 
@@ -17,11 +19,19 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     sock.setsockopt(zmq.LINGER, 1000)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if (bind or connect or "").startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)  # an IPv6 --bus-host (written tcp://[addr]:port)
     if kind == zmq.XPUB:
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every (re)subscription, not only the first
     if bind:
+        if bind.startswith("tcp://"):
+            secure_socket(ctx, sock, server=True)
         sock.bind(bind)
+        if bind.startswith("ipc://"):
+            os.chmod(bind[len("ipc://"):], 0o600)  # the folder is 0700 too; the socket itself owner-only
     if connect:
+        if connect.startswith("tcp://"):
+            secure_socket(ctx, sock, server=False)
         sock.connect(connect)
     return sock
 
@@ -69,8 +79,6 @@ def report_ready(ctx: zmq.Context, ready_endpoint: str | None, role: str, name: 
     """Tell the launcher (if any) that this process finished start-up."""
     if not ready_endpoint:
         return
-    import os
-
     from bus.messages import Ready
 
     sock = make_socket(ctx, zmq.PUSH, connect=ready_endpoint)

@@ -1,5 +1,5 @@
 """The `rollbus` command: `serve` starts everything; the other subcommands run one process each
-(what the Procfile and `serve` itself use)."""
+(what the Procfile and `serve` itself use); `keys` writes the tcp bus's CURVE keys."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ ROLES = {
     "worker": "Run only one worker process (--rank selects the device).",
     "coordinator": "Run only the control-plane coordinator process.",
 }
+KEYS_HELP = "Write the tcp bus's CURVE key pairs (server and client) into a folder; see --bus-curve-dir."
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollbus", description="rollbus: an RL rollout engine on a ZeroMQ bus.",
                                 allow_abbrev=False)
-    sub = p.add_subparsers(dest="role", required=True, metavar="{" + ",".join(ROLES) + "}")
+    sub = p.add_subparsers(dest="role", required=True, metavar="{" + ",".join([*ROLES, "keys"]) + "}")
     epilog = new_parser().epilog
     for role, help_text in ROLES.items():
         # allow_abbrev=False: vLLM flags are matched whole (`--max-num-seq` is an error, not --max-num-seqs)
@@ -31,7 +32,30 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "worker":
             sp.add_argument("--rank", type=int, default=0, help="Worker rank = device index.")
         add_engine_args(sp)
+    sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP, add_help=False)  # listed; parsed by keys_main
     return p
+
+
+def keys_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollbus keys", description=KEYS_HELP, allow_abbrev=False,
+                                epilog="Files: server.key, server.key_secret, client.key, client.key_secret "
+                                       "(pyzmq certificates, mode 0600, folder 0700). Start the engine with "
+                                       "--bus-transport tcp --bus-curve-dir DIR; a trainer on another host needs "
+                                       "server.key and client.key_secret (env ROLLBUS_BUS_CURVE_DIR).")
+    p.add_argument("dir", help="Folder to write (created 0700).")
+    p.add_argument("--force", action="store_true", help="Replace keys already in the folder.")
+    return p
+
+
+def keys_main(argv: list[str]) -> None:
+    from bus.auth import BusKeyError, generate
+
+    args = keys_parser().parse_args(argv)
+    try:
+        for path in generate(args.dir, force=args.force):
+            print(path)
+    except (BusKeyError, OSError) as e:
+        raise SystemExit(f"rollbus keys: {e}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["keys"]:
+        return keys_main(argv[1:])
     args = parse_args(argv)
     cfg = config_from_args(args)
     for note in cfg.notes:  # vLLM flags without effect here: one line each (children never see them)

@@ -63,6 +63,8 @@ class EngineConfig:
     bus_dir: str | None = None  # ipc socket folder (default: a per-port folder under the temp dir)
     bus_host: str = "127.0.0.1"  # tcp: where the binding processes listen / are reached
     bus_port_base: int = 5550  # tcp: first of a small block of consecutive ports
+    bus_curve_dir: str | None = None  # tcp: CURVE key folder (`rollbus keys DIR`); see bus.auth
+    bus_insecure: bool = False  # tcp without keys: loopback --bus-host only
     ready_endpoint: str | None = None  # set by `rollbus serve`: where processes report READY
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
@@ -390,6 +392,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tcp: host of the scheduler and coordinator sockets. Env ROLLBUS_BUS_HOST.")
     g.add_argument("--bus-port-base", type=int, default=int(os.environ.get("ROLLBUS_BUS_PORT_BASE", d.bus_port_base)),
                    help="tcp: first of 5 consecutive ports. Env ROLLBUS_BUS_PORT_BASE.")
+    g.add_argument("--bus-curve-dir", default=os.environ.get("ROLLBUS_BUS_CURVE_DIR") or None,
+                   help="tcp: folder of the bus's CURVE keys, made by `rollbus keys DIR` (server.key, "
+                        "server.key_secret, client.key, client.key_secret; extra *.key files: more allowed "
+                        "clients). Every tcp socket is encrypted and only holders of an allowed client key "
+                        "may connect. Required with --bus-transport tcp unless --bus-insecure. "
+                        "Env ROLLBUS_BUS_CURVE_DIR.")
+    g.add_argument("--bus-insecure", action=Switch, default=False,
+                   help="tcp: run the bus without keys, unauthenticated and unencrypted (a warning is "
+                        "logged). Only with a loopback --bus-host; refused otherwise.")
     g.add_argument("--ready-endpoint", default=None, help=argparse.SUPPRESS)
     g.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s,
                    help="Seconds between heartbeats on the bus.")
@@ -612,6 +623,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         raise SystemExit("rollbus: --chat-template has no effect with --tokens-only (no tokenizer renders chats)")
     if cfg.max_log_len is not None and cfg.max_log_len < 0:
         raise SystemExit("rollbus: --max-log-len must be non-negative")
+    from bus.auth import check_config as check_bus
     from engine.generation_defaults import check_generation_config
     from engine.rl_config import parse_additional_config
     from engine.weight_transfer_config import parse_weight_transfer_config
@@ -626,6 +638,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         if cfg.chat_template is not None:
             resolve_chat_template(cfg.chat_template)
         check_qualname(cfg.worker_extension_cls)
+        check_bus(cfg)
     except (ValueError, OSError) as e:
         raise SystemExit(f"rollbus: {e}") from None
     return cfg

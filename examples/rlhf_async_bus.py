@@ -14,7 +14,8 @@ Start the server first (the default model, SmolLM2-135M-Instruct, in fp32 on CPU
                   --weight-transfer-config '{"backend": "ipc"}'
 
 then `python examples/rlhf_async_bus.py`. The bus is ipc:///tmp/rollbus-<uid>-<http port> by default
-(--bus-dir moves it); with `--bus-transport tcp --bus-port-base 5550` pass --bus tcp://127.0.0.1:5550.
+(--bus-dir moves it); with `--bus-transport tcp --bus-port-base 5550 --bus-curve-dir keys` pass
+--bus tcp://127.0.0.1:5550 and set ROLLBUS_BUS_CURVE_DIR=keys (the client keys, see docs/serving.md).
 Expected (token counts and numbers vary with the machine's speed):
 
     4 rollouts of 128 tokens streaming; training meanwhile
@@ -53,6 +54,7 @@ from _common import PROMPT, TEXT, TOL, WeightSyncClient, encode, load_trainer, t
 from bus.codec import decode
 from bus.endpoints import WEIGHTS_TOPIC, Endpoints
 from bus.messages import WeightVersionCommitted
+from bus.sockets import make_socket
 
 PROMPTS = [PROMPT, "Once upon a time, in a small village,", "The three laws of thermodynamics",
            "Here is a recipe for pancakes:"]
@@ -91,8 +93,8 @@ def main() -> int:
     model, tok = load_trainer()
     # subscribe before anything commits: WeightVersionCommitted is published once per committed update
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.connect(Endpoints.from_url(bus).commands)
+    ep = Endpoints.from_url(bus).secure(ctx)  # tcp: the client keys from ROLLBUS_BUS_CURVE_DIR
+    sub = make_socket(ctx, zmq.SUB, connect=ep.commands)
     sub.setsockopt(zmq.SUBSCRIBE, WEIGHTS_TOPIC)
 
     prompts = [encode(tok, p) for p in PROMPTS]

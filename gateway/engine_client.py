@@ -84,6 +84,7 @@ class EngineClient:
 
     async def start(self, timeout_s: float = 60.0) -> None:
         self.ctx = zmq.asyncio.Context()
+        self.ep.secure(self.ctx)
         self.requests = make_socket(self.ctx, zmq.DEALER, connect=self.ep.requests, identity=self.name)
         self.sub = make_socket(self.ctx, zmq.SUB, connect=self.ep.commands)
         self.sub.setsockopt(zmq.SUBSCRIBE, COMMAND_TOPIC)

@@ -65,10 +65,12 @@ def test_honcho_runs_the_procfile(tmp_path, smollm2_dir):
 def test_tcp_endpoints(tmp_path, smollm2_dir):
     folder = tiny_model_with_tokenizer("qwen2", tmp_path / "qwen2", smollm2_dir)
     base = free_port()
+    # without keys (tests/test_bus_auth.py runs the keyed bus): allowed on loopback only, and said loudly
     s = start_server(tmp_path, str(folder), "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
-                     "--bus-port-base", str(base), "--max-model-len", "256")
+                     "--bus-port-base", str(base), "--bus-insecure", "--max-model-len", "256")
     try:
         assert complete(s.url, str(folder))["usage"]["completion_tokens"] == 4
         assert f"tcp://127.0.0.1:{base + 4}" in s.log() or f"tcp://127.0.0.1:{base}" in s.log()
+        assert "bus.insecure" in s.log()
     finally:
         assert s.stop() == 0

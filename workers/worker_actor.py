@@ -256,7 +256,7 @@ def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
         log.info("worker.rl_env", var=var, value=value)
     torch.set_grad_enabled(False)
     ctx = zmq.Context()
-    ep = Endpoints.from_config(cfg)
+    ep = Endpoints.from_config(cfg).secure(ctx)
     actor = extend_worker_class(WorkerActor, cfg.worker_extension_cls)(cfg, rank, ctx, ep)
     call_hook(actor, "init_worker_extension")
     try:

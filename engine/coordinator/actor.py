@@ -262,7 +262,7 @@ class _Sync:
 def run_coordinator_process(cfg: EngineConfig) -> None:
     setup_logging(cfg.log_level, process=NAME)
     ctx = zmq.Context()
-    ep = Endpoints.from_config(cfg)
+    ep = Endpoints.from_config(cfg).secure(ctx)
     coord = Coordinator(cfg, ep, ctx)
     report_ready(ctx, ep.ready, "coordinator", NAME)
     log.info("coordinator.ready", control=ep.control, commands=ep.commands)

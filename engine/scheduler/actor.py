@@ -403,7 +403,7 @@ class SchedulerActor:
 def run_scheduler_process(cfg: EngineConfig) -> None:
     setup_logging(cfg.log_level, process=NAME)
     ctx = zmq.Context()
-    ep = Endpoints.from_config(cfg)
+    ep = Endpoints.from_config(cfg).secure(ctx)
     actor = SchedulerActor(cfg, ep, ctx)
     try:
         actor.link.wait_welcome(timeout_s=120)

@@ -8,7 +8,8 @@
 
 send_weights does pause -> start -> transfer -> finish (with the version) -> resume over the engine's
 HTTP endpoints (vLLM v0.33's), or, with bus="tcp://HOST:PORT_BASE", announces the version on the bus as
-one WeightUpdateEvent and the coordinator drives the same steps. Any failure raises WeightSyncFailed with
+one WeightUpdateEvent and the coordinator drives the same steps (a tcp bus needs the engine's client
+keys: bus_curve_dir= or env ROLLBUS_BUS_CURVE_DIR, see bus.auth). Any failure raises WeightSyncFailed with
 the server's message; the engine then keeps the previous weights.
 
 Transfers:
@@ -70,7 +71,8 @@ class WeightSyncClient:
                  bus: str | None = None, api_key: str | None = None, timeout_s: float = 300.0,
                  packed_buffer_size_bytes: int | None = None, packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
                  master_address: str = "127.0.0.1", master_port: int | None = None, clear_cache: bool = True,
-                 device: torch.device | str | None = None, share_memory: bool = False):
+                 device: torch.device | str | None = None, share_memory: bool = False,
+                 bus_curve_dir: str | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if base_url is None and bus is None:
@@ -95,7 +97,8 @@ class WeightSyncClient:
             from bus.control_client import ControlClient
             from bus.endpoints import Endpoints
 
-            self._bus = ControlClient(Endpoints.from_url(bus), name=f"trainer-{uuid.uuid4().hex[:8]}")
+            self._bus = ControlClient(Endpoints.from_url(bus, curve_dir=bus_curve_dir),
+                                      name=f"trainer-{uuid.uuid4().hex[:8]}")
         self.timings: dict[str, float] = {}  # of the last send_weights, per phase (seconds)
 
     # --- public -------------------------------------------------------------------------------------
