@@ -26,6 +26,7 @@ from bus.messages import (
     AddRequest,
     CommandBody,
     CommitWeightUpdate,
+    ErrorInfo,
     Health,
     Hello,
     MemberLost,
@@ -170,13 +171,15 @@ class SchedulerActor:
     def _add(self, client: bytes, msg: AddRequest) -> None:
         seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.eos_token_ids, msg.arrival_time,
                        client)
-        error = self.dead_reason
+        error = None if self.dead_reason is None else ErrorInfo("EngineDead", self.dead_reason)
         if error is None and control_state.rejects_new_requests(self.link.state):
-            error = control_state.PAUSED_MESSAGE
+            error = ErrorInfo("Paused", control_state.PAUSED_MESSAGE, status=503)
         if error is None and msg.request_id in self.sched.seqs:
-            error = f"request id {msg.request_id!r} is already running"
+            error = ErrorInfo("DuplicateRequest", f"request id {msg.request_id!r} is already running",
+                              param="request_id")
         if error is None and seq.num_prompt_tokens >= self.max_model_len:
-            error = f"prompt of {seq.num_prompt_tokens} tokens does not fit max_model_len {self.max_model_len}"
+            error = ErrorInfo("PromptTooLong", f"prompt of {seq.num_prompt_tokens} tokens does not fit "
+                              f"max_model_len {self.max_model_len}", param="prompt")
         if error is not None:
             seq.finish_reason = "error"
             self._emit([(seq, self._output(seq, [], finished=True, error=error))])
@@ -224,16 +227,17 @@ class SchedulerActor:
         step, self.in_flight = self.in_flight, None
         self.results_at = time.perf_counter()
         main = self.pending_results[0]
-        errors = [r.error for r in self.pending_results.values() if r.error]
+        errors = [r.error for r in self.pending_results.values() if r.error is not None]
+        interrupted = any(r.interrupted for r in self.pending_results.values())
         self.pending_results = {}
-        if errors and all(e == "interrupted" for e in errors):
-            # An abort pause cut the step short: its sequences were aborted, nothing advanced.
-            self._maybe_complete_quiesce()
-            return
         if errors:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
             # keeps serving the others. Dead workers are handled by member_lost, not here.
-            self._fail_seqs(step.seqs, f"worker step failed: {errors[0]}")
+            self._fail_seqs(step.seqs, step_failure(errors[0]))
+            return
+        if interrupted:
+            # An abort pause cut the step short: its sequences were aborted, nothing advanced.
+            self._maybe_complete_quiesce()
             return
         dt = time.perf_counter() - self.step_started
         self.step_time_ema = dt if not self.step_time_ema else 0.9 * self.step_time_ema + 0.1 * dt
@@ -288,7 +292,7 @@ class SchedulerActor:
         out.prompt_logprobs = prompt_lp
         return out
 
-    def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: str | None = None,
+    def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
                 logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
         out = RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
@@ -388,9 +392,9 @@ class SchedulerActor:
             return  # still starting: nothing to fail, and wait_for_workers waits for its replacement
         self.dead_reason = reason
         self.in_flight = None
-        self._fail_seqs(list(self.sched.seqs.values()), reason)
+        self._fail_seqs(list(self.sched.seqs.values()), ErrorInfo("EngineDead", reason))
 
-    def _fail_seqs(self, seqs: list[Sequence], reason: str) -> None:
+    def _fail_seqs(self, seqs: list[Sequence], reason: ErrorInfo) -> None:
         outs = []
         for seq in seqs:
             if self.sched.abort(seq.seq_id) is None:
@@ -398,6 +402,15 @@ class SchedulerActor:
             seq.finish_reason = "error"
             outs.append((seq, self._output(seq, [], finished=True, error=reason)))
         self._emit(outs)
+
+
+def step_failure(e: ErrorInfo) -> ErrorInfo:
+    """What the requests of a failed step are told: a failure the worker anticipated (it knows the HTTP
+    status, e.g. 503 for weights a level-2 sleep discarded) as it is; anything else as a 500 that names
+    the exception."""
+    if e.status is not None:
+        return ErrorInfo(e.kind, e.message, e.member, e.status, e.param, e.tensor)
+    return ErrorInfo("StepFailed", f"worker step failed: {e.kind}: {e.message}", e.member, None, e.param, e.tensor)
 
 
 def run_scheduler_process(cfg: EngineConfig) -> None:
