@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.codec import encode
-from bus.endpoints import COMMAND_TOPIC, Endpoints
+from bus.codec import decode, encode
+from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints
 from bus.messages import (
     Ack,
     AddRequest,
@@ -26,6 +26,8 @@ from bus.messages import (
     Health,
     Hello,
     MemberLost,
+    PromptLogprobs,
+    StepPlan,
     StepResult,
     Welcome,
 )
@@ -124,6 +126,87 @@ def test_garbage_on_every_bound_socket_is_dropped(server):
         t.join(10)
 
 
+def wrong_results(plan: StepPlan) -> list[StepResult]:
+    """Well-formed StepResults for the step in flight that do not fit it."""
+    ids, n = plan.seq_ids, len(plan.seq_ids)
+
+    def res(seq_ids=ids, rank=0, rows=n, **kw) -> StepResult:
+        return StepResult(plan.step_id, rank, list(seq_ids), kw.pop("token_ids", np.arange(rows)),
+                          np.zeros(rows, np.float32), kw.pop("topk_ids", np.zeros((rows, 2), np.int64)),
+                          np.zeros((rows, 2), np.float32), plan.weight_version, **kw)
+
+    lp = PromptLogprobs("nope", np.zeros(2, np.float32), np.ones(2, np.int64), np.zeros((2, 1), np.int64),
+                        np.zeros((2, 1), np.float32))
+    return [
+        res(rank=7),  # a rank that does not exist
+        res(rank=-1),
+        res([*ids, "nope"], rows=n + 1),  # a sequence the step did not run
+        res(rows=n + 3),  # arrays longer than the sequences
+        res(rows=max(n - 1, 0)) if n else res(["nope"], rows=0),  # ... or shorter
+        res(token_ids=np.zeros((n, 1), np.int64)),  # token ids as a table
+        res(token_ids=-np.ones(n, np.int64)),  # negative token ids
+        res(topk_ids=np.zeros(n, np.int64)),  # top-k as a vector
+        res(ranks=np.ones(n + 2, np.int64), sampling_mass=np.ones(1, np.float32)),
+        res(prompt_logprobs=[lp]),
+        res(routed_experts=np.zeros((1, 1, 1), np.uint8), routed_spans=[(ids[0] if ids else "x", 0, 0, 9)]),
+    ]
+
+
+def test_wrong_step_results_for_the_step_in_flight_are_dropped(server):
+    """A fake worker answers every plan first, with results of the right step id that do not fit the step:
+    the scheduler logs and drops them, the real worker's results complete every step, and the tokens are
+    those of the same greedy request without the fake."""
+    ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
+    pids = server.child_pids()
+    body = {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2}
+    stop, sent = threading.Event(), []
+    ctx = zmq.Context()
+    sub = make_socket(ctx, zmq.SUB, connect=ep.plans)
+    sub.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
+    push = make_socket(ctx, zmq.PUSH, connect=ep.results)
+
+    def fake_worker() -> None:
+        while not stop.is_set():
+            if not sub.poll(20):
+                continue
+            plan = decode(sub.recv_multipart()[1:])
+            if isinstance(plan, StepPlan) and plan.seq_ids:
+                for r in wrong_results(plan):
+                    send(push, r)
+                sent.append(plan.step_id)
+
+    with httpx.Client(base_url=server.url, timeout=120) as h:
+        wait_for(lambda: h.get("/health").status_code == 200, 30, "the server")
+        t = threading.Thread(target=fake_worker)
+        try:
+            # the SUB is connected once it sees plans: wait for that before the request that counts
+            deadline = time.monotonic() + 30
+            t.start()
+            while not sent:
+                assert time.monotonic() < deadline, "the fake worker never saw a plan"
+                h.post("/v1/completions", json={**body, "max_tokens": 1})
+            fuzzed = h.post("/v1/completions", json=body)
+        finally:
+            stop.set()
+            t.join(10)
+            ctx.destroy(linger=0)
+        assert fuzzed.status_code == 200, fuzzed.text
+        clean = h.post("/v1/completions", json=body)
+        assert clean.status_code == 200, clean.text
+    assert fuzzed.json()["usage"]["completion_tokens"] == 60
+    assert fuzzed.json()["choices"][0]["text"] == clean.json()["choices"][0]["text"]
+    assert fuzzed.json()["choices"][0]["logprobs"] == clean.json()["choices"][0]["logprobs"]
+    # the fake beat the worker to most steps: its results reached the check, which named what is wrong
+    wait_for(lambda: "rank 7 does not exist" in server.log(), 20, "the dropped results to be logged")
+    log = server.log()
+    for words in ("sequences the step did not run", "is not a", "negative token id", "topk ids and logprobs",
+                  "prompt logprobs of a sequence the step did not run", "a routed span outside the rows"):
+        assert words in log, words
+    assert server.proc.poll() is None and server.child_pids() == pids
+    assert "member_lost" not in log and "Traceback" not in log
+
+
 class FakeCoordinator:
     """Binds the control ROUTER and commands XPUB, welcomes whoever says Hello, publishes what it is told."""
 
@@ -216,3 +299,4 @@ def _next_hello(coord: FakeCoordinator) -> Hello:
             if isinstance(msg, Hello):
                 return msg
     raise AssertionError("no Hello")
+

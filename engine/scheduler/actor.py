@@ -53,6 +53,7 @@ from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
+from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
 
 log = structlog.get_logger()
@@ -220,6 +221,10 @@ class SchedulerActor:
             log.warning("scheduler.bad_result", error=str(e))
             return
         if not isinstance(res, StepResult) or self.in_flight is None or res.step_id != self.step_id:
+            return
+        why = result_problem(res, self.in_flight, self.cfg.num_workers)
+        if why is not None:  # well-typed but not an answer to this step: the real one is still to come
+            log.warning("scheduler.bad_result", step=res.step_id, rank=res.rank, error=why)
             return
         self.pending_results[res.rank] = res
         if len(self.pending_results) < self.cfg.num_workers:
