@@ -220,4 +220,5 @@ class EngineClient:
             log.error("gateway.engine_dead", reason=reason)
         self.dead_reason = reason
         for rid, q in self.queues.items():
-            q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, ErrorInfo("EngineDead", reason), 0, 0, 0))
+            error = ErrorInfo("EngineDead", reason)
+            q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, error, 0, 0, 0))
