@@ -149,6 +149,7 @@ class WorkerActor:
             log.warning("worker.bad_plan", error=str(e))
             return
         if not isinstance(plan, StepPlan):
+            log.warning("worker.bad_plan", error=f"a {type(plan).__name__} where a StepPlan goes")
             return
         if self.sleep.asleep and plan.seq_ids:
             self._await_wake()
@@ -288,16 +289,21 @@ class _AbortWatcher:
             while not self._stop.is_set():
                 if not sub.poll(500):
                     continue
-                frames = sub.recv_multipart()
-                try:
-                    msg = decode(frames[1:])
-                except CodecError:
-                    continue
-                if isinstance(msg, Command) and isinstance(msg.body, (Pause, Sleep)) and msg.body.mode == "abort":
-                    self.abort_seq = max(self.abort_seq, msg.seq)
+                self._on_message(sub.recv_multipart())
             sub.close(0)
         except zmq.ZMQError:
             pass  # context torn down at exit
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        """Anything but a Command is dropped; a bad one is logged (the member's own SUB logs it too) and
+        never ends this thread, or aborts would stop interrupting steps."""
+        try:
+            msg = decode(frames[1:])
+        except CodecError as e:
+            log.warning("worker.abort_watch_bad_message", error=str(e))
+            return
+        if isinstance(msg, Command) and isinstance(msg.body, (Pause, Sleep)) and msg.body.mode == "abort":
+            self.abort_seq = max(self.abort_seq, msg.seq)
 
     def stop(self) -> None:
         self._stop.set()
