@@ -215,6 +215,7 @@ class SchedulerActor:
         send(self.plans, plan, topic=PLAN_TOPIC)
 
     def _on_result(self) -> None:
+        arrived = time.perf_counter()  # the turnaround counts decoding and checking the last result too
         try:
             res = recv(self.results)
         except CodecError as e:
@@ -230,7 +231,7 @@ class SchedulerActor:
         if len(self.pending_results) < self.cfg.num_workers:
             return
         step, self.in_flight = self.in_flight, None
-        self.results_at = time.perf_counter()
+        self.results_at = arrived
         main = self.pending_results[0]
         errors = [r.error for r in self.pending_results.values() if r.error is not None]
         interrupted = any(r.interrupted for r in self.pending_results.values())
