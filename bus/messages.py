@@ -38,8 +38,8 @@ import numpy as np
 from engine.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 8
-PROTOCOL_FINGERPRINT = "b18d5a5e7c93"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 9
+PROTOCOL_FINGERPRINT = "54a58b9fafdb"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -366,7 +366,7 @@ class RequestOutput(Wire):
     finished: bool
     finish_reason: str | None  # stop | length | abort | error
     stop_reason: int | None  # the stop token id that ended it, if any
-    error: str | None
+    error: ErrorInfo | None  # with finish_reason "error": why (its status when the engine knows the HTTP one)
     num_prompt_tokens: int
     num_cached_tokens: int
     weight_version: int  # epoch of the weights that computed these tokens (engine.control_state)
@@ -428,7 +428,7 @@ class StepResult(Wire):
     topk_ids: np.ndarray | None  # np.int64 [S, K] (K = 0 when nobody asked)
     topk_logprobs: np.ndarray | None  # np.float32 [S, K]
     weight_version: int
-    error: str = ""
+    error: ErrorInfo | None = None  # the step failed on this rank (nothing sampled)
     step_time_s: float = 0.0
     ranks: np.ndarray | None = None  # np.int64 [S]: rank of each sampled token (1-based; zeros when nobody asked)
     sampling_mass: np.ndarray | None = None  # np.float32 [S]: kept probability mass (1.0 where nothing was filtered)
@@ -439,6 +439,7 @@ class StepResult(Wire):
     # per-KV-slot copy), so every position of a sequence is reported once it is in the KV cache.
     routed_experts: np.ndarray | None = None
     routed_spans: list[tuple[str, int, int, int]] | None = None
+    interrupted: bool = False  # an abort pause cut the step short: nothing was computed, nothing failed
 
 
 # --- weight sync over the bus (trainer <-> coordinator) -------------------------------------------
@@ -464,11 +465,11 @@ class WeightUpdateEvent(Wire):
 class WeightUpdateResult(Wire):
     request_id: str
     ok: bool
-    error: str
-    status: int  # the HTTP status the same failure would get (200 when ok)
     version: str
     weight_epoch: int
     timings_s: dict[str, float] = {}  # per step
+    # when not ok: which step failed and why, with the HTTP status the same failure gets over HTTP
+    error: ErrorInfo | None = None
 
 
 @message(42)

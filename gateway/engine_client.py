@@ -33,6 +33,7 @@ from bus.messages import (
     ControlReply,
     ControlRequest,
     ControlState,
+    ErrorInfo,
     Heartbeat,
     Hello,
     MemberLost,
@@ -220,4 +221,5 @@ class EngineClient:
             log.error("gateway.engine_dead", reason=reason)
         self.dead_reason = reason
         for rid, q in self.queues.items():
-            q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, reason, 0, 0, 0))
+            error = ErrorInfo("EngineDead", reason)
+            q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, error, 0, 0, 0))

@@ -21,13 +21,14 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from bus.messages import PromptLogprobs, RequestOutput
+from bus.messages import ErrorInfo, PromptLogprobs, RequestOutput
 from engine import routed_experts
 from engine.config import EngineConfig
-from engine.control_state import PAUSED_MESSAGE, WEIGHTS_DISCARDED_MESSAGE, version_label, weights_discarded_message
+from engine.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
 from engine.sampling_params import SamplingParams
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
+    BAD_REQUEST,
     INTERNAL,
     APIError,
     api_error_from,
@@ -259,7 +260,7 @@ class ChoiceState:
         self.routed_pieces: list[routed_experts.Piece] = []  # MoE router capture; see routed_experts_b64
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.error: str | None = None
+        self.error: ErrorInfo | None = None
         self.num_cached_tokens = 0
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None  # when the first delta with tokens arrived
@@ -345,13 +346,18 @@ class _Failed:
     error: APIError
 
 
-def engine_failure(ctx: ServingContext, message: str | None) -> APIError:
+def engine_failure(ctx: ServingContext, error: ErrorInfo | None) -> APIError:
+    """The HTTP error of a request the engine ended with an error: 503 while the engine is down, the
+    status the engine gave when it knew one (503 when paused between our check and the scheduler's, or
+    queued during a level-2 sleep and woken without weights), else a 500 with the engine's message."""
+    message = error.message if error is not None else None
     if not ctx.client.healthy:
         return engine_unavailable(ctx.client.dead_reason or message)
-    if message == PAUSED_MESSAGE:  # paused between our check and the scheduler's
-        return engine_unavailable(message)
-    if message and WEIGHTS_DISCARDED_MESSAGE in message:  # queued during a level-2 sleep, woken without weights
-        return engine_unavailable(message[message.index(WEIGHTS_DISCARDED_MESSAGE):])
+    if error is not None and error.status == 503:
+        return engine_unavailable(error.message)
+    if error is not None and error.status is not None:
+        return APIError(error.message, status=error.status, type=BAD_REQUEST if error.status < 500 else INTERNAL,
+                        param=error.param)
     return APIError(message or "the engine failed this request", status=500, type=INTERNAL)
 
 
@@ -373,7 +379,7 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         if state.finish_reason == "error":
             raise engine_failure(ctx, state.error)
         if not state.finished:
-            raise engine_failure(ctx, "the engine ended the request without finishing it")
+            raise engine_failure(ctx, ErrorInfo("Unfinished", "the engine ended the request without finishing it"))
     except asyncio.CancelledError:
         raise
     except EngineDead as e:

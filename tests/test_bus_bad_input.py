@@ -1,7 +1,9 @@
 """Bad input on the bus: malformed frames, unknown kinds, wrong field types and truncated array frames
 sent to every bound socket of a running engine (coordinator ROUTER and XPUB, scheduler ROUTER, XPUB and
 PULL) are logged and dropped; no process dies and no request is lost. The SUB side (what a member reads
-from the coordinator) is fed the same garbage by a fake coordinator. Real processes, real sockets."""
+from the coordinator) is fed the same garbage by a fake coordinator, and a real worker process's plan and
+abort-watch SUBs by a fake coordinator and a fake scheduler around it. Well-typed step results that do not
+fit the step in flight are dropped too. Real processes, real sockets."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.codec import encode
-from bus.endpoints import COMMAND_TOPIC, Endpoints
+from bus.codec import decode, encode
+from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints
 from bus.messages import (
     Ack,
     AddRequest,
@@ -26,6 +28,9 @@ from bus.messages import (
     Health,
     Hello,
     MemberLost,
+    NewSeq,
+    PromptLogprobs,
+    StepPlan,
     StepResult,
     Welcome,
 )
@@ -124,6 +129,92 @@ def test_garbage_on_every_bound_socket_is_dropped(server):
         t.join(10)
 
 
+def wrong_results(plan: StepPlan) -> list[StepResult]:
+    """Well-formed StepResults for the step in flight that do not fit it."""
+    ids, n = plan.seq_ids, len(plan.seq_ids)
+
+    def res(seq_ids=ids, rank=0, rows=n, **kw) -> StepResult:
+        return StepResult(plan.step_id, rank, list(seq_ids), kw.pop("token_ids", np.arange(rows)),
+                          np.zeros(rows, np.float32), kw.pop("topk_ids", np.zeros((rows, 2), np.int64)),
+                          np.zeros((rows, 2), np.float32), plan.weight_version, **kw)
+
+    lp = PromptLogprobs("nope", np.zeros(2, np.float32), np.ones(2, np.int64), np.zeros((2, 1), np.int64),
+                        np.zeros((2, 1), np.float32))
+    return [
+        res(rank=7),  # a rank that does not exist
+        res(rank=-1),
+        res([*ids, "nope"], rows=n + 1),  # a sequence the step did not run
+        res(rows=n + 3),  # arrays longer than the sequences
+        res(rows=max(n - 1, 0)) if n else res(["nope"], rows=0),  # ... or shorter
+        res(token_ids=np.zeros((n, 1), np.int64)),  # token ids as a table
+        res(token_ids=-np.ones(n, np.int64)),  # negative token ids
+        res(topk_ids=np.zeros(n, np.int64)),  # top-k as a vector
+        res(ranks=np.ones(n + 2, np.int64), sampling_mass=np.ones(1, np.float32)),
+        res(prompt_logprobs=[lp]),
+        res(routed_experts=np.zeros((1, 1, 1), np.uint8), routed_spans=[(ids[0] if ids else "x", 0, 0, 9)]),
+    ]
+
+
+def test_wrong_step_results_for_the_step_in_flight_are_dropped(server):
+    """A fake worker answers every plan at once, with results of the right step id that do not fit the step:
+    the scheduler logs and drops the ones that arrive before the real worker's, whose results complete every
+    step; the tokens are those of the same greedy request without the fake. Which of the two answers first
+    is up to the machine: the request is repeated (each time checked whole) until every kind of wrong
+    result was seen first at least once."""
+    ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
+    pids = server.child_pids()
+    body = {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2}
+    kinds = ("rank 7 does not exist", "rank -1 does not exist", "sequences the step did not run", "is not a",
+             "negative token id", "topk ids and logprobs", "prompt logprobs of a sequence the step did not run",
+             "a routed span outside the rows")
+    stop, sent = threading.Event(), []
+    ctx = zmq.Context()
+    sub = make_socket(ctx, zmq.SUB, connect=ep.plans)
+    sub.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
+    push = make_socket(ctx, zmq.PUSH, connect=ep.results)
+
+    def fake_worker() -> None:
+        while not stop.is_set():
+            if not sub.poll(20):
+                continue
+            plan = decode(sub.recv_multipart()[1:])
+            if isinstance(plan, StepPlan) and plan.seq_ids:
+                bad = wrong_results(plan)
+                k = len(sent) % len(bad)  # a different one first each step
+                for r in bad[k:] + bad[:k]:
+                    send(push, r)
+                sent.append(plan.step_id)
+
+    with httpx.Client(base_url=server.url, timeout=120) as h:
+        wait_for(lambda: h.get("/health").status_code == 200, 30, "the server")
+        clean = h.post("/v1/completions", json=body)
+        assert clean.status_code == 200, clean.text
+        t = threading.Thread(target=fake_worker)
+        tries = 0
+        try:
+            deadline = time.monotonic() + 120
+            t.start()
+            while not sent:  # the SUB is connected once it sees plans
+                assert time.monotonic() < deadline, "the fake worker never saw a plan"
+                h.post("/v1/completions", json={**body, "max_tokens": 1})
+            while tries == 0 or not all(k in server.log() for k in kinds):
+                assert time.monotonic() < deadline, [k for k in kinds if k not in server.log()]
+                fuzzed = h.post("/v1/completions", json=body)
+                tries += 1
+                assert fuzzed.status_code == 200, fuzzed.text
+                assert fuzzed.json()["usage"]["completion_tokens"] == 60
+                assert fuzzed.json()["choices"][0]["text"] == clean.json()["choices"][0]["text"]
+                assert fuzzed.json()["choices"][0]["logprobs"] == clean.json()["choices"][0]["logprobs"]
+        finally:
+            stop.set()
+            t.join(10)
+            ctx.destroy(linger=0)
+    log = server.log()
+    assert server.proc.poll() is None and server.child_pids() == pids
+    assert "member_lost" not in log and "Traceback" not in log
+
+
 class FakeCoordinator:
     """Binds the control ROUTER and commands XPUB, welcomes whoever says Hello, publishes what it is told."""
 
@@ -216,3 +307,122 @@ def _next_hello(coord: FakeCoordinator) -> Hello:
             if isinstance(msg, Hello):
                 return msg
     raise AssertionError("no Hello")
+
+
+class FakeScheduler:
+    """Binds the plans XPUB and the results PULL, as the scheduler does."""
+
+    def __init__(self, ctx: zmq.Context, ep: Endpoints):
+        self.plans = make_socket(ctx, zmq.XPUB, bind=ep.plans)
+        self.results = make_socket(ctx, zmq.PULL, bind=ep.results)
+
+    def wait_worker(self, name: str, timeout_s: float) -> None:
+        """The worker's Hello on results and its plan and presence subscriptions, as wait_for_workers does."""
+        from bus.endpoints import presence_topic
+        from bus.sockets import subscription_event
+
+        topics, hello = set(), False
+        deadline = time.monotonic() + timeout_s
+        while not (hello and {PLAN_TOPIC, presence_topic(name)} <= topics):
+            assert time.monotonic() < deadline, f"{name} never reached the scheduler"
+            if self.plans.poll(50):
+                on, topic = subscription_event(self.plans.recv())
+                if on:
+                    topics.add(topic)
+            if self.results.poll(50):
+                msg = decode(self.results.recv_multipart())
+                hello |= isinstance(msg, Hello) and msg.name == name
+
+    def run(self, plan: StepPlan, timeout_s: float = 30.0) -> StepResult:
+        send(self.plans, plan, topic=PLAN_TOPIC)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.results.poll(100):
+                res = decode(self.results.recv_multipart())
+                if isinstance(res, StepResult) and res.step_id == plan.step_id:
+                    return res
+        raise AssertionError(f"no result for step {plan.step_id}")
+
+
+def plan_of(step_id: int, seq_id: str) -> StepPlan:
+    from engine.sampling_params import SamplingParams
+
+    new = NewSeq(seq_id, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0), [])
+    return StepPlan(step_id, [new], [seq_id], [0], [3], [[step_id]], [], 0)
+
+
+def plan_garbage() -> list[list[bytes]]:
+    """What a plan SUB must survive, besides garbage(): plans of the wrong shape, and messages that are
+    not plans."""
+    return [
+        *(frames for _, frames in garbage()),
+        _raw(StepPlan.KIND, [1, [], "not a list", [0], [3], [[0]], [], 0]),  # wrong field type
+        _raw(StepPlan.KIND, [1, [["s", [1], {"max_tokens": 2}, []]], ["s"], [0], [1], [[0]], [], 0]),  # dict params
+        _raw(StepPlan.KIND, [1, [], ["s"]]),  # missing fields
+        _raw(StepPlan.KIND, [1, [], [], [], [], [], [], 0, "surplus"]),  # an unknown field
+        [bytes(f) for f in encode(Hello("worker", "x", 1, 1))],  # a message that is not a plan
+    ]
+
+
+def test_a_worker_drops_garbage_on_its_plan_and_abort_watch_sub_sockets(tmp_path):
+    """A real worker process between a fake coordinator and a fake scheduler: garbage on its plan SUB (plan
+    and presence topics) and on the command SUB its member link and its abort watcher both read is logged
+    and dropped; afterwards it still follows commands, executes a valid plan, and its abort watcher still
+    interrupts a step."""
+    import subprocess
+    import sys
+
+    from bus.endpoints import presence_topic
+    from bus.messages import Pause
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint("llama", tmp_path / "llama")
+    cfg = bus_config(tmp_path / "bus", model=str(folder), max_model_len=256, num_gpu_blocks_override=64,
+                     heartbeat_timeout_s=120)
+    ep = Endpoints.from_config(cfg)
+    ctx = zmq.Context()
+    log_path = tmp_path / "worker.log"
+    proc = None
+    try:
+        coord, sched = FakeCoordinator(ctx, ep), FakeScheduler(ctx, ep)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--rank", "0", *cfg.to_argv()],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        coord.welcome("worker-0", timeout_s=120)
+        sched.wait_worker("worker-0", timeout_s=30)
+        for topic in (PLAN_TOPIC, presence_topic("worker-0")):
+            for frames in plan_garbage():
+                sched.plans.send_multipart([topic, *frames])
+            sched.plans.send_multipart([topic])  # a topic and nothing else
+        coord.publish_garbage_then(Command(1, Health()))
+        ack = _next(coord, Ack)
+        assert ack.seq == 1 and ack.ok, ack  # its member link read through the garbage
+        res = sched.run(plan_of(1, "s1"))
+        assert res.error is None and not res.interrupted and res.seq_ids == ["s1"] and res.token_ids.shape == (1,)
+        # The abort watcher read through the same garbage: an abort pause it sees before the member link
+        # applies it (here: the link waits for seqs 2..8 first) interrupts the next step.
+        send(coord.pub, Command(9, Pause("abort")), topic=COMMAND_TOPIC)
+        deadline, step = time.monotonic() + 20, 2
+        while not (res := sched.run(plan_of(step, f"s{step}"))).interrupted:
+            assert time.monotonic() < deadline, "the abort watcher never interrupted a step"
+            step += 1
+        assert res.error is None and proc.poll() is None
+        out = log_path.read_text()
+        assert "worker.bad_plan" in out and "a Hello where a StepPlan goes" in out
+        assert "worker.abort_watch_bad_message" in out and "bus.bad_message" in out
+        assert "Traceback" not in out, out[-3000:]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(20)
+        ctx.destroy(linger=0)
+
+
+def _next(coord: FakeCoordinator, kind: type):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if coord.router.poll(100):
+            msg = decode(coord.router.recv_multipart()[1:])
+            if isinstance(msg, kind):
+                return msg
+    raise AssertionError(f"no {kind.__name__}")

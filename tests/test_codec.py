@@ -22,6 +22,7 @@ from bus.messages import (
     StepPlan,
     StepResult,
     UpdateWeights,
+    WeightUpdateResult,
     Welcome,
     message_kinds,
     protocol_fingerprint,
@@ -99,7 +100,7 @@ def test_prompt_logprobs_travel_nested_with_their_arrays():
     pl = PromptLogprobs("s", np.array([-0.5, -1.5], np.float32), np.array([1, 3]), np.array([[4, 5], [6, 7]]),
                         np.zeros((2, 2), np.float32))
     res = StepResult(2, 0, ["s"], np.array([9]), np.array([-0.1], np.float32), np.zeros((1, 0), np.int64),
-                     np.zeros((1, 0), np.float32), 0, "", 0.0, np.array([1]), np.array([0.5], np.float32), [pl])
+                     np.zeros((1, 0), np.float32), 0, None, 0.0, np.array([1]), np.array([0.5], np.float32), [pl])
     back = roundtrip(res)
     assert back.prompt_logprobs[0].seq_id == "s" and back.prompt_logprobs[0].topk_ids.tolist() == [[4, 5], [6, 7]]
     assert back.sampling_mass.tolist() == [0.5] and back.ranks.tolist() == [1]
@@ -145,6 +146,30 @@ def test_commands_travel_as_typed_structs():
     assert back.error == "worker-0: bad shape; no ack from worker-1"
     state = reduce(ControlState(), Pause("keep", False))
     assert roundtrip(Welcome(True, "", 9, state)).snapshot.paused.mode == "keep"
+
+
+def test_failures_travel_as_typed_errors_not_strings():
+    """A failed step, an interrupted step, a failed request and a failed weight update each carry an
+    ErrorInfo (or the interrupted flag); a bare string where the error goes is a decode error."""
+    failed = StepResult(3, 1, [], None, None, None, None, 0, ErrorInfo("RuntimeError", "boom", "worker-1"))
+    back = roundtrip(failed)
+    assert back.error == ErrorInfo("RuntimeError", "boom", "worker-1") and not back.interrupted
+    cut = StepResult(3, 0, [], None, None, None, None, 0)
+    cut.interrupted = True
+    back = roundtrip(cut)
+    assert back.interrupted and back.error is None
+    out = RequestOutput("r", [], None, None, True, "error", None, ErrorInfo("Paused", "paused", status=503), 3, 0, 0)
+    assert roundtrip(OutputBatch([out], {})).outputs[0].error.status == 503
+    wr = WeightUpdateResult("w", False, "v2", 1, {}, ErrorInfo("WeightSyncError", "update_weights failed: x",
+                                                               status=400, param="shapes"))
+    back = roundtrip(wr)
+    assert back.error.status == 400 and back.error.param == "shapes" and back.error.text() == "update_weights failed: x"
+    assert roundtrip(WeightUpdateResult("w", True, "v2", 2)).error is None
+    for legacy in (_raw(StepResult.KIND, [3, 0, [], None, None, None, None, 0, "interrupted"]),
+                   _raw(WeightUpdateResult.KIND, ["w", False, "v", 1, {}, "boom"]),
+                   _raw(OutputBatch.KIND, [[["r", [], None, None, True, "error", None, "boom", 3, 0, 0]], {}])):
+        with pytest.raises(CodecError):
+            decode(legacy)
 
 
 def _raw(kind: int, body) -> list[bytes]:

@@ -84,6 +84,7 @@ class FakeClient:
         self.submitted: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
         self.fail_after: int | None = None
+        self.failure = ErrorInfo("StepFailed", "worker exploded")  # what a request ends with after fail_after
         self.health_ok = True
 
     @property
@@ -118,7 +119,7 @@ class FakeClient:
                 top = None if params.logprobs is None else [[[tid, -0.5], [33, -1.5], [34, -2.5]][:params.logprobs]]
                 if self.fail_after is not None and k == self.fail_after:
                     finished = True
-                    yield RequestOutput(request_id, [], None, None, True, "error", None, "worker exploded",
+                    yield RequestOutput(request_id, [], None, None, True, "error", None, self.failure,
                                         len(prompt_token_ids), 0, 0)
                     return
                 reason = stop_reason = None
@@ -364,6 +365,21 @@ def test_engine_error_non_stream_and_stream() -> None:
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})
     events = sse_events(r.text)
     assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == "worker exploded"
+
+
+def test_an_engine_error_with_a_status_keeps_it() -> None:
+    """The engine's typed error decides the HTTP status, not a match on its text: 503 for a failure the
+    engine knows is temporary (paused, weights discarded by a level-2 sleep), whatever it says."""
+    http, client = make_app()
+    client.fail_after = 1
+    client.failure = ErrorInfo("WeightsDiscarded", "the weights are not there yet", "worker-0", 503)
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"] == {"message": "the weights are not there yet", "type": "ServiceUnavailableError",
+                                 "param": None, "code": 503}
+    client.failure = ErrorInfo("StepFailed", "Generation is paused. Please retry after it resumes.")
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
+    assert r.status_code == 500, r.text  # no status: a 500, even when the words look like a pause
 
 
 def test_big_prompt_is_tokenized_off_the_loop_and_checked() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bus.messages import ErrorInfo
-from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
+from engine.coordinator.weight_sync_driver import StepReply, SyncOutcome, reply_status, sync_steps
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import ParamMeta, UpdateMeta, WeightSyncError, byte_views, plan_chunks, tensor_checksum
 
@@ -108,6 +108,16 @@ def test_sync_steps_abort_and_resume_on_a_failed_update():
 def test_sync_steps_without_pause_and_a_busy_start_is_not_aborted():
     cmds, out = run(sync_steps("v1", "none", True, [{}], 10, 60), fail_at="start_weight_update", status=409)
     assert cmds == ["start_weight_update"] and out.status == 409
+
+
+def test_a_failed_outcome_travels_as_one_typed_error():
+    bad = ErrorInfo("WeightSyncError", "tensor 'w' has the wrong shape", "worker-0", 400, "shapes", "w")
+    out = SyncOutcome(False, "worker-0: tensor 'w' has the wrong shape", 400, "update_weights", [bad])
+    e = out.error_info()
+    assert (e.kind, e.status, e.param, e.tensor) == ("WeightSyncError", 400, "shapes", "w")
+    assert e.text() == "update_weights failed: worker-0: tensor 'w' has the wrong shape"  # as the HTTP route says
+    assert SyncOutcome(False, "no ack from worker-1", 504, "pause").error_info().kind == "Timeout"
+    assert SyncOutcome(True).error_info() is None
 
 
 def test_reply_status_picks_the_members_status():

@@ -214,10 +214,10 @@ class ModelRunner:
         if out is None:
             z = np.zeros(0, np.int64)
             return StepResult(plan.step_id, self.rank, [], z, np.zeros(0, np.float32), z.reshape(0, 0),
-                              np.zeros((0, 0), np.float32), self.weight_version, "", time.perf_counter() - t0)
+                              np.zeros((0, 0), np.float32), self.weight_version, None, time.perf_counter() - t0)
         return StepResult(plan.step_id, self.rank, sample_ids, out.token_ids.numpy(),
                           out.logprobs.float().numpy(), out.topk_ids.numpy(), out.topk_logprobs.float().numpy(),
-                          self.weight_version, "", time.perf_counter() - t0,
+                          self.weight_version, None, time.perf_counter() - t0,
                           None if out.ranks is None else out.ranks.numpy(),
                           None if out.sampling_mass is None else out.sampling_mass.numpy())
 

@@ -26,6 +26,7 @@ from bus.messages import (
     Command,
     CommandBody,
     CommitWeightUpdate,
+    ErrorInfo,
     FinishWeightUpdate,
     Health,
     Hello,
@@ -58,9 +59,6 @@ from workers.sleep import SleepManager
 from workers.weight_receiver import WeightReceiver
 
 log = structlog.get_logger()
-
-INTERRUPTED = "interrupted"
-
 
 class StepInterrupted(Exception):
     pass
@@ -151,26 +149,29 @@ class WorkerActor:
             log.warning("worker.bad_plan", error=str(e))
             return
         if not isinstance(plan, StepPlan):
+            log.warning("worker.bad_plan", error=f"a {type(plan).__name__} where a StepPlan goes")
             return
         if self.sleep.asleep and plan.seq_ids:
             self._await_wake()
         if plan.seq_ids and self.sleep.missing:  # never compute with weights a level-2 sleep discarded
             st = self.sleep.weights_status()
             why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"])
-            send(self.results, StepResult(plan.step_id, self.rank, [], None, None, None, None,
-                                          self.runner.weight_version, why))
+            send(self.results, self._no_result(plan, ErrorInfo("WeightsDiscarded", why, self.name, 503)))
             return
         try:
             result = self.runner.execute(plan, self._check_interrupt)
         except StepInterrupted:
-            result = StepResult(plan.step_id, self.rank, [], None, None, None, None,
-                                self.runner.weight_version, INTERRUPTED)
+            result = self._no_result(plan)
+            result.interrupted = True
         except Exception as e:  # report, so the scheduler fails the step's requests instead of hanging
             log.exception("worker.step_failed", step=plan.step_id)
-            result = StepResult(plan.step_id, self.rank, [], None, None, None, None,
-                                self.runner.weight_version, f"{type(e).__name__}: {e}")
+            result = self._no_result(plan, ErrorInfo(type(e).__name__, str(e), self.name))
         if plan.seq_ids:
             send(self.results, result)
+
+    def _no_result(self, plan: StepPlan, error: ErrorInfo | None = None) -> StepResult:
+        """A step that sampled nothing: failed (error) or interrupted (the caller sets it)."""
+        return StepResult(plan.step_id, self.rank, [], None, None, None, None, self.runner.weight_version, error)
 
     def _check_interrupt(self) -> None:
         """Between layers: an abort pause (or abort sleep) that the loop has not applied yet ends the
@@ -288,16 +289,21 @@ class _AbortWatcher:
             while not self._stop.is_set():
                 if not sub.poll(500):
                     continue
-                frames = sub.recv_multipart()
-                try:
-                    msg = decode(frames[1:])
-                except CodecError:
-                    continue
-                if isinstance(msg, Command) and isinstance(msg.body, (Pause, Sleep)) and msg.body.mode == "abort":
-                    self.abort_seq = max(self.abort_seq, msg.seq)
+                self._on_message(sub.recv_multipart())
             sub.close(0)
         except zmq.ZMQError:
             pass  # context torn down at exit
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        """Anything but a Command is dropped; a bad one is logged (the member's own SUB logs it too) and
+        never ends this thread, or aborts would stop interrupting steps."""
+        try:
+            msg = decode(frames[1:])
+        except CodecError as e:
+            log.warning("worker.abort_watch_bad_message", error=str(e))
+            return
+        if isinstance(msg, Command) and isinstance(msg.body, (Pause, Sleep)) and msg.body.mode == "abort":
+            self.abort_seq = max(self.abort_seq, msg.seq)
 
     def stop(self) -> None:
         self._stop.set()

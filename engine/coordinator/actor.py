@@ -148,8 +148,8 @@ class Coordinator:
         """A trainer announced a weight version: drive the acked steps of engine.coordinator.weight_sync_driver."""
         def refuse(status: int, error: str) -> None:
             log.warning("coordinator.weight_event_refused", version=ev.version, error=error)
-            send(self.router, WeightUpdateResult(ev.request_id, False, error, status, ev.version,
-                                                 self.ledger.snapshot.weight_epoch), to=sender)
+            send(self.router, WeightUpdateResult(ev.request_id, False, ev.version, self.ledger.snapshot.weight_epoch,
+                                                 error=ErrorInfo("WeightSyncError", error, status=status)), to=sender)
 
         if self.weight_cfg is None:
             return refuse(400, "weight transfer is not configured: start the server with --weight-transfer-config")
@@ -181,9 +181,8 @@ class Coordinator:
             epoch = self.ledger.snapshot.weight_epoch
             version = self.ledger.snapshot.weight_version
             log.info("coordinator.weight_update_done", ok=outcome.ok, error=outcome.error, epoch=epoch)
-            send(self.router, WeightUpdateResult(s.event.request_id, outcome.ok,
-                                                 f"{outcome.failed_step} failed: {outcome.error}" if not outcome.ok
-                                                 else "", outcome.status, version, epoch, s.timings), to=s.sender)
+            send(self.router, WeightUpdateResult(s.event.request_id, outcome.ok, version, epoch, s.timings,
+                                                 outcome.error_info()), to=s.sender)
             return
         s.step, s.step_started = step.name, now
         cmd, done = self.ledger.publish(step.command, now=now, timeout_s=step.timeout_s)
@@ -213,7 +212,7 @@ class Coordinator:
                      topic=WEIGHTS_TOPIC)
             if self.sync is not None and p.seq == self.sync.seq:
                 self._advance(StepReply(p.ok, describe(p.errors, p.missing),
-                                        reply_status(p.ok, p.missing, p.errors), p.results))
+                                        reply_status(p.ok, p.missing, p.errors), p.results, p.errors))
             if p.requester is not None:
                 send(self.router, ControlReply(p.request_id, p.ok, p.seq, p.results, p.errors, p.missing),
                      to=p.requester)

@@ -46,6 +46,7 @@ class StepReply:
     error: str = ""
     status: int = 200  # the HTTP status of the failure (4xx from validation, 409 state, 504 timeout)
     results: dict[str, Any] = field(default_factory=dict)
+    errors: list[ErrorInfo] = field(default_factory=list)  # one per failing member
 
 
 @dataclass(slots=True)
@@ -54,6 +55,17 @@ class SyncOutcome:
     error: str = ""
     status: int = 200
     failed_step: str = ""
+    errors: list[ErrorInfo] = field(default_factory=list)
+
+    def error_info(self) -> ErrorInfo | None:
+        """The failure as it travels (WeightUpdateResult.error): the failing step and every member's error in
+        the message, their first member's kind and field, and the HTTP status."""
+        if self.ok:
+            return None
+        first = self.errors[0] if self.errors else None
+        kind = first.kind if first else ("Timeout" if self.status == 504 else "WeightSyncError")
+        message = f"{self.failed_step} failed: {self.error}" if self.failed_step else self.error
+        return ErrorInfo(kind, message, "", self.status, first and first.param, first and first.tensor)
 
 
 def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[dict[str, Any]],
@@ -64,7 +76,7 @@ def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[d
         deadline = 3600.0 if pause_mode == "wait" else control_timeout_s
         r = yield Step(Pause(pause_mode, clear_cache), deadline)
         if not r.ok:
-            return SyncOutcome(False, r.error, r.status, "pause")
+            return SyncOutcome(False, r.error, r.status, "pause", r.errors)
     failed: tuple[str, StepReply] | None = None
     r = yield Step(StartWeightUpdate(), control_timeout_s)
     if not r.ok:
@@ -88,7 +100,7 @@ def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[d
         yield Step(Resume(), control_timeout_s)
     if failed is not None:
         step, r = failed
-        return SyncOutcome(False, r.error, r.status, step)
+        return SyncOutcome(False, r.error, r.status, step, r.errors)
     return SyncOutcome(True)
 
 

@@ -10,6 +10,7 @@ cannot be lost. One step is in flight at a time: plan -> results of every worker
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 from typing import Any
@@ -26,6 +27,7 @@ from bus.messages import (
     AddRequest,
     CommandBody,
     CommitWeightUpdate,
+    ErrorInfo,
     Health,
     Hello,
     MemberLost,
@@ -52,6 +54,7 @@ from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
+from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
 
 log = structlog.get_logger()
@@ -80,8 +83,12 @@ class SchedulerActor:
         self.pending_results: dict[int, StepResult] = {}
         self.step_started = 0.0
         self.results_at = 0.0  # when the last step's results were all in (0: consumed by the next plan)
+        self.results_cpu = 0.0  # this thread's CPU time then: turnaround_cpu_total is what we spent of it
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
+        # Outputs of this loop turn, sent once the turn's plan is out (the workers wait for the plan; the
+        # gateways can wait the fraction of a millisecond): one OutputBatch per gateway per turn, in order.
+        self.outbox: list[tuple[Sequence, RequestOutput]] = []
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -148,6 +155,8 @@ class SchedulerActor:
             if self._can_start_step():
                 self._start_step()
             self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
+            if self.outbox:
+                self._flush()
 
     def _can_start_step(self) -> bool:
         return not self.dead_reason and self.gate.may_step(self.link.state, in_flight=self.in_flight is not None,
@@ -170,13 +179,15 @@ class SchedulerActor:
     def _add(self, client: bytes, msg: AddRequest) -> None:
         seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.eos_token_ids, msg.arrival_time,
                        client)
-        error = self.dead_reason
+        error = None if self.dead_reason is None else ErrorInfo("EngineDead", self.dead_reason)
         if error is None and control_state.rejects_new_requests(self.link.state):
-            error = control_state.PAUSED_MESSAGE
+            error = ErrorInfo("Paused", control_state.PAUSED_MESSAGE, status=503)
         if error is None and msg.request_id in self.sched.seqs:
-            error = f"request id {msg.request_id!r} is already running"
+            error = ErrorInfo("DuplicateRequest", f"request id {msg.request_id!r} is already running",
+                              param="request_id")
         if error is None and seq.num_prompt_tokens >= self.max_model_len:
-            error = f"prompt of {seq.num_prompt_tokens} tokens does not fit max_model_len {self.max_model_len}"
+            error = ErrorInfo("PromptTooLong", f"prompt of {seq.num_prompt_tokens} tokens does not fit "
+                              f"max_model_len {self.max_model_len}", param="prompt")
         if error is not None:
             seq.finish_reason = "error"
             self._emit([(seq, self._output(seq, [], finished=True, error=error))])
@@ -199,6 +210,7 @@ class SchedulerActor:
         if self.results_at:
             # the scheduler's own time between a step's results and the next plan (the workers wait)
             self.counters["turnaround_total"] += time.perf_counter() - self.results_at
+            self.counters["turnaround_cpu_total"] += time.thread_time() - self.results_cpu
             self.counters["turnarounds"] += 1
             self.results_at = 0.0
 
@@ -211,6 +223,7 @@ class SchedulerActor:
         send(self.plans, plan, topic=PLAN_TOPIC)
 
     def _on_result(self) -> None:
+        arrived, cpu = time.perf_counter(), time.thread_time()  # the turnaround counts decoding and checking too
         try:
             res = recv(self.results)
         except CodecError as e:
@@ -218,22 +231,27 @@ class SchedulerActor:
             return
         if not isinstance(res, StepResult) or self.in_flight is None or res.step_id != self.step_id:
             return
+        why = result_problem(res, self.in_flight, self.cfg.num_workers)
+        if why is not None:  # well-typed but not an answer to this step: the real one is still to come
+            log.warning("scheduler.bad_result", step=res.step_id, rank=res.rank, error=why)
+            return
         self.pending_results[res.rank] = res
         if len(self.pending_results) < self.cfg.num_workers:
             return
         step, self.in_flight = self.in_flight, None
-        self.results_at = time.perf_counter()
+        self.results_at, self.results_cpu = arrived, cpu
         main = self.pending_results[0]
-        errors = [r.error for r in self.pending_results.values() if r.error]
+        errors = [r.error for r in self.pending_results.values() if r.error is not None]
+        interrupted = any(r.interrupted for r in self.pending_results.values())
         self.pending_results = {}
-        if errors and all(e == "interrupted" for e in errors):
-            # An abort pause cut the step short: its sequences were aborted, nothing advanced.
-            self._maybe_complete_quiesce()
-            return
         if errors:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
             # keeps serving the others. Dead workers are handled by member_lost, not here.
-            self._fail_seqs(step.seqs, f"worker step failed: {errors[0]}")
+            self._fail_seqs(step.seqs, step_failure(errors[0]))
+            return
+        if interrupted:
+            # An abort pause cut the step short: its sequences were aborted, nothing advanced.
+            self._maybe_complete_quiesce()
             return
         dt = time.perf_counter() - self.step_started
         self.step_time_ema = dt if not self.step_time_ema else 0.9 * self.step_time_ema + 0.1 * dt
@@ -241,14 +259,18 @@ class SchedulerActor:
         self.counters["step_time_total"] += dt
         # the worker's own compute time: step_time_total - step_compute_total is what the bus hop costs
         self.counters["step_compute_total"] += main.step_time_s
-        self.counters["prompt_tokens"] += sum(max(0, min(b + n, q.num_prompt_tokens) - b)
-                                              for q, n, b in zip(step.seqs, step.num_new, step.num_computed))
+        prompt_tokens = 0
+        for q, n, b in zip(step.seqs, step.num_new, step.num_computed):
+            p = len(q.prompt_token_ids)
+            if b < p:  # a prefill chunk (decodes come first and add nothing)
+                prompt_tokens += min(b + n, p) - b
+        self.counters["prompt_tokens"] += prompt_tokens
         if main.routed_experts is not None:
             self._file_routed(step, main)
         sampled: dict[str, tuple[int, float, list[list[float]] | None]] = {}
         row: dict[str, int] = {}
-        for i, sid in enumerate(main.seq_ids):
-            sampled[sid] = (int(main.token_ids[i]), float(main.logprobs[i]), None)
+        for i, (sid, tok, lp) in enumerate(zip(main.seq_ids, main.token_ids.tolist(), main.logprobs.tolist())):
+            sampled[sid] = (tok, lp, None)
             row[sid] = i
         updates = self.sched.update(step, sampled)
         self.counters["generation_tokens"] += len(updates)
@@ -288,7 +310,7 @@ class SchedulerActor:
         out.prompt_logprobs = prompt_lp
         return out
 
-    def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: str | None = None,
+    def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
                 logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
         out = RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
@@ -299,7 +321,12 @@ class SchedulerActor:
         return out
 
     def _emit(self, items: list[tuple[Sequence, RequestOutput]]) -> None:
-        """One OutputBatch per gateway that owns any of these outputs."""
+        """Queue outputs for the end of this loop turn (run() flushes them after the turn's plan)."""
+        self.outbox += items
+
+    def _flush(self) -> None:
+        """One OutputBatch per gateway that owns any of the queued outputs."""
+        items, self.outbox = self.outbox, []
         by_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
         for seq, out in items:
             by_client[seq.client].append(out)
@@ -388,9 +415,9 @@ class SchedulerActor:
             return  # still starting: nothing to fail, and wait_for_workers waits for its replacement
         self.dead_reason = reason
         self.in_flight = None
-        self._fail_seqs(list(self.sched.seqs.values()), reason)
+        self._fail_seqs(list(self.sched.seqs.values()), ErrorInfo("EngineDead", reason))
 
-    def _fail_seqs(self, seqs: list[Sequence], reason: str) -> None:
+    def _fail_seqs(self, seqs: list[Sequence], reason: ErrorInfo) -> None:
         outs = []
         for seq in seqs:
             if self.sched.abort(seq.seq_id) is None:
@@ -398,6 +425,24 @@ class SchedulerActor:
             seq.finish_reason = "error"
             outs.append((seq, self._output(seq, [], finished=True, error=reason)))
         self._emit(outs)
+
+
+def step_failure(e: ErrorInfo) -> ErrorInfo:
+    """What the requests of a failed step are told: a failure the worker anticipated (it knows the HTTP
+    status, e.g. 503 for weights a level-2 sleep discarded) as it is; anything else as a 500 that names
+    the exception."""
+    if e.status is not None:
+        return ErrorInfo(e.kind, e.message, e.member, e.status, e.param, e.tensor)
+    return ErrorInfo("StepFailed", f"worker step failed: {e.kind}: {e.message}", e.member, None, e.param, e.tensor)
+
+
+def freeze_heap() -> None:
+    """After start-up: collect once, then move every surviving object (modules, the block manager's free
+    lists, ...) out of the collector's sight, so a full collection in the loop walks only what the loop
+    made (vLLM's freeze_gc_heap). A full collection of the start-up heap took 10-20 ms here, between a
+    step's results and the next plan."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_scheduler_process(cfg: EngineConfig) -> None:
@@ -408,6 +453,7 @@ def run_scheduler_process(cfg: EngineConfig) -> None:
     try:
         actor.link.wait_welcome(timeout_s=120)
         info = actor.wait_for_workers()
+        freeze_heap()
         report_ready(ctx, ep.ready, "scheduler", NAME, info)
         actor.run()
     finally:

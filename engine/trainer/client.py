@@ -387,7 +387,10 @@ class WeightSyncClient:
         self._mark("sync", t)
         self.timings.update({f"engine_{k}": v for k, v in reply.timings_s.items()})
         if not reply.ok:
-            raise WeightSyncFailed(reply.error, reply.status)
+            err = reply.error
+            if err is None:
+                raise WeightSyncFailed("weight update failed without saying why")
+            raise WeightSyncFailed(err.text(), err.status or 500)
 
     def _bus_world(self) -> int:
         from bus.messages import Members
