@@ -195,7 +195,7 @@ def codec_cost(reps: int = 2000) -> dict[str, float]:
     plan = StepPlan(9, [NewSeq("new", list(range(200)), sp, [2])], [f"s{i}" for i in range(64)], [300] * 64,
                     [1] * 64, [list(range(20)) for _ in range(64)], [], 1)
     res = StepResult(9, 0, [f"s{i}" for i in range(64)], np.arange(64), np.zeros(64, np.float32),
-                     np.zeros((64, 0), np.int64), np.zeros((64, 0), np.float32), 1, "", 0.01, np.ones(64, np.int64),
+                     np.zeros((64, 0), np.int64), np.zeros((64, 0), np.float32), 1, None, 0.01, np.ones(64, np.int64),
                      np.ones(64, np.float32))
     out = {}
     for name, msg in (("batch256", plain), ("batch256_top5", top5), ("plan64", plan), ("result64", res)):
