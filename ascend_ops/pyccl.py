@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ascend_ops.safe_pickle import UnsafePickleError, allow, restricted_loads
+from ascend_ops.safe_pickle import PLAIN_DATA, UnsafePickleError, restricted_loads
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ def loads_unique_id(fmt: IdFormat, data: bytes, what: str) -> bytes:
         return state[1]
 
     subs = {("_ctypes", "_unpickle"): unpickle, (fmt.module, fmt.qualname): id_type}
-    out = restricted_loads(data, allow(*subs), what=what, substitutes=subs)
+    out = restricted_loads(data, {**dict.fromkeys(PLAIN_DATA), **subs}, what=what)
     if not isinstance(out, bytes) or len(out) != fmt.nbytes:
         raise ValueError(f"{what}: expected a pickled {fmt.qualname}, got {type(out).__name__}")
     return out

@@ -45,13 +45,11 @@ class UnsafePickleError(pickle.UnpicklingError):
 
 class _Restricted(pickle.Unpickler):
     def __init__(self, data: bytes, allowed: frozenset[tuple[str, str]] | Mapping[tuple[str, str], Any], what: str,
-                 persistent_load: Callable[[Any], Any] | None = None,
-                 substitutes: Mapping[tuple[str, str], Any] | None = None):
+                 persistent_load: Callable[[Any], Any] | None = None):
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
         self._what = what
         self._persistent = persistent_load
-        self._substitutes = dict(allowed) if isinstance(allowed, Mapping) else dict(substitutes or {})
 
     def find_class(self, module: str, name: str) -> Any:
         # Python 2 names (protocol < 3 pickles), mapped as pickle's own fix_imports does; no Python 3
@@ -61,8 +59,9 @@ class _Restricted(pickle.Unpickler):
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) not in self._allowed:
             raise UnsafePickleError(f"{module}.{name}", self._what)
-        if (module, name) in self._substitutes:
-            return self._substitutes[(module, name)]  # the caller's stand-in; the module is never imported
+        stand_in = self._allowed.get((module, name)) if isinstance(self._allowed, Mapping) else None
+        if stand_in is not None:
+            return stand_in  # the caller's stand-in; the named module is never imported
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
@@ -84,17 +83,16 @@ def allow(*extra: Iterable[tuple[str, str]] | tuple[str, str]) -> frozenset[tupl
 
 def restricted_loads(data: bytes | bytearray | memoryview,
                      allowed: frozenset[tuple[str, str]] | Mapping[tuple[str, str], Any] = PLAIN_DATA,
-                     what: str = "pickle", persistent_load: Callable[[Any], Any] | None = None,
-                     substitutes: Mapping[tuple[str, str], Any] | None = None) -> Any:
+                     what: str = "pickle", persistent_load: Callable[[Any], Any] | None = None) -> Any:
     """Unpickle `data`, resolving only the allowed globals. Raises UnsafePickleError (naming the global)
     or pickle.UnpicklingError / EOFError / ValueError on malformed input; `what` prefixes the message.
     Persistent ids are refused unless `persistent_load` (which sees the id, already built from allowed
     parts only) is given.
 
-    Stand-ins: `allowed` given as a mapping resolves each allowed global to its value, and `substitutes`
-    does the same for some globals of an allowed set; the named module is then never imported. For types
-    of packages this process does not have (vLLM's ``ncclUniqueId`` in a pickle from a vLLM trainer) or an
-    inert replacement of a callable (torch's rebuild functions in IPC handles)."""
+    Stand-ins: `allowed` given as a mapping resolves each allowed global to its value (None: the real
+    global); the named module is then never imported. For types of packages this process does not have
+    (vLLM's ``ncclUniqueId`` in a pickle from a vLLM trainer) or an inert replacement of a callable
+    (torch's rebuild functions in IPC handles)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise pickle.UnpicklingError(f"{what}: expected bytes, got {type(data).__name__}")
-    return _Restricted(bytes(data), allowed, what, persistent_load, substitutes).load()
+    return _Restricted(bytes(data), allowed, what, persistent_load).load()
