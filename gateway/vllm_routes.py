@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -31,6 +31,7 @@ from gateway.serving_chat import render_prompt
 from gateway.serving_completions import prepare as prepare_completion
 from gateway.serving_generate import check_enabled
 
+T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
 RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render")
 _I64_MAX = 2**63 - 1
 # vLLM's RequestOutputKind
@@ -159,12 +160,17 @@ def add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
         # vLLM decodes the prompt with special tokens kept
         return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
-    @app.post("/v1/chat/completions/render")
-    async def render_chat(request: Request) -> JSONResponse:
+    async def render_body(request: Request, schema: type[T]) -> T:
+        """What both render routes check first: scale-out on, a valid body for our model, no offsets."""
         check_enabled(ctx)
-        body = ChatCompletionRequest.model_validate(await _json(request))
+        body = schema.model_validate(await _json(request))
         _check_model(ctx, body.model)
         _refuse_offsets(body)
+        return body
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request) -> JSONResponse:
+        body = await render_body(request, ChatCompletionRequest)
         base = request.headers.get("x-request-id") or body.request_id or os.urandom(16).hex()
         request_id = f"chatcmpl-{base}"
         states = await prepare_chat(ctx, body, request_id)
@@ -178,10 +184,7 @@ def add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions/render")
     async def render_completion(request: Request) -> JSONResponse:
-        check_enabled(ctx)
-        body = CompletionRequest.model_validate(await _json(request))
-        _check_model(ctx, body.model)
-        _refuse_offsets(body)
+        body = await render_body(request, CompletionRequest)
         base = f"cmpl-{request.headers.get('x-request-id') or body.request_id or os.urandom(16).hex()}"
         encoded, states = await prepare_completion(ctx, body, base)
         out = []
