@@ -97,13 +97,18 @@ def in_process(folder: Path, seqs: int, tokens: int) -> tuple[float, float]:
     return 1e3 * exec_t / (steps - 1), 1e3 * codec_t / (steps - 1)
 
 
-def over_the_bus(folder: Path, seqs: int, tokens: int) -> dict[str, float]:
-    work = Path(tempfile.mkdtemp(prefix="rollbus-hop-"))
-    cfg = EngineConfig(model=str(folder), bus_dir=str(work), port=0, max_model_len=2048,
+def start_engine(folder: Path, bus_dir: Path) -> tuple[EngineConfig, list[subprocess.Popen]]:
+    """The coordinator, scheduler and one worker (no gateway) on `folder`, their sockets under bus_dir."""
+    cfg = EngineConfig(model=str(folder), bus_dir=str(bus_dir), port=0, max_model_len=2048,
                        num_gpu_blocks_override=1024)
     argv = cfg.to_argv()
     procs = [subprocess.Popen([sys.executable, "-m", "engine.cli", *role, *argv])
              for role in (["coordinator"], ["scheduler"], ["worker", "--rank", "0"])]
+    return cfg, procs
+
+
+def over_the_bus(folder: Path, seqs: int, tokens: int) -> dict[str, float]:
+    cfg, procs = start_engine(folder, Path(tempfile.mkdtemp(prefix="rollbus-hop-")))
     ctx = zmq.Context()
     try:
         sock = make_socket(ctx, zmq.DEALER, connect=Endpoints.from_config(cfg).requests, identity="bench")

@@ -217,7 +217,7 @@ def scheduler_turnaround(seqs: int = 64, tokens: int = 64) -> dict[str, float]:
     import zmq
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bus_hop import make_model, prompts
+    from bus_hop import make_model, prompts, start_engine
 
     from bus.codec import decode
     from bus.messages import AddRequest, OutputBatch
@@ -226,11 +226,7 @@ def scheduler_turnaround(seqs: int = 64, tokens: int = 64) -> dict[str, float]:
 
     work = Path(tempfile.mkdtemp(prefix="rollbus-turn-"))
     make_model(work / "model")
-    cfg = EngineConfig(model=str(work / "model"), bus_dir=str(work / "bus"), port=0, max_model_len=2048,
-                       num_gpu_blocks_override=1024)
-    argv = cfg.to_argv()
-    procs = [subprocess.Popen([sys.executable, "-m", "engine.cli", *role, *argv])
-             for role in (["coordinator"], ["scheduler"], ["worker", "--rank", "0"])]
+    cfg, procs = start_engine(work / "model", work / "bus")
     ctx = zmq.Context()
     try:
         sock = make_socket(ctx, zmq.DEALER, connect=Endpoints.from_config(cfg).requests, identity="bench")
