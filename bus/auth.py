@@ -146,6 +146,9 @@ def check_config(cfg) -> BusKeys | None:
             raise ValueError("--bus-curve-dir and --bus-insecure concern --bus-transport tcp only "
                              "(ipc sockets are protected by their folder's permissions)")
         return None
+    if getattr(cfg, "bus_dir", None):
+        raise ValueError("--bus-dir (or ROLLBUS_BUS_DIR) sets the folder of ipc sockets and has no effect with "
+                         "--bus-transport tcp: drop it")
     if curve_dir and insecure:
         raise ValueError("--bus-curve-dir and --bus-insecure contradict each other: choose one")
     if curve_dir:

@@ -387,7 +387,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["ipc", "tcp"],
                    help="ipc:// sockets (one host) or tcp:// (processes on several hosts). Env ROLLBUS_BUS_TRANSPORT.")
     g.add_argument("--bus-dir", default=os.environ.get("ROLLBUS_BUS_DIR"),
-                   help="Folder for ipc:// sockets. Env ROLLBUS_BUS_DIR. Default: a folder per --port in the temp dir.")
+                   help="Folder for ipc:// sockets (refused with --bus-transport tcp). Env ROLLBUS_BUS_DIR. Default: a "
+                        "folder per --port in the temp dir.")
     g.add_argument("--bus-host", default=os.environ.get("ROLLBUS_BUS_HOST", d.bus_host),
                    help="tcp: host of the scheduler and coordinator sockets. Env ROLLBUS_BUS_HOST.")
     g.add_argument("--bus-port-base", type=int, default=int(os.environ.get("ROLLBUS_BUS_PORT_BASE", d.bus_port_base)),

@@ -66,7 +66,8 @@ def start_server(workdir: Path, *args: str, timeout_s: float = 180.0) -> Server:
     port = free_port()
     log_path = workdir / f"serve-{port}.log"
     bus_dir = workdir / f"bus-{port}"
-    cmd = [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), "--bus-dir", str(bus_dir),
+    ipc = ["--bus-dir", str(bus_dir)] if "tcp" not in args else []  # --bus-dir is for ipc sockets only
+    cmd = [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), *ipc,
            "--heartbeat-timeout-s", "3"]
     f = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)

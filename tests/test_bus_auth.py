@@ -140,6 +140,14 @@ def test_rollbus_serve_reports_a_bad_key_file_and_exits(tmp_path):
 
 
 @pytest.mark.unit
+def test_bus_dir_with_a_tcp_bus_is_refused_by_name(monkeypatch):
+    """--bus-dir places ipc sockets; with tcp it would be accepted and do nothing."""
+    monkeypatch.delenv("ROLLBUS_BUS_DIR", raising=False)
+    with pytest.raises(SystemExit, match="--bus-dir"):
+        parse_config(["m", "--bus-transport", "tcp", "--bus-insecure", "--bus-dir", "/tmp/x"])
+    assert parse_config(["m", "--bus-dir", "/tmp/x"]).bus_dir == "/tmp/x"
+
+
 def test_tcp_without_keys_is_refused_unless_insecure_on_loopback(tmp_path):
     with pytest.raises(SystemExit, match="rollbus keys DIR"):
         parse_config(["m", "--bus-transport", "tcp"])
