@@ -136,7 +136,7 @@ def test_keep_with_recompute_gives_the_same_greedy_tokens(server):
 
 def test_wait_returns_after_running_requests_finish(server):
     url = server.url
-    ts, out = launch(url, 3, 40)
+    ts, out = launch(url, 3, 300)  # long enough to be seen running (40 could finish between two polls)
     wait_running(url, 3)
     r = post(url, "/pause", mode="wait")
     assert r.status_code == 200
