@@ -6,6 +6,10 @@ The owning actor registers typed handlers (`link.on(Pause, self._pause)`, see bu
 `sockets` in its poller, calls `handle(sock)` when one is readable and `tick(now)` every loop turn.
 `link.state` is the control state at the last applied command. A handler that completes later returns
 DEFER; the actor then calls `link.complete(result)`.
+
+Rejoin: a member the coordinator declared lost (it stalled past --heartbeat-timeout-s: SIGSTOP, swap, a
+starved CPU) reads its own `MemberLost` once it runs again, says Hello again and is welcomed back (the
+coordinator then publishes `MemberJoined`); its handlers of both commands decide what the stall cost.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from bus.messages import (
     ErrorInfo,
     Heartbeat,
     Hello,
+    MemberLost,
     Welcome,
 )
 from bus.sockets import make_socket, send
@@ -61,7 +66,7 @@ class MemberLink:
         self._coordinator_seen = now
         self._last_tick = now
         self._hello()
-        self._beat = _HeartbeatThread(ctx, ep.control, name, heartbeat_interval_s, lambda: self.follower.seq or 0)
+        self._beat = HeartbeatThread(ctx, ep.control, name, heartbeat_interval_s, lambda: self.follower.seq or 0)
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -109,6 +114,9 @@ class MemberLink:
             except Refused as e:
                 raise BusError(f"{self.name}: coordinator refused us: {e}") from None
         elif isinstance(msg, Command):
+            if is_own_loss(msg, self.name):
+                log.warning("bus.rejoining", member=self.name, why=msg.body.why)
+                self._hello()  # the Welcome that answers it is ignored by the follower (same position)
             try:
                 acks = self.follower.command(msg)
             except SequenceGap as gap:
@@ -150,11 +158,17 @@ class MemberLink:
         self._send_acks(self.follower.complete(result, error))
 
 
-class _HeartbeatThread:
-    """Process liveness, independent of the actor's loop: a worker in a long forward pass is alive and
-    must not be declared dead. It has its own DEALER (sockets are not shared across threads); the
-    coordinator keys heartbeats by the name inside the message, not by socket identity. A hung loop
-    (alive but not applying commands) is caught by the control deadlines instead."""
+def is_own_loss(msg: Command, name: str) -> bool:
+    """A `MemberLost` naming us: we were declared lost (a stall) and must say Hello again."""
+    return isinstance(msg.body, MemberLost) and msg.body.name == name
+
+
+class HeartbeatThread:
+    """Process liveness, independent of the actor's loop: a worker in a long forward pass (or a gateway
+    whose event loop parses a huge request) is alive and must not be declared dead. It has its own DEALER
+    (sockets are not shared across threads); the coordinator keys heartbeats by the name inside the
+    message, not by socket identity. A hung loop (alive but not applying commands) is caught by the
+    control deadlines instead."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, name: str, interval_s: float, seq: Callable[[], int]):
         self._stop = threading.Event()
