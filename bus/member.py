@@ -108,6 +108,11 @@ class MemberLink:
             log.warning("bus.bad_message", member=self.name, error=str(e))
             return
         self._coordinator_seen = time.monotonic()
+        if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self.follower.seq):
+            # A new coordinator (a supervisor restarted it) starts from the initial control state at seq 0:
+            # what we followed is gone. Exit so our supervisor starts us fresh against it.
+            raise BusError(f"{self.name}: the coordinator restarted (its seq went back from {self.follower.seq} "
+                           f"to {msg.seq}); exiting to start again from its state")
         if isinstance(msg, Welcome):
             try:
                 self._send_acks(self.follower.welcome(msg))
@@ -156,6 +161,12 @@ class MemberLink:
     def complete(self, result: dict[str, Any] | None = None, error: ErrorInfo | None = None) -> None:
         """Ack the deferred command, then apply the commands held behind it."""
         self._send_acks(self.follower.complete(result, error))
+
+
+def coordinator_restarted(beat: Heartbeat, position: int | None) -> bool:
+    """The coordinator's heartbeat carries the last seq it published, never below what any member applied,
+    unless it is a new coordinator."""
+    return beat.name == "coordinator" and position is not None and beat.seq < position
 
 
 def is_own_loss(msg: Command, name: str) -> bool:

@@ -30,7 +30,7 @@ import zmq.asyncio
 from bus.codec import CodecError, decode, encode
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
 from bus.follower import Follower, Refused, SequenceGap
-from bus.member import HeartbeatThread, is_own_loss
+from bus.member import HeartbeatThread, coordinator_restarted, is_own_loss
 from bus.messages import (
     PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
@@ -42,6 +42,7 @@ from bus.messages import (
     ControlRequest,
     ControlState,
     ErrorInfo,
+    Heartbeat,
     Hello,
     MemberLost,
     OutputBatch,
@@ -202,7 +203,12 @@ class EngineClient:
             if self.silent is not None:
                 log.info("gateway.coordinator_back", after=self.silent)
                 self.silent = None
-            if isinstance(msg, Command):
+            if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self.follower.seq):
+                # a new coordinator: its control state replaces ours (a snapshot), our requests are gone
+                self._fail_all("the coordinator restarted: running requests failed: retry")
+                self.follower.resync()
+                await self._hello()
+            elif isinstance(msg, Command):
                 if is_own_loss(msg, self.name):  # our loop stalled past the heartbeat timeout: rejoin
                     self._fail_all(f"this gateway was declared lost ({msg.body.why}); the engine dropped its "
                                    "requests: retry")

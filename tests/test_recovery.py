@@ -5,6 +5,7 @@ run in order: the weight-update tests build on each other)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -17,9 +18,11 @@ import zmq
 
 from bus.codec import decode
 from bus.endpoints import WEIGHTS_TOPIC, Endpoints
-from bus.messages import WeightVersionLost
+from bus.messages import Members, WeightVersionLost
 from engine.restart_policy import RestartPolicy
 from engine.trainer import WeightSyncClient
+from gateway.engine_client import EngineClient
+from tests.bus_helpers import ControlClient, bus_config, start_coordinator
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
 from tests.waits import recv_topic, wait_for, wait_subscribed
 
@@ -266,3 +269,33 @@ def test_restart_policy_backs_off_then_gives_up():
     assert p.on_exit("gateway", 3) == 0.5  # counted per child
     assert p.on_exit("worker-0", 70) == 0.5  # the old deaths left the window
     assert RestartPolicy(max_restarts=0).on_exit("worker-0", 0) is None
+
+
+def test_a_gateway_whose_event_loop_is_blocked_stays_a_member(tmp_path):
+    """The gateway's heartbeat is a thread: its event loop blocked for over twice the heartbeat timeout
+    (what parsing a huge request did) costs nothing; the same block without heartbeats got it lost."""
+    cfg = bus_config(tmp_path)  # heartbeats every 0.2 s, lost after 1.5 s
+    coordinator = start_coordinator(cfg)
+    ep = Endpoints.from_config(cfg)
+    control = ControlClient(ep)
+    seen: dict = {}
+
+    async def gateway() -> None:
+        client = EngineClient(ep, name="gateway-blocked", heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+        await client.start(timeout_s=30)
+        try:
+            time.sleep(3.5)  # the loop blocked, no await
+            seen["members"] = set(control.request(Members()).results)
+            await asyncio.sleep(0.5)  # the readers catch up with what arrived meanwhile
+            seen["dead_reason"] = client.dead_reason
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(gateway())
+    finally:
+        control.close()
+        coordinator.terminate()
+        coordinator.wait(10)
+    assert "gateway-blocked" in seen["members"], seen
+    assert seen["dead_reason"] is None, seen
