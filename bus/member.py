@@ -65,6 +65,7 @@ class MemberLink:
         now = time.monotonic()
         self._coordinator_seen = now
         self._last_tick = now
+        self._command_seq = 0  # the highest seq of a command read on the SUB (coordinator_restarted)
         self._hello()
         self._beat = HeartbeatThread(ctx, ep.control, name, heartbeat_interval_s, lambda: self.follower.seq or 0)
 
@@ -108,11 +109,13 @@ class MemberLink:
             log.warning("bus.bad_message", member=self.name, error=str(e))
             return
         self._coordinator_seen = time.monotonic()
-        if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self.follower.seq):
+        if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self._command_seq):
             # A new coordinator (a supervisor restarted it) starts from the initial control state at seq 0:
             # what we followed is gone. Exit so our supervisor starts us fresh against it.
-            raise BusError(f"{self.name}: the coordinator restarted (its seq went back from {self.follower.seq} "
+            raise BusError(f"{self.name}: the coordinator restarted (its seq went back from {self._command_seq} "
                            f"to {msg.seq}); exiting to start again from its state")
+        if isinstance(msg, Command) and sock is self.sub:
+            self._command_seq = max(self._command_seq, msg.seq)
         if isinstance(msg, Welcome):
             try:
                 self._send_acks(self.follower.welcome(msg))
@@ -163,10 +166,11 @@ class MemberLink:
         self._send_acks(self.follower.complete(result, error))
 
 
-def coordinator_restarted(beat: Heartbeat, position: int | None) -> bool:
-    """The coordinator's heartbeat carries the last seq it published, never below what any member applied,
-    unless it is a new coordinator."""
-    return beat.name == "coordinator" and position is not None and beat.seq < position
+def coordinator_restarted(beat: Heartbeat, last_command_seq: int) -> bool:
+    """The coordinator's heartbeat carries the last seq it published, so on the one SUB pipe it never falls
+    below a command that came before it, unless it comes from a new coordinator. (Not compared with the
+    Welcome's seq: that travels on another pipe and may overtake older heartbeats.)"""
+    return beat.name == "coordinator" and beat.seq < last_command_seq
 
 
 def is_own_loss(msg: Command, name: str) -> bool:

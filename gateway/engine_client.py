@@ -73,6 +73,7 @@ class EngineClient:
         self.silent: str | None = None  # the coordinator has been silent too long (clears when heard)
         self.follower = Follower(self.name, {MemberLost: self._on_member_lost})
         self._coordinator_seen = time.monotonic()
+        self._command_seq = 0  # the highest seq of a command read on the SUB (coordinator_restarted)
         self._tasks: list[asyncio.Task] = []
         self._beat: HeartbeatThread | None = None
 
@@ -203,12 +204,14 @@ class EngineClient:
             if self.silent is not None:
                 log.info("gateway.coordinator_back", after=self.silent)
                 self.silent = None
-            if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self.follower.seq):
+            if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self._command_seq):
                 # a new coordinator: its control state replaces ours (a snapshot), our requests are gone
                 self._fail_all("the coordinator restarted: running requests failed: retry")
+                self._command_seq = 0
                 self.follower.resync()
                 await self._hello()
             elif isinstance(msg, Command):
+                self._command_seq = max(self._command_seq, msg.seq)
                 if is_own_loss(msg, self.name):  # our loop stalled past the heartbeat timeout: rejoin
                     self._fail_all(f"this gateway was declared lost ({msg.body.why}); the engine dropped its "
                                    "requests: retry")

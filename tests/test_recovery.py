@@ -299,3 +299,42 @@ def test_a_gateway_whose_event_loop_is_blocked_stays_a_member(tmp_path):
         coordinator.wait(10)
     assert "gateway-blocked" in seen["members"], seen
     assert seen["dead_reason"] is None, seen
+
+
+@pytest.mark.slow
+def test_under_a_supervisor_a_restarted_coordinator_makes_the_others_start_fresh(tmp_path, smollm2_dir):
+    """The honcho-export / supervisord case (every process restarted alone, the coordinator too): a new
+    coordinator starts from the initial control state, so the scheduler and worker exit (a supervisor
+    starts them again) and the gateway resyncs; then the engine serves again."""
+    import subprocess
+    import sys
+
+    from engine.config import EngineConfig
+    from tests.server_helpers import free_port
+
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
+    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=256)
+    url = f"http://127.0.0.1:{cfg.port}"
+    logs = {r: open(tmp_path / f"{r}.log", "w") for r in ("coordinator", "scheduler", "worker", "gateway")}
+
+    def start(r: str) -> subprocess.Popen:
+        extra = ["--rank", "0"] if r == "worker" else []
+        return subprocess.Popen([sys.executable, "-m", "engine.cli", r, *extra, *cfg.to_argv()], stderr=logs[r])
+
+    procs = {r: start(r) for r in logs}
+    try:
+        wait_serving(url, 120)
+        procs["coordinator"].kill()
+        procs["coordinator"].wait()
+        procs["coordinator"] = start("coordinator")  # what supervisord's autorestart does
+        for r in ("scheduler", "worker"):
+            assert procs[r].wait(30) != 0
+            assert "coordinator" in (tmp_path / f"{r}.log").read_text()
+            procs[r] = start(r)
+        assert procs["gateway"].poll() is None  # the gateway stays, and follows the new coordinator
+        wait_serving(url, 120)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(10)
