@@ -218,6 +218,16 @@ def test_a_stalled_process_is_lost_then_rejoins_without_a_restart(server, role):
     streams.wait_running()
     os.kill(pids[role], signal.SIGSTOP)
     stopped = time.monotonic()
+    queued: dict = {}
+
+    def queue_one() -> None:  # sent while the step in flight waits on the stalled worker: queued, not running
+        queued["r"] = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True})
+
+    waiter = threading.Thread(target=queue_one)
+    if role == "worker-0":
+        waiter.start()
     try:
         streams.join(15)
         ended_s = streams.ended[0] - stopped
@@ -228,6 +238,13 @@ def test_a_stalled_process_is_lost_then_rejoins_without_a_restart(server, role):
         os.kill(pids[role], signal.SIGCONT)
     back_s = wait_serving(url)
     print(f"\n{role} stalled: stream ended {ended_s:.1f}s after SIGSTOP; serving {back_s:.1f}s after SIGCONT")
+    if role == "worker-0":  # the queued request ran after the worker came back, as if nothing happened
+        waiter.join(30)
+        assert queued["r"].status_code == 200, queued["r"].text
+        lp = queued["r"].json()["choices"][0]["logprobs"]
+        assert [int(t.removeprefix("token_id:")) for t in lp["tokens"]] == before[0]
+        # batched with wait_serving's probe: equal up to batch-dependent rounding (no batch invariance here)
+        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"], before[1])) < 1e-4
     assert server.child_pids() == pids
     assert greedy(url) == before
     assert httpx.get(url + "/health", timeout=10).status_code == 200
@@ -260,6 +277,23 @@ def test_a_crash_looping_child_stops_the_launcher_with_a_clear_message(tmp_path,
         assert not list((tmp_path / f"bus-{s.port}").iterdir())  # no ipc socket file left behind
     finally:
         s.stop()
+
+
+def test_membership_and_lost_versions_in_the_control_state():
+    from bus.messages import CommitWeightUpdate, MemberJoined, MemberLost, WeightsLost
+    from engine.control_state import engine_down_message, initial_state, reduce, weights_lost_message
+
+    s = initial_state("run-1")
+    s = reduce(s, MemberLost("gateway-9", "gateway", "disconnected"))
+    assert s.lost == {} and engine_down_message(s) is None  # a gateway gone is not the engine down
+    s = reduce(s, MemberLost("worker-0", "worker", "no heartbeat for 3.0s"))
+    assert "worker-0 (no heartbeat for 3.0s)" in engine_down_message(s)
+    s = reduce(s, MemberJoined("worker-0", "worker", 42))
+    assert s.lost == {} and engine_down_message(s) is None
+    s = reduce(reduce(s, CommitWeightUpdate("step-1")), WeightsLost("step-1", 1, "worker-0", "no copy"))
+    assert s.weight_commits == 1 and s.run_id == "run-1" and "'step-1' was lost" in weights_lost_message(s)
+    s = reduce(s, CommitWeightUpdate("step-1"))  # the trainer sent it again
+    assert s.weights_lost is None and weights_lost_message(s) is None and s.weight_commits == 2
 
 
 def test_restart_policy_backs_off_then_gives_up():
