@@ -31,6 +31,7 @@ from bus.messages import (
     PROTOCOL_VERSION,
     Ack,
     Command,
+    ControlReply,
     ControlState,
     ErrorInfo,
     Heartbeat,
@@ -56,6 +57,7 @@ class MemberLink:
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
         self.follower = Follower(name, handlers, default=default)
         self.acks = role in ACKING_ROLES
+        self.on_reply: Callable[[ControlReply], None] | None = None  # replies to our own ControlRequests
         # Subscribe before saying Hello: the coordinator waits to see our presence topic arrive on its
         # XPUB before it welcomes us, so no command published after the Welcome can miss us.
         self.sub = make_socket(ctx, zmq.SUB, connect=ep.commands)
@@ -121,6 +123,9 @@ class MemberLink:
                 self._send_acks(self.follower.welcome(msg))
             except Refused as e:
                 raise BusError(f"{self.name}: coordinator refused us: {e}") from None
+        elif isinstance(msg, ControlReply):
+            if self.on_reply is not None:
+                self.on_reply(msg)
         elif isinstance(msg, Command):
             if is_own_loss(msg, self.name):
                 log.warning("bus.rejoining", member=self.name, why=msg.body.why)

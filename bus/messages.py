@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 10
-PROTOCOL_FINGERPRINT = "aeab4bf237af"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "bd5d793161e3"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -115,6 +115,15 @@ class MemberJoined(CommandBody):
     name: str
     role: str
     pid: int = 0
+
+
+class ShareWeights(CommandBody):
+    """A restarted worker asks a live peer (`donor`) for the weight version in service: the donor writes a
+    tagged copy to `path` (same host) and acks {"path": path}; everyone else acks with nothing."""
+
+    member: str = ""  # who asks
+    donor: str = ""
+    path: str = ""
 
 
 class WeightsLost(CommandBody):
@@ -213,7 +222,8 @@ class CollectiveRpc(CommandBody):
 AnyCommand = Union[Health, Shutdown, Members, MemberLost, Pause, Resume, Sleep, ReleaseMemory, WakeUp,
                    UpdateWeightVersion, InitWeightTransferEngine, StartWeightUpdate, UpdateWeights,
                    FinishWeightUpdate, CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine,
-                   WeightChecker, CollectiveRpc, ResetPrefixCache, WeightsMissing, MemberJoined, WeightsLost]
+                   WeightChecker, CollectiveRpc, ResetPrefixCache, WeightsMissing, MemberJoined, WeightsLost,
+                   ShareWeights]
 
 WEIGHT_UPDATE_COMMANDS = (InitWeightTransferEngine, StartWeightUpdate, UpdateWeights, FinishWeightUpdate,
                           CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine, WeightChecker)

@@ -264,6 +264,26 @@ def test_a_killed_scheduler_or_gateway_is_restarted_alone(server, role):
     assert greedy(url) == before
 
 
+def test_with_two_workers_a_restarted_one_takes_the_update_from_its_peer(tmp_path, smollm2_dir, trainer):
+    """No --weights-recovery-dir: after an update, a killed worker-1 loads worker-0's copy (ShareWeights)."""
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
+    s = start_server(tmp_path, str(folder), "--max-model-len", "256", "--num-workers", "2",
+                     "--kv-cache-memory-bytes", "67108864", "--additional-config", RL,
+                     "--weight-transfer-config", '{"backend": "ipc"}')
+    try:
+        with WeightSyncClient(s.url, backend="ipc") as client:
+            client.send_weights(trainer.named_parameters(), version="peer-1", pause="keep")
+        sums, before = checksums(s.url), greedy(s.url)
+        ended_s, _ = kill_and_watch_streams(s, "worker-1", n=4)
+        assert ended_s < 5.0
+        back_s = wait_serving(s.url)
+        print(f"\ntwo workers, SIGKILL worker-1 after an update: serving peer-1 again after {back_s:.1f}s")
+        assert checksums(s.url) == sums and greedy(s.url) == before
+        assert "worker.weights_from_peer" in s.log()
+    finally:
+        s.stop()
+
+
 def test_a_crash_looping_child_stops_the_launcher_with_a_clear_message(tmp_path, smollm2_dir):
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
     s = start_server(tmp_path, str(folder), "--max-model-len", "256", "--max-restarts", "1")

@@ -1,9 +1,9 @@
-"""A worker's recovery copy of the weights in service (--weights-recovery-dir): written after every
-committed weight update, read by a worker restarted after one, so it serves the version the engine was
-serving instead of the checkpoint's. One file per rank, `worker-<rank>.safetensors`, tagged with the run
-(ControlState.run_id: a copy from an earlier run is never taken) and the number of updates committed
-(ControlState.weight_commits). Written to a temporary name and renamed, so a worker killed mid-write
-leaves the previous copy, which its tag then refuses.
+"""Copies of the weights in service, for a restarted worker: its own recovery copy
+(--weights-recovery-dir: written after every committed weight update, `worker-<rank>.safetensors`), or a
+copy a live peer wrote on request (ShareWeights). A copy is tagged with the run (ControlState.run_id: a
+copy from an earlier run is never taken) and the number of updates committed (ControlState.weight_commits),
+and written to a temporary name then renamed, so a worker killed mid-write leaves the previous copy,
+which its tag then refuses.
 """
 
 from __future__ import annotations
@@ -22,22 +22,20 @@ def copy_path(folder: str, rank: int) -> str:
     return os.path.join(folder, f"worker-{rank}.safetensors")
 
 
-def save_copy(model: torch.nn.Module, folder: str, rank: int, *, run_id: str, commits: int, version: str) -> str:
+def save_copy(model: torch.nn.Module, path: str, *, run_id: str, commits: int, version: str) -> str:
     """The model's tensors under the names a trainer sends (HF names), tagged; returns the path."""
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tensors = {n: model.weight_destination(n).detach().to("cpu").contiguous()
                for n in sorted(model.required_weight_names())}
-    path = copy_path(folder, rank)
     tmp = f"{path}.tmp-{os.getpid()}"
     save_file(tensors, tmp, metadata={"run_id": run_id, "weight_commits": str(commits), "weight_version": version})
     os.replace(tmp, path)
     return path
 
 
-def load_copy(model: torch.nn.Module, folder: str, rank: int, *, run_id: str, commits: int) -> str | None:
-    """Fill the model from this rank's copy when its tag is (run_id, commits). Returns None on success,
+def load_copy(model: torch.nn.Module, path: str, *, run_id: str, commits: int) -> str | None:
+    """Fill the model from the copy at `path` when its tag is (run_id, commits). Returns None on success,
     else why it could not (no copy, another run's or update's copy, tensors missing)."""
-    path = copy_path(folder, rank)
     if not os.path.exists(path):
         return f"no recovery copy at {path}"
     with safe_open(path, framework="pt") as f:

@@ -13,6 +13,10 @@ it joins and whenever a scheduler joins; a stall that got it declared lost drops
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import stat
+import tempfile
 import threading
 import time
 import uuid
@@ -34,6 +38,7 @@ from bus.messages import (
     Command,
     CommandBody,
     CommitWeightUpdate,
+    ControlReply,
     ControlRequest,
     ErrorInfo,
     FinishWeightUpdate,
@@ -44,6 +49,7 @@ from bus.messages import (
     MemberLost,
     Pause,
     ReleaseMemory,
+    ShareWeights,
     Shutdown,
     ShutdownWeightTransferEngine,
     Sleep,
@@ -69,7 +75,7 @@ from workers.loader import load_model, reload_weights
 from workers.model_runner import ModelRunner
 from workers.sleep import SleepManager
 from workers.weight_receiver import WeightReceiver
-from workers.weight_recovery import load_copy, save_copy
+from workers.weight_recovery import copy_path, load_copy, save_copy
 
 log = structlog.get_logger()
 
@@ -130,12 +136,15 @@ class WorkerActor:
             CollectiveRpc: self._reporting(self._rpc),
             MemberLost: self._member_lost,
             MemberJoined: self._member_joined,
+            ShareWeights: self._share_weights,
         }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
         self.abort_watch = _AbortWatcher(ctx, ep.commands, self.name)
         self.weight_commits = 0  # updates whose weights this worker holds (the checkpoint: 0)
         self.weights_lost: str | None = None  # the version in service that this worker could not restore
         self.away = False  # declared lost (a stall) and not welcomed back yet: updates then run without us
+        self.restoring: tuple[str, str, str, str] | None = None  # asking a peer: (request id, donor, path, why)
+        self.link.on_reply = self._on_reply
         self.update_started_away = False
 
     def start(self) -> None:
@@ -148,25 +157,86 @@ class WorkerActor:
 
     def _hello_scheduler(self, joined_seq: int) -> None:
         """Introduce ourselves on the results socket: the scheduler waits for this (joined at or after our
-        last loss) before it plans for us again."""
+        last loss) before it plans for us again. Not while a peer's copy of the weights is on its way."""
+        if self.restoring is not None:
+            return
         info = {**self.info, "joined_seq": joined_seq}
         send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, info, PROTOCOL_FINGERPRINT))
 
     def _restore_weights(self) -> None:
         """Hold the version in service: the checkpoint when no update committed, else our recovery copy of
-        the last update; when neither fits, the version is lost (reported; no step computes meanwhile)."""
+        the last update, else a live peer's (ShareWeights); when none fits, the version is lost (reported;
+        no step computes meanwhile)."""
         state = self.link.state
-        if state.weight_commits == self.weight_commits or self.weights_lost is not None:
-            return  # in service already, or lost and reported (only a complete update mends it)
+        if state.weight_commits == self.weight_commits or self.weights_lost is not None or self.restoring:
+            return  # in service already, lost and reported (only a complete update mends it), or on its way
         why = "no --weights-recovery-dir"
         if self.cfg.weights_recovery_dir:
-            why = load_copy(self.runner.model, self.cfg.weights_recovery_dir, self.rank, run_id=state.run_id,
-                            commits=state.weight_commits)
+            why = load_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.rank),
+                            run_id=state.run_id, commits=state.weight_commits)
             if why is None:
                 self.weight_commits, self.weights_lost = state.weight_commits, None
                 return
-        self._lose_weights(f"{self.name} (re)started after {state.weight_commits} weight update(s) and cannot "
-                           f"restore version {state.weight_version!r}: {why}")
+        why = (f"{self.name} (re)started after {state.weight_commits} weight update(s) and cannot restore "
+               f"version {state.weight_version!r}: {why}")
+        if self.cfg.num_workers > 1:
+            self._ask_peer(why)
+        else:
+            self._lose_weights(why)
+
+    def _ask_peer(self, why: str) -> None:
+        """Ask a live replica for its weights: it writes a tagged copy into a private folder of ours (same
+        host), which _on_reply loads. The scheduler gets our Hello only after that."""
+        donor = "worker-1" if self.rank == 0 else "worker-0"
+        folder = tempfile.mkdtemp(prefix="rollbus-share-")
+        path = os.path.join(folder, f"{self.name}-from-{donor}.safetensors")
+        rid = uuid.uuid4().hex
+        self.restoring = (rid, donor, path, why)
+        log.info("worker.asking_peer_for_weights", donor=donor, version=self.link.state.weight_version)
+        timeout = max(self.cfg.control_timeout_s, 120.0)
+        send(self.link.dealer, ControlRequest(rid, ShareWeights(self.name, donor, path), timeout))
+
+    def _on_reply(self, reply: ControlReply) -> None:
+        if self.restoring is None or reply.request_id != self.restoring[0]:
+            return
+        _, donor, path, why_own = self.restoring
+        self.restoring = None
+        state = self.link.state
+        result = reply.results.get(donor)
+        if self.weight_commits == state.weight_commits:
+            why = None  # a complete update reached us meanwhile: we hold the version in service already
+        elif reply.ok and isinstance(result, dict) and result.get("path") == path:
+            why = load_copy(self.runner.model, path, run_id=state.run_id, commits=state.weight_commits)
+        else:
+            why = f"{donor} could not share its weights: {reply.error or 'no copy'}"
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        if why is None:
+            self.weight_commits, self.weights_lost = state.weight_commits, None
+            log.info("worker.weights_from_peer", donor=donor, weight_commits=state.weight_commits)
+        else:
+            self._lose_weights(f"{why_own}; {why}")
+        self._hello_scheduler(self.link.follower.seq or 0)
+
+    def _share_weights(self, cmd: ShareWeights) -> dict[str, Any] | None:
+        """A restarted peer asks for the version in service: write a tagged copy where it said, if that is
+        a private folder of this user's made for it (nothing else is written on a bus peer's word)."""
+        if cmd.donor != self.name:
+            return None
+        state = self.link.state
+        if self.weights_lost is not None or self.weight_commits != state.weight_commits or self.away \
+                or "weights" in self.sleep.asleep or self.sleep.missing:
+            raise WeightSyncError(f"{self.name} does not hold version {state.weight_version!r} either", status=503)
+        folder, name = os.path.split(cmd.path)
+        st = os.stat(folder) if os.path.isdir(folder) else None
+        if not re.fullmatch(r"worker-\d+-from-worker-\d+\.safetensors", name) or \
+                not os.path.basename(folder).startswith("rollbus-share-") or st is None or \
+                st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise WeightSyncError(f"refusing to write weights to {cmd.path!r}: not a private share folder", status=400)
+        t0 = time.perf_counter()
+        save_copy(self.runner.model, cmd.path, run_id=state.run_id, commits=state.weight_commits,
+                  version=state.weight_version)
+        log.info("worker.weights_shared", member=cmd.member, seconds=round(time.perf_counter() - t0, 3))
+        return {"path": cmd.path}
 
     def _lose_weights(self, why: str) -> None:
         state = self.link.state
@@ -328,7 +398,7 @@ class WorkerActor:
             return
         state = self.link.state
         t0 = time.perf_counter()
-        path = save_copy(self.runner.model, self.cfg.weights_recovery_dir, self.rank, run_id=state.run_id,
+        path = save_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.rank), run_id=state.run_id,
                          commits=state.weight_commits, version=state.weight_version)
         log.info("worker.weights_copy_kept", path=path, weight_commits=state.weight_commits,
                  seconds=round(time.perf_counter() - t0, 3))
