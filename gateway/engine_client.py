@@ -268,5 +268,5 @@ class EngineClient:
         """The engine can no longer finish what is open: end every open request with an error."""
         log.error("gateway.requests_failed", reason=reason, count=len(self.queues))
         for rid, q in self.queues.items():
-            error = ErrorInfo("EngineDead", reason)
+            error = ErrorInfo("EngineDead", reason, status=503)
             q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, error, 0, 0, 0))

@@ -250,6 +250,30 @@ def test_a_stalled_process_is_lost_then_rejoins_without_a_restart(server, role):
     assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
+def test_a_stalled_gateway_fails_its_open_requests_and_rejoins(server):
+    """SIGSTOP the gateway past the heartbeat timeout: the coordinator drops it and the scheduler aborts
+    its requests; after SIGCONT its open stream ends with an error at once and it serves again."""
+    url = server.url
+    pids = server.child_pids()
+    gateway = f"gateway-{pids['gateway']}"
+    control = ControlClient(Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}"))
+    streams = Streams(url, 1)
+    streams.wait_running()
+    os.kill(pids["gateway"], signal.SIGSTOP)
+    try:
+        wait_for(lambda: gateway not in control.request(Members()).results, 15, "the gateway declared lost")
+    finally:
+        os.kill(pids["gateway"], signal.SIGCONT)
+    resumed = time.monotonic()
+    streams.join(15)
+    assert streams.ended[0] - resumed < 3, "the stream did not end soon after the gateway resumed"
+    assert '"error"' in streams.lines[0][-2] and "declared lost" in streams.lines[0][-2], streams.lines[0][-2:]
+    wait_serving(url)
+    wait_for(lambda: gateway in control.request(Members()).results, 10, "the gateway back as a member")
+    control.close()
+    assert server.child_pids() == pids
+
+
 @pytest.mark.parametrize("role", ["scheduler", "gateway"])
 def test_a_killed_scheduler_or_gateway_is_restarted_alone(server, role):
     url = server.url
