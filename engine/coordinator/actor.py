@@ -132,10 +132,17 @@ class Coordinator:
             self.hellos[h.name] = h
 
     def _welcome(self, h: Hello) -> None:
+        """A member joins: new, restarted or back from being lost, it is announced (MemberJoined); a member
+        that says Hello again without having left (a resync after a sequence gap) is only welcomed."""
+        old = self.ledger.members.get(h.name)
+        if old is not None and old.pid != h.pid:  # restarted before its old self was noticed gone
+            self._lose(h.name, f"restarted (pid {old.pid} -> {h.pid})")
+            old = None
         self.ledger.join(Member(h.name, h.role, h.pid, time.monotonic(), h.info))
         send(self.router, Welcome(True, "", self.ledger.seq, self.ledger.snapshot), to=h.name.encode())
         log.info("coordinator.joined", member=h.name, role=h.role, pid=h.pid, seq=self.ledger.seq)
-        self._publish(MemberJoined(h.name, h.role, h.pid), self.cfg.control_timeout_s)
+        if old is None:
+            self._publish(MemberJoined(h.name, h.role, h.pid), self.cfg.control_timeout_s)
 
     def _on_request(self, sender: bytes, r: ControlRequest) -> None:
         if self.stopping:
