@@ -64,7 +64,6 @@ from engine.routed_experts import merge as merge_routed
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
-from engine.weight_update import WeightSyncError
 
 log = structlog.get_logger()
 
@@ -83,8 +82,7 @@ class SchedulerActor:
             MemberJoined: lambda c: None,  # a worker is back only once its Hello reaches us (_on_worker_hello)
             UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
             ResetPrefixCache: self._reset_prefix_cache,
-            StartWeightUpdate: self._start_weight_update,
-            **dict.fromkeys((Pause, Resume, Sleep, WakeUp, AbortWeightUpdate), self._gate_command),
+            **dict.fromkeys((Pause, Resume, Sleep, WakeUp, StartWeightUpdate, AbortWeightUpdate), self._gate_command),
         }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.gate = StepGate()
         self.sched: Scheduler | None = None  # built once the workers report their KV capacity
@@ -452,12 +450,6 @@ class SchedulerActor:
         if self.sched is None or time.monotonic() - self.waiting_since <= RECOVERY_WAIT_S or not self.sched.seqs:
             return
         self._fail_seqs(list(self.sched.seqs.values()), ErrorInfo("WorkerLost", self._recovery_message(), status=503))
-
-    def _start_weight_update(self, cmd: StartWeightUpdate) -> Any:
-        if self.workers_waiting:  # the update would commit without them, and they would come back stale
-            raise WeightSyncError(f"cannot start a weight update while {', '.join(sorted(self.workers_waiting))} "
-                                  "is lost; retry once it has rejoined (/health 200)", status=503)
-        return self._gate_command(cmd)
 
     def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> dict[str, Any]:
         if self.sched is None:
