@@ -323,6 +323,17 @@ def test_a_crash_looping_child_stops_the_launcher_with_a_clear_message(tmp_path,
         s.stop()
 
 
+def test_a_dead_coordinator_stops_everything_saying_why(server):
+    """The last test on the shared server: the coordinator is not restarted (its control state cannot be
+    rebuilt), the launcher stops every process and exits 1."""
+    pids = server.child_pids()
+    os.kill(pids["coordinator"], signal.SIGKILL)
+    assert server.proc.wait(30) == 1
+    assert "the control state (pauses, weight versions, membership) lived in it" in server.log()
+    wait_for(lambda: not server.child_pids(), 10, "every child gone")
+    assert not list((server.log_path.parent / f"bus-{server.port}").iterdir())  # no ipc socket file left
+
+
 def test_membership_and_lost_versions_in_the_control_state():
     from bus.messages import CommitWeightUpdate, MemberJoined, MemberLost, WeightsLost
     from engine.control_state import engine_down_message, initial_state, reduce, weights_lost_message
