@@ -4,6 +4,7 @@ transports (bus.member.MemberLink for poll loops, gateway.engine_client.EngineCl
 it what arrives and send the acks it returns.
 
     Welcome(seq, snapshot) --> state = snapshot, position = seq; replays buffered commands after seq
+                               (ignored while following: only a resync takes a new snapshot)
     Command(seq)           --> before the Welcome: buffered (the Welcome travels on another pipe)
                                seq <= position: dropped (covered by the snapshot, or a duplicate)
                                seq == position + 1: applied
@@ -83,8 +84,10 @@ class Follower:
         """Start from a snapshot; returns the acks of buffered commands that come after it."""
         if not w.accepted:
             raise Refused(w.reason)
-        if self.seq is not None and w.seq <= self.seq:
-            return []  # a stale or duplicate Welcome: we are past it already, keep what we applied
+        if self.seq is not None:
+            # Following already (a duplicate, or the answer to a rejoin's Hello): keep applying the stream
+            # command by command, so no handler is skipped; only a resync() takes a new snapshot.
+            return []
         self.seq, self.state = w.seq, w.snapshot
         self.welcomes += 1
         early, self._early = sorted(self._early, key=lambda c: c.seq), []

@@ -6,6 +6,10 @@ The owning actor registers typed handlers (`link.on(Pause, self._pause)`, see bu
 `sockets` in its poller, calls `handle(sock)` when one is readable and `tick(now)` every loop turn.
 `link.state` is the control state at the last applied command. A handler that completes later returns
 DEFER; the actor then calls `link.complete(result)`.
+
+Rejoin: a member the coordinator declared lost (it stalled past --heartbeat-timeout-s: SIGSTOP, swap, a
+starved CPU) reads its own `MemberLost` once it runs again, says Hello again and is welcomed back (the
+coordinator then publishes `MemberJoined`); its handlers of both commands decide what the stall cost.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from bus.messages import (
     PROTOCOL_VERSION,
     Ack,
     Command,
+    ControlReply,
     ControlState,
     ErrorInfo,
     Heartbeat,
     Hello,
+    MemberLost,
     Welcome,
 )
 from bus.sockets import make_socket, send
@@ -51,6 +57,7 @@ class MemberLink:
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
         self.follower = Follower(name, handlers, default=default)
         self.acks = role in ACKING_ROLES
+        self.on_reply: Callable[[ControlReply], None] | None = None  # replies to our own ControlRequests
         # Subscribe before saying Hello: the coordinator waits to see our presence topic arrive on its
         # XPUB before it welcomes us, so no command published after the Welcome can miss us.
         self.sub = make_socket(ctx, zmq.SUB, connect=ep.commands)
@@ -60,8 +67,9 @@ class MemberLink:
         now = time.monotonic()
         self._coordinator_seen = now
         self._last_tick = now
+        self._command_seq = 0  # the highest seq of a command read on the SUB (coordinator_restarted)
         self._hello()
-        self._beat = _HeartbeatThread(ctx, ep.control, name, heartbeat_interval_s, lambda: self.follower.seq or 0)
+        self._beat = HeartbeatThread(ctx, ep.control, name, heartbeat_interval_s, lambda: self.follower.seq or 0)
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -103,12 +111,25 @@ class MemberLink:
             log.warning("bus.bad_message", member=self.name, error=str(e))
             return
         self._coordinator_seen = time.monotonic()
+        if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self._command_seq):
+            # A new coordinator (a supervisor restarted it) starts from the initial control state at seq 0:
+            # what we followed is gone. Exit so our supervisor starts us fresh against it.
+            raise BusError(f"{self.name}: the coordinator restarted (its seq went back from {self._command_seq} "
+                           f"to {msg.seq}); exiting to start again from its state")
+        if isinstance(msg, Command) and sock is self.sub:
+            self._command_seq = max(self._command_seq, msg.seq)
         if isinstance(msg, Welcome):
             try:
                 self._send_acks(self.follower.welcome(msg))
             except Refused as e:
                 raise BusError(f"{self.name}: coordinator refused us: {e}") from None
+        elif isinstance(msg, ControlReply):
+            if self.on_reply is not None:
+                self.on_reply(msg)
         elif isinstance(msg, Command):
+            if is_own_loss(msg, self.name):
+                log.warning("bus.rejoining", member=self.name, why=msg.body.why)
+                self._hello()  # the Welcome that answers it is ignored by the follower (same position)
             try:
                 acks = self.follower.command(msg)
             except SequenceGap as gap:
@@ -150,11 +171,24 @@ class MemberLink:
         self._send_acks(self.follower.complete(result, error))
 
 
-class _HeartbeatThread:
-    """Process liveness, independent of the actor's loop: a worker in a long forward pass is alive and
-    must not be declared dead. It has its own DEALER (sockets are not shared across threads); the
-    coordinator keys heartbeats by the name inside the message, not by socket identity. A hung loop
-    (alive but not applying commands) is caught by the control deadlines instead."""
+def coordinator_restarted(beat: Heartbeat, last_command_seq: int) -> bool:
+    """The coordinator's heartbeat carries the last seq it published, so on the one SUB pipe it never falls
+    below a command that came before it, unless it comes from a new coordinator. (Not compared with the
+    Welcome's seq: that travels on another pipe and may overtake older heartbeats.)"""
+    return beat.name == "coordinator" and beat.seq < last_command_seq
+
+
+def is_own_loss(msg: Command, name: str) -> bool:
+    """A `MemberLost` naming us: we were declared lost (a stall) and must say Hello again."""
+    return isinstance(msg.body, MemberLost) and msg.body.name == name
+
+
+class HeartbeatThread:
+    """Process liveness, independent of the actor's loop: a worker in a long forward pass (or a gateway
+    whose event loop parses a huge request) is alive and must not be declared dead. It has its own DEALER
+    (sockets are not shared across threads); the coordinator keys heartbeats by the name inside the
+    message, not by socket identity. A hung loop (alive but not applying commands) is caught by the
+    control deadlines instead."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, name: str, interval_s: float, seq: Callable[[], int]):
         self._stop = threading.Event()

@@ -38,8 +38,8 @@ import numpy as np
 from engine.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 9
-PROTOCOL_FINGERPRINT = "54a58b9fafdb"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 10
+PROTOCOL_FINGERPRINT = "bd5d793161e3"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -106,6 +106,35 @@ class MemberLost(CommandBody):
     name: str
     role: str
     why: str
+
+
+class MemberJoined(CommandBody):
+    """A member was welcomed (first start, restart, or a lost member back after a stall): published by
+    the coordinator right after its Welcome, so every member sees joins and losses in one order."""
+
+    name: str
+    role: str
+    pid: int = 0
+
+
+class ShareWeights(CommandBody):
+    """A restarted worker asks a live peer (`donor`) for the weight version in service: the donor writes a
+    tagged copy to `path` (same host) and acks {"path": path}; everyone else acks with nothing."""
+
+    member: str = ""  # who asks
+    donor: str = ""
+    path: str = ""
+
+
+class WeightsLost(CommandBody):
+    """A worker cannot hold the weight version in service (it restarted after an update and no copy of
+    that version was left to load): requests are refused (503 naming the version) until a weight update
+    commits on every worker. The coordinator also publishes WeightVersionLost on topic W for trainers."""
+
+    version: str = ""
+    epoch: int = 0
+    member: str = ""
+    why: str = ""
 
 
 class Pause(CommandBody):
@@ -193,7 +222,8 @@ class CollectiveRpc(CommandBody):
 AnyCommand = Union[Health, Shutdown, Members, MemberLost, Pause, Resume, Sleep, ReleaseMemory, WakeUp,
                    UpdateWeightVersion, InitWeightTransferEngine, StartWeightUpdate, UpdateWeights,
                    FinishWeightUpdate, CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine,
-                   WeightChecker, CollectiveRpc, ResetPrefixCache, WeightsMissing]
+                   WeightChecker, CollectiveRpc, ResetPrefixCache, WeightsMissing, MemberJoined, WeightsLost,
+                   ShareWeights]
 
 WEIGHT_UPDATE_COMMANDS = (InitWeightTransferEngine, StartWeightUpdate, UpdateWeights, FinishWeightUpdate,
                           CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine, WeightChecker)
@@ -209,6 +239,11 @@ def command_name(body: CommandBody) -> str:
 class PauseState(msgspec.Struct, forbid_unknown_fields=True):
     mode: str  # abort | wait | keep
     clear_cache: bool
+
+
+class LostMember(msgspec.Struct, forbid_unknown_fields=True):
+    role: str  # scheduler | worker
+    why: str
 
 
 class ControlState(msgspec.Struct, forbid_unknown_fields=True):
@@ -228,6 +263,14 @@ class ControlState(msgspec.Struct, forbid_unknown_fields=True):
     # After a level-2 sleep: parameters not loaded again (-1: all; WeightsMissing), of weights_total.
     weights_missing: int = 0
     weights_total: int = 0
+    # Recovery (docs/architecture.md "Liveness and recovery"): the engine's processes declared lost and not
+    # back yet (scheduler and workers only), how many weight updates committed since the start (0: the
+    # checkpoint is the version in service), the version a restarted worker could not restore (requests
+    # 503 until an update commits), and this run's id (tags the workers' recovery copies of the weights).
+    lost: dict[str, LostMember] = {}
+    weight_commits: int = 0
+    weights_lost: str | None = None
+    run_id: str = ""
 
 
 # --- membership and liveness (every process <-> coordinator) -------------------------------------
@@ -482,6 +525,18 @@ class WeightVersionCommitted(Wire):
     committed_at: float  # unix time
 
 
+@message(43)
+class WeightVersionLost(Wire):
+    """Published on the commands XPUB (topic WEIGHTS_TOPIC) when a restarted worker could not restore the
+    weight version in service: the engine refuses requests (503) until a trainer sends a full update."""
+
+    version: str
+    weight_epoch: int
+    member: str  # the worker that lost it
+    why: str
+    lost_at: float  # unix time
+
+
 def message_kinds() -> dict[int, str]:
     return {k: c.__name__ for k, c in REGISTRY.items()}
 
@@ -509,7 +564,8 @@ def _default_text(f: msgspec.structs.FieldInfo) -> str:
 def protocol_fingerprint() -> str:
     """A hash of every struct definition on the wire: kinds, names, tags, and each field's name, type and
     default, in order (array-like structs travel positionally, so the order is part of the format)."""
-    structs = [*REGISTRY.values(), *AnyCommand.__args__, ControlState, PauseState, ErrorInfo, SamplingParams]
+    structs = [*REGISTRY.values(), *AnyCommand.__args__, ControlState, PauseState, LostMember, ErrorInfo,
+               SamplingParams]
     desc = []
     for cls in sorted(set(structs), key=lambda c: c.__qualname__):
         cfg = cls.__struct_config__

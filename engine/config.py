@@ -69,6 +69,8 @@ class EngineConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     control_timeout_s: float = 10.0
+    weights_recovery_dir: str | None = None  # workers keep a copy of each committed update here (recovery)
+    max_restarts: int = 5  # rollbus serve: restarts of one child within RESTART_WINDOW_S before it gives up
     # logs
     log_level: str = "info"
     uvicorn_log_level: str = "info"
@@ -409,6 +411,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="A process silent this long is declared dead; its requests fail.")
     g.add_argument("--control-timeout-s", type=float, default=d.control_timeout_s,
                    help="Deadline for every member to ack a control command.")
+    g.add_argument("--weights-recovery-dir", default=d.weights_recovery_dir,
+                   help="After every committed weight update each worker writes its weights here "
+                        "(worker-<rank>.safetensors, tagged with the run and update), so a worker restarted "
+                        "after an update serves that version again instead of losing it. Costs one write of "
+                        "the model per update (use a RAM disk such as /dev/shm for speed). Without it, a "
+                        "worker restarted after an update refuses requests (503 naming the version) until "
+                        "the trainer sends the weights again.")
+    g.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                   help="rollbus serve: a child (worker, scheduler, gateway) that dies is restarted, at most "
+                        "this many times within 60 s (with a growing delay between tries); one more death "
+                        "stops everything with exit code 1. 0: never restart (any death stops everything).")
     g.add_argument("--log-level", default=d.log_level, type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="Log level of every process (vLLM's upper-case spellings work too).")

@@ -18,6 +18,9 @@ from bus.messages import (
     CommandBody,
     CommitWeightUpdate,
     ControlState,
+    LostMember,
+    MemberJoined,
+    MemberLost,
     Pause,
     PauseState,
     Resume,
@@ -25,6 +28,7 @@ from bus.messages import (
     StartWeightUpdate,
     UpdateWeightVersion,
     WakeUp,
+    WeightsLost,
     WeightsMissing,
 )
 
@@ -33,8 +37,11 @@ SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 
 
-def initial_state() -> ControlState:
-    return ControlState()
+ENGINE_ROLES = ("scheduler", "worker")  # the processes without which nothing is computed
+
+
+def initial_state(run_id: str = "") -> ControlState:
+    return ControlState(run_id=run_id)
 
 
 def _replace(state: ControlState, **changes: Any) -> ControlState:
@@ -56,8 +63,10 @@ def _start_weight_update(state: ControlState, cmd: StartWeightUpdate) -> Control
 
 
 def _commit_weight_update(state: ControlState, cmd: CommitWeightUpdate) -> ControlState:
-    """Every worker finished: the new weights are in service under a new epoch (and label, if given)."""
-    return _new_version(_replace(state, weight_update_active=False), cmd.new_version or state.weight_version)
+    """Every worker finished: the new weights are in service under a new epoch (and label, if given). A
+    version a restarted worker had lost is replaced (a worker still missing some reports it again)."""
+    return _new_version(_replace(state, weight_update_active=False, weight_commits=state.weight_commits + 1,
+                                 weights_lost=None), cmd.new_version or state.weight_version)
 
 
 def _abort_weight_update(state: ControlState, cmd: AbortWeightUpdate) -> ControlState:
@@ -108,11 +117,45 @@ def _resume(state: ControlState, cmd: Resume) -> ControlState:
     return _replace(state, paused=None)
 
 
+def _member_lost(state: ControlState, cmd: MemberLost) -> ControlState:
+    if cmd.role not in ENGINE_ROLES:
+        return state  # a gateway (or trainer) gone costs only its own requests
+    return _replace(state, lost={**state.lost, cmd.name: LostMember(cmd.role, cmd.why)})
+
+
+def _member_joined(state: ControlState, cmd: MemberJoined) -> ControlState:
+    if cmd.name not in state.lost:
+        return state
+    return _replace(state, lost={n: m for n, m in state.lost.items() if n != cmd.name})
+
+
+def _weights_lost(state: ControlState, cmd: WeightsLost) -> ControlState:
+    return _replace(state, weights_lost=cmd.version or state.weight_version)
+
+
+def engine_down_message(state: ControlState) -> str | None:
+    """The 503 while an engine process is lost (the launcher restarts it; retry), None when none is."""
+    if not state.lost:
+        return None
+    who = "; ".join(f"{n} ({m.why})" for n, m in sorted(state.lost.items()))
+    return f"engine process lost: {who}; waiting for it to rejoin (retry later)"
+
+
+def weights_lost_message(state: ControlState) -> str | None:
+    """The 503 while a restarted worker lacks the weight version in service, None when none does."""
+    if state.weights_lost is None:
+        return None
+    return (f"weight version {state.weights_lost!r} was lost: a worker restarted after that update and no copy "
+            "of it was left to load (--weights-recovery-dir keeps one); send the weights again (a full update "
+            "through /update_weights or the trainer client) to serve again")
+
+
 REDUCERS: dict[type, Callable[[ControlState, Any], ControlState]] = {
     Pause: _pause, Resume: _resume, Sleep: _sleep, WakeUp: _wake_up,
     UpdateWeightVersion: _update_weight_version, StartWeightUpdate: _start_weight_update,
     CommitWeightUpdate: _commit_weight_update, AbortWeightUpdate: _abort_weight_update,
     WeightsMissing: _weights_missing,
+    MemberLost: _member_lost, MemberJoined: _member_joined, WeightsLost: _weights_lost,
 }
 
 

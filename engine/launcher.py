@@ -3,6 +3,12 @@
 Children are the same `rollbus <role>` commands the Procfile runs, with the same flags. They live in
 their own session (so Ctrl-C reaches only the launcher, which then stops them in order) and get
 PR_SET_PDEATHSIG, so even a SIGKILLed launcher leaves no orphans on Linux.
+
+Supervision: a worker, the scheduler or the gateway that dies after start-up is started again, alone (the
+others keep running and take it back through the bus: docs/architecture.md "Liveness and recovery"),
+within engine.restart_policy's limit (--max-restarts per minute, growing delays); past it, or when the
+coordinator dies (the control state lives in it: pauses, weight versions, membership), everything stops
+and the launcher exits 1. At exit the ipc socket files are removed.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import time
 import zmq
 
 from bus.codec import CodecError, decode
+from bus.endpoints import Endpoints
 from bus.messages import Ready
 from engine.config import EngineConfig
+from engine.restart_policy import WINDOW_S, RestartPolicy
 
 STOP_GRACE_S = 5.0
 
@@ -46,6 +54,9 @@ class Launcher:
         self.ready_timeout_s = ready_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = False
+        self.policy = RestartPolicy(cfg.max_restarts)
+        self.restarts: dict[str, float] = {}  # child -> when to start it again
+        self.restarted_at: dict[str, float] = {}  # child -> when it was started again (for the "back" line)
 
     def run(self) -> int:
         from engine.model_store import resolve_model
@@ -64,14 +75,14 @@ class Launcher:
         env = dict(os.environ)
         if self.cfg.api_key:
             env["VLLM_API_KEY"] = self.cfg.api_key
+        self._argv, self._env = argv, env
+        self._role_argv = dict(roles(self.cfg))
         try:
-            for name, role_argv in roles(self.cfg):
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "engine.cli", *role_argv, *argv],
-                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            for name in self._role_argv:
+                self._spawn(name)
             code = self._wait_ready(ready_sock)
             if code is None:
-                code = self._supervise()
+                code = self._supervise(ready_sock)
             return code
         finally:
             self._stop_all()
@@ -79,6 +90,32 @@ class Launcher:
             try:
                 os.unlink(os.path.join(ready_dir, "ready"))
                 os.rmdir(ready_dir)
+            except OSError:
+                pass
+            self._remove_bus_files()
+
+    def _spawn(self, name: str) -> None:
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", *self._role_argv[name], *self._argv],
+            env=self._env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _remove_bus_files(self) -> None:
+        """The ipc socket files the children bound (a SIGKILLed child cannot remove its own)."""
+        if self.cfg.bus_transport != "ipc":
+            return
+        try:
+            ep = Endpoints.from_config(self.cfg)
+        except Exception:  # noqa: BLE001 - nothing to clean if the folder cannot even be named
+            return
+        paths = [a[len("ipc://"):] for a in (ep.requests, ep.plans, ep.results, ep.control, ep.commands)]
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if not self.cfg.bus_dir:  # our default per-port folder: remove it too when empty
+            try:
+                os.rmdir(os.path.dirname(paths[0]))
             except OSError:
                 pass
 
@@ -128,14 +165,49 @@ class Launcher:
               f"(OpenAI API at {url}/v1; Ctrl-C stops)", flush=True)
         return None
 
-    def _supervise(self) -> int:
+    def _supervise(self, sock: zmq.Socket) -> int:
         while not self._stop:
-            dead = self._dead_child()
-            if dead:
-                print(f"rollbus: {dead}; stopping all processes", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.2)
+            now = time.monotonic()
+            for name, p in self.procs.items():
+                if p.poll() is None or name in self.restarts:
+                    continue
+                what = f"{name} (pid {p.pid}) exited with code {p.returncode}"
+                if name == "coordinator":
+                    print(f"rollbus: {what}; the control state (pauses, weight versions, membership) lived in "
+                          "it and cannot be rebuilt: stopping all processes", file=sys.stderr, flush=True)
+                    return 1
+                delay = self.policy.on_exit(name, now)
+                if delay is None:
+                    print(f"rollbus: {what}; it died {self.policy.recent(name) + 1} times within {WINDOW_S:.0f}s "
+                          f"(--max-restarts {self.cfg.max_restarts}): giving up, stopping all processes",
+                          file=sys.stderr, flush=True)
+                    return 1
+                print(f"rollbus: {what}; restarting it in {delay:.1f}s (restart {self.policy.recent(name)} of "
+                      f"{self.cfg.max_restarts} within {WINDOW_S:.0f}s); the other processes keep running",
+                      file=sys.stderr, flush=True)
+                self.restarts[name] = now + delay
+            for name, at in list(self.restarts.items()):
+                if now >= at:
+                    del self.restarts[name]
+                    self._spawn(name)
+                    self.restarted_at[name] = time.monotonic()
+            if sock.poll(200):
+                self._on_ready(sock)
         return 0
+
+    def _on_ready(self, sock: zmq.Socket) -> None:
+        """A restarted child finished its start-up."""
+        try:
+            msg = decode(sock.recv_multipart())
+        except CodecError:
+            return
+        if not isinstance(msg, Ready):
+            return
+        name = "gateway" if msg.role == "gateway" else msg.name
+        started = self.restarted_at.pop(name, None)
+        if started is not None:
+            print(f"rollbus: {name} is back (pid {msg.pid}, ready {time.monotonic() - started:.1f}s after its "
+                  "restart)", file=sys.stderr, flush=True)
 
     def _stop_all(self) -> None:
         """The gateway first: SIGTERM makes it drain (new requests 503, running ones get --shutdown-timeout

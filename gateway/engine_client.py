@@ -5,6 +5,13 @@ asyncio-native (zmq.asyncio sockets created inside the running loop). One reader
 dispatches incoming messages to per-request queues, so a request handler only awaits its own queue.
 The command stream is followed by bus.follower.Follower, as in every other member (sequence checks,
 gaps resynced with a fresh Welcome, the control state reduced in one place); the gateway does not ack.
+
+Liveness: the heartbeat is a thread with its own socket (bus.member.HeartbeatThread), so an event loop
+blocked by a huge request cannot get the gateway declared lost. The engine is down while the control
+state lists a lost scheduler or worker (ControlState.lost: until it rejoins), while a restarted worker
+lacks the weight version in service, or while the coordinator is silent; each clears by itself. A lost
+scheduler, or this gateway declared lost (a stall), fails the open requests; a lost worker does not: the
+scheduler fails those that ran on it and keeps the queued ones for after its return.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import zmq.asyncio
 from bus.codec import CodecError, decode, encode
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
 from bus.follower import Follower, Refused, SequenceGap
+from bus.member import HeartbeatThread, coordinator_restarted, is_own_loss
 from bus.messages import (
     PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
@@ -61,10 +69,20 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.replies: dict[str, asyncio.Future[ControlReply]] = {}
         self.stats: dict[str, float] = {}
-        self.dead_reason: str | None = None
+        self.refused: str | None = None  # the coordinator refused us (protocol mismatch): for good
+        self.silent: str | None = None  # the coordinator has been silent too long (clears when heard)
         self.follower = Follower(self.name, {MemberLost: self._on_member_lost})
         self._coordinator_seen = time.monotonic()
+        self._command_seq = 0  # the highest seq of a command read on the SUB (coordinator_restarted)
         self._tasks: list[asyncio.Task] = []
+        self._beat: HeartbeatThread | None = None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why requests cannot be served now (503), or None."""
+        state = self.follower.state
+        return (self.refused or self.silent or control_state.engine_down_message(state)
+                or control_state.weights_lost_message(state))
 
     @property
     def healthy(self) -> bool:
@@ -94,12 +112,20 @@ class EngineClient:
         self.welcomed = asyncio.get_running_loop().create_future()
         await self._hello()
         self._tasks = [asyncio.create_task(t) for t in
-                       (self._read_outputs(), self._read_commands(), self._read_control(), self._heartbeat())]
+                       (self._read_outputs(), self._read_commands(), self._read_control(), self._watch())]
+        # a plain context of its own: the heartbeat thread must not touch the asyncio context's sockets
+        self._beat_ctx = zmq.Context()
+        self.ep.secure(self._beat_ctx)
+        self._beat = HeartbeatThread(self._beat_ctx, self.ep.control, self.name, self.interval,
+                                     lambda: self.follower.seq or 0)
         await asyncio.wait_for(self.welcomed, timeout_s)
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self._beat is not None:
+            self._beat.stop()
+            self._beat_ctx.destroy(linger=0)
         self.ctx.destroy(linger=0)
 
     # --- requests -----------------------------------------------------------------------------------
@@ -175,7 +201,21 @@ class EngineClient:
             except CodecError as e:
                 log.warning("gateway.bad_message", error=str(e))
                 continue
-            if isinstance(msg, Command):
+            if self.silent is not None:
+                log.info("gateway.coordinator_back", after=self.silent)
+                self.silent = None
+            if isinstance(msg, Heartbeat) and coordinator_restarted(msg, self._command_seq):
+                # a new coordinator: its control state replaces ours (a snapshot), our requests are gone
+                self._fail_all("the coordinator restarted: running requests failed: retry")
+                self._command_seq = 0
+                self.follower.resync()
+                await self._hello()
+            elif isinstance(msg, Command):
+                self._command_seq = max(self._command_seq, msg.seq)
+                if is_own_loss(msg, self.name):  # our loop stalled past the heartbeat timeout: rejoin
+                    self._fail_all(f"this gateway was declared lost ({msg.body.why}); the engine dropped its "
+                                   "requests: retry")
+                    await self._hello()
                 try:
                     self.follower.command(msg)  # the gateway does not ack: its acks would be ignored
                 except SequenceGap as gap:
@@ -184,9 +224,10 @@ class EngineClient:
                     await self._hello()
 
     def _on_member_lost(self, cmd: MemberLost) -> None:
-        # Only the engine's own processes matter here: another gateway going away is not our problem.
-        if cmd.role in ("scheduler", "worker"):
-            self._fail_all(f"engine process {cmd.name} died ({cmd.why})")
+        # Another gateway going away is not our problem; a lost worker's requests are failed by the
+        # scheduler (the queued ones wait for its return); a lost scheduler took every request with it.
+        if cmd.role == "scheduler":
+            self._fail_all(f"engine process {cmd.name} was lost ({cmd.why}); running requests failed: retry")
 
     async def _read_control(self) -> None:
         while True:
@@ -200,7 +241,8 @@ class EngineClient:
                 try:
                     self.follower.welcome(msg)  # a stale Welcome never rolls back what was applied
                 except Refused as e:
-                    self._fail_all(f"coordinator refused the gateway: {e}")
+                    self.refused = f"coordinator refused the gateway: {e}"
+                    self._fail_all(self.refused)
                 if not self.welcomed.done():
                     self.welcomed.set_result(msg)
             elif isinstance(msg, ControlReply):
@@ -208,18 +250,23 @@ class EngineClient:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
-    async def _heartbeat(self) -> None:
+    async def _watch(self) -> None:
+        """The coordinator's heartbeats: silence past the timeout fails the open requests and marks the
+        engine down until it is heard again. Time the loop spent blocked does not count as silence."""
+        last = time.monotonic()
         while True:
-            await self._send(self.control_sock, Heartbeat(self.name, self.follower.seq or 0))
-            if time.monotonic() - self._coordinator_seen > self.timeout:
-                self._fail_all("coordinator is silent: the engine is down")
             await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            if now - last > 2 * self.interval:  # we were not listening: nothing proves the coordinator silent
+                self._coordinator_seen = max(self._coordinator_seen, now - self.interval)
+            last = now
+            if self.silent is None and now - self._coordinator_seen > self.timeout:
+                self.silent = "coordinator is silent: the engine is down"
+                self._fail_all(self.silent)
 
     def _fail_all(self, reason: str) -> None:
-        """The engine can no longer finish anything: end every open request with an error."""
-        if self.dead_reason is None:
-            log.error("gateway.engine_dead", reason=reason)
-        self.dead_reason = reason
+        """The engine can no longer finish what is open: end every open request with an error."""
+        log.error("gateway.requests_failed", reason=reason, count=len(self.queues))
         for rid, q in self.queues.items():
-            error = ErrorInfo("EngineDead", reason)
+            error = ErrorInfo("EngineDead", reason, status=503)
             q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, error, 0, 0, 0))

@@ -96,8 +96,9 @@ def test_preemption_under_a_small_kv_cache_keeps_outputs_exact(tmp_path, smollm2
 
 
 def test_dead_worker_fails_in_flight_requests_and_stops_everything(tmp_path, smollm2_dir):
+    """With --max-restarts 0 a death is the end (the default restarts the worker: tests/test_recovery.py)."""
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    s = start_server(tmp_path, str(folder), "--max-model-len", "256")
+    s = start_server(tmp_path, str(folder), "--max-model-len", "256", "--max-restarts", "0")
     pids = s.child_pids()
     assert set(pids) == {"coordinator", "scheduler", "worker-0", "gateway"}, pids
     result: dict = {}

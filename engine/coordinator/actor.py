@@ -4,12 +4,15 @@ and watches liveness. Policy lives in bus.control.ControlLedger; this file is th
 Membership: a member is welcomed once both its Hello (on the ROUTER) and its presence subscription (on
 the XPUB) have arrived, so it cannot miss a command published after its Welcome. A member that stops
 heartbeating, or whose SUB pipe disconnects, is lost: the coordinator publishes `member_lost` so the
-scheduler fails that member's work and pending acks from it are reported missing.
+scheduler fails that member's work and pending acks from it are reported missing. A lost member that
+comes back (a stall ends, or the launcher restarted it) says Hello again and is welcomed like a new one;
+every welcome is followed by a `member_joined` broadcast, so the others resume using it.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import structlog
 import zmq
@@ -29,13 +32,16 @@ from bus.messages import (
     ErrorInfo,
     Heartbeat,
     Hello,
+    MemberJoined,
     MemberLost,
     Members,
     Shutdown,
+    WeightsLost,
     WeightsMissing,
     WeightUpdateEvent,
     WeightUpdateResult,
     WeightVersionCommitted,
+    WeightVersionLost,
     Welcome,
     describe,
 )
@@ -54,7 +60,7 @@ NAME = "coordinator"
 class Coordinator:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
-        self.ledger = ControlLedger(snapshot=control_state.initial_state())
+        self.ledger = ControlLedger(snapshot=control_state.initial_state(uuid.uuid4().hex))
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
         self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))
@@ -126,9 +132,17 @@ class Coordinator:
             self.hellos[h.name] = h
 
     def _welcome(self, h: Hello) -> None:
+        """A member joins: new, restarted or back from being lost, it is announced (MemberJoined); a member
+        that says Hello again without having left (a resync after a sequence gap) is only welcomed."""
+        old = self.ledger.members.get(h.name)
+        if old is not None and old.pid != h.pid:  # restarted before its old self was noticed gone
+            self._lose(h.name, f"restarted (pid {old.pid} -> {h.pid})")
+            old = None
         self.ledger.join(Member(h.name, h.role, h.pid, time.monotonic(), h.info))
         send(self.router, Welcome(True, "", self.ledger.seq, self.ledger.snapshot), to=h.name.encode())
         log.info("coordinator.joined", member=h.name, role=h.role, pid=h.pid, seq=self.ledger.seq)
+        if old is None:
+            self._publish(MemberJoined(h.name, h.role, h.pid), self.cfg.control_timeout_s)
 
     def _on_request(self, sender: bytes, r: ControlRequest) -> None:
         if self.stopping:
@@ -197,6 +211,11 @@ class Coordinator:
         cmd, done = self.ledger.publish(command, now=time.monotonic(), timeout_s=timeout_s,
                                         request_id=request_id, requester=requester)
         send(self.pub, cmd, topic=COMMAND_TOPIC)
+        if isinstance(command, WeightsLost):  # tell the trainers (topic W) that they must send the weights again
+            log.error("coordinator.weight_version_lost", version=command.version, member=command.member,
+                      why=command.why)
+            send(self.pub, WeightVersionLost(self.ledger.snapshot.weights_lost or "", command.epoch, command.member,
+                                             command.why, time.time()), topic=WEIGHTS_TOPIC)
         self._reply(done)
 
     def _reply(self, done: list[Pending]) -> None:

@@ -6,6 +6,13 @@ messages.
 Start-up: join the control bus, then wait until every worker has both said Hello on the results socket
 (with its KV capacity) and subscribed to the plans socket (seen on the XPUB), so the first plan
 cannot be lost. One step is in flight at a time: plan -> results of every worker -> outputs.
+
+Recovery: a worker declared lost (dead, or stalled past --heartbeat-timeout-s) fails the requests the
+workers had seen (503: they were running on it) and stops the stepping; requests still queued wait. The
+worker is back once it says Hello on the results socket again, at or after the seq of its loss, with its
+plan subscription in place (a restarted one subscribes anew); then steps resume. Queued requests fail
+after RECOVERY_WAIT_S without it. A scheduler that was itself declared lost (a stall) drops all its
+requests (the gateways failed them already) and waits for every worker's Hello the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from bus.messages import (
     ErrorInfo,
     Health,
     Hello,
+    MemberJoined,
     MemberLost,
     NewSeq,
     OutputBatch,
@@ -60,6 +68,7 @@ from engine.scheduler.step_gate import Quiesce, StepGate
 log = structlog.get_logger()
 
 NAME = "scheduler"
+RECOVERY_WAIT_S = 60.0  # how long queued requests wait for a lost worker to come back before failing (503)
 
 
 class SchedulerActor:
@@ -70,13 +79,13 @@ class SchedulerActor:
         self.results = make_socket(ctx, zmq.PULL, bind=ep.bind_address(ep.results))
         self.link = MemberLink(ctx, ep, role="scheduler", name=NAME, handlers={
             Health: self._health, Shutdown: self._shutdown, MemberLost: self._member_lost,
+            MemberJoined: lambda c: None,  # a worker is back only once its Hello reaches us (_on_worker_hello)
             UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
             ResetPrefixCache: self._reset_prefix_cache,
             **dict.fromkeys((Pause, Resume, Sleep, WakeUp, StartWeightUpdate, AbortWeightUpdate), self._gate_command),
         }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.gate = StepGate()
         self.sched: Scheduler | None = None  # built once the workers report their KV capacity
-        self.dead_reason: str | None = None
         self.stopping = False
         self.step_id = 0
         self.in_flight: ScheduledStep | None = None
@@ -89,6 +98,12 @@ class SchedulerActor:
         # Outputs of this loop turn, sent once the turn's plan is out (the workers wait for the plan; the
         # gateways can wait the fraction of a millisecond): one OutputBatch per gateway per turn, in order.
         self.outbox: list[tuple[Sequence, RequestOutput]] = []
+        # Recovery: workers lost and not back (name -> seq of the loss), each worker's last Hello (name -> the
+        # seq it joined at) and who is subscribed to the plans
+        self.workers_waiting: dict[str, int] = {}
+        self.waiting_since = 0.0
+        self.worker_hellos: dict[str, int] = {}
+        self.plan_subs: set[str] = set()
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -110,6 +125,7 @@ class SchedulerActor:
                     name = member_name(topic)
                     if on and name is not None:
                         subscribed.add(name)
+                    self._on_plan_subscription(on, name)
                 elif sock is self.results:
                     try:
                         msg = recv(self.results)
@@ -118,6 +134,7 @@ class SchedulerActor:
                         continue
                     if isinstance(msg, Hello):
                         hellos[msg.name] = msg
+                        self._on_worker_hello(msg)
                 else:
                     self.link.handle(sock)
             self.link.tick(time.monotonic())
@@ -138,7 +155,7 @@ class SchedulerActor:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for s in (self.router, self.results, *self.link.sockets):
+        for s in (self.router, self.results, self.plans, *self.link.sockets):
             poller.register(s, zmq.POLLIN)
         idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
@@ -148,9 +165,14 @@ class SchedulerActor:
                     self._on_request()
                 elif sock is self.results:
                     self._on_result()
+                elif sock is self.plans:
+                    on, topic = subscription_event(self.plans.recv())
+                    self._on_plan_subscription(on, member_name(topic))
                 else:
                     self.link.handle(sock)
             self.link.tick(time.monotonic())
+            if self.workers_waiting:
+                self._check_recovery_wait()
             self._maybe_complete_quiesce()
             if self._can_start_step():
                 self._start_step()
@@ -159,8 +181,8 @@ class SchedulerActor:
                 self._flush()
 
     def _can_start_step(self) -> bool:
-        return not self.dead_reason and self.gate.may_step(self.link.state, in_flight=self.in_flight is not None,
-                                                           has_work=self.sched.has_work())
+        return not self.workers_waiting and self.gate.may_step(
+            self.link.state, in_flight=self.in_flight is not None, has_work=self.sched.has_work())
 
     def _on_request(self) -> None:
         try:
@@ -179,7 +201,9 @@ class SchedulerActor:
     def _add(self, client: bytes, msg: AddRequest) -> None:
         seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.eos_token_ids, msg.arrival_time,
                        client)
-        error = None if self.dead_reason is None else ErrorInfo("EngineDead", self.dead_reason)
+        error = None
+        if self.workers_waiting and time.monotonic() - self.waiting_since > RECOVERY_WAIT_S:
+            error = ErrorInfo("WorkerLost", self._recovery_message(), status=503)
         if error is None and control_state.rejects_new_requests(self.link.state):
             error = ErrorInfo("Paused", control_state.PAUSED_MESSAGE, status=503)
         if error is None and msg.request_id in self.sched.seqs:
@@ -228,6 +252,9 @@ class SchedulerActor:
             res = recv(self.results)
         except CodecError as e:
             log.warning("scheduler.bad_result", error=str(e))
+            return
+        if isinstance(res, Hello):
+            self._on_worker_hello(res)
             return
         if not isinstance(res, StepResult) or self.in_flight is None or res.step_id != self.step_id:
             return
@@ -347,14 +374,25 @@ class SchedulerActor:
     def _health(self, cmd: Health) -> dict[str, Any]:
         if self.sched is None:
             return {"ok": False, "why": "waiting for workers"}
-        return {"ok": self.dead_reason is None, "running": len(self.sched.running)}
+        if self.workers_waiting:
+            return {"ok": False, "why": f"waiting for {', '.join(sorted(self.workers_waiting))} to rejoin"}
+        return {"ok": True, "running": len(self.sched.running)}
 
     def _shutdown(self, cmd: Shutdown) -> None:
         self.stopping = True
 
     def _member_lost(self, cmd: MemberLost) -> None:
+        seq = self.link.follower.current.seq
         if cmd.role == "worker":
-            self._fail_all(f"{cmd.name} died ({cmd.why})")
+            self._worker_lost([cmd.name], seq, ErrorInfo(
+                "WorkerLost", f"{cmd.name} was lost ({cmd.why}) while this request ran on it; retry", cmd.name, 503))
+        elif cmd.name == NAME:
+            # We stalled past the heartbeat timeout: the gateways failed our requests already, and the
+            # workers forget their sequences when we rejoin (MemberJoined): start again from nothing.
+            log.warning("scheduler.was_lost", why=cmd.why)
+            workers = [f"worker-{r}" for r in range(self.cfg.num_workers)]
+            self._worker_lost(workers, seq, ErrorInfo("SchedulerLost", f"the scheduler was lost ({cmd.why})",
+                                                      NAME, 503), everything=True)
         elif cmd.role == "gateway" and self.sched is not None:
             # Nobody is left to read these outputs: stop computing them.
             orphans = [s for s in self.sched.seqs.values() if s.client == cmd.name.encode()]
@@ -362,6 +400,56 @@ class SchedulerActor:
                 self.sched.abort(seq.seq_id)
             if orphans:
                 log.warning("scheduler.aborted_orphans", gateway=cmd.name, count=len(orphans))
+
+    def _worker_lost(self, names: list[str], seq: int, error: ErrorInfo, everything: bool = False) -> None:
+        """Stop stepping until `names` say Hello again; fail what the workers had seen (their state of it is
+        gone: sampled tokens, per-request generators, KV), keep the rest queued."""
+        log.error("scheduler.worker_lost", workers=names, seq=seq, reason=error.message)
+        if not self.workers_waiting:
+            self.waiting_since = time.monotonic()
+        for n in names:
+            self.workers_waiting[n] = seq
+        if self.sched is None:
+            return  # still starting: wait_for_workers waits for the Hellos anyway
+        self.in_flight = None
+        self.pending_results = {}
+        seqs = [q for q in self.sched.seqs.values() if everything or q.sent_to_workers]
+        self._fail_seqs(seqs, error)
+        self.sched.blocks.reset_prefix_cache()  # a restarted worker's KV cache holds nothing
+        for n in names:
+            self._check_rejoined(n)  # its Hello may have overtaken the news of its loss
+
+    def _on_plan_subscription(self, on: bool, name: str | None) -> None:
+        if name is None:
+            return
+        if on:
+            self.plan_subs.add(name)
+            self._check_rejoined(name)
+        else:
+            self.plan_subs.discard(name)
+
+    def _on_worker_hello(self, h: Hello) -> None:
+        joined = h.info.get("joined_seq", 0) if isinstance(h.info, dict) else 0
+        self.worker_hellos[h.name] = joined if isinstance(joined, int) else 0
+        self._check_rejoined(h.name)
+
+    def _check_rejoined(self, name: str) -> None:
+        lost_at = self.workers_waiting.get(name)
+        if lost_at is None or self.worker_hellos.get(name, -1) < lost_at or name not in self.plan_subs:
+            return
+        del self.workers_waiting[name]
+        log.info("scheduler.worker_rejoined", worker=name, waiting_for=sorted(self.workers_waiting),
+                 after_s=round(time.monotonic() - self.waiting_since, 2))
+
+    def _recovery_message(self) -> str:
+        return (f"{', '.join(sorted(self.workers_waiting))} did not come back within {RECOVERY_WAIT_S:.0f}s "
+                "of being lost")
+
+    def _check_recovery_wait(self) -> None:
+        """Queued requests do not wait forever for a worker that never comes back."""
+        if self.sched is None or time.monotonic() - self.waiting_since <= RECOVERY_WAIT_S or not self.sched.seqs:
+            return
+        self._fail_seqs(list(self.sched.seqs.values()), ErrorInfo("WorkerLost", self._recovery_message(), status=503))
 
     def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> dict[str, Any]:
         if self.sched is None:
@@ -407,15 +495,6 @@ class SchedulerActor:
         done = self._complete_quiesce()
         if done is not None and self.link.deferred is not None:
             self.link.complete(done)
-
-    def _fail_all(self, reason: str) -> None:
-        """A worker is gone: nothing can be computed any more. Fail every request; refuse new ones."""
-        log.error("scheduler.failing_all", reason=reason)
-        if self.sched is None:
-            return  # still starting: nothing to fail, and wait_for_workers waits for its replacement
-        self.dead_reason = reason
-        self.in_flight = None
-        self._fail_seqs(list(self.sched.seqs.values()), ErrorInfo("EngineDead", reason))
 
     def _fail_seqs(self, seqs: list[Sequence], reason: ErrorInfo) -> None:
         outs = []
