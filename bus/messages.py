@@ -83,6 +83,11 @@ class ErrorInfo(Wire):
         return f"{self.member}: {what}" if self.member else what
 
 
+# ErrorInfo.kind of a start_weight_update the coordinator refused without broadcasting it, because an
+# update is active: the one error after which a caller must not abort (the active update is not its own).
+UPDATE_ACTIVE = "UpdateActive"
+
+
 # --- commands (numbered broadcasts; see the module docstring for how to add one) -------------------
 
 

@@ -25,9 +25,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from bus.messages import (
+    UPDATE_ACTIVE,
     AbortWeightUpdate,
     CommandBody,
     CommitWeightUpdate,
+    ControlReply,
     FinishWeightUpdate,
     InitWeightTransferEngine,
     ShutdownWeightTransferEngine,
@@ -55,10 +57,14 @@ async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> 
     reply = await client.control(command, timeout_s=timeout_s)
     if reply.ok:
         return reply.results
+    raise failure(command, reply)
+
+
+def failure(command: CommandBody, reply: ControlReply) -> APIError:
     status = reply_status(reply.ok, reply.missing, reply.errors)
     params = [e.param for e in reply.errors if e.param]
-    raise APIError(f"{command_name(command)} failed: {reply.error}", status=status,
-                   type=_TYPES.get(status, INTERNAL), param=params[0] if params else None)
+    return APIError(f"{command_name(command)} failed: {reply.error}", status=status,
+                    type=_TYPES.get(status, INTERNAL), param=params[0] if params else None)
 
 
 def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
@@ -68,16 +74,20 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     checksums: dict[int, dict[str, str]] = {}  # by weight epoch; /weight_checker reset drops it
 
     async def call_or_abort(command: CommandBody, timeout_s: float) -> None:
-        """All or nothing: when one worker fails a step of the update, every worker drops the update."""
-        try:
-            await call(client, command, timeout_s)
-        except APIError as e:
-            if e.status != 409:  # 409: no update of ours is active, nothing to abort
+        """All or nothing: when one worker fails a step of the update, every worker drops the update. A
+        failed start too (a worker refused it, e.g. its weights are asleep): its broadcast opened the
+        update window, which would hold every step. Not aborted: the coordinator's refusal of a start
+        while another update is active (nothing was broadcast), and a 409 mid-update (none is active)."""
+        reply = await client.control(command, timeout_s=timeout_s)
+        if not reply.ok:
+            e = failure(command, reply)
+            busy = any(err.kind == UPDATE_ACTIVE for err in reply.errors)
+            if not busy and (isinstance(command, StartWeightUpdate) or e.status != 409):
                 try:
                     await call(client, AbortWeightUpdate(), control_s)
                 except APIError:
                     pass  # the original failure is what the caller needs to see
-            raise
+            raise e
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> JSONResponse:
@@ -94,7 +104,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.post("/start_weight_update")
     async def start_weight_update() -> JSONResponse:
-        await call(client, StartWeightUpdate(), control_s)
+        await call_or_abort(StartWeightUpdate(), control_s)
         return JSONResponse({"message": "Weight update started"})
 
     @app.post("/update_weights")

@@ -215,6 +215,22 @@ def test_state_machine_conflicts_are_409s(ipc_server):
     assert post(url, "/finish_weight_update").status_code == 200
 
 
+def test_a_start_refused_by_a_worker_closes_the_update_window(ipc_server):
+    """Weights asleep: the worker refuses the start (409). Its broadcast had opened the update window, which
+    holds every step; the refusal used to leave it open until someone aborted by hand."""
+    url = ipc_server.url
+    before = engine_greedy(url)
+    assert post(url, "/sleep?level=1&mode=keep").status_code == 200
+    r = post(url, "/start_weight_update")
+    assert r.status_code == 409 and "asleep" in r.json()["error"]["message"], r.text
+    assert post(url, "/wake_up").status_code == 200
+    assert engine_greedy(url) == before  # served: the window is closed
+    assert post(url, "/start_weight_update").status_code == 200  # and a new update may start
+    r = post(url, "/start_weight_update")  # one while it is active: refused, and the active one kept
+    assert r.status_code == 409 and "already active" in r.json()["error"]["message"], r.text
+    assert post(url, "/finish_weight_update").status_code == 200
+
+
 def test_requests_wait_while_an_update_is_active(ipc_server):
     """From start to commit no step runs: a request sent meanwhile completes after finish."""
     url = ipc_server.url

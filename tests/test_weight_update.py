@@ -105,9 +105,12 @@ def test_sync_steps_abort_and_resume_on_a_failed_update():
     assert not out.ok and out.failed_step == "update_weights" and out.status == 400
 
 
-def test_sync_steps_without_pause_and_a_busy_start_is_not_aborted():
+def test_sync_steps_a_refused_start_is_aborted():
+    """A worker's refusal of the start (409: its weights are asleep) still opened the update window on
+    every member; without the abort every later step was held. (A start while another update is active
+    never gets here: the coordinator refuses the event before driving these steps.)"""
     cmds, out = run(sync_steps("v1", "none", True, [{}], 10, 60), fail_at="start_weight_update", status=409)
-    assert cmds == ["start_weight_update"] and out.status == 409
+    assert cmds == ["start_weight_update", "abort_weight_update"] and out.status == 409
 
 
 def test_a_failed_outcome_travels_as_one_typed_error():

@@ -23,6 +23,7 @@ from bus.endpoints import COMMAND_TOPIC, WEIGHTS_TOPIC, Endpoints
 from bus.messages import (
     PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
+    UPDATE_ACTIVE,
     Ack,
     CommandBody,
     CommitWeightUpdate,
@@ -36,6 +37,7 @@ from bus.messages import (
     MemberLost,
     Members,
     Shutdown,
+    StartWeightUpdate,
     WeightsLost,
     WeightsMissing,
     WeightUpdateEvent,
@@ -152,6 +154,14 @@ class Coordinator:
         if isinstance(r.body, Members):  # read-only: answered directly, not broadcast
             members = {n: {"role": m.role, "pid": m.pid, "info": m.info} for n, m in self.ledger.members.items()}
             send(self.router, ControlReply(r.request_id, True, self.ledger.seq, members), to=sender)
+            return
+        busy = self.sync is not None or self.ledger.snapshot.weight_update_active
+        if isinstance(r.body, StartWeightUpdate) and busy:
+            # Refused here, not broadcast: a start that reached the workers opens the update window, and
+            # its caller must abort it on failure; this one must not touch the update that is active.
+            send(self.router, ControlReply(r.request_id, False, self.ledger.seq, {}, [ErrorInfo(
+                UPDATE_ACTIVE, "a weight update is already active: finish_weight_update (or its failure) ends it",
+                status=409)]), to=sender)
             return
         timeout = r.timeout_s if r.timeout_s > 0 else self.cfg.control_timeout_s
         self._publish(r.body, timeout, r.request_id, sender)

@@ -93,8 +93,8 @@ def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[d
                 failed = ("finish_weight_update", r)
     if failed is None:
         yield Step(CommitWeightUpdate(version), control_timeout_s)
-    elif not (failed[0] == "start_weight_update" and failed[1].status == 409):
-        # (a 409 at start means someone else's update is active: not ours to abort)
+    else:  # a failed start too: it reached the workers and opened the window (the coordinator
+        # refuses a start while another update is active before this generator runs)
         yield Step(AbortWeightUpdate(), control_timeout_s)
     if paused:
         yield Step(Resume(), control_timeout_s)
