@@ -150,7 +150,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
         add_weight_routes(app, cfg, client)
     metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy,
                       sleep_state=lambda: control_state.sleep_state_label(client.control_state),
-                      open_sequences=lambda: admission.sequences, open_engine_requests=lambda: len(client.queues))
+                      open_sequences=lambda: admission.sequences,
+                      open_engine_requests=lambda: len(getattr(client, "queues", ())))  # (test fakes have none)
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics, admission)
     health = HealthProbe(client, cfg.control_timeout_s)
     created = int(time.time())

@@ -117,11 +117,14 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     body.check()
     prompts = body.prompts()
     ctx.check_prompt_count(len(prompts), "prompt")
-    ctx.check_prompt_tokens(sum(len(p) for p in prompts if not isinstance(p, str)), "prompt")  # before any copy
+    id_tokens = sum(len(p) for p in prompts if not isinstance(p, str))
+    ctx.check_prompt_tokens(id_tokens, "prompt")  # before any copy
     texts = [p for p in prompts if isinstance(p, str)]
     if ctx.tokenizer is None:
         check_tokens_only(body, bool(texts), ctx.tokens_as_ids(body.return_tokens_as_token_ids))
-    tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens) if texts else [])
+    budget = ctx.cfg.max_prompt_tokens_per_request - id_tokens  # tokenising stops once the texts exceed it
+    tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens, budget=budget,
+                                           keep=body.truncate_prompt_tokens) if texts else [])
     encoded: list[list[int]] = []
     for p in prompts:
         ids = truncate_prompt(list(p) if isinstance(p, list) else next(tokenized), body.truncate_prompt_tokens,

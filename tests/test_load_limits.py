@@ -149,6 +149,73 @@ def test_the_gateway_releases_the_backlog_and_counts_rejections_by_reason():
     assert (admission.queued_tokens, admission.sequences, admission.requests) == (0, 0, 0)
 
 
+# --- tokenising large requests off the loop, in bounded batches ------------------------------------------
+
+
+class CountingTokenizer:
+    """The real SmolLM2 tokenizer, counting the characters each call was given."""
+
+    def __init__(self, folder):
+        from gateway.tokenizer import Tokenizer
+
+        self.real = Tokenizer.from_dir(folder)
+        self.eos_token_ids = self.real.eos_token_ids
+        self.calls: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls.append(len(text))
+        return self.real.encode(text, add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        self.calls.append(sum(map(len, texts)))
+        return self.real.encode_batch(texts, add_special_tokens)
+
+
+def _serving(tokenizer, **cfg):
+    from engine.config import EngineConfig
+    from gateway.metrics import Metrics
+    from gateway.serving import ModelInfo, ServingContext
+
+    return ServingContext(EngineConfig(**cfg), None, tokenizer, ModelInfo(["tiny"], "/m", 256, 49152),  # type: ignore[arg-type]
+                          Metrics("tiny"))
+
+
+@pytest.mark.unit
+def test_text_prompts_beyond_the_token_budget_stop_tokenising_early(smollm2_dir):
+    from gateway.errors import APIError
+    from gateway.serving import TOKENIZE_CHUNK_CHARS
+
+    tok = CountingTokenizer(smollm2_dir)
+    ctx = _serving(tok, max_prompt_tokens_per_request=1000)
+    texts = ["fox " * 250] * 4096  # 1,000 characters and 250 tokens each: 1M tokens, 4 MB
+    with pytest.raises(APIError) as e:
+        asyncio.run(ctx.encode_many(texts, False, budget=1000))
+    assert e.value.status == 400 and e.value.param == "prompt"
+    assert "more than 1000 tokens" in e.value.message and "--max-prompt-tokens-per-request" in e.value.message
+    assert sum(tok.calls) <= TOKENIZE_CHUNK_CHARS and max(tok.calls) <= TOKENIZE_CHUNK_CHARS  # not the 4 MB
+    tok.calls.clear()  # one text of 4 MB: counted piece by piece, stopped within a piece of the budget
+    with pytest.raises(APIError):
+        asyncio.run(ctx.encode_many(["fox " * 1_000_000], False, budget=1000, param="messages"))
+    assert tok.calls == [TOKENIZE_CHUNK_CHARS - 1]  # one piece, cut before a space
+    # truncated prompts count as truncated: 600 prompts kept to 10 tokens each fit a budget of 6000
+    tok.calls.clear()
+    ids = asyncio.run(ctx.encode_many(texts[:600], False, budget=6000, keep=10))
+    assert len(ids) == 600 and max(tok.calls) <= TOKENIZE_CHUNK_CHARS and len(tok.calls) > 1
+
+
+@pytest.mark.unit
+def test_a_long_text_within_the_budget_is_tokenised_whole_and_exactly(smollm2_dir):
+    from gateway.serving import TOKENIZE_CHUNK_CHARS
+
+    tok = CountingTokenizer(smollm2_dir)
+    ctx = _serving(tok)
+    text = "The quick brown fox, said the  dog:\n  it jumps!  " * (6 * TOKENIZE_CHUNK_CHARS // 250)
+    ids = asyncio.run(ctx.encode_many([text], True, budget=10**7))
+    assert ids == [tok.real.encode(text, add_special_tokens=True)]  # the pieces only counted it
+    short = ["Hello there", "fox " * 3000]
+    assert asyncio.run(ctx.encode_many(short, False, budget=10**7)) == [tok.real.encode(t) for t in short]
+
+
 # --- a real server ------------------------------------------------------------------------------------
 
 
