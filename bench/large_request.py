@@ -98,7 +98,8 @@ def main() -> None:
             before = rss(gw) / 2**20
             m = asyncio.run(measure(s.url, body))
             print(f"| {shape} | {len(body) / 2**20:.1f} | {m['status']} | {m['request_s']:.2f} | "
-                  f"{m['version_max_s'] * 1000:.0f} | {m['version_p50_s'] * 1000:.0f} | {m['health_max_s'] * 1000:.0f} | "
+                  f"{m['version_max_s'] * 1000:.0f} | {m['version_p50_s'] * 1000:.0f} | "
+                  f"{m['health_max_s'] * 1000:.0f} | "
                   f"{before:.0f} / {rss(gw) / 2**20:.0f} |", flush=True)
             if m["message"]:
                 print(f"    ({m['message']})")

@@ -235,7 +235,8 @@ def main() -> None:
         if soak.lost_why:
             print(f"lost: {dict(soak.lost_why)}")
         print(f"503 without Retry-After: {soak.no_retry_after}")
-        print("\n| process | start MB | baseline MB | soak peak MB | after MB | after / baseline |\n|---|---|---|---|---|---|")
+        print("\n| process | start MB | baseline MB | soak peak MB | after MB | after / baseline |")
+        print("|---|---|---|---|---|---|")
         for role in pids:
             print(f"| {role} | {start[role]:.0f} | {base[role]:.0f} | {peak[role]:.0f} | {after[role]:.0f} | "
                   f"{after[role] / base[role]:.3f} |")
