@@ -28,16 +28,20 @@ import httpx
 WORD = "fox "  # one token in SmolLM2's vocabulary, four bytes
 
 
+def _json(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def body_for(shape: str, body_bytes: int, prompts: int) -> bytes:
     if shape == "text-refused":
         per = max(1, (body_bytes - 200) // prompts - 4)
         text = (WORD * (per // len(WORD) + 1))[:per]
-        return json.dumps({"model": "tiny", "prompt": [text] * prompts, "max_tokens": 1}).encode()
+        return _json({"model": "tiny", "prompt": [text] * prompts, "max_tokens": 1})
     if shape == "ids-refused":
-        per = max(1, (body_bytes - 200) // prompts // 6)  # "12345," is 6 bytes
-        return json.dumps({"model": "tiny", "prompt": [[12345] * per] * prompts, "max_tokens": 1}).encode()
+        per = max(1, (body_bytes - 200) // prompts // 6 - 1)  # "12345," is 6 bytes
+        return _json({"model": "tiny", "prompt": [[12345] * per] * prompts, "max_tokens": 1})
     if shape == "text-served":
-        return json.dumps({"model": "tiny", "prompt": [WORD * 10] * prompts, "max_tokens": 1}).encode()
+        return _json({"model": "tiny", "prompt": [WORD * 10] * prompts, "max_tokens": 1})
     raise ValueError(shape)
 
 
