@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import time
 from collections.abc import Callable
 
@@ -29,8 +28,7 @@ MIN_INTERVAL_S = 1.0
 
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
+        fn = ctypes.CDLL(None).malloc_trim  # the process's own symbols: libc's (no find_library: it forks)
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
