@@ -10,12 +10,14 @@ import json
 import signal
 import subprocess
 import threading
+import time
 from typing import Any
 
 import httpx
 import pytest
 
 from gateway.limits import DRAINING_MESSAGE, OVERLOADED_MESSAGE, Admission, LoadLimitMiddleware, Overloaded
+from tests.procstats import rss
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
 from tests.waits import wait_for
 
@@ -290,6 +292,60 @@ def test_a_chunked_body_above_the_limit_is_413(server):
     r = httpx.post(server.url + "/v1/completions", content=b"x" * 70000, timeout=60)  # by Content-Length
     assert r.status_code == 413
     assert _complete(server.url, 1).status_code == 200
+
+
+def _probe_while(url: str, work) -> tuple[Any, float]:
+    """Run `work()` while GET /health is asked every 50 ms on a thread; its result and the slowest probe."""
+    stop = threading.Event()
+    latencies: list[float] = []
+
+    def probe() -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert c.get(url + "/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                stop.wait(0.05)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(latencies) >= 3, 30, "the /health probe to run")
+        result = work()
+    finally:
+        stop.set()
+        t.join(130)
+    return result, max(latencies)
+
+
+def test_a_body_of_text_at_the_size_limit_neither_blocks_the_loop_nor_keeps_its_memory(tmp_path, smollm2_dir):
+    """16 MB of text prompts (4M tokens) against a 100,000-token budget: tokenised off the loop in bounded
+    batches, stopped at the budget (not the whole body: that took 18 s and 800 MB), /health answers within
+    a second throughout, and the gateway's RSS comes back (the heap is trimmed after a large body)."""
+    s = start_server(tmp_path, str(_tiny(tmp_path, smollm2_dir)), *_args("--max-request-body-bytes", str(16 << 20),
+                                                                         "--max-prompt-tokens-per-request", "100000"))
+    try:
+        gateway = s.child_pids()["gateway"]
+        assert _complete(s.url, 1).status_code == 200
+        before = rss(gateway)
+        body = json.dumps({"model": MODEL, "prompt": ["fox " * 1000] * 4000, "max_tokens": 1}).encode()
+        assert 15 << 20 < len(body) < 16 << 20
+
+        def send() -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = httpx.post(s.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                           timeout=120)
+            return r, time.monotonic() - t0
+
+        (r, took), slowest = _probe_while(s.url, send)
+        assert r.status_code == 400 and "more than 100000 tokens" in r.json()["error"]["message"], r.text
+        assert took < 10, f"refusing took {took:.1f}s"
+        assert slowest < 1.0, f"/health took {slowest:.2f}s during the request"
+        wait_for(lambda: rss(gateway) < before + (48 << 20), 10,
+                 f"the gateway's RSS to come back near {before >> 20} MB (now {rss(gateway) >> 20} MB)")
+        assert _complete(s.url, 1).status_code == 200
+    finally:
+        s.stop()
 
 
 def _wait_draining(url: str) -> None:
