@@ -151,6 +151,36 @@ def test_the_gateway_releases_the_backlog_and_counts_rejections_by_reason():
     assert (admission.queued_tokens, admission.sequences, admission.requests) == (0, 0, 0)
 
 
+@pytest.mark.unit
+def test_the_heap_is_trimmed_after_a_large_body_and_after_a_burst_at_most_once_per_interval():
+    from gateway.memory import BURST_REQUESTS, LARGE_BODY_BYTES, HeapTrimmer
+
+    calls: list[float] = []
+    open_now = [0]
+    trimmer = HeapTrimmer(lambda: open_now[0], trim=lambda pad: calls.append(time.monotonic()) or 1,
+                          min_interval_s=0.2)
+
+    async def main() -> None:
+        trimmer.ended(1000)  # a small request, no burst: nothing to give back
+        assert trimmer._pending is None
+        open_now[0] = BURST_REQUESTS
+        trimmer.started()
+        open_now[0] = 1
+        trimmer.ended(1000)  # the burst is not over yet
+        assert trimmer._pending is None
+        open_now[0] = 0
+        trimmer.ended(1000)  # ... now it is
+        await trimmer._pending
+        assert len(calls) == 1 and trimmer.peak_requests == 0
+        trimmer.ended(LARGE_BODY_BYTES)  # a large body, even with nothing else open
+        trimmer.ended(LARGE_BODY_BYTES)  # merged into the pending trim
+        await trimmer._pending
+        assert len(calls) == 2 and calls[1] - calls[0] >= 0.2  # not more often than the interval
+
+    asyncio.run(main())
+    assert HeapTrimmer(lambda: 0).trim is not None  # glibc's malloc_trim is found on Linux
+
+
 # --- tokenising large requests off the loop, in bounded batches ------------------------------------------
 
 
