@@ -26,6 +26,7 @@ from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
 from gateway.limits import Admission, BodyTooLarge, LoadLimitMiddleware, too_large
+from gateway.memory import HeapTrimmer
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.responses import JSONResponse
@@ -135,7 +136,9 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     async def _too_large(_: Request, __: BodyTooLarge) -> Response:
         return too_large(cfg.max_request_body_bytes)
 
-    app.add_middleware(LoadLimitMiddleware, admission=admission, max_body_bytes=cfg.max_request_body_bytes)
+    app.state.trimmer = trimmer = HeapTrimmer(lambda: admission.requests)
+    app.add_middleware(LoadLimitMiddleware, admission=admission, max_body_bytes=cfg.max_request_body_bytes,
+                       trimmer=trimmer)
     if cfg.api_key:  # added last = outermost: a request without the key is 401 before any limit applies
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
     extra = parse_additional_config(cfg.additional_config)
@@ -149,7 +152,9 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
         add_dev_routes(app, cfg, client, extra, model_info)
         add_weight_routes(app, cfg, client)
     metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy,
-                      sleep_state=lambda: control_state.sleep_state_label(client.control_state))
+                      sleep_state=lambda: control_state.sleep_state_label(client.control_state),
+                      open_sequences=lambda: admission.sequences,
+                      open_engine_requests=lambda: len(getattr(client, "queues", ())))  # (test fakes have none)
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics, admission)
     health = HealthProbe(client, cfg.control_timeout_s)
     created = int(time.time())

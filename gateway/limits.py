@@ -17,6 +17,7 @@ from http import HTTPStatus
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, envelope
+from gateway.memory import HeapTrimmer
 from gateway.responses import JSONResponse
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -110,8 +111,9 @@ class Admission:
 class LoadLimitMiddleware:
     """Body size on every request; admission bookkeeping and draining on the generation routes."""
 
-    def __init__(self, app: ASGIApp, admission: Admission, max_body_bytes: int):
-        self.app, self.admission, self.max_body = app, admission, max_body_bytes
+    def __init__(self, app: ASGIApp, admission: Admission, max_body_bytes: int, trimmer: HeapTrimmer | None = None):
+        """`trimmer`: told when requests start and end, to give the heap back after a peak."""
+        self.app, self.admission, self.max_body, self.trimmer = app, admission, max_body_bytes, trimmer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,22 +130,26 @@ class LoadLimitMiddleware:
             return
         if generation:
             self.admission._enter()
+            if self.trimmer is not None:
+                self.trimmer.started()
+        seen = [0]
         try:
-            await self.app(scope, self._limited(receive), send)
+            await self.app(scope, self._limited(receive, seen), send)
         finally:  # whatever route admitted sequences, they are released here
             self.admission._leave(scope, counted=generation)
+            if self.trimmer is not None:
+                self.trimmer.ended(seen[0])
 
-    def _limited(self, receive: Receive) -> Receive:
-        """A chunked body (no Content-Length) is counted as it arrives; past the limit, BodyTooLarge (413)."""
-        seen = 0
+    def _limited(self, receive: Receive, seen: list[int]) -> Receive:
+        """A chunked body (no Content-Length) is counted (into seen[0]) as it arrives; past the limit,
+        BodyTooLarge (413)."""
         limit = self.max_body
 
         async def wrapped() -> Message:
-            nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > limit:
                     raise BodyTooLarge()
             return message
 

@@ -94,7 +94,8 @@ class Metrics:
     engine's gauges through a collector, the sleep state and health as callback gauges."""
 
     def __init__(self, model_name: str, stats: Callable[[], dict[str, float]] = dict,
-                 healthy: Callable[[], bool] = lambda: True, sleep_state: Callable[[], str] = lambda: "awake"):
+                 healthy: Callable[[], bool] = lambda: True, sleep_state: Callable[[], str] = lambda: "awake",
+                 open_sequences: Callable[[], int] = lambda: 0, open_engine_requests: Callable[[], int] = lambda: 0):
         self.registry = reg = CollectorRegistry()
         lv = [model_name, ENGINE]
         self.labels = dict(zip(LABELS, lv))
@@ -126,6 +127,13 @@ class Metrics:
                                      for r in ("max_num_queued_reqs", "max_num_queued_tokens")}
         Gauge("rollbus_engine_healthy", "1 while the engine is alive, else 0.", LABELS, registry=reg) \
             .labels(*lv).set_function(lambda: 1.0 if healthy() else 0.0)
+        # what the gateway holds for requests in flight: both are 0 once every request (finished, refused,
+        # aborted, or dropped by its client) is over, which the soak (bench/soak.py) checks
+        Gauge("rollbus_gateway_open_sequences", "Engine sequences admitted and not yet released "
+              "(counted against --max-num-queued-reqs).", LABELS, registry=reg) \
+            .labels(*lv).set_function(lambda: float(open_sequences()))
+        Gauge("rollbus_gateway_open_engine_requests", "Engine requests whose outputs the gateway is waiting for.",
+              LABELS, registry=reg).labels(*lv).set_function(lambda: float(open_engine_requests()))
         sleep = Gauge("vllm:engine_sleep_state",
                       "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
                       "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",

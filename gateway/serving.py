@@ -107,9 +107,7 @@ class ServingContext:
     def check_prompt_tokens(self, total: int, param: str) -> None:
         """--max-prompt-tokens-per-request over all prompts of one request."""
         if total > self.cfg.max_prompt_tokens_per_request:
-            raise bad_request(f"This request's prompts hold {total} tokens; the server accepts at most "
-                              f"{self.cfg.max_prompt_tokens_per_request} per request "
-                              f"(--max-prompt-tokens-per-request)", param)
+            raise self.too_many_prompt_tokens(param, total)
 
     def admit(self, request: Request, states: list[Any]) -> None:
         """--max-num-queued-reqs: reserve one slot per engine request; --max-num-queued-tokens: count the
@@ -186,13 +184,81 @@ class ServingContext:
         decoded = None if self.tokenizer is None else self.token_str(token_id)
         return {"logprob": clamp_logprob(logprob), "rank": rank, "decoded_token": decoded}
 
-    async def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        """Tokenize prompts. Big inputs go to a thread through `encode_batch`, which releases the GIL
-        (plain `encode` holds it: measured, a thread would not unblock the loop); small ones inline,
-        since the thread hop costs more than the work."""
+    def too_many_prompt_tokens(self, param: str, total: int | None = None) -> APIError:
+        """--max-prompt-tokens-per-request's 400; `total` None when tokenising stopped at the limit."""
+        limit = self.cfg.max_prompt_tokens_per_request
+        held = f"{total} tokens" if total is not None else f"more than {limit} tokens"
+        return bad_request(f"This request's prompts hold {held}; the server accepts at most {limit} per request "
+                           f"(--max-prompt-tokens-per-request)", param)
+
+    async def encode_many(self, texts: list[str], add_special_tokens: bool, *, budget: int | None = None,
+                          keep: int | None = None, param: str = "prompt") -> list[list[int]]:
+        """Tokenize prompts. Small inputs inline (the thread hop costs more than the work). Big ones go to
+        a thread through `encode_batch`, which releases the GIL (plain `encode` holds it: measured, a
+        thread would not unblock the loop), in batches of at most TOKENIZE_CHUNK_CHARS characters, so
+        the loop runs between batches and the tokenizer's working memory (its Encoding objects hold
+        ~100 bytes per token) stays bounded by the batch, not by the body. With `budget` (prompt tokens
+        the request may still hold, counted after truncation to `keep`), tokenising stops with
+        --max-prompt-tokens-per-request's 400 as soon as the prompts are known to exceed it: a body of
+        text at the size limit costs the tokens of the budget, not of the body."""
         if sum(map(len, texts)) < THREAD_TOKENIZE_CHARS or not hasattr(self.tokenizer, "encode_batch"):
             return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-        return await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens)
+        out = []
+        held = 0
+        for batch in _batches(texts, TOKENIZE_CHUNK_CHARS):
+            if budget is not None and len(batch) == 1 and len(batch[0]) > TOKENIZE_CHUNK_CHARS and \
+                    not (keep and keep > 0 and held + keep <= budget):
+                # one text longer than a batch: count it piece by piece first (bounded memory, stops at
+                # the budget); only a text that fits is then tokenised whole
+                if await self._exceeds(batch[0], budget - held):
+                    raise self.too_many_prompt_tokens(param)
+            ids = await asyncio.to_thread(self.tokenizer.encode_batch, batch, add_special_tokens)
+            held += _held(ids, keep)
+            if budget is not None and held > budget:
+                raise self.too_many_prompt_tokens(param)
+            out += ids
+        return out
+
+    async def _exceeds(self, text: str, allowed: int) -> bool:
+        """Whether `text` surely holds more than `allowed` tokens, from the tokens of its pieces (cut
+        before whitespace, TOKENIZE_CHUNK_CHARS at most), stopping as soon as it does. A cut can change
+        the tokens next to it (a tokenizer may start each piece with a word-start marker), so one token
+        per piece is given away: never a false refusal, and the counting ends within a piece of it."""
+        pieces, start, counted = 0, 0, 0
+        while start < len(text):
+            end = min(len(text), start + TOKENIZE_CHUNK_CHARS)
+            if end < len(text):
+                cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+                end = cut if cut > start else end
+            piece = text[start:end]
+            (ids,) = await asyncio.to_thread(self.tokenizer.encode_batch, [piece], False)
+            pieces, counted, start = pieces + 1, counted + len(ids), end
+            if counted - pieces > allowed:
+                return True
+        return False
+
+
+TOKENIZE_CHUNK_CHARS = 1 << 18  # 256 K characters (~64 K tokens) per tokenizer call off the loop
+
+
+def _batches(texts: list[str], max_chars: int) -> list[list[str]]:
+    """Consecutive texts, at most `max_chars` characters a batch (a longer text alone)."""
+    out: list[list[str]] = []
+    size = 0
+    for t in texts:
+        if not out or size + len(t) > max_chars:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += len(t)
+    return out
+
+
+def _held(ids: list[list[int]], keep: int | None) -> int:
+    """Tokens the prompts hold once truncated to `keep` (truncate_prompt_tokens; <= 0 or None: all)."""
+    if keep and keep > 0:
+        return sum(min(len(x), keep) for x in ids)
+    return sum(map(len, ids))
 
 
 def truncate_prompt(ids: list[int], keep: int | None, side: str | None = None) -> list[int]:

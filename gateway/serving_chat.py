@@ -104,7 +104,9 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     if ctx.tokenizer is None:
         raise bad_request("this server runs with --tokens-only and loads no tokenizer, so it cannot render a "
                           "chat: render it yourself and send token ids to POST /inference/v1/generate", "messages")
-    (ids,) = await ctx.encode_many([render_prompt(ctx, body)], body.add_special_tokens)
+    (ids,) = await ctx.encode_many([render_prompt(ctx, body)], body.add_special_tokens,
+                                   budget=ctx.cfg.max_prompt_tokens_per_request, keep=body.truncate_prompt_tokens,
+                                   param="messages")
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side)
     ctx.check_prompt(ids, "messages")
     default = ctx.max_tokens_for(len(ids), body.requested_max_tokens(), body.max_tokens_param(), "messages")

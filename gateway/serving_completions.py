@@ -6,6 +6,7 @@ seed gets seed + i, like vLLM's child requests.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ from gateway.serving import (
     usage,
 )
 
+YIELD_EVERY = 256  # prompts prepared between two yields to the event loop
 Step = tuple[float, list[list[float]]] | None  # one position: (logprob, [[alt id, alt logprob], ...]) or None
 
 
@@ -117,13 +119,18 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     body.check()
     prompts = body.prompts()
     ctx.check_prompt_count(len(prompts), "prompt")
-    ctx.check_prompt_tokens(sum(len(p) for p in prompts if not isinstance(p, str)), "prompt")  # before any copy
+    id_tokens = sum(len(p) for p in prompts if not isinstance(p, str))
+    ctx.check_prompt_tokens(id_tokens, "prompt")  # before any copy
     texts = [p for p in prompts if isinstance(p, str)]
     if ctx.tokenizer is None:
         check_tokens_only(body, bool(texts), ctx.tokens_as_ids(body.return_tokens_as_token_ids))
-    tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens) if texts else [])
+    budget = ctx.cfg.max_prompt_tokens_per_request - id_tokens  # tokenising stops once the texts exceed it
+    tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens, budget=budget,
+                                           keep=body.truncate_prompt_tokens) if texts else [])
     encoded: list[list[int]] = []
-    for p in prompts:
+    for pi, p in enumerate(prompts):
+        if pi % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)  # thousands of prompts: let the other requests' streams run between slices
         ids = truncate_prompt(list(p) if isinstance(p, list) else next(tokenized), body.truncate_prompt_tokens,
                               body.truncation_side)
         ctx.check_prompt(ids, "prompt")
@@ -131,6 +138,8 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     ctx.check_prompt_tokens(sum(map(len, encoded)), "prompt")
     states: list[ChoiceState] = []
     for pi, ids in enumerate(encoded):
+        if pi % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)  # ~75 us a prompt: 4,096 of them would hold the loop for 0.3 s
         default = ctx.max_tokens_for(len(ids), body.max_tokens, "max_tokens", "prompt")
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
         ctx.validate_params(params, len(ids))

@@ -142,9 +142,11 @@ def add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
             if req.chat_template is not None:
                 raise bad_request("Chat template is passed with request, but --trust-request-chat-template is "
                                   "not set. Refused request with untrusted chat template.", "chat_template")
-            (ids,) = await ctx.encode_many([render_prompt(ctx, req)], body.add_special_tokens)
+            (ids,) = await ctx.encode_many([render_prompt(ctx, req)], body.add_special_tokens,
+                                           budget=ctx.cfg.max_prompt_tokens_per_request, param="messages")
         else:
-            (ids,) = await ctx.encode_many([body.prompt], body.add_special_tokens)
+            (ids,) = await ctx.encode_many([body.prompt], body.add_special_tokens,
+                                           budget=ctx.cfg.max_prompt_tokens_per_request)
         strs = [ctx.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": ctx.model.max_model_len, "tokens": ids,
                              "token_strs": strs})

@@ -10,12 +10,14 @@ import json
 import signal
 import subprocess
 import threading
+import time
 from typing import Any
 
 import httpx
 import pytest
 
 from gateway.limits import DRAINING_MESSAGE, OVERLOADED_MESSAGE, Admission, LoadLimitMiddleware, Overloaded
+from tests.procstats import rss
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
 from tests.waits import wait_for
 
@@ -149,6 +151,103 @@ def test_the_gateway_releases_the_backlog_and_counts_rejections_by_reason():
     assert (admission.queued_tokens, admission.sequences, admission.requests) == (0, 0, 0)
 
 
+@pytest.mark.unit
+def test_the_heap_is_trimmed_after_a_large_body_and_after_a_burst_at_most_once_per_interval():
+    from gateway.memory import BURST_REQUESTS, LARGE_BODY_BYTES, HeapTrimmer
+
+    calls: list[float] = []
+    open_now = [0]
+    trimmer = HeapTrimmer(lambda: open_now[0], trim=lambda pad: calls.append(time.monotonic()) or 1,
+                          min_interval_s=0.2)
+
+    async def main() -> None:
+        trimmer.ended(1000)  # a small request, no burst: nothing to give back
+        assert trimmer._pending is None
+        open_now[0] = BURST_REQUESTS
+        trimmer.started()
+        open_now[0] = 1
+        trimmer.ended(1000)  # the burst is not over yet
+        assert trimmer._pending is None
+        open_now[0] = 0
+        trimmer.ended(1000)  # ... now it is
+        await trimmer._pending
+        assert len(calls) == 1 and trimmer.peak_requests == 0
+        trimmer.ended(LARGE_BODY_BYTES)  # a large body, even with nothing else open
+        trimmer.ended(LARGE_BODY_BYTES)  # merged into the pending trim
+        await trimmer._pending
+        assert len(calls) == 2 and calls[1] - calls[0] >= 0.2  # not more often than the interval
+
+    asyncio.run(main())
+    assert HeapTrimmer(lambda: 0).trim is not None  # glibc's malloc_trim is found on Linux
+
+
+# --- tokenising large requests off the loop, in bounded batches ------------------------------------------
+
+
+class CountingTokenizer:
+    """The real SmolLM2 tokenizer, counting the characters each call was given."""
+
+    def __init__(self, folder):
+        from gateway.tokenizer import Tokenizer
+
+        self.real = Tokenizer.from_dir(folder)
+        self.eos_token_ids = self.real.eos_token_ids
+        self.calls: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls.append(len(text))
+        return self.real.encode(text, add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        self.calls.append(sum(map(len, texts)))
+        return self.real.encode_batch(texts, add_special_tokens)
+
+
+def _serving(tokenizer, **cfg):
+    from engine.config import EngineConfig
+    from gateway.metrics import Metrics
+    from gateway.serving import ModelInfo, ServingContext
+
+    return ServingContext(EngineConfig(**cfg), None, tokenizer, ModelInfo(["tiny"], "/m", 256, 49152),  # type: ignore[arg-type]
+                          Metrics("tiny"))
+
+
+@pytest.mark.unit
+def test_text_prompts_beyond_the_token_budget_stop_tokenising_early(smollm2_dir):
+    from gateway.errors import APIError
+    from gateway.serving import TOKENIZE_CHUNK_CHARS
+
+    tok = CountingTokenizer(smollm2_dir)
+    ctx = _serving(tok, max_prompt_tokens_per_request=1000)
+    texts = ["fox " * 250] * 4096  # 1,000 characters and 250 tokens each: 1M tokens, 4 MB
+    with pytest.raises(APIError) as e:
+        asyncio.run(ctx.encode_many(texts, False, budget=1000))
+    assert e.value.status == 400 and e.value.param == "prompt"
+    assert "more than 1000 tokens" in e.value.message and "--max-prompt-tokens-per-request" in e.value.message
+    assert sum(tok.calls) <= TOKENIZE_CHUNK_CHARS and max(tok.calls) <= TOKENIZE_CHUNK_CHARS  # not the 4 MB
+    tok.calls.clear()  # one text of 4 MB: counted piece by piece, stopped within a piece of the budget
+    with pytest.raises(APIError):
+        asyncio.run(ctx.encode_many(["fox " * 1_000_000], False, budget=1000, param="messages"))
+    assert tok.calls == [TOKENIZE_CHUNK_CHARS - 1]  # one piece, cut before a space
+    # truncated prompts count as truncated: 600 prompts kept to 10 tokens each fit a budget of 6000
+    tok.calls.clear()
+    ids = asyncio.run(ctx.encode_many(texts[:600], False, budget=6000, keep=10))
+    assert len(ids) == 600 and max(tok.calls) <= TOKENIZE_CHUNK_CHARS and len(tok.calls) > 1
+
+
+@pytest.mark.unit
+def test_a_long_text_within_the_budget_is_tokenised_whole_and_exactly(smollm2_dir):
+    from gateway.serving import TOKENIZE_CHUNK_CHARS
+
+    tok = CountingTokenizer(smollm2_dir)
+    ctx = _serving(tok)
+    text = "The quick brown fox, said the  dog:\n  it jumps!  " * (6 * TOKENIZE_CHUNK_CHARS // 250)
+    ids = asyncio.run(ctx.encode_many([text], True, budget=10**7))
+    assert ids == [tok.real.encode(text, add_special_tokens=True)]  # the pieces only counted it
+    short = ["Hello there", "fox " * 3000]
+    assert asyncio.run(ctx.encode_many(short, False, budget=10**7)) == [tok.real.encode(t) for t in short]
+
+
 # --- a real server ------------------------------------------------------------------------------------
 
 
@@ -223,6 +322,60 @@ def test_a_chunked_body_above_the_limit_is_413(server):
     r = httpx.post(server.url + "/v1/completions", content=b"x" * 70000, timeout=60)  # by Content-Length
     assert r.status_code == 413
     assert _complete(server.url, 1).status_code == 200
+
+
+def _probe_while(url: str, work) -> tuple[Any, float]:
+    """Run `work()` while GET /health is asked every 50 ms on a thread; its result and the slowest probe."""
+    stop = threading.Event()
+    latencies: list[float] = []
+
+    def probe() -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert c.get(url + "/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                stop.wait(0.05)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(latencies) >= 3, 30, "the /health probe to run")
+        result = work()
+    finally:
+        stop.set()
+        t.join(130)
+    return result, max(latencies)
+
+
+def test_a_body_of_text_at_the_size_limit_neither_blocks_the_loop_nor_keeps_its_memory(tmp_path, smollm2_dir):
+    """16 MB of text prompts (4M tokens) against a 100,000-token budget: tokenised off the loop in bounded
+    batches, stopped at the budget (not the whole body: that took 18 s and 800 MB), /health answers within
+    a second throughout, and the gateway's RSS comes back (the heap is trimmed after a large body)."""
+    s = start_server(tmp_path, str(_tiny(tmp_path, smollm2_dir)), *_args("--max-request-body-bytes", str(16 << 20),
+                                                                         "--max-prompt-tokens-per-request", "100000"))
+    try:
+        gateway = s.child_pids()["gateway"]
+        assert _complete(s.url, 1).status_code == 200
+        before = rss(gateway)
+        body = json.dumps({"model": MODEL, "prompt": ["fox " * 1000] * 4000, "max_tokens": 1}).encode()
+        assert 15 << 20 < len(body) < 16 << 20
+
+        def send() -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = httpx.post(s.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                           timeout=120)
+            return r, time.monotonic() - t0
+
+        (r, took), slowest = _probe_while(s.url, send)
+        assert r.status_code == 400 and "more than 100000 tokens" in r.json()["error"]["message"], r.text
+        assert took < 10, f"refusing took {took:.1f}s"
+        assert slowest < 1.0, f"/health took {slowest:.2f}s during the request"
+        wait_for(lambda: rss(gateway) < before + (48 << 20), 10,
+                 f"the gateway's RSS to come back near {before >> 20} MB (now {rss(gateway) >> 20} MB)")
+        assert _complete(s.url, 1).status_code == 200
+    finally:
+        s.stop()
 
 
 def _wait_draining(url: str) -> None:
