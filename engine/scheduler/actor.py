@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
+from itertools import repeat
 from typing import Any
 
 import structlog
@@ -267,16 +268,14 @@ class SchedulerActor:
         self.counters["prompt_tokens"] += prompt_tokens
         if main.routed_experts is not None:
             self._file_routed(step, main)
-        sampled: dict[str, tuple[int, float, list[list[float]] | None]] = {}
-        row: dict[str, int] = {}
-        for i, (sid, tok, lp) in enumerate(zip(main.seq_ids, main.token_ids.tolist(), main.logprobs.tolist())):
-            sampled[sid] = (tok, lp, None)
-            row[sid] = i
+        ids = main.seq_ids
+        sampled = dict(zip(ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
+        row = dict(zip(ids, range(len(ids))))
         updates = self.sched.update(step, sampled)
         self.counters["generation_tokens"] += len(updates)
         prompt_lps = {p.seq_id: p for p in main.prompt_logprobs}
-        self._emit([(u.seq, self._update_output(u, main, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id)))
-                    for u in updates])
+        out = self._update_output
+        self._emit([(u.seq, out(u, main, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id))) for u in updates])
 
     def _file_routed(self, step: ScheduledStep, res: StepResult) -> None:
         """Routed experts of this step, filed as numpy views under their sequences until their next output
@@ -293,21 +292,28 @@ class SchedulerActor:
     def _update_output(self, u: SeqUpdate, res: StepResult, i: int, prompt_lp: PromptLogprobs | None
                        ) -> RequestOutput:
         """One sampled token of one sequence, with what the request asked to know about it."""
-        sp = u.seq.sampling
-        want_lp = sp.logprobs is not None
-        top = None
-        if want_lp and sp.logprobs:
-            k = None if sp.logprobs == -1 else sp.logprobs  # -1: every column the worker computed (the vocab)
-            top = [[[int(t), float(lp)] for t, lp in zip(res.topk_ids[i, :k], res.topk_logprobs[i, :k])]]
+        seq = u.seq
+        sp = seq.sampling
         version = res.weight_version
-        out = self._output(u.seq, [u.token_id], finished=u.finished,
-                           logprobs=[u.logprob] if want_lp else None, top=top, version=version)
-        out.stale_kv = u.seq.kv_epoch is not None and u.seq.kv_epoch != version
-        if want_lp and res.ranks is not None:
-            out.ranks = [int(res.ranks[i])]
+        kv_epoch = seq.kv_epoch
+        finished = u.finished
+        logprobs = top = ranks = mass = None
+        if sp.logprobs is not None:
+            logprobs = [u.logprob]
+            if sp.logprobs:
+                k = None if sp.logprobs == -1 else sp.logprobs  # -1: every column the worker computed (the vocab)
+                top = [[[int(t), float(lp)] for t, lp in zip(res.topk_ids[i, :k], res.topk_logprobs[i, :k])]]
+            if res.ranks is not None:
+                ranks = [int(res.ranks[i])]
         if sp.return_sampling_mass and res.sampling_mass is not None:
-            out.sampling_mass = [float(res.sampling_mass[i])]
-        out.prompt_logprobs = prompt_lp
+            mass = [float(res.sampling_mass[i])]
+        out = RequestOutput(seq.seq_id, [u.token_id], logprobs, top, finished,
+                            seq.finish_reason if finished else None, seq.stop_reason if finished else None,
+                            None, len(seq.prompt_token_ids), seq.num_cached_tokens, version,
+                            kv_epoch is not None and kv_epoch != version, ranks, mass, prompt_lp)
+        if seq.routed_pieces:  # every output carries the routes computed since the previous one
+            out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
+            seq.routed_pieces = []
         return out
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
