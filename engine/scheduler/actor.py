@@ -219,7 +219,7 @@ class SchedulerActor:
         plan = StepPlan(
             self.step_id,
             [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
-            [s.seq_id for s in step.seqs], step.num_computed, step.num_new,
+            step.seq_ids, step.num_computed, step.num_new,
             [s.block_table for s in step.seqs], step.finished_ids, step.weight_version)
         send(self.plans, plan, topic=PLAN_TOPIC)
 

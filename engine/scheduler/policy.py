@@ -27,10 +27,18 @@ class ScheduledStep:
     new_seqs: list[Sequence]  # first time the workers see these
     finished_ids: list[str]  # workers may forget these
     weight_version: int
+    _ids: list[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
+
+    @property
+    def seq_ids(self) -> list[str]:
+        """The ids of `seqs`, in order (built once: the plan and the result check both read them)."""
+        if self._ids is None:
+            self._ids = [s.seq_id for s in self.seqs]
+        return self._ids
 
 
 @dataclass(slots=True)
