@@ -87,6 +87,9 @@ class SchedulerActor:
         self.results_cpu = 0.0  # this thread's CPU time then: turnaround_cpu_total is what we spent of it
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
+        # The updates of the step whose results came in this loop turn (and its result), whose outputs are
+        # built after the next plan is sent (run())
+        self.step_outputs: tuple[list[SeqUpdate], StepResult] | None = None
         # Outputs of this loop turn, sent once the turn's plan is out (the workers wait for the plan; the
         # gateways can wait the fraction of a millisecond): one OutputBatch per gateway per turn, in order.
         self.outbox: list[tuple[Sequence, RequestOutput]] = []
@@ -143,21 +146,31 @@ class SchedulerActor:
             poller.register(s, zmq.POLLIN)
         idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
-            busy = self._can_start_step()
-            for sock, _ in poller.poll(0 if busy else idle_ms):
-                if sock is self.router:
-                    self._on_request()
-                elif sock is self.results:
-                    self._on_result()
-                else:
-                    self.link.handle(sock)
-            self.link.tick(time.monotonic())
-            self._maybe_complete_quiesce()
-            if self._can_start_step():
-                self._start_step()
-            self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
-            if self.outbox:
-                self._flush()
+            self.turn(poller, idle_ms)
+
+    def turn(self, poller: zmq.Poller, idle_ms: float) -> None:
+        """One loop turn: what arrived, then the next plan if a step may start, then this turn's outputs."""
+        busy = self._can_start_step()
+        for sock, _ in poller.poll(0 if busy else idle_ms):
+            if self.step_outputs is not None:
+                self._build_step_outputs()  # a step's outputs go before whatever came after its results
+            if sock is self.router:
+                self._on_request()
+            elif sock is self.results:
+                self._on_result()
+            else:
+                self.link.handle(sock)
+        self.link.tick(time.monotonic())
+        if self.step_outputs is not None and self.gate.pending is not None:
+            self._build_step_outputs()  # a quiesce may drop the KV of the sequences they describe
+        self._maybe_complete_quiesce()
+        if self._can_start_step():
+            self._start_step()
+        if self.step_outputs is not None:
+            self._build_step_outputs()  # after the plan: the workers compute while we build them
+        self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
+        if self.outbox:
+            self._flush()
 
     def _can_start_step(self) -> bool:
         return not self.dead_reason and self.gate.may_step(self.link.state, in_flight=self.in_flight is not None,
@@ -268,14 +281,21 @@ class SchedulerActor:
         self.counters["prompt_tokens"] += prompt_tokens
         if main.routed_experts is not None:
             self._file_routed(step, main)
-        ids = main.seq_ids
-        sampled = dict(zip(ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
-        row = dict(zip(ids, range(len(ids))))
-        updates = self.sched.update(step, sampled)
+        sampled = dict(zip(main.seq_ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
+        updates = self.sched.update(step, sampled)  # the stop rules: before the next schedule
         self.counters["generation_tokens"] += len(updates)
-        prompt_lps = {p.seq_id: p for p in main.prompt_logprobs}
+        # Their outputs are built once the next plan is out (run()), or before anything else the loop
+        # handles first: what they say is what the update left (kv_epoch is in the update).
+        self.step_outputs = (updates, main)
+
+    def _build_step_outputs(self) -> None:
+        updates, res = self.step_outputs
+        self.step_outputs = None
+        ids = res.seq_ids
+        row = dict(zip(ids, range(len(ids))))
+        prompt_lps = {p.seq_id: p for p in res.prompt_logprobs}
         out = self._update_output
-        self._emit([(u.seq, out(u, main, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id))) for u in updates])
+        self._emit([(u.seq, out(u, res, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id))) for u in updates])
 
     def _file_routed(self, step: ScheduledStep, res: StepResult) -> None:
         """Routed experts of this step, filed as numpy views under their sequences until their next output
@@ -295,7 +315,7 @@ class SchedulerActor:
         seq = u.seq
         sp = seq.sampling
         version = res.weight_version
-        kv_epoch = seq.kv_epoch
+        kv_epoch = u.kv_epoch
         finished = u.finished
         logprobs = top = ranks = mass = None
         if sp.logprobs is not None:

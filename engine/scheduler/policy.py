@@ -50,6 +50,7 @@ class SeqUpdate:
     logprob: float
     top: list[list[float]] | None
     finished: bool
+    kv_epoch: int | None = None  # the sequence's kv_epoch right after the update (a later preemption resets it)
 
 
 @dataclass(slots=True)
@@ -216,9 +217,9 @@ class Scheduler:
                 reason = self._stop_reason(seq, token)
                 if reason:
                     self._finish(seq, reason)
-                append(SeqUpdate(seq, token, logprob, top, reason is not None))
+                append(SeqUpdate(seq, token, logprob, top, reason is not None, seq.kv_epoch))
             else:
-                append(SeqUpdate(seq, token, logprob, top, False))
+                append(SeqUpdate(seq, token, logprob, top, False, seq.kv_epoch))
         return updates
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
