@@ -88,8 +88,8 @@ class SchedulerActor:
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
         # The updates of the step whose results came in this loop turn (and its result), whose outputs are
-        # built after the next plan is sent (run())
-        self.step_outputs: tuple[list[SeqUpdate], StepResult] | None = None
+        # built after the next plan is sent (turn())
+        self.step_outputs: tuple[ScheduledStep, list[SeqUpdate], StepResult] | None = None
         # Outputs of this loop turn, sent once the turn's plan is out (the workers wait for the plan; the
         # gateways can wait the fraction of a millisecond): one OutputBatch per gateway per turn, in order.
         self.outbox: list[tuple[Sequence, RequestOutput]] = []
@@ -273,24 +273,25 @@ class SchedulerActor:
         self.counters["step_time_total"] += dt
         # the worker's own compute time: step_time_total - step_compute_total is what the bus hop costs
         self.counters["step_compute_total"] += main.step_time_s
+        if main.routed_experts is not None:
+            self._file_routed(step, main)
+        sampled = dict(zip(main.seq_ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
+        updates = self.sched.update(step, sampled)  # the stop rules: before the next schedule
+        self.counters["generation_tokens"] += len(updates)
+        # Their outputs are built once the next plan is out (turn()), or before anything else the loop
+        # handles first: what they say is what the update left (kv_epoch is in the update).
+        self.step_outputs = (step, updates, main)
+
+    def _build_step_outputs(self) -> None:
+        """The outputs of the step whose results came in, and its prompt-token count (read by stats())."""
+        step, updates, res = self.step_outputs
+        self.step_outputs = None
         prompt_tokens = 0
         for q, n, b in zip(step.seqs, step.num_new, step.num_computed):
             p = len(q.prompt_token_ids)
             if b < p:  # a prefill chunk (decodes come first and add nothing)
                 prompt_tokens += min(b + n, p) - b
         self.counters["prompt_tokens"] += prompt_tokens
-        if main.routed_experts is not None:
-            self._file_routed(step, main)
-        sampled = dict(zip(main.seq_ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
-        updates = self.sched.update(step, sampled)  # the stop rules: before the next schedule
-        self.counters["generation_tokens"] += len(updates)
-        # Their outputs are built once the next plan is out (run()), or before anything else the loop
-        # handles first: what they say is what the update left (kv_epoch is in the update).
-        self.step_outputs = (updates, main)
-
-    def _build_step_outputs(self) -> None:
-        updates, res = self.step_outputs
-        self.step_outputs = None
         ids = res.seq_ids
         row = dict(zip(ids, range(len(ids))))
         prompt_lps = {p.seq_id: p for p in res.prompt_logprobs}
