@@ -9,7 +9,7 @@ what sleep gives back.
   5. the scheduler's turnaround at 64 running sequences: its own time between a step's results and the
      next plan, measured inside the real scheduler actor (counters turnaround_total / turnarounds)
 
-    python bench/control_plane.py [--cycles 50] [--only codec,turnaround,broadcast,serve]
+    python bench/control_plane.py [--cycles 50] [--turnaround-runs 1] [--only codec,turnaround,broadcast,serve]
 """
 
 from __future__ import annotations
@@ -208,10 +208,11 @@ def codec_cost(reps: int = 2000) -> dict[str, float]:
     return out
 
 
-def scheduler_turnaround(seqs: int = 64, tokens: int = 64) -> dict[str, float]:
+def scheduler_turnaround(seqs: int = 64, tokens: int = 64, runs: int = 1) -> dict[str, float]:
     """The real coordinator, scheduler and worker processes (a 2-layer model of SmolLM2's shapes, from
-    bench/bus_hop.py), `seqs` requests running together for `tokens` decode steps; the scheduler counts
-    its own time from the last StepResult of a step to the next StepPlan."""
+    bench/bus_hop.py), `seqs` requests running together for `tokens` decode steps (`runs` times, on the
+    same engine); the scheduler counts its own time from the last StepResult of a step to the next
+    StepPlan."""
     import uuid
 
     import zmq
@@ -251,17 +252,24 @@ def scheduler_turnaround(seqs: int = 64, tokens: int = 64) -> dict[str, float]:
             return stats, (per_step, per_cpu)
 
         run(1, 2)  # warm-up: waits for start-up too
-        before, _ = run(seqs, 2)  # the prefills; after this only the measured decode steps differ
-        after, (per_step, per_cpu) = run(seqs, tokens)
-        n = after["turnarounds"] - before["turnarounds"]
-        return {"turnarounds": n, "mean_ms": 1e3 * (after["turnaround_total"] - before["turnaround_total"]) / n,
+        n = mean_ms = cpu_mean_ms = step_ms = 0.0
+        per_step, per_cpu = [], []
+        for _ in range(runs):
+            before, _ = run(seqs, 2)  # the prefills; after this only the measured decode steps differ
+            after, (steps, cpus) = run(seqs, tokens)
+            per_step += steps
+            per_cpu += cpus
+            k = after["turnarounds"] - before["turnarounds"]
+            n += k
+            mean_ms += 1e3 * (after["turnaround_total"] - before["turnaround_total"])
+            cpu_mean_ms += 1e3 * (after["turnaround_cpu_total"] - before["turnaround_cpu_total"])
+            step_ms += 1e3 * (after["step_time_total"] - before["step_time_total"]) / (after["steps"] - before["steps"])
+        return {"turnarounds": n, "mean_ms": mean_ms / n,
                 "median_ms": 1e3 * statistics.median(per_step), "p90_ms": 1e3 * pct(per_step, 0.9),
                 "samples": len(per_step),
                 # the scheduler thread's CPU time in the same windows: wall minus this is waiting for a core
                 "cpu_median_ms": 1e3 * statistics.median(per_cpu), "cpu_p90_ms": 1e3 * pct(per_cpu, 0.9),
-                "cpu_mean_ms": 1e3 * (after["turnaround_cpu_total"] - before["turnaround_cpu_total"]) / n,
-                "step_ms": 1e3 * (after["step_time_total"] - before["step_time_total"])
-                / (after["steps"] - before["steps"])}
+                "cpu_mean_ms": cpu_mean_ms / n, "step_ms": step_ms / runs}
     finally:
         for p in procs:
             p.terminate()
@@ -273,6 +281,8 @@ def scheduler_turnaround(seqs: int = 64, tokens: int = 64) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cycles", type=int, default=50)
+    ap.add_argument("--turnaround-runs", type=int, default=1,
+                    help="batches of 64 requests x 64 tokens the turnaround is measured over (63 samples each)")
     ap.add_argument("--only", default="codec,turnaround,broadcast,serve",
                     help="comma-separated parts to run (codec, turnaround, broadcast, serve)")
     args = ap.parse_args()
@@ -287,7 +297,7 @@ def main() -> None:
                  ("encode + decode, StepResult of 64 sequences", f"{c['result64']:.3f} ms", "-")]
     if "turnaround" in parts:
         say("scheduler turnaround at 64 running sequences ...")
-        t = scheduler_turnaround()
+        t = scheduler_turnaround(runs=args.turnaround_runs)
         rows += [(f"scheduler: results -> next plan, 64 running (median of {t['samples']})",
                   f"{t['median_ms']:.3f} ms", "<= 0.5 ms"),
                  ("  p90 / mean", f"{t['p90_ms']:.3f} / {t['mean_ms']:.3f} ms", "-"),

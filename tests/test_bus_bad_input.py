@@ -61,6 +61,10 @@ def garbage() -> list[tuple[str, list[bytes]]]:
         ("unknown command", _raw(ControlRequest.KIND, ["r", ["no_such_command"], 1.0])),
         ("command field of the wrong type", _raw(ControlRequest.KIND, ["r", ["pause", 3, True], 1.0])),
         ("truncated array frame", [res[0], res[1][:-5], *res[2:]]),
+        ("array frame longer than its shape", [res[0], res[1] + b"\0" * 8, *res[2:]]),
+        ("object dtype array", [bytes([StepResult.KIND]) + msgspec.msgpack.encode(
+            [1, 0, [], msgspec.msgpack.Ext(1, msgspec.msgpack.encode([1, "np:|O", [2]])), None, None, None, 0]),
+            b"\0" * 16]),
         ("array frame missing", res[:2]),
         ("array header naming no frame", [bytes([StepResult.KIND]) + msgspec.msgpack.encode(
             [1, 0, [], missing_frame, None, None, None, 0])]),

@@ -208,3 +208,27 @@ def test_array_frames_must_be_arrays_and_whole():
     torch_ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode([1, "torch:no_such_dtype", [2]]))
     with pytest.raises(CodecError):
         decode([bytes([Ack.KIND]) + msgspec.msgpack.encode([1, "w", True, None, {"t": torch_ext}]), b"\0" * 4])
+
+
+def test_array_frames_are_exactly_their_shape_and_never_objects():
+    """The decoder builds each numpy array straight on its frame: a frame longer than its shape, a shape
+    that does not fit, and an object dtype (raw bytes read as pointers) are decode errors."""
+    res = StepResult(1, 0, ["a"], np.arange(4, dtype=np.int64), np.zeros(4, np.float32), np.zeros((4, 2), np.int64),
+                     np.zeros((4, 2), np.float32), 0)
+    frames = [bytes(f) for f in encode(res)]
+    with pytest.raises(CodecError, match="bad array"):  # 8 bytes too many
+        decode([frames[0], frames[1] + b"\0" * 8, *frames[2:]])
+    with pytest.raises(CodecError, match="bad array"):  # not a whole number of items
+        decode([frames[0], frames[1][:-3] + b"\0", *frames[2:]])
+    for dtype, shape in (("np:|O", [2]), ("np:[('a', 'O')]", [2]), ("np:<i8", [-1]), ("np:<i8", [-2]),
+                         ("np:<i8", [1 << 62, 1 << 62])):
+        ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode([1, dtype, shape]))
+        with pytest.raises(CodecError):
+            body = msgspec.msgpack.encode([1, 0, [], ext, None, None, None, 0])
+            decode([bytes([StepResult.KIND]) + body, b"\0" * 16])
+    ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode([1, "np:<i8", ["2"]]))
+    with pytest.raises(CodecError, match="bad array header"):  # a shape that is not a list of ints
+        decode([bytes([StepResult.KIND]) + msgspec.msgpack.encode([1, 0, [], ext, None, None, None, 0]), b"\0" * 16])
+    back = decode(frames)
+    assert back.topk_ids.shape == (4, 2) and not back.token_ids.flags.writeable  # read-only views of the frames
+    np.testing.assert_array_equal(back.token_ids, np.arange(4))

@@ -82,6 +82,9 @@ def test_abort_ends_requests_with_partial_output_and_refuses_new_ones(server):
     url = server.url
     ts, out = launch(url, 4, LONG)
     wait_running(url, 4)
+    # "running" counts a request from the plan that admits it, before its first token: wait for a step
+    # after that one, so that every request has output to be cut short
+    wait_generated(url, 8)
     t0 = time.monotonic()
     r = post(url, "/pause", mode="abort")
     assert r.status_code == 200 and r.json() == {"status": "paused"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
+from itertools import repeat
 from typing import Any
 
 import structlog
@@ -95,6 +96,9 @@ class SchedulerActor:
         self.results_cpu = 0.0  # this thread's CPU time then: turnaround_cpu_total is what we spent of it
         self.step_time_ema = 0.0
         self.counters = defaultdict(float)
+        # The updates of the step whose results came in this loop turn (and its result), whose outputs are
+        # built after the next plan is sent (turn())
+        self.step_outputs: tuple[ScheduledStep, list[SeqUpdate], StepResult] | None = None
         # Outputs of this loop turn, sent once the turn's plan is out (the workers wait for the plan; the
         # gateways can wait the fraction of a millisecond): one OutputBatch per gateway per turn, in order.
         self.outbox: list[tuple[Sequence, RequestOutput]] = []
@@ -159,26 +163,36 @@ class SchedulerActor:
             poller.register(s, zmq.POLLIN)
         idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
-            busy = self._can_start_step()
-            for sock, _ in poller.poll(0 if busy else idle_ms):
-                if sock is self.router:
-                    self._on_request()
-                elif sock is self.results:
-                    self._on_result()
-                elif sock is self.plans:
-                    on, topic = subscription_event(self.plans.recv())
-                    self._on_plan_subscription(on, member_name(topic))
-                else:
-                    self.link.handle(sock)
-            self.link.tick(time.monotonic())
-            if self.workers_waiting:
-                self._check_recovery_wait()
-            self._maybe_complete_quiesce()
-            if self._can_start_step():
-                self._start_step()
-            self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
-            if self.outbox:
-                self._flush()
+            self.turn(poller, idle_ms)
+
+    def turn(self, poller: zmq.Poller, idle_ms: float) -> None:
+        """One loop turn: what arrived, then the next plan if a step may start, then this turn's outputs."""
+        busy = self._can_start_step()
+        for sock, _ in poller.poll(0 if busy else idle_ms):
+            if self.step_outputs is not None:
+                self._build_step_outputs()  # a step's outputs go before whatever came after its results
+            if sock is self.router:
+                self._on_request()
+            elif sock is self.results:
+                self._on_result()
+            elif sock is self.plans:
+                on, topic = subscription_event(self.plans.recv())
+                self._on_plan_subscription(on, member_name(topic))
+            else:
+                self.link.handle(sock)
+        self.link.tick(time.monotonic())
+        if self.step_outputs is not None and (self.gate.pending is not None or self.workers_waiting):
+            self._build_step_outputs()  # a quiesce or a recovery wait may drop the sequences they describe
+        if self.workers_waiting:
+            self._check_recovery_wait()
+        self._maybe_complete_quiesce()
+        if self._can_start_step():
+            self._start_step()
+        if self.step_outputs is not None:
+            self._build_step_outputs()  # after the plan: the workers compute while we build them
+        self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
+        if self.outbox:
+            self._flush()
 
     def _can_start_step(self) -> bool:
         return not self.workers_waiting and self.gate.may_step(
@@ -242,7 +256,7 @@ class SchedulerActor:
         plan = StepPlan(
             self.step_id,
             [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
-            [s.seq_id for s in step.seqs], step.num_computed, step.num_new,
+            step.seq_ids, step.num_computed, step.num_new,
             [s.block_table for s in step.seqs], step.finished_ids, step.weight_version)
         send(self.plans, plan, topic=PLAN_TOPIC)
 
@@ -286,24 +300,30 @@ class SchedulerActor:
         self.counters["step_time_total"] += dt
         # the worker's own compute time: step_time_total - step_compute_total is what the bus hop costs
         self.counters["step_compute_total"] += main.step_time_s
+        if main.routed_experts is not None:
+            self._file_routed(step, main)
+        sampled = dict(zip(main.seq_ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
+        updates = self.sched.update(step, sampled)  # the stop rules: before the next schedule
+        self.counters["generation_tokens"] += len(updates)
+        # Their outputs are built once the next plan is out (turn()), or before anything else the loop
+        # handles first: what they say is what the update left (kv_epoch is in the update).
+        self.step_outputs = (step, updates, main)
+
+    def _build_step_outputs(self) -> None:
+        """The outputs of the step whose results came in, and its prompt-token count (read by stats())."""
+        step, updates, res = self.step_outputs
+        self.step_outputs = None
         prompt_tokens = 0
         for q, n, b in zip(step.seqs, step.num_new, step.num_computed):
             p = len(q.prompt_token_ids)
             if b < p:  # a prefill chunk (decodes come first and add nothing)
                 prompt_tokens += min(b + n, p) - b
         self.counters["prompt_tokens"] += prompt_tokens
-        if main.routed_experts is not None:
-            self._file_routed(step, main)
-        sampled: dict[str, tuple[int, float, list[list[float]] | None]] = {}
-        row: dict[str, int] = {}
-        for i, (sid, tok, lp) in enumerate(zip(main.seq_ids, main.token_ids.tolist(), main.logprobs.tolist())):
-            sampled[sid] = (tok, lp, None)
-            row[sid] = i
-        updates = self.sched.update(step, sampled)
-        self.counters["generation_tokens"] += len(updates)
-        prompt_lps = {p.seq_id: p for p in main.prompt_logprobs}
-        self._emit([(u.seq, self._update_output(u, main, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id)))
-                    for u in updates])
+        ids = res.seq_ids
+        row = dict(zip(ids, range(len(ids))))
+        prompt_lps = {p.seq_id: p for p in res.prompt_logprobs}
+        out = self._update_output
+        self._emit([(u.seq, out(u, res, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id))) for u in updates])
 
     def _file_routed(self, step: ScheduledStep, res: StepResult) -> None:
         """Routed experts of this step, filed as numpy views under their sequences until their next output
@@ -320,21 +340,28 @@ class SchedulerActor:
     def _update_output(self, u: SeqUpdate, res: StepResult, i: int, prompt_lp: PromptLogprobs | None
                        ) -> RequestOutput:
         """One sampled token of one sequence, with what the request asked to know about it."""
-        sp = u.seq.sampling
-        want_lp = sp.logprobs is not None
-        top = None
-        if want_lp and sp.logprobs:
-            k = None if sp.logprobs == -1 else sp.logprobs  # -1: every column the worker computed (the vocab)
-            top = [[[int(t), float(lp)] for t, lp in zip(res.topk_ids[i, :k], res.topk_logprobs[i, :k])]]
+        seq = u.seq
+        sp = seq.sampling
         version = res.weight_version
-        out = self._output(u.seq, [u.token_id], finished=u.finished,
-                           logprobs=[u.logprob] if want_lp else None, top=top, version=version)
-        out.stale_kv = u.seq.kv_epoch is not None and u.seq.kv_epoch != version
-        if want_lp and res.ranks is not None:
-            out.ranks = [int(res.ranks[i])]
+        kv_epoch = u.kv_epoch
+        finished = u.finished
+        logprobs = top = ranks = mass = None
+        if sp.logprobs is not None:
+            logprobs = [u.logprob]
+            if sp.logprobs:
+                k = None if sp.logprobs == -1 else sp.logprobs  # -1: every column the worker computed (the vocab)
+                top = [[[int(t), float(lp)] for t, lp in zip(res.topk_ids[i, :k], res.topk_logprobs[i, :k])]]
+            if res.ranks is not None:
+                ranks = [int(res.ranks[i])]
         if sp.return_sampling_mass and res.sampling_mass is not None:
-            out.sampling_mass = [float(res.sampling_mass[i])]
-        out.prompt_logprobs = prompt_lp
+            mass = [float(res.sampling_mass[i])]
+        out = RequestOutput(seq.seq_id, [u.token_id], logprobs, top, finished,
+                            seq.finish_reason if finished else None, seq.stop_reason if finished else None,
+                            None, len(seq.prompt_token_ids), seq.num_cached_tokens, version,
+                            kv_epoch is not None and kv_epoch != version, ranks, mass, prompt_lp)
+        if seq.routed_pieces:  # every output carries the routes computed since the previous one
+            out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
+            seq.routed_pieces = []
         return out
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,

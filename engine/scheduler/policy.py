@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
 
@@ -27,21 +29,33 @@ class ScheduledStep:
     new_seqs: list[Sequence]  # first time the workers see these
     finished_ids: list[str]  # workers may forget these
     weight_version: int
+    _ids: list[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
+    @property
+    def seq_ids(self) -> list[str]:
+        """The ids of `seqs`, in order (built once: the plan and the result check both read them)."""
+        if self._ids is None:
+            self._ids = [s.seq_id for s in self.seqs]
+        return self._ids
 
-@dataclass(slots=True)
-class SeqUpdate:
-    """What one step did to one sampled sequence (the scheduler actor turns it into a RequestOutput)."""
+
+class SeqUpdate(msgspec.Struct):
+    """What one step did to one sampled sequence (the scheduler actor turns it into a RequestOutput).
+
+    A msgspec Struct only for its constructor, which runs in C: one is made per running sequence per step,
+    between the workers' results and the next plan, and a dataclass's __init__ cost 3x as much. It never
+    travels (wire structs are bus.messages')."""
 
     seq: Sequence
     token_id: int
     logprob: float
     top: list[list[float]] | None
     finished: bool
+    kv_epoch: int | None = None  # the sequence's kv_epoch right after the update (a later preemption resets it)
 
 
 @dataclass(slots=True)
@@ -100,22 +114,37 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        picked: list[tuple[Sequence, int]] = []
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        num_computed: list[int] = []
         preempted = False
+        blocks = self.blocks
+        bs = blocks.block_size
+        free = blocks.free
+        running = self.running
+        add_seq, add_new, add_computed = seqs.append, num_new.append, num_computed.append
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            while not self.blocks.can_allocate(seq, seq.num_computed + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed
+            n = min(len(seq.prompt_token_ids) + len(seq.output_token_ids) - computed, budget)
+            # blocks_needed, inlined: most steps need none (a decode fills a block every block_size steps)
+            need = (computed + n + bs - 1) // bs - len(seq.block_table)
+            if need > len(free):
+                while not blocks.can_allocate(seq, computed + n):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
                     break
-            if seq.status is not SeqStatus.RUNNING:
-                break
-            self.blocks.allocate(seq, seq.num_computed + n)
-            picked.append((seq, n))
+                blocks.allocate(seq, computed + n)
+            elif need > 0:
+                blocks.allocate(seq, computed + n)
+            add_seq(seq)
+            add_new(n)
+            add_computed(computed)
             budget -= n
             i += 1
         new_seqs: list[Sequence] = []
@@ -141,36 +170,62 @@ class Scheduler:
             if not seq.sent_to_workers:
                 seq.sent_to_workers = True
                 new_seqs.append(seq)
-            picked.append((seq, n))
+            seqs.append(seq)
+            num_new.append(n)
+            num_computed.append(seq.num_computed)
             budget -= n
-        picked.sort(key=lambda p: p[1] != 1)  # decodes first (stable: arrival order kept)
+        if num_new.count(1) != len(num_new):  # decodes first (stable: arrival order kept)
+            order = sorted(range(len(seqs)), key=lambda k: num_new[k] != 1)
+            seqs, num_new, num_computed = ([xs[k] for k in order] for xs in (seqs, num_new, num_computed))
         finished, self._finished_ids = self._finished_ids, []
-        return ScheduledStep([s for s, _ in picked], [n for _, n in picked], [s.num_computed for s, _ in picked],
-                             new_seqs, finished, self.weight_version)
+        return ScheduledStep(seqs, num_new, num_computed, new_seqs, finished, self.weight_version)
 
     def update(self, step: ScheduledStep, sampled: dict[str, tuple[int, float, list[list[float]] | None]]
                ) -> list[SeqUpdate]:
-        """Apply a step's result: advance computed counts, append sampled tokens, apply stop rules."""
+        """Apply a step's result: advance computed counts, append sampled tokens, apply stop rules.
+
+        Runs once per step for every running sequence, between the workers' results and the next plan
+        (the workers wait): attributes are read once into locals and blocks are hashed only when one filled."""
         updates: list[SeqUpdate] = []
+        append = updates.append
+        get = sampled.get
+        version = step.weight_version
+        blocks = self.blocks
+        commit = blocks.commit_full_blocks if blocks.caching else None
+        bs = blocks.block_size
+        max_len = self.max_model_len
+        running, finished = SeqStatus.RUNNING, SeqStatus.FINISHED
         for seq, n, before in zip(step.seqs, step.num_new, step.num_computed):
-            if seq.status is SeqStatus.FINISHED:
+            status = seq.status
+            if status is finished:
                 continue  # aborted while the step ran
-            if seq.status is SeqStatus.RUNNING:
+            if status is running:
                 if seq.kv_epoch is None or before == 0:
-                    seq.kv_epoch = step.weight_version
-                seq.num_computed += n
-                self.blocks.commit_full_blocks(seq, step.weight_version)
+                    seq.kv_epoch = version
+                computed = seq.num_computed = seq.num_computed + n
+                if commit is not None and computed // bs > len(seq.block_hashes):
+                    commit(seq, version)
             # A sequence preempted while the step ran still takes its token: the worker has appended
             # it to its own copy, and the two must agree for the recompute to sample at the right place.
-            got = sampled.get(seq.seq_id)
+            got = get(seq.seq_id)
             if got is None:
                 continue
             token, logprob, top = got
-            seq.output_token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self._finish(seq, reason)
-            updates.append(SeqUpdate(seq, token, logprob, top, reason is not None))
+            out = seq.output_token_ids
+            out.append(token)
+            # the stop rules (_stop_reason), inlined for the common case of a sequence that goes on
+            sp = seq.sampling
+            n_out = len(out)
+            if (n_out >= sp.min_tokens and ((not sp.ignore_eos and token in seq.eos_token_ids)
+                                            or token in sp.stop_token_ids)) \
+                    or (sp.max_tokens is not None and n_out >= sp.max_tokens) \
+                    or len(seq.prompt_token_ids) + n_out >= max_len:
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    self._finish(seq, reason)
+                append(SeqUpdate(seq, token, logprob, top, reason is not None, seq.kv_epoch))
+            else:
+                append(SeqUpdate(seq, token, logprob, top, False, seq.kv_epoch))
         return updates
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

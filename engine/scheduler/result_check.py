@@ -21,13 +21,16 @@ def result_problem(res: StepResult, step: ScheduledStep, num_workers: int) -> st
         return f"rank {res.rank} does not exist ({num_workers} workers)"
     if res.rank != 0 or res.error is not None or res.interrupted:
         return None  # nothing of it is applied but its failure or interruption
-    ran = {s.seq_id for s in step.seqs}
     ids = res.seq_ids
-    if len(set(ids)) != len(ids):
-        return "a sequence is sampled twice"
-    unknown = [s for s in ids if s not in ran]
-    if unknown:
-        return f"sequences the step did not run: {unknown[:3]}"
+    every = ids == step.seq_ids  # each sequence sampled once, in plan order: the common case, nothing to search
+    # the ids as a set, for what names sequences on its own (built only when something does)
+    ran = set(step.seq_ids) if not every or res.prompt_logprobs or res.routed_spans else set()
+    if not every:
+        if len(set(ids)) != len(ids):
+            return "a sequence is sampled twice"
+        unknown = [s for s in ids if s not in ran]
+        if unknown:
+            return f"sequences the step did not run: {unknown[:3]}"
     n = len(ids)
     why = (_vector(res.token_ids, n, "token_ids", "iu") or _vector(res.logprobs, n, "logprobs", "f")
            or _table(res.topk_ids, res.topk_logprobs, n, "topk")
@@ -35,7 +38,8 @@ def result_problem(res: StepResult, step: ScheduledStep, num_workers: int) -> st
            or (res.sampling_mass is not None and _vector(res.sampling_mass, n, "sampling_mass", "f")))
     if why:
         return why
-    if res.token_ids.size and res.token_ids.min() < 0:
+    toks = res.token_ids
+    if toks.size and toks[toks.argmin()] < 0:  # argmin, not min: no ufunc reduction (5x cheaper here)
         return "a negative token id"
     for p in res.prompt_logprobs:
         if p.seq_id not in ran:
