@@ -211,6 +211,50 @@ def test_bad_add_requests_on_the_bus_are_refused_before_any_worker_sees_them(ser
         ctx.destroy(linger=0)
 
 
+def test_frames_above_the_limit_are_dropped_on_every_bound_socket(server):
+    """One frame just above each bound socket's limit (bus.frame_limits: a multi-MB AddRequest, a StepResult
+    with a huge array frame, a ControlRequest, a subscription): libzmq drops it unread and disconnects the
+    sender, the process logs the disconnect and nobody dies. Had a frame come through, the AddRequest would
+    have run and the ControlRequest been answered: neither is."""
+    from bus.frame_limits import limits_for
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
+    limits = limits_for(EngineConfig(max_model_len=256))  # the module's server
+    pids = server.child_pids()
+    seen = len(server.log())
+    big = {name: limits[name] + (1 << 20) for name in limits}
+    ctx = zmq.Context()
+    try:
+        dealer = make_socket(ctx, zmq.DEALER, connect=ep.requests, identity="huge-client")
+        send(dealer, AddRequest("r" * big["requests"], [1, 2, 3], SamplingParams(max_tokens=2), [0], time.time()))
+        push = make_socket(ctx, zmq.PUSH, connect=ep.results)
+        n = big["results"] // 8
+        send(push, StepResult(10**6, 0, ["x"], np.zeros(n, np.int64), np.zeros(1, np.float32),
+                              np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), 0))
+        control = make_socket(ctx, zmq.DEALER, connect=ep.control, identity="huge-trainer")
+        send(control, ControlRequest("c" * big["control"], Health(), 5.0))
+        for endpoint in (ep.plans, ep.commands):
+            xsub = make_socket(ctx, zmq.XSUB, connect=endpoint)
+            # not a subscription (\x01): an XSUB keeps those and sends them again on every reconnect
+            xsub.send(b"\x02@" + b"x" * big["plans"])
+        for name, endpoint in (("requests", ep.requests), ("results", ep.results), ("control", ep.control),
+                               ("plans", ep.plans), ("commands", ep.commands)):
+            wait_for(lambda: any("bus.peer_disconnected" in line and endpoint in line
+                                 for line in server.log()[seen:].splitlines()), 30, f"the {name} drop to be logged")
+        assert not dealer.poll(1000) and not control.poll(100)  # neither message was read
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            assert h.get("/health").status_code == 200
+            r = h.post("/v1/completions", json={"model": "tiny", "prompt": [4, 5], "max_tokens": 4,
+                                                "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert server.proc.poll() is None and server.child_pids() == pids
+        assert "member_lost" not in server.log()
+    finally:
+        ctx.destroy(linger=0)
+
+
 def wrong_results(plan: StepPlan) -> list[StepResult]:
     """Well-formed StepResults for the step in flight that do not fit it."""
     ids, n = plan.seq_ids, len(plan.seq_ids)
