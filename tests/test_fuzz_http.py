@@ -101,6 +101,26 @@ def test_no_operation_answers_a_server_error(case, server):
     assert response.status_code < 500, f"{op}: {response.status_code} {response.text[:500]}\n{case.as_curl_command()}"
 
 
+@pytest.mark.parametrize("weights_path", [[None, None], 7, "/no/such/model/folder"])
+def test_a_bad_reload_weights_path_is_a_400_naming_it(server, weights_path):
+    """Found by the fuzzer: a weights_path that is not a string, or not a model folder, was a 500 (the worker's
+    TypeError / ValueError); now the gateway or the worker says 400 and names kwargs.weights_path."""
+    r = httpx.post(server.url + "/collective_rpc", headers=AUTH, timeout=60,
+                   json={"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "kwargs.weights_path", r.text
+
+
+def test_tokenize_takes_a_chat_template_when_the_server_trusts_them(server):
+    """Found by the fuzzer: /tokenize refused a request's chat_template even with --trust-request-chat-template."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "chat_template": "<{{ messages[0].content }}>"}
+    r = httpx.post(server.url + "/tokenize", headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    chat = httpx.post(server.url + "/v1/chat/completions/render", headers=AUTH, json=body, timeout=60)
+    assert chat.status_code == 200 and chat.json()["token_ids"] == r.json()["tokens"], chat.text
+
+
 def test_after_the_fuzzing_everything_is_alive_and_bodies_were_exercised(server, api_schema):
     report = {op: dict(sorted(c.items())) for op, c in sorted(STATUS.items())}
     print("\nschemathesis coverage per operation:\n" + json.dumps(report, indent=1))
