@@ -205,7 +205,7 @@ class _SamplingRequest(OpenAIModel):
     # vLLM extras
     top_k: int | None = _schema(minimum=-1)
     min_p: float | None = _schema(minimum=0, maximum=1)
-    repetition_penalty: float | None = _schema(exclusiveMinimum=0, maximum=1e300)
+    repetition_penalty: float | None = _schema(exclusiveMinimum=0)
     min_tokens: int = _schema(0, minimum=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = _schema(**_TOKEN_IDS)
@@ -521,7 +521,7 @@ class GenerateSamplingParams(OpenAIModel):
     n: int = _schema(1, minimum=1, maximum=128)
     presence_penalty: float = _schema(0.0, minimum=-2, maximum=2)
     frequency_penalty: float = _schema(0.0, minimum=-2, maximum=2)
-    repetition_penalty: float = _schema(1.0, exclusiveMinimum=0, maximum=1e300)
+    repetition_penalty: float = _schema(1.0, exclusiveMinimum=0)
     temperature: float = _schema(1.0, minimum=0, maximum=2)
     top_p: float = _schema(1.0, exclusiveMinimum=0, maximum=1)
     top_k: int = _schema(0, minimum=-1)
