@@ -87,6 +87,12 @@ def undo(case, response, server) -> None:
             assert h.post("/finish_weight_update", json={}).status_code == 200
 
 
+def _chose_deadline(case) -> bool:
+    body = case.body if isinstance(case.body, dict) else {}
+    info = body.get("init_info") if isinstance(body.get("init_info"), dict) else {}
+    return "timeout" in (case.query or {}) or "timeout" in body or "timeout_s" in info
+
+
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=not SLOW, database=None,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
@@ -96,6 +102,8 @@ def test_no_operation_answers_a_server_error(case, server):
     op = f"{case.method.upper()} {case.path}"
     STATUS[op][f"{mode} {response.status_code // 100}xx"] += 1
     undo(case, response, server)
+    if response.status_code == 504 and _chose_deadline(case):
+        return  # the case asked for a deadline (10 ms and up) that the command did not meet: 504 is right
     if response.status_code >= 500:
         SERVER_ERRORS.append(f"{op} -> {response.status_code}: {response.text[:300]} <- {case.as_curl_command()}")
     assert response.status_code < 500, f"{op}: {response.status_code} {response.text[:500]}\n{case.as_curl_command()}"
@@ -121,6 +129,15 @@ def test_tokenize_takes_a_chat_template_when_the_server_trusts_them(server):
     assert chat.status_code == 200 and chat.json()["token_ids"] == r.json()["tokens"], chat.text
 
 
+@pytest.mark.parametrize("path,body", [("/init_weight_transfer_engine", {"init_info": {"x": 2**70}}),
+                                       ("/update_weights", {"update_info": {"names": [-(2**64)]}})])
+def test_an_integer_the_bus_cannot_carry_is_a_400(server, path, body):
+    """Found by the fuzzer's coverage phase: an integer beyond 64 bits in a free-form object of the body made
+    the command unencodable for msgpack, a 500; now a 400 that says so."""
+    r = httpx.post(server.url + path, headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 400 and "64 bits" in r.json()["error"]["message"], r.text
+
+
 def test_after_the_fuzzing_everything_is_alive_and_bodies_were_exercised(server, api_schema):
     report = {op: dict(sorted(c.items())) for op, c in sorted(STATUS.items())}
     print("\nschemathesis coverage per operation:\n" + json.dumps(report, indent=1))
@@ -131,10 +148,14 @@ def test_after_the_fuzzing_everything_is_alive_and_bodies_were_exercised(server,
     assert not SERVER_ERRORS, SERVER_ERRORS
     ops = {f"{o.method.upper()} {o.path}" for o in (r.ok() for r in api_schema.get_all_operations())}
     assert ops <= set(STATUS), f"operations never fuzzed: {sorted(ops - set(STATUS))}"
-    # The generation routes' bodies were really served, not refused wholesale
-    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /inference/v1/generate",
-               "POST /tokenize", "POST /detokenize"):
-        assert STATUS[op]["positive 2xx"] >= STATUS[op]["positive 4xx"], (op, STATUS[op])
+    # The generation routes' bodies were really served, not refused wholesale: each served some of its valid
+    # cases, and together most of them
+    served = ("POST /v1/completions", "POST /v1/chat/completions", "POST /inference/v1/generate",
+              "POST /tokenize", "POST /detokenize")
+    for op in served:
+        assert STATUS[op]["positive 2xx"] > 0, (op, STATUS[op])
+    ok, refused = (sum(STATUS[op][f"positive {k}"] for op in served) for k in ("2xx", "4xx"))
+    assert ok >= 2 * refused, {op: STATUS[op] for op in served}
     assert server.proc.poll() is None and server.child_pids() == server.pids  # nobody died or restarted
     deadline = time.monotonic() + 30
     with httpx.Client(base_url=server.url, timeout=30) as h:
