@@ -25,7 +25,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 
-from bus import auth
+from bus import auth, frame_limits
 
 PLAN_TOPIC = b"P"
 COMMAND_TOPIC = b"C"
@@ -45,6 +45,7 @@ class Endpoints:
     commands: str
     ready: str | None = None
     keys: auth.BusKeys | None = None  # tcp: the CURVE keys (None: ipc, or tcp with --bus-insecure)
+    max_frames: tuple[tuple[str, int], ...] = ()  # (address, largest frame it accepts): bus.frame_limits
 
     @classmethod
     def from_config(cls, cfg) -> "Endpoints":
@@ -62,7 +63,9 @@ class Endpoints:
             auth.log.warning("bus.insecure", host=cfg.bus_host,
                              detail="--bus-insecure: the tcp bus is unauthenticated and unencrypted; any local "
                                     "user can pause, sleep or update the engine. Use --bus-curve-dir.")
-        return cls(*addrs, ready=cfg.ready_endpoint, keys=keys)
+        limits = frame_limits.limits_for(cfg)
+        return cls(*addrs, ready=cfg.ready_endpoint, keys=keys,
+                   max_frames=tuple((a, limits[n]) for n, a in zip(names, addrs)))
 
     @classmethod
     def from_url(cls, url: str, *, curve_dir: str | None = None, insecure: bool | None = None) -> "Endpoints":
@@ -93,8 +96,10 @@ class Endpoints:
         raise ValueError(f"bus url {url!r}: expected tcp://HOST:PORT_BASE or ipc:///FOLDER")
 
     def secure(self, ctx) -> "Endpoints":
-        """Every tcp socket bus.sockets.make_socket makes in ctx uses these endpoints' keys."""
+        """Every tcp socket bus.sockets.make_socket makes in ctx uses these endpoints' keys; every socket it
+        binds, the frame limit of its address."""
         auth.attach(ctx, self.keys)
+        frame_limits.attach(ctx, dict(self.max_frames))
         return self
 
     def bind_address(self, addr: str) -> str:

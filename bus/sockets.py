@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from bus import frame_limits
 from bus.auth import secure_socket
 from bus.codec import decode, encode
 
@@ -26,6 +27,7 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     if bind:
         if bind.startswith("tcp://"):
             secure_socket(ctx, sock, server=True)
+        frame_limits.apply(ctx, sock, bind)  # the largest frame a peer may send it (Endpoints.secure)
         sock.bind(bind)
         if bind.startswith("ipc://"):
             os.chmod(bind[len("ipc://"):], 0o600)  # the folder is 0700 too; the socket itself owner-only

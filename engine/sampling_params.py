@@ -135,6 +135,14 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
         return msgspec.structs.replace(self, **changes)
 
 
+def validate_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    """A prompt the model can read: not empty, every id inside the vocabulary (vLLM's messages). The gateway
+    checks every prompt with it, and the scheduler every AddRequest that arrives on the bus."""
+    _check(len(ids) > 0, param, "The decoder prompt cannot be empty")
+    lo, hi = min(ids), max(ids)
+    _check(lo >= 0 and hi < vocab_size, param, f"Token id {lo if lo < 0 else hi} is out of vocabulary")
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise ParamError(param, message)

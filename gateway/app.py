@@ -28,6 +28,7 @@ from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
 from gateway.limits import Admission, BodyTooLarge, LoadLimitMiddleware, too_large
 from gateway.memory import HeapTrimmer
 from gateway.metrics import Metrics
+from gateway.openapi import install_openapi
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.responses import JSONResponse
 from gateway.serving import ModelInfo, ServingContext
@@ -160,6 +161,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     created = int(time.time())
     app.state.serving = ctx
     add_vllm_routes(app, ctx)  # /tokenize, /detokenize, /v1/chat/completions/render, /v1/completions/render
+    # /openapi.json with the bodies the routes read themselves
+    install_openapi(app, cfg, model_info)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

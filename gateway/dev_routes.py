@@ -28,10 +28,11 @@ from bus.messages import (
 from engine import control_state
 from engine.config import EngineConfig
 from engine.control_state import PAUSE_MODES, SLEEP_TAGS
+from engine.coordinator.weight_sync_driver import reply_status
 from engine.rl_config import AdditionalConfig
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.engine_client import EngineClient
-from gateway.errors import APIError, bad_request, check_timeout
+from gateway.errors import BAD_REQUEST, APIError, bad_request, check_timeout
 from gateway.responses import JSONResponse, loads
 from gateway.serving import ModelInfo
 from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
@@ -53,10 +54,12 @@ def _bool(value: str, param: str) -> bool:
 
 async def broadcast(client: EngineClient, command: CommandBody, timeout_s: float) -> dict:
     reply = await client.control(command, timeout_s=timeout_s)
-    if not reply.ok:
-        status = 504 if reply.missing else 500
-        raise APIError(f"{command_name(command)} failed: {reply.error}", status=status,
-                       type=GATEWAY_TIMEOUT if reply.missing else "InternalServerError")
+    if not reply.ok:  # a member that knew the HTTP status of its failure (a bad weights_path: 400) gives it
+        status = reply_status(reply.ok, reply.missing, reply.errors)
+        params = [e.param for e in reply.errors if e.param]
+        kind = GATEWAY_TIMEOUT if status == 504 else BAD_REQUEST if status < 500 else "InternalServerError"
+        raise APIError(f"{command_name(command)} failed: {reply.error}", status=status, type=kind,
+                       param=params[0] if params else None)
     return reply.results
 
 
@@ -129,6 +132,8 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
                               else "kwargs")
         if not extension and (args or set(kwargs) - {"weights_path"}):
             raise bad_request("kwargs may only hold weights_path", "kwargs")
+        if not extension and not isinstance(kwargs.get("weights_path", ""), str | None):
+            raise bad_request("kwargs.weights_path must be a string (a model folder)", "kwargs.weights_path")
         timeout = check_timeout(body["timeout"], "timeout") if body.get("timeout") is not None else \
             cfg.control_timeout_s * 6
         results = await broadcast(client, CollectiveRpc(method, args, kwargs), timeout)

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from bus.codec import CodecError
 from engine.sampling_params import ParamError
 from gateway.responses import JSONResponse
 
@@ -135,6 +136,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValidationError)
     async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
         return error_response(validation_error(exc.errors()))
+
+    @app.exception_handler(CodecError)
+    async def _unencodable(_: Request, exc: CodecError) -> JSONResponse:
+        # Only a request's own free-form values (init_info, update_info, RPC arguments) can make a command
+        # the bus cannot carry: msgpack integers are 64-bit.
+        return error_response(bad_request(f"the request holds a value the engine's bus cannot carry ({exc}); "
+                                          "integers must fit in 64 bits"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

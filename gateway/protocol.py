@@ -33,6 +33,20 @@ _FALLBACKS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
+def _schema(default: Any = None, **schema: Any) -> Any:
+    """A field whose published JSON schema (/openapi.json) states the values vLLM's checks accept, so a
+    schema-driven client or fuzzer knows them; the checks themselves stay where they are (SamplingParams,
+    the `check` methods, the Refuse tables), with vLLM's messages. Numeric, string and array keywords apply
+    only to values of their type, so they sit beside an `anyOf` with null."""
+    return Field(default, json_schema_extra=schema)
+
+
+_NEUTRAL_BOOL = {"enum": [None, False]}  # a refused feature's switch: only "off" is served
+_EMPTY_OBJECT = {"maxProperties": 0}
+_EMPTY_ARRAY = {"maxItems": 0}
+_TOKEN_IDS = {"items": {"minimum": 0}}  # the gateway's /openapi.json adds the vocabulary's maximum
+
+
 # --- fields of vLLM's schemas that rollbus does not implement ----------------------------------
 
 
@@ -153,37 +167,57 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool | None = False
 
 
+# Rules between fields, in the published schema (JSON Schema's dependentSchemas: when the named field is
+# present, the object must also match): the checks that enforce them are _check_common and the `check`s.
+_STREAM_RULES: dict[str, Any] = {
+    "stream_options": {"anyOf": [{"properties": {"stream_options": {"type": "null"}}},
+                                 {"properties": {"stream": {"const": True}}, "required": ["stream"]}]},
+    "prompt_logprobs": {"anyOf": [{"properties": {"prompt_logprobs": {"enum": [None, 0]}}},
+                                  {"properties": {"stream": {"enum": [None, False]}}}]},
+}
+_CHAT_RULES: dict[str, Any] = {
+    **_STREAM_RULES,
+    "top_logprobs": {"anyOf": [{"properties": {"top_logprobs": {"enum": [None, 0]}}},
+                               {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]},
+    "continue_final_message": {"anyOf": [{"properties": {"continue_final_message": {"const": False}}},
+                                         {"properties": {"add_generation_prompt": {"const": False}},
+                                          "required": ["add_generation_prompt"]}]},
+}
+
+
 class _SamplingRequest(OpenAIModel):
     """Fields /v1/completions and /v1/chat/completions share."""
 
+    model_config = ConfigDict(json_schema_extra={"dependentSchemas": _STREAM_RULES})
+
     model: str | None = None
-    n: int = 1
+    n: int = _schema(1, minimum=1, maximum=128)
     seed: int | None = Field(default=None, **_I64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = _schema(items={"minLength": 1}, minLength=1)
+    temperature: float | None = _schema(minimum=0, maximum=2)
+    top_p: float | None = _schema(exclusiveMinimum=0, maximum=1)
+    presence_penalty: float | None = _schema(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _schema(minimum=-2, maximum=2)
+    logit_bias: dict[str, float] | None = _schema(**_EMPTY_OBJECT)
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = _schema(minimum=-1)
+    min_p: float | None = _schema(minimum=0, maximum=1)
+    repetition_penalty: float | None = _schema(exclusiveMinimum=0)
+    min_tokens: int = _schema(0, minimum=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _schema(**_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     request_id: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     return_weight_versions: bool | None = None  # vLLM v0.33: per-choice weight_versions spans
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = _schema(minimum=-1)
     return_sampling_mass: bool | None = None  # beyond vLLM: per-token kept mass (docs/logprobs.md)
-    routed_experts_prompt_start: StrictInt | None = None  # routed experts from this prompt position on (vLLM)
+    routed_experts_prompt_start: StrictInt | None = _schema(minimum=0)  # routed experts from this prompt position on
     skip_special_tokens: bool | None = None  # null: the generation defaults' value (True unless configured)
     spaces_between_special_tokens: bool = True  # fast tokenizers ignore it, in vLLM too
     truncation_side: Literal["left", "right"] | None = None  # null: left (keep the last tokens), as vLLM
@@ -194,21 +228,23 @@ class _SamplingRequest(OpenAIModel):
     return_mm_kwargs: bool | None = None  # deprecated alias of mm_payload
     stream_interval: int | None = Field(default=None, ge=1)  # chunking only: tokens are sent as they come
     # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_SAMPLING)
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    watermarking: bool | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    logprob_token_ids: list[int] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    thinking_token_budget: int | None = None
-    repetition_detection: dict[str, Any] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None = None
-    vllm_xargs: dict[str, Any] | None = None
-    priority: int = 0
-    best_of: int | None = None
+    use_beam_search: bool = _schema(False, **_NEUTRAL_BOOL)
+    length_penalty: float = _schema(1.0, enum=[None, 1.0])
+    watermarking: bool | None = _schema(**_NEUTRAL_BOOL)
+    allowed_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
+    bad_words: list[str] | None = _schema(**_EMPTY_ARRAY)
+    logprob_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
+    structured_outputs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    response_format: dict[str, Any] | None = _schema(
+        anyOf=[{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+                                  "additionalProperties": False}])
+    thinking_token_budget: int | None = _schema(enum=[None])
+    repetition_detection: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    kv_transfer_params: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    ec_transfer_params: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    vllm_xargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    priority: int = _schema(0, enum=[None, 0])
+    best_of: int | None = _schema(enum=[None, 1])
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -269,13 +305,15 @@ def check_prompt_logprobs(value: int | None, stream: bool) -> None:
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Prompt
-    max_tokens: int | None = 16  # vLLM and OpenAI: 16; explicit null means "the rest of the context"
-    logprobs: int | None = None
+    prompt: Prompt = Field(json_schema_extra={"minItems": 1, "minLength": 1,
+                                              "items": {"minItems": 1, "minimum": 0, "minLength": 1}})
+    # vLLM and OpenAI: 16; explicit null means "the rest of the context"; 0 only with echo
+    max_tokens: int | None = _schema(16, minimum=0)
+    logprobs: int | None = _schema(minimum=-1)
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: str | None = _schema(enum=[None, ""])
     add_special_tokens: bool = True
-    prompt_embeds: bytes | list[bytes] | None = None
+    prompt_embeds: bytes | list[bytes] | None = _schema(enum=[None, ""], maxItems=0)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a text or a list of token ids (OpenAI batch semantics)."""
@@ -381,13 +419,16 @@ class Tool(OpenAIModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra={"dependentSchemas": _CHAT_RULES})
+
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_tokens: int | None = _schema(minimum=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = _schema(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = 0
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "none"
+    top_logprobs: int | None = _schema(0, minimum=-1)
+    tools: list[Tool] | None = _schema(minItems=1)
+    # only "none" is served (tools are rendered, calls are not parsed): see _check_tools
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _schema("none", enum=["none", None])
     parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
@@ -398,11 +439,11 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None  # given to the chat template, as vLLM
     reasoning_effort: str | None = None  # given to the chat template (and enable_thinking), as vLLM
     # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_CHAT)
-    echo: bool = False
-    include_reasoning: bool = True
-    return_prompt_text: bool | None = None
-    media_io_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
+    echo: bool = _schema(False, **_NEUTRAL_BOOL)
+    include_reasoning: bool = _schema(True, enum=[None, True])
+    return_prompt_text: bool | None = _schema(**_NEUTRAL_BOOL)
+    media_io_kwargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    mm_processor_kwargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
 
     def max_tokens_param(self) -> str:
         """Which field the user set, so errors name it."""
@@ -477,32 +518,33 @@ class GenerateSamplingParams(OpenAIModel):
     """vLLM's SamplingParams as the generate endpoint takes them: engine field names and engine defaults
     (no generation_config.json overrides), every field the engine implements."""
 
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    n: int = _schema(1, minimum=1, maximum=128)
+    presence_penalty: float = _schema(0.0, minimum=-2, maximum=2)
+    frequency_penalty: float = _schema(0.0, minimum=-2, maximum=2)
+    repetition_penalty: float = _schema(1.0, exclusiveMinimum=0)
+    temperature: float = _schema(1.0, minimum=0, maximum=2)
+    top_p: float = _schema(1.0, exclusiveMinimum=0, maximum=1)
+    top_k: int = _schema(0, minimum=-1)
+    min_p: float = _schema(0.0, minimum=0, maximum=1)
     seed: int | None = Field(default=None, **_I64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = _schema(items={"minLength": 1}, minLength=1)
+    stop_token_ids: list[int] | None = _schema(**_TOKEN_IDS)
     ignore_eos: bool = False
-    max_tokens: int | None = None  # left out or null: the rest of the context (vLLM's server-side default)
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    # left out or null: the rest of the context (vLLM's server-side default)
+    max_tokens: int | None = _schema(minimum=1)
+    min_tokens: int = _schema(0, minimum=0)
+    logprobs: int | None = _schema(minimum=-1)
+    prompt_logprobs: int | None = _schema(minimum=-1)
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    trace_decode_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = _schema(**_EMPTY_OBJECT)
+    bad_words: list[str] | None = _schema(**_EMPTY_ARRAY)
+    allowed_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
+    trace_decode_token_ids: list[int] | None = _schema(minItems=1, **_TOKEN_IDS)  # --enable-trace-replay only
     return_sampling_mass: bool = False  # beyond vLLM (docs/logprobs.md)
-    routed_experts_prompt_start: StrictInt | None = None  # routed experts from this prompt position on (vLLM)
+    routed_experts_prompt_start: StrictInt | None = _schema(minimum=0)  # routed experts from this prompt position on
     # vLLM fields that change nothing in a tokens-mode response
     output_kind: int | None = None  # JSON responses are whole; SSE streams deltas
     flat_logprobs: bool = False  # the engine's logprobs container; the JSON is the same
@@ -510,15 +552,15 @@ class GenerateSamplingParams(OpenAIModel):
     skip_clone: bool = False
     output_text_buffer_length: int = 0
     # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_ENGINE_SAMPLING)
-    watermarking: bool | None = None
-    prompt_logprob_token_ids: list[int] | None = None
-    prompt_logprob_start: int | None = None
-    logprob_token_ids: list[int] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    extra_args: dict[str, Any] | None = None
-    skip_reading_prefix_cache: bool | None = None
-    thinking_token_budget: int | None = None
-    repetition_detection: dict[str, Any] | None = None
+    watermarking: bool | None = _schema(**_NEUTRAL_BOOL)
+    prompt_logprob_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
+    prompt_logprob_start: int | None = _schema(enum=[None])
+    logprob_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
+    structured_outputs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    extra_args: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    skip_reading_prefix_cache: bool | None = _schema(**_NEUTRAL_BOOL)
+    thinking_token_budget: int | None = _schema(enum=[None])
+    repetition_detection: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         refuse_unsupported(self, REFUSED_ENGINE_SAMPLING, "sampling_params.")
@@ -543,26 +585,33 @@ class GenerateSamplingParams(OpenAIModel):
 class GenerateRequest(OpenAIModel):
     """POST /inference/v1/generate in tokens mode (vLLM v0.33 `GenerateRequest`)."""
 
+    model_config = ConfigDict(json_schema_extra={"dependentSchemas": {
+        "stream_options": _STREAM_RULES["stream_options"],
+        "stream": {"anyOf": [
+            {"properties": {"stream": {"enum": [None, False]}}},
+            {"properties": {"sampling_params": {"properties": {"prompt_logprobs": {"type": "null"}}}}}]},
+    }})
+
     request_id: str | None = None
-    token_ids: list[int]
+    token_ids: list[int] = Field(json_schema_extra={"minItems": 1, **_TOKEN_IDS})
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
-    output_mode: str = "tokens"  # vLLM's text/derender modes are not offered here
+    output_mode: str = _schema("tokens", enum=["tokens"])  # vLLM's text/derender modes are not offered here
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # see docs/openai-api.md
-    priority: int = 0
+    priority: int = _schema(0, enum=[0])
     # what POST /v1/chat/completions/render puts in its output, read only by modes refused here
     token_offsets: list[tuple[int, int]] | None = None
     reasoning_ended: bool | None = None
     reasoning_parser_kwargs: dict[str, Any] | None = None
     parse_context: dict[str, Any] | None = None
     # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_GENERATE)
-    features: dict[str, Any] | None = None
-    content_parts: list[dict[str, Any]] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None = None
+    features: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    content_parts: list[dict[str, Any]] | None = _schema(**_EMPTY_ARRAY)
+    kv_transfer_params: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    ec_transfer_params: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
 
     def check(self) -> None:
         refuse_unsupported(self, REFUSED_GENERATE)

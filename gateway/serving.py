@@ -25,7 +25,7 @@ from bus.messages import ErrorInfo, PromptLogprobs, RequestOutput
 from engine import routed_experts
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import ParamError, SamplingParams, validate_prompt_ids
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
     BAD_REQUEST,
@@ -123,11 +123,10 @@ class ServingContext:
             s.on_first_output = functools.partial(self.admission.prefilled, scope, len(s.prompt_ids))
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise bad_request("The decoder prompt cannot be empty", param)
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self.model.vocab_size:
-            raise bad_request(f"Token id {lo if lo < 0 else hi} is out of vocabulary", param)
+        try:
+            validate_prompt_ids(ids, self.model.vocab_size, param)
+        except ParamError as e:
+            raise bad_request(str(e), param) from None
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """vLLM: a request's return_tokens_as_token_ids, else the server's --return-tokens-as-token-ids."""

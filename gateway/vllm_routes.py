@@ -138,10 +138,7 @@ def add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
         _need_tokenizer(ctx, "tokenize")
         if isinstance(body, TokenizeChatRequest):
             req = body.to_chat_request()
-            req.check()  # the same refusals as the chat route (chat_template untrusted, media kwargs, ...)
-            if req.chat_template is not None:
-                raise bad_request("Chat template is passed with request, but --trust-request-chat-template is "
-                                  "not set. Refused request with untrusted chat template.", "chat_template")
+            req.check()  # the same refusals as the chat route (media kwargs, ...); render_prompt: chat_template
             (ids,) = await ctx.encode_many([render_prompt(ctx, req)], body.add_special_tokens,
                                            budget=ctx.cfg.max_prompt_tokens_per_request, param="messages")
         else:

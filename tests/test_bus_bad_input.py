@@ -8,6 +8,8 @@ fit the step in flight are dropped too. Real processes, real sockets."""
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import threading
 import time
 
@@ -29,6 +31,7 @@ from bus.messages import (
     Hello,
     MemberLost,
     NewSeq,
+    OutputBatch,
     PromptLogprobs,
     StepPlan,
     StepResult,
@@ -78,6 +81,7 @@ def server(tmp_path_factory, smollm2_dir):
     tmp = tmp_path_factory.mktemp("badbus")
     folder = tiny_model_with_tokenizer("llama", tmp / "llama", smollm2_dir)
     s = start_server(tmp, str(folder), "--served-model-name", "tiny", "--max-model-len", "256")
+    s.vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
     yield s
     s.stop()
 
@@ -131,6 +135,128 @@ def test_garbage_on_every_bound_socket_is_dropped(server):
     finally:
         ctx.destroy(linger=0)
         t.join(10)
+
+
+def bad_add_requests(vocab: int) -> dict[str, tuple[AddRequest, str]]:
+    """AddRequests that are well-typed but that no worker may see, each with the field its error must name."""
+    from engine.sampling_params import SamplingParams
+
+    def add(rid, prompt=(1, 2, 3), eos=(0,), **sp) -> AddRequest:
+        return AddRequest(rid, list(prompt), SamplingParams(**{"max_tokens": 4, **sp}), list(eos), time.time())
+
+    cases = {
+        "bad-vocab": (add("bad-vocab", prompt=(1, vocab)), "prompt_token_ids"),
+        "bad-negative": (add("bad-negative", prompt=(-1, 2)), "prompt_token_ids"),
+        "bad-empty": (add("bad-empty", prompt=()), "prompt_token_ids"),
+        "bad-long": (add("bad-long", prompt=[1] * 300), "prompt_token_ids"),
+        "bad-eos": (add("bad-eos", eos=(vocab + 5,)), "eos_token_ids"),
+        "bad-stop-id": (add("bad-stop-id", stop_token_ids=[vocab], min_tokens=2), "sampling.stop_token_ids"),
+        "bad-max-tokens-0": (add("bad-max-tokens-0", max_tokens=0), "sampling.max_tokens"),
+        "bad-max-tokens-huge": (add("bad-max-tokens-huge", max_tokens=2**62), "sampling.max_tokens"),
+        "bad-n": (add("bad-n", n=0), "sampling.n"),
+        "bad-logprobs": (add("bad-logprobs", logprobs=10**6), "sampling.logprobs"),
+        "bad-prompt-logprobs": (add("bad-prompt-logprobs", prompt_logprobs=-5), "sampling.prompt_logprobs"),
+        "bad-temperature": (add("bad-temperature", temperature=math.nan), "sampling.temperature"),
+        "bad-top-p": (add("bad-top-p", top_p=math.inf), "sampling.top_p"),
+        "bad-top-k": (add("bad-top-k", top_k=-7), "sampling.top_k"),
+        "bad-penalty": (add("bad-penalty", repetition_penalty=-1.0), "sampling.repetition_penalty"),
+        "bad-trace": (add("bad-trace", trace_decode_token_ids=[1]), "sampling.trace_decode_token_ids"),
+    }
+    return cases
+
+
+def test_bad_add_requests_on_the_bus_are_refused_before_any_worker_sees_them(server):
+    """Well-typed AddRequests straight on the scheduler's ROUTER (no gateway in front) with prompt ids outside
+    the vocabulary, an empty or too long prompt, out-of-range sampling values: each is answered to its sender
+    with a finished output carrying an ErrorInfo that names the field; good requests sent in the same burst,
+    before and after them, complete whole; no step fails and nobody dies."""
+    from engine.sampling_params import SamplingParams
+
+    ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
+    pids = server.child_pids()
+    bad = bad_add_requests(server.vocab_size)
+    good = {f"good-{i}": AddRequest(f"good-{i}", [5, 6, 7, 8], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                                            temperature=0.0), [0], time.time())
+            for i in range(2)}
+    ctx = zmq.Context()
+    try:
+        dealer = make_socket(ctx, zmq.DEALER, connect=ep.requests, identity="raw-client")
+        send(dealer, good["good-0"])
+        for req, _ in bad.values():
+            send(dealer, req)
+        send(dealer, good["good-1"])
+        outs: dict[str, list] = {}
+        deadline = time.monotonic() + 120
+        while not all(outs.get(r) and outs[r][-1].finished for r in [*bad, *good]):
+            assert time.monotonic() < deadline, sorted(r for r in [*bad, *good] if not (outs.get(r) or [None])[-1])
+            if dealer.poll(200):
+                batch = decode(dealer.recv_multipart())
+                assert isinstance(batch, OutputBatch)
+                for o in batch.outputs:
+                    outs.setdefault(o.request_id, []).append(o)
+        for rid, (_, param) in bad.items():
+            (o,) = outs[rid]  # one answer, at once, with no tokens
+            assert o.finish_reason == "error" and o.token_ids == [] and o.error is not None, (rid, o)
+            assert o.error.param == param and o.error.status == 400, (rid, o.error)
+        for rid in good:
+            o = outs[rid]
+            assert [x.error for x in o] == [None] * len(o), o
+            assert sum(len(x.token_ids) for x in o) == 24 and o[-1].finish_reason == "length", (rid, o[-1])
+        toks = [[t for x in outs[r] for t in x.token_ids] for r in good]
+        assert toks[0] == toks[1]  # the same greedy prompt: batched with the bad ones, nothing disturbed it
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            r = h.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 24,
+                                                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+        log = server.log()
+        assert "StepFailed" not in log and "Traceback" not in log
+        assert server.proc.poll() is None and server.child_pids() == pids
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_frames_above_the_limit_are_dropped_on_every_bound_socket(server):
+    """One frame just above each bound socket's limit (bus.frame_limits: a multi-MB AddRequest, a StepResult
+    with a huge array frame, a ControlRequest, a subscription): libzmq drops it unread and disconnects the
+    sender, the process logs the disconnect and nobody dies. Had a frame come through, the AddRequest would
+    have run and the ControlRequest been answered: neither is."""
+    from bus.frame_limits import limits_for
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
+    limits = limits_for(EngineConfig(max_model_len=256))  # the module's server
+    pids = server.child_pids()
+    seen = len(server.log())
+    big = {name: limits[name] + (1 << 20) for name in limits}
+    ctx = zmq.Context()
+    try:
+        dealer = make_socket(ctx, zmq.DEALER, connect=ep.requests, identity="huge-client")
+        send(dealer, AddRequest("r" * big["requests"], [1, 2, 3], SamplingParams(max_tokens=2), [0], time.time()))
+        push = make_socket(ctx, zmq.PUSH, connect=ep.results)
+        n = big["results"] // 8
+        send(push, StepResult(10**6, 0, ["x"], np.zeros(n, np.int64), np.zeros(1, np.float32),
+                              np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), 0))
+        control = make_socket(ctx, zmq.DEALER, connect=ep.control, identity="huge-trainer")
+        send(control, ControlRequest("c" * big["control"], Health(), 5.0))
+        for endpoint in (ep.plans, ep.commands):
+            xsub = make_socket(ctx, zmq.XSUB, connect=endpoint)
+            # not a subscription (\x01): an XSUB keeps those and sends them again on every reconnect
+            xsub.send(b"\x02@" + b"x" * big["plans"])
+        for name, endpoint in (("requests", ep.requests), ("results", ep.results), ("control", ep.control),
+                               ("plans", ep.plans), ("commands", ep.commands)):
+            wait_for(lambda: any("bus.peer_disconnected" in line and endpoint in line
+                                 for line in server.log()[seen:].splitlines()), 30, f"the {name} drop to be logged")
+        assert not dealer.poll(1000) and not control.poll(100)  # neither message was read
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            assert h.get("/health").status_code == 200
+            r = h.post("/v1/completions", json={"model": "tiny", "prompt": [4, 5], "max_tokens": 4,
+                                                "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert server.proc.poll() is None and server.child_pids() == pids
+        assert "member_lost" not in server.log()
+    finally:
+        ctx.destroy(linger=0)
 
 
 def wrong_results(plan: StepPlan) -> list[StepResult]:

@@ -64,5 +64,10 @@ def load_model(cfg: EngineConfig, device: torch.device):
 def reload_weights(model, cfg: EngineConfig, weights_path: str | None = None) -> set[str]:
     """Refill the existing parameters in place from the checkpoint (or another folder of the same
     architecture): the level-2 sleep recipe's `reload_weights`."""
-    folder = resolve_model(weights_path or cfg.model, progress=False)
+    try:
+        folder = resolve_model(weights_path or cfg.model, progress=False)
+    except (FileNotFoundError, ValueError) as e:  # the caller's path: a 400 naming it, not a worker failure
+        from engine.weight_update import WeightSyncError
+
+        raise WeightSyncError(f"weights_path: {e}", status=400, param="kwargs.weights_path") from None
     return model.load_weights(iter_safetensors(folder))

@@ -110,7 +110,8 @@ class WorkerActor:
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,
                                       device=device, nz_mode=extra.weight_nz_mode)
-        self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "device": str(device),
+        self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
+                     "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
                      "worker_extension_methods": extension_methods(self)}
         log.info("worker.loaded", **self.info)

@@ -62,6 +62,7 @@ from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
+from engine.scheduler.admission import EngineLimits, admission_error
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
@@ -146,6 +147,8 @@ class SchedulerActor:
         num_blocks = min(i["num_blocks"] for i in infos)
         max_len = min(i["max_model_len"] for i in infos)
         self.max_model_len = max_len
+        self.limits = EngineLimits(min(i["vocab_size"] for i in infos), max_len, self.cfg.max_logprobs,
+                                   self.cfg.enable_trace_replay)
         self.sched = Scheduler(BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching),
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
@@ -223,9 +226,8 @@ class SchedulerActor:
         if error is None and msg.request_id in self.sched.seqs:
             error = ErrorInfo("DuplicateRequest", f"request id {msg.request_id!r} is already running",
                               param="request_id")
-        if error is None and seq.num_prompt_tokens >= self.max_model_len:
-            error = ErrorInfo("PromptTooLong", f"prompt of {seq.num_prompt_tokens} tokens does not fit "
-                              f"max_model_len {self.max_model_len}", param="prompt")
+        if error is None:
+            error = admission_error(msg, self.limits)  # nothing a worker cannot run reaches a step
         if error is not None:
             seq.finish_reason = "error"
             self._emit([(seq, self._output(seq, [], finished=True, error=error))])
