@@ -1,0 +1,161 @@
+"""Batch-invariant kernels: a row's result never depends on the other rows in the step.
+
+Selected once, when the model is built, by `kernels(batch_invariant=True)`; the default kernels
+(ascend_ops.ops, ascend_ops.attention) are untouched and cost nothing extra. Every op a decoder step
+goes through has exactly one implementation in each set (`Kernels`).
+
+What makes each op invariant (measured on CPU; `self_check` re-measures on the device at start-up):
+- linear (and the LM head, the router, the experts): a GEMM library picks its kernel, and with it the
+  order of the reduction over K, from the number of rows M. MKL on CPU uses a different reduction
+  order for M = 1, for M = 2-3, and for the tail rows of some M below 12 (row 0 of a [1, 576] x
+  [576, 1536] product differs from the same row inside 2, 7 or 64 rows), and one order for every
+  multiple of 4 rows measured (4 .. 4096). So rows are padded to a multiple of ROW_MULTIPLE and the
+  product runs as one GEMM: the cost is F.linear's plus at most 3 zero rows.
+- attention over the paged cache: every query row (a decode or any row of a prefill chunk) is computed
+  the same way from its own context, one KV-cache block of keys at a time: scores of the row's G query
+  heads that share a KV head against the block's keys are one [G, D] x [D, block_size] GEMM (a fixed
+  shape, so a fixed reduction order), the block's softmax numerators and its [G, block] x [block, D]
+  product likewise; the blocks are then combined by a pairwise tree over the row's blocks, padded with
+  exact zeros to a power of two, so how many blocks other rows have changes nothing. The computation
+  is fp32 whatever the model dtype. Hence a position gives the same bits computed in a decode or in a
+  prefill chunk of any size, alone or in any batch, from the prefix cache or recomputed.
+- RMSNorm, rotary, SiLU*mul, the router's softmax/top-k, log_softmax over the vocabulary, the expert
+  sums (each token sums its own k products in slot order) and the sampler's per-row filters and draws
+  are row-wise in torch already; they are the default implementations, and `self_check` verifies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ascend_ops import attention as _attention
+from ascend_ops import ops as _ops
+from ascend_ops.attention import AttentionMetadata, write_kv
+
+ROW_MULTIPLE = 4  # linear: rows padded to a multiple of this (see the module docstring)
+PAIR_BUDGET = 4096  # attention: (query row, key block) pairs computed at once; bounds the gathered K/V
+
+
+class BatchInvarianceUnavailable(RuntimeError):
+    """Batch invariance was asked for and cannot be delivered here; the message names what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The ops a decoder step goes through; one implementation of each per mode."""
+
+    name: str
+    linear: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[..., torch.Tensor]
+    apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_experts: Callable[..., torch.Tensor]
+    paged_attention: Callable[..., torch.Tensor]
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.name == "batch_invariant"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose row i depends only on row i: x [M, K] padded to a multiple of ROW_MULTIPLE rows."""
+    m = x.shape[0]
+    pad = (-m) % ROW_MULTIPLE
+    if pad:
+        return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:m]
+    return F.linear(x, weight, bias)
+
+
+def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
+    """ops.moe_experts with the invariant linear: each expert's GEMMs see however many tokens chose it."""
+    return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear)
+
+
+def _row_tables(meta: AttentionMetadata, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: its block table [T, W] (0-padded) and its context length [T] (its position + 1)."""
+    widths = [c.block_table.shape[0] for c in meta.prefills]
+    if meta.num_decodes:
+        widths.append(meta.decode_block_tables.shape[1])  # type: ignore[union-attr]
+    tables = torch.zeros(num_rows, max(widths), dtype=torch.int64, device=device)
+    lens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if meta.num_decodes:
+        n = meta.num_decodes
+        tables[:n, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables  # type: ignore[union-attr]
+        lens[:n] = meta.decode_ctx_lens  # type: ignore[assignment]
+    for c in meta.prefills:
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        tables[rows, : c.block_table.shape[0]] = c.block_table
+        lens[rows] = torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1, device=device)
+    return tables, lens
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring)."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    T, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    tables, lens = _row_tables(meta, T, q.device)
+    nblk = (lens + bs - 1) // bs
+    out = torch.empty_like(q)
+    rows_per_chunk = max(1, PAIR_BUDGET // int(nblk.max()))
+    for r0 in range(0, T, rows_per_chunk):
+        r1 = min(T, r0 + rows_per_chunk)
+        out[r0:r1] = _attend_rows(q[r0:r1], tables[r0:r1], lens[r0:r1], nblk[r0:r1], k_cache, v_cache, scale)
+    return out
+
+
+def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor:
+    R, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hk
+    nb = int(nblk.max())
+    dev = q.device
+    valid = torch.arange(nb, device=dev)[None, :] < nblk[:, None]  # [R, nb]
+    row, blk = valid.nonzero(as_tuple=True)  # the (row, block) pairs, P of them
+    P = row.shape[0]
+    ids = tables[row, blk]
+    kb = k_cache.index_select(0, ids).float()  # [P, bs, Hk, D]
+    vb = v_cache.index_select(0, ids).float()
+    qp = q.float()[row].view(P * hk, g, d)  # the G query heads of each KV head
+    s = torch.bmm(qp, kb.permute(0, 2, 3, 1).reshape(P * hk, d, bs)).view(P, hk, g, bs) * scale
+    keypos = blk[:, None] * bs + torch.arange(bs, device=dev)[None, :]  # [P, bs]
+    s = s.masked_fill((keypos >= lens[row][:, None])[:, None, None, :], float("-inf"))
+    # the row's max over all its keys (a max is exact in any order); softmax numerators against it
+    rowmax = torch.full((R, hk * g), float("-inf"), device=dev).scatter_reduce(
+        0, row[:, None].expand(P, hk * g), s.amax(dim=-1).view(P, hk * g), "amax")
+    p = torch.exp(s - rowmax[row].view(P, hk, g, 1))  # [P, Hk, G, bs]
+    lsum = p.sum(dim=-1).view(P, hq)  # per block: a fixed-length sum
+    o = torch.bmm(p.view(P * hk, g, bs), vb.permute(0, 2, 1, 3).reshape(P * hk, bs, d)).view(P, hq, d)
+    width = 1 << max(0, nb - 1).bit_length()  # blocks padded with exact zeros to a power of two
+    L = torch.zeros(R, width, hq, device=dev)
+    O = torch.zeros(R, width, hq, d, device=dev)
+    L[row, blk] = lsum
+    O[row, blk] = o
+    while width > 1:  # pairwise tree: the same additions whatever the padding
+        L = L[:, 0::2] + L[:, 1::2]
+        O = O[:, 0::2] + O[:, 1::2]
+        width //= 2
+    return (O[:, 0] / L[:, 0, :, None]).to(q.dtype)
+
+
+DEFAULT = Kernels("default", _ops.linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
+                  _ops.moe_experts, _attention.paged_attention)
+INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
+                    moe_experts, paged_attention)
+
+
+def kernels(batch_invariant: bool) -> Kernels:
+    return INVARIANT if batch_invariant else DEFAULT
