@@ -159,3 +159,152 @@ INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, _ops.silu_and_mul,
 
 def kernels(batch_invariant: bool) -> Kernels:
     return INVARIANT if batch_invariant else DEFAULT
+
+
+# --- start-up self-check ---------------------------------------------------------------------------
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _rows_invariant(f: Callable[..., torch.Tensor], x: torch.Tensor | tuple, counts: tuple[int, ...]) -> bool:
+    """f's row i is the same bits computed with the first m rows, for every m in counts, and alone.
+    x: a tensor, or a tuple of tensors whose rows go together (f takes them as arguments)."""
+    xs = x if isinstance(x, tuple) else (x,)
+    full = f(*xs)
+    n = xs[0].shape[0]
+    return all(_same(f(*(t[:m] for t in xs)), full[:m]) for m in counts) and all(
+        _same(f(*(t[j:j + 1] for t in xs)), full[j:j + 1]) for j in (0, n // 2, n - 1))
+
+
+def _linear_weights(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
+    """One (weight, bias) per distinct GEMM shape the model runs (2-D weights, one slice of stacked experts)."""
+    out: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for mod in model.modules():
+        for name, w in mod.named_parameters(recurse=False):
+            if w.dim() == 3:  # stacked experts [E, N, K]
+                w = w[0]
+            elif w.dim() != 2 or name != "weight":
+                continue
+            bias = getattr(mod, "bias", None) if name == "weight" else None
+            out.setdefault((tuple(w.shape), bias is not None), (w.detach(), None if bias is None else bias.detach()))
+    return out
+
+
+def self_check(model, block_size: int) -> list[str]:
+    """Measure, on the model's device and dtype and with its real GEMM shapes, that each of its kernels gives
+    every row the same bits whatever else is computed with it. Returns the ops checked; raises
+    BatchInvarianceUnavailable naming the first that is not invariant here."""
+    kern: Kernels = model.kern
+    w0 = next(model.parameters())
+    dev, dtype = w0.device, w0.dtype
+    where = f"{dev.type} ({str(dtype).removeprefix('torch.')})"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
+
+    def fail(op: str) -> BatchInvarianceUnavailable:
+        return BatchInvarianceUnavailable(
+            f"batch invariance cannot be delivered on {where}: the {op} kernel ({kern.name}) gives a row "
+            f"different bits depending on the other rows of the batch")
+
+    checked = []
+    small, big = (1, 2, 3, 5, 6, 7, 9, 13, 64), (1, 3, 5)
+    with torch.inference_mode():
+        for (shape, _), (w, b) in _linear_weights(model).items():
+            n, kdim = shape
+            if not _rows_invariant(lambda x: kern.linear(x, w, b), rand(67, kdim), big if n > 8192 else small):
+                raise fail(f"linear [{kdim} -> {n}]")
+        checked.append("linear")
+        cfg = model.cfg
+        h, hq, hk, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ones = torch.ones(h, device=dev, dtype=dtype)
+        if not _rows_invariant(lambda x: kern.rms_norm(x, ones, cfg.rms_norm_eps), rand(67, h), small):
+            raise fail("rms_norm")
+        i = cfg.intermediate_size
+        if not _rows_invariant(lambda x: kern.silu_and_mul(x[:, :i], x[:, i:]), rand(67, 2 * i), small):
+            raise fail("silu_and_mul")
+        pos = torch.randint(0, model.rope_cos.shape[0], (67,), generator=gen).to(dev)
+
+        def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            qq, kk = kern.apply_rope(x[:, :hq], x[:, hq:], cos, sin)
+            return torch.cat([qq.reshape(len(x), -1), kk.reshape(len(x), -1)], dim=1)
+
+        if not _rows_invariant(rope, (rand(67, hq + hk, d), model.rope_cos[pos], model.rope_sin[pos]), small):
+            raise fail("rotary")
+        logits = (rand(9, cfg.vocab_size) * 4).float()
+        if not _rows_invariant(lambda x: torch.log_softmax(x, dim=-1), logits, (1, 2, 5)):
+            raise fail("log_softmax")
+        checked += ["rms_norm", "silu_and_mul", "rotary", "log_softmax"]
+        if model.num_moe_layers:
+            moe = next(m for m in model.modules() if hasattr(m, "experts"))
+
+            def experts(x: torch.Tensor) -> torch.Tensor:
+                wts, ids = kern.moe_route(kern.linear(x, moe.gate.weight), moe.top_k, moe.renormalize)
+                wts = wts if moe.fp32_scale else wts.to(x.dtype)
+                return kern.moe_experts(x, ids, wts, moe.experts.gate_up_proj, moe.experts.down_proj)
+
+            if not _rows_invariant(experts, rand(67, h), small):
+                raise fail("moe routing / experts")
+            checked.append("moe")
+        if not _attention_invariant(kern, hq, hk, d, block_size, rand):
+            raise fail("paged attention")
+        checked.append("paged_attention")
+    return checked
+
+
+def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand) -> bool:
+    """Three sequences computed (a) each alone as one prefill chunk, (b) together: chunked, batched, and
+    one of them finishing with a decode row; every row's output must be the same bits."""
+    from ascend_ops.attention import PrefillChunk
+
+    lens = (5, 2 * bs + 5, 4 * bs + 6)
+    tables, nxt = [], 0
+    for n in lens:
+        nb = (n + bs - 1) // bs
+        tables.append(torch.arange(nxt + nb - 1, nxt - 1, -1))  # blocks in reverse: not contiguous
+        nxt += nb
+    q = [rand(n, hq, d) for n in lens]
+    k = [rand(n, hk, d) for n in lens]
+    v = [rand(n, hk, d) for n in lens]
+    dev = q[0].device
+    cache = (rand(nxt, bs, hk, d), rand(nxt, bs, hk, d))
+
+    def step(decodes: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """decodes (seq, position), chunks (seq, start, end): outputs of each part, in order."""
+        qs, ks, vs, slots, prefills, parts = [], [], [], [], [], []
+        for s, p in decodes:
+            qs.append(q[s][p:p + 1]), ks.append(k[s][p:p + 1]), vs.append(v[s][p:p + 1])
+            slots.append(tables[s][p // bs] * bs + p % bs)
+        row = len(decodes)
+        for s, a, b in chunks:
+            pos = torch.arange(a, b)
+            qs.append(q[s][a:b]), ks.append(k[s][a:b]), vs.append(v[s][a:b])
+            slots.append(tables[s][pos // bs] * bs + pos % bs)
+            prefills.append(PrefillChunk(row, b - a, b, tables[s].to(dev)))
+            row += b - a
+        meta = AttentionMetadata(torch.cat([x.reshape(-1) for x in slots]).to(dev), num_decodes=len(decodes),
+                                 prefills=prefills)
+        if decodes:
+            w = max(len(tables[s]) for s, _ in decodes)
+            t = torch.zeros(len(decodes), w, dtype=torch.int64)
+            for i, (s, _) in enumerate(decodes):
+                t[i, :len(tables[s])] = tables[s]
+            meta.decode_block_tables, meta.decode_max_ctx = t.to(dev), max(p + 1 for _, p in decodes)
+            meta.decode_ctx_lens = torch.tensor([p + 1 for _, p in decodes], device=dev)
+        out = kern.paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), *cache, meta, d**-0.5)
+        sizes = [1] * len(decodes) + [b - a for _, a, b in chunks]
+        return list(out.split(sizes))
+
+    alone = [step([], [(s, 0, n)])[0] for s, n in enumerate(lens)]
+    a, b, c = lens
+    first = step([], [(0, 0, a - 1), (1, 0, bs + 1), (2, 0, 3)])
+    second = step([(0, a - 1)], [(1, bs + 1, b), (2, 3, c)])
+    got = [torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]), torch.cat([first[2], second[2]])]
+    return all(_same(x, y) for x, y in zip(alone, got))
