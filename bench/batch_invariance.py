@@ -38,7 +38,8 @@ INVARIANT_CONFIG = '{"rl_config": {"enabled": true, "enable_batch_invariant": tr
 
 
 def make_requests(n: int, max_tokens: int, vocab: int, prompt_len: int = 40, shared: int = 32) -> list[dict]:
-    """n generate bodies; the even ones share their first `shared` tokens (prefix-cache hits)."""
+    """n generate bodies; the even ones share their first `shared` tokens and read the prefix cache (a
+    request asking for prompt logprobs never does, as in vLLM); the odd ones ask for prompt logprobs."""
     prefix = [(97 * j + 13) % (vocab - 10) + 5 for j in range(shared)]
     out = []
     for i in range(n):
@@ -46,7 +47,7 @@ def make_requests(n: int, max_tokens: int, vocab: int, prompt_len: int = 40, sha
         prompt = (prefix + own[shared:]) if i % 2 == 0 else own
         out.append({"token_ids": prompt, "sampling_params": {
             "max_tokens": max_tokens, "temperature": 1.0, "seed": 1000 + i, "ignore_eos": True,
-            "logprobs": 5, "prompt_logprobs": 5}})
+            "logprobs": 5, **({} if i % 2 == 0 else {"prompt_logprobs": 5})}})
     return out
 
 
@@ -57,7 +58,7 @@ def _f32(x: float | None) -> int | None:
 def normalise(body: dict) -> dict[str, Any]:
     """What must be bitwise equal, with every float as its float32 bits."""
     c = body["choices"][0]
-    content = c["logprobs"]["content"]
+    content = (c.get("logprobs") or {}).get("content") or []
     prompt = [None if p is None else sorted((int(t), _f32(v["logprob"]), v.get("rank")) for t, v in p.items())
               for p in body.get("prompt_logprobs") or []]
     return {
@@ -109,12 +110,13 @@ def recompute_diff(bodies: list[dict], results: list[dict], again: list[dict]) -
         p = len(b["token_ids"])
         gen = normalise(r)
         prompt = normalise(g)["prompt"][p:]
-        for j, entry in enumerate(prompt):
-            tok = gen["tokens"][j + 1]
+        for j, entry in enumerate(prompt):  # the logprob of prompt token p + j, which is generated token j
+            tok = gen["tokens"][j]
             chosen = [e for e in entry if e[0] == tok]
-            want = (tok, gen["logprobs"][j + 1], gen["ranks"][j + 1])
-            if chosen != [want]:
-                out.append(f"request {i}: position {p + j + 1}")
+            # the generated entry lists the token, then the best alternatives: all among the prompt's top-5 + token
+            if chosen != [(tok, gen["logprobs"][j], gen["ranks"][j])] or not \
+                    set(gen["top"][j]) <= {(t, lp) for t, lp, _ in entry}:
+                out.append(f"request {i}: position {p + j}")
                 break
     return out
 
@@ -134,8 +136,8 @@ def check(url_wide: str, url_narrow: str, bodies: list[dict]) -> dict[str, list[
 
 def start_pair(work: Path, model: str, dtype: str, extra: tuple[str, ...] = (), max_model_len: int = 128):
     """An invariant server with room to spare (budget 2048), and one with budget 16 and a KV cache of one
-    sequence and a quarter (so requests are preempted and recomputed)."""
-    num_blocks = max_model_len // 16 + max_model_len // 64
+    sequence and a half (so running requests are preempted and recomputed)."""
+    num_blocks = max_model_len // 16 + max_model_len // 32
     common = ("--model", model, "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-scale-out",
               "--additional-config", INVARIANT_CONFIG, *extra)
     wide = start_server(work, *common, "--max-num-batched-tokens", "2048")
@@ -194,8 +196,8 @@ def main() -> None:
         wide, narrow = start_pair(work, str(folder), dtype, extra, max_model_len=-(-need // 64) * 64)
         try:
             res = check(wide.url, narrow.url, bodies)
-            counts = {"preemptions": metric(narrow, "vllm:num_preemptions"),
-                      "prefix_cache_hits": metric(wide, "vllm:prefix_cache_hits")}
+            counts = {"preemptions": metric(narrow, "vllm:num_preemptions_total"),
+                      "prefix_cache_hits": metric(wide, "vllm:prefix_cache_hits_total")}
         finally:
             wide.stop()
             narrow.stop()
