@@ -135,7 +135,7 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor
     s = s.masked_fill((keypos >= lens[row][:, None])[:, None, None, :], float("-inf"))
     # the row's max over all its keys (a max is exact in any order); softmax numerators against it
     rowmax = torch.full((R, hk * g), float("-inf"), device=dev).scatter_reduce(
-        0, row[:, None].expand(P, hk * g), s.amax(dim=-1).view(P, hk * g), "amax")
+        0, row[:, None].expand(P, hk * g), s.detach().amax(dim=-1).view(P, hk * g), "amax")
     p = torch.exp(s - rowmax[row].view(P, hk, g, 1))  # [P, Hk, G, bs]
     lsum = p.sum(dim=-1).view(P, hq)  # per block: a fixed-length sum
     o = torch.bmm(p.view(P * hk, g, bs), vb.permute(0, 2, 1, 3).reshape(P * hk, bs, d)).view(P, hq, d)

@@ -460,7 +460,8 @@ def add_rl_args(p: argparse.ArgumentParser) -> None:
                         "(/pause, /resume, /is_paused, /server_info, ...), NZ weight format off, "
                         "expandable_segments stripped from the allocator config of workers. Optional "
                         "rl_config keys (only with enabled): sleep_mode_extra_cleanup, "
-                        "enable_training_consistency (refused: not available yet), enable_batch_invariant (batch-invariant "
+                        "enable_training_consistency (the batch-invariant kernels engine.trainer.use_engine_kernels reproduces), "
+                        "enable_batch_invariant (batch-invariant "
                         "kernels, verified on the device at start-up; VLLM_BATCH_INVARIANT=1 does the same). "
                         "vLLM's dotted form works: "
                         "--additional-config.rl_config.enabled true.")

@@ -105,10 +105,8 @@ def determinism(cfg: AdditionalConfig, environ: dict[str, str] | None = None) ->
     except ValueError:
         raise ValueError(f"{BATCH_INVARIANT_ENV} must be an integer (0 or 1), as vLLM reads it; got {raw!r}") from None
     eff = cfg.rl.effective()
-    if eff["enable_training_consistency"]:
-        raise ValueError("rl_config.enable_training_consistency is not available yet: the trainer-side forward "
-                         "that reproduces the engine's logprobs (engine.trainer.use_engine_kernels) is not "
-                         "shipped. rl_config.enable_batch_invariant gives batch-invariant rollouts.")
+    if eff["enable_training_consistency"]:  # the engine runs the kernels engine.trainer.use_engine_kernels installs
+        return Determinism(True, True, "rl_config.enable_training_consistency")
     if eff["enable_batch_invariant"]:
         return Determinism(True, False, "rl_config.enable_batch_invariant")
     if env_on:

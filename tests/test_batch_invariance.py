@@ -142,10 +142,10 @@ def test_flags_env_and_refusals():
     assert not determinism(plain, {"VLLM_BATCH_INVARIANT": "0"}).batch_invariant
     with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT must be an integer"):
         determinism(plain, {"VLLM_BATCH_INVARIANT": "yes"})
-    with pytest.raises(ValueError, match="enable_training_consistency is not available"):
-        determinism(parse_additional_config('{"rl_config": {"enabled": true, "enable_training_consistency": true}}'), {})
-    # ignored without enabled: no error
-    determinism(parse_additional_config('{"rl_config": {"enable_training_consistency": true}}'), {})
+    tc = determinism(parse_additional_config('{"rl_config": {"enabled": true, "enable_training_consistency": true}}'))
+    assert tc.batch_invariant and tc.training_consistency
+    assert not determinism(parse_additional_config('{"rl_config": {"enable_training_consistency": true}}'), {}) \
+        .training_consistency  # ignored without enabled
     env = worker_env_updates(parse_additional_config(ON), {})
     assert env["HCCL_DETERMINISTIC"] == "strict" and env["LCCL_DETERMINISTIC"] == "1"
     assert env["VLLM_BATCH_INVARIANT"] == "1" and env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -154,8 +154,6 @@ def test_flags_env_and_refusals():
 
 @pytest.mark.parametrize("env, args, message", [
     ({"VLLM_BATCH_INVARIANT": "yes"}, (), "VLLM_BATCH_INVARIANT must be an integer"),
-    ({}, ("--additional-config", '{"rl_config": {"enabled": true, "enable_training_consistency": true}}'),
-     "enable_training_consistency is not available"),
 ])
 def test_serve_refuses_at_start_up(tmp_path, env, args, message):
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path), *args],
@@ -193,3 +191,59 @@ def test_server_info_reports_invariance(servers):
                                    "source": "rl_config.enable_batch_invariant", "batch_invariant_active": True}
     (worker,) = info["workers"].values()
     assert worker["kernels"] == "batch_invariant" and "paged_attention" in worker["batch_invariant_checked"]
+
+
+# --- training consistency: the trainer-side forward ------------------------------------------------
+
+def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    S = max(map(len, rows))
+    ids, mask = torch.zeros(len(rows), S, dtype=torch.long), torch.zeros(len(rows), S, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+def test_trainer_forward_reproduces_the_engine_logprobs_bitwise(tmp_path, arch, dtype):
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import use_engine_kernels
+
+    folder = make_tiny_checkpoint(arch, tmp_path / arch)
+    engine = _load(folder, dtype, INVARIANT)
+    prompts = [random_prompt(n, engine.cfg.vocab_size, s) for n, s in ((9, 1), (14, 2), (5, 3))]
+    toks, logits = PagedRunner(engine, num_blocks=256, block_size=4).greedy(dict(enumerate(prompts)), 8)
+    hf = use_engine_kernels(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), block_size=4)
+    ids, mask = _padded([p + toks[i][:-1] for i, p in enumerate(prompts)])
+    lp = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits, dim=-1)
+    for i, p in enumerate(prompts):
+        want = torch.log_softmax(logits[i].float(), -1).gather(1, torch.tensor(toks[i])[:, None])
+        got = lp[i, len(p) - 1:len(p) + 7].gather(1, torch.tensor(toks[i])[:, None])
+        assert same(got.detach(), want), f"rollout {i}: the trainer's logprobs differ from the engine's"
+
+
+def test_trainer_backward_matches_plain_hf_and_bad_use_is_refused(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import use_engine_kernels
+
+    folder = make_tiny_checkpoint("qwen3", tmp_path / "q")
+    ids, mask = _padded([random_prompt(n, 1500, n) for n in (20, 13, 7)])
+    grads = []
+    for ours in (False, True):
+        m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if ours:
+            use_engine_kernels(m)
+        out = m(input_ids=ids, attention_mask=mask).logits
+        lp = torch.log_softmax(out.float(), -1)[:, :-1].gather(2, ids[:, 1:, None]).squeeze(2)
+        (-(lp * mask[:, 1:]).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item()), name
+    with pytest.raises(ValueError, match="right-padded"):
+        m(input_ids=ids, attention_mask=mask.flip(1))
+    with pytest.raises(ValueError, match="architecture GPT2LMHeadModel"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        use_engine_kernels(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
