@@ -127,10 +127,11 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor
     row, blk = valid.nonzero(as_tuple=True)  # the (row, block) pairs, P of them
     P = row.shape[0]
     ids = tables[row, blk]
-    kb = k_cache.index_select(0, ids).float()  # [P, bs, Hk, D]
-    vb = v_cache.index_select(0, ids).float()
+    # gathered straight into [P, Hk, bs, D] (one copy), so each (pair, KV head) is a contiguous [bs, D] matrix
+    kb = k_cache.transpose(1, 2).index_select(0, ids).float().view(P * hk, bs, d)
+    vb = v_cache.transpose(1, 2).index_select(0, ids).float().view(P * hk, bs, d)
     qp = q.float()[row].view(P * hk, g, d)  # the G query heads of each KV head
-    s = torch.bmm(qp, kb.permute(0, 2, 3, 1).reshape(P * hk, d, bs)).view(P, hk, g, bs) * scale
+    s = torch.bmm(qp, kb.transpose(1, 2)).view(P, hk, g, bs) * scale
     keypos = blk[:, None] * bs + torch.arange(bs, device=dev)[None, :]  # [P, bs]
     s = s.masked_fill((keypos >= lens[row][:, None])[:, None, None, :], float("-inf"))
     # the row's max over all its keys (a max is exact in any order); softmax numerators against it
@@ -138,7 +139,7 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor
         0, row[:, None].expand(P, hk * g), s.detach().amax(dim=-1).view(P, hk * g), "amax")
     p = torch.exp(s - rowmax[row].view(P, hk, g, 1))  # [P, Hk, G, bs]
     lsum = p.sum(dim=-1).view(P, hq)  # per block: a fixed-length sum
-    o = torch.bmm(p.view(P * hk, g, bs), vb.permute(0, 2, 1, 3).reshape(P * hk, bs, d)).view(P, hq, d)
+    o = torch.bmm(p.view(P * hk, g, bs), vb).view(P, hq, d)
     width = 1 << max(0, nb - 1).bit_length()  # blocks padded with exact zeros to a power of two
     L = torch.zeros(R, width, hq, device=dev)
     O = torch.zeros(R, width, hq, d, device=dev)
