@@ -247,3 +247,23 @@ def test_trainer_backward_matches_plain_hf_and_bad_use_is_refused(tmp_path):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         use_engine_kernels(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+
+
+def test_grpo_example_runs_with_ratio_exactly_one_across_weight_updates(tmp_path, smollm2_dir):  # noqa: F811
+    """examples/grpo_consistency.py as docs/batch-invariance.md runs it, on a tiny model: rollout -> trainer
+    forward -> ratio 1.0 for every token -> update -> weight sync -> the next rollout, twice."""
+    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "q3", smollm2_dir, vocab_size=49152)
+    s = start_server(tmp_path, "--model", str(folder), "--enable-scale-out", "--weight-transfer-config",
+                     '{"backend": "ipc"}', "--additional-config",
+                     '{"rl_config": {"enabled": true, "enable_training_consistency": true}}')
+    try:
+        info = httpx.get(s.url + "/server_info", timeout=30).json()["determinism"]
+        assert info["training_consistency"] and info["batch_invariant_active"]
+        root = Path(__file__).resolve().parents[1]
+        r = subprocess.run([sys.executable, str(root / "examples" / "grpo_consistency.py"), "--url", s.url,
+                            "--model", str(folder)], capture_output=True, text=True, timeout=500, cwd=root)
+    finally:
+        s.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("ratio exactly 1.0 for every token: True") == 2
+    assert "pushed weights step-2" in r.stdout
