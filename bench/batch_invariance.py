@@ -14,6 +14,7 @@ server and on an invariant one, measured in the same run.
     python bench/batch_invariance.py                                  # SmolLM2, fp32 and bf16
     python bench/batch_invariance.py --model moe --dtypes float32     # the MoE upcycled from SmolLM2
     python bench/batch_invariance.py --num-requests 8 --max-tokens 16 --skip-cost   # quick
+    python bench/batch_invariance.py --trainer-only     # use_engine_kernels: 16 rollouts x 64 tokens
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -164,6 +166,57 @@ def rollout_tok_s(work: Path, model: str, dtype: str, prompts: list[list[int]], 
         s.stop()
 
 
+def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int = 64) -> dict[str, Any]:
+    """Trainer side: `rollouts` greedy rollouts from the engine's model (in process, invariant kernels, KV
+    blocks of 16), then HF + use_engine_kernels on the right-padded batch: bitwise equal logprobs? And the
+    cost of forward + backward against the plain HF model's, on the same batch, median of 3."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM
+
+    from ascend_ops.batch_invariant import INVARIANT
+    from engine.trainer import use_engine_kernels
+    from tests.tiny_models import PagedRunner
+    from workers.models.checkpoint import iter_safetensors, load_hf_config
+    from workers.models.registry import build_model
+
+    dt = getattr(torch, dtype)
+    engine = build_model(load_hf_config(folder), dt, "cpu", kernels=INVARIANT)
+    engine.load_weights(iter_safetensors(folder))
+    vocab = engine.cfg.vocab_size
+    prompts = [b["token_ids"] for b in make_requests(rollouts, max_tokens, vocab)]
+    runner = PagedRunner(engine, num_blocks=rollouts * ((max(map(len, prompts)) + max_tokens) // 16 + 2),
+                         block_size=16)
+    toks, logits = runner.greedy(dict(enumerate(prompts)), max_tokens)
+    rows = [p + toks[i][:-1] for i, p in enumerate(prompts)]
+    S = max(map(len, rows))
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    mask = torch.zeros(len(rows), S, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    out: dict[str, Any] = {}
+    times: dict[str, list[float]] = {"plain": [], "engine_kernels": []}
+    models = {"plain": AutoModelForCausalLM.from_pretrained(folder, dtype=dt),
+              "engine_kernels": use_engine_kernels(AutoModelForCausalLM.from_pretrained(folder, dtype=dt))}
+    for _ in range(3):
+        for name, m in models.items():
+            m.zero_grad()
+            t0 = time.perf_counter()
+            lp = torch.log_softmax(m(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+            (-(lp[:, :-1].gather(2, ids[:, 1:, None]).squeeze(2) * mask[:, 1:]).sum()).backward()
+            times[name].append(time.perf_counter() - t0)
+            if name == "engine_kernels":
+                equal = True
+                for i, p in enumerate(prompts):
+                    want = torch.log_softmax(logits[i].float(), -1).gather(1, torch.tensor(toks[i])[:, None])
+                    got = lp[i, len(p) - 1:len(p) - 1 + max_tokens].gather(1, torch.tensor(toks[i])[:, None])
+                    equal &= torch.equal(got.detach().view(torch.int32), want.view(torch.int32))
+                out["bitwise_equal"] = bool(equal)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out.update({"fwd_bwd_s": med, "cost_ratio": med["engine_kernels"] / med["plain"]})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="smollm2 (default), moe (upcycled SmolLM2 MoE) or a path")
@@ -171,6 +224,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--skip-cost", action="store_true", help="Only the bitwise checks.")
+    p.add_argument("--trainer-only", action="store_true",
+                   help="Only the trainer side: 16 rollouts x 64 tokens, bitwise and forward+backward cost.")
     p.add_argument("--json", help="Write the results to this file.")
     args = p.parse_args()
     from engine.model_store import resolve_model
@@ -189,6 +244,15 @@ def main() -> None:
     extra = ("--enable-return-routed-experts",) if args.model == "moe" else ()
     results: dict[str, Any] = {"model": str(folder)}
     work = Path(tempfile.mkdtemp(prefix="rollbus-bi-"))
+    if args.trainer_only:
+        for dtype in args.dtypes:
+            results[dtype] = r = trainer_check(Path(folder), dtype)
+            print(f"[{dtype}] trainer: logprobs bitwise equal to the engine's: {r['bitwise_equal']}; forward+"
+                  f"backward {r['fwd_bwd_s']['engine_kernels']:.2f} s vs plain HF {r['fwd_bwd_s']['plain']:.2f} s "
+                  f"(ratio {r['cost_ratio']:.2f})", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
     for dtype in args.dtypes:
         bodies = make_requests(args.num_requests, args.max_tokens, vocab)
         t0 = time.perf_counter()
