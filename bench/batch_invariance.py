@@ -225,7 +225,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--skip-cost", action="store_true", help="Only the bitwise checks.")
     p.add_argument("--trainer-only", action="store_true",
-                   help="Only the trainer side: 16 rollouts x 64 tokens, bitwise and forward+backward cost.")
+                   help="Only the trainer side: --rollouts x --max-tokens, bitwise and forward+backward cost.")
+    p.add_argument("--rollouts", type=int, default=16, help="Trainer side: rollouts in the padded batch.")
     p.add_argument("--json", help="Write the results to this file.")
     args = p.parse_args()
     from engine.model_store import resolve_model
@@ -246,7 +247,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rollbus-bi-"))
     if args.trainer_only:
         for dtype in args.dtypes:
-            results[dtype] = r = trainer_check(Path(folder), dtype)
+            results[dtype] = r = trainer_check(Path(folder), dtype, args.rollouts, args.max_tokens)
             print(f"[{dtype}] trainer: logprobs bitwise equal to the engine's: {r['bitwise_equal']}; forward+"
                   f"backward {r['fwd_bwd_s']['engine_kernels']:.2f} s vs plain HF {r['fwd_bwd_s']['plain']:.2f} s "
                   f"(ratio {r['cost_ratio']:.2f})", flush=True)
