@@ -69,6 +69,7 @@ def moe_experts(
     expert_weights: torch.Tensor,  # [T, k]
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up
     down: torch.Tensor,  # [E, H, I]
+    mm=linear,  # the GEMM: ascend_ops.batch_invariant passes its row-invariant linear
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
 
@@ -88,8 +89,8 @@ def moe_experts(
     start = 0
     for e, n in enumerate(counts):
         if n:
-            gu = linear(xs[start : start + n], gate_up[e])
-            out[start : start + n] = linear(silu_and_mul(gu[:, :inter], gu[:, inter:]), down[e])
+            gu = mm(xs[start : start + n], gate_up[e])
+            out[start : start + n] = mm(silu_and_mul(gu[:, :inter], gu[:, inter:]), down[e])
             start += n
     pairs = torch.empty_like(out)
     pairs[order] = out  # back to (token, slot) order

@@ -473,7 +473,11 @@ def add_rl_args(p: argparse.ArgumentParser) -> None:
                         "(/pause, /resume, /is_paused, /server_info, ...), NZ weight format off, "
                         "expandable_segments stripped from the allocator config of workers. Optional "
                         "rl_config keys (only with enabled): sleep_mode_extra_cleanup, "
-                        "enable_training_consistency, enable_batch_invariant. vLLM's dotted form works: "
+                        "enable_training_consistency (the batch-invariant kernels "
+                        "engine.trainer.use_engine_kernels reproduces), "
+                        "enable_batch_invariant (batch-invariant "
+                        "kernels, verified on the device at start-up; VLLM_BATCH_INVARIANT=1 does the same). "
+                        "vLLM's dotted form works: "
                         "--additional-config.rl_config.enabled true.")
     g.add_argument("--enable-sleep-mode", action=Switch, negatives=["--disable-sleep-mode"], default=False,
                    help="Allow /sleep and /wake_up (weights and KV cache released by tag).")
@@ -639,13 +643,13 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         raise SystemExit("rollbus: --max-log-len must be non-negative")
     from bus.auth import check_config as check_bus
     from engine.generation_defaults import check_generation_config
-    from engine.rl_config import parse_additional_config
+    from engine.rl_config import determinism, parse_additional_config
     from engine.weight_transfer_config import parse_weight_transfer_config
     from gateway.tokenizer import resolve_chat_template
     from workers.extension import check_qualname
 
     try:
-        parse_additional_config(cfg.additional_config)
+        determinism(parse_additional_config(cfg.additional_config))
         parse_weight_transfer_config(cfg.weight_transfer_config)
         _check_load_format(cfg)
         check_generation_config(cfg.generation_config, cfg.override_generation_config)

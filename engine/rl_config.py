@@ -1,7 +1,7 @@
 """`--additional-config '{"rl_config": {...}}'`: vLLM-Ascend's RL switch, parsed and validated once.
 
 Pure: no environment is changed here. `worker_env_updates` says what a worker must change in its own
-environment before it touches the device allocator.
+environment before it touches the device allocator; `determinism` says whether batch invariance is on.
 """
 
 from __future__ import annotations
@@ -75,16 +75,55 @@ def dev_endpoints_enabled(cfg: AdditionalConfig, environ: dict[str, str] | None 
     return dev or cfg.rl.enabled
 
 
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+# What a worker sets for deterministic collectives and GEMMs when batch invariance is on: vLLM-Ascend's
+# HCCL/LCCL settings, vLLM's cuBLAS workspace (no split-K that depends on free workspace).
+DETERMINISTIC_ENV = {"VLLM_BATCH_INVARIANT": "1", "HCCL_DETERMINISTIC": "strict", "LCCL_DETERMINISTIC": "1",
+                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@dataclass(frozen=True, slots=True)
+class Determinism:
+    """Which of the deterministic modes are on, and what turned batch invariance on."""
+
+    batch_invariant: bool = False
+    training_consistency: bool = False
+    source: str | None = None  # "rl_config.enable_batch_invariant" | "VLLM_BATCH_INVARIANT=1" | ...
+
+    def as_json(self) -> dict[str, Any]:
+        return {"batch_invariant": self.batch_invariant, "training_consistency": self.training_consistency,
+                "source": self.source}
+
+
+def determinism(cfg: AdditionalConfig, environ: dict[str, str] | None = None) -> Determinism:
+    """Batch invariance is on with rl_config.enable_batch_invariant (under `enabled`) or, as in vLLM, with
+    VLLM_BATCH_INVARIANT set to a non-zero integer. Raises ValueError on what cannot be honoured."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(BATCH_INVARIANT_ENV) or "0").strip()
+    try:
+        env_on = bool(int(raw))  # vLLM: bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0")))
+    except ValueError:
+        raise ValueError(f"{BATCH_INVARIANT_ENV} must be an integer (0 or 1), as vLLM reads it; got {raw!r}") from None
+    eff = cfg.rl.effective()
+    if eff["enable_training_consistency"]:  # the engine runs the kernels engine.trainer.use_engine_kernels installs
+        return Determinism(True, True, "rl_config.enable_training_consistency")
+    if eff["enable_batch_invariant"]:
+        return Determinism(True, False, "rl_config.enable_batch_invariant")
+    if env_on:
+        return Determinism(True, False, f"{BATCH_INVARIANT_ENV}={raw}")
+    return Determinism()
+
+
 def worker_env_updates(cfg: AdditionalConfig, environ: dict[str, str]) -> dict[str, str | None]:
-    """Env changes for a worker in RL mode: expandable_segments off (it breaks the sleep-mode pool),
-    NZ off, batch-invariant switch on when asked. None means unset the variable."""
-    if not cfg.rl.enabled:
-        return {}
-    out: dict[str, str | None] = {"VLLM_ASCEND_ENABLE_NZ": "0"}
-    for var in ALLOC_CONF_VARS:
-        if var in environ:
-            kept = [p for p in environ[var].split(",") if p and not p.strip().startswith("expandable_segments")]
-            out[var] = ",".join(kept) if kept else None
-    if cfg.rl.enable_batch_invariant:
-        out["VLLM_BATCH_INVARIANT"] = "1"
+    """Env changes for a worker: in RL mode expandable_segments off (it breaks the sleep-mode pool) and NZ
+    off; with batch invariance the deterministic settings (DETERMINISTIC_ENV). None means unset the variable."""
+    out: dict[str, str | None] = {}
+    if cfg.rl.enabled:
+        out["VLLM_ASCEND_ENABLE_NZ"] = "0"
+        for var in ALLOC_CONF_VARS:
+            if var in environ:
+                kept = [p for p in environ[var].split(",") if p and not p.strip().startswith("expandable_segments")]
+                out[var] = ",".join(kept) if kept else None
+    if determinism(cfg, environ).batch_invariant:
+        out.update(DETERMINISTIC_ENV)
     return out

@@ -29,7 +29,7 @@ from engine import control_state
 from engine.config import EngineConfig
 from engine.control_state import PAUSE_MODES, SLEEP_TAGS
 from engine.coordinator.weight_sync_driver import reply_status
-from engine.rl_config import AdditionalConfig
+from engine.rl_config import AdditionalConfig, determinism
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.engine_client import EngineClient
 from gateway.errors import BAD_REQUEST, APIError, bad_request, check_timeout
@@ -209,6 +209,9 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             "workers": workers,  # each one's device, dtype (what weight updates must send), KV blocks
             "engine_config": engine,
             "rl_config": extra.rl.effective(),
+            # asked for (rl_config / VLLM_BATCH_INVARIANT) and active: every worker runs the invariant kernels
+            "determinism": {**determinism(extra).as_json(), "batch_invariant_active": bool(workers) and all(
+                w.get("kernels") == "batch_invariant" for w in workers.values())},
             "ascend_config": {"weight_nz_mode": extra.weight_nz_mode},
             "control_state": control_state.as_json(client.control_state),
         })

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ascend_ops.batch_invariant import DEFAULT, Kernels
 from engine.config import EngineConfig
 from engine.model_store import resolve_model
 from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
@@ -42,11 +43,11 @@ def initialize_dummy_weights(model: torch.nn.Module) -> int:
     return filled
 
 
-def load_model(cfg: EngineConfig, device: torch.device):
+def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAULT):
     folder = resolve_model(cfg.model, progress=cfg.use_tqdm_on_load)
     hf_config = load_hf_config(folder)
     dtype = resolve_dtype(cfg.dtype, hf_config)
-    model = build_model(hf_config, dtype, device)
+    model = build_model(hf_config, dtype, device, kernels=kernels)
     if cfg.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
         initialize_dummy_weights(model)
     else:

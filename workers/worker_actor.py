@@ -26,6 +26,7 @@ import structlog
 import torch
 import zmq
 
+from ascend_ops.batch_invariant import BatchInvarianceUnavailable, kernels, self_check
 from ascend_ops.platform import current_platform
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
@@ -66,7 +67,7 @@ from bus.sockets import make_socket, recv, report_ready, send
 from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
-from engine.rl_config import parse_additional_config, worker_env_updates
+from engine.rl_config import determinism, parse_additional_config, worker_env_updates
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
@@ -89,7 +90,15 @@ class WorkerActor:
         self.name = f"worker-{rank}"
         platform = current_platform()
         device = platform.device(rank)
-        model, hf_config, max_model_len = load_model(cfg, device)
+        extra = parse_additional_config(cfg.additional_config)
+        det = determinism(extra)
+        model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant))
+        checked: list[str] = []
+        if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
+            try:
+                checked = self_check(model, cfg.block_size)
+            except BatchInvarianceUnavailable as e:
+                raise SystemExit(f"rollbus: {det.source}: {e}") from None
         nl, nkv, hd = model.kv_spec
         dtype = next(model.parameters()).dtype
         per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, dtype)
@@ -106,13 +115,13 @@ class WorkerActor:
                                   logprobs_mode=cfg.logprobs_mode,
                                   return_routed_experts=cfg.enable_return_routed_experts)
         self.sleep = SleepManager(model, kv, platform)
-        extra = parse_additional_config(cfg.additional_config)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,
                                       device=device, nz_mode=extra.weight_nz_mode)
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
                      "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
+                     "kernels": model.kern.name, "batch_invariant_checked": checked,
                      "worker_extension_methods": extension_methods(self)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
@@ -427,12 +436,15 @@ class WorkerActor:
 def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
     setup_logging(cfg.log_level, process=f"worker-{rank}")
     # RL mode: allocator and NZ settings must change before the first device allocation.
-    for var, value in worker_env_updates(parse_additional_config(cfg.additional_config), dict(os.environ)).items():
+    extra = parse_additional_config(cfg.additional_config)
+    for var, value in worker_env_updates(extra, dict(os.environ)).items():
         if value is None:
             os.environ.pop(var, None)
         else:
             os.environ[var] = value
         log.info("worker.rl_env", var=var, value=value)
+    if determinism(extra).batch_invariant:  # any op without a deterministic implementation raises
+        torch.use_deterministic_algorithms(True)
     torch.set_grad_enabled(False)
     ctx = zmq.Context()
     ep = Endpoints.from_config(cfg).secure(ctx)

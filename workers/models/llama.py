@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ascend_ops import ops
-from ascend_ops.attention import AttentionMetadata, paged_attention
+from ascend_ops.attention import AttentionMetadata
+from ascend_ops.batch_invariant import DEFAULT, Kernels
 
 
 class KVSpec(NamedTuple):
@@ -126,8 +127,9 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device, ones: bool = F
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
         super().__init__()
+        self.kern = kern
         self.hq, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = self.d**-0.5
@@ -155,20 +157,22 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hk)*D]
+        kern = self.kern
+        qkv = kern.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hk)*D]
         q, k, v = qkv.split([self.hq * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
         q, k, v = q.view(T, self.hq, self.d), k.view(T, self.hk, self.d), v.view(T, self.hk, self.d)
         if self.qk_norm:
-            q = ops.rms_norm(q, self.q_norm.weight, self.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.eps)
-        q, k = ops.apply_rope(q, k, cos, sin)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
-        return ops.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
+            q = kern.rms_norm(q, self.q_norm.weight, self.eps)
+            k = kern.rms_norm(k, self.k_norm.weight, self.eps)
+        q, k = kern.apply_rope(q, k, cos, sin)
+        o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        return kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
         super().__init__()
+        self.kern = kern
         self.i = cfg.intermediate_size
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Module()
@@ -180,16 +184,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
         """A dense layer routes nothing, so it records nothing in routed_experts."""
-        gu = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
-        h = ops.silu_and_mul(gu[:, : self.i], gu[:, self.i :])  # [T, I]
-        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
+        kern = self.kern
+        gu = kern.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
+        h = kern.silu_and_mul(gu[:, : self.i], gu[:, self.i :])  # [T, I]
+        return kern.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, mlp: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: DecoderConfig, mlp: nn.Module, dtype: torch.dtype, device: torch.device,
+                 kern: Kernels = DEFAULT) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, dtype, device)
+        self.norm = kern.rms_norm
+        self.self_attn = Attention(cfg, dtype, device, kern)
         self.mlp = mlp  # MLP, or a sparse MoE block with the same forward(x, routed_experts)
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
@@ -205,20 +212,22 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         routed_experts: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, meta, kv)
-        return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps), routed_experts)
+        x = x + self.self_attn(self.norm(x, self.input_layernorm.weight, self.eps), cos, sin, meta, kv)
+        return x + self.mlp(self.norm(x, self.post_attention_layernorm.weight, self.eps), routed_experts)
 
 
 class _Body(nn.Module):
     """Named `model` inside DecoderLM so parameter names line up with HF's `model.` prefix."""
 
     def __init__(
-        self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, make_mlp: Callable[[int], nn.Module]
+        self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, make_mlp: Callable[[int], nn.Module],
+        kern: Kernels,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device, kern)
+                                    for i in range(cfg.num_layers))
         self.norm = nn.Module()
         self.norm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
 
@@ -255,7 +264,10 @@ class WeightMap:
 
 
 class DecoderLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache; built from the HF config dict."""
+    """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache; built from the HF config dict.
+
+    `kernels` (ascend_ops.batch_invariant) is chosen once here: the default ops, or the batch-invariant ones.
+    """
 
     config_class: type[DecoderConfig] = DecoderConfig
 
@@ -265,12 +277,14 @@ class DecoderLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         max_positions: int | None = None,
+        kernels: Kernels = DEFAULT,
     ) -> None:
         super().__init__()
         device = torch.device(device)
         self.cfg = cfg = self.config_class.from_hf(hf_config)
         self.dtype = dtype
-        self.model = _Body(cfg, dtype, device, lambda layer: self._make_mlp(layer, dtype, device))
+        self.kern = kernels
+        self.model = _Body(cfg, dtype, device, lambda layer: self._make_mlp(layer, dtype, device), kernels)
         self.lm_head = nn.Module()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one shared tensor
@@ -283,7 +297,7 @@ class DecoderLM(nn.Module):
 
     def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The feed-forward block of decoder layer `layer` (dense here; MoE subclasses choose per layer)."""
-        return MLP(self.cfg, dtype, device)
+        return MLP(self.cfg, dtype, device, self.kern)
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -325,12 +339,12 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, meta, kv, routed_experts)
             if between_layers is not None:
                 between_layers()
-        return ops.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+        return self.kern.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] for the rows the sampler needs (hidden [N, H])."""
-        return ops.linear(hidden, self.lm_head.weight).float()
+        return self.kern.linear(hidden, self.lm_head.weight).float()
 
     # ---- weights ----------------------------------------------------------------------------------
 

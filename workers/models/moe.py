@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascend_ops import ops
+from ascend_ops.batch_invariant import DEFAULT, Kernels
 from workers.models.llama import MLP, DecoderConfig, DecoderLM, WeightMap, _param
 
 
@@ -71,8 +71,9 @@ class MoEConfig(DecoderConfig):
 class SparseMoE(nn.Module):
     """Router + stacked experts, named like HF's in-memory module (`mlp.gate`, `mlp.experts`)."""
 
-    def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
         super().__init__()
+        self.kern = kern
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.renormalize, self.fp32_scale = cfg.top_k, cfg.norm_topk_prob, cfg.fp32_expert_scale
         kw = dict(dtype=dtype, device=device)
@@ -83,12 +84,13 @@ class SparseMoE(nn.Module):
         self.experts.down_proj = _param(e, h, i, **kw)
 
     def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
-        weights, ids = ops.moe_route(ops.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        kern = self.kern
+        weights, ids = kern.moe_route(kern.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if routed_experts is not None:
             routed_experts.append(ids)
         if not self.fp32_scale:
             weights = weights.to(x.dtype)
-        return ops.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        return kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
 
 
 class MoEDecoderLM(DecoderLM):
@@ -99,8 +101,8 @@ class MoEDecoderLM(DecoderLM):
 
     def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         if layer in self.cfg.sparse_layers:
-            return SparseMoE(self.cfg, dtype, device)
-        return MLP(self.cfg, dtype, device)
+            return SparseMoE(self.cfg, dtype, device, self.kern)
+        return MLP(self.cfg, dtype, device, self.kern)
 
     @property
     def num_moe_layers(self) -> int:

@@ -1,0 +1,311 @@
+"""Batch-invariant kernels: a row's result never depends on the other rows in the step.
+
+Selected once, when the model is built, by `kernels(batch_invariant=True)`; the default kernels
+(ascend_ops.ops, ascend_ops.attention) are untouched and cost nothing extra. Every op a decoder step
+goes through has exactly one implementation in each set (`Kernels`).
+
+What makes each op invariant (measured on CPU; `self_check` re-measures on the device at start-up):
+- linear (and the LM head, the router, the experts): a GEMM library picks its kernel, and with it the
+  order of the reduction over K, from the number of rows M. MKL on CPU uses a different reduction
+  order for M = 1, for M = 2-3, and for the tail rows of some M below 12 (row 0 of a [1, 576] x
+  [576, 1536] product differs from the same row inside 2, 7 or 64 rows), and one order for every
+  multiple of 4 rows measured (4 .. 4096). So rows are padded to a multiple of ROW_MULTIPLE and the
+  product runs as one GEMM: the cost is F.linear's plus at most 3 zero rows.
+- attention over the paged cache: every query row (a decode or any row of a prefill chunk) is computed
+  the same way from its own context, one KV-cache block of keys at a time: scores of the row's G query
+  heads that share a KV head against the block's keys are one [G, D] x [D, block_size] GEMM (a fixed
+  shape, so a fixed reduction order), the block's softmax numerators and its [G, block] x [block, D]
+  product likewise; the blocks are then combined by a pairwise tree over the row's blocks, padded with
+  exact zeros to a power of two, so how many blocks other rows have changes nothing. The computation
+  is fp32 whatever the model dtype. Hence a position gives the same bits computed in a decode or in a
+  prefill chunk of any size, alone or in any batch, from the prefix cache or recomputed.
+- RMSNorm, rotary, SiLU*mul, the router's softmax/top-k, log_softmax over the vocabulary, the expert
+  sums (each token sums its own k products in slot order) and the sampler's per-row filters and draws
+  are row-wise in torch already; they are the default implementations, and `self_check` verifies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ascend_ops import attention as _attention
+from ascend_ops import ops as _ops
+from ascend_ops.attention import AttentionMetadata, write_kv
+
+ROW_MULTIPLE = 4  # linear: rows padded to a multiple of this (see the module docstring)
+PAIR_BUDGET = 4096  # attention: (query row, key block) pairs computed at once; bounds the gathered K/V
+
+
+class BatchInvarianceUnavailable(RuntimeError):
+    """Batch invariance was asked for and cannot be delivered here; the message names what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The ops a decoder step goes through; one implementation of each per mode."""
+
+    name: str
+    linear: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[..., torch.Tensor]
+    apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_experts: Callable[..., torch.Tensor]
+    paged_attention: Callable[..., torch.Tensor]
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.name == "batch_invariant"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose row i depends only on row i: x [M, K] padded to a multiple of ROW_MULTIPLE rows."""
+    m = x.shape[0]
+    pad = (-m) % ROW_MULTIPLE
+    if pad:
+        return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:m]
+    return F.linear(x, weight, bias)
+
+
+def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
+    """ops.moe_experts with the invariant linear: each expert's GEMMs see however many tokens chose it."""
+    return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear)
+
+
+def _row_tables(meta: AttentionMetadata, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: its block table [T, W] (0-padded) and its context length [T] (its position + 1)."""
+    widths = [c.block_table.shape[0] for c in meta.prefills]
+    if meta.num_decodes:
+        widths.append(meta.decode_block_tables.shape[1])  # type: ignore[union-attr]
+    tables = torch.zeros(num_rows, max(widths), dtype=torch.int64, device=device)
+    lens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if meta.num_decodes:
+        n = meta.num_decodes
+        tables[:n, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables  # type: ignore[union-attr]
+        lens[:n] = meta.decode_ctx_lens  # type: ignore[assignment]
+    for c in meta.prefills:
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        tables[rows, : c.block_table.shape[0]] = c.block_table
+        lens[rows] = torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1, device=device)
+    return tables, lens
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring)."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    T, hq, d = q.shape
+    bs = k_cache.shape[1]
+    tables, lens = _row_tables(meta, T, q.device)
+    nblk = (lens + bs - 1) // bs
+    out = torch.empty_like(q)
+    rows_per_chunk = max(1, PAIR_BUDGET // int(nblk.max()))
+    for r0 in range(0, T, rows_per_chunk):
+        r1 = min(T, r0 + rows_per_chunk)
+        out[r0:r1] = _attend_rows(q[r0:r1], tables[r0:r1], lens[r0:r1], nblk[r0:r1], k_cache, v_cache, scale)
+    return out
+
+
+def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor:
+    R, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hk
+    nb = int(nblk.max())
+    dev = q.device
+    valid = torch.arange(nb, device=dev)[None, :] < nblk[:, None]  # [R, nb]
+    row, blk = valid.nonzero(as_tuple=True)  # the (row, block) pairs, P of them
+    P = row.shape[0]
+    ids = tables[row, blk]
+    # gathered straight into [P, Hk, bs, D] (one copy), so each (pair, KV head) is a contiguous [bs, D] matrix
+    kb = k_cache.transpose(1, 2).index_select(0, ids).float().view(P * hk, bs, d)
+    vb = v_cache.transpose(1, 2).index_select(0, ids).float().view(P * hk, bs, d)
+    qp = q.float()[row].view(P * hk, g, d)  # the G query heads of each KV head
+    s = torch.bmm(qp, kb.transpose(1, 2)).view(P, hk, g, bs) * scale
+    keypos = blk[:, None] * bs + torch.arange(bs, device=dev)[None, :]  # [P, bs]
+    s = s.masked_fill((keypos >= lens[row][:, None])[:, None, None, :], float("-inf"))
+    # the row's max over all its keys (a max is exact in any order); softmax numerators against it
+    rowmax = torch.full((R, hk * g), float("-inf"), device=dev).scatter_reduce(
+        0, row[:, None].expand(P, hk * g), s.detach().amax(dim=-1).view(P, hk * g), "amax")
+    p = torch.exp(s - rowmax[row].view(P, hk, g, 1))  # [P, Hk, G, bs]
+    lsum = p.sum(dim=-1).view(P, hq)  # per block: a fixed-length sum
+    o = torch.bmm(p.view(P * hk, g, bs), vb).view(P, hq, d)
+    width = 1 << max(0, nb - 1).bit_length()  # blocks padded with exact zeros to a power of two
+    L = torch.zeros(R, width, hq, device=dev)
+    out = torch.zeros(R, width, hq, d, device=dev)
+    L[row, blk] = lsum
+    out[row, blk] = o
+    while width > 1:  # pairwise tree: the same additions whatever the padding
+        L = L[:, 0::2] + L[:, 1::2]
+        out = out[:, 0::2] + out[:, 1::2]
+        width //= 2
+    return (out[:, 0] / L[:, 0, :, None]).to(q.dtype)
+
+
+DEFAULT = Kernels("default", _ops.linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
+                  _ops.moe_experts, _attention.paged_attention)
+INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
+                    moe_experts, paged_attention)
+
+
+def kernels(batch_invariant: bool) -> Kernels:
+    return INVARIANT if batch_invariant else DEFAULT
+
+
+# --- start-up self-check ---------------------------------------------------------------------------
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _rows_invariant(f: Callable[..., torch.Tensor], x: torch.Tensor | tuple, counts: tuple[int, ...]) -> bool:
+    """f's row i is the same bits computed with the first m rows, for every m in counts, and alone.
+    x: a tensor, or a tuple of tensors whose rows go together (f takes them as arguments)."""
+    xs = x if isinstance(x, tuple) else (x,)
+    full = f(*xs)
+    n = xs[0].shape[0]
+    return all(_same(f(*(t[:m] for t in xs)), full[:m]) for m in counts) and all(
+        _same(f(*(t[j:j + 1] for t in xs)), full[j:j + 1]) for j in (0, n // 2, n - 1))
+
+
+def _linear_weights(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
+    """One (weight, bias) per distinct GEMM shape the model runs (2-D weights, one slice of stacked experts)."""
+    out: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for mod in model.modules():
+        for name, w in mod.named_parameters(recurse=False):
+            if w.dim() == 3:  # stacked experts [E, N, K]
+                w = w[0]
+            elif w.dim() != 2 or name != "weight":
+                continue
+            bias = getattr(mod, "bias", None) if name == "weight" else None
+            out.setdefault((tuple(w.shape), bias is not None), (w.detach(), None if bias is None else bias.detach()))
+    return out
+
+
+def self_check(model, block_size: int) -> list[str]:
+    """Measure, on the model's device and dtype and with its real GEMM shapes, that each of its kernels gives
+    every row the same bits whatever else is computed with it. Returns the ops checked; raises
+    BatchInvarianceUnavailable naming the first that is not invariant here."""
+    kern: Kernels = model.kern
+    w0 = next(model.parameters())
+    dev, dtype = w0.device, w0.dtype
+    where = f"{dev.type} ({str(dtype).removeprefix('torch.')})"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
+
+    def fail(op: str) -> BatchInvarianceUnavailable:
+        return BatchInvarianceUnavailable(
+            f"batch invariance cannot be delivered on {where}: the {op} kernel ({kern.name}) gives a row "
+            f"different bits depending on the other rows of the batch")
+
+    checked = []
+    small, big = (1, 2, 3, 5, 6, 7, 9, 13, 64), (1, 3, 5)
+    with torch.inference_mode():
+        for (shape, _), (w, b) in _linear_weights(model).items():
+            n, kdim = shape
+            if not _rows_invariant(lambda x: kern.linear(x, w, b), rand(67, kdim), big if n > 8192 else small):
+                raise fail(f"linear [{kdim} -> {n}]")
+        checked.append("linear")
+        cfg = model.cfg
+        h, hq, hk, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ones = torch.ones(h, device=dev, dtype=dtype)
+        if not _rows_invariant(lambda x: kern.rms_norm(x, ones, cfg.rms_norm_eps), rand(67, h), small):
+            raise fail("rms_norm")
+        i = cfg.intermediate_size
+        if not _rows_invariant(lambda x: kern.silu_and_mul(x[:, :i], x[:, i:]), rand(67, 2 * i), small):
+            raise fail("silu_and_mul")
+        pos = torch.randint(0, model.rope_cos.shape[0], (67,), generator=gen).to(dev)
+
+        def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            qq, kk = kern.apply_rope(x[:, :hq], x[:, hq:], cos, sin)
+            return torch.cat([qq.reshape(len(x), -1), kk.reshape(len(x), -1)], dim=1)
+
+        if not _rows_invariant(rope, (rand(67, hq + hk, d), model.rope_cos[pos], model.rope_sin[pos]), small):
+            raise fail("rotary")
+        logits = (rand(9, cfg.vocab_size) * 4).float()
+        if not _rows_invariant(lambda x: torch.log_softmax(x, dim=-1), logits, (1, 2, 5)):
+            raise fail("log_softmax")
+        checked += ["rms_norm", "silu_and_mul", "rotary", "log_softmax"]
+        if model.num_moe_layers:
+            moe = next(m for m in model.modules() if hasattr(m, "experts"))
+
+            def experts(x: torch.Tensor) -> torch.Tensor:
+                wts, ids = kern.moe_route(kern.linear(x, moe.gate.weight), moe.top_k, moe.renormalize)
+                wts = wts if moe.fp32_scale else wts.to(x.dtype)
+                return kern.moe_experts(x, ids, wts, moe.experts.gate_up_proj, moe.experts.down_proj)
+
+            if not _rows_invariant(experts, rand(67, h), small):
+                raise fail("moe routing / experts")
+            checked.append("moe")
+        if not _attention_invariant(kern, hq, hk, d, block_size, rand):
+            raise fail("paged attention")
+        checked.append("paged_attention")
+    return checked
+
+
+def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand) -> bool:
+    """Three sequences computed (a) each alone as one prefill chunk, (b) together: chunked, batched, and
+    one of them finishing with a decode row; every row's output must be the same bits."""
+    from ascend_ops.attention import PrefillChunk
+
+    lens = (5, 2 * bs + 5, 4 * bs + 6)
+    tables, nxt = [], 0
+    for n in lens:
+        nb = (n + bs - 1) // bs
+        tables.append(torch.arange(nxt + nb - 1, nxt - 1, -1))  # blocks in reverse: not contiguous
+        nxt += nb
+    q = [rand(n, hq, d) for n in lens]
+    k = [rand(n, hk, d) for n in lens]
+    v = [rand(n, hk, d) for n in lens]
+    dev = q[0].device
+    cache = (rand(nxt, bs, hk, d), rand(nxt, bs, hk, d))
+
+    def step(decodes: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """decodes (seq, position), chunks (seq, start, end): outputs of each part, in order."""
+        qs, ks, vs, slots, prefills = [], [], [], [], []
+        for s, p in decodes:
+            qs.append(q[s][p:p + 1]), ks.append(k[s][p:p + 1]), vs.append(v[s][p:p + 1])
+            slots.append(tables[s][p // bs] * bs + p % bs)
+        row = len(decodes)
+        for s, a, b in chunks:
+            pos = torch.arange(a, b)
+            qs.append(q[s][a:b]), ks.append(k[s][a:b]), vs.append(v[s][a:b])
+            slots.append(tables[s][pos // bs] * bs + pos % bs)
+            prefills.append(PrefillChunk(row, b - a, b, tables[s].to(dev)))
+            row += b - a
+        meta = AttentionMetadata(torch.cat([x.reshape(-1) for x in slots]).to(dev), num_decodes=len(decodes),
+                                 prefills=prefills)
+        if decodes:
+            w = max(len(tables[s]) for s, _ in decodes)
+            t = torch.zeros(len(decodes), w, dtype=torch.int64)
+            for i, (s, _) in enumerate(decodes):
+                t[i, :len(tables[s])] = tables[s]
+            meta.decode_block_tables, meta.decode_max_ctx = t.to(dev), max(p + 1 for _, p in decodes)
+            meta.decode_ctx_lens = torch.tensor([p + 1 for _, p in decodes], device=dev)
+        out = kern.paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), *cache, meta, d**-0.5)
+        sizes = [1] * len(decodes) + [b - a for _, a, b in chunks]
+        return list(out.split(sizes))
+
+    alone = [step([], [(s, 0, n)])[0] for s, n in enumerate(lens)]
+    a, b, c = lens
+    first = step([], [(0, 0, a - 1), (1, 0, bs + 1), (2, 0, 3)])
+    second = step([(0, a - 1)], [(1, bs + 1, b), (2, 3, c)])
+    got = [torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]), torch.cat([first[2], second[2]])]
+    return all(_same(x, y) for x, y in zip(alone, got))

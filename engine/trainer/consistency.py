@@ -1,0 +1,114 @@
+"""Trainer side of training consistency: a Hugging Face model on the engine's batch-invariant kernels.
+
+    from engine.trainer import use_engine_kernels
+    model = use_engine_kernels(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    logprobs = torch.log_softmax(model(input_ids).logits, dim=-1)   # == the engine's, bit for bit
+
+Every op of the forward goes through the same functions the engine's workers run with batch invariance on
+(ascend_ops.batch_invariant): linear layers and the LM head (rows padded to a multiple of 4), attention
+(per query row, one KV block of `block_size` keys at a time, as over the paged cache), the MoE router and
+expert sums. HF's RMSNorm, rotary embedding, SiLU*mul and embedding are already the same arithmetic as
+the engine's and stay. The logits come back in fp32 (the engine's log_softmax runs on fp32 logits).
+Autograd works through all of it. Batches must be right-padded (real tokens first, default positions):
+a row's result then depends on nothing but its own tokens.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from ascend_ops import batch_invariant as bi
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "MixtralForCausalLM")
+ATTENTION = "rollbus_batch_invariant"
+DEFAULT_BLOCK_SIZE = 16  # the engine's --block-size default; the attention's key blocks must match it
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    lead = x.shape[:-1]
+    return bi.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*lead, -1)
+
+
+def _lm_head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _linear_forward(self, x).float()
+
+
+def _attention(block_size: int):
+    def attend(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        """query [B, Hq, S, D], key/value [B, Hk, S, D] -> ([B, S, Hq, D], None), causal, right-padded."""
+        B, hq, S, d = query.shape
+        hk = key.shape[1]
+        nblk = -(-S // block_size)
+        pad = nblk * block_size - S
+
+        def blocks(t: torch.Tensor) -> torch.Tensor:  # [B, Hk, S, D] -> [B * nblk, block, Hk, D]
+            t = t.transpose(1, 2)
+            if pad:
+                t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad))
+            return t.reshape(B * nblk, block_size, hk, d)
+
+        kc, vc = blocks(key), blocks(value)
+        q = query.transpose(1, 2).reshape(B * S, hq, d)
+        dev = query.device
+        tables = (torch.arange(B, device=dev)[:, None] * nblk + torch.arange(nblk, device=dev)[None, :])
+        tables = tables.repeat_interleave(S, dim=0)  # [B * S, nblk]
+        lens = torch.arange(1, S + 1, device=dev).repeat(B)
+        nb = (lens + block_size - 1) // block_size
+        rows = max(1, bi.PAIR_BUDGET // nblk)
+        out = [bi._attend_rows(q[a:a + rows], tables[a:a + rows], lens[a:a + rows], nb[a:a + rows], kc, vc, scaling)
+               for a in range(0, B * S, rows)]
+        return torch.cat(out).view(B, S, hq, d), None
+
+    return attend
+
+
+def _router_forward(fp32_weights: bool):
+    def forward(self, hidden_states):
+        h = hidden_states.reshape(-1, self.hidden_dim)
+        logits = bi.linear(h, self.weight)
+        weights, ids = bi.INVARIANT.moe_route(logits, self.top_k, fp32_weights or bool(self.norm_topk_prob))
+        return logits, weights if fp32_weights else weights.to(logits.dtype), ids
+    return forward
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    return bi.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def _check_padding(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+    if attention_mask is not None:
+        m = attention_mask.to(torch.int64)
+        if bool((m[:, 1:] > m[:, :-1]).any()):
+            raise ValueError("use_engine_kernels: batches must be right-padded (a 0 in attention_mask before a 1)")
+    if position_ids is not None:
+        raise ValueError("use_engine_kernels: position_ids are not supported (right-padded rows use 0, 1, 2, ...)")
+    return self._rollbus_forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def use_engine_kernels(model: nn.Module, block_size: int = DEFAULT_BLOCK_SIZE) -> nn.Module:
+    """Put a transformers model of a supported architecture on the engine's batch-invariant kernels, in
+    place, and return it. `block_size` must be the engine's --block-size (default 16)."""
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    if type(model).__name__ not in SUPPORTED:
+        raise ValueError(f"use_engine_kernels: architecture {type(model).__name__} ({arch}) is not supported; "
+                         f"supported: {', '.join(SUPPORTED)}")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _attention(block_size))
+    model.set_attn_implementation(ATTENTION)
+    mixtral = type(model).__name__.startswith("Mixtral")
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            mod.forward = types.MethodType(_lm_head_forward if name == "lm_head" else _linear_forward, mod)
+        elif hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj") and not isinstance(mod.down_proj, nn.Module):
+            mod.forward = types.MethodType(_experts_forward, mod)
+        elif type(mod).__name__.endswith("TopKRouter"):
+            mod.forward = types.MethodType(_router_forward(mixtral), mod)
+    if not hasattr(model, "_rollbus_forward"):
+        model._rollbus_forward = model.forward
+        model.forward = types.MethodType(_check_padding, model)
+    return model

@@ -1,0 +1,269 @@
+"""Batch invariance (rl_config.enable_batch_invariant / VLLM_BATCH_INVARIANT=1): a request's numbers are the
+same bits whatever else runs with it. Floats are compared as their bits (int32/int16 views), never with a
+tolerance. Kernel and model level on tiny checkpoints (fp32 and bf16, dense and MoE), then end to end
+over HTTP: alone vs mixed, prefill budget 2048 vs 16 with preemption, prefix-cache hit vs miss, and a
+generated token's sampled logprob vs its prompt logprob when the text is sent back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check
+from bench import batch_invariance as bench
+from engine.rl_config import determinism, parse_additional_config, worker_env_updates
+from tests.fixtures_models import smollm2_dir  # noqa: F401
+from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer
+from tests.tiny_models import PagedRunner, make_tiny_checkpoint, random_prompt
+from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.registry import build_model
+
+pytestmark = pytest.mark.timeout(600)
+ON = '{"rl_config": {"enabled": true, "enable_batch_invariant": true}}'
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, n, bias", [(576, 1536, False), (64, 1000, True), (160, 64, False)])
+def test_linear_rows_are_the_same_bits_for_every_batch_size_and_position(dtype, k, n, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    x = torch.randn(300, k, generator=g).to(dtype)
+    alone = torch.cat([linear(x[i:i + 1], w, b) for i in range(40)])
+    for m in range(1, 257):
+        out = linear(x[:m], w, b)
+        assert same(out[:40], alone[:m]), f"rows of a {m}-row product differ from the same rows alone"
+    for start in (1, 3, 17, 39):  # the same rows at other positions of the batch
+        assert same(linear(x[start:start + 100], w, b)[:40 - start], alone[start:])
+
+
+def test_plain_f_linear_is_not_batch_invariant_in_fp32_on_this_cpu():
+    """Why the invariant linear exists: the default kernel's row 0 changes with the row count (MKL)."""
+    if torch.device("cpu") != torch.empty(0).device or not torch.backends.mkl.is_available():
+        pytest.skip("measured on MKL's CPU GEMM")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1536, 576, generator=g), torch.randn(64, 576, generator=g)
+    rows = [DEFAULT.linear(x[:m], w)[:1] for m in (1, 2, 7, 64)]
+    assert not all(same(rows[0], r) for r in rows[1:])
+
+
+def _load(folder: Path, dtype: torch.dtype, kern):
+    m = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
+    m.load_weights(iter_safetensors(folder))
+    return m
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bi")
+    return {a: make_tiny_checkpoint(a, root / a) for a in ("llama", "qwen3_moe")}
+
+
+def _three_ways(model, prompt: list[int], steps: int):
+    """(alone, mixed, one prefill): the logits rows that chose each generated token, and the routes."""
+    V = model.cfg.vocab_size
+    r = PagedRunner(model, num_blocks=128, block_size=4)
+    routes: list[torch.Tensor] = []
+    rows = [r.step(prefills=[(0, prompt)], routed_experts=routes)[-1]]
+    toks = []
+    for _ in range(steps):
+        toks.append(int(rows[-1].argmax()))
+        rows.append(r.step(decodes=[(0, toks[-1])])[0])
+    alone = torch.stack(rows[:-1])
+    alone_routes = torch.stack(routes, 1) if routes else None
+    # mixed: other sequences before and after ours, our prompt in chunks of 5, decodes among others
+    r = PagedRunner(model, num_blocks=128, block_size=4, seed=3)
+    others = {i: random_prompt(7 + 3 * i, V, 10 + i) for i in range(1, 5)}
+    r.step(prefills=[(1, others[1]), (2, others[2])])
+    routes = []
+    r.step(decodes=[(1, 5)], prefills=[(3, others[3]), (0, prompt[:5])])
+    r.step(decodes=[(2, 7), (1, 3)], prefills=[(0, prompt[5:10]), (4, others[4])])
+    last = r.step(decodes=[(2, 7), (3, 9), (4, 1)], prefills=[(0, prompt[10:])], routed_experts=routes)
+    mixed = [last[-1]]
+    for i, t in enumerate(toks[:-1]):
+        batch = [[(0, t)], [(3, 2), (0, t)], [(3, 2), (2, 1), (4, 5), (0, t)]][i % 3]
+        mixed.append(r.step(decodes=batch)[[s for s, _ in batch].index(0)])
+    one = PagedRunner(model, num_blocks=128, block_size=4, seed=5)
+    full_routes: list[torch.Tensor] = []
+    prefilled = one.step(prefills=[(0, prompt + toks[:-1])], routed_experts=full_routes)[len(prompt) - 1:]
+    return alone, torch.stack(mixed), prefilled, alone_routes, full_routes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(tiny_folders, arch, dtype):
+    model = _load(tiny_folders[arch], dtype, INVARIANT)
+    prompt = random_prompt(13, model.cfg.vocab_size, 1)
+    alone, mixed, prefilled, alone_routes, full_routes = _three_ways(model, prompt, 10)
+    assert same(alone, mixed), "decoding among other sequences / chunked prefill changed the bits"
+    assert same(alone, prefilled), "a position computed in a prefill differs from the same position decoded"
+    if alone_routes is not None:  # routed experts of the prompt: alone vs inside the long prefill
+        assert torch.equal(alone_routes, torch.stack(full_routes, 1)[:len(prompt)])
+
+
+def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_folders):
+    for arch in ("llama", "qwen3_moe"):
+        checked = self_check(_load(tiny_folders[arch], torch.float32, INVARIANT), block_size=16)
+        assert {"linear", "paged_attention", "rms_norm", "rotary", "log_softmax"} <= set(checked)
+        assert ("moe" in checked) == (arch == "qwen3_moe")
+    with pytest.raises(BatchInvarianceUnavailable, match=r"cpu \(float32\): the linear \[64 -> 1000\] kernel"):
+        self_check(_load(tiny_folders["llama"], torch.float32, DEFAULT), block_size=16)
+    with pytest.raises(BatchInvarianceUnavailable, match="paged attention"):
+        self_check(_load(tiny_folders["llama"], torch.bfloat16, DEFAULT), block_size=16)
+
+
+# --- flags -----------------------------------------------------------------------------------------
+
+def test_flags_env_and_refusals():
+    assert determinism(parse_additional_config(ON), {}).batch_invariant
+    assert determinism(parse_additional_config(ON), {}).source == "rl_config.enable_batch_invariant"
+    without = parse_additional_config('{"rl_config": {"enable_batch_invariant": true}}')
+    assert not determinism(without, {}).batch_invariant  # ignored without `enabled`, as the seed says
+    assert worker_env_updates(without, {}) == {}
+    plain = parse_additional_config(None)
+    assert determinism(plain, {"VLLM_BATCH_INVARIANT": "1"}).source == "VLLM_BATCH_INVARIANT=1"
+    assert not determinism(plain, {"VLLM_BATCH_INVARIANT": "0"}).batch_invariant
+    with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT must be an integer"):
+        determinism(plain, {"VLLM_BATCH_INVARIANT": "yes"})
+    tc = determinism(parse_additional_config('{"rl_config": {"enabled": true, "enable_training_consistency": true}}'))
+    assert tc.batch_invariant and tc.training_consistency
+    assert not determinism(parse_additional_config('{"rl_config": {"enable_training_consistency": true}}'), {}) \
+        .training_consistency  # ignored without enabled
+    env = worker_env_updates(parse_additional_config(ON), {})
+    assert env["HCCL_DETERMINISTIC"] == "strict" and env["LCCL_DETERMINISTIC"] == "1"
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert worker_env_updates(plain, {"VLLM_BATCH_INVARIANT": "1"})["HCCL_DETERMINISTIC"] == "strict"
+
+
+@pytest.mark.parametrize("env, args, message", [
+    ({"VLLM_BATCH_INVARIANT": "yes"}, (), "VLLM_BATCH_INVARIANT must be an integer"),
+])
+def test_serve_refuses_at_start_up(tmp_path, env, args, message):
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path), *args],
+                       env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and message in r.stderr + r.stdout
+
+
+# --- end to end ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, smollm2_dir):  # noqa: F811
+    work = tmp_path_factory.mktemp("bi-serve")
+    folder = tiny_model_with_tokenizer("qwen3_moe", work / "moe", smollm2_dir, vocab_size=49152)
+    wide, narrow = bench.start_pair(work, str(folder), "float32", ("--enable-return-routed-experts",),
+                                    max_model_len=64)
+    yield wide, narrow
+    wide.stop()
+    narrow.stop()
+
+
+def test_requests_alone_and_mixed_preempted_cached_and_recomputed_are_bitwise_equal(servers):
+    wide, narrow = servers
+    bodies = bench.make_requests(12, 12, 49152)
+    result = bench.check(wide.url, narrow.url, bodies)
+    assert result == {"mixed": [], "chunked_preempted": [], "recompute": [], "alone_twice": []}
+    assert metric(narrow, "vllm:num_preemptions_total") > 0  # the tiny KV cache did preempt
+    assert metric(wide, "vllm:prefix_cache_hits_total") > 0  # and the shared prefix was read from the cache
+    moe = bench.normalise(bench.asyncio.run(bench.run(wide.url, bodies[:1], together=False))[0])
+    assert moe["routed_experts"], "routed experts are part of what is compared"
+
+
+def test_server_info_reports_invariance(servers):
+    info = httpx.get(servers[0].url + "/server_info", timeout=30).json()
+    assert info["determinism"] == {"batch_invariant": True, "training_consistency": False,
+                                   "source": "rl_config.enable_batch_invariant", "batch_invariant_active": True}
+    (worker,) = info["workers"].values()
+    assert worker["kernels"] == "batch_invariant" and "paged_attention" in worker["batch_invariant_checked"]
+
+
+# --- training consistency: the trainer-side forward ------------------------------------------------
+
+def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    S = max(map(len, rows))
+    ids, mask = torch.zeros(len(rows), S, dtype=torch.long), torch.zeros(len(rows), S, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+def test_trainer_forward_reproduces_the_engine_logprobs_bitwise(tmp_path, arch, dtype):
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import use_engine_kernels
+
+    folder = make_tiny_checkpoint(arch, tmp_path / arch)
+    engine = _load(folder, dtype, INVARIANT)
+    prompts = [random_prompt(n, engine.cfg.vocab_size, s) for n, s in ((9, 1), (14, 2), (5, 3))]
+    toks, logits = PagedRunner(engine, num_blocks=256, block_size=4).greedy(dict(enumerate(prompts)), 8)
+    hf = use_engine_kernels(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), block_size=4)
+    ids, mask = _padded([p + toks[i][:-1] for i, p in enumerate(prompts)])
+    lp = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits, dim=-1)
+    for i, p in enumerate(prompts):
+        want = torch.log_softmax(logits[i].float(), -1).gather(1, torch.tensor(toks[i])[:, None])
+        got = lp[i, len(p) - 1:len(p) + 7].gather(1, torch.tensor(toks[i])[:, None])
+        assert same(got.detach(), want), f"rollout {i}: the trainer's logprobs differ from the engine's"
+
+
+def test_trainer_backward_matches_plain_hf_and_bad_use_is_refused(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import use_engine_kernels
+
+    folder = make_tiny_checkpoint("qwen3", tmp_path / "q")
+    ids, mask = _padded([random_prompt(n, 1500, n) for n in (20, 13, 7)])
+    grads = []
+    for ours in (False, True):
+        m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if ours:
+            use_engine_kernels(m)
+        out = m(input_ids=ids, attention_mask=mask).logits
+        lp = torch.log_softmax(out.float(), -1)[:, :-1].gather(2, ids[:, 1:, None]).squeeze(2)
+        (-(lp * mask[:, 1:]).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item()), name
+    with pytest.raises(ValueError, match="right-padded"):
+        m(input_ids=ids, attention_mask=mask.flip(1))
+    with pytest.raises(ValueError, match="architecture GPT2LMHeadModel"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        use_engine_kernels(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+
+
+def test_grpo_example_runs_with_ratio_exactly_one_across_weight_updates(tmp_path, smollm2_dir):  # noqa: F811
+    """examples/grpo_consistency.py as docs/batch-invariance.md runs it, on a tiny model: rollout -> trainer
+    forward -> ratio 1.0 for every token -> update -> weight sync -> the next rollout, twice."""
+    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "q3", smollm2_dir, vocab_size=49152)
+    s = start_server(tmp_path, "--model", str(folder), "--enable-scale-out", "--weight-transfer-config",
+                     '{"backend": "ipc"}', "--additional-config",
+                     '{"rl_config": {"enabled": true, "enable_training_consistency": true}}')
+    try:
+        info = httpx.get(s.url + "/server_info", timeout=30).json()["determinism"]
+        assert info["training_consistency"] and info["batch_invariant_active"]
+        root = Path(__file__).resolve().parents[1]
+        r = subprocess.run([sys.executable, str(root / "examples" / "grpo_consistency.py"), "--url", s.url,
+                            "--model", str(folder)], capture_output=True, text=True, timeout=500, cwd=root)
+    finally:
+        s.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("ratio exactly 1.0 for every token: True") == 2
+    assert "pushed weights step-2" in r.stdout
