@@ -90,7 +90,7 @@ def main() -> None:
     servers = {}
     try:
         for side, tree in (("base", base_tree), ("new", ROOT)):
-            servers[side] = start(tree, tmp / side, args.dtype)
+            servers[side] = start(tree, tmp / f"run-{side}", args.dtype)  # not tmp/base: the worktree
         for side, (proc, url, log_path) in servers.items():
             wait_ready(proc, url, log_path)
             print(f"{side} ready: {url}", flush=True)
