@@ -9,8 +9,9 @@ Every op of the forward goes through the same functions the engine's workers run
 (per query row, one KV block of `block_size` keys at a time, as over the paged cache), the MoE router and
 expert sums. HF's RMSNorm, rotary embedding, SiLU*mul and embedding are already the same arithmetic as
 the engine's and stay. The logits come back in fp32 (the engine's log_softmax runs on fp32 logits).
-Autograd works through all of it. Batches must be right-padded (real tokens first, default positions):
-a row's result then depends on nothing but its own tokens.
+Autograd works through all of it; attention keeps nothing for backward but q, k and v (its backward is
+the exact dense gradient, one sequence at a time), so a batch's memory grows as HF's own does. Batches
+must be right-padded (real tokens first, default positions): a row's result then depends on nothing but its own tokens.
 """
 
 from __future__ import annotations
