@@ -125,15 +125,22 @@ def recompute_diff(bodies: list[dict], results: list[dict], again: list[dict]) -
 
 def check(url_wide: str, url_narrow: str, bodies: list[dict]) -> dict[str, list[str]]:
     """The four comparisons of the module docstring; each value lists what differed (empty = bitwise equal)."""
-    alone = asyncio.run(run(url_wide, bodies, together=False))
-    mixed = asyncio.run(run(url_wide, list(reversed(bodies)), together=True))[::-1]
-    chunked = asyncio.run(run(url_narrow, bodies, together=True))
-    again = asyncio.run(run(url_wide, recompute_bodies(bodies, alone), together=True))
+    def timed(name: str, url: str, b: list[dict], together: bool) -> list[dict]:
+        t0 = time.perf_counter()
+        out = asyncio.run(run(url, b, together))
+        print(f"  {name}: {len(b)} requests in {time.perf_counter() - t0:.0f} s", flush=True)
+        return out
+
+    alone = timed("alone (one after the other)", url_wide, bodies, together=False)
+    mixed = timed("mixed (all at once, reversed)", url_wide, list(reversed(bodies)), together=True)[::-1]
+    chunked = timed("chunked + preempted (budget 16)", url_narrow, bodies, together=True)
+    again = timed("recompute (prompt logprobs)", url_wide, recompute_bodies(bodies, alone), together=True)
+    twice = timed("alone again", url_wide, bodies[:4], together=False)
     na = [normalise(r) for r in alone]
     return {"mixed": diff(na, [normalise(r) for r in mixed]),
             "chunked_preempted": diff(na, [normalise(r) for r in chunked]),
             "recompute": recompute_diff(bodies, alone, again),
-            "alone_twice": diff(na, [normalise(r) for r in asyncio.run(run(url_wide, bodies[:4], together=False))])}
+            "alone_twice": diff(na, [normalise(r) for r in twice])}
 
 
 def start_pair(work: Path, model: str, dtype: str, extra: tuple[str, ...] = (), max_model_len: int = 128):
@@ -214,6 +221,11 @@ def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int 
                     equal &= torch.equal(got.detach().view(torch.int32), want.view(torch.int32))
                 out["bitwise_equal"] = bool(equal)
     med = {k: statistics.median(v) for k, v in times.items()}
+    # gradients of the last iteration: the worst parameter's max |difference| relative to its max |gradient|
+    plain = dict(models["plain"].named_parameters())
+    out["grad_max_rel_diff"] = max(
+        float((p.grad - plain[n].grad).abs().max() / plain[n].grad.abs().max().clamp_min(1e-30))
+        for n, p in models["engine_kernels"].named_parameters() if plain[n].grad is not None)
     out.update({"fwd_bwd_s": med, "cost_ratio": med["engine_kernels"] / med["plain"]})
     return out
 
@@ -251,7 +263,8 @@ def main() -> None:
             results[dtype] = r = trainer_check(Path(folder), dtype, args.rollouts, args.max_tokens)
             print(f"[{dtype}] trainer: logprobs bitwise equal to the engine's: {r['bitwise_equal']}; forward+"
                   f"backward {r['fwd_bwd_s']['engine_kernels']:.2f} s vs plain HF {r['fwd_bwd_s']['plain']:.2f} s "
-                  f"(ratio {r['cost_ratio']:.2f})", flush=True)
+                  f"(ratio {r['cost_ratio']:.2f}); gradients: max relative difference {r['grad_max_rel_diff']:.1e}",
+                  flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return

@@ -249,6 +249,34 @@ def test_trainer_backward_matches_plain_hf_and_bad_use_is_refused(tmp_path):
         use_engine_kernels(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
 
 
+def test_trainer_attention_keeps_only_q_k_v_for_backward():
+    """The per-(row, key block) copies the engine kernel makes must not be kept for autograd (they made a
+    16 x 110-token batch of SmolLM2 need 13 GB); saved bytes stay those of q, k and v whatever S is."""
+    from engine.trainer.consistency import _attention
+
+    attend = _attention(4)
+    g = torch.Generator().manual_seed(0)
+    for S in (16, 64):
+        q = torch.randn(3, 6, S, 8, generator=g, requires_grad=True)
+        k, v = (torch.randn(3, 2, S, 8, generator=g, requires_grad=True) for _ in range(2))
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = attend(None, q, k, v, None, 8**-0.5)
+        assert sum(saved) <= sum(t.numel() * t.element_size() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1),
+                                                               v.repeat_interleave(3, 1), is_causal=True)
+        w = torch.randn(out.shape, generator=g)
+        got = torch.autograd.grad((out * w).sum(), (q, k, v))
+        want = torch.autograd.grad((ref.transpose(1, 2) * w).sum(), (q, k, v))
+        assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+
+
 def test_grpo_example_runs_with_ratio_exactly_one_across_weight_updates(tmp_path, smollm2_dir):  # noqa: F811
     """examples/grpo_consistency.py as docs/batch-invariance.md runs it, on a tiny model: rollout -> trainer
     forward -> ratio 1.0 for every token -> update -> weight sync -> the next rollout, twice."""

@@ -9,8 +9,9 @@ Every op of the forward goes through the same functions the engine's workers run
 (per query row, one KV block of `block_size` keys at a time, as over the paged cache), the MoE router and
 expert sums. HF's RMSNorm, rotary embedding, SiLU*mul and embedding are already the same arithmetic as
 the engine's and stay. The logits come back in fp32 (the engine's log_softmax runs on fp32 logits).
-Autograd works through all of it. Batches must be right-padded (real tokens first, default positions):
-a row's result then depends on nothing but its own tokens.
+Autograd works through all of it; attention keeps nothing for backward but q, k and v (its backward is
+the exact dense gradient, one sequence at a time), so a batch's memory grows as HF's own does. Batches
+must be right-padded (real tokens first, default positions): a row's result then depends on nothing but its own tokens.
 """
 
 from __future__ import annotations
@@ -37,31 +38,73 @@ def _lm_head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _linear_forward(self, x).float()
 
 
+def _engine_attention_forward(query, key, value, scaling: float, block_size: int) -> torch.Tensor:
+    """The engine's kernel (ascend_ops.batch_invariant._attend_rows) over a right-padded batch, causal:
+    query [B, Hq, S, D], key/value [B, Hk, S, D] -> [B, S, Hq, D]. Rows go through it in chunks of at most
+    PAIR_BUDGET (row, block) pairs, as in the engine, so the memory in use is bounded whatever B and S."""
+    B, hq, S, d = query.shape
+    hk = key.shape[1]
+    nblk = -(-S // block_size)
+    pad = nblk * block_size - S
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # [B, Hk, S, D] -> [B * nblk, block, Hk, D]
+        t = t.transpose(1, 2)
+        if pad:
+            t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad))
+        return t.reshape(B * nblk, block_size, hk, d)
+
+    kc, vc = blocks(key), blocks(value)
+    q = query.transpose(1, 2).reshape(B * S, hq, d)
+    dev = query.device
+    tables = (torch.arange(B, device=dev)[:, None] * nblk + torch.arange(nblk, device=dev)[None, :])
+    tables = tables.repeat_interleave(S, dim=0)  # [B * S, nblk]
+    lens = torch.arange(1, S + 1, device=dev).repeat(B)
+    nb = (lens + block_size - 1) // block_size
+    rows = max(1, bi.PAIR_BUDGET // nblk)
+    out = torch.empty_like(q)
+    for a in range(0, B * S, rows):
+        out[a:a + rows] = bi._attend_rows(q[a:a + rows], tables[a:a + rows], lens[a:a + rows], nb[a:a + rows],
+                                          kc, vc, scaling)
+    return out.view(B, S, hq, d)
+
+
+class _EngineAttention(torch.autograd.Function):
+    """Forward: the engine's kernel, bit for bit, with nothing kept for autograd but q, k and v (the
+    per-(row, block) copies of keys and values it makes are freed chunk by chunk). Backward: the exact
+    gradient of causal softmax attention, computed densely one sequence at a time in fp32 (gradients need
+    ordinary float agreement with HF's, not the engine's bits), so memory is one sequence's [Hq, S, S]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling: float, block_size: int):
+        ctx.save_for_backward(query, key, value)
+        ctx.scaling = scaling
+        return _engine_attention_forward(query, key, value, scaling, block_size)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out [B, S, Hq, D]
+        query, key, value = ctx.saved_tensors
+        B, hq, S, d = query.shape
+        g = hq // key.shape[1]
+        causal = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        for b in range(B):
+            q = query[b].float()  # [Hq, S, D]
+            k = key[b].float().repeat_interleave(g, dim=0)
+            v = value[b].float().repeat_interleave(g, dim=0)
+            do = grad_out[b].transpose(0, 1).float()  # [Hq, S, D]
+            p = torch.softmax((q @ k.transpose(1, 2) * ctx.scaling).masked_fill(~causal, float("-inf")), dim=-1)
+            dp = do @ v.transpose(1, 2)
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scaling
+            dq[b] = (ds @ k).to(query.dtype)
+            dk[b] = (ds.transpose(1, 2) @ q).view(-1, g, S, d).sum(1).to(key.dtype)
+            dv[b] = (p.transpose(1, 2) @ do).view(-1, g, S, d).sum(1).to(value.dtype)
+        return dq, dk, dv, None, None
+
+
 def _attention(block_size: int):
     def attend(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """query [B, Hq, S, D], key/value [B, Hk, S, D] -> ([B, S, Hq, D], None), causal, right-padded."""
-        B, hq, S, d = query.shape
-        hk = key.shape[1]
-        nblk = -(-S // block_size)
-        pad = nblk * block_size - S
-
-        def blocks(t: torch.Tensor) -> torch.Tensor:  # [B, Hk, S, D] -> [B * nblk, block, Hk, D]
-            t = t.transpose(1, 2)
-            if pad:
-                t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad))
-            return t.reshape(B * nblk, block_size, hk, d)
-
-        kc, vc = blocks(key), blocks(value)
-        q = query.transpose(1, 2).reshape(B * S, hq, d)
-        dev = query.device
-        tables = (torch.arange(B, device=dev)[:, None] * nblk + torch.arange(nblk, device=dev)[None, :])
-        tables = tables.repeat_interleave(S, dim=0)  # [B * S, nblk]
-        lens = torch.arange(1, S + 1, device=dev).repeat(B)
-        nb = (lens + block_size - 1) // block_size
-        rows = max(1, bi.PAIR_BUDGET // nblk)
-        out = [bi._attend_rows(q[a:a + rows], tables[a:a + rows], lens[a:a + rows], nb[a:a + rows], kc, vc, scaling)
-               for a in range(0, B * S, rows)]
-        return torch.cat(out).view(B, S, hq, d), None
+        return _EngineAttention.apply(query, key, value, scaling, block_size), None
 
     return attend
 
