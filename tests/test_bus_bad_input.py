@@ -416,7 +416,7 @@ def test_the_gateway_drops_garbage_on_its_sub_socket_and_follows_the_stream(tmp_
             await asyncio.sleep(0.02)
         assert seen == ["gateway-x"]  # seq 1 came through the garbage and was applied
         assert client.healthy and client.follower.seq is None
-        hello = await asyncio.to_thread(_next_hello, coord)
+        hello = await asyncio.to_thread(_next, coord, Hello)
         assert hello.name == "gateway-t"  # the resync Hello
         await client.close()
 
@@ -425,18 +425,6 @@ def test_the_gateway_drops_garbage_on_its_sub_socket_and_follows_the_stream(tmp_
         asyncio.run(run())
     finally:
         ctx.destroy(linger=0)
-
-
-def _next_hello(coord: FakeCoordinator) -> Hello:
-    from bus.codec import decode
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if coord.router.poll(100):
-            msg = decode(coord.router.recv_multipart()[1:])
-            if isinstance(msg, Hello):
-                return msg
-    raise AssertionError("no Hello")
 
 
 class FakeScheduler:
