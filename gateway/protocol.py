@@ -91,7 +91,7 @@ REFUSED_SAMPLING: dict[str, Refuse] = {
     "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
     "structured_outputs": Refuse(_no_constraint, _STRUCTURED),
     "response_format": Refuse(_text_format, _STRUCTURED + ': only {"type": "text"} is accepted'),
-    "thinking_token_budget": Refuse(_unset, "it needs a reasoning parser, which rollbus does not have"),
+    "thinking_token_budget": Refuse(_unset, "thinking token budgets are not supported"),
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
     "kv_transfer_params": Refuse(_unset, _DISAGG),
     "ec_transfer_params": Refuse(_unset, _DISAGG),
@@ -109,7 +109,6 @@ REFUSED_COMPLETION: dict[str, Refuse] = {
 REFUSED_CHAT: dict[str, Refuse] = {
     **REFUSED_SAMPLING,
     "echo": Refuse(_unset, "echoing the last message into the response is not supported yet"),
-    "include_reasoning": Refuse(_equals(True), "it needs a reasoning parser, which rollbus does not have"),
     "return_prompt_text": Refuse(_unset, "returning the rendered prompt is not supported yet; "
                                          "use POST /v1/chat/completions/render"),
     "media_io_kwargs": Refuse(_unset, _MULTIMODAL),
@@ -134,7 +133,7 @@ REFUSED_ENGINE_SAMPLING: dict[str, Refuse] = {
     "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
     "extra_args": Refuse(_unset, "custom sampling extensions are not supported"),
     "skip_reading_prefix_cache": Refuse(_unset, "every request may read the prefix cache here"),
-    "thinking_token_budget": Refuse(_unset, "it needs a reasoning parser, which rollbus does not have"),
+    "thinking_token_budget": Refuse(_unset, "thinking token budgets are not supported"),
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
 }
 
@@ -411,6 +410,38 @@ class FunctionDefinition(OpenAIModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def check(self, param: str) -> None:
+        """`parameters` must be a JSON Schema (vLLM hands it to the template and the grammar engine)."""
+        if self.parameters is None:
+            return
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(self.parameters).check_schema(self.parameters)
+        except jsonschema.SchemaError as e:
+            raise ParamError(f"{param}.parameters", f"`{param}.parameters` is not a valid JSON Schema: "
+                                                    f"{e.message}") from None
+
+
+_CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def _named_choice(choice: dict[str, Any]) -> str:
+    """vLLM's checks of a named tool_choice; returns the name."""
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise ParamError("tool_choice.function", f"Invalid value for `function`: `{function}` in `tool_choice`! "
+                                                 f"{_CHOICE_USAGE}")
+    if "name" not in function:
+        raise ParamError("tool_choice.function.name", f"Expected field `name` in `function` in `tool_choice`! "
+                                                      f"{_CHOICE_USAGE}")
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        raise ParamError("tool_choice.function.name", f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
+                                                      f"{_CHOICE_USAGE}")
+    return name
 
 
 class Tool(OpenAIModel):
@@ -427,8 +458,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = _schema(0, minimum=-1)
     tools: list[Tool] | None = _schema(minItems=1)
-    # only "none" is served (tools are rendered, calls are not parsed): see _check_tools
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _schema("none", enum=["none", None])
+    # "auto" needs --enable-auto-tool-choice (gateway/serving_chat.py); see _check_tools
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _schema("none")
     parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
@@ -439,8 +470,8 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None  # given to the chat template, as vLLM
     reasoning_effort: str | None = None  # given to the chat template (and enable_thinking), as vLLM
     # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_CHAT)
+    include_reasoning: bool = True  # False: no reasoning in the response (with --reasoning-parser)
     echo: bool = _schema(False, **_NEUTRAL_BOOL)
-    include_reasoning: bool = _schema(True, enum=[None, True])
     return_prompt_text: bool | None = _schema(**_NEUTRAL_BOOL)
     media_io_kwargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     mm_processor_kwargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
@@ -468,21 +499,34 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ParamError("continue_final_message",
                              "continue_final_message needs a final assistant message to continue")
 
+    def tool_choice_value(self) -> Any:
+        """vLLM: tool_choice left out means "auto" with tools, "none" without."""
+        if "tool_choice" in self.model_fields_set:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
     def _check_tools(self) -> None:
-        """Tools are rendered into the prompt; tool calls are not parsed out of the output yet. So, like
-        vLLM without --tool-call-parser, only tool_choice "none" is served."""
+        """vLLM's checks of tools and tool_choice. "none" renders the tools and parses nothing; "auto" is
+        checked against the server's flags by the chat handler; "required" and named functions are not
+        served yet."""
         if self.tools == []:
             raise ParamError("tools", "`tools` must not be an empty array. Either provide at least one tool or "
                                       "omit the field entirely.")
-        choice = self.tool_choice if "tool_choice" in self.model_fields_set else ("auto" if self.tools else "none")
-        if choice in (None, "none"):
+        for i, tool in enumerate(self.tools or []):
+            tool.function.check(f"tools.{i}.function")
+        choice = self.tool_choice_value()
+        if choice in (None, "none", "auto") and (choice != "auto" or self.tools):
             return
         if not self.tools:
             raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, dict):
+            name = _named_choice(choice)
+            if all(t.function.name != name for t in self.tools):
+                raise ParamError("tool_choice", "The tool specified in `tool_choice` does not match any of the "
+                                                "specified `tools`")
         desc = f'function "{choice.get("function", {}).get("name")}"' if isinstance(choice, dict) else f'"{choice}"'
-        raise ParamError("tool_choice", f"`tool_choice` {desc} is not supported by rollbus: tool calling is not "
-                                        "supported yet. Send tool_choice \"none\" to have the tools rendered into "
-                                        "the prompt and parse the calls from the output yourself.")
+        raise ParamError("tool_choice", f"`tool_choice` {desc} is not supported by rollbus yet: use \"auto\" "
+                                        "(with --enable-auto-tool-choice) or \"none\".")
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template sees beyond messages and tools (vLLM's ChatParams)."""

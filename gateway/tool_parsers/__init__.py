@@ -1,0 +1,20 @@
+"""`--tool-call-parser` names (vLLM's) and the parser classes behind them."""
+
+from __future__ import annotations
+
+from gateway.tool_parsers.base import ToolParser
+from gateway.tool_parsers.hermes import HermesToolParser
+
+# vLLM's names; vLLM aliases qwen3_json (Qwen2.5 / QwQ / Qwen3 JSON calls) to hermes too.
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "qwen3_json": HermesToolParser,
+}
+
+
+def tool_parser_class(name: str) -> type[ToolParser]:
+    """The class of a --tool-call-parser name; ValueError listing the available ones."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"invalid tool call parser: {name} (choose from {{ {','.join(TOOL_PARSERS)} }})") from None
