@@ -60,6 +60,7 @@ class ChatOutputParser:
         if cfg.tool_parser and cfg.tool_choice_auto:
             self.tools = tool_parser_class(cfg.tool_parser)(tokenizer)
         self._tool_text = ""  # the streamed text after the reasoning
+        self._blank = ""  # whitespace-only content held back (_hold_blank)
         self.tools_streamed = False
 
     def skip_special_tokens(self, skip: bool) -> bool:
@@ -105,13 +106,32 @@ class ChatOutputParser:
                 out.content, out.tool_calls = got.content, got.tool_calls
             if finished:
                 self._finish_tools(out)
+            out.content = self._hold_blank(out.content, bool(out.tool_calls), finished)
+        filtered = False
         if out.tool_calls:
             self.tools_streamed = True
             if not self.cfg.parallel_tool_calls:
-                out.tool_calls = [c for c in out.tool_calls if c.index == 0]
+                kept = [c for c in out.tool_calls if c.index == 0]
+                filtered, out.tool_calls = len(kept) < len(out.tool_calls), kept
         if not self.cfg.include_reasoning:
             out.reasoning = None
-        return None if out.empty() else out
+        if out.empty() and not filtered:  # vLLM: a step whose calls were all filtered out still sends {}
+            return None
+        return out
+
+    def _hold_blank(self, content: str | None, calls: bool, finished: bool) -> str | None:
+        """Content that is only whitespace is held until it is followed by text (sent with it) or by a
+        call (dropped: the whole-output result has no content then), so the stream reassembles to it.
+        (vLLM streams such whitespace and drops it from the whole result only.)"""
+        text = self._blank + (content or "")
+        if calls or self.tools_streamed:
+            self._blank = ""
+            return content if content and content.strip() else None
+        if text.strip() or finished:
+            self._blank = ""
+            return text or None
+        self._blank = text
+        return None
 
     def _finish_tools(self, out: Delta) -> None:
         """vLLM's finalize: argument text parsed but not yet sent goes with the last call's delta. Beyond
