@@ -70,6 +70,11 @@ def _no_constraint(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and all(_unset(x) for x in v.values()))
 
 
+def _trace_only(v: Any) -> bool:
+    """vllm_xargs asks for nothing rollbus lacks when it holds at most trace_decode_token_ids."""
+    return _unset(v) or (isinstance(v, dict) and set(v) <= {"trace_decode_token_ids"})
+
+
 def _text_format(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and v.get("type") == "text")
 
@@ -95,7 +100,8 @@ REFUSED_SAMPLING: dict[str, Refuse] = {
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
     "kv_transfer_params": Refuse(_unset, _DISAGG),
     "ec_transfer_params": Refuse(_unset, _DISAGG),
-    "vllm_xargs": Refuse(_unset, "custom sampling extensions are not supported"),
+    "vllm_xargs": Refuse(_trace_only, "custom sampling extensions are not supported; the one key served is "
+                                      "trace_decode_token_ids (trace replay, with --enable-trace-replay)"),
     "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
     "best_of": Refuse(_equals(1), "removed from vLLM; use n"),
     **{f"guided_{k}": Refuse(_unset, _LEGACY_GUIDED) for k in (
@@ -286,8 +292,18 @@ class _SamplingRequest(OpenAIModel):
             repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=pick("skip_special_tokens"), prompt_logprobs=prompt_logprobs,
-            return_sampling_mass=bool(self.return_sampling_mass),
+            return_sampling_mass=bool(self.return_sampling_mass), trace_decode_token_ids=self.trace_tokens(),
             routed_experts_prompt_start=self.routed_experts_prompt_start or 0, cache_salt=self.cache_salt)
+
+    def trace_tokens(self) -> list[int] | None:
+        """vllm_xargs.trace_decode_token_ids: trace replay on the OpenAI endpoints (beyond vLLM, whose
+        OpenAI endpoints have no trace field; the server's --enable-trace-replay still decides)."""
+        trace = (self.vllm_xargs or {}).get("trace_decode_token_ids")
+        if trace is None:
+            return None
+        if not isinstance(trace, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in trace):
+            raise ParamError("vllm_xargs.trace_decode_token_ids", "trace_decode_token_ids must be a list of integers.")
+        return trace
 
 
 def check_prompt_logprobs(value: int | None, stream: bool) -> None:
