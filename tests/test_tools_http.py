@@ -9,6 +9,7 @@ field and the server goes on; a real agent framework (pydantic-ai) runs a two-tu
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from typing import Any
 
@@ -45,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tok: Tokenizer) -> Server:
         shutil.copy(f, folder / f.name)
     s = start_server(work, str(folder), "--served-model-name", "tiny", "--max-model-len", "2048",
                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-                     "--enable-trace-replay")
+                     "--enable-trace-replay", "--enable-scale-out")
     yield s
     s.stop()
 
@@ -172,3 +173,55 @@ def test_agent_framework_two_turn_tool_loop(server: Server, tok: Tokenizer) -> N
     assert len(turns) == 2
     tool_msgs = [m for m in turns[1]["messages"] if m["role"] == "tool"]
     assert tool_msgs and tool_msgs[0]["content"] == "sunny in Paris"
+
+
+def test_exact_token_tool_loop_over_generate(server: Server, tok: Tokenizer) -> None:
+    """docs/tokens.md's loop (the outputs forced by trace replay): the kept stream is the first prompt, the
+    model's tokens and only the template's text between turns; the history renders the same with the tool
+    results after it; the chat endpoint's own re-rendering of turn 2 starts with the same tokens."""
+    base = server.url
+    end_id = tok.token_to_id("<|im_end|>")
+    messages: list[dict[str, Any]] = list(USER)
+
+    def render(msgs: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        body = {"messages": msgs, "tools": TOOLS, "add_generation_prompt": generation_prompt}
+        r = httpx.post(f"{base}/tokenize", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    tokens = render(messages, True)
+    first_prompt = list(tokens)
+    outputs = []
+    for turn, forced_text in enumerate([CALLS.split("\n<tool_call>\n{\"name\": \"get_time\"")[0], ANSWER]):
+        trace = tok.encode(forced_text) + [end_id]
+        r = httpx.post(f"{base}/inference/v1/generate", timeout=120, json={
+            "token_ids": tokens, "sampling_params": {"trace_decode_token_ids": trace,
+                                                      "skip_special_tokens": False}})
+        assert r.status_code == 200, r.text
+        gen = r.json()["choices"][0]["token_ids"]
+        assert gen == trace
+        outputs.append(gen)
+        tokens = tokens + gen
+        text = tok.decode(gen, skip_special_tokens=False)
+        calls = [json.loads(c) for c in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S)]
+        if not calls:
+            break
+        messages.append({"role": "assistant", "content": text.split("<tool_call>")[0].removesuffix("<|im_end|>"),
+                         "tool_calls": [{"id": f"call-{turn}-{i}", "type": "function",
+                                         "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                                        for i, c in enumerate(calls)]})
+        before = render(messages, False)
+        messages += [{"role": "tool", "tool_call_id": f"call-{turn}-{i}", "content": "sunny"}
+                     for i, c in enumerate(calls)]
+        after = render(messages, True)
+        cut = len(before) - before[::-1].index(end_id)
+        assert after[:cut] == before[:cut]
+        tokens = tokens + after[cut:]
+    assert len(outputs) == 2
+    between = tokens[len(first_prompt) + len(outputs[0]):len(tokens) - len(outputs[1])]
+    assert tok.decode(between, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # here the template reproduces the model's turn (json.dumps spacing, reasoning of the current turn
+    # kept), so the chat endpoint's own rendering of turn 2 is the same token stream
+    rerendered = render(messages, True)
+    assert rerendered == tokens[:len(tokens) - len(outputs[1])]
