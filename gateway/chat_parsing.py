@@ -35,6 +35,7 @@ class ParserConfig:
     parallel_tool_calls: bool = True
     include_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # the request's (schemas type some parsers' arguments)
 
     @property
     def active(self) -> bool:
@@ -58,7 +59,7 @@ class ChatOutputParser:
             self.reasoning.start(prompt_ids)
         self.tools: ToolParser | None = None
         if cfg.tool_parser and cfg.tool_choice_auto:
-            self.tools = tool_parser_class(cfg.tool_parser)(tokenizer)
+            self.tools = tool_parser_class(cfg.tool_parser)(tokenizer, cfg.tools)
         self._tool_text = ""  # the streamed text after the reasoning
         self._blank = ""  # whitespace-only content held back (_hold_blank)
         self.tools_streamed = False

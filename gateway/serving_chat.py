@@ -106,7 +106,8 @@ def parser_config(ctx: ServingContext, body: ChatCompletionRequest) -> ParserCon
     return ParserConfig(tool_parser=ctx.cfg.tool_call_parser if ctx.cfg.enable_auto_tool_choice else None,
                         reasoning_parser=ctx.cfg.reasoning_parser or None, tool_choice_auto=auto,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
-                        include_reasoning=body.include_reasoning, chat_template_kwargs=kwargs)
+                        include_reasoning=body.include_reasoning, chat_template_kwargs=kwargs,
+                        tools=body.template_tools())
 
 
 class ChatChoice(ChoiceState):

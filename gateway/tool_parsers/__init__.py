@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from gateway.tool_parsers.base import ToolParser
 from gateway.tool_parsers.hermes import HermesToolParser
+from gateway.tool_parsers.qwen3_xml import Qwen3XmlToolParser
 
 # vLLM's names; vLLM aliases qwen3_json (Qwen2.5 / QwQ / Qwen3 JSON calls) to hermes too.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen3_json": HermesToolParser,
+    "qwen3_xml": Qwen3XmlToolParser,  # Qwen3-Coder's XML calls
+    "qwen3_coder": Qwen3XmlToolParser,
 }
 
 

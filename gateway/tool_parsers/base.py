@@ -98,8 +98,9 @@ class ToolParser:
 
     name = ""
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = list(tools or [])  # the request's tools, as the chat template sees them
         self.prev_calls: list[dict[str, Any]] = []  # per call: "name", "arguments" (text) as parsed so far
         self.streamed_args: list[str] = []  # per call: argument text already sent
 

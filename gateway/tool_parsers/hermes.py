@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from gateway.tool_parsers.base import (
     Delta,
@@ -36,8 +37,8 @@ _ARGS = re.compile(r'"arguments"\s*:\s*')
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def __init__(self, tokenizer: object = None) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: object = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
         self._sent_content = 0
 
     def adjust_skip_special_tokens(self, skip: bool) -> bool:
