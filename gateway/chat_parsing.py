@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.reasoning_parsers import ReasoningParser, reasoning_parser_class
 from gateway.tool_parsers import tool_parser_class
-from gateway.tool_parsers.base import Delta, ToolCall, ToolParser
+from gateway.tool_parsers.base import Delta, DeltaToolCall, ToolCall, ToolParser
 
 
 @dataclass
@@ -138,9 +138,12 @@ class ChatOutputParser:
         """vLLM's finalize: argument text parsed but not yet sent goes with the last call's delta. Beyond
         vLLM, content held back as a possible start of a call marker is sent, as the whole output has it."""
         assert self.tools is not None
+        rest = self.tools.remaining_arguments()
         if out.tool_calls:
             last = out.tool_calls[-1]
-            last.arguments = (last.arguments or "") + self.tools.remaining_arguments()
+            last.arguments = (last.arguments or "") + rest
+        elif rest:  # beyond vLLM, which sends the rest only with a delta that has calls: it would be lost
+            out.tool_calls = [DeltaToolCall(len(self.tools.prev_calls) - 1, arguments=rest)]
         held = self.tools.unsent_content(self._tool_text)
         if held:
             out.content = (out.content or "") + held

