@@ -13,9 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from gateway.reasoning_parsers import ReasoningParser, reasoning_parser_class
 from gateway.tool_parsers import tool_parser_class
-from gateway.tool_parsers.base import Delta, DeltaToolCall, ToolCall, ToolParser
+from gateway.tool_parsers.base import Delta, DeltaToolCall, Extracted, ToolCall, ToolParser
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -76,7 +80,11 @@ class ChatOutputParser:
             reasoning, content = split.reasoning, split.content
         calls: list[ToolCall] = []
         if self.tools is not None:
-            found = self.tools.extract(content or "")
+            try:
+                found = self.tools.extract(content or "")
+            except Exception as e:  # noqa: BLE001 - as vLLM: an output the parser cannot read stays content
+                log.warning("gateway.tool_parser_failed", parser=self.cfg.tool_parser, exc_info=e)
+                found = Extracted([], content)
             if found.tools_called:
                 calls, content = found.calls, found.content
                 if content is not None and not content.strip():
@@ -102,7 +110,11 @@ class ChatOutputParser:
         elif after or finished:
             previous = self._tool_text
             self._tool_text += after
-            got = self.tools.extract_streaming(previous, self._tool_text, after) if after else None
+            try:
+                got = self.tools.extract_streaming(previous, self._tool_text, after) if after else None
+            except Exception as e:  # noqa: BLE001 - as vLLM: the step sends nothing, the stream goes on
+                log.warning("gateway.tool_parser_failed", parser=self.cfg.tool_parser, exc_info=e)
+                got = None
             if got is not None:
                 out.content, out.tool_calls = got.content, got.tool_calls
             if finished:

@@ -434,11 +434,16 @@ class FunctionDefinition(OpenAIModel):
             return
         import jsonschema
 
+        where = f"{param}.parameters"
+        dialect = self.parameters.get("$schema")
+        if dialect is not None and not isinstance(dialect, str):
+            raise ParamError(where, f"`{where}` is not a valid JSON Schema: `$schema` must be a string")
         try:
             jsonschema.validators.validator_for(self.parameters).check_schema(self.parameters)
         except jsonschema.SchemaError as e:
-            raise ParamError(f"{param}.parameters", f"`{param}.parameters` is not a valid JSON Schema: "
-                                                    f"{e.message}") from None
+            raise ParamError(where, f"`{where}` is not a valid JSON Schema: {e.message}") from None
+        except (TypeError, ValueError, AttributeError, RecursionError) as e:  # a schema jsonschema cannot read
+            raise ParamError(where, f"`{where}` is not a valid JSON Schema: {e}") from None
 
 
 _CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
