@@ -236,3 +236,43 @@ def test_unknown_names_list_the_available_ones() -> None:
         tool_parser_class("nope")
     with pytest.raises(ValueError, match=r"invalid reasoning parser: nope \(choose from \{ deepseek_r1,qwen3 \}"):
         reasoning_parser_class("nope")
+
+
+# --- the chat route over a scripted engine (one character a delta) -------------------------------
+
+FN = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_chat_route_tool_calls_streamed_and_not() -> None:
+    from tests.test_gateway_protocol import FakeClient, make_app, sse_events
+
+    script = 'H<tool_call>{"name": "f", "arguments": {}}'  # the fake model's context: 64 characters
+    http, _ = make_app(FakeClient(script), enable_auto_tool_choice=True, tool_call_parser="hermes")
+    body = {"messages": [{"role": "user", "content": ""}], "tools": FN, "max_tokens": 46}
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "H"
+    (call,) = whole["message"]["tool_calls"]
+    assert call["id"].startswith("chatcmpl-tool-") and call["function"] == {"name": "f", "arguments": "{}"}
+    events = sse_events(http.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    deltas = [{"delta": c["choices"][0]["delta"], "finish_reason": c["choices"][0]["finish_reason"]}
+              for c in events[1:-1]]
+    got = reassemble(deltas)
+    assert got["content"] == "H" and got["finish_reason"] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("f", "{}")]
+    assert sum(1 for d in deltas for c in d["delta"].get("tool_calls", []) if "arguments" in c["function"]) == 2
+    assert deltas[-1]["delta"] == {}  # the end of the stream (EOS) sends no text
+
+
+def test_chat_route_auto_needs_the_flags_and_none_can_exclude_tools() -> None:
+    from tests.test_gateway_protocol import make_app
+
+    msgs = [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+    http, _ = make_app()
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "tools": FN})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "requires --enable-auto-tool-choice and --tool-call-parser" in r.json()["error"]["message"]
+    body = {"messages": msgs, "tools": FN, "tool_choice": "none", "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    http, _ = make_app(exclude_tools_when_tool_choice_none=True)  # the scripted template needs tools here
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "tool message without tools" in r.json()["error"]["message"]
