@@ -68,6 +68,9 @@ class ChatOutputParser:
         self._blank = ""  # whitespace-only content held back (_hold_blank)
         self.tools_streamed = False
 
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        return self.reasoning.count_tokens(token_ids) if self.reasoning is not None else 0
+
     def skip_special_tokens(self, skip: bool) -> bool:
         return self.tools.adjust_skip_special_tokens(skip) if self.tools is not None else skip
 

@@ -60,6 +60,19 @@ class ReasoningParser:
         if not self.thinking or self.prompt_ends_reasoning(prompt_ids):
             self.thinking = False
 
+    def count_tokens(self, token_ids: Sequence[int]) -> int:
+        """vLLM's count_reasoning_tokens (usage.completion_tokens_details.reasoning_tokens): tokens inside
+        <think>...</think>, nesting counted, the markers not."""
+        count = depth = 0
+        for t in token_ids:
+            if t == self.start_id:
+                depth += 1
+            elif t == self.end_id:
+                depth = max(0, depth - 1)
+            elif depth:
+                count += 1
+        return count
+
     def split(self, text: str) -> Split:
         if not self.thinking:
             return Split(None, text)
@@ -133,8 +146,25 @@ class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
     implicit_ends = ("<tool_call>",)
 
+    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__(tokenizer, chat_template_kwargs)
+        self._implicit_end_ids = {tokenizer.token_to_id(t) for t in self.implicit_ends} - {None}
+
     def _thinking(self, kwargs: dict[str, Any]) -> bool:
         return bool(kwargs.get("enable_thinking", True))
+
+    def count_tokens(self, token_ids: Sequence[int]) -> int:
+        """vLLM's qwen3 count: the output starts in the reasoning (when thinking is on), which the first
+        </think> or <tool_call> ends; <think> markers are not counted."""
+        if not self.thinking:
+            return 0
+        count = 0
+        for t in token_ids:
+            if t == self.end_id or t in self._implicit_end_ids:
+                break
+            if t != self.start_id:
+                count += 1
+        return count
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {"deepseek_r1": DeepSeekR1ReasoningParser,

@@ -192,6 +192,16 @@ def _message(s: ChoiceState) -> tuple[dict[str, Any], str | None]:
     return message, reason
 
 
+def _usage(ctx: ServingContext, states: list[ChoiceState], prompt_len: int,
+           cached: int | None = None) -> dict[str, Any]:
+    """vLLM's usage; with --reasoning-parser also completion_tokens_details.reasoning_tokens."""
+    out = usage(prompt_len, sum(len(s.token_ids) for s in states), cached)
+    if ctx.cfg.reasoning_parser:
+        count = sum(s.parser.reasoning_tokens(s.token_ids) for s in states if isinstance(s, ChatChoice) and s.parser)
+        out["completion_tokens_details"] = {"reasoning_tokens": count}
+    return out
+
+
 def _hide_metadata(body: ChatCompletionRequest, s: ChoiceState) -> bool:
     """vLLM: with a reasoning parser and include_reasoning false, token ids and logprobs would show the
     hidden reasoning, so neither is returned."""
@@ -218,7 +228,7 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, 
         choices.append(choice)
     prompt_ids = states[0].prompt_ids
     out = {**head, "choices": choices,
-           "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states), states[0].num_cached_tokens),
+           "usage": _usage(ctx, states, len(prompt_ids), states[0].num_cached_tokens),
            "system_fingerprint": None,
            "prompt_logprobs": ctx.prompt_logprobs_json(prompt_ids, states[0].prompt_logprobs)}
     if body.return_token_ids:
@@ -235,7 +245,7 @@ async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, head: dict[s
         if body.return_token_ids:
             first["prompt_token_ids"] = prompt_ids
         if body.continuous_usage():
-            first["usage"] = usage(len(prompt_ids), 0)
+            first["usage"] = _usage(ctx, [], len(prompt_ids))
         yield first
     by_index = {s.index: s for s in states}
     async with aclosing(run_choices(ctx, states)) as updates:  # type: ignore[type-var]
@@ -246,8 +256,7 @@ async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, head: dict[s
             if chunk is not None:
                 yield chunk
     if body.include_usage():
-        yield {**head, "choices": [], "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states),
-                                                     states[0].num_cached_tokens)}
+        yield {**head, "choices": [], "usage": _usage(ctx, states, len(prompt_ids), states[0].num_cached_tokens)}
 
 
 def _delta(upd: ChoiceUpdate, state: ChoiceState) -> tuple[dict[str, Any] | None, str | None]:
@@ -292,5 +301,5 @@ def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any
         choice["sampling_mass"] = upd.sampling_mass or []
     chunk = {**head, "choices": [choice]}
     if body.continuous_usage():
-        chunk["usage"] = usage(len(state.prompt_ids), len(state.token_ids))
+        chunk["usage"] = _usage(ctx, [state], len(state.prompt_ids))
     return chunk

@@ -276,3 +276,13 @@ def test_chat_route_auto_needs_the_flags_and_none_can_exclude_tools() -> None:
     http, _ = make_app(exclude_tools_when_tool_choice_none=True)  # the scripted template needs tools here
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and "tool message without tools" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("parser", "text", "count"), [
+    # vLLM's counts of the same token ids (its count_reasoning_tokens)
+    ("qwen3", "<think>\nab cd</think>\n\nHi", 3), ("qwen3", "ab cd</think>Hi", 2), ("qwen3", "no end at all", 4),
+    ("deepseek_r1", "<think>\nab cd</think>\n\nHi", 3), ("deepseek_r1", "ab cd</think>Hi", 0),
+    ("deepseek_r1", "no end at all", 0),
+])
+def test_reasoning_token_counts(qwen3: Tokenizer, parser: str, text: str, count: int) -> None:
+    assert reasoning_parser_class(parser)(qwen3).count_tokens(qwen3.encode(text)) == count

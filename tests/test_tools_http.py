@@ -71,6 +71,7 @@ def test_stream_equals_non_stream(server: Server, tok: Tokenizer) -> None:
     assert msg.content is None and msg.model_extra["reasoning"] == "\nThe user wants both.\n"
     assert msg.model_extra["reasoning_content"] == msg.model_extra["reasoning"]
     assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.usage.completion_tokens_details.reasoning_tokens == len(tok.encode("\nThe user wants both.\n"))
     assert tok.decode(whole.choices[0].model_extra["token_ids"], skip_special_tokens=False).startswith(CALLS)
 
     calls: dict[int, dict[str, str]] = {}
