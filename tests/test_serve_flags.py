@@ -173,7 +173,8 @@ def test_tool_calling_and_reasoning_flags():
     assert parse_config(["--reasoning-parser", "None"]).reasoning_parser == ""  # vLLM: "none" turns it off
     for argv, words in ((["--tool-call-parser", "nope"], "invalid tool call parser: nope (choose from { hermes,"),
                         (["--reasoning-parser", "nope"], "invalid reasoning parser: nope (choose from {"),
-                        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser")):
+                        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+                        (["--tokens-only", "--reasoning-parser", "qwen3"], "--tokens-only loads no tokenizer")):
         with pytest.raises(SystemExit, match=re.escape(words)):
             parse_config(argv)
     assert "--tool-parser-plugin x" in refused(["--tool-parser-plugin", "x"])
