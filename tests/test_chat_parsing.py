@@ -71,6 +71,12 @@ CASES: list[tuple[str, str, str | None, str | None, dict[str, Any]]] = [
     ("llama3_json compact JSON", '{"name":"get_time","parameters":{"tz":"CET","n":12}}', "llama3_json", None, {}),
     ("llama3_json text", "No call here.", "llama3_json", None, {}),
     ("llama3_json not a call", '{"oops": 1}', "llama3_json", None, {}),
+    ("pythonic two calls", "[get_weather(city=\"Paris\", days=3, opts={'a': (1, 2)}), get_time(tz='CET', "
+     "x=[1, -2.5, None, True], s='it\\'s, \"ok\"')]", "pythonic", None, {}),
+    ("pythonic no arguments", "[get_time()]", "pythonic", None, {}),
+    ("pythonic trailing comma", "[get_time(tz='CET',)]", "pythonic", None, {}),
+    ("pythonic text", "Hi [f()]", "pythonic", None, {}),
+    ("pythonic not calls", "[1, 2]", "pythonic", None, {}),
 ]
 # vLLM's llama3_json parser needs <|python_tag|> in the vocabulary, which the Qwen3 tokenizer lacks
 NO_ORACLE = {c[0] for c in CASES if c[2] in ("llama3_json", "llama4_json")}
@@ -219,6 +225,11 @@ KNOWN_STREAM_DIFFERENCES: dict[str, str] = {
     # and sends arguments in other pieces; its whole result strips them (gateway/tool_parsers/qwen3_xml.py)
     "qwen3_xml typed by the schema": "whitespace around calls",
     "qwen3_xml after reasoning": "whitespace before a call",
+    # vLLM's pythonic parser sends the name with the first argument text in one delta; here it comes alone
+    "pythonic two calls": "name alone first", "pythonic no arguments": "name alone first",
+    "pythonic trailing comma": "name alone first",
+    # vLLM's stream never sends an output that starts with "[" but holds no calls; here it comes at the end
+    "pythonic not calls": "content at the end",
     # vLLM streams the "\n\n" between </think> and the first <tool_call> as content, while its whole
     # result has content null; rollbus holds whitespace-only content until text follows, so both agree
     "reasoning then calls": "whitespace before a call",

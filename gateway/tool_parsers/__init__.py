@@ -5,6 +5,7 @@ from __future__ import annotations
 from gateway.tool_parsers.base import ToolParser
 from gateway.tool_parsers.hermes import HermesToolParser
 from gateway.tool_parsers.llama3_json import Llama3JsonToolParser
+from gateway.tool_parsers.pythonic import PythonicToolParser
 from gateway.tool_parsers.qwen3_xml import Qwen3XmlToolParser
 
 # vLLM's names; vLLM aliases qwen3_json (Qwen2.5 / QwQ / Qwen3 JSON calls) to hermes too.
@@ -15,6 +16,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3XmlToolParser,
     "llama3_json": Llama3JsonToolParser,  # Llama 3.x / 4 JSON calls
     "llama4_json": Llama3JsonToolParser,
+    "pythonic": PythonicToolParser,  # Llama 3.2 / 4, ToolACE: [f(x=1), g(y="a")]
 }
 
 
