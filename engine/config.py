@@ -350,8 +350,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(_tool_parser_names()) + "}",
                    help="How tool calls are written in the model's output: hermes and qwen3_json (<tool_call> JSON: "
                         "Hermes, Qwen2.5, Qwen3), qwen3_xml and qwen3_coder (Qwen3-Coder's XML calls), llama3_json "
-                        "and llama4_json (Llama 3.x / 4 JSON calls). An unknown name is a start-up error listing "
-                        "these (docs/tools.md).")
+                        "and llama4_json (Llama 3.x / 4 JSON calls), pythonic ([f(x=1)]: Llama 3.2 / 4). An unknown "
+                        "name is a start-up error listing these (docs/tools.md).")
     g.add_argument("--exclude-tools-when-tool-choice-none", action=Switch,
                    negatives=["--no-exclude-tools-when-tool-choice-none"], default=False,
                    help='Requests with tool_choice "none" get no tool definitions in the prompt.')

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.tool_parsers.base import partial_tag_overlap
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -108,7 +110,7 @@ class ReasoningParser:
         body = self._text[body_from:]
         end, marker = self._end(body)
         if end is None:
-            hold = max([_overlap(body, t) for t in (THINK_END, *self.implicit_ends)])
+            hold = max([partial_tag_overlap(body, t) for t in (THINK_END, *self.implicit_ends)])
             ready = len(body) - hold
             out, self._sent = body[self._sent:ready], max(self._sent, ready)
             return Split(out or None, None)
@@ -125,13 +127,6 @@ class ReasoningParser:
         body = self._text.partition(THINK_START)[2] if THINK_START in self._text else self._text
         out, self._sent = body[self._sent:], len(body)
         return Split(out or None, None)
-
-
-def _overlap(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def _may_become(text: str, tag: str) -> bool:

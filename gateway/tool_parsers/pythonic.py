@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from gateway.tool_parsers.base import Delta, DeltaToolCall, Extracted, ToolCall, ToolParser, make_tool_call_id
@@ -62,11 +63,9 @@ def _call(node: ast.Call) -> tuple[str, dict[str, Any]]:
     return _name(node.func), {k.arg: _value(k.value) for k in node.keywords}
 
 
-def _scan(text: str) -> list[tuple[int, int, str]]:
-    """Top-level structure of a partial list of calls: (start, end, kind) pieces, kind "call" for each call's
-    text (end -1 while open); depth, strings and escapes are followed so commas inside values do not count."""
-    out: list[tuple[int, int, str]] = []
-    depth, quote, i, start = 0, "", 0, -1
+def _structure(text: str) -> Iterator[tuple[int, str]]:
+    """(position, character) of each bracket and comma outside string literals (escapes followed)."""
+    quote, i = "", 0
     while i < len(text):
         c = text[i]
         if quote:
@@ -81,45 +80,42 @@ def _scan(text: str) -> list[tuple[int, int, str]]:
             quote = c * 3 if text.startswith(c * 3, i) else c
             i += len(quote)
             continue
+        elif c in "([{)]},":
+            yield i, c
+        i += 1
+
+
+def _scan(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each call in a partial list of calls (end -1 while the call is open)."""
+    out: list[tuple[int, int]] = []
+    depth, start, last_comma = 0, -1, 0
+    for i, c in _structure(text):
+        if c == "," and depth == 1:
+            last_comma = i
         elif c in "([{":
             depth += 1
             if depth == 2 and start == -1:
-                start = text.rfind(",", 0, i) + 1 if out else 1
+                start = last_comma + 1
         elif c in ")]}":
             depth -= 1
             if depth == 1 and start != -1:
-                out.append((start, i + 1, "call"))
+                out.append((start, i + 1))
                 start = -1
-        i += 1
     if start != -1:
-        out.append((start, -1, "call"))
+        out.append((start, -1))
     return out
 
 
 def _top_commas(body: str) -> list[int]:
     """Positions of the commas between a call's arguments (outside strings and brackets)."""
-    commas, depth, quote, i = [], 0, "", 0
-    while i < len(body):
-        c = body[i]
-        if quote:
-            if c == "\\":
-                i += 2
-                continue
-            if body.startswith(quote, i):
-                i += len(quote)
-                quote = ""
-                continue
-        elif c in "'\"":
-            quote = c * 3 if body.startswith(c * 3, i) else c
-            i += len(quote)
-            continue
-        elif c in "([{":
+    commas, depth = [], 0
+    for i, c in _structure(body):
+        if c in "([{":
             depth += 1
         elif c in ")]}":
             depth -= 1
-        elif c == "," and depth == 0:
+        elif depth == 0:
             commas.append(i)
-        i += 1
     return commas
 
 
@@ -203,7 +199,7 @@ class PythonicToolParser(ToolParser):
         if not current_text.startswith("["):
             return Delta(content=delta_text) if delta_text else None
         deltas: list[DeltaToolCall] = []
-        for i, (start, end, _) in enumerate(_scan(current_text)):
+        for i, (start, end) in enumerate(_scan(current_text)):
             piece = current_text[start:end] if end != -1 else current_text[start:]
             name, args = self._stable(piece.lstrip(" ,\n"), end != -1)
             if name is None:
