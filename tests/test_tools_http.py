@@ -142,7 +142,7 @@ def test_agent_framework_two_turn_tool_loop(server: Server, tok: Tokenizer) -> N
     from the result. The forced outputs ride on the framework's own HTTP client: an httpx request hook adds
     the trace of the turn (the tool call while no tool result is in the conversation, the answer after),
     which the framework never sees; everything else is the framework's own request."""
-    from pydantic_ai import Agent
+    Agent = pytest.importorskip("pydantic_ai", reason="pip install -e '.[agents]'").Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
