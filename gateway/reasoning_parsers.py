@@ -7,7 +7,8 @@ Both models think between <think> and </think> (added tokens). As vLLM:
 - `qwen3`: the same, except that with the chat template variable `enable_thinking` false the whole output
   is content, and a <tool_call> ends the reasoning even without </think>.
 - either: when the prompt's last think marker is </think> (the template closed the thinking, as Qwen3's
-  does for enable_thinking false), the whole output is content.
+  does for enable_thinking false), the whole output is content; `qwen3` looks only at the current turn
+  (after the last <|im_start|>), so the reasoning of earlier turns in a tool loop does not count.
 The streamed pieces (`Split` deltas) concatenate to exactly the whole-output split.
 """
 
@@ -33,6 +34,7 @@ class ReasoningParser:
 
     name = ""
     implicit_ends: tuple[str, ...] = ()  # text that ends the reasoning without </think> (kept as content)
+    turn_boundaries: tuple[str, ...] = ()  # the prompt is read back to the last of these only
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         vocab_ids = [tokenizer.token_to_id(t) for t in (THINK_START, THINK_END)]
@@ -40,6 +42,7 @@ class ReasoningParser:
             raise ValueError(f"--reasoning-parser {self.name}: the tokenizer has no {THINK_START} / {THINK_END} "
                              "tokens")
         self.start_id, self.end_id = vocab_ids
+        self._boundary_ids = {tokenizer.token_to_id(t) for t in self.turn_boundaries} - {None}
         self.thinking = self._thinking(chat_template_kwargs or {})
         self._text = ""  # streamed so far
         self._sent = 0  # how much of the reasoning part was sent
@@ -49,9 +52,10 @@ class ReasoningParser:
         return True
 
     def prompt_ends_reasoning(self, prompt_ids: Sequence[int]) -> bool:
-        """vLLM's is_reasoning_end on the prompt: its last think marker is </think>."""
+        """vLLM's is_reasoning_end on the prompt: its last think marker (in the current turn, for parsers
+        with turn boundaries) is </think>."""
         for t in reversed(prompt_ids):
-            if t == self.start_id:
+            if t == self.start_id or t in self._boundary_ids:
                 return False
             if t == self.end_id:
                 return True
@@ -140,6 +144,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
     implicit_ends = ("<tool_call>",)
+    turn_boundaries = ("<|im_start|>", "<|im_end|>")  # earlier turns' </think> do not end this one
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__(tokenizer, chat_template_kwargs)

@@ -297,3 +297,24 @@ def test_chat_route_auto_needs_the_flags_and_none_can_exclude_tools() -> None:
 ])
 def test_reasoning_token_counts(qwen3: Tokenizer, parser: str, text: str, count: int) -> None:
     assert reasoning_parser_class(parser)(qwen3).count_tokens(qwen3.encode(text)) == count
+
+
+def test_the_prompt_decides_whether_the_output_starts_in_the_reasoning(qwen3: Tokenizer) -> None:
+    """As vLLM's stream does (tests/vllm_chat_parser_oracle.py with these prompts): qwen3 reads only the current
+    turn of the prompt, so an earlier turn's </think> (a tool loop's history) does not end this turn's
+    reasoning; deepseek_r1 reads the whole prompt; a </think> closing the current turn's prompt makes the output
+    content. (vLLM's whole-output path ignores the prompt and would split; here both paths agree.)"""
+    ids = qwen3.token_to_id
+    history = [ids("</think>"), ids("<|im_end|>"), 198, ids("<|im_start|>"), 77091, 198]
+    closed = [ids("<|im_start|>"), 77091, 198, ids("<think>"), 271, ids("</think>"), 271]
+    text = "hmm</think>\n\nHi"
+    for parser, prompt, want in (("qwen3", history, ("hmm", "\n\nHi")), ("deepseek_r1", history, (None, text)),
+                                 ("qwen3", closed, (None, text))):
+        cfg = ParserConfig(reasoning_parser=parser)
+        whole = ChatOutputParser(cfg, qwen3, prompt).parse(text)
+        assert (whole.reasoning, whole.content) == want, parser
+        stream = ChatOutputParser(cfg, qwen3, prompt)
+        chunks = _chunks(qwen3, text)
+        deltas = [stream.parse_delta(t, finished=k == len(chunks) - 1) for k, (t, _) in enumerate(chunks)]
+        assert ("".join(d.reasoning or "" for d in deltas if d) or None) == want[0]
+        assert "".join(d.content or "" for d in deltas if d) == want[1]
