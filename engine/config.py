@@ -55,6 +55,11 @@ class EngineConfig:
     trust_request_chat_template: bool = False
     default_chat_template_kwargs: str | None = None  # JSON object
     return_tokens_as_token_ids: bool = False
+    # tool calls and reasoning (docs/tools.md)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of the output
+    tool_call_parser: str | None = None  # gateway.tool_parsers names (vLLM's)
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None  # gateway.reasoning_parsers names (vLLM's); "" / "none": off
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     override_generation_config: str | None = None  # JSON object
     worker_extension_cls: str = ""  # module.Class mixed into every worker (workers.extension)
@@ -256,13 +261,10 @@ ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "config_format": (("auto", "hf"), "rollbus reads Hugging Face config.json"),
     "response_role": (("assistant",), "the response role is always assistant"),
 }
-TOOLS = ("tool calling is not implemented yet (it lands in its own issue); requests with tools are refused "
-         "rather than answered without them")
+TOOLS = "tool parser plugins and tool servers are not implemented; use a built-in --tool-call-parser"
 # vLLM flags refused with a reason of their own (every other vLLM flag is refused generically).
 REFUSED_FLAGS: dict[str, str] = {
-    "enable_auto_tool_choice": TOOLS, "tool_call_parser": TOOLS, "tool_parser_plugin": TOOLS,
-    "tool_server": TOOLS, "exclude_tools_when_tool_choice_none": TOOLS,
-    "reasoning_parser": "reasoning parsers are not implemented",
+    "tool_parser_plugin": TOOLS, "tool_server": TOOLS,
     "enable_lora": "LoRA adapters are not implemented", "lora_modules": "LoRA adapters are not implemented",
     "quantization": "quantized checkpoints are not implemented (GGUF files are dequantised on load)",
     "speculative_config": "speculative decoding is not implemented",
@@ -275,6 +277,33 @@ REFUSED_FLAGS: dict[str, str] = {
     "ssl_keyfile": "TLS is not implemented: put a TLS proxy in front", "ssl_certfile": "TLS is not implemented",
     "headless": "every process of a rollbus engine can already run on its own (`rollbus worker`, the Procfile)",
 }
+
+
+def _tool_parser_names() -> list[str]:
+    from gateway.tool_parsers import TOOL_PARSERS
+
+    return list(TOOL_PARSERS)
+
+
+def _reasoning_parser_names() -> list[str]:
+    from gateway.reasoning_parsers import REASONING_PARSERS
+
+    return list(REASONING_PARSERS)
+
+
+def _check_parsers(cfg: EngineConfig) -> None:
+    """vLLM's start-up checks of --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser."""
+    from gateway.reasoning_parsers import reasoning_parser_class
+    from gateway.tool_parsers import tool_parser_class
+
+    if cfg.enable_auto_tool_choice and not cfg.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if cfg.tokens_only and (cfg.tool_call_parser or cfg.reasoning_parser):
+        raise ValueError("--tool-call-parser and --reasoning-parser read text, and --tokens-only loads no tokenizer")
+    if cfg.tool_call_parser:
+        tool_parser_class(cfg.tool_call_parser)
+    if cfg.reasoning_parser:
+        reasoning_parser_class(cfg.reasoning_parser)
 
 
 def _vllm_dest(dest: str) -> str:
@@ -314,6 +343,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help='JSON object of chat template variables for every chat request, e.g. '
                                       '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win '
                                       'key by key.')
+    g.add_argument("--enable-auto-tool-choice", action=Switch, negatives=["--disable-auto-tool-choice"],
+                   default=d.enable_auto_tool_choice,
+                   help='Serve tool_choice "auto" (the default with tools): tool calls are parsed out of the output '
+                        "by --tool-call-parser, which it requires (docs/tools.md).")
+    g.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(_tool_parser_names()) + "}",
+                   help="How tool calls are written in the model's output: hermes and qwen3_json (<tool_call> JSON: "
+                        "Hermes, Qwen2.5, Qwen3), qwen3_xml and qwen3_coder (Qwen3-Coder's XML calls), llama3_json "
+                        "and llama4_json (Llama 3.x / 4 JSON calls), pythonic ([f(x=1)]: Llama 3.2 / 4). An unknown "
+                        "name is a start-up error listing these (docs/tools.md).")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action=Switch,
+                   negatives=["--no-exclude-tools-when-tool-choice-none"], default=False,
+                   help='Requests with tool_choice "none" get no tool definitions in the prompt.')
+    g.add_argument("--reasoning-parser", default=None, type=lambda v: "" if v.lower() == "none" else v,
+                   metavar="{" + ",".join(_reasoning_parser_names()) + "}",
+                   help="Split chat outputs into reasoning (message.reasoning, also sent as reasoning_content) "
+                        "and content: qwen3 or deepseek_r1 (<think>...</think>); 'none' turns it off.")
     g.add_argument("--return-tokens-as-token-ids", action=Switch, default=d.return_tokens_as_token_ids,
                    help="Logprob tokens as 'token_id:N' for requests that do not set return_tokens_as_token_ids.")
     g.add_argument("--generation-config", default=d.generation_config,
@@ -653,6 +698,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         parse_weight_transfer_config(cfg.weight_transfer_config)
         _check_load_format(cfg)
         check_generation_config(cfg.generation_config, cfg.override_generation_config)
+        _check_parsers(cfg)
         if cfg.chat_template is not None:
             resolve_chat_template(cfg.chat_template)
         check_qualname(cfg.worker_extension_cls)

@@ -70,6 +70,11 @@ def _no_constraint(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and all(_unset(x) for x in v.values()))
 
 
+def _trace_only(v: Any) -> bool:
+    """vllm_xargs asks for nothing rollbus lacks when it holds at most trace_decode_token_ids."""
+    return _unset(v) or (isinstance(v, dict) and set(v) <= {"trace_decode_token_ids"})
+
+
 def _text_format(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and v.get("type") == "text")
 
@@ -91,11 +96,12 @@ REFUSED_SAMPLING: dict[str, Refuse] = {
     "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
     "structured_outputs": Refuse(_no_constraint, _STRUCTURED),
     "response_format": Refuse(_text_format, _STRUCTURED + ': only {"type": "text"} is accepted'),
-    "thinking_token_budget": Refuse(_unset, "it needs a reasoning parser, which rollbus does not have"),
+    "thinking_token_budget": Refuse(_unset, "thinking token budgets are not supported"),
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
     "kv_transfer_params": Refuse(_unset, _DISAGG),
     "ec_transfer_params": Refuse(_unset, _DISAGG),
-    "vllm_xargs": Refuse(_unset, "custom sampling extensions are not supported"),
+    "vllm_xargs": Refuse(_trace_only, "custom sampling extensions are not supported; the one key served is "
+                                      "trace_decode_token_ids (trace replay, with --enable-trace-replay)"),
     "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
     "best_of": Refuse(_equals(1), "removed from vLLM; use n"),
     **{f"guided_{k}": Refuse(_unset, _LEGACY_GUIDED) for k in (
@@ -109,7 +115,6 @@ REFUSED_COMPLETION: dict[str, Refuse] = {
 REFUSED_CHAT: dict[str, Refuse] = {
     **REFUSED_SAMPLING,
     "echo": Refuse(_unset, "echoing the last message into the response is not supported yet"),
-    "include_reasoning": Refuse(_equals(True), "it needs a reasoning parser, which rollbus does not have"),
     "return_prompt_text": Refuse(_unset, "returning the rendered prompt is not supported yet; "
                                          "use POST /v1/chat/completions/render"),
     "media_io_kwargs": Refuse(_unset, _MULTIMODAL),
@@ -134,7 +139,7 @@ REFUSED_ENGINE_SAMPLING: dict[str, Refuse] = {
     "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
     "extra_args": Refuse(_unset, "custom sampling extensions are not supported"),
     "skip_reading_prefix_cache": Refuse(_unset, "every request may read the prefix cache here"),
-    "thinking_token_budget": Refuse(_unset, "it needs a reasoning parser, which rollbus does not have"),
+    "thinking_token_budget": Refuse(_unset, "thinking token budgets are not supported"),
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
 }
 
@@ -287,8 +292,18 @@ class _SamplingRequest(OpenAIModel):
             repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=pick("skip_special_tokens"), prompt_logprobs=prompt_logprobs,
-            return_sampling_mass=bool(self.return_sampling_mass),
+            return_sampling_mass=bool(self.return_sampling_mass), trace_decode_token_ids=self.trace_tokens(),
             routed_experts_prompt_start=self.routed_experts_prompt_start or 0, cache_salt=self.cache_salt)
+
+    def trace_tokens(self) -> list[int] | None:
+        """vllm_xargs.trace_decode_token_ids: trace replay on the OpenAI endpoints (beyond vLLM, whose
+        OpenAI endpoints have no trace field; the server's --enable-trace-replay still decides)."""
+        trace = (self.vllm_xargs or {}).get("trace_decode_token_ids")
+        if trace is None:
+            return None
+        if not isinstance(trace, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in trace):
+            raise ParamError("vllm_xargs.trace_decode_token_ids", "trace_decode_token_ids must be a list of integers.")
+        return trace
 
 
 def check_prompt_logprobs(value: int | None, stream: bool) -> None:
@@ -411,6 +426,43 @@ class FunctionDefinition(OpenAIModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def check(self, param: str) -> None:
+        """`parameters` must be a JSON Schema (vLLM hands it to the template and the grammar engine)."""
+        if self.parameters is None:
+            return
+        import jsonschema
+
+        where = f"{param}.parameters"
+        dialect = self.parameters.get("$schema")
+        if dialect is not None and not isinstance(dialect, str):
+            raise ParamError(where, f"`{where}` is not a valid JSON Schema: `$schema` must be a string")
+        try:
+            jsonschema.validators.validator_for(self.parameters).check_schema(self.parameters)
+        except jsonschema.SchemaError as e:
+            raise ParamError(where, f"`{where}` is not a valid JSON Schema: {e.message}") from None
+        except (TypeError, ValueError, AttributeError, RecursionError) as e:  # a schema jsonschema cannot read
+            raise ParamError(where, f"`{where}` is not a valid JSON Schema: {e}") from None
+
+
+_CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def _named_choice(choice: dict[str, Any]) -> str:
+    """vLLM's checks of a named tool_choice; returns the name."""
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise ParamError("tool_choice.function", f"Invalid value for `function`: `{function}` in `tool_choice`! "
+                                                 f"{_CHOICE_USAGE}")
+    if "name" not in function:
+        raise ParamError("tool_choice.function.name", f"Expected field `name` in `function` in `tool_choice`! "
+                                                      f"{_CHOICE_USAGE}")
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        raise ParamError("tool_choice.function.name", f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
+                                                      f"{_CHOICE_USAGE}")
+    return name
 
 
 class Tool(OpenAIModel):
@@ -427,8 +479,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = _schema(0, minimum=-1)
     tools: list[Tool] | None = _schema(minItems=1)
-    # only "none" is served (tools are rendered, calls are not parsed): see _check_tools
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _schema("none", enum=["none", None])
+    # "auto" needs --enable-auto-tool-choice (gateway/serving_chat.py); see _check_tools
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _schema("none")
     parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
@@ -439,8 +491,8 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None  # given to the chat template, as vLLM
     reasoning_effort: str | None = None  # given to the chat template (and enable_thinking), as vLLM
     # vLLM fields rollbus refuses unless they ask for nothing (REFUSED_CHAT)
+    include_reasoning: bool = True  # False: no reasoning in the response (with --reasoning-parser)
     echo: bool = _schema(False, **_NEUTRAL_BOOL)
-    include_reasoning: bool = _schema(True, enum=[None, True])
     return_prompt_text: bool | None = _schema(**_NEUTRAL_BOOL)
     media_io_kwargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     mm_processor_kwargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
@@ -468,21 +520,34 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ParamError("continue_final_message",
                              "continue_final_message needs a final assistant message to continue")
 
+    def tool_choice_value(self) -> Any:
+        """vLLM: tool_choice left out means "auto" with tools, "none" without."""
+        if "tool_choice" in self.model_fields_set:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
     def _check_tools(self) -> None:
-        """Tools are rendered into the prompt; tool calls are not parsed out of the output yet. So, like
-        vLLM without --tool-call-parser, only tool_choice "none" is served."""
+        """vLLM's checks of tools and tool_choice. "none" renders the tools and parses nothing; "auto" is
+        checked against the server's flags by the chat handler; "required" and named functions are not
+        served yet."""
         if self.tools == []:
             raise ParamError("tools", "`tools` must not be an empty array. Either provide at least one tool or "
                                       "omit the field entirely.")
-        choice = self.tool_choice if "tool_choice" in self.model_fields_set else ("auto" if self.tools else "none")
-        if choice in (None, "none"):
+        for i, tool in enumerate(self.tools or []):
+            tool.function.check(f"tools.{i}.function")
+        choice = self.tool_choice_value()
+        if choice in (None, "none", "auto") and (choice != "auto" or self.tools):
             return
         if not self.tools:
             raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, dict):
+            name = _named_choice(choice)
+            if all(t.function.name != name for t in self.tools):
+                raise ParamError("tool_choice", "The tool specified in `tool_choice` does not match any of the "
+                                                "specified `tools`")
         desc = f'function "{choice.get("function", {}).get("name")}"' if isinstance(choice, dict) else f'"{choice}"'
-        raise ParamError("tool_choice", f"`tool_choice` {desc} is not supported by rollbus: tool calling is not "
-                                        "supported yet. Send tool_choice \"none\" to have the tools rendered into "
-                                        "the prompt and parse the calls from the output yourself.")
+        raise ParamError("tool_choice", f"`tool_choice` {desc} is not supported by rollbus yet: use \"auto\" "
+                                        "(with --enable-auto-tool-choice) or \"none\".")
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template sees beyond messages and tools (vLLM's ChatParams)."""

@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: render the chat template, validate, run n samples, shape vLLM's responses.
 
-Tools are rendered into the prompt by the template (tool_choice "none"); parsing tool calls out of the
-output is not done yet, so other tool choices are refused (gateway/protocol.py) and `tool_calls` is empty.
+Tools are rendered into the prompt by the template; with --enable-auto-tool-choice and tool_choice "auto"
+the calls are parsed out of the output, and with --reasoning-parser the reasoning is split from the
+content (gateway/chat_parsing.py), streaming and not.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.sampling_params import ParamError
+from gateway.chat_parsing import ChatOutputParser, ParserConfig
 from gateway.errors import bad_request
 from gateway.protocol import ChatCompletionRequest
 from gateway.responses import JSONResponse
@@ -70,10 +72,12 @@ def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     given = {**ctx.default_chat_template_kwargs, **body.template_kwargs()}  # vLLM: the request's win
     kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     messages = body.template_messages()
+    tools = body.template_tools()
+    if ctx.cfg.exclude_tools_when_tool_choice_none and body.tool_choice_value() == "none":
+        tools = None
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                 tools=body.template_tools(), chat_template=body.chat_template,
-                                                 **kwargs)
+                                                 tools=tools, chat_template=body.chat_template, **kwargs)
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault (vLLM: 400)
         raise bad_request(f"Error rendering the chat template: {e}", "messages") from None
     if body.continue_final_message:
@@ -92,12 +96,33 @@ def _remap(e: ParamError, body: ChatCompletionRequest) -> ParamError:
     return ParamError(param, str(e))
 
 
+def parser_config(ctx: ServingContext, body: ChatCompletionRequest) -> ParserConfig:
+    """The output parsing of this request; vLLM's 400 for tool_choice "auto" without the server flags."""
+    auto = body.tool_choice_value() == "auto" and bool(body.tools)
+    if auto and not (ctx.cfg.enable_auto_tool_choice and ctx.cfg.tool_call_parser):
+        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                          "tool_choice")
+    kwargs = {**ctx.default_chat_template_kwargs, **body.template_kwargs()}
+    return ParserConfig(tool_parser=ctx.cfg.tool_call_parser if ctx.cfg.enable_auto_tool_choice else None,
+                        reasoning_parser=ctx.cfg.reasoning_parser or None, tool_choice_auto=auto,
+                        parallel_tool_calls=body.parallel_tool_calls is not False,
+                        include_reasoning=body.include_reasoning, chat_template_kwargs=kwargs,
+                        tools=body.template_tools())
+
+
+class ChatChoice(ChoiceState):
+    """A chat choice: the engine request's state plus the parser of its output."""
+
+    parser: ChatOutputParser | None = None
+
+
 async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> list[ChoiceState]:
     """Render, tokenize and validate; one ChoiceState per sample. Raises APIError / ParamError."""
     try:
         body.check()
     except ParamError as e:
         raise _remap(e, body) from None
+    parsing = parser_config(ctx, body)
     if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:
         raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
@@ -115,10 +140,15 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e, body) from None
-    states = []
+    states: list[ChoiceState] = []
     for i in range(params.n):
+        parser = ChatOutputParser(parsing, ctx.tokenizer, ids) if parsing.active else None
         child = params.replace(n=1, seed=child_seed(params.seed, i))
-        states.append(ChoiceState(i, f"{request_id}-{i}", ids, child, ctx.detokenizer(ids, child)))
+        if parser is not None:
+            child = child.replace(skip_special_tokens=parser.skip_special_tokens(child.skip_special_tokens))
+        state = ChatChoice(i, f"{request_id}-{i}", ids, child, ctx.detokenizer(ids, child))
+        state.parser = parser
+        states.append(state)
     return states
 
 
@@ -145,17 +175,50 @@ def _logprobs_of(ctx: ServingContext, body: ChatCompletionRequest, state: Choice
                          ctx.tokens_as_ids(body.return_tokens_as_token_ids))
 
 
+def _message(s: ChoiceState) -> tuple[dict[str, Any], str | None]:
+    """vLLM's assistant message of a finished choice (tool_calls only when there are some) and its
+    finish_reason. `reasoning` is vLLM's field; `reasoning_content` carries the same for older clients."""
+    parser = s.parser if isinstance(s, ChatChoice) else None
+    if parser is None:
+        reasoning, content, calls, reason = None, s.text, [], s.finish_reason
+    else:
+        parsed = parser.parse(s.text)
+        reasoning, content, calls = parsed.reasoning, parsed.content, parsed.tool_calls
+        reason = parser.finish_reason(s.finish_reason, parsed)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [c.to_json() for c in calls]
+    message["reasoning"] = message["reasoning_content"] = reasoning
+    return message, reason
+
+
+def _usage(ctx: ServingContext, states: list[ChoiceState], prompt_len: int,
+           cached: int | None = None) -> dict[str, Any]:
+    """vLLM's usage; with --reasoning-parser also completion_tokens_details.reasoning_tokens."""
+    out = usage(prompt_len, sum(len(s.token_ids) for s in states), cached)
+    if ctx.cfg.reasoning_parser:
+        count = sum(s.parser.reasoning_tokens(s.token_ids) for s in states if isinstance(s, ChatChoice) and s.parser)
+        out["completion_tokens_details"] = {"reasoning_tokens": count}
+    return out
+
+
+def _hide_metadata(body: ChatCompletionRequest, s: ChoiceState) -> bool:
+    """vLLM: with a reasoning parser and include_reasoning false, token ids and logprobs would show the
+    hidden reasoning, so neither is returned."""
+    return not body.include_reasoning and isinstance(s, ChatChoice) and s.parser is not None
+
+
 def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any],
               states: list[ChoiceState]) -> dict[str, Any]:
     choices = []
     for s in states:
+        message, reason = _message(s)
+        hide = _hide_metadata(body, s)
         choice: dict[str, Any] = {
-            "index": s.index,
-            "message": {"role": "assistant", "content": s.text, "refusal": None, "tool_calls": [],
-                        "reasoning_content": None},
-            "logprobs": _logprobs_of(ctx, body, s, s.token_ids, s.logprobs, s.top_logprobs),
-            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
-        if body.return_token_ids:
+            "index": s.index, "message": message,
+            "logprobs": None if hide else _logprobs_of(ctx, body, s, s.token_ids, s.logprobs, s.top_logprobs),
+            "finish_reason": reason, "stop_reason": s.stop_reason}
+        if body.return_token_ids and not hide:
             choice["token_ids"] = s.token_ids
         if body.return_weight_versions:
             choice["weight_versions"] = s.weight_versions(ctx.client.control_state)
@@ -165,7 +228,7 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, 
         choices.append(choice)
     prompt_ids = states[0].prompt_ids
     out = {**head, "choices": choices,
-           "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states), states[0].num_cached_tokens),
+           "usage": _usage(ctx, states, len(prompt_ids), states[0].num_cached_tokens),
            "system_fingerprint": None,
            "prompt_logprobs": ctx.prompt_logprobs_json(prompt_ids, states[0].prompt_logprobs)}
     if body.return_token_ids:
@@ -182,26 +245,53 @@ async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, head: dict[s
         if body.return_token_ids:
             first["prompt_token_ids"] = prompt_ids
         if body.continuous_usage():
-            first["usage"] = usage(len(prompt_ids), 0)
+            first["usage"] = _usage(ctx, [], len(prompt_ids))
         yield first
     by_index = {s.index: s for s in states}
     async with aclosing(run_choices(ctx, states)) as updates:  # type: ignore[type-var]
         async for upd in updates:
             if not (upd.text or upd.token_ids or upd.finish_reason):
                 continue
-            yield _chunk(ctx, body, head, upd, by_index[upd.index])
+            chunk = _chunk(ctx, body, head, upd, by_index[upd.index])
+            if chunk is not None:
+                yield chunk
     if body.include_usage():
-        yield {**head, "choices": [], "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states),
-                                                     states[0].num_cached_tokens)}
+        yield {**head, "choices": [], "usage": _usage(ctx, states, len(prompt_ids), states[0].num_cached_tokens)}
+
+
+def _delta(upd: ChoiceUpdate, state: ChoiceState) -> tuple[dict[str, Any] | None, str | None]:
+    """The delta of one update (None: the parser has nothing to send yet) and the choice's finish_reason."""
+    parser = state.parser if isinstance(state, ChatChoice) else None
+    if parser is None:
+        return ({"content": upd.text} if upd.text else {}), upd.finish_reason
+    got = parser.parse_delta(upd.text, finished=upd.finish_reason is not None)
+    reason = None if upd.finish_reason is None else parser.finish_reason(upd.finish_reason)
+    if got is None:
+        return None, reason
+    delta: dict[str, Any] = {}
+    if got.reasoning is not None:
+        delta["reasoning"] = delta["reasoning_content"] = got.reasoning
+    if got.content is not None:
+        delta["content"] = got.content
+    if got.tool_calls:
+        delta["tool_calls"] = [c.to_json() for c in got.tool_calls]
+    return delta, reason
 
 
 def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any], upd: ChoiceUpdate,
-           state: ChoiceState) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": upd.index, "delta": {"content": upd.text} if upd.text else {},
-        "logprobs": _logprobs_of(ctx, body, state, upd.token_ids, upd.logprobs, upd.top_logprobs),
-        "finish_reason": upd.finish_reason, "stop_reason": upd.stop_reason}
-    if body.return_token_ids:
+           state: ChoiceState) -> dict[str, Any] | None:
+    """One SSE chunk, or None when there is nothing to send (as vLLM: a parser's held-back step without
+    logprobs or token ids to deliver)."""
+    hide = _hide_metadata(body, state)
+    delta, reason = _delta(upd, state)
+    logprobs = None if hide else _logprobs_of(ctx, body, state, upd.token_ids, upd.logprobs, upd.top_logprobs)
+    if delta is None:
+        if upd.finish_reason is None and logprobs is None and (not body.return_token_ids or hide):
+            return None
+        delta = {}
+    choice: dict[str, Any] = {"index": upd.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": reason, "stop_reason": upd.stop_reason}
+    if body.return_token_ids and not hide:
         choice["token_ids"] = upd.token_ids
     if upd.finish_reason is not None:  # the last chunk of the choice only
         if body.return_weight_versions:
@@ -211,5 +301,5 @@ def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any
         choice["sampling_mass"] = upd.sampling_mass or []
     chunk = {**head, "choices": [choice]}
     if body.continuous_usage():
-        chunk["usage"] = usage(len(state.prompt_ids), len(state.token_ids))
+        chunk["usage"] = _usage(ctx, [state], len(state.prompt_ids))
     return chunk

@@ -216,7 +216,7 @@ ASKING_SAMPLING: dict[str, Any] = {
 }
 ASKING_COMPLETION: dict[str, Any] = {**ASKING_SAMPLING, "suffix": "end", "prompt_embeds": "AAAA"}
 ASKING_CHAT: dict[str, Any] = {
-    **ASKING_SAMPLING, "echo": True, "include_reasoning": False, "return_prompt_text": True,
+    **ASKING_SAMPLING, "echo": True, "return_prompt_text": True,
     "media_io_kwargs": {"image": {"x": 1}}, "mm_processor_kwargs": {"x": 1},
 }
 NEUTRAL: dict[str, Any] = {
@@ -230,6 +230,7 @@ HARMLESS_CHAT: dict[str, Any] = {
     "user": "u-1", "metadata": {"run": "7"}, "request_id": "abc", "session_id": "s-1", "cache_salt": "salty",
     "parallel_tool_calls": False, "stream_interval": 4, "return_token_offsets": True, "mm_payload": "none",
     "spaces_between_special_tokens": False, "skip_special_tokens": None,
+    "include_reasoning": False,  # without --reasoning-parser there is no reasoning to leave out
 }
 ASKING_ENGINE_SAMPLING: dict[str, Any] = {
     "watermarking": True, "prompt_logprob_token_ids": [5], "prompt_logprob_start": 1, "logprob_token_ids": [5],
@@ -263,6 +264,14 @@ def unsupported_field_cases() -> list[BadInput]:
             ("named tool_choice", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}},
              400, "tool_choice"),
             ("tool_choice without tools", {"tool_choice": "required"}, 400, "tool_choice"),
+            ("named tool_choice of an undefined function",
+             {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+            ("tool parameters not a JSON Schema",
+             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+              "tool_choice": "none"}, 400, "tools.0.function.parameters"),
+            ("tool parameters with a $schema that is no string",
+             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": 5}}}],
+              "tool_choice": "none"}, 400, "tools.0.function.parameters"),
             ("empty tools", {"tools": []}, 400, "tools"),
             ("tools rendered, tool_choice none", {"tools": [tool], "tool_choice": "none"}, 200, None),
             ("truncation_side right", {"truncate_prompt_tokens": 3, "truncation_side": "right"}, 200, None),

@@ -5,6 +5,7 @@ checks are in test_vllm_command_line.py)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,10 +167,17 @@ def test_no_op_flags_are_accepted_with_one_note_each():
     assert parse_config(["--no-enforce-eager", "--enable-custom-all-reduce"]).notes == ()
 
 
-def test_tool_calling_flags_are_refused_by_name():
-    message = refused(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    assert "--enable-auto-tool-choice" in message and "--tool-call-parser hermes" in message
-    assert "tool calling" in message
+def test_tool_calling_and_reasoning_flags():
+    cfg = parse_config(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser, cfg.reasoning_parser) == (True, "hermes", "qwen3")
+    assert parse_config(["--reasoning-parser", "None"]).reasoning_parser == ""  # vLLM: "none" turns it off
+    for argv, words in ((["--tool-call-parser", "nope"], "invalid tool call parser: nope (choose from { hermes,"),
+                        (["--reasoning-parser", "nope"], "invalid reasoning parser: nope (choose from {"),
+                        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+                        (["--tokens-only", "--reasoning-parser", "qwen3"], "--tokens-only loads no tokenizer")):
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            parse_config(argv)
+    assert "--tool-parser-plugin x" in refused(["--tool-parser-plugin", "x"])
 
 
 def test_value_flags_accept_only_what_rollbus_does():
