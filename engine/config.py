@@ -47,7 +47,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     seed: int = 0
-    num_workers: int = 1
+    # data parallelism (engine.topology; docs/serving.md "Scale-out")
+    data_parallel_size: int = 1  # engines (a scheduler and its workers each) behind the gateway
+    data_parallel_size_local: int | None = None  # engines on this host (None: all of them)
+    data_parallel_start_rank: int = 0  # the first engine on this host
+    data_parallel_rank: int = 0  # the engine a scheduler or worker process belongs to
     # model loading and chat (vLLM's names and meanings)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, for a first weight sync)
     use_tqdm_on_load: bool = True
@@ -240,8 +244,6 @@ NO_OP_FLAGS: dict[str, str] = {
 # vLLM flags accepted only with the values rollbus implements (compared as given, lower case).
 ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "tensor_parallel_size": (("1",), "tensor parallelism is not implemented yet (scale-out lands later)"),
-    "data_parallel_size": (("1",), "data parallelism is not implemented yet (scale-out lands later); run "
-                                   "one server per replica"),
     "pipeline_parallel_size": (("1",), "pipeline parallelism is not implemented"),
     "decode_context_parallel_size": (("1",), "context parallelism is not implemented"),
     "prefill_context_parallel_size": (("1",), "context parallelism is not implemented"),
@@ -358,8 +360,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a start-up error; init_worker_extension / destroy_worker_extension hooks run if defined.")
     g.add_argument("--tensor-parallel-size", "-tp", action=_VllmFlag, dest=_vllm_dest("tensor_parallel_size"),
                    metavar="N", help="1 only (tensor parallelism is not implemented yet).")
-    g.add_argument("--data-parallel-size", "-dp", action=_VllmFlag, dest=_vllm_dest("data_parallel_size"),
-                   metavar="N", help="1 only (run one server per replica until scale-out lands).")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive("--data-parallel-size"),
+                   default=d.data_parallel_size, metavar="M",
+                   help="Engines (a scheduler with its own workers each) behind the gateway, which routes each "
+                        "request to the engine with the least outstanding work, or to the one its "
+                        "X-data-parallel-rank header names. CPU: any M (each engine's worker uses the threads "
+                        "OMP_NUM_THREADS gives it); accelerators: at most the devices present.")
+    g.add_argument("--data-parallel-size-local", "-dpl", type=_non_negative("--data-parallel-size-local"),
+                   default=None, metavar="N",
+                   help="Engines on this host (several hosts: docs/serving.md). Default: all of them.")
+    g.add_argument("--data-parallel-start-rank", "-dpr", type=_non_negative("--data-parallel-start-rank"),
+                   default=d.data_parallel_start_rank, metavar="R",
+                   help="The first engine on this host; the host with 0 runs the coordinator and the gateway.")
+    g.add_argument("--data-parallel-rank", "-dpn", type=_non_negative("--data-parallel-rank"),
+                   default=d.data_parallel_rank, metavar="R",
+                   help="The engine a `rollbus scheduler` or `rollbus worker` process belongs to (what "
+                        "`rollbus serve` passes each child; Procfile lines set it).")
     g.add_argument("--pipeline-parallel-size", "-pp", action=_VllmFlag, dest=_vllm_dest("pipeline_parallel_size"),
                    metavar="N", help="1 only.")
     g = p.add_argument_group("scheduling and KV cache")
@@ -382,8 +398,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the "
                         "whole vocabulary (a request's -1 asks for the whole vocabulary).")
-    g.add_argument("--num-workers", type=int, default=d.num_workers,
-                   help="Worker processes (one per device). CPU: 1.")
+    g.add_argument("--num-workers", dest="num_workers_refused", default=None, metavar="N",
+                   help="Refused: use --data-parallel-size N (-dp) for N model replicas, each an engine of its "
+                        "own, or --tensor-parallel-size N (-tp) for one model split over N devices.")
     g = p.add_argument_group("bus")
     g.add_argument("--bus-transport", default=os.environ.get("ROLLBUS_BUS_TRANSPORT", d.bus_transport),
                    choices=["ipc", "tcp"],
@@ -429,6 +446,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_rl_args(p)
     add_training_data_args(p)
     add_vllm_only_args(p)
+
+
+def _positive(flag: str):
+    def parse(value: str) -> int:
+        n = human_int(value)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {n}")
+        return n
+    return parse
 
 
 def _non_negative(flag: str):
@@ -620,6 +646,10 @@ def _check_load_format(cfg: EngineConfig) -> None:
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate the parsed flags (SystemExit with every problem named) and build the config."""
     refusals, notes = _refusals_and_notes(ns)
+    if getattr(ns, "num_workers_refused", None) is not None:
+        refusals.append(f"--num-workers {ns.num_workers_refused}: removed: N lockstep copies of the model did the "
+                        "work of one; use --data-parallel-size N (-dp N: N engines, requests balanced over them) "
+                        "or --tensor-parallel-size N (-tp N: one model split over N devices)")
     if refusals:
         raise SystemExit("rollbus: refused vLLM flags (see " + DOCS + "):\n  " + "\n  ".join(refusals))
     names = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -633,8 +663,14 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"rollbus: --api-key takes one key here; {len(keys)} were given")
         values["api_key"] = keys[0]
     cfg = EngineConfig(**values, notes=tuple(notes))
-    if cfg.num_workers < 1:
-        raise SystemExit("--num-workers must be at least 1")
+    from engine.topology import Topology
+
+    problems = Topology.from_config(cfg).problems()
+    if cfg.data_parallel_rank >= cfg.data_parallel_size:
+        problems.append(f"--data-parallel-rank {cfg.data_parallel_rank} is not an engine of --data-parallel-size "
+                        f"{cfg.data_parallel_size} (0..{cfg.data_parallel_size - 1})")
+    if problems:
+        raise SystemExit("rollbus: " + "; ".join(problems))
     if cfg.tokens_only and os.environ.get(SCALE_OUT_ENV, "").strip() == "0":
         raise SystemExit(f"rollbus: `{SCALE_OUT_ENV}=0` conflicts with `--tokens-only`; unset it or set it to 1")
     if cfg.tokens_only and cfg.chat_template is not None:

@@ -28,6 +28,7 @@ from bus.endpoints import Endpoints
 from bus.messages import Ready
 from engine.config import EngineConfig
 from engine.restart_policy import WINDOW_S, RestartPolicy
+from engine.topology import Topology, check_devices
 
 STOP_GRACE_S = 5.0
 
@@ -41,10 +42,16 @@ def _die_with_parent() -> None:
 
 
 def roles(cfg: EngineConfig) -> list[tuple[str, list[str]]]:
-    """(member name, extra argv) of every process, in start order."""
-    out = [("coordinator", ["coordinator"]), ("scheduler", ["scheduler"])]
-    out += [(f"worker-{r}", ["worker", "--rank", str(r)]) for r in range(cfg.num_workers)]
-    out.append(("gateway", ["gateway"]))
+    """(member name, extra argv) of every process on this host, in start order: the coordinator (head
+    host only), each local engine's scheduler and workers (engine.topology), the gateway (head host only)."""
+    topo = Topology.from_config(cfg)
+    out = [("coordinator", ["coordinator"])] if topo.is_head else []
+    for e in topo.local_engines:
+        engine = ["--data-parallel-rank", str(e)]
+        out.append((topo.scheduler_name(e), ["scheduler", *engine]))
+        out += [(topo.worker_name(e, t), ["worker", "--rank", str(t), *engine]) for t in range(topo.tp)]
+    if topo.is_head:
+        out.append(("gateway", ["gateway"]))
     return out
 
 
@@ -64,6 +71,10 @@ class Launcher:
         # Prepare the model once here (first run downloads and converts it, with progress), so the
         # children find it cached instead of racing to build it.
         resolve_model(self.cfg.model, progress=True)
+        why = self._layout_problem()
+        if why:
+            print(f"rollbus: {why}", file=sys.stderr, flush=True)
+            return 2
         ctx = zmq.Context()
         ready_dir = tempfile.mkdtemp(prefix="rollbus-launch-")
         endpoint = f"ipc://{ready_dir}/ready"
@@ -94,6 +105,16 @@ class Launcher:
                 pass
             self._remove_bus_files()
 
+    def _layout_problem(self) -> str | None:
+        from ascend_ops.platform import current_platform
+
+        if self.cfg.data_parallel_rank:
+            return (f"--data-parallel-rank {self.cfg.data_parallel_rank} names the engine of one scheduler or worker "
+                    "process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
+                    "--data-parallel-size-local")
+        platform = current_platform()
+        return check_devices(Topology.from_config(self.cfg), platform.name, platform.device_count())
+
     def _spawn(self, name: str) -> None:
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "engine.cli", *self._role_argv[name], *self._argv],
@@ -107,7 +128,7 @@ class Launcher:
             ep = Endpoints.from_config(self.cfg)
         except Exception:  # noqa: BLE001 - nothing to clean if the folder cannot even be named
             return
-        paths = [a[len("ipc://"):] for a in (ep.requests, ep.plans, ep.results, ep.control, ep.commands)]
+        paths = [a[len("ipc://"):] for a in ep.all_addresses()]
         for path in paths:
             try:
                 os.unlink(path)
