@@ -269,7 +269,7 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server):
     assert all(completion(url).status_code == 200 for _ in range(6))  # balanced requests avoid engine 1
     after = engine_series(server, "vllm:request_success_total")
     assert after["0"] - before["0"] == 6 and after["1"] == before["1"], (before, after)
-    streams.join(60)
+    streams.join(90)  # engine 0's streams run to the end (slow on a loaded machine)
     for i in (1, 3):
         assert '"error"' in streams.lines[i][-2] and "worker-1" in streams.lines[i][-2], streams.lines[i][-2:]
     for i in (0, 2):
