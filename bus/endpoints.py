@@ -9,6 +9,10 @@
 | commands | coordinator (XPUB)    | everyone (SUB)                 | Command (seq-numbered), coordinator Heartbeat, topic b"C" |
 | ready    | launcher (PULL)       | every process (PUSH), optional | Ready                                   |
 
+Data parallelism (-dp M, engine.topology): requests, plans and results exist once per engine, bound by that
+engine's scheduler (engine e >= 1: `<name>-e` in the ipc folder, tcp ports base + 3e + 2 .. base + 3e + 4,
+on --bus-engine-hosts' e-th host); control and commands stay one for the whole deployment.
+
 Subscribers also subscribe to a topic naming themselves (b"@" + name) that nothing is published on:
 the XPUB side sees that subscription arrive, so it knows the member's SUB pipe is connected before it
 sends anything that member must not miss (no sleeps for slow joiners), and sees it leave when the member
@@ -63,10 +67,11 @@ class Endpoints:
         topo = Topology.from_config(cfg)
         keys = auth.check_config(cfg)
         if cfg.bus_transport == "tcp":
-            host = f"[{cfg.bus_host}]" if ":" in cfg.bus_host and not cfg.bus_host.startswith("[") else cfg.bus_host
-            shared = [f"tcp://{host}:{cfg.bus_port_base + i}" for i in (3, 4)]
-            engines = [tuple(f"tcp://{host}:{cfg.bus_port_base + topo.port_offset(e) + i}" for i in range(3))
-                       for e in topo.engines]
+            shared = [f"tcp://{_tcp_host(cfg.bus_host)}:{cfg.bus_port_base + i}" for i in (3, 4)]
+            hosts = [h.strip() for h in (getattr(cfg, "bus_engine_hosts", None) or "").split(",") if h.strip()]
+            hosts = hosts if len(hosts) == topo.dp else [cfg.bus_host] * topo.dp  # (config_from_args checks it)
+            engines = [tuple(f"tcp://{_tcp_host(hosts[e])}:{cfg.bus_port_base + topo.port_offset(e) + i}"
+                             for i in range(3)) for e in topo.engines]
         else:
             folder = cfg.bus_dir or os.path.join(tempfile.gettempdir(), f"rollbus-{os.getuid()}-{cfg.port}")
             private_folder(folder)
@@ -132,6 +137,10 @@ class Endpoints:
         """Where a binding socket listens: exactly the address in the table. tcp binds --bus-host only
         (never all interfaces); ipc binds the path itself."""
         return addr
+
+
+def _tcp_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def private_folder(folder: str) -> None:

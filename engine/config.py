@@ -67,6 +67,7 @@ class EngineConfig:
     bus_dir: str | None = None  # ipc socket folder (default: a per-port folder under the temp dir)
     bus_host: str = "127.0.0.1"  # tcp: where the binding processes listen / are reached
     bus_port_base: int = 5550  # tcp: first of a small block of consecutive ports
+    bus_engine_hosts: str | None = None  # tcp: comma-separated host of each engine's scheduler (default --bus-host)
     bus_curve_dir: str | None = None  # tcp: CURVE key folder (`rollbus keys DIR`); see bus.auth
     bus_insecure: bool = False  # tcp without keys: loopback --bus-host only
     ready_endpoint: str | None = None  # set by `rollbus serve`: where processes report READY
@@ -412,6 +413,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tcp: host of the scheduler and coordinator sockets. Env ROLLBUS_BUS_HOST.")
     g.add_argument("--bus-port-base", type=int, default=int(os.environ.get("ROLLBUS_BUS_PORT_BASE", d.bus_port_base)),
                    help="tcp: first of 5 consecutive ports. Env ROLLBUS_BUS_PORT_BASE.")
+    g.add_argument("--bus-engine-hosts", default=None, metavar="HOST,HOST,...",
+                   help="tcp with several hosts: the host of each engine's scheduler, one per engine in rank order "
+                        "(e.g. 10.0.0.1,10.0.0.2 with -dp 2): that scheduler binds its requests, plans and results "
+                        "sockets there and everyone connects to it there. Default: --bus-host for every engine. "
+                        "The coordinator always listens on --bus-host.")
     g.add_argument("--bus-curve-dir", default=os.environ.get("ROLLBUS_BUS_CURVE_DIR") or None,
                    help="tcp: folder of the bus's CURVE keys, made by `rollbus keys DIR` (server.key, "
                         "server.key_secret, client.key, client.key_secret; extra *.key files: more allowed "
@@ -630,6 +636,31 @@ def _refusals_and_notes(ns: argparse.Namespace) -> tuple[list[str], list[str]]:
     return refusals, notes
 
 
+def engine_hosts(cfg: EngineConfig) -> list[str]:
+    """The tcp host of each engine's scheduler sockets (--bus-engine-hosts, else --bus-host for all)."""
+    if not cfg.bus_engine_hosts:
+        return [cfg.bus_host] * cfg.data_parallel_size
+    return [h.strip() for h in cfg.bus_engine_hosts.split(",")]
+
+
+def _engine_host_problems(cfg: EngineConfig) -> list[str]:
+    if not cfg.bus_engine_hosts:
+        return []
+    from bus.auth import is_loopback
+
+    hosts = engine_hosts(cfg)
+    out = []
+    if cfg.bus_transport != "tcp":
+        out.append("--bus-engine-hosts needs --bus-transport tcp")
+    if len(hosts) != cfg.data_parallel_size or not all(hosts):
+        out.append(f"--bus-engine-hosts {cfg.bus_engine_hosts} names {len(hosts)} host(s); --data-parallel-size "
+                   f"{cfg.data_parallel_size} needs one per engine")
+    if cfg.bus_insecure and not all(is_loopback(h) for h in hosts):
+        out.append(f"--bus-insecure is refused with --bus-engine-hosts {cfg.bus_engine_hosts}: an unauthenticated "
+                   "bus may only listen on loopback addresses; use --bus-curve-dir")
+    return out
+
+
 def _check_load_format(cfg: EngineConfig) -> None:
     fmt = cfg.load_format
     if fmt not in LOAD_FORMATS:
@@ -666,6 +697,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     from engine.topology import Topology
 
     problems = Topology.from_config(cfg).problems()
+    problems += _engine_host_problems(cfg)
     if cfg.data_parallel_rank >= cfg.data_parallel_size:
         problems.append(f"--data-parallel-rank {cfg.data_parallel_rank} is not an engine of --data-parallel-size "
                         f"{cfg.data_parallel_size} (0..{cfg.data_parallel_size - 1})")

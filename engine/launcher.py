@@ -181,6 +181,12 @@ class Launcher:
                     continue
                 if isinstance(msg, Ready):
                     waiting.discard("gateway" if msg.role == "gateway" else msg.name)
+        topo = Topology.from_config(self.cfg)
+        if not topo.is_head:
+            print(f"rollbus: ready in {time.monotonic() - t0:.1f}s: engines {topo.dp_start}.."
+                  f"{topo.dp_start + topo.dp_local - 1} of --data-parallel-size {topo.dp} (the gateway and the "
+                  "coordinator run on the host with --data-parallel-start-rank 0; Ctrl-C stops)", flush=True)
+            return None
         url = f"http://{self.cfg.host}:{self.cfg.port}"
         print(f"rollbus: ready in {time.monotonic() - t0:.1f}s, serving {self.cfg.model_name} at {url}  "
               f"(OpenAI API at {url}/v1; Ctrl-C stops)", flush=True)

@@ -106,8 +106,8 @@ class HealthProbe:
         return all(r.get("ok", True) for r in reply.results.values())
 
     async def check(self) -> bool:
-        if not self.client.healthy:
-            return False
+        if not self.client.healthy or not all(getattr(self.client, "engines_alive", lambda: [True])()):
+            return False  # (every data-parallel engine must be whole, as the one engine must be)
         if self._inflight is None or self._inflight.done():
             self._inflight = asyncio.create_task(self._probe())
         return await asyncio.shield(self._inflight)

@@ -44,7 +44,9 @@ from bus.messages import (
     ErrorInfo,
     Heartbeat,
     Hello,
+    MemberJoined,
     MemberLost,
+    Members,
     OutputBatch,
     RequestOutput,
     Welcome,
@@ -77,7 +79,10 @@ class EngineClient:
         self.engine_stats: list[dict[str, float]] = [{} for _ in range(self.num_engines)]
         self.refused: str | None = None  # the coordinator refused us (protocol mismatch): for good
         self.silent: str | None = None  # the coordinator has been silent too long (clears when heard)
-        self.follower = Follower(self.name, {MemberLost: self._on_member_lost})
+        self.follower = Follower(self.name, {MemberLost: self._on_member_lost, MemberJoined: self._on_member_joined})
+        # engine processes that have joined (several engines only: the router sends nothing to an engine that
+        # has not come up yet, e.g. another host's): from the coordinator's member list, then MemberJoined/Lost
+        self.joined: set[str] = set()
         self._coordinator_seen = time.monotonic()
         self._command_seq = 0  # the highest seq of a command read on the SUB (coordinator_restarted)
         self._tasks: list[asyncio.Task] = []
@@ -102,9 +107,13 @@ class EngineClient:
         """Why engine `engine` cannot compute now (a scheduler or worker of it lost), or None. A lost engine
         process of no known engine counts against every engine."""
         lost = {n: m for n, m in self.follower.state.lost.items() if self.topology.engine_of(n) in (engine, None)}
-        if not lost:
-            return None
-        return control_state.engine_down_message(ControlState(lost=lost))
+        if lost:
+            return control_state.engine_down_message(ControlState(lost=lost))
+        if self.num_engines > 1:
+            missing = [n for n in self.topology.members(engine) if n not in self.joined]
+            if missing:
+                return f"{', '.join(missing)} of engine {engine} not joined yet (starting, or on another host): retry"
+        return None
 
     def engines_alive(self) -> list[bool]:
         return [self.engine_down_reason(e) is None for e in range(self.num_engines)]
@@ -173,6 +182,9 @@ class EngineClient:
         self._beat = HeartbeatThread(self._beat_ctx, self.ep.control, self.name, self.interval,
                                      lambda: self.follower.seq or 0)
         await asyncio.wait_for(self.welcomed, timeout_s)
+        if self.num_engines > 1:
+            reply = await self.control(Members(), timeout_s=timeout_s)
+            self.joined |= set(reply.results) - set(self.follower.state.lost)
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -289,7 +301,11 @@ class EngineClient:
                     self.follower.resync()
                     await self._hello()
 
+    def _on_member_joined(self, cmd: MemberJoined) -> None:
+        self.joined.add(cmd.name)
+
     def _on_member_lost(self, cmd: MemberLost) -> None:
+        self.joined.discard(cmd.name)
         # Another gateway going away is not our problem; a lost worker's requests are failed by the
         # scheduler (the queued ones wait for its return); a lost scheduler took every request with it.
         if cmd.role == "scheduler":

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -22,7 +25,7 @@ from engine.launcher import roles
 from engine.topology import Topology, check_devices, layout_mismatch
 from gateway.dp_router import HEADER, Balancer, RankHeaderError, parse_rank_header
 from tests.bus_helpers import ControlClient
-from tests.server_helpers import start_server, tiny_model_with_tokenizer
+from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
 from tests.test_recovery import RL, Streams, checksums, completion, greedy, rank_header
 from tests.waits import wait_for
 
@@ -284,3 +287,63 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server):
     streams.join(60)
     after = engine_series(server, "vllm:request_success_total")
     assert after["1"] > before["1"], "the router did not take engine 1 back"
+
+
+@pytest.mark.skipif(shutil.which("honcho") is None, reason="honcho must be installed (pip install -e '.[test]')")
+def test_honcho_runs_the_two_engine_procfile(tmp_path, smollm2_dir):
+    from tests.test_launch import ROOT, wait_healthy
+
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
+    port = free_port()
+    env = dict(os.environ, ROLLBUS_ARGS=f"{folder} --port {port} --bus-dir {tmp_path / 'bus'} --max-model-len 256 "
+                                        "--kv-cache-memory-bytes 67108864",
+               PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    proc = subprocess.Popen(["honcho", "-f", "Procfile.dp2", "start"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        for engine in (0, 1):
+            assert completion(url, engine).status_code == 200
+        assert set(engine_series(SimpleNamespace(url=url), "vllm:request_success_total")) == {"0", "1"}
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=30)[0].decode(errors="replace")
+    for entry, member in (("scheduler1", "scheduler-1"), ("worker1", "worker-1")):
+        assert re.search(rf"^\S+ {entry}\.1\s+\| .*\bproc={member}\b", out, re.M), (entry, out[-3000:])
+
+
+def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir):
+    """docs/serving.md "Several hosts": "host A" (127.0.0.1) runs the coordinator, the gateway and engine 0,
+    "host B" (127.0.0.2) runs engine 1 with the same flags plus its start rank; engine 1's scheduler binds
+    on 127.0.0.2 and the gateway reaches it there."""
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
+    base = free_port()
+    flags = [str(folder), "-dp", "2", "--data-parallel-size-local", "1", "--bus-transport", "tcp",
+             "--bus-host", "127.0.0.1", "--bus-engine-hosts", "127.0.0.1,127.0.0.2", "--bus-insecure",
+             "--bus-port-base", str(base), "--max-model-len", "256", "--kv-cache-memory-bytes", "67108864"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = start_server(tmp_path / "a", *flags)
+    try:
+        b = start_server(tmp_path / "b", *flags, "--data-parallel-start-rank", "1")
+        try:
+            assert set(b.child_pids()) == {"scheduler-1", "worker-1"}
+            assert "engines 1..1 of --data-parallel-size 2" in b.log()
+            wait_for(lambda: completion(a.url, 1).status_code == 200, 30, "engine 1 (host B) serving")
+            assert completion(a.url, 0).status_code == 200
+            assert listening("127.0.0.2", base + 5) and not listening("127.0.0.1", base + 5)  # engine 1's requests
+            success = engine_series(a, "vllm:request_success_total")
+            assert success["0"] >= 1 and success["1"] >= 1, success
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def listening(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.settimeout(2)
+        return sock.connect_ex((host, port)) == 0
