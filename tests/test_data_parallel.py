@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+import zmq
 
 from bus.control import ControlLedger, Member
 from bus.endpoints import Endpoints
@@ -347,3 +348,32 @@ def listening(host: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(2)
         return sock.connect_ex((host, port)) == 0
+
+
+def test_the_coordinator_refuses_an_engine_process_started_with_other_flags(tmp_path):
+    """Another host's scheduler with another model or -tp / -dp: refused at Hello naming the value (its
+    MemberLink raises BusError and the process exits, so a start-up stops instead of running a broken
+    layout); the same layout is welcomed."""
+    from bus.member import BusError, MemberLink
+    from engine.topology import layout
+    from tests.bus_helpers import bus_config, start_coordinator
+
+    cfg = bus_config(tmp_path, data_parallel_size=2)
+    proc = start_coordinator(cfg)
+    ctx = zmq.Context()
+    try:
+        ep = Endpoints.from_config(cfg)
+        other = layout(bus_config(tmp_path, data_parallel_size=3, model="/models/other"))
+        bad = MemberLink(ctx, ep, role="scheduler", name="scheduler-1", info={"layout": other},
+                         default=lambda c: None)
+        with pytest.raises(BusError, match=r"data_parallel_size 3 \(coordinator: 2\)") as e:
+            bad.wait_welcome(10)
+        assert "model '/models/other'" in str(e.value)
+        good = MemberLink(ctx, ep, role="scheduler", name="scheduler-0", info={"layout": layout(cfg)},
+                          default=lambda c: None)
+        good.wait_welcome(10)
+        assert good.welcomed
+    finally:
+        ctx.destroy(linger=0)
+        proc.terminate()
+        proc.wait(10)
