@@ -55,6 +55,15 @@ def roles(cfg: EngineConfig) -> list[tuple[str, list[str]]]:
     return out
 
 
+def cpu_thread_share(topo: Topology, env: dict[str, str], platform_name: str) -> dict[str, str]:
+    """On CPU with several workers on this host, each worker's share of the cores (OMP_NUM_THREADS =
+    cores // workers), unless the user set OMP_NUM_THREADS: workers that each take every core contend."""
+    workers = topo.dp_local * topo.tp
+    if platform_name != "cpu" or workers < 2 or "OMP_NUM_THREADS" in env:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+
+
 class Launcher:
     def __init__(self, cfg: EngineConfig, *, ready_timeout_s: float = 900.0):
         self.cfg = cfg
@@ -64,6 +73,7 @@ class Launcher:
         self.policy = RestartPolicy(cfg.max_restarts)
         self.restarts: dict[str, float] = {}  # child -> when to start it again
         self.restarted_at: dict[str, float] = {}  # child -> when it was started again (for the "back" line)
+        self._platform_name = "cpu"
 
     def run(self) -> int:
         from engine.model_store import resolve_model
@@ -87,6 +97,7 @@ class Launcher:
         if self.cfg.api_key:
             env["VLLM_API_KEY"] = self.cfg.api_key
         self._argv, self._env = argv, env
+        self._worker_env = {**env, **cpu_thread_share(Topology.from_config(self.cfg), env, self._platform_name)}
         self._role_argv = dict(roles(self.cfg))
         try:
             for name in self._role_argv:
@@ -113,12 +124,14 @@ class Launcher:
                     "process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
                     "--data-parallel-size-local")
         platform = current_platform()
+        self._platform_name = platform.name
         return check_devices(Topology.from_config(self.cfg), platform.name, platform.device_count())
 
     def _spawn(self, name: str) -> None:
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "engine.cli", *self._role_argv[name], *self._argv],
-            env=self._env, start_new_session=True, preexec_fn=_die_with_parent)
+            env=self._worker_env if self._role_argv[name][0] == "worker" else self._env, start_new_session=True,
+            preexec_fn=_die_with_parent)
 
     def _remove_bus_files(self) -> None:
         """The ipc socket files the children bound (a SIGKILLed child cannot remove its own)."""

@@ -77,6 +77,16 @@ def test_the_launcher_starts_each_local_engine_and_the_head_runs_coordinator_and
     assert [n for n, _ in roles(parse_config([]))] == ["coordinator", "scheduler", "worker-0", "gateway"]
 
 
+def test_on_cpu_each_local_worker_gets_its_share_of_the_cores_unless_the_user_chose():
+    from engine.launcher import cpu_thread_share
+
+    share = cpu_thread_share(Topology(dp=2, dp_local=2), {}, "cpu")
+    assert share == {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
+    assert cpu_thread_share(Topology(dp=2, dp_local=2), {"OMP_NUM_THREADS": "3"}, "cpu") == {}
+    assert cpu_thread_share(Topology(), {}, "cpu") == {}
+    assert cpu_thread_share(Topology(dp=2, dp_local=2), {}, "cuda") == {}
+
+
 def refusal(argv: list[str]) -> str:
     with pytest.raises(SystemExit) as e:
         parse_config(argv)
