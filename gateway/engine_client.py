@@ -182,9 +182,7 @@ class EngineClient:
         self._beat = HeartbeatThread(self._beat_ctx, self.ep.control, self.name, self.interval,
                                      lambda: self.follower.seq or 0)
         await asyncio.wait_for(self.welcomed, timeout_s)
-        if self.num_engines > 1:
-            reply = await self.control(Members(), timeout_s=timeout_s)
-            self.joined |= set(reply.results) - set(self.follower.state.lost)
+        await self._refresh_joined()
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -301,6 +299,13 @@ class EngineClient:
                     self.follower.resync()
                     await self._hello()
 
+    async def _refresh_joined(self) -> None:
+        """Several engines: which engine processes are members now (after each Welcome: a resync may have
+        skipped MemberJoined / MemberLost commands)."""
+        if self.num_engines > 1:
+            reply = await self.control(Members(), timeout_s=10.0)
+            self.joined = set(reply.results) - set(self.follower.state.lost)
+
     def _on_member_joined(self, cmd: MemberJoined) -> None:
         self.joined.add(cmd.name)
 
@@ -329,6 +334,8 @@ class EngineClient:
                     self._fail_all(self.refused)
                 if not self.welcomed.done():
                     self.welcomed.set_result(msg)
+                elif msg.accepted and self.num_engines > 1:  # a resync: the member list may have changed
+                    self._tasks.append(asyncio.create_task(self._refresh_joined()))
             elif isinstance(msg, ControlReply):
                 fut = self.replies.get(msg.request_id)
                 if fut is not None and not fut.done():
