@@ -337,6 +337,10 @@ def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir):
     (tmp_path / "b").mkdir()
     a = start_server(tmp_path / "a", *flags)
     try:
+        # host B not up yet: the router keeps to engine 0, a request for engine 1 is a 503 saying why
+        assert all(completion(a.url).status_code == 200 for _ in range(4))
+        r = completion(a.url, 1)
+        assert r.status_code == 503 and "not joined yet" in r.text, r.text
         b = start_server(tmp_path / "b", *flags, "--data-parallel-start-rank", "1")
         try:
             assert set(b.child_pids()) == {"scheduler-1", "worker-1"}
