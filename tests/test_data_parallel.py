@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import torch
 import zmq
 
 from bus.control import ControlLedger, Member
@@ -27,7 +26,7 @@ from engine.topology import Topology, check_devices, layout_mismatch
 from gateway.dp_router import HEADER, Balancer, RankHeaderError, parse_rank_header
 from tests.bus_helpers import ControlClient
 from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
-from tests.test_recovery import RL, Streams, checksums, completion, greedy, rank_header
+from tests.test_recovery import RL, Streams, checksums, completion, greedy, perturbed_model, rank_header
 from tests.waits import wait_for
 
 # --- the layout (engine.topology) --------------------------------------------------------------------
@@ -244,14 +243,7 @@ def test_control_commands_are_acked_by_every_engine(server):
 
 @pytest.fixture(scope="module")
 def trainer(server):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(server.folder, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+    return perturbed_model(server.folder, 11)
 
 
 def test_a_weight_update_reaches_every_engine(server, trainer):

@@ -152,16 +152,21 @@ def test_a_killed_worker_under_32_streams_is_restarted_alone_and_serves_the_same
     assert "restarting it in" in server.log() and "worker-0 is back" in server.log()
 
 
-@pytest.fixture(scope="module")
-def trainer(server):
+def perturbed_model(folder, seed: int):
+    """The checkpoint at `folder` with every weight moved by noise: a trainer's next version."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(server.folder, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(7)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return model
+
+
+@pytest.fixture(scope="module")
+def trainer(server):
+    return perturbed_model(server.folder, 7)
 
 
 def weight_version(url: str) -> str:
