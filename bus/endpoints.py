@@ -9,6 +9,10 @@
 | commands | coordinator (XPUB)    | everyone (SUB)                 | Command (seq-numbered), coordinator Heartbeat, topic b"C" |
 | ready    | launcher (PULL)       | every process (PUSH), optional | Ready                                   |
 
+Data parallelism (-dp M, engine.topology): requests, plans and results exist once per engine, bound by that
+engine's scheduler (engine e >= 1: `<name>-e` in the ipc folder, tcp ports base + 3e + 2 .. base + 3e + 4,
+on --bus-engine-hosts' e-th host); control and commands stay one for the whole deployment.
+
 Subscribers also subscribe to a topic naming themselves (b"@" + name) that nothing is published on:
 the XPUB side sees that subscription arrive, so it knows the member's SUB pipe is connected before it
 sends anything that member must not miss (no sleeps for slow joiners), and sees it leave when the member
@@ -20,6 +24,7 @@ that hits it loses messages, which the seq numbers turn into a detected gap and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import tempfile
@@ -30,6 +35,10 @@ from bus import auth, frame_limits
 PLAN_TOPIC = b"P"
 COMMAND_TOPIC = b"C"
 WEIGHTS_TOPIC = b"W"  # WeightVersionCommitted, for trainers and monitors
+
+
+_PER_ENGINE = ("requests", "plans", "results")  # one of each per engine: <name>-<engine> for engines >= 1
+_SHARED = ("control", "commands")  # the coordinator's, one for the whole deployment
 
 
 def presence_topic(name: str) -> bytes:
@@ -46,26 +55,48 @@ class Endpoints:
     ready: str | None = None
     keys: auth.BusKeys | None = None  # tcp: the CURVE keys (None: ipc, or tcp with --bus-insecure)
     max_frames: tuple[tuple[str, int], ...] = ()  # (address, largest frame it accepts): bus.frame_limits
+    # (requests, plans, results) of every engine (data parallelism, engine.topology); the three fields
+    # above are those of the engine named by --data-parallel-rank
+    engines: tuple[tuple[str, str, str], ...] = ()
 
     @classmethod
     def from_config(cls, cfg) -> "Endpoints":
         """The engine's own processes: tcp needs --bus-curve-dir (or --bus-insecure on loopback)."""
-        names = ("requests", "plans", "results", "control", "commands")
+        from engine.topology import Topology
+
+        topo = Topology.from_config(cfg)
         keys = auth.check_config(cfg)
         if cfg.bus_transport == "tcp":
-            host = f"[{cfg.bus_host}]" if ":" in cfg.bus_host and not cfg.bus_host.startswith("[") else cfg.bus_host
-            addrs = [f"tcp://{host}:{cfg.bus_port_base + i}" for i in range(len(names))]
+            shared = [f"tcp://{_tcp_host(cfg.bus_host)}:{cfg.bus_port_base + i}" for i in (3, 4)]
+            hosts = [h.strip() for h in (getattr(cfg, "bus_engine_hosts", None) or "").split(",") if h.strip()]
+            hosts = hosts if len(hosts) == topo.dp else [cfg.bus_host] * topo.dp  # (config_from_args checks it)
+            engines = [tuple(f"tcp://{_tcp_host(hosts[e])}:{cfg.bus_port_base + topo.port_offset(e) + i}"
+                             for i in range(3)) for e in topo.engines]
         else:
             folder = cfg.bus_dir or os.path.join(tempfile.gettempdir(), f"rollbus-{os.getuid()}-{cfg.port}")
             private_folder(folder)
-            addrs = [f"ipc://{os.path.join(folder, n)}" for n in names]
+            shared = [f"ipc://{os.path.join(folder, n)}" for n in _SHARED]
+            engines = [tuple(f"ipc://{os.path.join(folder, n + topo.endpoint_suffix(e))}" for n in _PER_ENGINE)
+                       for e in topo.engines]
         if cfg.bus_transport == "tcp" and keys is None:
             auth.log.warning("bus.insecure", host=cfg.bus_host,
                              detail="--bus-insecure: the tcp bus is unauthenticated and unencrypted; any local "
                                     "user can pause, sleep or update the engine. Use --bus-curve-dir.")
         limits = frame_limits.limits_for(cfg)
-        return cls(*addrs, ready=cfg.ready_endpoint, keys=keys,
-                   max_frames=tuple((a, limits[n]) for n, a in zip(names, addrs)))
+        named = [(n, a) for e in engines for n, a in zip(_PER_ENGINE, e)] + list(zip(_SHARED, shared))
+        own = engines[min(int(getattr(cfg, "data_parallel_rank", 0) or 0), len(engines) - 1)]
+        return cls(*own, *shared, ready=cfg.ready_endpoint, keys=keys,
+                   max_frames=tuple((a, limits[n]) for n, a in named), engines=tuple(engines))
+
+    def engine(self, index: int) -> "Endpoints":
+        """These endpoints with engine `index`'s requests, plans and results."""
+        if not self.engines:
+            return self
+        return dataclasses.replace(self, **dict(zip(_PER_ENGINE, self.engines[index])))
+
+    def all_addresses(self) -> list[str]:
+        """Every socket address of the bus (the launcher removes the ipc files at exit)."""
+        return [a for e in self.engines for a in e] + [self.control, self.commands]
 
     @classmethod
     def from_url(cls, url: str, *, curve_dir: str | None = None, insecure: bool | None = None) -> "Endpoints":
@@ -106,6 +137,10 @@ class Endpoints:
         """Where a binding socket listens: exactly the address in the table. tcp binds --bus-host only
         (never all interfaces); ipc binds the path itself."""
         return addr
+
+
+def _tcp_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def private_folder(folder: str) -> None:

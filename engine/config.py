@@ -47,7 +47,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     seed: int = 0
-    num_workers: int = 1
+    # data parallelism (engine.topology; docs/serving.md "Scale-out")
+    data_parallel_size: int = 1  # engines (a scheduler and its workers each) behind the gateway
+    data_parallel_size_local: int | None = None  # engines on this host (None: all of them)
+    data_parallel_start_rank: int = 0  # the first engine on this host
+    data_parallel_rank: int = 0  # the engine a scheduler or worker process belongs to
     # model loading and chat (vLLM's names and meanings)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, for a first weight sync)
     use_tqdm_on_load: bool = True
@@ -68,6 +72,7 @@ class EngineConfig:
     bus_dir: str | None = None  # ipc socket folder (default: a per-port folder under the temp dir)
     bus_host: str = "127.0.0.1"  # tcp: where the binding processes listen / are reached
     bus_port_base: int = 5550  # tcp: first of a small block of consecutive ports
+    bus_engine_hosts: str | None = None  # tcp: comma-separated host of each engine's scheduler (default --bus-host)
     bus_curve_dir: str | None = None  # tcp: CURVE key folder (`rollbus keys DIR`); see bus.auth
     bus_insecure: bool = False  # tcp without keys: loopback --bus-host only
     ready_endpoint: str | None = None  # set by `rollbus serve`: where processes report READY
@@ -245,8 +250,6 @@ NO_OP_FLAGS: dict[str, str] = {
 # vLLM flags accepted only with the values rollbus implements (compared as given, lower case).
 ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "tensor_parallel_size": (("1",), "tensor parallelism is not implemented yet (scale-out lands later)"),
-    "data_parallel_size": (("1",), "data parallelism is not implemented yet (scale-out lands later); run "
-                                   "one server per replica"),
     "pipeline_parallel_size": (("1",), "pipeline parallelism is not implemented"),
     "decode_context_parallel_size": (("1",), "context parallelism is not implemented"),
     "prefill_context_parallel_size": (("1",), "context parallelism is not implemented"),
@@ -403,8 +406,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a start-up error; init_worker_extension / destroy_worker_extension hooks run if defined.")
     g.add_argument("--tensor-parallel-size", "-tp", action=_VllmFlag, dest=_vllm_dest("tensor_parallel_size"),
                    metavar="N", help="1 only (tensor parallelism is not implemented yet).")
-    g.add_argument("--data-parallel-size", "-dp", action=_VllmFlag, dest=_vllm_dest("data_parallel_size"),
-                   metavar="N", help="1 only (run one server per replica until scale-out lands).")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive("--data-parallel-size"),
+                   default=d.data_parallel_size, metavar="M",
+                   help="Engines (a scheduler with its own workers each) behind the gateway, which routes each "
+                        "request to the engine with the least outstanding work, or to the one its "
+                        "X-data-parallel-rank header names. CPU: any M (each engine's worker uses the threads "
+                        "OMP_NUM_THREADS gives it); accelerators: at most the devices present.")
+    g.add_argument("--data-parallel-size-local", "-dpl", type=_non_negative("--data-parallel-size-local"),
+                   default=None, metavar="N",
+                   help="Engines on this host (several hosts: docs/serving.md). Default: all of them.")
+    g.add_argument("--data-parallel-start-rank", "-dpr", type=_non_negative("--data-parallel-start-rank"),
+                   default=d.data_parallel_start_rank, metavar="R",
+                   help="The first engine on this host; the host with 0 runs the coordinator and the gateway.")
+    g.add_argument("--data-parallel-rank", "-dpn", type=_non_negative("--data-parallel-rank"),
+                   default=d.data_parallel_rank, metavar="R",
+                   help="The engine a `rollbus scheduler` or `rollbus worker` process belongs to (what "
+                        "`rollbus serve` passes each child; Procfile lines set it).")
     g.add_argument("--pipeline-parallel-size", "-pp", action=_VllmFlag, dest=_vllm_dest("pipeline_parallel_size"),
                    metavar="N", help="1 only.")
     g = p.add_argument_group("scheduling and KV cache")
@@ -427,8 +444,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the "
                         "whole vocabulary (a request's -1 asks for the whole vocabulary).")
-    g.add_argument("--num-workers", type=int, default=d.num_workers,
-                   help="Worker processes (one per device). CPU: 1.")
+    g.add_argument("--num-workers", dest="num_workers_refused", default=None, metavar="N",
+                   help="Refused: use --data-parallel-size N (-dp) for N model replicas, each an engine of its "
+                        "own, or --tensor-parallel-size N (-tp) for one model split over N devices.")
     g = p.add_argument_group("bus")
     g.add_argument("--bus-transport", default=os.environ.get("ROLLBUS_BUS_TRANSPORT", d.bus_transport),
                    choices=["ipc", "tcp"],
@@ -440,6 +458,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tcp: host of the scheduler and coordinator sockets. Env ROLLBUS_BUS_HOST.")
     g.add_argument("--bus-port-base", type=int, default=int(os.environ.get("ROLLBUS_BUS_PORT_BASE", d.bus_port_base)),
                    help="tcp: first of 5 consecutive ports. Env ROLLBUS_BUS_PORT_BASE.")
+    g.add_argument("--bus-engine-hosts", default=None, metavar="HOST,HOST,...",
+                   help="tcp with several hosts: the host of each engine's scheduler, one per engine in rank order "
+                        "(e.g. 10.0.0.1,10.0.0.2 with -dp 2): that scheduler binds its requests, plans and results "
+                        "sockets there and everyone connects to it there. Default: --bus-host for every engine. "
+                        "The coordinator always listens on --bus-host.")
     g.add_argument("--bus-curve-dir", default=os.environ.get("ROLLBUS_BUS_CURVE_DIR") or None,
                    help="tcp: folder of the bus's CURVE keys, made by `rollbus keys DIR` (server.key, "
                         "server.key_secret, client.key, client.key_secret; extra *.key files: more allowed "
@@ -474,6 +497,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_rl_args(p)
     add_training_data_args(p)
     add_vllm_only_args(p)
+
+
+def _positive(flag: str):
+    def parse(value: str) -> int:
+        n = human_int(value)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {n}")
+        return n
+    return parse
 
 
 def _non_negative(flag: str):
@@ -649,6 +681,31 @@ def _refusals_and_notes(ns: argparse.Namespace) -> tuple[list[str], list[str]]:
     return refusals, notes
 
 
+def engine_hosts(cfg: EngineConfig) -> list[str]:
+    """The tcp host of each engine's scheduler sockets (--bus-engine-hosts, else --bus-host for all)."""
+    if not cfg.bus_engine_hosts:
+        return [cfg.bus_host] * cfg.data_parallel_size
+    return [h.strip() for h in cfg.bus_engine_hosts.split(",")]
+
+
+def _engine_host_problems(cfg: EngineConfig) -> list[str]:
+    if not cfg.bus_engine_hosts:
+        return []
+    from bus.auth import is_loopback
+
+    hosts = engine_hosts(cfg)
+    out = []
+    if cfg.bus_transport != "tcp":
+        out.append("--bus-engine-hosts needs --bus-transport tcp")
+    if len(hosts) != cfg.data_parallel_size or not all(hosts):
+        out.append(f"--bus-engine-hosts {cfg.bus_engine_hosts} names {len(hosts)} host(s); --data-parallel-size "
+                   f"{cfg.data_parallel_size} needs one per engine")
+    if cfg.bus_insecure and not all(is_loopback(h) for h in hosts):
+        out.append(f"--bus-insecure is refused with --bus-engine-hosts {cfg.bus_engine_hosts}: an unauthenticated "
+                   "bus may only listen on loopback addresses; use --bus-curve-dir")
+    return out
+
+
 def _check_load_format(cfg: EngineConfig) -> None:
     fmt = cfg.load_format
     if fmt not in LOAD_FORMATS:
@@ -665,6 +722,10 @@ def _check_load_format(cfg: EngineConfig) -> None:
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate the parsed flags (SystemExit with every problem named) and build the config."""
     refusals, notes = _refusals_and_notes(ns)
+    if getattr(ns, "num_workers_refused", None) is not None:
+        refusals.append(f"--num-workers {ns.num_workers_refused}: removed: N lockstep copies of the model did the "
+                        "work of one; use --data-parallel-size N (-dp N: N engines, requests balanced over them) "
+                        "or --tensor-parallel-size N (-tp N: one model split over N devices)")
     if refusals:
         raise SystemExit("rollbus: refused vLLM flags (see " + DOCS + "):\n  " + "\n  ".join(refusals))
     names = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -678,8 +739,15 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"rollbus: --api-key takes one key here; {len(keys)} were given")
         values["api_key"] = keys[0]
     cfg = EngineConfig(**values, notes=tuple(notes))
-    if cfg.num_workers < 1:
-        raise SystemExit("--num-workers must be at least 1")
+    from engine.topology import Topology
+
+    problems = Topology.from_config(cfg).problems()
+    problems += _engine_host_problems(cfg)
+    if cfg.data_parallel_rank >= cfg.data_parallel_size:
+        problems.append(f"--data-parallel-rank {cfg.data_parallel_rank} is not an engine of --data-parallel-size "
+                        f"{cfg.data_parallel_size} (0..{cfg.data_parallel_size - 1})")
+    if problems:
+        raise SystemExit("rollbus: " + "; ".join(problems))
     if cfg.tokens_only and os.environ.get(SCALE_OUT_ENV, "").strip() == "0":
         raise SystemExit(f"rollbus: `{SCALE_OUT_ENV}=0` conflicts with `--tokens-only`; unset it or set it to 1")
     if cfg.tokens_only and cfg.chat_template is not None:

@@ -28,6 +28,7 @@ from bus.endpoints import Endpoints
 from bus.messages import Ready
 from engine.config import EngineConfig
 from engine.restart_policy import WINDOW_S, RestartPolicy
+from engine.topology import Topology, check_devices
 
 STOP_GRACE_S = 5.0
 
@@ -41,11 +42,26 @@ def _die_with_parent() -> None:
 
 
 def roles(cfg: EngineConfig) -> list[tuple[str, list[str]]]:
-    """(member name, extra argv) of every process, in start order."""
-    out = [("coordinator", ["coordinator"]), ("scheduler", ["scheduler"])]
-    out += [(f"worker-{r}", ["worker", "--rank", str(r)]) for r in range(cfg.num_workers)]
-    out.append(("gateway", ["gateway"]))
+    """(member name, extra argv) of every process on this host, in start order: the coordinator (head
+    host only), each local engine's scheduler and workers (engine.topology), the gateway (head host only)."""
+    topo = Topology.from_config(cfg)
+    out = [("coordinator", ["coordinator"])] if topo.is_head else []
+    for e in topo.local_engines:
+        engine = ["--data-parallel-rank", str(e)]
+        out.append((topo.scheduler_name(e), ["scheduler", *engine]))
+        out += [(topo.worker_name(e, t), ["worker", "--rank", str(t), *engine]) for t in range(topo.tp)]
+    if topo.is_head:
+        out.append(("gateway", ["gateway"]))
     return out
+
+
+def cpu_thread_share(topo: Topology, env: dict[str, str], platform_name: str) -> dict[str, str]:
+    """On CPU with several workers on this host, each worker's share of the cores (OMP_NUM_THREADS =
+    cores // workers), unless the user set OMP_NUM_THREADS: workers that each take every core contend."""
+    workers = topo.dp_local * topo.tp
+    if platform_name != "cpu" or workers < 2 or "OMP_NUM_THREADS" in env:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
 
 
 class Launcher:
@@ -57,6 +73,7 @@ class Launcher:
         self.policy = RestartPolicy(cfg.max_restarts)
         self.restarts: dict[str, float] = {}  # child -> when to start it again
         self.restarted_at: dict[str, float] = {}  # child -> when it was started again (for the "back" line)
+        self._platform_name = "cpu"
 
     def run(self) -> int:
         from engine.model_store import resolve_model
@@ -64,6 +81,10 @@ class Launcher:
         # Prepare the model once here (first run downloads and converts it, with progress), so the
         # children find it cached instead of racing to build it.
         resolve_model(self.cfg.model, progress=True)
+        why = self._layout_problem()
+        if why:
+            print(f"rollbus: {why}", file=sys.stderr, flush=True)
+            return 2
         ctx = zmq.Context()
         ready_dir = tempfile.mkdtemp(prefix="rollbus-launch-")
         endpoint = f"ipc://{ready_dir}/ready"
@@ -76,6 +97,7 @@ class Launcher:
         if self.cfg.api_key:
             env["VLLM_API_KEY"] = self.cfg.api_key
         self._argv, self._env = argv, env
+        self._worker_env = {**env, **cpu_thread_share(Topology.from_config(self.cfg), env, self._platform_name)}
         self._role_argv = dict(roles(self.cfg))
         try:
             for name in self._role_argv:
@@ -94,10 +116,22 @@ class Launcher:
                 pass
             self._remove_bus_files()
 
+    def _layout_problem(self) -> str | None:
+        from ascend_ops.platform import current_platform
+
+        if self.cfg.data_parallel_rank:
+            return (f"--data-parallel-rank {self.cfg.data_parallel_rank} names the engine of one scheduler or worker "
+                    "process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
+                    "--data-parallel-size-local")
+        platform = current_platform()
+        self._platform_name = platform.name
+        return check_devices(Topology.from_config(self.cfg), platform.name, platform.device_count())
+
     def _spawn(self, name: str) -> None:
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "engine.cli", *self._role_argv[name], *self._argv],
-            env=self._env, start_new_session=True, preexec_fn=_die_with_parent)
+            env=self._worker_env if self._role_argv[name][0] == "worker" else self._env, start_new_session=True,
+            preexec_fn=_die_with_parent)
 
     def _remove_bus_files(self) -> None:
         """The ipc socket files the children bound (a SIGKILLed child cannot remove its own)."""
@@ -107,7 +141,7 @@ class Launcher:
             ep = Endpoints.from_config(self.cfg)
         except Exception:  # noqa: BLE001 - nothing to clean if the folder cannot even be named
             return
-        paths = [a[len("ipc://"):] for a in (ep.requests, ep.plans, ep.results, ep.control, ep.commands)]
+        paths = [a[len("ipc://"):] for a in ep.all_addresses()]
         for path in paths:
             try:
                 os.unlink(path)
@@ -160,6 +194,12 @@ class Launcher:
                     continue
                 if isinstance(msg, Ready):
                     waiting.discard("gateway" if msg.role == "gateway" else msg.name)
+        topo = Topology.from_config(self.cfg)
+        if not topo.is_head:
+            print(f"rollbus: ready in {time.monotonic() - t0:.1f}s: engines {topo.dp_start}.."
+                  f"{topo.dp_start + topo.dp_local - 1} of --data-parallel-size {topo.dp} (the gateway and the "
+                  "coordinator run on the host with --data-parallel-start-rank 0; Ctrl-C stops)", flush=True)
+            return None
         url = f"http://{self.cfg.host}:{self.cfg.port}"
         print(f"rollbus: ready in {time.monotonic() - t0:.1f}s, serving {self.cfg.model_name} at {url}  "
               f"(OpenAI API at {url}/v1; Ctrl-C stops)", flush=True)

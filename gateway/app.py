@@ -23,6 +23,7 @@ from engine import control_state
 from engine.config import EngineConfig
 from engine.rl_config import dev_endpoints_enabled, parse_additional_config
 from gateway.dev_routes import DEV_PATHS, add_dev_routes
+from gateway.dp_middleware import DataParallelRankMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
 from gateway.limits import Admission, BodyTooLarge, LoadLimitMiddleware, too_large
@@ -105,8 +106,8 @@ class HealthProbe:
         return all(r.get("ok", True) for r in reply.results.values())
 
     async def check(self) -> bool:
-        if not self.client.healthy:
-            return False
+        if not self.client.healthy or not all(getattr(self.client, "engines_alive", lambda: [True])()):
+            return False  # (every data-parallel engine must be whole, as the one engine must be)
         if self._inflight is None or self._inflight.done():
             self._inflight = asyncio.create_task(self._probe())
         return await asyncio.shield(self._inflight)
@@ -140,6 +141,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     app.state.trimmer = trimmer = HeapTrimmer(lambda: admission.requests)
     app.add_middleware(LoadLimitMiddleware, admission=admission, max_body_bytes=cfg.max_request_body_bytes,
                        trimmer=trimmer)
+    # X-data-parallel-rank (test fakes of the client have one engine)
+    app.add_middleware(DataParallelRankMiddleware, num_engines=getattr(client, "num_engines", 1))
     if cfg.api_key:  # added last = outermost: a request without the key is 401 before any limit applies
         app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
     extra = parse_additional_config(cfg.additional_config)
@@ -152,10 +155,12 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
                                 "reach this port can pause the engine")
         add_dev_routes(app, cfg, client, extra, model_info)
         add_weight_routes(app, cfg, client)
-    metrics = Metrics(model_info.names[0], stats=lambda: client.stats, healthy=lambda: client.healthy,
+    metrics = Metrics(model_info.names[0], stats=lambda: getattr(client, "engine_stats", None) or [client.stats],
+                      healthy=lambda: client.healthy,
                       sleep_state=lambda: control_state.sleep_state_label(client.control_state),
                       open_sequences=lambda: admission.sequences,
-                      open_engine_requests=lambda: len(getattr(client, "queues", ())))  # (test fakes have none)
+                      open_engine_requests=lambda: len(getattr(client, "queues", ())),  # (test fakes have none)
+                      num_engines=getattr(client, "num_engines", 1))
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics, admission)
     health = HealthProbe(client, cfg.control_timeout_s)
     created = int(time.time())

@@ -44,7 +44,9 @@ from bus.messages import (
     ErrorInfo,
     Heartbeat,
     Hello,
+    MemberJoined,
     MemberLost,
+    Members,
     OutputBatch,
     RequestOutput,
     Welcome,
@@ -52,6 +54,8 @@ from bus.messages import (
 from bus.sockets import make_socket
 from engine import control_state
 from engine.sampling_params import SamplingParams
+from engine.topology import Topology
+from gateway.dp_router import Balancer
 
 log = structlog.get_logger()
 
@@ -62,27 +66,83 @@ class EngineDead(RuntimeError):
 
 class EngineClient:
     def __init__(self, ep: Endpoints, *, name: str | None = None, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 3.0):
+                 heartbeat_timeout_s: float = 3.0, topology: Topology | None = None):
         self.ep = ep
         self.name = name or f"gateway-{os.getpid()}"
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
+        # data parallelism: one requests socket per engine, the router's view of their load (gateway.dp_router)
+        self.topology = topology or Topology(dp=max(1, len(ep.engines)), dp_local=max(1, len(ep.engines)))
+        self.num_engines = self.topology.dp
+        self.balancer = Balancer.of(self.num_engines)
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.replies: dict[str, asyncio.Future[ControlReply]] = {}
-        self.stats: dict[str, float] = {}
+        self.engine_stats: list[dict[str, float]] = [{} for _ in range(self.num_engines)]
         self.refused: str | None = None  # the coordinator refused us (protocol mismatch): for good
         self.silent: str | None = None  # the coordinator has been silent too long (clears when heard)
-        self.follower = Follower(self.name, {MemberLost: self._on_member_lost})
+        self.follower = Follower(self.name, {MemberLost: self._on_member_lost, MemberJoined: self._on_member_joined})
+        # engine processes that have joined (several engines only: the router sends nothing to an engine that
+        # has not come up yet, e.g. another host's): from the coordinator's member list, then MemberJoined/Lost
+        self.joined: set[str] = set()
         self._coordinator_seen = time.monotonic()
         self._command_seq = 0  # the highest seq of a command read on the SUB (coordinator_restarted)
         self._tasks: list[asyncio.Task] = []
         self._beat: HeartbeatThread | None = None
 
     @property
+    def stats(self) -> dict[str, float]:
+        """The latest scheduler stats of engine 0 (every engine's: engine_stats)."""
+        return self.engine_stats[0]
+
+    @property
     def dead_reason(self) -> str | None:
-        """Why requests cannot be served now (503), or None."""
+        """Why requests cannot be served now (503), or None. With several engines, one engine down is not
+        the gateway's problem (the router sends elsewhere): only all of them down is."""
         state = self.follower.state
-        return (self.refused or self.silent or control_state.engine_down_message(state)
-                or control_state.weights_lost_message(state))
+        down = None
+        if all(self.engine_down_reason(e) for e in range(self.num_engines)):
+            down = control_state.engine_down_message(state)
+        return self.refused or self.silent or down or control_state.weights_lost_message(state)
+
+    def engine_down_reason(self, engine: int) -> str | None:
+        """Why engine `engine` cannot compute now (a scheduler or worker of it lost), or None. A lost engine
+        process of no known engine counts against every engine."""
+        lost = {n: m for n, m in self.follower.state.lost.items() if self.topology.engine_of(n) in (engine, None)}
+        if lost:
+            return control_state.engine_down_message(ControlState(lost=lost))
+        if self.num_engines > 1:
+            missing = [n for n in self.topology.members(engine) if n not in self.joined]
+            if missing:
+                return f"{', '.join(missing)} of engine {engine} not joined yet (starting, or on another host): retry"
+        return None
+
+    def engines_alive(self) -> list[bool]:
+        return [self.engine_down_reason(e) is None for e in range(self.num_engines)]
+
+    def pick_engine(self, requested: int | None, reservations: list[tuple[str, int]]) -> int:
+        """The engine for one HTTP request's engine requests (all its choices share it, so they share its
+        prefix cache): the one X-data-parallel-rank names, else the least loaded live one (gateway.dp_router).
+        Reserves their load at once (`reservations`: (request id, tokens)); generate() ends it. EngineDead
+        when that engine, or every engine, is down."""
+        if self.dead_reason:
+            raise EngineDead(self.dead_reason)
+        if requested is not None:
+            why = self.engine_down_reason(requested)
+            if why:
+                raise EngineDead(f"data-parallel engine {requested}: {why}")
+            engine = requested
+        else:
+            engine = self.balancer.pick(self.engines_alive())
+            if engine is None:
+                raise EngineDead(control_state.engine_down_message(self.follower.state) or "no engine is up")
+        for rid, tokens in reservations:
+            self.balancer.add(rid, engine, tokens)
+        return engine
+
+    def release(self, request_ids: list[str]) -> None:
+        """End reservations whose engine requests never started (the HTTP request failed first)."""
+        for rid in request_ids:
+            if rid not in self.queues:
+                self.balancer.done(rid)
 
     @property
     def healthy(self) -> bool:
@@ -104,7 +164,9 @@ class EngineClient:
     async def start(self, timeout_s: float = 60.0) -> None:
         self.ctx = zmq.asyncio.Context()
         self.ep.secure(self.ctx)
-        self.requests = make_socket(self.ctx, zmq.DEALER, connect=self.ep.requests, identity=self.name)
+        self.engine_sockets = [make_socket(self.ctx, zmq.DEALER, connect=self.ep.engine(e).requests, identity=self.name)
+                               for e in range(self.num_engines)]
+        self.requests = self.engine_sockets[0]
         self.sub = make_socket(self.ctx, zmq.SUB, connect=self.ep.commands)
         self.sub.setsockopt(zmq.SUBSCRIBE, COMMAND_TOPIC)
         self.sub.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
@@ -112,13 +174,15 @@ class EngineClient:
         self.welcomed = asyncio.get_running_loop().create_future()
         await self._hello()
         self._tasks = [asyncio.create_task(t) for t in
-                       (self._read_outputs(), self._read_commands(), self._read_control(), self._watch())]
+                       (*(self._read_outputs(e) for e in range(self.num_engines)), self._read_commands(),
+                        self._read_control(), self._watch())]
         # a plain context of its own: the heartbeat thread must not touch the asyncio context's sockets
         self._beat_ctx = zmq.Context()
         self.ep.secure(self._beat_ctx)
         self._beat = HeartbeatThread(self._beat_ctx, self.ep.control, self.name, self.interval,
                                      lambda: self.follower.seq or 0)
         await asyncio.wait_for(self.welcomed, timeout_s)
+        await self._refresh_joined()
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -131,18 +195,21 @@ class EngineClient:
     # --- requests -----------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       eos_token_ids: list[int]) -> AsyncIterator[RequestOutput]:
+                       eos_token_ids: list[int], engine: int | None = None) -> AsyncIterator[RequestOutput]:
         """Yield output deltas until one has finished=True. If the caller stops early (client went away,
-        or a stop string matched), the request is aborted in the engine."""
+        or a stop string matched), the request is aborted in the engine. `engine`: the engine pick_engine
+        chose (and reserved the load on); None picks one here."""
         if self.dead_reason:
             raise EngineDead(self.dead_reason)
         if request_id in self.queues:
             raise ValueError(f"request id {request_id!r} is already running")
+        if engine is None or self.balancer.engine_of(request_id) != engine:
+            engine = self.pick_engine(engine, [(request_id, len(prompt_token_ids) + (params.max_tokens or 0))])
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.queues[request_id] = q
         finished = False
         try:
-            await self._send(self.requests, AddRequest(request_id, list(prompt_token_ids), params,
+            await self._send(self.engine_sockets[engine], AddRequest(request_id, list(prompt_token_ids), params,
                                                        list(eos_token_ids), time.time()))
             while not finished:
                 out = await q.get()
@@ -152,9 +219,17 @@ class EngineClient:
             self.queues.pop(request_id, None)
             if not finished and not self.dead_reason:
                 await self.abort([request_id])
+            self.balancer.done(request_id)
 
     async def abort(self, request_ids: list[str]) -> None:
-        await self._send(self.requests, AbortRequests(list(request_ids)))
+        """To the engine that owns each request (an id no engine is known to own: to every engine)."""
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            owner = self.balancer.engine_of(rid)
+            for e in (range(self.num_engines) if owner is None else (owner,)):
+                by_engine.setdefault(e, []).append(rid)
+        for e, ids in sorted(by_engine.items()):
+            await self._send(self.engine_sockets[e], AbortRequests(ids))
 
     async def control(self, command: CommandBody, timeout_s: float = 0.0) -> ControlReply:
         """Broadcast a typed command (bus.messages) through the coordinator; returns once every member
@@ -177,16 +252,17 @@ class EngineClient:
         await self._send(self.control_sock, Hello("gateway", self.name, os.getpid(), PROTOCOL_VERSION, {},
                                                   PROTOCOL_FINGERPRINT))
 
-    async def _read_outputs(self) -> None:
+    async def _read_outputs(self, engine: int) -> None:
+        sock = self.engine_sockets[engine]
         while True:
-            frames = await self.requests.recv_multipart()
+            frames = await sock.recv_multipart()
             try:
                 batch = decode(frames)
             except CodecError as e:
                 log.warning("gateway.bad_message", error=str(e))
                 continue
             if isinstance(batch, OutputBatch):
-                self.stats = batch.stats
+                self.engine_stats[engine] = batch.stats
                 for out in batch.outputs:
                     q = self.queues.get(out.request_id)
                     if q is not None:
@@ -223,11 +299,24 @@ class EngineClient:
                     self.follower.resync()
                     await self._hello()
 
+    async def _refresh_joined(self) -> None:
+        """Several engines: which engine processes are members now (after each Welcome: a resync may have
+        skipped MemberJoined / MemberLost commands)."""
+        if self.num_engines > 1:
+            reply = await self.control(Members(), timeout_s=10.0)
+            self.joined = set(reply.results) - set(self.follower.state.lost)
+
+    def _on_member_joined(self, cmd: MemberJoined) -> None:
+        self.joined.add(cmd.name)
+
     def _on_member_lost(self, cmd: MemberLost) -> None:
+        self.joined.discard(cmd.name)
         # Another gateway going away is not our problem; a lost worker's requests are failed by the
         # scheduler (the queued ones wait for its return); a lost scheduler took every request with it.
         if cmd.role == "scheduler":
-            self._fail_all(f"engine process {cmd.name} was lost ({cmd.why}); running requests failed: retry")
+            engine = self.topology.engine_of(cmd.name)
+            ids = None if engine is None or self.num_engines == 1 else self.balancer.open_on(engine)
+            self._fail_all(f"engine process {cmd.name} was lost ({cmd.why}); running requests failed: retry", ids)
 
     async def _read_control(self) -> None:
         while True:
@@ -245,6 +334,8 @@ class EngineClient:
                     self._fail_all(self.refused)
                 if not self.welcomed.done():
                     self.welcomed.set_result(msg)
+                elif msg.accepted and self.num_engines > 1:  # a resync: the member list may have changed
+                    self._tasks.append(asyncio.create_task(self._refresh_joined()))
             elif isinstance(msg, ControlReply):
                 fut = self.replies.get(msg.request_id)
                 if fut is not None and not fut.done():
@@ -264,9 +355,11 @@ class EngineClient:
                 self.silent = "coordinator is silent: the engine is down"
                 self._fail_all(self.silent)
 
-    def _fail_all(self, reason: str) -> None:
-        """The engine can no longer finish what is open: end every open request with an error."""
-        log.error("gateway.requests_failed", reason=reason, count=len(self.queues))
-        for rid, q in self.queues.items():
+    def _fail_all(self, reason: str, request_ids: list[str] | None = None) -> None:
+        """The engine can no longer finish what is open: end every open request (or those of
+        `request_ids`: one engine's) with an error."""
+        queues = self.queues if request_ids is None else {r: self.queues[r] for r in request_ids if r in self.queues}
+        log.error("gateway.requests_failed", reason=reason, count=len(queues))
+        for rid, q in queues.items():
             error = ErrorInfo("EngineDead", reason, status=503)
             q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, error, 0, 0, 0))

@@ -2,7 +2,10 @@
 
 Names, types, label names and bucket bounds are vLLM's (v0.33 vllm/v1/metrics/loggers.py, buckets.py)
 where the quantity is the same, so vLLM dashboards work; what only rollbus has is prefixed `rollbus_`.
-Every sample carries vLLM's labels model_name (the first served name) and engine ("0": one engine).
+Every sample carries vLLM's labels model_name (the first served name) and engine: the data-parallel engine
+index ("0" with one engine). The scheduler stats, token and request counters and latency histograms have one
+series per engine (the engine a request ran on); health, sleep state and the gateway's own gauges are
+reported once, as engine "0".
 
 Two sources: the gateway's own counters and histograms, kept live as engine outputs arrive (the gateway
 sees every token of every request), and the scheduler's stats, which arrive with every output batch and
@@ -58,56 +61,85 @@ class _SchedulerStats:
     """Collector: the scheduler's latest stats as metric families, read when /metrics is scraped. Any
     number the scheduler adds shows up as rollbus_<key> (a counter when the key ends in _total)."""
 
-    def __init__(self, labels: list[str], stats: Callable[[], dict[str, float]], reserved: set[str]):
-        self.labels, self.stats, self.reserved = labels, stats, reserved
+    def __init__(self, model_name: str, stats: Callable[[], Any], reserved: set[str]):
+        self.model_name, self.stats, self.reserved = model_name, stats, reserved
 
     def collect(self) -> Iterator[Metric]:
-        stats = dict(self.stats() or {})
-        for key, (name, doc) in _GAUGES.items():
-            yield self._one(GaugeMetricFamily(name, doc, labels=LABELS), float(stats.pop(key, 0.0)))
-        for key, (name, doc) in _COUNTERS.items():
-            if key in stats:
-                yield self._one(CounterMetricFamily(name, doc, labels=LABELS), float(stats.pop(key)))
-        steps, step_sum = (stats.pop(k, None) for k in _SUMMARY_KEYS)
-        if steps is not None and step_sum is not None:
-            summary = SummaryMetricFamily("rollbus_step_latency_seconds", "Scheduler step latency.", labels=LABELS)
-            summary.add_metric(self.labels, count_value=float(steps), sum_value=float(step_sum))
-            yield summary
-        for key, value in sorted(stats.items()):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            name = "rollbus_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-            if name in self.reserved or name.removesuffix("_total") in self.reserved:
-                continue  # never a second family under a name the gateway owns
-            doc = f"Scheduler statistic {key}."
-            family = CounterMetricFamily(name, doc, labels=LABELS) if name.endswith("_total") else \
-                GaugeMetricFamily(name, doc, labels=LABELS)
-            yield self._one(family, float(value))
+        per_engine = self.stats() or {}
+        if isinstance(per_engine, dict):  # one engine's stats
+            per_engine = [per_engine]
+        families: dict[str, Metric] = {}  # one family per name, one sample per engine
 
-    def _one(self, family: Any, value: float) -> Metric:
-        family.add_metric(self.labels, value)
-        return family
+        def add(name: str, make: Callable[[], Metric], labels: list[str], **value: float) -> None:
+            family = families.get(name)
+            if family is None:
+                family = families[name] = make()
+            family.add_metric(labels, **value)
+
+        for engine, stats in enumerate(per_engine):
+            stats = dict(stats or {})
+            lv = [self.model_name, str(engine)]
+            for key, (name, doc) in _GAUGES.items():
+                add(name, lambda n=name, d=doc: GaugeMetricFamily(n, d, labels=LABELS), lv,
+                    value=float(stats.pop(key, 0.0)))
+            for key, (name, doc) in _COUNTERS.items():
+                if key in stats:
+                    add(name, lambda n=name, d=doc: CounterMetricFamily(n, d, labels=LABELS), lv,
+                        value=float(stats.pop(key)))
+            steps, step_sum = (stats.pop(k, None) for k in _SUMMARY_KEYS)
+            if steps is not None and step_sum is not None:
+                add("rollbus_step_latency_seconds", lambda: SummaryMetricFamily(
+                    "rollbus_step_latency_seconds", "Scheduler step latency.", labels=LABELS), lv,
+                    count_value=float(steps), sum_value=float(step_sum))
+            for key, value in sorted(stats.items()):
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    continue
+                name = "rollbus_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+                if name in self.reserved or name.removesuffix("_total") in self.reserved:
+                    continue  # never a second family under a name the gateway owns
+                doc = f"Scheduler statistic {key}."
+                kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+                add(name, lambda n=name, d=doc, k=kind: k(n, d, labels=LABELS), lv, value=float(value))
+        yield from families.values()
+
+
+class PerEngine:
+    """One labelled child per engine of a counter or histogram: `metric[engine].inc()`; the bare
+    `inc`/`observe` are engine 0's."""
+
+    def __init__(self, metric: Any, model_name: str, engines: list[str]):
+        self.children = [metric.labels(model_name, e) for e in engines]
+
+    def __getitem__(self, engine: int) -> Any:
+        return self.children[engine]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.children[0], name)
 
 
 class Metrics:
     """The gateway's metrics registry: request counters and latency histograms it records itself, the
     engine's gauges through a collector, the sleep state and health as callback gauges."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, float]] = dict,
+    def __init__(self, model_name: str, stats: Callable[[], Any] = dict,
                  healthy: Callable[[], bool] = lambda: True, sleep_state: Callable[[], str] = lambda: "awake",
-                 open_sequences: Callable[[], int] = lambda: 0, open_engine_requests: Callable[[], int] = lambda: 0):
+                 open_sequences: Callable[[], int] = lambda: 0, open_engine_requests: Callable[[], int] = lambda: 0,
+                 num_engines: int = 1):
+        """`stats`: the schedulers' latest stats, a list with one dict per engine (or one engine's dict)."""
         self.registry = reg = CollectorRegistry()
         lv = [model_name, ENGINE]
         self.labels = dict(zip(LABELS, lv))
-        reg.register(_SchedulerStats(lv, stats, reserved={
+        reg.register(_SchedulerStats(model_name, stats, reserved={
             "rollbus_request_errors", "rollbus_engine_healthy", "rollbus_step_latency_seconds",
             *(name for name, _ in _GAUGES.values()), *(name for name, _ in _COUNTERS.values())}))
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, LABELS, registry=reg).labels(*lv)
+        engines = [str(e) for e in range(num_engines)]
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, LABELS, registry=reg, buckets=buckets).labels(*lv)
+        def counter(name: str, doc: str) -> PerEngine:
+            return PerEngine(Counter(name, doc, LABELS, registry=reg), model_name, engines)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> PerEngine:
+            return PerEngine(Histogram(name, doc, LABELS, registry=reg, buckets=buckets), model_name, engines)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -117,8 +149,11 @@ class Metrics:
                                          "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           LABELS + ["finished_reason"], registry=reg)
+        for engine in engines:  # every reason of every engine from the start, as vLLM
+            for r in FINISH_REASONS:
+                success.labels(model_name, engine, r)
         self.request_success = {r: success.labels(*lv, r) for r in FINISH_REASONS}
-        self._success, self._lv = success, lv
+        self._success, self._model_name = success, model_name
         self.errors = counter("rollbus_request_errors", "Engine requests that ended in an error.")
         rejections = Counter("vllm:admission_rejections",  # vLLM's labels: no engine label
                              "Number of admission attempts rejected by a queue limit, by reason.",
@@ -155,27 +190,29 @@ class Metrics:
         vLLM records one ITL per engine step of the request."""
         if not update.token_ids:
             return
+        engine = getattr(state, "engine", 0)
         if state.gap is None:
-            self.ttft.observe(state.first_token_at - state.arrival)
+            self.ttft[engine].observe(state.first_token_at - state.arrival)
         else:
-            self.itl.observe(state.gap)
+            self.itl[engine].observe(state.gap)
 
     def observe_choice(self, state: Any, now: float | None = None) -> None:
         """Record one finished (or abandoned) engine request; `state` is a serving.ChoiceState."""
         now = time.monotonic() if now is None else now
         n_prompt, n_gen = len(state.prompt_ids), len(state.token_ids)
-        self.prompt_tokens.inc(n_prompt)
-        self.generation_tokens.inc(n_gen)
-        self.prefix_cache_queries.inc(n_prompt)
-        self.prefix_cache_hits.inc(min(state.num_cached_tokens, n_prompt))
+        engine = getattr(state, "engine", 0)
+        self.prompt_tokens[engine].inc(n_prompt)
+        self.generation_tokens[engine].inc(n_gen)
+        self.prefix_cache_queries[engine].inc(n_prompt)
+        self.prefix_cache_hits[engine].inc(min(state.num_cached_tokens, n_prompt))
         reason = state.finish_reason or "abort"
         if reason == "error":
-            self.errors.inc()
-        (self.request_success.get(reason) or self._success.labels(*self._lv, reason)).inc()
-        self.e2e.observe(now - state.arrival)
+            self.errors[engine].inc()
+        self._success.labels(self._model_name, str(engine), reason).inc()
+        self.e2e[engine].observe(now - state.arrival)
         if state.first_token_at is not None:  # vLLM: decode time over the tokens after the first, else 0
             decode = state.last_token_at - state.first_token_at
-            self.tpot.observe(decode / (n_gen - 1) if n_gen > 1 else 0.0)
+            self.tpot[engine].observe(decode / (n_gen - 1) if n_gen > 1 else 0.0)
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         """The body and content type for a scrape: the text format (0.0.4), or OpenMetrics when the

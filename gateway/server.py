@@ -22,6 +22,7 @@ from bus.sockets import report_ready
 from engine.config import EngineConfig
 from engine.generation_defaults import default_sampling_params
 from engine.logs import setup_logging
+from engine.topology import Topology
 from gateway.app import build_app
 from gateway.engine_client import EngineClient
 from gateway.request_log import install_access_filter
@@ -163,7 +164,7 @@ def run_gateway_process(cfg: EngineConfig) -> None:
                                               "runner, and it supports trace replay.")
     info = load_model_info(cfg, folder)
     client = EngineClient(Endpoints.from_config(cfg), heartbeat_interval_s=cfg.heartbeat_interval_s,
-                          heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+                          heartbeat_timeout_s=cfg.heartbeat_timeout_s, topology=Topology.from_config(cfg))
     app = build_app(cfg, client, tokenizer, info)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http=_http_impl(),
                             log_level=cfg.uvicorn_log_level, access_log=not cfg.disable_uvicorn_access_log,

@@ -26,6 +26,7 @@ from engine import routed_experts
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
 from engine.sampling_params import ParamError, SamplingParams, validate_prompt_ids
+from gateway.dp_middleware import requested_engine
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
     BAD_REQUEST,
@@ -327,6 +328,7 @@ class ChoiceState:
         self.stop_reason: int | str | None = None
         self.error: ErrorInfo | None = None
         self.num_cached_tokens = 0
+        self.engine = 0  # the data-parallel engine it runs on (run_choices; the engine label of /metrics)
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None  # when the first delta with tokens arrived
         self.last_token_at: float | None = None  # ... and the latest one
@@ -430,7 +432,8 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
     if ctx.cfg.enable_log_requests:
         log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.max_log_len)
     try:
-        gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids)
+        gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids,
+                                  **({"engine": state.engine} if _data_parallel(ctx) else {}))
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request
             async for out in gen:
                 if state.on_first_output is not None:
@@ -466,6 +469,14 @@ async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIt
     """Run every choice's engine request concurrently; yield their updates as they come. The first
     failure raises (APIError) and, like a client going away, aborts the requests still running."""
     sink: asyncio.Queue = asyncio.Queue()
+    if _data_parallel(ctx):  # one engine for all of a request's choices: they share its prefix cache
+        try:
+            engine = ctx.client.pick_engine(requested_engine.get(), [
+                (s.request_id, len(s.prompt_ids) + (s.params.max_tokens or 0)) for s in states])
+        except EngineDead as e:
+            raise engine_unavailable(str(e)) from None
+        for s in states:
+            s.engine = engine
     tasks = [asyncio.create_task(_run_choice(ctx, s, sink)) for s in states]
     try:
         remaining = len(tasks)
@@ -481,6 +492,13 @@ async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIt
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if _data_parallel(ctx):
+            ctx.client.release([s.request_id for s in states])
+
+
+def _data_parallel(ctx: ServingContext) -> bool:
+    """The client routes over engines (test fakes of the client do not)."""
+    return hasattr(ctx.client, "pick_engine")
 
 
 # --- client disconnects ---------------------------------------------------------------------------

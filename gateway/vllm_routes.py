@@ -231,7 +231,9 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
                          "num_gpu_blocks_override": cfg.num_gpu_blocks_override, "num_gpu_blocks": num_blocks,
                          "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes},
         "parallel_config": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp,
-                            "world_size": tp * pp, "worker_extension_cls": getattr(cfg, "worker_extension_cls", "")
+                            "world_size": tp * pp, "world_size_across_dp": tp * pp * dp,
+                            "data_parallel_size_local": getattr(cfg, "data_parallel_size_local", None) or dp,
+                            "worker_extension_cls": getattr(cfg, "worker_extension_cls", "")
                             or ""},
         "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                              "enable_chunked_prefill": True, "policy": "fcfs"},

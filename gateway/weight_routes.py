@@ -40,6 +40,7 @@ from bus.messages import (
 )
 from engine.config import EngineConfig
 from engine.coordinator.weight_sync_driver import reply_status
+from engine.topology import Topology
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
 from gateway.engine_client import EngineClient
@@ -135,8 +136,9 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.get("/get_world_size")
     async def get_world_size(include_dp: str = "true") -> JSONResponse:
-        # Data-parallel replicas only (no tensor or pipeline parallelism): TP * PP = 1.
-        return JSONResponse({"world_size": cfg.num_workers if _bool(include_dp, "include_dp") else 1})
+        # vLLM's: TP * PP * DP with include_dp (the trainer-facing world size minus the trainer), else TP * PP
+        topo = Topology.from_config(cfg)
+        return JSONResponse({"world_size": topo.world_size if _bool(include_dp, "include_dp") else topo.tp})
 
     @app.post("/weight_checker")
     async def weight_checker(request: Request) -> JSONResponse:

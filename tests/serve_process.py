@@ -44,10 +44,7 @@ class Server:
                 continue
             args = [c.decode(errors="replace") for c in cmd]
             if "engine.cli" in args and str(self.port) in args and "serve" not in args:
-                role = args[args.index("engine.cli") + 1]
-                if role == "worker":
-                    role += "-" + args[args.index("--rank") + 1]
-                out[role] = int(pid)
+                out[_member_name(args, args[args.index("engine.cli") + 1])] = int(pid)
         return out
 
     def stop(self) -> int:
@@ -59,6 +56,20 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def _member_name(args: list[str], role: str) -> str:
+    """A child's bus name from its argv (engine.topology's names: worker-<dp rank x tp + tp rank>,
+    scheduler-<dp rank> with more than one engine)."""
+    def flag(name: str, default: int) -> int:
+        return int(args[args.index(name) + 1]) if name in args else default
+
+    engine, dp, tp = flag("--data-parallel-rank", 0), flag("--data-parallel-size", 1), flag("--tensor-parallel-size", 1)
+    if role == "worker":
+        return f"worker-{engine * tp + flag('--rank', 0)}"
+    if role == "scheduler" and dp > 1:
+        return f"scheduler-{engine}"
+    return role
 
 
 def start_server(workdir: Path, *args: str, timeout_s: float = 180.0) -> Server:

@@ -42,8 +42,13 @@ def server(tmp_path_factory, smollm2_dir):
     s.stop()
 
 
-def greedy(url: str) -> tuple[list[int], list[float]]:
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
+def rank_header(engine: int | None) -> dict[str, str]:
+    """X-data-parallel-rank naming `engine` (None: the gateway's router picks)."""
+    return {} if engine is None else {"X-data-parallel-rank": str(engine)}
+
+
+def greedy(url: str, engine: int | None = None) -> tuple[list[int], list[float]]:
+    r = httpx.post(url + "/v1/completions", timeout=60, headers=rank_header(engine), json={
         "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0,
         "return_tokens_as_token_ids": True})
     assert r.status_code == 200, r.text
@@ -57,8 +62,8 @@ def checksums(url: str) -> dict[str, str]:
     return r.json()["checksums"]
 
 
-def completion(url: str) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=30,
+def completion(url: str, engine: int | None = None) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=30, headers=rank_header(engine),
                       json={"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
 
 
@@ -79,7 +84,8 @@ def wait_serving(url: str, timeout_s: float = 30.0) -> float:
 class Streams:
     """`n` streaming completions in threads, each long enough to be running when its process dies."""
 
-    def __init__(self, url: str, n: int, max_tokens: int = 240):
+    def __init__(self, url: str, n: int, max_tokens: int = 240, headers: list[dict[str, str]] | None = None):
+        self.headers = headers or [{}] * n  # per stream (X-data-parallel-rank: tests/test_data_parallel.py)
         self.first = [threading.Event() for _ in range(n)]
         self.ended: list[float | None] = [None] * n
         self.lines: list[list[str]] = [[] for _ in range(n)]
@@ -89,7 +95,7 @@ class Streams:
 
     def _run(self, url: str, i: int, max_tokens: int) -> None:
         try:
-            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, headers=self.headers[i], json={
                     "prompt": [1, 2, 3 + i], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as r:
                 for line in r.iter_lines():
                     if line:
@@ -114,9 +120,10 @@ class Streams:
         assert not any(t.is_alive() for t in self.threads), "a stream hung"
 
 
-def kill_and_watch_streams(server, role: str, n: int = 32) -> tuple[float, list[str]]:
-    """SIGKILL `role` under `n` running streams; (seconds until the last stream ended, their last lines)."""
-    streams = Streams(server.url, n)
+def kill_and_watch_streams(server, role: str, n: int = 32, engine: int | None = None) -> tuple[float, list[str]]:
+    """SIGKILL `role` under `n` running streams (on data-parallel `engine`, if given); (seconds until the last
+    stream ended, their last lines)."""
+    streams = Streams(server.url, n, headers=[rank_header(engine)] * n)
     streams.wait_running()
     pid = server.child_pids()[role]
     os.kill(pid, signal.SIGKILL)
@@ -145,16 +152,21 @@ def test_a_killed_worker_under_32_streams_is_restarted_alone_and_serves_the_same
     assert "restarting it in" in server.log() and "worker-0 is back" in server.log()
 
 
-@pytest.fixture(scope="module")
-def trainer(server):
+def perturbed_model(folder, seed: int):
+    """The checkpoint at `folder` with every weight moved by noise: a trainer's next version."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(server.folder, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(7)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return model
+
+
+@pytest.fixture(scope="module")
+def trainer(server):
+    return perturbed_model(server.folder, 7)
 
 
 def weight_version(url: str) -> str:
@@ -296,22 +308,25 @@ def test_a_killed_scheduler_or_gateway_is_restarted_alone(server, role):
     assert greedy(url) == before
 
 
-def test_with_two_workers_a_restarted_one_takes_the_update_from_its_peer(tmp_path, smollm2_dir, trainer):
-    """No --weights-recovery-dir: after an update, a killed worker-1 loads worker-0's copy (ShareWeights)."""
+def test_with_two_engines_a_restarted_worker_takes_the_update_from_its_peer(tmp_path, smollm2_dir, trainer):
+    """No --weights-recovery-dir, -dp 2: after an update, a killed worker-1 (engine 1) loads a copy of the
+    worker with its tp rank in the other engine, worker-0 (ShareWeights)."""
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    s = start_server(tmp_path, str(folder), "--max-model-len", "256", "--num-workers", "2",
+    s = start_server(tmp_path, str(folder), "--max-model-len", "256", "-dp", "2",
                      "--kv-cache-memory-bytes", "67108864", "--additional-config", RL,
                      "--weight-transfer-config", '{"backend": "ipc"}')
     try:
         with WeightSyncClient(s.url, backend="ipc") as client:
             client.send_weights(trainer.named_parameters(), version="peer-1", pause="keep")
         sums, before = checksums(s.url), greedy(s.url)
-        ended_s, _ = kill_and_watch_streams(s, "worker-1", n=4)
+        ended_s, last = kill_and_watch_streams(s, "worker-1", n=4, engine=1)
         assert ended_s < 5.0
+        assert all("worker-1" in text for text in last), last  # engine 1's streams failed naming it
         back_s = wait_serving(s.url)
-        print(f"\ntwo workers, SIGKILL worker-1 after an update: serving peer-1 again after {back_s:.1f}s")
-        assert checksums(s.url) == sums and greedy(s.url) == before
-        assert "worker.weights_from_peer" in s.log()
+        wait_for(lambda: completion(s.url, 1).status_code == 200, 30, "engine 1 serving again")
+        print(f"\n-dp 2, SIGKILL worker-1 after an update: serving peer-1 again after {back_s:.1f}s")
+        assert checksums(s.url) == sums and greedy(s.url, 0) == before == greedy(s.url, 1)
+        assert "worker.weights_from_peer" in s.log() and "donor=worker-0" in s.log()
     finally:
         s.stop()
 

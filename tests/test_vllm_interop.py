@@ -160,7 +160,7 @@ def folder(tmp_path_factory, smollm2_dir):
 def server(tmp_path_factory, folder):
     s = start_server(tmp_path_factory.mktemp("gloo"), str(folder), "--additional-config", RL,
                      "--weight-transfer-config", '{"backend": "nccl", "timeout_s": 30}',
-                     "--max-model-len", "128", "--block-size", "4", "--num-workers", "2")
+                     "--max-model-len", "128", "--block-size", "4", "-dp", "2")
     yield s
     s.stop()
 

@@ -68,6 +68,7 @@ from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
+from engine.topology import Topology, layout
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
@@ -86,10 +87,17 @@ class StepInterrupted(Exception):
 
 class WorkerActor:
     def __init__(self, cfg: EngineConfig, rank: int, ctx: zmq.Context, ep: Endpoints):
-        self.cfg, self.rank = cfg, rank
-        self.name = f"worker-{rank}"
+        self.cfg, self.rank = cfg, rank  # rank: the tensor-parallel rank inside our engine
+        # data parallelism (engine.topology): our engine, global worker index, name, and whose weights we can
+        # take after a restart (the same tp rank in another engine)
+        topo = Topology.from_config(cfg)
+        self.engine = cfg.data_parallel_rank
+        self.index = topo.worker_index(self.engine, rank)
+        self.name = topo.worker_name(self.engine, rank)
+        self.scheduler_name = topo.scheduler_name(self.engine)
+        self.donor = topo.donor(self.engine, rank)
         platform = current_platform()
-        device = platform.device(rank)
+        device = platform.device(topo.local_device(self.engine, rank))
         extra = parse_additional_config(cfg.additional_config)
         det = determinism(extra)
         model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant))
@@ -105,7 +113,8 @@ class WorkerActor:
         num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
                                      kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
                                      num_blocks_override=cfg.num_gpu_blocks_override,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization, device_index=rank)
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                     device_index=topo.local_device(self.engine, rank))
         if num_blocks * cfg.block_size < max_model_len:
             raise SystemExit(
                 f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
@@ -116,13 +125,13 @@ class WorkerActor:
                                   return_routed_experts=cfg.enable_return_routed_experts)
         self.sleep = SleepManager(model, kv, platform)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
-        self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,
+        self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
                                       device=device, nz_mode=extra.weight_nz_mode)
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
                      "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
                      "kernels": model.kern.name, "batch_invariant_checked": checked,
-                     "worker_extension_methods": extension_methods(self)}
+                     "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
         self.plans.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
@@ -182,22 +191,23 @@ class WorkerActor:
             return  # in service already, lost and reported (only a complete update mends it), or on its way
         why = "no --weights-recovery-dir"
         if self.cfg.weights_recovery_dir:
-            why = load_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.rank),
+            why = load_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.index),
                             run_id=state.run_id, commits=state.weight_commits)
             if why is None:
                 self.weight_commits, self.weights_lost = state.weight_commits, None
                 return
         why = (f"{self.name} (re)started after {state.weight_commits} weight update(s) and cannot restore "
                f"version {state.weight_version!r}: {why}")
-        if self.cfg.num_workers > 1:
+        if self.donor is not None:
             self._ask_peer(why)
         else:
             self._lose_weights(why)
 
     def _ask_peer(self, why: str) -> None:
-        """Ask a live replica for its weights: it writes a tagged copy into a private folder of ours (same
-        host), which _on_reply loads. The scheduler gets our Hello only after that."""
-        donor = "worker-1" if self.rank == 0 else "worker-0"
+        """Ask a live replica (the worker with our tp rank in another engine) for its weights: it writes a
+        tagged copy into a private folder of ours (same host), which _on_reply loads. The scheduler gets our
+        Hello only after that."""
+        donor = self.donor
         folder = tempfile.mkdtemp(prefix="rollbus-share-")
         path = os.path.join(folder, f"{self.name}-from-{donor}.safetensors")
         rid = uuid.uuid4().hex
@@ -340,7 +350,7 @@ class WorkerActor:
             self.away = True
 
     def _member_joined(self, cmd: MemberJoined) -> None:
-        if cmd.role == "scheduler":  # a new (or returning) scheduler knows none of our sequences
+        if cmd.name == self.scheduler_name:  # a new (or returning) scheduler knows none of our sequences
             self.runner.seqs.clear()
         elif cmd.name == self.name:  # (back) in: after a stall an update may have committed without us
             self.away = False
@@ -374,10 +384,10 @@ class WorkerActor:
         """The weight-transfer lifecycle (workers.weight_receiver); errors carry their HTTP status."""
         info = cmd.update_info
         if isinstance(info, list):  # v0.33: one entry per global worker rank
-            if self.rank >= len(info):
-                raise WeightSyncError(f"update_info has {len(info)} entries; worker rank {self.rank} has none",
+            if self.index >= len(info):
+                raise WeightSyncError(f"update_info has {len(info)} entries; worker rank {self.index} has none",
                                       param="update_info")
-            info = info[self.rank]
+            info = info[self.index]
         return self.weights.update(info)
 
     def _commit(self, cmd: CommitWeightUpdate) -> dict[str, Any] | None:
@@ -408,7 +418,7 @@ class WorkerActor:
             return
         state = self.link.state
         t0 = time.perf_counter()
-        path = save_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.rank), run_id=state.run_id,
+        path = save_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.index), run_id=state.run_id,
                          commits=state.weight_commits, version=state.weight_version)
         log.info("worker.weights_copy_kept", path=path, weight_commits=state.weight_commits,
                  seconds=round(time.perf_counter() - t0, 3))
@@ -416,7 +426,7 @@ class WorkerActor:
     def _weight_checker(self, cmd: WeightChecker) -> dict[str, Any]:
         if "weights" in self.sleep.asleep:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
-        return {"checksums": self.weights.checksums(f"dp{self.rank}:pp0:pcp0:tp0:")}
+        return {"checksums": self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:")}
 
     def _rpc(self, cmd: CollectiveRpc) -> dict[str, Any]:
         """The allow-listed worker methods reachable through POST /collective_rpc."""
@@ -434,7 +444,7 @@ class WorkerActor:
 
 
 def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
-    setup_logging(cfg.log_level, process=f"worker-{rank}")
+    setup_logging(cfg.log_level, process=Topology.from_config(cfg).worker_name(cfg.data_parallel_rank, rank))
     # RL mode: allocator and NZ settings must change before the first device allocation.
     extra = parse_additional_config(cfg.additional_config)
     for var, value in worker_env_updates(extra, dict(os.environ)).items():

@@ -52,6 +52,7 @@ from engine import control_state
 from engine.config import EngineConfig
 from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.logs import setup_logging
+from engine.topology import layout, layout_mismatch
 from engine.weight_transfer_config import PAUSE_MODES, parse_weight_transfer_config
 
 log = structlog.get_logger()
@@ -72,6 +73,7 @@ class Coordinator:
         self._next_beat = 0.0
         self.weight_cfg = parse_weight_transfer_config(cfg.weight_transfer_config)
         self.sync: _Sync | None = None  # the bus-driven weight update in progress
+        self.layout = layout(cfg)  # what every engine process must agree on (engine.topology)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -125,6 +127,12 @@ class Coordinator:
         if (h.protocol_version, h.protocol_fingerprint) != (PROTOCOL_VERSION, PROTOCOL_FINGERPRINT):
             reason = (f"protocol version {h.protocol_version} ({h.protocol_fingerprint}) != coordinator's "
                       f"{PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})")
+            log.error("coordinator.refused", member=h.name, reason=reason)
+            send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
+            return
+        mismatch = layout_mismatch(self.layout, h.info.get("layout") if isinstance(h.info, dict) else None)
+        if mismatch:
+            reason = f"{h.name} was started with other flags than the coordinator: {mismatch}"
             log.error("coordinator.refused", member=h.name, reason=reason)
             send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
             return

@@ -66,6 +66,7 @@ from engine.scheduler.admission import EngineLimits, admission_error
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
+from engine.topology import Topology, layout
 
 log = structlog.get_logger()
 
@@ -76,10 +77,16 @@ RECOVERY_WAIT_S = 60.0  # how long queued requests wait for a lost worker to com
 class SchedulerActor:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
+        # Which engine we are (data parallelism, engine.topology): our name and our workers' names
+        topo = Topology.from_config(cfg)
+        self.engine = cfg.data_parallel_rank
+        self.name = topo.scheduler_name(self.engine)
+        self.workers = topo.worker_names(self.engine)
+        self.num_workers = len(self.workers)
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.requests))
         self.plans = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.plans))
         self.results = make_socket(ctx, zmq.PULL, bind=ep.bind_address(ep.results))
-        self.link = MemberLink(ctx, ep, role="scheduler", name=NAME, handlers={
+        self.link = MemberLink(ctx, ep, role="scheduler", name=self.name, info={"layout": layout(cfg)}, handlers={
             Health: self._health, Shutdown: self._shutdown, MemberLost: self._member_lost,
             MemberJoined: lambda c: None,  # a worker is back only once its Hello reaches us (_on_worker_hello)
             UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
@@ -114,7 +121,7 @@ class SchedulerActor:
 
     def wait_for_workers(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Every worker's Hello (results socket) and plan subscription (XPUB) must both arrive."""
-        want = {f"worker-{r}" for r in range(self.cfg.num_workers)}
+        want = set(self.workers)
         hellos: dict[str, Hello] = {}
         subscribed: set[str] = set()
         poller = zmq.Poller()
@@ -274,12 +281,12 @@ class SchedulerActor:
             return
         if not isinstance(res, StepResult) or self.in_flight is None or res.step_id != self.step_id:
             return
-        why = result_problem(res, self.in_flight, self.cfg.num_workers)
+        why = result_problem(res, self.in_flight, self.num_workers)
         if why is not None:  # well-typed but not an answer to this step: the real one is still to come
             log.warning("scheduler.bad_result", step=res.step_id, rank=res.rank, error=why)
             return
         self.pending_results[res.rank] = res
-        if len(self.pending_results) < self.cfg.num_workers:
+        if len(self.pending_results) < self.num_workers:
             return
         step, self.in_flight = self.in_flight, None
         self.results_at, self.results_cpu = arrived, cpu
@@ -412,16 +419,15 @@ class SchedulerActor:
 
     def _member_lost(self, cmd: MemberLost) -> None:
         seq = self.link.follower.current.seq
-        if cmd.role == "worker":
+        if cmd.role == "worker" and cmd.name in self.workers:  # another engine's worker is its scheduler's business
             self._worker_lost([cmd.name], seq, ErrorInfo(
                 "WorkerLost", f"{cmd.name} was lost ({cmd.why}) while this request ran on it; retry", cmd.name, 503))
-        elif cmd.name == NAME:
+        elif cmd.name == self.name:
             # We stalled past the heartbeat timeout: the gateways failed our requests already, and the
             # workers forget their sequences when we rejoin (MemberJoined): start again from nothing.
             log.warning("scheduler.was_lost", why=cmd.why)
-            workers = [f"worker-{r}" for r in range(self.cfg.num_workers)]
-            self._worker_lost(workers, seq, ErrorInfo("SchedulerLost", f"the scheduler was lost ({cmd.why})",
-                                                      NAME, 503), everything=True)
+            self._worker_lost(list(self.workers), seq, ErrorInfo(
+                "SchedulerLost", f"the scheduler was lost ({cmd.why})", self.name, 503), everything=True)
         elif cmd.role == "gateway" and self.sched is not None:
             # Nobody is left to read these outputs: stop computing them.
             orphans = [s for s in self.sched.seqs.values() if s.client == cmd.name.encode()]
@@ -554,7 +560,7 @@ def freeze_heap() -> None:
 
 
 def run_scheduler_process(cfg: EngineConfig) -> None:
-    setup_logging(cfg.log_level, process=NAME)
+    setup_logging(cfg.log_level, process=Topology.from_config(cfg).scheduler_name(cfg.data_parallel_rank))
     ctx = zmq.Context()
     ep = Endpoints.from_config(cfg).secure(ctx)
     actor = SchedulerActor(cfg, ep, ctx)
@@ -562,7 +568,7 @@ def run_scheduler_process(cfg: EngineConfig) -> None:
         actor.link.wait_welcome(timeout_s=120)
         info = actor.wait_for_workers()
         freeze_heap()
-        report_ready(ctx, ep.ready, "scheduler", NAME, info)
+        report_ready(ctx, ep.ready, "scheduler", actor.name, info)
         actor.run()
     finally:
         actor.link.close()
