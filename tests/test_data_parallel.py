@@ -260,21 +260,38 @@ def test_a_weight_update_reaches_every_engine(server, trainer):
     assert httpx.get(server.url + "/weight_info", timeout=10).json()["weight_version"] == "dp-1"
 
 
-def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server):
+def refused(url: str, engine: int) -> bool:
+    """One short probe: is `engine` refused (503) now? A probe sent in the moment between the kill and the
+    gateway hearing of it reaches the engine's scheduler, which holds it for the worker's return (issue
+    11's recovery): that probe times out (its abort ends it) and counts as "not yet"."""
+    try:
+        return httpx.post(url + "/v1/completions", timeout=1.0, headers=rank_header(engine),
+                          json={"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}).status_code == 503
+    except httpx.TimeoutException:
+        return False
+
+
+def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server, trainer):
     """SIGKILL worker-1 (engine 1) under streams on both engines: engine 1's fail naming it, engine 0's
     finish; within 5 s requests without the header all land on engine 0; after the launcher restarts it
     (weights from its peer, worker-0) the router uses engine 1 again."""
     url = server.url
+    if httpx.get(url + "/weight_info", timeout=10).json()["weight_version"] != "dp-1":  # run alone
+        from engine.trainer import WeightSyncClient
+
+        with WeightSyncClient(url, backend="ipc") as client:  # a committed update: the restart needs a peer
+            client.send_weights(trainer.named_parameters(), version="dp-1", pause="keep")
     streams = Streams(url, 4, max_tokens=200, headers=[rank_header(e) for e in (0, 1, 0, 1)])
     streams.wait_running()
     os.kill(server.child_pids()["worker-1"], signal.SIGKILL)
     killed = time.monotonic()
-    wait_for(lambda: completion(url, 1).status_code == 503, 5, "engine 1 refused (503) within 5 s")
+    wait_for(lambda: refused(url, 1), 5, "engine 1 refused (503) within 5 s")
     detected = time.monotonic() - killed
     before = engine_series(server, "vllm:request_success_total")
     assert all(completion(url).status_code == 200 for _ in range(6))  # balanced requests avoid engine 1
     after = engine_series(server, "vllm:request_success_total")
-    assert after["0"] - before["0"] == 6 and after["1"] == before["1"], (before, after)
+    # all 6 on engine 0 (engine 0's two streams may finish in this window too: at least 6 there)
+    assert after["0"] - before["0"] >= 6 and after["1"] == before["1"], (before, after)
     streams.join(90)  # engine 0's streams run to the end (slow on a loaded machine)
     for i in (1, 3):
         assert '"error"' in streams.lines[i][-2] and "worker-1" in streams.lines[i][-2], streams.lines[i][-2:]
