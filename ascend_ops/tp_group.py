@@ -94,8 +94,13 @@ class TPGroup(Solo):
         return parts if self.rank == 0 else None
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        self._run(self._dist.broadcast, t, 0)
-        return t
+        """Rank 0's `t` on every rank (a host tensor travels through the device on NCCL / HCCL)."""
+        if t.device == self.device:
+            self._run(self._dist.broadcast, t, 0)
+            return t
+        on = t.to(self.device)
+        self._run(self._dist.broadcast, on, 0)
+        return on.to(t.device)
 
     def any(self, flag: bool) -> bool:
         self._flag.fill_(int(flag))

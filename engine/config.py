@@ -48,6 +48,11 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     num_workers: int = 1
+    # tensor parallelism (docs/tensor-parallel.md): one worker per device, each with its shard of the model
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"  # vLLM's: where tp rank 0 hosts the group's TCPStore
+    master_port: int = 29501  # vLLM's default; an engine's tp group rendezvous port
+    distributed_timeout_seconds: int | None = None  # vLLM's: group set-up and collectives (None: 600 s)
     # model loading and chat (vLLM's names and meanings)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, for a first weight sync)
     use_tqdm_on_load: bool = True
@@ -104,6 +109,11 @@ class EngineConfig:
         """vLLM v0.33: --enable-scale-out or --tokens-only (or VLLM_ENABLE_SCALE_OUT_ENDPOINTS=1, the
         releases between) register the tokens-in/tokens-out routes; otherwise they answer 403."""
         return self.tokens_only or self.enable_scale_out or os.environ.get(SCALE_OUT_ENV, "").strip() == "1"
+
+    @property
+    def workers_per_engine(self) -> int:
+        """Worker processes of the engine: its tp workers (or, with -tp 1, the --num-workers replicas)."""
+        return self.num_workers * self.tensor_parallel_size
 
     @property
     def model_name(self) -> str:
@@ -221,7 +231,7 @@ class _VllmFlag(argparse.Action):
 # vLLM flags that change nothing on this engine: accepted, with this note in the log.
 NO_OP_FLAGS: dict[str, str] = {
     "enforce_eager": "rollbus runs eagerly always (no CUDA/NPU graphs are captured)",
-    "disable_custom_all_reduce": "rollbus has no tensor-parallel all-reduce (one worker per model replica)",
+    "disable_custom_all_reduce": "rollbus's tensor-parallel all-reduce is torch.distributed's own (no custom kernel)",
     "max_parallel_loading_workers": "weights are loaded by each worker in one pass",
     "download_dir": "rollbus never downloads models (local folders and .gguf files only)",
     "trust_remote_code": "rollbus never runs code shipped with a model: architectures are rollbus's own "
@@ -239,7 +249,6 @@ NO_OP_FLAGS: dict[str, str] = {
 }
 # vLLM flags accepted only with the values rollbus implements (compared as given, lower case).
 ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
-    "tensor_parallel_size": (("1",), "tensor parallelism is not implemented yet (scale-out lands later)"),
     "data_parallel_size": (("1",), "data parallelism is not implemented yet (scale-out lands later); run "
                                    "one server per replica"),
     "pipeline_parallel_size": (("1",), "pipeline parallelism is not implemented"),
@@ -356,8 +365,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="module.Class mixed into every worker, as vLLM: its public methods become callable "
                         "through POST /collective_rpc (a dev endpoint); names it shares with the worker are "
                         "a start-up error; init_worker_extension / destroy_worker_extension hooks run if defined.")
-    g.add_argument("--tensor-parallel-size", "-tp", action=_VllmFlag, dest=_vllm_dest("tensor_parallel_size"),
-                   metavar="N", help="1 only (tensor parallelism is not implemented yet).")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, metavar="N",
+                   help="Tensor parallelism: N worker processes (one per device), each holding 1/N of the model "
+                        "(Megatron-style: attention heads and the KV cache by KV head, MLP and MoE experts on "
+                        "their intermediate dimension, the vocabulary); N must divide the attention heads, and "
+                        "the KV heads or be a multiple of them (docs/tensor-parallel.md).")
+    g.add_argument("--master-addr", default=d.master_addr,
+                   help="Address where tp rank 0 hosts the tensor-parallel group's rendezvous (TCPStore).")
+    g.add_argument("--master-port", type=int, default=d.master_port,
+                   help="Port of that rendezvous (with -tp > 1; engine i of a data-parallel set uses this + i).")
+    g.add_argument("--distributed-timeout-seconds", type=int, default=None,
+                   help="Seconds the tensor-parallel group set-up and each of its collectives may take "
+                        "(default 600); a worker whose peer died fails its step instead of waiting longer.")
     g.add_argument("--data-parallel-size", "-dp", action=_VllmFlag, dest=_vllm_dest("data_parallel_size"),
                    metavar="N", help="1 only (run one server per replica until scale-out lands).")
     g.add_argument("--pipeline-parallel-size", "-pp", action=_VllmFlag, dest=_vllm_dest("pipeline_parallel_size"),
@@ -383,7 +402,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the "
                         "whole vocabulary (a request's -1 asks for the whole vocabulary).")
     g.add_argument("--num-workers", type=int, default=d.num_workers,
-                   help="Worker processes (one per device). CPU: 1.")
+                   help="Full model replicas run in lockstep (rank 0's tokens are used); only with -tp 1. "
+                        "For more than one device per model use --tensor-parallel-size.")
     g = p.add_argument_group("bus")
     g.add_argument("--bus-transport", default=os.environ.get("ROLLBUS_BUS_TRANSPORT", d.bus_transport),
                    choices=["ipc", "tcp"],
@@ -635,6 +655,16 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     cfg = EngineConfig(**values, notes=tuple(notes))
     if cfg.num_workers < 1:
         raise SystemExit("--num-workers must be at least 1")
+    if cfg.tensor_parallel_size < 1:
+        raise SystemExit(f"rollbus: --tensor-parallel-size must be at least 1, got {cfg.tensor_parallel_size}")
+    if cfg.tensor_parallel_size > 1 and cfg.num_workers > 1:
+        raise SystemExit(f"rollbus: --tensor-parallel-size {cfg.tensor_parallel_size} cannot be combined with "
+                         f"--num-workers {cfg.num_workers} (lockstep replicas): use one or the other")
+    if not 0 < cfg.master_port < 65536:
+        raise SystemExit(f"rollbus: --master-port must be a port number, got {cfg.master_port}")
+    if cfg.distributed_timeout_seconds is not None and cfg.distributed_timeout_seconds <= 0:
+        raise SystemExit("rollbus: --distributed-timeout-seconds must be positive, got "
+                         f"{cfg.distributed_timeout_seconds}")
     if cfg.tokens_only and os.environ.get(SCALE_OUT_ENV, "").strip() == "0":
         raise SystemExit(f"rollbus: `{SCALE_OUT_ENV}=0` conflicts with `--tokens-only`; unset it or set it to 1")
     if cfg.tokens_only and cfg.chat_template is not None:

@@ -43,7 +43,7 @@ def _die_with_parent() -> None:
 def roles(cfg: EngineConfig) -> list[tuple[str, list[str]]]:
     """(member name, extra argv) of every process, in start order."""
     out = [("coordinator", ["coordinator"]), ("scheduler", ["scheduler"])]
-    out += [(f"worker-{r}", ["worker", "--rank", str(r)]) for r in range(cfg.num_workers)]
+    out += [(f"worker-{r}", ["worker", "--rank", str(r)]) for r in range(cfg.workers_per_engine)]
     out.append(("gateway", ["gateway"]))
     return out
 
@@ -63,7 +63,14 @@ class Launcher:
 
         # Prepare the model once here (first run downloads and converts it, with progress), so the
         # children find it cached instead of racing to build it.
-        resolve_model(self.cfg.model, progress=True)
+        folder = resolve_model(self.cfg.model, progress=True)
+        if self.cfg.tensor_parallel_size > 1:  # refuse a layout the workers could not build, before any starts
+            from workers.models.checkpoint import load_hf_config
+            from workers.models.tp_layout import layout_error
+
+            why = layout_error(load_hf_config(folder), self.cfg.tensor_parallel_size)
+            if why:
+                raise SystemExit(f"rollbus: {why}")
         ctx = zmq.Context()
         ready_dir = tempfile.mkdtemp(prefix="rollbus-launch-")
         endpoint = f"ipc://{ready_dir}/ready"

@@ -135,8 +135,10 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.get("/get_world_size")
     async def get_world_size(include_dp: str = "true") -> JSONResponse:
-        # Data-parallel replicas only (no tensor or pipeline parallelism): TP * PP = 1.
-        return JSONResponse({"world_size": cfg.num_workers if _bool(include_dp, "include_dp") else 1})
+        # vLLM: TP x PP, times the data-parallel size with include_dp (the --num-workers replicas count as
+        # data-parallel here; pp = 1)
+        tp = cfg.tensor_parallel_size
+        return JSONResponse({"world_size": tp * cfg.num_workers if _bool(include_dp, "include_dp") else tp})
 
     @app.post("/weight_checker")
     async def weight_checker(request: Request) -> JSONResponse:

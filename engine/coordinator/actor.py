@@ -53,6 +53,7 @@ from engine.config import EngineConfig
 from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.logs import setup_logging
 from engine.weight_transfer_config import PAUSE_MODES, parse_weight_transfer_config
+from workers.models.tp_layout import hello_mismatch
 
 log = structlog.get_logger()
 
@@ -123,15 +124,19 @@ class Coordinator:
 
     def _on_hello(self, sender: bytes, h: Hello) -> None:
         if (h.protocol_version, h.protocol_fingerprint) != (PROTOCOL_VERSION, PROTOCOL_FINGERPRINT):
-            reason = (f"protocol version {h.protocol_version} ({h.protocol_fingerprint}) != coordinator's "
-                      f"{PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})")
-            log.error("coordinator.refused", member=h.name, reason=reason)
-            send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
-            return
+            return self._refuse(sender, h, f"protocol version {h.protocol_version} ({h.protocol_fingerprint}) != "
+                                f"coordinator's {PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})")
+        mismatch = hello_mismatch(h.role, h.info, self.cfg.model_name, self.cfg.tensor_parallel_size)
+        if mismatch:  # started with other flags than this engine's (another host's command line, say)
+            return self._refuse(sender, h, f"{h.name} refused: {mismatch}")
         if h.name in self.subscribed:
             self._welcome(h)
         else:
             self.hellos[h.name] = h
+
+    def _refuse(self, sender: bytes, h: Hello, reason: str) -> None:
+        log.error("coordinator.refused", member=h.name, reason=reason)
+        send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
 
     def _welcome(self, h: Hello) -> None:
         """A member joins: new, restarted or back from being lost, it is announced (MemberJoined); a member

@@ -114,7 +114,7 @@ class SchedulerActor:
 
     def wait_for_workers(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Every worker's Hello (results socket) and plan subscription (XPUB) must both arrive."""
-        want = {f"worker-{r}" for r in range(self.cfg.num_workers)}
+        want = {f"worker-{r}" for r in range(self.cfg.workers_per_engine)}
         hellos: dict[str, Hello] = {}
         subscribed: set[str] = set()
         poller = zmq.Poller()
@@ -274,17 +274,19 @@ class SchedulerActor:
             return
         if not isinstance(res, StepResult) or self.in_flight is None or res.step_id != self.step_id:
             return
-        why = result_problem(res, self.in_flight, self.cfg.num_workers)
+        why = result_problem(res, self.in_flight, self.cfg.workers_per_engine)
         if why is not None:  # well-typed but not an answer to this step: the real one is still to come
             log.warning("scheduler.bad_result", step=res.step_id, rank=res.rank, error=why)
             return
         self.pending_results[res.rank] = res
-        if len(self.pending_results) < self.cfg.num_workers:
+        if len(self.pending_results) < self.cfg.workers_per_engine:
             return
         step, self.in_flight = self.in_flight, None
         self.results_at, self.results_cpu = arrived, cpu
         main = self.pending_results[0]
-        errors = [r.error for r in self.pending_results.values() if r.error is not None]
+        # the failing worker's own error first (tp peers that only declined the step say TensorParallelPeer)
+        errors = sorted((r.error for r in self.pending_results.values() if r.error is not None),
+                        key=lambda e: e.kind == "TensorParallelPeer")
         interrupted = any(r.interrupted for r in self.pending_results.values())
         self.pending_results = {}
         if errors:
@@ -419,7 +421,7 @@ class SchedulerActor:
             # We stalled past the heartbeat timeout: the gateways failed our requests already, and the
             # workers forget their sequences when we rejoin (MemberJoined): start again from nothing.
             log.warning("scheduler.was_lost", why=cmd.why)
-            workers = [f"worker-{r}" for r in range(self.cfg.num_workers)]
+            workers = [f"worker-{r}" for r in range(self.cfg.workers_per_engine)]
             self._worker_lost(workers, seq, ErrorInfo("SchedulerLost", f"the scheduler was lost ({cmd.why})",
                                                       NAME, 503), everything=True)
         elif cmd.role == "gateway" and self.sched is not None:

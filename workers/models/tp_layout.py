@@ -71,3 +71,18 @@ def shard_of(num_heads: int, num_kv_heads: int, vocab_size: int, rank: int, size
     vp = -(-vocab_size // size)
     v0 = rank * vp
     return Shard(rank, size, rank * hq, hq, k0, hk, v0, vp, max(0, min(vocab_size, v0 + vp) - v0))
+
+
+def hello_mismatch(role: str, info: dict[str, Any], model: str, tp: int) -> str | None:
+    """Why a worker whose Hello says `info` cannot join an engine serving `model` with `tp` (None: it can).
+    Workers started with other flags (another model, another -tp) would compute with a shard layout the
+    others do not share, or serve another model under this one's name."""
+    if role != "worker" or not isinstance(info, dict):
+        return None
+    theirs = info.get("model")
+    if theirs is not None and theirs != model:
+        return f"it serves model {theirs!r}, this engine serves {model!r}"
+    size = info.get("tensor_parallel_size")
+    if size is not None and size != tp:
+        return f"it runs --tensor-parallel-size {size}, this engine runs --tensor-parallel-size {tp}"
+    return None
