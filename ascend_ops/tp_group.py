@@ -52,6 +52,14 @@ class Solo:
 SOLO = Solo()
 
 
+class Layout(Solo):
+    """Rank `rank` of `size` without a group: to build one rank's shard layout offline (on the meta device,
+    say, to compute what each rank holds); its collectives do nothing."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
 class TPGroup(Solo):
     """``size`` workers of one engine; ``rank`` is this worker's tp rank."""
 

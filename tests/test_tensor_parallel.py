@@ -1,0 +1,308 @@
+"""Tensor parallelism (-tp N) with real processes over CPU Gloo: a tp engine computes what a -tp 1 engine
+does (greedy tokens identical, logprobs within 1e-5 in fp32), each worker holds its share of the weights
+and the KV cache (as the workers measure it), and every RL path works on sharded workers: weight updates
+over both backends with a per-shard /weight_checker, sleep/wake, pauses, prompt logprobs, routed experts,
+trace replay. Servers are shared per class (started once, stopped before the next class starts: the
+machine has 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engine.config import parse_config
+from engine.trainer.client import WeightSyncClient
+from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer
+from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.registry import shard_checksums
+from workers.models.tp_layout import hello_mismatch, layout_error
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parent.parent
+RL = '{"rl_config": {"enabled": true}}'
+PROMPTS = [[5, 17, 99, 250, 31, 8, 77], [3, 1, 4, 1, 5, 9, 2, 6, 11, 400]]
+LP_TOL = 1e-5
+
+
+def serve(tmp, folder, tp: int, backend: str, *extra: str):
+    return start_server(tmp, str(folder), "-tp", str(tp), "--additional-config", RL, "--enable-scale-out",
+                        "--weight-transfer-config", json.dumps({"backend": backend, "timeout_s": 30}),
+                        "--max-model-len", "128", "--block-size", "4", "--num-gpu-blocks-override", "96",
+                        "--master-port", str(_free_port()), *extra, timeout_s=400)
+
+
+def _free_port() -> int:
+    from tests.serve_process import free_port
+
+    return free_port()
+
+
+def generate(url: str, prompt: list[int], **sampling) -> dict:
+    params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3, **sampling}
+    r = httpx.post(url + "/inference/v1/generate", timeout=120, json={"token_ids": prompt, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens_and_logprobs(out: dict) -> tuple[list[int], list[float], list[list[float]]]:
+    choice = out["choices"][0]
+    content = choice["logprobs"]["content"]
+    return choice["token_ids"], [c["logprob"] for c in content], [[t["logprob"] for t in c["top_logprobs"]]
+                                                                  for c in content]
+
+
+def assert_same_generation(ref: dict, got: dict) -> None:
+    """Greedy tokens identical, every logprob (sampled and top-k) within LP_TOL."""
+    ids_a, lp_a, top_a = tokens_and_logprobs(ref)
+    ids_b, lp_b, top_b = tokens_and_logprobs(got)
+    assert ids_a == ids_b
+    assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < LP_TOL
+    assert max(abs(a - b) for ra, rb in zip(top_a, top_b) for a, b in zip(ra, rb)) < LP_TOL
+
+
+def workers_info(url: str) -> dict[str, dict]:
+    return httpx.get(url + "/server_info", timeout=30).json()["workers"]
+
+
+def checksums(url: str) -> dict[str, str]:
+    r = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["checksums"]
+
+
+def compare(url: str, baseline: dict[str, str]) -> dict:
+    return httpx.post(url + "/weight_checker", json={"action": "compare", "baseline": baseline}, timeout=120).json()
+
+
+def perturbed(folder: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors (HF names), every one moved: a trainer's next version."""
+    g = torch.Generator().manual_seed(seed)
+    return [(n, t + torch.randn(t.shape, generator=g) * 0.05) for n, t in iter_safetensors(folder)]
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory, smollm2_dir) -> Path:
+    return tiny_model_with_tokenizer("qwen3_moe", tmp_path_factory.mktemp("tp") / "qwen3_moe", smollm2_dir)
+
+
+# ------------------------------------------------------------------------- layout and flags (no servers)
+
+
+def test_layout_errors_name_the_value():
+    smol = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+    assert layout_error(smol, 1) is None and layout_error(smol, 3) is None
+    assert "--tensor-parallel-size 2 does not divide the model's 9 attention heads" in layout_error(smol, 2)
+    gqa = {"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 64}
+    assert layout_error(gqa, 4) is None and layout_error(gqa, 8) is None  # KV heads replicated 2x, 4x
+    assert "6 KV heads" in layout_error({"num_attention_heads": 12, "num_key_value_heads": 6}, 4)
+    assert "intermediate_size 100" in layout_error({"num_attention_heads": 8, "intermediate_size": 100}, 8)
+    assert "moe_intermediate_size 30" in layout_error({"num_attention_heads": 4, "moe_intermediate_size": 30}, 4)
+
+
+def test_tp_flags_parse_and_tp_with_lockstep_replicas_is_refused():
+    cfg = parse_config(["-tp", "2", "--master-port", "30001"])
+    assert (cfg.tensor_parallel_size, cfg.master_port, cfg.workers_per_engine) == (2, 30001, 2)
+    assert cfg.to_argv() == ["--tensor-parallel-size", "2", "--master-port", "30001"]  # what children get
+    for argv, text in ((["-tp", "2", "--num-workers", "2"], "cannot be combined with --num-workers 2"),
+                       (["-tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
+                       (["-tp", "2", "--master-port", "0"], "--master-port must be a port number")):
+        with pytest.raises(SystemExit, match=text):
+            parse_config(argv)
+
+
+def test_a_hello_with_another_model_or_tp_is_refused_naming_it():
+    assert hello_mismatch("worker", {"model": "m", "tensor_parallel_size": 2}, "m", 2) is None
+    assert "it serves model 'x', this engine serves 'm'" in hello_mismatch("worker", {"model": "x"}, "m", 2)
+    why = hello_mismatch("worker", {"model": "m", "tensor_parallel_size": 1}, "m", 2)
+    assert why == "it runs --tensor-parallel-size 1, this engine runs --tensor-parallel-size 2"
+    assert hello_mismatch("gateway", {"model": "x"}, "m", 2) is None
+
+
+def test_a_tp_that_does_not_divide_the_heads_stops_start_up_naming_it(tmp_path, moe_folder):
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", str(moe_folder), "-tp", "3",
+                        "--bus-dir", str(tmp_path / "bus")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads" in r.stderr
+
+
+# ----------------------------------------------------------------------------- tiny Qwen3-MoE, ipc
+
+
+class TestMoE:
+    """-tp 1 and -tp 2 engines on the same tiny Qwen3-MoE (4 heads, 2 KV heads, 8 experts), ipc backend."""
+
+    @pytest.fixture(scope="class")
+    def tp1(self, tmp_path_factory, moe_folder):
+        s = serve(tmp_path_factory.mktemp("tp1"), moe_folder, 1, "ipc", "--enable-return-routed-experts",
+                  "--enable-trace-replay")
+        yield s
+        s.stop()
+
+    @pytest.fixture(scope="class")
+    def tp2(self, tmp_path_factory, moe_folder, tp1):
+        s = serve(tmp_path_factory.mktemp("tp2"), moe_folder, 2, "ipc", "--enable-return-routed-experts",
+                  "--enable-trace-replay", "--enable-sleep-mode")
+        yield s
+        s.stop()
+
+    def test_greedy_tokens_logprobs_prompt_logprobs_and_routes_match_tp1(self, tp1, tp2):
+        for prompt in PROMPTS:
+            ref = generate(tp1.url, prompt, prompt_logprobs=2)
+            got = generate(tp2.url, prompt, prompt_logprobs=2)
+            assert_same_generation(ref, got)
+            assert len(ref["prompt_logprobs"]) == len(got["prompt_logprobs"]) == len(prompt)
+            for pa, pb in zip(ref["prompt_logprobs"][1:], got["prompt_logprobs"][1:]):
+                assert pa.keys() == pb.keys()
+                assert max(abs(pa[k]["logprob"] - pb[k]["logprob"]) for k in pa) < LP_TOL
+            # the router is replicated: rank 0's routes are every rank's, and equal to -tp 1's
+            routes = got["choices"][0]["routed_experts"]
+            assert routes and routes == ref["choices"][0]["routed_experts"]
+
+    def test_seeded_sampling_and_trace_replay_match_tp1(self, tp1, tp2):
+        seeded = dict(temperature=1.0, seed=7, max_tokens=10)
+        assert_same_generation(generate(tp1.url, PROMPTS[0], **seeded), generate(tp2.url, PROMPTS[0], **seeded))
+        trace = dict(trace_decode_token_ids=[9, 8, 7, 6, 5], max_tokens=5)
+        ref, got = generate(tp1.url, PROMPTS[1], **trace), generate(tp2.url, PROMPTS[1], **trace)
+        assert got["choices"][0]["token_ids"] == [9, 8, 7, 6, 5]
+        assert_same_generation(ref, got)
+
+    def test_each_worker_holds_half_of_the_weights_and_the_kv_cache(self, tp1, tp2):
+        one = workers_info(tp1.url)["worker-0"]
+        two = workers_info(tp2.url)
+        assert sorted(two) == ["worker-0", "worker-1"]
+        for w in two.values():
+            # measured by each worker from its own parameter storage and KV tensor; the norms and the router
+            # are replicated, so a little over half
+            assert 0.5 <= w["weight_bytes"] / one["weight_bytes"] < 0.53, (w["weight_bytes"], one["weight_bytes"])
+            assert w["kv_cache_bytes"] * 2 == one["kv_cache_bytes"]  # same blocks, half the KV heads
+            assert w["tensor_parallel_size"] == 2
+        assert {w["tp_rank"] for w in two.values()} == {0, 1}
+
+    def test_world_size_and_server_info_report_tp(self, tp2):
+        assert httpx.get(tp2.url + "/get_world_size").json() == {"world_size": 2}
+        assert httpx.get(tp2.url + "/get_world_size?include_dp=false").json() == {"world_size": 2}
+        pc = httpx.get(tp2.url + "/server_info?config_format=json").json()["vllm_config"]["parallel_config"]
+        assert (pc["tensor_parallel_size"], pc["world_size"]) == (2, 2)
+
+    def test_weight_checker_keys_are_per_shard(self, tp2, moe_folder):
+        sums = checksums(tp2.url)
+        assert any(k.startswith("dp0:pp0:pcp0:tp1:") for k in sums)
+        baseline = shard_checksums(load_hf_config(moe_folder), iter_safetensors(moe_folder), 2)
+        assert baseline.keys() == sums.keys()
+        assert compare(tp2.url, baseline) == {"match": True, "mismatches": []}
+
+    def test_an_ipc_update_reaches_every_shard_bitwise(self, tp1, tp2, moe_folder):
+        update = perturbed(moe_folder, seed=1)
+        for s in (tp1, tp2):
+            with WeightSyncClient(s.url, backend="ipc", packed=True, packed_buffer_size_bytes=256 << 10) as c:
+                c.send_weights(update, version="v1", pause="keep")
+        assert compare(tp2.url, shard_checksums(load_hf_config(moe_folder), update, 2)) == {
+            "match": True, "mismatches": []}
+        assert_same_generation(generate(tp1.url, PROMPTS[0]), generate(tp2.url, PROMPTS[0]))
+
+    def test_sleep_wake_and_pauses_on_sharded_workers(self, tp1, tp2):
+        url = tp2.url
+        before = generate(url, PROMPTS[1])
+        r = httpx.post(url + "/sleep?level=1", timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
+        assert httpx.post(url + "/wake_up", timeout=60).status_code == 200
+        assert_same_generation(before, generate(url, PROMPTS[1]))
+        for mode in ("abort", "keep", "wait"):
+            assert httpx.post(url + f"/pause?mode={mode}", timeout=60).status_code == 200, mode
+            assert httpx.post(url + "/resume", timeout=60).status_code == 200, mode
+        assert_same_generation(before, generate(url, PROMPTS[1]))
+
+    def test_an_abort_pause_mid_generation_ends_the_step_on_every_rank(self, tp2):
+        """A long request running while an abort pause arrives: the step ends on both ranks (they stay in
+        step: the next request is served and matches what it was)."""
+        url = tp2.url
+        before = generate(url, PROMPTS[0])
+        import threading
+
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(httpx.post(url + "/inference/v1/generate", timeout=120, json={
+            "token_ids": PROMPTS[1], "sampling_params": {"max_tokens": 100, "ignore_eos": True}})))
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and metric(tp2, "vllm:num_requests_running") < 1:
+            time.sleep(0.05)
+        assert httpx.post(url + "/pause?mode=abort", timeout=60).status_code == 200
+        t.join(120)
+        assert out and out[0].status_code in (200, 503)
+        assert httpx.post(url + "/resume", timeout=60).status_code == 200
+        assert_same_generation(before, generate(url, PROMPTS[0]))
+
+    def test_a_worker_of_another_model_is_refused_naming_it(self, tp2, tmp_path, smollm2_dir):
+        """A worker started with other flags (another model) cannot join the engine: the coordinator refuses
+        its Hello, naming the model, and the worker exits."""
+        bus = next(p for p in tp2.log_path.parent.iterdir() if p.name.startswith("bus-"))
+        r = subprocess.run([sys.executable, "-m", "engine.cli", "worker", "--rank", "7", str(smollm2_dir),
+                            "--port", str(tp2.port), "--bus-dir", str(bus), "--num-gpu-blocks-override", "8",
+                            "--max-model-len", "64"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert r.returncode != 0
+        assert "this engine serves" in r.stderr and str(smollm2_dir) in r.stderr
+        assert generate(tp2.url, PROMPTS[0])["choices"][0]["token_ids"]  # the engine goes on serving
+
+
+# ------------------------------------------------------------------------ tiny Qwen3-MoE, collective
+
+
+class TestCollective:
+    """-tp 2 engine with the collective backend (Gloo on CPU): the trainer is rank 0, the workers 1 and 2."""
+
+    @pytest.fixture(scope="class")
+    def tp2(self, tmp_path_factory, moe_folder):
+        s = serve(tmp_path_factory.mktemp("tp2c"), moe_folder, 2, "gloo")
+        yield s
+        s.stop()
+
+    @pytest.mark.parametrize("packed", [True, False])
+    def test_a_collective_update_reaches_every_shard_bitwise(self, tp2, moe_folder, packed):
+        update = perturbed(moe_folder, seed=10 + packed)
+        with WeightSyncClient(tp2.url, backend="nccl", packed=packed, packed_buffer_size_bytes=256 << 10) as c:
+            c.send_weights(update, version=f"c-{packed}", pause="abort")
+            assert compare(tp2.url, shard_checksums(load_hf_config(moe_folder), update, 2)) == {
+                "match": True, "mismatches": []}
+            second = perturbed(moe_folder, seed=20 + packed)
+            c.send_weights(second, version=f"c-{packed}-2", pause=None)  # the same group again
+        assert compare(tp2.url, shard_checksums(load_hf_config(moe_folder), second, 2)) == {
+            "match": True, "mismatches": []}
+        assert generate(tp2.url, PROMPTS[0])["choices"][0]["token_ids"]
+
+
+# --------------------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.slow
+class TestSmolLM2:
+    """SmolLM2-135M (9 heads, 3 KV heads: -tp 2 is refused, -tp 3 splits both) against -tp 1."""
+
+    @pytest.fixture(scope="class")
+    def servers(self, tmp_path_factory, smollm2_dir):
+        one = serve(tmp_path_factory.mktemp("smol1"), smollm2_dir, 1, "ipc")
+        try:
+            three = serve(tmp_path_factory.mktemp("smol3"), smollm2_dir, 3, "ipc")
+        except Exception:
+            one.stop()
+            raise
+        yield one, three
+        three.stop()
+        one.stop()
+
+    def test_tp3_matches_tp1_and_each_worker_holds_a_third(self, servers):
+        one, three = servers
+        for prompt in PROMPTS:
+            assert_same_generation(generate(one.url, prompt, max_tokens=16), generate(three.url, prompt, max_tokens=16))
+        w1 = workers_info(one.url)["worker-0"]
+        for w in workers_info(three.url).values():
+            assert 1 / 3 <= w["weight_bytes"] / w1["weight_bytes"] < 0.34
+            assert w["kv_cache_bytes"] * 3 == w1["kv_cache_bytes"]
