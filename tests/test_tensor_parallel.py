@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RL = '{"rl_config": {"enabled": true}}'
 PROMPTS = [[5, 17, 99, 250, 31, 8, 77], [3, 1, 4, 1, 5, 9, 2, 6, 11, 400]]
 LP_TOL = 1e-5
+SMOL_LP_TOL = 1e-4  # SmolLM2's fp32 noise floor: see TestSmolLM2
 
 
 def serve(tmp, folder, tp: int, backend: str, *extra: str):
@@ -59,13 +60,13 @@ def tokens_and_logprobs(out: dict) -> tuple[list[int], list[float], list[list[fl
                                                                   for c in content]
 
 
-def assert_same_generation(ref: dict, got: dict) -> None:
-    """Greedy tokens identical, every logprob (sampled and top-k) within LP_TOL."""
+def assert_same_generation(ref: dict, got: dict, tol: float = LP_TOL) -> None:
+    """Greedy tokens identical, every logprob (sampled and top-k) within `tol`."""
     ids_a, lp_a, top_a = tokens_and_logprobs(ref)
     ids_b, lp_b, top_b = tokens_and_logprobs(got)
     assert ids_a == ids_b
-    assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < LP_TOL
-    assert max(abs(a - b) for ra, rb in zip(top_a, top_b) for a, b in zip(ra, rb)) < LP_TOL
+    assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < tol
+    assert max(abs(a - b) for ra, rb in zip(top_a, top_b) for a, b in zip(ra, rb)) < tol
 
 
 def workers_info(url: str) -> dict[str, dict]:
@@ -299,9 +300,12 @@ class TestSmolLM2:
         one.stop()
 
     def test_tp3_matches_tp1_and_each_worker_holds_a_third(self, servers):
+        """30 fp32 layers: -tp 1 differs from itself by up to 2.7e-5 in a logprob between 1 and 2 torch threads
+        (a GEMV's reduction order), so the bound here is that noise floor, not the tiny model's 1e-5."""
         one, three = servers
         for prompt in PROMPTS:
-            assert_same_generation(generate(one.url, prompt, max_tokens=16), generate(three.url, prompt, max_tokens=16))
+            assert_same_generation(generate(one.url, prompt, max_tokens=16), generate(three.url, prompt, max_tokens=16),
+                                   tol=SMOL_LP_TOL)
         w1 = workers_info(one.url)["worker-0"]
         for w in workers_info(three.url).values():
             assert 1 / 3 <= w["weight_bytes"] / w1["weight_bytes"] < 0.34

@@ -90,6 +90,7 @@ from workers.weight_recovery import copy_path, load_copy, save_copy
 log = structlog.get_logger()
 
 TP_PEER = "TensorParallelPeer"  # the error kind of ranks that could run a step another rank could not
+TP_ABORT_EVERY = 4  # tp: layers between the (collective) checks for an abort pause
 
 
 class StepInterrupted(Exception):
@@ -116,6 +117,9 @@ class WorkerActor:
         self.dp_index, self.tp_rank = (dp_rank, rank) if tp > 1 else (self.index, 0)
         platform = current_platform()
         device = platform.device(self.index)
+        if platform.name == "cpu" and tp > 1:  # the host's cores are shared by the engine's tp workers
+            torch.set_num_threads(max(1, torch.get_num_threads() // tp))
+        self.layers_done = 0  # layers of the step in progress (tp: when to check for an abort together)
         extra = parse_additional_config(cfg.additional_config)
         det = determinism(extra)
         try:
@@ -331,6 +335,7 @@ class WorkerActor:
         if refusal is not None:
             send(self.results, self._no_result(plan, refusal))
             return
+        self.layers_done = 0
         try:
             result = self.runner.execute(plan, self._check_interrupt)
         except StepInterrupted:
@@ -381,6 +386,9 @@ class WorkerActor:
         compare: touching a zmq socket here slowed every step's neighbours on a busy 2-core host."""
         abort = self.abort_watch.abort_seq > (self.link.follower.seq or 0)
         if self.tp.size > 1:  # every rank ends the step at the same layer, or none does
+            self.layers_done += 1
+            if self.layers_done % TP_ABORT_EVERY:
+                return
             abort = self.tp.any(abort)
         if abort:
             raise StepInterrupted()
