@@ -9,8 +9,11 @@ machine has 2 cores).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +70,13 @@ def assert_same_generation(ref: dict, got: dict, tol: float = LP_TOL) -> None:
     assert ids_a == ids_b
     assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < tol
     assert max(abs(a - b) for ra, rb in zip(top_a, top_b) for a, b in zip(ra, rb)) < tol
+
+
+def _wait_running(server) -> None:
+    """Until the server has a request in a running batch (or 30 s)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and metric(server, "vllm:num_requests_running") < 1:
+        time.sleep(0.05)
 
 
 def workers_info(url: str) -> dict[str, dict]:
@@ -227,15 +237,11 @@ class TestMoE:
         step: the next request is served and matches what it was)."""
         url = tp2.url
         before = generate(url, PROMPTS[0])
-        import threading
-
         out: list[httpx.Response] = []
         t = threading.Thread(target=lambda: out.append(httpx.post(url + "/inference/v1/generate", timeout=120, json={
             "token_ids": PROMPTS[1], "sampling_params": {"max_tokens": 100, "ignore_eos": True}})))
         t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and metric(tp2, "vllm:num_requests_running") < 1:
-            time.sleep(0.05)
+        _wait_running(tp2)
         assert httpx.post(url + "/pause?mode=abort", timeout=60).status_code == 200
         t.join(120)
         assert out and out[0].status_code in (200, 503)
@@ -262,7 +268,8 @@ class TestCollective:
 
     @pytest.fixture(scope="class")
     def tp2(self, tmp_path_factory, moe_folder):
-        s = serve(tmp_path_factory.mktemp("tp2c"), moe_folder, 2, "gloo")
+        work = tmp_path_factory.mktemp("tp2c")
+        s = serve(work, moe_folder, 2, "gloo", "--weights-recovery-dir", str(work / "recovery"))
         yield s
         s.stop()
 
@@ -278,6 +285,34 @@ class TestCollective:
         assert compare(tp2.url, shard_checksums(load_hf_config(moe_folder), second, 2)) == {
             "match": True, "mismatches": []}
         assert generate(tp2.url, PROMPTS[0])["choices"][0]["token_ids"]
+
+    def test_a_killed_tp_worker_fails_its_step_and_the_group_forms_again(self, tp2, moe_folder):
+        """SIGKILL tp rank 1 mid-generation: the request fails at once (503, not a hang), rank 0's collective
+        fails and it leaves too, the launcher restarts both, they form a new group and each restores its own
+        shard of the last update from --weights-recovery-dir."""
+        url = tp2.url
+        before = generate(url, PROMPTS[0])
+        out: list[httpx.Response] = []
+        long = {"token_ids": PROMPTS[1], "sampling_params": {"max_tokens": 100, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: out.append(httpx.post(url + "/inference/v1/generate", timeout=120,
+                                                                  json=long)))
+        t.start()
+        _wait_running(tp2)
+        old = tp2.child_pids()
+        os.kill(old["worker-1"], signal.SIGKILL)
+        t.join(60)
+        assert out and out[0].status_code == 503 and "worker-1" in out[0].text
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            r = httpx.post(url + "/inference/v1/generate", timeout=60, json={"token_ids": PROMPTS[0],
+                           "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3}})
+            if r.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200, r.text
+        new = tp2.child_pids()
+        assert new["worker-0"] != old["worker-0"] and new["worker-1"] != old["worker-1"]
+        assert_same_generation(before, r.json())
 
 
 # --------------------------------------------------------------------------------------- SmolLM2
