@@ -71,6 +71,8 @@ class TPGroup(Solo):
         self.what = f"tp rank {rank} of {size} ({backend}) at {addr}:{port}"
         self._dist = dist
         timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type != "cpu":  # NCCL / HCCL bind the communicator to the current device
+            getattr(torch, device.type).set_device(device)
         try:
             store = dist.TCPStore(addr, port, size, rank == 0, timeout=timeout, wait_for_workers=True)
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)

@@ -144,6 +144,69 @@ def test_a_tp_that_does_not_divide_the_heads_stops_start_up_naming_it(tmp_path, 
     assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads" in r.stderr
 
 
+# ------------------------------------------------------------- the sharded model itself, 4 ranks
+
+
+def _steps(model) -> list[torch.Tensor]:
+    from tests.tiny_models import PagedRunner
+
+    runner = PagedRunner(model)
+    return [runner.step(prefills=[(0, PROMPTS[0]), (1, PROMPTS[1])]), runner.step(decodes=[(0, 11), (1, 12)])]
+
+
+def _rank_logits(rank: int, size: int, folder: str, port: int, q) -> None:
+    """One tp rank: build its shard, load it from the HF tensors, run a prefill and a decode step; then load
+    it again from a -tp 1 model's own (fused) tensors and run them again; rank 0 sends the logits home."""
+    torch.set_num_threads(1)
+    from ascend_ops.tp_group import init_tp_group
+    from workers.models.registry import build_model
+
+    tp = init_tp_group(rank, size, torch.device("cpu"), port=port, timeout_s=120)
+    model = build_model(load_hf_config(folder), torch.float32, "cpu", tp=tp)
+    model.load_weights(iter_safetensors(folder))
+    from_hf = _steps(model)
+    full = build_model(load_hf_config(folder), torch.float32, "cpu")
+    full.load_weights(iter_safetensors(folder))
+    for p in model.parameters():
+        p.data.zero_()
+    model.load_weights((n, p.data) for n, p in full.named_parameters())
+    from_fused = _steps(model)
+    if rank == 0:
+        q.put((from_hf, from_fused))
+    tp.destroy()
+
+
+def test_four_ranks_with_replicated_kv_heads_and_a_padded_vocabulary_match_one(tmp_path):
+    """Llama with 4 heads, 2 KV heads (each on 2 of the 4 ranks), biases, untied LM head and a vocabulary of
+    1001 (ranks of 251 rows, the last with 2 padding rows): -tp 4's logits are -tp 1's, loaded from HF
+    names or from our fused ones."""
+    import multiprocessing as mp
+
+    from tests.tiny_models import make_tiny_checkpoint
+    from workers.models.registry import build_model
+
+    folder = make_tiny_checkpoint("llama", tmp_path / "llama", vocab_size=1001)
+    one = build_model(load_hf_config(folder), torch.float32, "cpu")
+    one.load_weights(iter_safetensors(folder))
+    want = _steps(one)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_logits, args=(r, 4, str(folder), port, q)) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        got = q.get(timeout=240)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    for run in got:
+        for a, b in zip(want, run):
+            assert a.shape == b.shape == (a.shape[0], 1001)
+            assert torch.equal(a.argmax(-1), b.argmax(-1)) and (a - b).abs().max() < 1e-4
+
+
 # ----------------------------------------------------------------------------- tiny Qwen3-MoE, ipc
 
 

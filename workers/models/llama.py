@@ -300,7 +300,7 @@ class WeightMap:
             self.targets[name] = self.targets[name]._replace(split=split, rows=rows)
 
     def alias(self, name: str, param: str) -> None:
-        self.targets[name] = _Target(param)
+        self.targets[name] = self.targets[param]  # the same place, and the same tp part
 
 
 class DecoderLM(nn.Module):
@@ -456,7 +456,6 @@ class DecoderLM(nn.Module):
                 t.split("lm_head.weight", vocab, rows=sh.vocab_valid)
         if cfg.tie_word_embeddings:
             t.alias("lm_head.weight", "model.embed_tokens.weight")
-            t.targets["lm_head.weight"] = t.targets["model.embed_tokens.weight"]
         return t
 
     def required_weight_names(self) -> set[str]:
