@@ -311,6 +311,13 @@ class TestMoE:
         assert httpx.post(url + "/resume", timeout=60).status_code == 200
         assert_same_generation(before, generate(url, PROMPTS[0]))
 
+    def test_reload_weights_gives_every_worker_its_part_of_the_checkpoint(self, tp2, moe_folder):
+        """The level-2 sleep recipe's reload_weights reads whole checkpoint tensors; each worker keeps its part."""
+        r = httpx.post(tp2.url + "/collective_rpc", json={"method": "reload_weights"}, timeout=120)
+        assert r.status_code == 200, r.text
+        baseline = shard_checksums(load_hf_config(moe_folder), iter_safetensors(moe_folder), 2)
+        assert compare(tp2.url, baseline) == {"match": True, "mismatches": []}
+
     def test_a_worker_of_another_model_is_refused_naming_it(self, tp2, tmp_path, smollm2_dir):
         """A worker started with other flags (another model) cannot join the engine: the coordinator refuses
         its Hello, naming the model, and the worker exits."""
