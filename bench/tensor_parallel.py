@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.serve_process import free_port, start_server  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 250, 31, 8, 77], [3, 1, 4, 1, 5, 9, 2, 6, 11, 400], [1, 2, 3, 4, 5, 6, 7, 8],
-           [42, 4242, 900, 12]]
+           [42, 424, 900, 12]]
 RL = '{"rl_config": {"enabled": true}}'
 
 
