@@ -52,6 +52,11 @@ class EngineConfig:
     data_parallel_size_local: int | None = None  # engines on this host (None: all of them)
     data_parallel_start_rank: int = 0  # the first engine on this host
     data_parallel_rank: int = 0  # the engine a scheduler or worker process belongs to
+    # tensor parallelism (docs/tensor-parallel.md): one worker per device, each with its shard of the model
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"  # vLLM's: where tp rank 0 hosts the group's TCPStore
+    master_port: int = 29501  # vLLM's default; an engine's tp group rendezvous port
+    distributed_timeout_seconds: int | None = None  # vLLM's: group set-up and collectives (None: 600 s)
     # model loading and chat (vLLM's names and meanings)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, for a first weight sync)
     use_tqdm_on_load: bool = True
@@ -114,6 +119,11 @@ class EngineConfig:
         """vLLM v0.33: --enable-scale-out or --tokens-only (or VLLM_ENABLE_SCALE_OUT_ENDPOINTS=1, the
         releases between) register the tokens-in/tokens-out routes; otherwise they answer 403."""
         return self.tokens_only or self.enable_scale_out or os.environ.get(SCALE_OUT_ENV, "").strip() == "1"
+
+    @property
+    def workers_per_engine(self) -> int:
+        """Worker processes of one engine: its tensor-parallel workers."""
+        return self.tensor_parallel_size
 
     @property
     def model_name(self) -> str:
@@ -231,7 +241,7 @@ class _VllmFlag(argparse.Action):
 # vLLM flags that change nothing on this engine: accepted, with this note in the log.
 NO_OP_FLAGS: dict[str, str] = {
     "enforce_eager": "rollbus runs eagerly always (no CUDA/NPU graphs are captured)",
-    "disable_custom_all_reduce": "rollbus has no tensor-parallel all-reduce (one worker per model replica)",
+    "disable_custom_all_reduce": "rollbus's tensor-parallel all-reduce is torch.distributed's own (no custom kernel)",
     "max_parallel_loading_workers": "weights are loaded by each worker in one pass",
     "download_dir": "rollbus never downloads models (local folders and .gguf files only)",
     "trust_remote_code": "rollbus never runs code shipped with a model: architectures are rollbus's own "
@@ -249,7 +259,6 @@ NO_OP_FLAGS: dict[str, str] = {
 }
 # vLLM flags accepted only with the values rollbus implements (compared as given, lower case).
 ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
-    "tensor_parallel_size": (("1",), "tensor parallelism is not implemented yet (scale-out lands later)"),
     "pipeline_parallel_size": (("1",), "pipeline parallelism is not implemented"),
     "decode_context_parallel_size": (("1",), "context parallelism is not implemented"),
     "prefill_context_parallel_size": (("1",), "context parallelism is not implemented"),
@@ -404,8 +413,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="module.Class mixed into every worker, as vLLM: its public methods become callable "
                         "through POST /collective_rpc (a dev endpoint); names it shares with the worker are "
                         "a start-up error; init_worker_extension / destroy_worker_extension hooks run if defined.")
-    g.add_argument("--tensor-parallel-size", "-tp", action=_VllmFlag, dest=_vllm_dest("tensor_parallel_size"),
-                   metavar="N", help="1 only (tensor parallelism is not implemented yet).")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, metavar="N",
+                   help="Tensor parallelism: N worker processes (one per device), each holding 1/N of the model "
+                        "(Megatron-style: attention heads and the KV cache by KV head, MLP and MoE experts on "
+                        "their intermediate dimension, the vocabulary); N must divide the attention heads, and "
+                        "the KV heads or be a multiple of them (docs/tensor-parallel.md).")
+    g.add_argument("--master-addr", default=d.master_addr,
+                   help="Address where tp rank 0 hosts the tensor-parallel group's rendezvous (TCPStore).")
+    g.add_argument("--master-port", type=int, default=d.master_port,
+                   help="Port of that rendezvous (with -tp > 1; engine i of a data-parallel set uses this + i).")
+    g.add_argument("--distributed-timeout-seconds", type=int, default=None,
+                   help="Seconds the tensor-parallel group set-up and each of its collectives may take "
+                        "(default 600); a worker whose peer died fails its step instead of waiting longer.")
     g.add_argument("--data-parallel-size", "-dp", type=_positive("--data-parallel-size"),
                    default=d.data_parallel_size, metavar="M",
                    help="Engines (a scheduler with its own workers each) behind the gateway, which routes each "
@@ -746,6 +765,10 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     if cfg.data_parallel_rank >= cfg.data_parallel_size:
         problems.append(f"--data-parallel-rank {cfg.data_parallel_rank} is not an engine of --data-parallel-size "
                         f"{cfg.data_parallel_size} (0..{cfg.data_parallel_size - 1})")
+    if not 0 < cfg.master_port < 65536:
+        problems.append(f"--master-port must be a port number, got {cfg.master_port}")
+    if cfg.distributed_timeout_seconds is not None and cfg.distributed_timeout_seconds <= 0:
+        problems.append(f"--distributed-timeout-seconds must be positive, got {cfg.distributed_timeout_seconds}")
     if problems:
         raise SystemExit("rollbus: " + "; ".join(problems))
     if cfg.tokens_only and os.environ.get(SCALE_OUT_ENV, "").strip() == "0":

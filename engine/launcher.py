@@ -80,8 +80,8 @@ class Launcher:
 
         # Prepare the model once here (first run downloads and converts it, with progress), so the
         # children find it cached instead of racing to build it.
-        resolve_model(self.cfg.model, progress=True)
-        why = self._layout_problem()
+        folder = resolve_model(self.cfg.model, progress=True)
+        why = self._layout_problem(folder)
         if why:
             print(f"rollbus: {why}", file=sys.stderr, flush=True)
             return 2
@@ -116,13 +116,21 @@ class Launcher:
                 pass
             self._remove_bus_files()
 
-    def _layout_problem(self) -> str | None:
+    def _layout_problem(self, folder) -> str | None:
+        """Why this layout cannot start (None: it can), before any process starts: a -tp the model cannot
+        be split by, a single engine's --data-parallel-rank, more workers than devices."""
         from ascend_ops.platform import current_platform
+        from workers.models.checkpoint import load_hf_config
+        from workers.models.tp_layout import layout_error
 
         if self.cfg.data_parallel_rank:
             return (f"--data-parallel-rank {self.cfg.data_parallel_rank} names the engine of one scheduler or worker "
                     "process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
                     "--data-parallel-size-local")
+        if self.cfg.tensor_parallel_size > 1:
+            why = layout_error(load_hf_config(folder), self.cfg.tensor_parallel_size)
+            if why:
+                return why
         platform = current_platform()
         self._platform_name = platform.name
         return check_devices(Topology.from_config(self.cfg), platform.name, platform.device_count())

@@ -72,7 +72,10 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     wt = parse_weight_transfer_config(cfg.weight_transfer_config)
     control_s = cfg.control_timeout_s
     transfer_s = (wt.timeout_s if wt else 300.0) + control_s
-    checksums: dict[int, dict[str, str]] = {}  # by weight epoch; /weight_checker reset drops it
+    # the last checksums and the command seq before they were asked for: valid while no command but that
+    # WeightChecker itself followed (a reload_weights or a sleep changes weights without a new epoch);
+    # /weight_checker reset drops them
+    checksums: dict[int, dict[str, str]] = {}
 
     async def call_or_abort(command: CommandBody, timeout_s: float) -> None:
         """All or nothing: when one worker fails a step of the update, every worker drops the update. A
@@ -152,15 +155,17 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         baseline = body.get("baseline")
         if action == "compare" and not isinstance(baseline, dict):
             raise bad_request("compare needs a baseline object {name: sha256 hex}", "baseline")
-        epoch = client.control_state.weight_epoch
-        if epoch not in checksums:
+        seq = client.follower.seq or 0
+        asked = next(iter(checksums), None)
+        if asked is None or seq > asked + 1:
             results = await call(client, WeightChecker("checksum"), transfer_s)
             merged: dict[str, str] = {}
             for r in results.values():
                 merged.update((r or {}).get("checksums", {}))
             checksums.clear()
-            checksums[epoch] = merged
-        current = checksums[epoch]
+            checksums[seq] = merged
+            asked = seq
+        current = checksums[asked]
         if action == "checksum":
             return JSONResponse({"checksums": current})
         mismatches = sorted(k for k, v in baseline.items() if not _matches(current, k, v))

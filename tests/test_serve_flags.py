@@ -114,8 +114,8 @@ def test_config_file_errors_name_the_file(tmp_path, capsys):
                        (["--config", write(tmp_path / "l.yaml", "- 1\n")], "mapping")):
         with pytest.raises(ValueError, match=text):
             normalize_argv(argv, new_parser())
-    refusal = write(tmp_path / "r.yaml", "tensor-parallel-size: 2\n")
-    assert "--tensor-parallel-size 2" in refused(["--config", refusal])
+    refusal = write(tmp_path / "r.yaml", "pipeline-parallel-size: 2\n")
+    assert "--pipeline-parallel-size 2" in refused(["--config", refusal])
 
 
 def test_the_cli_reports_config_errors_as_usage_errors(tmp_path):
@@ -153,7 +153,8 @@ def test_vllm_only_flags_are_noted_or_refused_by_name(row):
 def test_parallel_sizes_of_one_are_accepted_and_above_one_refused():
     cfg = parse_config(["-tp", "1", "-dp", "1", "--pipeline-parallel-size", "1"])
     assert cfg.notes == ()
-    assert "-tp 2" in refused(["-tp", "2"])
+    assert "-pp 2" in refused(["-pp", "2"])
+    assert parse_config(["-tp", "2"]).tensor_parallel_size == 2  # docs/tensor-parallel.md
     assert parse_config(["--data-parallel-size", "4"]).data_parallel_size == 4  # docs/serving.md "Scale-out"
     assert parse_config(["-dp=2"]).data_parallel_size == 2
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.tp_group import SOLO, Solo
 from engine.config import EngineConfig
 from engine.model_store import resolve_model
 from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
 from workers.models.registry import build_model
+from workers.models.tp_layout import layout_error
 
 DUMMY_RANGE = 1e-3  # vLLM's dummy loader: floating-point weights uniform in [-1e-3, 1e-3]
 DUMMY_SEED = 1234  # ... each tensor from a fresh generator with this seed (so runs and ranks agree)
@@ -43,11 +45,16 @@ def initialize_dummy_weights(model: torch.nn.Module) -> int:
     return filled
 
 
-def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAULT):
+def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAULT, tp: Solo = SOLO):
+    """The model on `device`; with a tp group, this rank's shard of it (each checkpoint tensor is read
+    whole and sliced)."""
     folder = resolve_model(cfg.model, progress=cfg.use_tqdm_on_load)
     hf_config = load_hf_config(folder)
+    why = layout_error(hf_config, tp.size)
+    if why:
+        raise SystemExit(f"rollbus: {why}")
     dtype = resolve_dtype(cfg.dtype, hf_config)
-    model = build_model(hf_config, dtype, device, kernels=kernels)
+    model = build_model(hf_config, dtype, device, kernels=kernels, tp=tp)
     if cfg.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
         initialize_dummy_weights(model)
     else:

@@ -14,6 +14,11 @@ host copy) that goes back whole in the StepResult with spans saying which rows a
 which position (engine.routed_experts). The rows are also kept per KV slot, so a sequence whose prompt
 starts with a prefix-cache hit gets the routes of the positions it never computed, from whichever
 sequence computed them. With the flag off, or on a dense model, nothing of this runs.
+
+Tensor parallelism (model.tp of size N > 1): every tp worker runs the same plan; the LM head's logits
+reach tp rank 0 only (the model gathers them), which samples and computes every reported number, then
+broadcasts the sampled token ids so every rank's sequences stay the same. Only rank 0's StepResult carries
+them; the others send an empty one (an ack), so the scheduler still gets one result per worker.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
+from ascend_ops.tp_group import SOLO
 from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
 from workers.kv_cache import KVCache
@@ -49,6 +55,7 @@ class ModelRunner:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
+        self.tp = getattr(model, "tp", SOLO)
         self.rank, self.block_size, self.device = rank, block_size, device
         self.seqs: dict[str, SeqState] = {}
         self.generator = torch.Generator().manual_seed(seed)
@@ -91,15 +98,24 @@ class ModelRunner:
             if sample_ids:  # else only partial prefill chunks this step: nothing to sample
                 # Sampling runs on the host with per-request CPU generators, so seeded draws are identical
                 # on every platform; on accelerators this costs one [S, V] copy per step.
-                logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)]).float().cpu()
-                out = sample(logits, [self.seqs[s].row for s in sample_ids], self.generator, self.logprobs_mode)
+                logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)])
+                if logits is not None:  # None: a tp rank above 0, which gets rank 0's tokens instead
+                    out = sample(logits.float().cpu(), [self.seqs[s].row for s in sample_ids], self.generator,
+                                 self.logprobs_mode)
+        toks = out.token_ids.tolist() if out is not None else []
+        if self.tp.size > 1 and sample_ids:  # rank 0's draws, on every rank (one broadcast)
+            shared = out.token_ids if out is not None else torch.empty(len(sample_ids), dtype=torch.int64)
+            toks = self.tp.broadcast(shared).tolist()
+        for sid, tok in zip(sample_ids, toks):
+            st = self.seqs[sid]
+            st.tokens.append(tok)
+            st.row.output_token_ids.append(tok)
+        if self.tp.rank:  # a tp rank above 0: rank 0 reports; an empty result acks the step
+            for sid in sample_ids:
+                self.seqs[sid].prompt_lp_parts = None
+            return self._result(plan, [], None, t0)
         prompt_lps = [self._take_prompt_logprobs(sid) for sid in sample_ids
                       if self.seqs[sid].prompt_lp_parts is not None]
-        if out is not None:
-            for sid, tok in zip(sample_ids, out.token_ids.tolist()):
-                st = self.seqs[sid]
-                st.tokens.append(tok)
-                st.row.output_token_ids.append(tok)
         routed_rows = self._routed_rows(routed_ids, *routes) if routes is not None else (None, None)
         result = self._result(plan, sample_ids, out, t0)  # step_time_s counts the capture too
         result.prompt_logprobs = prompt_lps
@@ -125,7 +141,10 @@ class ModelRunner:
         for a in range(0, len(rows), PROMPT_LOGITS_ROWS):
             idx = torch.tensor(rows[a:a + PROMPT_LOGITS_ROWS], dtype=torch.int64, device=hidden.device)
             tgt = torch.tensor(targets[a:a + PROMPT_LOGITS_ROWS], dtype=torch.int64, device=hidden.device)
-            lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
+            logits = self.model.compute_logits(hidden[idx])
+            if logits is None:  # a tp rank above 0: it took part in the gather, rank 0 reports
+                continue
+            lp = torch.log_softmax(logits.float(), dim=-1)
             chosen = lp.gather(1, tgt.unsqueeze(1))
             ranks = (lp >= chosen).sum(dim=-1)
             top_lp, top_ids = topk(lp, k) if k else (lp[:, :0], tgt.unsqueeze(1)[:, :0])

@@ -7,6 +7,9 @@ staging (the default) bytes land in a second copy of each touched parameter; com
 those copies the update did not cover from the live weights and swaps them in, so the weights in service
 never mix versions and abort simply drops the copies. The copies are kept for the next update (the old
 storage becomes the next staging area), released on sleep and on shutdown.
+
+Tensor parallelism: the trainer sends whole HF tensors to every worker (vLLM's protocol); each validates
+the whole shape and keeps its part (model.weight_source), so nothing about the protocol changes.
 """
 
 from __future__ import annotations
@@ -221,9 +224,10 @@ class WeightReceiver:
                 dst = self.model.weight_destination(p.name)
             except KeyError:
                 raise WeightSyncError(f"unknown parameter name {p.name!r}", param="names") from None
-            if tuple(dst.shape) != p.shape:
+            full = self.model.weight_full_shape(p.name)
+            if full != p.shape:
                 raise WeightSyncError(f"tensor {p.name!r}: shape {list(p.shape)} does not match the engine's "
-                                      f"{list(dst.shape)}", param="shapes")
+                                      f"{list(full)}", param="shapes")
             check_castable(p.name, p.dtype, dst.dtype)
             dests.append(dst)
         return dests
@@ -284,7 +288,7 @@ class WeightReceiver:
                                   "handle object (packed)", param="ipc_handles")
         # Everything is mapped and checked: now write.
         for p, src, dst in zip(meta.params, sources, dests):
-            receive_into(self._target(dst), src, self._copy)
+            receive_into(self._target(dst), self.model.weight_source(p.name, src), self._copy)
 
     def _pickled_handles(self, info: dict[str, Any], meta: UpdateMeta) -> Any:
         """vLLM's ``ipc_handles_pickled`` (its HTTP client's form of reduce_tensor's args) -> the handles
@@ -336,8 +340,8 @@ class WeightReceiver:
     # --- collective backend (vLLM's NCCL weight-transfer engine protocol; ascend_ops.collective) -----------
 
     def _init_collective(self, info: dict[str, Any], cfg: WeightTransferConfig) -> None:
-        """Join the trainer's group as rank rank_offset + dp_rank x (tp x pp) + worker rank (tp = pp = 1 here,
-        so rank_offset + this worker's data-parallel index). init_info is vLLM's NCCLWeightTransferInitInfo."""
+        """Join the trainer's group as rank rank_offset + dp_rank x tp + tp_rank (self.rank is that global
+        worker index; pp = 1). init_info is vLLM's NCCLWeightTransferInitInfo."""
         import base64
         import binascii
 
@@ -514,7 +518,8 @@ class WeightReceiver:
                         target = self._target(dests[i])
                     except Exception as e:
                         failure = e
-                if target is not None and target.is_contiguous() and target.dtype == p.dtype:
+                if target is not None and target.is_contiguous() and target.dtype == p.dtype \
+                        and tuple(target.shape) == p.shape:  # the whole tensor is ours: receive in place
                     group.broadcast(target, 0)
                     continue
                 if scratch is None:
@@ -523,7 +528,8 @@ class WeightReceiver:
                 group.broadcast(buf, 0)
                 if target is not None:
                     try:
-                        receive_into(target, buf, self._copy)  # casts when the trainer's dtype differs
+                        # our part of it; casts when the trainer's dtype differs
+                        receive_into(target, self.model.weight_source(p.name, buf), self._copy)
                     except Exception as e:
                         failure = e
             return failure
@@ -540,7 +546,8 @@ class WeightReceiver:
                 return
             try:
                 for i, src in zip(chunk, byte_views(buf, [params[i] for i in chunk])):
-                    receive_into(self._target(dests[i]), src, self._copy)
+                    receive_into(self._target(dests[i]), self.model.weight_source(params[i].name, src),
+                                 self._copy)
             except Exception as e:
                 failure = e
 
@@ -566,7 +573,8 @@ class WeightReceiver:
     # --- /weight_checker ------------------------------------------------------------------------
 
     def checksums(self, prefix: str) -> dict[str, str]:
-        """sha256 per tensor under the names a trainer sends (HF names), prefixed per worker."""
+        """sha256 per tensor under the names a trainer sends (HF names), prefixed per worker; with tensor
+        parallelism, of this worker's part (as vLLM's per-shard keys)."""
         names = sorted(self.model.required_weight_names())
         return {prefix + n: tensor_checksum(self.model.weight_destination(n)) for n in names}
 

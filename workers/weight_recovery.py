@@ -23,7 +23,8 @@ def copy_path(folder: str, rank: int) -> str:
 
 
 def save_copy(model: torch.nn.Module, path: str, *, run_id: str, commits: int, version: str) -> str:
-    """The model's tensors under the names a trainer sends (HF names), tagged; returns the path."""
+    """The model's tensors under the names a trainer sends (HF names), tagged; returns the path. A tp worker
+    writes its own part of each (load_copy loads it back as it is)."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tensors = {n: model.weight_destination(n).detach().to("cpu").contiguous()
                for n in sorted(model.required_weight_names())}
@@ -47,6 +48,6 @@ def load_copy(model: torch.nn.Module, path: str, *, run_id: str, commits: int) -
         want = set(model.required_weight_names())
         if not want <= names:
             return f"the recovery copy at {path} lacks {len(want - names)} tensors"
-        loaded = model.load_weights((n, f.get_tensor(n)) for n in sorted(want))
+        loaded = model.load_weights(((n, f.get_tensor(n)) for n in sorted(want)), local=True)
     log.info("worker.weights_recovered", path=path, tensors=len(loaded), weight_commits=commits)
     return None

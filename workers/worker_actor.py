@@ -8,6 +8,14 @@ Recovery: a worker starts from the checkpoint; when the engine had committed wei
 requests 503 until an update commits) and computes nothing meanwhile; it never serves another version.
 It (re)introduces itself to the scheduler (Hello on the results socket, with the seq it joined at) when
 it joins and whenever a scheduler joins; a stall that got it declared lost drops the sequences it held.
+
+Tensor parallelism (-tp N): this worker is tp rank `rank` of its engine, holds that shard of the model
+and joins the engine's tp group (ascend_ops.tp_group) before loading. Every plan's forward is collective,
+so before computing the ranks agree (one flag) that all of them can run it: a rank that cannot (weights
+lost, unknown sequences) answers with its error, the others with a TensorParallelPeer error, and nobody
+computes. An abort pause seen between layers by any rank ends the step on every rank. A step that raises
+mid-way, a failed collective, or a tp peer lost leaves the group out of step: the worker reports and exits
+(the launcher restarts the engine's workers, which form a new group).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import zmq
 
 from ascend_ops.batch_invariant import BatchInvarianceUnavailable, kernels, self_check
 from ascend_ops.platform import current_platform
+from ascend_ops.tp_group import TPError, init_tp_group
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
 from bus.member import MemberLink
@@ -81,8 +90,21 @@ from workers.weight_recovery import copy_path, load_copy, save_copy
 
 log = structlog.get_logger()
 
+TP_PEER = "TensorParallelPeer"  # the error kind of ranks that could run a step another rank could not
+TP_ABORT_EVERY = 4  # tp: layers between the (collective) checks for an abort pause
+
+
 class StepInterrupted(Exception):
     pass
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameter storage this process holds (each storage counted once: tied weights share)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        st = p.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 class WorkerActor:
@@ -96,11 +118,20 @@ class WorkerActor:
         self.name = topo.worker_name(self.engine, rank)
         self.scheduler_name = topo.scheduler_name(self.engine)
         self.donor = topo.donor(self.engine, rank)
+        tp, dp_rank = topo.tp, self.engine
         platform = current_platform()
         device = platform.device(topo.local_device(self.engine, rank))
+        self.layers_done = 0  # layers of the step in progress (tp: when to check for an abort together)
         extra = parse_additional_config(cfg.additional_config)
         det = determinism(extra)
-        model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant))
+        try:
+            self.tp = init_tp_group(rank, tp, device, addr=cfg.master_addr, port=cfg.master_port + dp_rank,
+                                    timeout_s=cfg.distributed_timeout_seconds)
+        except TPError as e:
+            raise SystemExit(f"rollbus: {self.name}: {e}") from None
+        self.tp_peers = set(topo.worker_names(self.engine)) - {self.name}
+        self.fatal: str | None = None  # the tp group is out of step: exit (the launcher restarts us)
+        model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant), self.tp)
         checked: list[str] = []
         if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
             try:
@@ -128,7 +159,8 @@ class WorkerActor:
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
                                       device=device, nz_mode=extra.weight_nz_mode)
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
-                     "device": str(device),
+                     "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp, "tp_rank": rank,
+                     "weight_bytes": weight_bytes(model),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
                      "kernels": model.kern.name, "batch_invariant_checked": checked,
                      "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
@@ -271,6 +303,8 @@ class WorkerActor:
             poller.register(s, zmq.POLLIN)
         idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
+            if self.fatal:
+                raise SystemExit(f"rollbus: {self.name}: {self.fatal}")
             ready = [sock for sock, _ in poller.poll(idle_ms)]
             # Commands first: a step can take seconds, and an ack (say, of a resume that arrived with the
             # step it unblocked) must not wait behind it.
@@ -292,32 +326,58 @@ class WorkerActor:
             return
         if self.sleep.asleep and plan.seq_ids:
             self._await_wake()
-        if plan.seq_ids and self.weights_lost is not None:  # never compute with a version not in service
-            why = control_state.weights_lost_message(self.link.state) or f"weight version {self.weights_lost!r} lost"
-            send(self.results, self._no_result(plan, ErrorInfo("WeightVersionLost", why, self.name, 503)))
+        refusal = self._refusal(plan) if plan.seq_ids else None
+        if self.tp.size > 1 and plan.seq_ids:
+            try:
+                blocked = self.tp.any(refusal is not None)
+            except TPError as e:
+                self._tp_failed(plan, e)
+                return
+            if blocked and refusal is None:
+                refusal = ErrorInfo(TP_PEER, f"another tensor-parallel worker of this engine could not run step "
+                                    f"{plan.step_id}", self.name)
+        if refusal is not None:
+            send(self.results, self._no_result(plan, refusal))
             return
-        if plan.seq_ids and self.sleep.missing:  # never compute with weights a level-2 sleep discarded
-            st = self.sleep.weights_status()
-            why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"])
-            send(self.results, self._no_result(plan, ErrorInfo("WeightsDiscarded", why, self.name, 503)))
-            return
-        known = self.runner.seqs.keys() | {ns.seq_id for ns in plan.new_seqs}
-        unknown = [sid for sid in plan.seq_ids if sid not in known]
-        if unknown:  # planned before a stall or a scheduler's return made us forget them: nothing to compute
-            log.warning("worker.stale_plan", step=plan.step_id, unknown=len(unknown))
-            send(self.results, self._no_result(plan, ErrorInfo("UnknownSequence", f"{len(unknown)} sequences of step "
-                                                               f"{plan.step_id} are unknown here", self.name)))
-            return
+        self.layers_done = 0
         try:
             result = self.runner.execute(plan, self._check_interrupt)
         except StepInterrupted:
             result = self._no_result(plan)
             result.interrupted = True
         except Exception as e:  # report, so the scheduler fails the step's requests instead of hanging
+            if self.tp.size > 1:  # the other ranks may be inside a collective this one left
+                self._tp_failed(plan, e)
+                return
             log.exception("worker.step_failed", step=plan.step_id)
             result = self._no_result(plan, ErrorInfo(type(e).__name__, str(e), self.name))
         if plan.seq_ids:
             send(self.results, result)
+
+    def _refusal(self, plan: StepPlan) -> ErrorInfo | None:
+        """Why this worker must not compute `plan` (None: it can)."""
+        if self.weights_lost is not None:  # never compute with a version not in service
+            why = control_state.weights_lost_message(self.link.state) or f"weight version {self.weights_lost!r} lost"
+            return ErrorInfo("WeightVersionLost", why, self.name, 503)
+        if self.sleep.missing:  # never compute with weights a level-2 sleep discarded
+            st = self.sleep.weights_status()
+            why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"])
+            return ErrorInfo("WeightsDiscarded", why, self.name, 503)
+        known = self.runner.seqs.keys() | {ns.seq_id for ns in plan.new_seqs}
+        unknown = [sid for sid in plan.seq_ids if sid not in known]
+        if unknown:  # planned before a stall or a scheduler's return made us forget them: nothing to compute
+            log.warning("worker.stale_plan", step=plan.step_id, unknown=len(unknown))
+            return ErrorInfo("UnknownSequence", f"{len(unknown)} sequences of step {plan.step_id} are unknown here",
+                             self.name)
+        return None
+
+    def _tp_failed(self, plan: StepPlan, e: BaseException) -> None:
+        """A tp step failed part-way (or a collective did): report it, then leave, so the engine's workers
+        form a new group instead of running collectives out of step."""
+        log.error("worker.tp_step_failed", step=plan.step_id, error=f"{type(e).__name__}: {e}", exc_info=e)
+        send(self.results, self._no_result(plan, ErrorInfo(type(e).__name__, str(e), self.name)))
+        self.fatal = f"tensor-parallel step {plan.step_id} failed ({type(e).__name__}: {e}); restarting"
+
 
     def _no_result(self, plan: StepPlan, error: ErrorInfo | None = None) -> StepResult:
         """A step that sampled nothing: failed (error) or interrupted (the caller sets it)."""
@@ -328,7 +388,13 @@ class WorkerActor:
         step now instead of after it, so /pause?mode=abort returns in milliseconds even while a long
         step runs. Only aborting commands interrupt (their requests are dropped anyway). A plain int
         compare: touching a zmq socket here slowed every step's neighbours on a busy 2-core host."""
-        if self.abort_watch.abort_seq > (self.link.follower.seq or 0):
+        abort = self.abort_watch.abort_seq > (self.link.follower.seq or 0)
+        if self.tp.size > 1:  # every rank ends the step at the same layer, or none does
+            self.layers_done += 1
+            if self.layers_done % TP_ABORT_EVERY:
+                return
+            abort = self.tp.any(abort)
+        if abort:
             raise StepInterrupted()
 
     # --- control (handlers of the typed commands; the follower has applied the state already) ------
@@ -344,6 +410,9 @@ class WorkerActor:
         self.stopping = True
 
     def _member_lost(self, cmd: MemberLost) -> None:
+        if cmd.name in self.tp_peers:  # our tp group lost a rank: its collectives can never complete again
+            self.fatal = f"tensor-parallel peer {cmd.name} was lost ({cmd.why}); restarting to form a new group"
+            return
         if cmd.name == self.name:  # we stalled past the heartbeat timeout: the scheduler failed our sequences
             log.warning("worker.was_lost", why=cmd.why, dropped=len(self.runner.seqs))
             self.runner.seqs.clear()

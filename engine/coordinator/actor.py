@@ -125,21 +125,19 @@ class Coordinator:
 
     def _on_hello(self, sender: bytes, h: Hello) -> None:
         if (h.protocol_version, h.protocol_fingerprint) != (PROTOCOL_VERSION, PROTOCOL_FINGERPRINT):
-            reason = (f"protocol version {h.protocol_version} ({h.protocol_fingerprint}) != coordinator's "
-                      f"{PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})")
-            log.error("coordinator.refused", member=h.name, reason=reason)
-            send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
-            return
+            return self._refuse(sender, h, f"protocol version {h.protocol_version} ({h.protocol_fingerprint}) != "
+                                f"coordinator's {PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})")
         mismatch = layout_mismatch(self.layout, h.info.get("layout") if isinstance(h.info, dict) else None)
-        if mismatch:
-            reason = f"{h.name} was started with other flags than the coordinator: {mismatch}"
-            log.error("coordinator.refused", member=h.name, reason=reason)
-            send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
-            return
+        if mismatch:  # started with other flags (another host's command line, say)
+            return self._refuse(sender, h, f"{h.name} was started with other flags than the coordinator: {mismatch}")
         if h.name in self.subscribed:
             self._welcome(h)
         else:
             self.hellos[h.name] = h
+
+    def _refuse(self, sender: bytes, h: Hello, reason: str) -> None:
+        log.error("coordinator.refused", member=h.name, reason=reason)
+        send(self.router, Welcome(False, reason, self.ledger.seq, ControlState()), to=sender)
 
     def _welcome(self, h: Hello) -> None:
         """A member joins: new, restarted or back from being lost, it is announced (MemberJoined); a member

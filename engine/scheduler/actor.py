@@ -291,7 +291,9 @@ class SchedulerActor:
         step, self.in_flight = self.in_flight, None
         self.results_at, self.results_cpu = arrived, cpu
         main = self.pending_results[0]
-        errors = [r.error for r in self.pending_results.values() if r.error is not None]
+        # the failing worker's own error first (tp peers that only declined the step say TensorParallelPeer)
+        errors = sorted((r.error for r in self.pending_results.values() if r.error is not None),
+                        key=lambda e: e.kind == "TensorParallelPeer")
         interrupted = any(r.interrupted for r in self.pending_results.values())
         self.pending_results = {}
         if errors:

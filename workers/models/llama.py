@@ -23,6 +23,8 @@ from torch import nn
 from ascend_ops import ops
 from ascend_ops.attention import AttentionMetadata
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.tp_group import SOLO, Solo
+from workers.models.tp_layout import Shard, shard_of
 
 
 class KVSpec(NamedTuple):
@@ -126,11 +128,19 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device, ones: bool = F
     return nn.Parameter(make(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _full_shard(cfg: DecoderConfig) -> Shard:
+    return shard_of(cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, 0, 1)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
+    """Column-parallel q/k/v (this rank's heads), row-parallel o (one all-reduce, bias added once)."""
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
+                 shard: Shard | None = None, tp: Solo = SOLO) -> None:
         super().__init__()
-        self.kern = kern
-        self.hq, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.kern, self.tp = kern, tp
+        sh = shard or _full_shard(cfg)
+        self.hq, self.hk, self.d = sh.hq, sh.hk, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = self.d**-0.5
         qkv = (self.hq + 2 * self.hk) * self.d
@@ -166,14 +176,25 @@ class Attention(nn.Module):
             k = kern.rms_norm(k, self.k_norm.weight, self.eps)
         q, k = kern.apply_rope(q, k, cos, sin)
         o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
-        return kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
+        if self.tp.size == 1:
+            return kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
+        return _reduce(self.tp, kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight), self.o_proj.bias)
+
+
+def _reduce(tp: Solo, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel projection's output: the sum of every rank's partial product, then the bias once."""
+    out = tp.all_reduce(partial)
+    return out if bias is None else out + bias
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
+    """Column-parallel gate/up (this rank's intermediate rows), row-parallel down (one all-reduce)."""
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
+                 tp: Solo = SOLO) -> None:
         super().__init__()
-        self.kern = kern
-        self.i = cfg.intermediate_size
+        self.kern, self.tp = kern, tp
+        self.i = cfg.intermediate_size // tp.size
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Module()
         self.gate_up_proj.weight = _param(2 * self.i, cfg.hidden_size, **kw)
@@ -187,16 +208,18 @@ class MLP(nn.Module):
         kern = self.kern
         gu = kern.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
         h = kern.silu_and_mul(gu[:, : self.i], gu[:, self.i :])  # [T, I]
-        return kern.linear(h, self.down_proj.weight, self.down_proj.bias)
+        if self.tp.size == 1:
+            return kern.linear(h, self.down_proj.weight, self.down_proj.bias)
+        return _reduce(self.tp, kern.linear(h, self.down_proj.weight), self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, mlp: nn.Module, dtype: torch.dtype, device: torch.device,
-                 kern: Kernels = DEFAULT) -> None:
+                 kern: Kernels = DEFAULT, shard: Shard | None = None, tp: Solo = SOLO) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.norm = kern.rms_norm
-        self.self_attn = Attention(cfg, dtype, device, kern)
+        self.self_attn = Attention(cfg, dtype, device, kern, shard, tp)
         self.mlp = mlp  # MLP, or a sparse MoE block with the same forward(x, routed_experts)
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
@@ -221,25 +244,36 @@ class _Body(nn.Module):
 
     def __init__(
         self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, make_mlp: Callable[[int], nn.Module],
-        kern: Kernels,
+        kern: Kernels, shard: Shard, tp: Solo,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device, kern)
+        self.embed_tokens = nn.Module()  # vocabulary-parallel: this rank's rows (padded to ceil(V / tp))
+        self.embed_tokens.weight = _param(shard.vp, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device, kern, shard, tp)
                                     for i in range(cfg.num_layers))
         self.norm = nn.Module()
         self.norm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
 
 
+class Split(NamedTuple):
+    """The part of a full checkpoint tensor one tp rank holds: along `dim` (of `full` elements), the
+    concatenation of the (start, length) ranges in `parts`."""
+
+    dim: int
+    full: int
+    parts: tuple[tuple[int, int], ...]
+
+
 class _Target(NamedTuple):
     """Where one checkpoint tensor goes: parameter `param`, index `expert` of its first dim when >= 0 (one
-    expert of a stacked tensor), then rows [start, start + rows) when rows >= 0."""
+    expert of a stacked tensor), then rows [start, start + rows) when rows >= 0; with tensor parallelism,
+    `split` says which part of the full tensor this rank takes (None: all of it)."""
 
     param: str
     start: int = 0
     rows: int = -1
     expert: int = -1
+    split: Split | None = None
 
 
 class WeightMap:
@@ -254,19 +288,27 @@ class WeightMap:
         self.targets: dict[str, _Target] = {n: _Target(n) for n in params}
         self.required: set[str] = set(self.targets)
 
-    def add(self, name: str, param: str, start: int = 0, rows: int = -1, expert: int = -1) -> None:
-        self.targets[name] = _Target(param, start, rows, expert)
+    def add(self, name: str, param: str, start: int = 0, rows: int = -1, expert: int = -1,
+            split: Split | None = None) -> None:
+        self.targets[name] = _Target(param, start, rows, expert, split)
         self.required.discard(param)
         self.required.add(name)
 
+    def split(self, name: str, split: Split | None, rows: int = -1) -> None:
+        """Shard a parameter taken under its own name (tp > 1): this rank's part of the full tensor."""
+        if split is not None:
+            self.targets[name] = self.targets[name]._replace(split=split, rows=rows)
+
     def alias(self, name: str, param: str) -> None:
-        self.targets[name] = _Target(param)
+        self.targets[name] = self.targets[param]  # the same place, and the same tp part
 
 
 class DecoderLM(nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache; built from the HF config dict.
 
     `kernels` (ascend_ops.batch_invariant) is chosen once here: the default ops, or the batch-invariant ones.
+    `tp` (ascend_ops.tp_group) is this worker's tensor-parallel group: with more than one rank the model
+    holds only this rank's shard (workers.models.tp_layout) and its forward takes part in the collectives.
     """
 
     config_class: type[DecoderConfig] = DecoderConfig
@@ -278,18 +320,26 @@ class DecoderLM(nn.Module):
         device: torch.device | str,
         max_positions: int | None = None,
         kernels: Kernels = DEFAULT,
+        tp: Solo = SOLO,
     ) -> None:
         super().__init__()
         device = torch.device(device)
         self.cfg = cfg = self.config_class.from_hf(hf_config)
         self.dtype = dtype
         self.kern = kernels
-        self.model = _Body(cfg, dtype, device, lambda layer: self._make_mlp(layer, dtype, device), kernels)
+        self.tp = tp
+        self.shard = shard_of(cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, tp.rank, tp.size)
+        self.model = _Body(cfg, dtype, device, lambda layer: self._make_mlp(layer, dtype, device), kernels,
+                           self.shard, tp)
         self.lm_head = nn.Module()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one shared tensor
         else:
-            self.lm_head.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            self.lm_head.weight = _param(self.shard.vp, cfg.hidden_size, dtype=dtype, device=device)
+            if self.shard.vp > self.shard.vocab_valid:  # padding rows: never real tokens, kept zero
+                self.lm_head.weight.data[self.shard.vocab_valid:].zero_()
+        if self.shard.vp > self.shard.vocab_valid:
+            self.model.embed_tokens.weight.data[self.shard.vocab_valid:].zero_()
         cos, sin = _rope_tables(cfg, max_positions or cfg.max_positions, device, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -297,11 +347,12 @@ class DecoderLM(nn.Module):
 
     def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The feed-forward block of decoder layer `layer` (dense here; MoE subclasses choose per layer)."""
-        return MLP(self.cfg, dtype, device, self.kern)
+        return MLP(self.cfg, dtype, device, self.kern, self.tp)
 
     @property
     def kv_spec(self) -> KVSpec:
-        return KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        """This worker's KV cache: its own KV heads only."""
+        return KVSpec(self.cfg.num_layers, self.shard.hk, self.cfg.head_dim)
 
     # Router capture: a dense model has no MoE layers, so callers can test `model.num_moe_layers`.
     @property
@@ -333,7 +384,7 @@ class DecoderLM(nn.Module):
         `routed_experts`: when a list, each MoE layer appends its top-k expert ids [T, top_k] (int64, on
         the model's device, best expert first) in layer order; dense layers append nothing.
         """
-        x = self.model.embed_tokens.weight[input_ids]  # [T, H]
+        x = self._embed(input_ids)  # [T, H]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D]
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv, routed_experts)
@@ -341,10 +392,25 @@ class DecoderLM(nn.Module):
                 between_layers()
         return self.kern.rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight
+        if self.tp.size == 1:
+            return w[input_ids]
+        # vocabulary-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is the lookup
+        local = input_ids - self.shard.v0
+        mine = (local >= 0) & (local < self.shard.vocab_valid)
+        x = w[torch.where(mine, local, 0)] * mine.unsqueeze(1).to(w.dtype)
+        return self.tp.all_reduce(x)
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, V] for the rows the sampler needs (hidden [N, H])."""
-        return self.kern.linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits [N, V] for the rows the sampler needs (hidden [N, H]). With tensor parallelism every
+        rank computes its vocabulary rows and tp rank 0 gets them all (the others get None): a collective,
+        so every rank calls it for the same rows."""
+        if self.tp.size == 1:
+            return self.kern.linear(hidden, self.lm_head.weight).float()
+        parts = self.tp.gather(self.kern.linear(hidden, self.lm_head.weight).float())
+        return None if parts is None else torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
 
     # ---- weights ----------------------------------------------------------------------------------
 
@@ -354,21 +420,40 @@ class DecoderLM(nn.Module):
         HF's separate q/k/v and gate/up pieces map to slices of our fused weights; our own (fused)
         names map to themselves so a weight update may send either form.
         """
-        cfg = self.cfg
+        cfg, sh = self.cfg, self.shard
         t = WeightMap(n for n, _ in self.named_parameters())
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        d = cfg.head_dim
+        qd, kd = sh.hq * d, sh.hk * d  # this rank's rows of q and of k (and v)
+        sharded = sh.size > 1
+        q_full, k_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        q_part, k_part = (sh.q0 * d, qd), (sh.k0 * d, kd)
         for li, layer in enumerate(self.model.layers):
             a, m = f"model.layers.{li}.self_attn", f"model.layers.{li}.mlp"
             for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                t.add(f"{a}.q_proj.{kind}", f"{a}.qkv_proj.{kind}", 0, qd)
-                t.add(f"{a}.k_proj.{kind}", f"{a}.qkv_proj.{kind}", qd, kd)
-                t.add(f"{a}.v_proj.{kind}", f"{a}.qkv_proj.{kind}", qd + kd, kd)
+                q_split = Split(0, q_full, (q_part,)) if sharded else None
+                k_split = Split(0, k_full, (k_part,)) if sharded else None
+                t.split(f"{a}.qkv_proj.{kind}", sharded and Split(0, q_full + 2 * k_full, (
+                    q_part, (q_full + k_part[0], kd), (q_full + k_full + k_part[0], kd))) or None)
+                t.add(f"{a}.q_proj.{kind}", f"{a}.qkv_proj.{kind}", 0, qd, split=q_split)
+                t.add(f"{a}.k_proj.{kind}", f"{a}.qkv_proj.{kind}", qd, kd, split=k_split)
+                t.add(f"{a}.v_proj.{kind}", f"{a}.qkv_proj.{kind}", qd + kd, kd, split=k_split)
+            t.split(f"{a}.o_proj.weight", sharded and Split(1, q_full, (q_part,)) or None)
             if not isinstance(layer.mlp, MLP):
                 continue
             i = layer.mlp.i
+            i_part = (sh.rank * i, i)
             for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-                t.add(f"{m}.gate_proj.{kind}", f"{m}.gate_up_proj.{kind}", 0, i)
-                t.add(f"{m}.up_proj.{kind}", f"{m}.gate_up_proj.{kind}", i, i)
+                half = Split(0, cfg.intermediate_size, (i_part,)) if sharded else None
+                t.split(f"{m}.gate_up_proj.{kind}", sharded and Split(0, 2 * cfg.intermediate_size, (
+                    i_part, (cfg.intermediate_size + i_part[0], i))) or None)
+                t.add(f"{m}.gate_proj.{kind}", f"{m}.gate_up_proj.{kind}", 0, i, split=half)
+                t.add(f"{m}.up_proj.{kind}", f"{m}.gate_up_proj.{kind}", i, i, split=half)
+            t.split(f"{m}.down_proj.weight", sharded and Split(1, cfg.intermediate_size, (i_part,)) or None)
+        if sharded:
+            vocab = Split(0, cfg.vocab_size, ((sh.v0, sh.vocab_valid),))
+            t.split("model.embed_tokens.weight", vocab, rows=sh.vocab_valid)
+            if not cfg.tie_word_embeddings:
+                t.split("lm_head.weight", vocab, rows=sh.vocab_valid)
         if cfg.tie_word_embeddings:
             t.alias("lm_head.weight", "model.embed_tokens.weight")
         return t
@@ -392,18 +477,43 @@ class DecoderLM(nn.Module):
             dst = dst[target.expert]
         return dst.narrow(0, target.start, target.rows) if target.rows >= 0 else dst
 
+    def weight_full_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the whole checkpoint tensor `name` (what a trainer sends); KeyError when unknown."""
+        target = self._weights.targets.get(name)
+        if target is None:
+            raise KeyError(f"{self.cfg.architecture}: unknown checkpoint tensor {name!r}")
+        shape = list(self.weight_destination(name).shape)
+        if target.split is not None:
+            shape[target.split.dim] = target.split.full
+        return tuple(shape)
+
+    def weight_source(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This worker's part of the whole checkpoint tensor `full` (shaped as weight_destination(name)): a
+        view of it (one range), a concatenation (a fused tensor's pieces), or `full` itself (not sharded)."""
+        split = self._weights.targets[name].split
+        if split is None:
+            return full
+        pieces = [full.narrow(split.dim, a, n) for a, n in split.parts]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=split.dim)
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, local: bool = False) -> set[str]:
         """Copy tensors into the existing parameters in place (no re-allocation); returns names loaded.
 
         Used for the first load and for every later weight update, so parameter storage (and anything
-        holding pointers to it, e.g. captured graphs) stays valid.
+        holding pointers to it, e.g. captured graphs) stays valid. The tensors are whole checkpoint tensors,
+        of which a tp worker takes its part; `local`: they are this worker's parts already (its own copy).
         """
         loaded: set[str] = set()
         for name, w in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             dst = self.weight_destination(name)
+            if not local:
+                if tuple(w.shape) != self.weight_full_shape(name):
+                    raise ValueError(f"{self.cfg.architecture}: tensor {name!r} has shape {tuple(w.shape)}, "
+                                     f"expected {self.weight_full_shape(name)}")
+                w = self.weight_source(name, w)
             if dst.shape != w.shape:
                 raise ValueError(
                     f"{self.cfg.architecture}: tensor {name!r} has shape {tuple(w.shape)}, "

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ascend_ops.batch_invariant import DEFAULT, Kernels
-from workers.models.llama import MLP, DecoderConfig, DecoderLM, WeightMap, _param
+from ascend_ops.tp_group import SOLO, Solo
+from workers.models.llama import MLP, DecoderConfig, DecoderLM, Split, WeightMap, _param, _reduce
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +70,16 @@ class MoEConfig(DecoderConfig):
 
 
 class SparseMoE(nn.Module):
-    """Router + stacked experts, named like HF's in-memory module (`mlp.gate`, `mlp.experts`)."""
+    """Router + stacked experts, named like HF's in-memory module (`mlp.gate`, `mlp.experts`). With tensor
+    parallelism the router is replicated and every expert holds this rank's intermediate rows; the experts'
+    weighted sum is then one all-reduce."""
 
-    def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
+    def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
+                 tp: Solo = SOLO) -> None:
         super().__init__()
-        self.kern = kern
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.kern, self.tp = kern, tp
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // tp.size
+        self.i = i
         self.top_k, self.renormalize, self.fp32_scale = cfg.top_k, cfg.norm_topk_prob, cfg.fp32_expert_scale
         kw = dict(dtype=dtype, device=device)
         self.gate = nn.Module()
@@ -90,7 +95,8 @@ class SparseMoE(nn.Module):
             routed_experts.append(ids)
         if not self.fp32_scale:
             weights = weights.to(x.dtype)
-        return kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        return out if self.tp.size == 1 else _reduce(self.tp, out, None)
 
 
 class MoEDecoderLM(DecoderLM):
@@ -101,8 +107,8 @@ class MoEDecoderLM(DecoderLM):
 
     def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         if layer in self.cfg.sparse_layers:
-            return SparseMoE(self.cfg, dtype, device, self.kern)
-        return MLP(self.cfg, dtype, device, self.kern)
+            return SparseMoE(self.cfg, dtype, device, self.kern, self.tp)
+        return MLP(self.cfg, dtype, device, self.kern, self.tp)
 
     @property
     def num_moe_layers(self) -> int:
@@ -124,7 +130,10 @@ class MoEDecoderLM(DecoderLM):
         `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.N.{w1 (gate), w3 (up), w2 (down)}.weight`.
         """
         t = super()._weight_targets()
-        cfg, i = self.cfg, self.cfg.moe_intermediate_size
+        cfg, full = self.cfg, self.cfg.moe_intermediate_size
+        i = full // self.tp.size  # this rank's intermediate rows of every expert
+        part = (self.shard.rank * i, i)
+        sharded = self.tp.size > 1
         mixtral = cfg.architecture.startswith("Mixtral")
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         for li in cfg.sparse_layers:
@@ -132,9 +141,14 @@ class MoEDecoderLM(DecoderLM):
             ckpt = f"model.layers.{li}.block_sparse_moe" if mixtral else m
             if mixtral:
                 t.add(f"{ckpt}.gate.weight", f"{m}.gate.weight")
+            if sharded:  # the stacked tensors under their own names: [E, 2I, H] and [E, H, I]
+                t.split(f"{m}.experts.gate_up_proj", Split(1, 2 * full, (part, (full + part[0], i))))
+                t.split(f"{m}.experts.down_proj", Split(2, full, (part,)))
+            rows = Split(0, full, (part,)) if sharded else None
+            cols = Split(1, full, (part,)) if sharded else None
             for e in range(cfg.num_experts):
                 x = f"{ckpt}.experts.{e}"
-                t.add(f"{x}.{gate}.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e)
-                t.add(f"{x}.{up}.weight", f"{m}.experts.gate_up_proj", i, i, expert=e)
-                t.add(f"{x}.{down}.weight", f"{m}.experts.down_proj", expert=e)
+                t.add(f"{x}.{gate}.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e, split=rows)
+                t.add(f"{x}.{up}.weight", f"{m}.experts.gate_up_proj", i, i, expert=e, split=rows)
+                t.add(f"{x}.{down}.weight", f"{m}.experts.down_proj", expert=e, split=cols)
         return t

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,3 +41,21 @@ def build_model(
     if not hf_config.get("architectures"):
         hf_config = {**hf_config, "architectures": [arch]}
     return cls(hf_config, dtype, device, **kwargs)
+
+
+def shard_checksums(hf_config: dict[str, Any], named_tensors: Iterable[tuple[str, torch.Tensor]], tp: int,
+                    dp_rank: int = 0) -> dict[str, str]:
+    """What /weight_checker's checksum reports for an engine of tensor-parallel size `tp` holding these whole
+    HF tensors: sha256 of each tp rank's part under vLLM's "dp<d>:pp0:pcp0:tp<r>:<name>" keys (a trainer's
+    baseline for a bitwise, per-shard compare). The shard layouts are built on the meta device, no weights."""
+    from ascend_ops.tp_group import Layout
+    from engine.weight_update import tensor_checksum
+
+    named = dict(named_tensors)
+    out: dict[str, str] = {}
+    for r in range(tp):
+        layout = build_model(hf_config, torch.float32, "meta", tp=Layout(r, tp))
+        prefix = f"dp{dp_rank}:pp0:pcp0:tp{r}:"
+        for name in sorted(layout.required_weight_names() & named.keys()):
+            out[prefix + name] = tensor_checksum(layout.weight_source(name, named[name]).contiguous())
+    return out
