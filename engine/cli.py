@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                             usage=f"rollbus {role} [MODEL] [FLAGS]   (vLLM's flag spellings; see below)",
                             formatter_class=_HelpFormatter, epilog=epilog)
         if role == "worker":
-            sp.add_argument("--rank", type=int, default=0, help="The worker's tensor-parallel rank inside its engine (--data-parallel-rank); bus name worker-<engine x tp + rank>.")
+            sp.add_argument("--rank", type=int, default=0,
+                            help="The worker's tensor-parallel rank inside its engine (--data-parallel-rank); "
+                                 "bus name worker-<engine x tp + rank>.")
         add_engine_args(sp)
     sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP, add_help=False)  # listed; parsed by keys_main
     return p
