@@ -34,7 +34,7 @@ class Topology:
     def from_config(cls, cfg) -> "Topology":
         dp = int(getattr(cfg, "data_parallel_size", 1) or 1)
         local = getattr(cfg, "data_parallel_size_local", None)
-        return cls(dp=dp, tp=int(getattr(cfg, "tensor_parallel_size", 1) or 1),
+        return cls(dp=dp, tp=int(getattr(cfg, "tensor_parallel_size", 1)),
                    dp_local=dp if local is None else int(local),
                    dp_start=int(getattr(cfg, "data_parallel_start_rank", 0) or 0))
 
