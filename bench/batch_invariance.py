@@ -13,6 +13,7 @@ server and on an invariant one, measured in the same run.
 
     python bench/batch_invariance.py                                  # SmolLM2, fp32 and bf16
     python bench/batch_invariance.py --model moe --dtypes float32     # the MoE upcycled from SmolLM2
+    python bench/batch_invariance.py --model qwen3-moe --skip-cost    # a small random Qwen3-MoE (QWEN3_MOE)
     python bench/batch_invariance.py --num-requests 8 --max-tokens 16 --skip-cost   # quick
     python bench/batch_invariance.py --trainer-only     # use_engine_kernels: 16 rollouts x 64 tokens
 """
@@ -36,6 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.server_helpers import metric, start_server  # noqa: E402
 
+# --model qwen3-moe: random weights, SmolLM2's tokenizer; a dense layer among the sparse ones, 16 experts, top-4
+QWEN3_MOE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                 num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                 mlp_only_layers=[1], norm_topk_prob=True, vocab_size=49152, max_position_embeddings=2048)
 INVARIANT_CONFIG = '{"rl_config": {"enabled": true, "enable_batch_invariant": true}}'
 
 
@@ -232,7 +237,8 @@ def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), moe (upcycled SmolLM2 MoE) or a path")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default), moe (upcycled SmolLM2 MoE), qwen3-moe (QWEN3_MOE, random) or a path")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -252,10 +258,17 @@ def main() -> None:
         from tests.tiny_models import upcycled_smollm2_moe
 
         folder = upcycled_smollm2_moe(smol)
+    elif args.model == "qwen3-moe":
+        from tests.server_helpers import tiny_model_with_tokenizer
+
+        folder = tiny_model_with_tokenizer("qwen3_moe", Path(tempfile.mkdtemp(prefix="rollbus-q3moe-")), smol,
+                                           init_std=0.05, **QWEN3_MOE)
     else:
         folder = Path(args.model)
-    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
-    extra = ("--enable-return-routed-experts",) if args.model == "moe" else ()
+    hf = json.loads((Path(folder) / "config.json").read_text())
+    vocab = hf["vocab_size"]
+    moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
+    extra = ("--enable-return-routed-experts",) if moe else ()
     results: dict[str, Any] = {"model": str(folder)}
     work = Path(tempfile.mkdtemp(prefix="rollbus-bi-"))
     if args.trainer_only:

@@ -219,10 +219,6 @@ def servers(tmp_path_factory, smollm2_dir):  # noqa: F811
     narrow.stop()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect, issue 12 open: about 1 run in 4 one request's logprobs and top-k in the mixed batch "
-    "differ from the same request alone (tokens equal); some batch composition still reaches a kernel "
-    "whose reduction order depends on the batch"))
 def test_requests_alone_and_mixed_preempted_cached_and_recomputed_are_bitwise_equal(servers):
     wide, narrow = servers
     bodies = bench.make_requests(12, 12, 49152)
