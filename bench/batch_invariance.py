@@ -16,6 +16,7 @@ server and on an invariant one, measured in the same run.
     python bench/batch_invariance.py --model qwen3-moe --skip-cost    # a small random Qwen3-MoE (QWEN3_MOE)
     python bench/batch_invariance.py --num-requests 8 --max-tokens 16 --skip-cost   # quick
     python bench/batch_invariance.py --trainer-only     # use_engine_kernels: 16 rollouts x 64 tokens
+    python bench/batch_invariance.py --cost-only --dtypes float32   # throughput, default vs invariant (ABBA)
 """
 
 from __future__ import annotations
@@ -179,6 +180,21 @@ def rollout_tok_s(work: Path, model: str, dtype: str, prompts: list[list[int]], 
         s.stop()
 
 
+def cost_abba(work: Path, model: str, dtype: str, tokenizer_dir: Path, max_tokens: int) -> dict[str, Any]:
+    """Rollout throughput default, invariant, invariant, default; ratio = the invariant runs' mean over the
+    default runs' mean (tok/s)."""
+    from bench.rollout import make_prompts
+    from gateway.tokenizer import Tokenizer
+
+    prompts = make_prompts(Tokenizer.from_dir(tokenizer_dir), 64)
+    order = (False, True, True, False)
+    tok_s = [rollout_tok_s(work, model, dtype, prompts, max_tokens, invariant=inv) for inv in order]
+    inv = [t for t, i in zip(tok_s, order) if i]
+    base = [t for t, i in zip(tok_s, order) if not i]
+    return {"order": ["invariant" if i else "default" for i in order], "tok_s": tok_s,
+            "ratio": (sum(inv) / len(inv)) / (sum(base) / len(base))}
+
+
 def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int = 64) -> dict[str, Any]:
     """Trainer side: `rollouts` greedy rollouts from the engine's model (in process, invariant kernels, KV
     blocks of 16), then HF + use_engine_kernels on the right-padded batch: bitwise equal logprobs? And the
@@ -243,6 +259,9 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--skip-cost", action="store_true", help="Only the bitwise checks.")
+    p.add_argument("--cost-only", action="store_true",
+                   help="Only the cost: rollouts default, invariant, invariant, default (ABBA, so drift in the "
+                        "machine's load cancels), 64 prompts x --max-tokens each.")
     p.add_argument("--trainer-only", action="store_true",
                    help="Only the trainer side: --rollouts x --max-tokens, bitwise and forward+backward cost.")
     p.add_argument("--rollouts", type=int, default=16, help="Trainer side: rollouts in the padded batch.")
@@ -278,6 +297,14 @@ def main() -> None:
                   f"backward {r['fwd_bwd_s']['engine_kernels']:.2f} s vs plain HF {r['fwd_bwd_s']['plain']:.2f} s "
                   f"(ratio {r['cost_ratio']:.2f}); gradients: max relative difference {r['grad_max_rel_diff']:.1e}",
                   flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
+    if args.cost_only:
+        for dtype in args.dtypes:
+            results[dtype] = r = cost_abba(work, str(folder), dtype, smol, args.max_tokens)
+            print(f"[{dtype}] rollout 64x{args.max_tokens}, tok/s in order default/invariant/invariant/default: "
+                  + ", ".join(f"{x:.1f}" for x in r["tok_s"]) + f"; invariant / default {r['ratio']:.3f}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return
