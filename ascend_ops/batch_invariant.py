@@ -19,9 +19,20 @@ What makes each op invariant (measured on CPU; `self_check` re-measures on the d
   exact zeros to a power of two, so how many blocks other rows have changes nothing. The computation
   is fp32 whatever the model dtype. Hence a position gives the same bits computed in a decode or in a
   prefill chunk of any size, alone or in any batch, from the prefix cache or recomputed.
-- RMSNorm, rotary, SiLU*mul, the router's softmax/top-k, log_softmax over the vocabulary, the expert
-  sums (each token sums its own k products in slot order) and the sampler's per-row filters and draws
-  are row-wise in torch already; they are the default implementations, and `self_check` verifies them.
+- SiLU (and with it SiLU*mul, in the dense MLPs and in every expert): torch's CPU elementwise loops run
+  the vectorised kernel over whole vectors and the scalar one over each loop's tail, and a tensor of
+  32768 elements or more is split between threads at an element index, i.e. in the middle of some row.
+  For F.silu the two kernels differ (4% of fp32 inputs, in the last bit), so the row that straddles the
+  split gets other bits than alone (measured: row 102 of a [205, 160] SiLU*mul on 2 threads; in a
+  serving step of 309 rows the row of a request's prefill, whose changed KV then moved one of its
+  logprobs by 1 ulp). Here SiLU is x / (1 + exp(-x)) in fp32: neg, add and div are IEEE-exact in both
+  kernels, and exp's vectorised and scalar kernels agree (`self_check` re-measures all this with the
+  model's sizes and a row count that puts a thread split inside a row). Its backward is SiLU's usual
+  derivative (the trainer's gradients need float agreement, not bits).
+- RMSNorm, rotary, the router's softmax/top-k, log_softmax over the vocabulary, the expert sums (each
+  token sums its own k products in slot order) and the sampler's per-row filters and draws are row-wise
+  in torch already (exact arithmetic, or per-row reduction kernels); they are the default
+  implementations, and `self_check` verifies them.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from ascend_ops import ops as _ops
 from ascend_ops.attention import AttentionMetadata, write_kv
 
 ROW_MULTIPLE = 4  # linear: rows padded to a multiple of this (see the module docstring)
+TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: CPU elementwise ops of this many elements or more are split
 PAIR_BUDGET = 4096  # attention: (query row, key block) pairs computed at once; bounds the gathered K/V
 
 
@@ -71,9 +83,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+class _Silu(torch.autograd.Function):
+    """x * sigmoid(x) as x / (1 + exp(-x)) in fp32, rounded once to x's dtype (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        xf = x.float()
+        return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        xf = x.float()
+        s = torch.sigmoid(xf)  # not exp(-x): that overflows to inf (and a NaN gradient) below x = -88
+        return (grad.float() * s * (1 + xf * (1 - s))).to(grad.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu whose every element gets the same bits wherever it sits in the tensor (module docstring)."""
+    return _Silu.apply(x)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return silu(gate) * up
+
+
 def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
-    """ops.moe_experts with the invariant linear: each expert's GEMMs see however many tokens chose it."""
-    return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear)
+    """ops.moe_experts with the invariant linear and SiLU: each expert's GEMMs see however many tokens chose it."""
+    return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear, act=silu_and_mul)
 
 
 def _row_tables(meta: AttentionMetadata, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +192,7 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor
 
 DEFAULT = Kernels("default", _ops.linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
                   _ops.moe_experts, _attention.paged_attention)
-INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
+INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
                     moe_experts, paged_attention)
 
 
@@ -181,6 +219,15 @@ def _rows_invariant(f: Callable[..., torch.Tensor], x: torch.Tensor | tuple, cou
     n = xs[0].shape[0]
     return all(_same(f(*(t[:m] for t in xs)), full[:m]) for m in counts) and all(
         _same(f(*(t[j:j + 1] for t in xs)), full[j:j + 1]) for j in (0, n // 2, n - 1))
+
+
+def _split_rows_invariant(f: Callable[..., torch.Tensor], x: torch.Tensor, width: int) -> bool:
+    """For odd row counts n whose n * width elements (the op's row width; x's may differ) are between one
+    and two TORCH_GRAINs, so that a CPU elementwise op splits them between two threads in the middle of
+    row n // 2: that row is the same bits alone. Several n, so its elements land in several loop tails."""
+    first = TORCH_GRAIN // width + 1
+    counts = [n for n in range(first | 1, x.shape[0] + 1, 2)][:8]
+    return all(_same(f(x[:n])[n // 2:n // 2 + 1], f(x[n // 2:n // 2 + 1])) for n in counts)
 
 
 def _linear_weights(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -228,9 +275,13 @@ def self_check(model, block_size: int) -> list[str]:
         ones = torch.ones(h, device=dev, dtype=dtype)
         if not _rows_invariant(lambda x: kern.rms_norm(x, ones, cfg.rms_norm_eps), rand(67, h), small):
             raise fail("rms_norm")
-        i = cfg.intermediate_size
-        if not _rows_invariant(lambda x: kern.silu_and_mul(x[:, :i], x[:, i:]), rand(67, 2 * i), small):
-            raise fail("silu_and_mul")
+        for i in {cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)}:
+            def act(x: torch.Tensor) -> torch.Tensor:
+                return kern.silu_and_mul(x[:, :i], x[:, i:])
+
+            split = rand(2 * TORCH_GRAIN // i, 2 * i)
+            if not _rows_invariant(act, rand(67, 2 * i) * 4, small) or not _split_rows_invariant(act, split, i):
+                raise fail(f"silu_and_mul [{i}]")
         pos = torch.randint(0, model.rope_cos.shape[0], (67,), generator=gen).to(dev)
 
         def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

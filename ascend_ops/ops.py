@@ -70,6 +70,7 @@ def moe_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up
     down: torch.Tensor,  # [E, H, I]
     mm=linear,  # the GEMM: ascend_ops.batch_invariant passes its row-invariant linear
+    act=silu_and_mul,  # and its row-invariant silu_and_mul
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
 
@@ -90,7 +91,7 @@ def moe_experts(
     for e, n in enumerate(counts):
         if n:
             gu = mm(xs[start : start + n], gate_up[e])
-            out[start : start + n] = mm(silu_and_mul(gu[:, :inter], gu[:, inter:]), down[e])
+            out[start : start + n] = mm(act(gu[:, :inter], gu[:, inter:]), down[e])
             start += n
     pairs = torch.empty_like(out)
     pairs[order] = out  # back to (token, slot) order

@@ -13,8 +13,10 @@ server and on an invariant one, measured in the same run.
 
     python bench/batch_invariance.py                                  # SmolLM2, fp32 and bf16
     python bench/batch_invariance.py --model moe --dtypes float32     # the MoE upcycled from SmolLM2
+    python bench/batch_invariance.py --model qwen3-moe --skip-cost    # a small random Qwen3-MoE (QWEN3_MOE)
     python bench/batch_invariance.py --num-requests 8 --max-tokens 16 --skip-cost   # quick
     python bench/batch_invariance.py --trainer-only     # use_engine_kernels: 16 rollouts x 64 tokens
+    python bench/batch_invariance.py --cost-only --dtypes float32   # throughput, default vs invariant (ABBA)
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.server_helpers import metric, start_server  # noqa: E402
 
+# --model qwen3-moe: random weights, SmolLM2's tokenizer; a dense layer among the sparse ones, 16 experts, top-4
+QWEN3_MOE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                 num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                 mlp_only_layers=[1], norm_topk_prob=True, vocab_size=49152, max_position_embeddings=2048)
 INVARIANT_CONFIG = '{"rl_config": {"enabled": true, "enable_batch_invariant": true}}'
 
 
@@ -174,6 +180,21 @@ def rollout_tok_s(work: Path, model: str, dtype: str, prompts: list[list[int]], 
         s.stop()
 
 
+def cost_abba(work: Path, model: str, dtype: str, tokenizer_dir: Path, max_tokens: int) -> dict[str, Any]:
+    """Rollout throughput default, invariant, invariant, default; ratio = the invariant runs' mean over the
+    default runs' mean (tok/s)."""
+    from bench.rollout import make_prompts
+    from gateway.tokenizer import Tokenizer
+
+    prompts = make_prompts(Tokenizer.from_dir(tokenizer_dir), 64)
+    order = (False, True, True, False)
+    tok_s = [rollout_tok_s(work, model, dtype, prompts, max_tokens, invariant=inv) for inv in order]
+    inv = [t for t, i in zip(tok_s, order) if i]
+    base = [t for t, i in zip(tok_s, order) if not i]
+    return {"order": ["invariant" if i else "default" for i in order], "tok_s": tok_s,
+            "ratio": (sum(inv) / len(inv)) / (sum(base) / len(base))}
+
+
 def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int = 64) -> dict[str, Any]:
     """Trainer side: `rollouts` greedy rollouts from the engine's model (in process, invariant kernels, KV
     blocks of 16), then HF + use_engine_kernels on the right-padded batch: bitwise equal logprobs? And the
@@ -232,11 +253,15 @@ def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), moe (upcycled SmolLM2 MoE) or a path")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default), moe (upcycled SmolLM2 MoE), qwen3-moe (QWEN3_MOE, random) or a path")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--skip-cost", action="store_true", help="Only the bitwise checks.")
+    p.add_argument("--cost-only", action="store_true",
+                   help="Only the cost: rollouts default, invariant, invariant, default (ABBA, so drift in the "
+                        "machine's load cancels), 64 prompts x --max-tokens each.")
     p.add_argument("--trainer-only", action="store_true",
                    help="Only the trainer side: --rollouts x --max-tokens, bitwise and forward+backward cost.")
     p.add_argument("--rollouts", type=int, default=16, help="Trainer side: rollouts in the padded batch.")
@@ -252,10 +277,17 @@ def main() -> None:
         from tests.tiny_models import upcycled_smollm2_moe
 
         folder = upcycled_smollm2_moe(smol)
+    elif args.model == "qwen3-moe":
+        from tests.server_helpers import tiny_model_with_tokenizer
+
+        folder = tiny_model_with_tokenizer("qwen3_moe", Path(tempfile.mkdtemp(prefix="rollbus-q3moe-")), smol,
+                                           init_std=0.05, **QWEN3_MOE)
     else:
         folder = Path(args.model)
-    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
-    extra = ("--enable-return-routed-experts",) if args.model == "moe" else ()
+    hf = json.loads((Path(folder) / "config.json").read_text())
+    vocab = hf["vocab_size"]
+    moe = bool(hf.get("num_experts") or hf.get("num_local_experts"))
+    extra = ("--enable-return-routed-experts",) if moe else ()
     results: dict[str, Any] = {"model": str(folder)}
     work = Path(tempfile.mkdtemp(prefix="rollbus-bi-"))
     if args.trainer_only:
@@ -265,6 +297,14 @@ def main() -> None:
                   f"backward {r['fwd_bwd_s']['engine_kernels']:.2f} s vs plain HF {r['fwd_bwd_s']['plain']:.2f} s "
                   f"(ratio {r['cost_ratio']:.2f}); gradients: max relative difference {r['grad_max_rel_diff']:.1e}",
                   flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
+    if args.cost_only:
+        for dtype in args.dtypes:
+            results[dtype] = r = cost_abba(work, str(folder), dtype, smol, args.max_tokens)
+            print(f"[{dtype}] rollout 64x{args.max_tokens}, tok/s in order default/invariant/invariant/default: "
+                  + ", ".join(f"{x:.1f}" for x in r["tok_s"]) + f"; invariant / default {r['ratio']:.3f}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return

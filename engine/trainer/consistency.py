@@ -7,8 +7,9 @@
 Every op of the forward goes through the same functions the engine's workers run with batch invariance on
 (ascend_ops.batch_invariant): linear layers and the LM head (rows padded to a multiple of 4), attention
 (per query row, one KV block of `block_size` keys at a time, as over the paged cache), the MoE router and
-expert sums. HF's RMSNorm, rotary embedding, SiLU*mul and embedding are already the same arithmetic as
-the engine's and stay. The logits come back in fp32 (the engine's log_softmax runs on fp32 logits).
+expert sums, and SiLU (HF's F.silu gives a row other bits when a CPU thread split falls inside it). HF's
+RMSNorm, rotary embedding, the product with up_proj and embedding are already the same arithmetic as the
+engine's and stay. The logits come back in fp32 (the engine's log_softmax runs on fp32 logits).
 Autograd works through all of it; attention keeps nothing for backward but q, k and v (its backward is
 the exact dense gradient, one sequence at a time), so a batch's memory grows as HF's own does. Batches
 must be right-padded (real tokens first, default positions): a row's result then depends on nothing but its own tokens.
@@ -122,6 +123,13 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return bi.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
+class _SiLU(nn.Module):
+    """The engine's SiLU (ascend_ops.batch_invariant.silu) in place of an MLP's act_fn."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bi.silu(x)
+
+
 def _check_padding(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
     if attention_mask is not None:
         m = attention_mask.to(torch.int64)
@@ -151,6 +159,11 @@ def use_engine_kernels(model: nn.Module, block_size: int = DEFAULT_BLOCK_SIZE) -
             mod.forward = types.MethodType(_experts_forward, mod)
         elif type(mod).__name__.endswith("TopKRouter"):
             mod.forward = types.MethodType(_router_forward(mixtral), mod)
+        if isinstance(getattr(mod, "act_fn", None), nn.Module) and not isinstance(mod.act_fn, _SiLU):
+            if not isinstance(mod.act_fn, nn.SiLU) and type(mod.act_fn).__name__ != "SiLUActivation":
+                raise ValueError(f"use_engine_kernels: {name}.act_fn is {type(mod.act_fn).__name__}; the engine "
+                                 "runs SiLU only")
+            mod.act_fn = _SiLU()
     if not hasattr(model, "_rollbus_forward"):
         model._rollbus_forward = model.forward
         model.forward = types.MethodType(_check_padding, model)
