@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
+from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
 from workers.sampler import LOGPROBS_MODES, RowState, sample, topk
 
@@ -45,7 +47,8 @@ class SeqState:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0,
-                 logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False):
+                 logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False,
+                 tokenizer_path: Path | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
@@ -55,6 +58,7 @@ class ModelRunner:
         self.weight_version = 0
         self.logprobs_mode = logprobs_mode
         self.vocab_size = int(model.cfg.vocab_size)
+        self.grammar = GrammarEngine(tokenizer_path, self.vocab_size)  # structured outputs (workers/grammar.py)
         self.route_dtype: torch.dtype | None = None  # routed-experts capture: None = off
         if return_routed_experts and model.num_moe_layers and rank == 0:  # the scheduler reads rank 0's result
             wire = wire_dtype(model.num_experts)
@@ -68,13 +72,15 @@ class ModelRunner:
         # Forget first: a finished id may come back at once as a new request with the same id.
         for sid in plan.finished:
             self.seqs.pop(sid, None)
+            self.grammar.forget(sid)
         for ns in plan.new_seqs:
             params = ns.sampling
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
             toks = list(ns.prompt_token_ids)
-            self.seqs[ns.seq_id] = SeqState(toks, RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen),
-                                            len(toks), prompt_lp_parts=[] if params.prompt_logprobs is not None
-                                            else None)
+            row = RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen,
+                           self.grammar.on_new_seq(ns.seq_id, params, ns.eos_token_ids))
+            self.seqs[ns.seq_id] = SeqState(toks, row, len(toks),
+                                            prompt_lp_parts=[] if params.prompt_logprobs is not None else None)
         if not plan.seq_ids:
             return self._result(plan, [], None, t0)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
@@ -92,17 +98,22 @@ class ModelRunner:
                 # Sampling runs on the host with per-request CPU generators, so seeded draws are identical
                 # on every platform; on accelerators this costs one [S, V] copy per step.
                 logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)]).float().cpu()
-                out = sample(logits, [self.seqs[s].row for s in sample_ids], self.generator, self.logprobs_mode)
+                rows = [self.seqs[s].row for s in sample_ids]
+                masks = self.grammar.step_masks(rows)
+                out = sample(logits, rows, self.generator, self.logprobs_mode, masks)
         prompt_lps = [self._take_prompt_logprobs(sid) for sid in sample_ids
                       if self.seqs[sid].prompt_lp_parts is not None]
         if out is not None:
-            for sid, tok in zip(sample_ids, out.token_ids.tolist()):
+            sampled = out.token_ids.tolist()
+            for sid, tok in zip(sample_ids, sampled):
                 st = self.seqs[sid]
                 st.tokens.append(tok)
                 st.row.output_token_ids.append(tok)
+            self.grammar.advance(sample_ids, [self.seqs[s].row for s in sample_ids], sampled)
         routed_rows = self._routed_rows(routed_ids, *routes) if routes is not None else (None, None)
         result = self._result(plan, sample_ids, out, t0)  # step_time_s counts the capture too
         result.prompt_logprobs = prompt_lps
+        result.seq_errors = self.grammar.take_errors()
         result.routed_experts, result.routed_spans = routed_rows
         return result
 

@@ -67,6 +67,7 @@ from bus.sockets import make_socket, recv, report_ready, send
 from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
+from engine.model_store import resolve_model
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
@@ -113,7 +114,9 @@ class WorkerActor:
         kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
         self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed,
                                   logprobs_mode=cfg.logprobs_mode,
-                                  return_routed_experts=cfg.enable_return_routed_experts)
+                                  return_routed_experts=cfg.enable_return_routed_experts,
+                                  tokenizer_path=None if cfg.tokens_only else
+                                  resolve_model(cfg.model, progress=False) / "tokenizer.json")
         self.sleep = SleepManager(model, kv, platform)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,

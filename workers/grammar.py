@@ -1,0 +1,201 @@
+"""The grammar engine of the workers: one llguidance matcher per constrained sequence, kept next to its
+sampling state, and the batch's token bitmask per step.
+
+- Compiled grammars are cached by their text (engine.structured_outputs.grammar_text): the first sequence
+  with a constraint compiles it (llguidance drops the GIL while it builds), later ones start from a copy
+  of the cached matcher, which is microseconds.
+- Per step, for the sampled rows that carry a matcher (and only then: a batch without constraints does no
+  mask work at all), one int32 bitmask [rows, ceil(V / 32)] is filled (llguidance's executor, in parallel)
+  and applied to those rows' logits by the sampler (workers/sampler.py) before the draw.
+- Each sampled or forced (trace-replay) token advances the matcher once: the runner samples a sequence
+  only at its last known token, so a recompute after preemption or a prefix-cache hit, which re-runs
+  positions whose tokens are known, never advances it again.
+- End of the grammar: once the grammar can only stop, the mask allows only EOS (any of the request's EOS
+  ids), so the request finishes on EOS with finish_reason "stop", as in vLLM. After EOS the matcher is
+  terminated and masks nothing (vLLM's is_terminated).
+- A token the grammar rejects (a trace-replay token outside the grammar) is reported for that sequence
+  only (`GrammarRejected`, a 400 naming trace_decode_token_ids); the step and the other sequences go on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from bus.messages import ErrorInfo
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import grammar_text
+
+if TYPE_CHECKING:
+    from workers.sampler import RowState
+
+COMPILED_CACHE = 256  # compiled matchers kept (one per distinct constraint)
+
+
+class GrammarError(Exception):
+    """A constraint the worker cannot enforce (no tokenizer, or it does not compile here)."""
+
+
+@dataclass(slots=True)
+class SeqGrammar:
+    """One sequence's matcher and where it stands."""
+
+    matcher: object  # llguidance.LLMatcher
+    eos_ids: frozenset[int]
+    terminated: bool = False  # EOS was taken: nothing is masked any more (vLLM)
+    rejected: str | None = None  # why a token was refused, once
+
+    def accept(self, token: int, eos_token: int) -> bool:
+        """Advance by one token; False (and `rejected` set) when the grammar refuses it."""
+        if self.terminated:
+            return True
+        m = self.matcher
+        if token in self.eos_ids or token == eos_token:
+            self.terminated = True
+            if m.is_stopped():  # type: ignore[attr-defined]
+                return True
+            token = eos_token  # any of the request's EOS ids counts as the grammar's EOS
+        if m.consume_token(token):  # type: ignore[attr-defined]
+            return True
+        self.rejected = m.get_error() or f"token {token} is not allowed by the grammar"  # type: ignore[attr-defined]
+        self.terminated = True
+        return False
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """The bitmask of one step: row k of `bitmask` belongs to row `rows[k]` of the sampled batch."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # int32 [len(rows), ceil(V / 32)]
+    extra_allowed: list[list[int]] = field(default_factory=list)  # per mask row: EOS ids to allow as well
+
+
+class GrammarEngine:
+    """The worker's llguidance tokenizer (built on first use, about a second for a 150k vocabulary),
+    compiled-grammar cache and executor."""
+
+    def __init__(self, tokenizer_path: Path | None, vocab_size: int):
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._tok = None
+        self._executor = None
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self.live: set[str] = set()  # sequences with a matcher: empty means no mask work at all
+        self._errors: list[tuple[str, ErrorInfo]] = []
+
+    # --- what the model runner calls --------------------------------------------------------------
+
+    def on_new_seq(self, seq_id: str, params: SamplingParams, eos_ids: list[int]) -> SeqGrammar | None:
+        """The matcher of a new sequence, or None (no constraint, or it cannot be enforced: then the
+        sequence's error is reported with the step's result and the scheduler fails it)."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            g = self.start(params.structured_outputs, eos_ids)
+        except GrammarError as e:
+            self._errors.append((seq_id, ErrorInfo("GrammarError", str(e), status=400, param="structured_outputs")))
+            return None
+        self.live.add(seq_id)
+        return g
+
+    def forget(self, seq_id: str) -> None:
+        self.live.discard(seq_id)
+
+    def step_masks(self, rows: list[RowState]) -> StepMasks | None:
+        """The bitmask of the step's sampled rows (None, at no cost, when no live sequence is constrained)."""
+        if not self.live:
+            return None
+        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+        return self.fill(idx, [rows[i].grammar for i in idx]) if idx else None
+
+    def advance(self, seq_ids: list[str], rows: list[RowState], tokens: list[int]) -> None:
+        """Each sampled (or forced) token advances its sequence's matcher once."""
+        if not self.live:
+            return
+        eos = self.eos_token
+        for sid, r, tok in zip(seq_ids, rows, tokens):
+            g = r.grammar
+            if g is not None and not g.accept(tok, eos):
+                self._errors.append((sid, ErrorInfo(
+                    "GrammarRejected", f"token {tok} is not allowed by the request's structured output "
+                                       f"constraint: {g.rejected}", status=400, param="trace_decode_token_ids")))
+
+    def take_errors(self) -> list[tuple[str, ErrorInfo]]:
+        errors, self._errors = self._errors, []
+        return errors
+
+    def _tokenizer(self, eos_ids: list[int]):
+        if self._tok is None:
+            import llguidance
+
+            path = self.tokenizer_path
+            if path is None or not path.is_file():
+                raise GrammarError("structured outputs need the model's tokenizer.json, which this worker does not "
+                                   f"have ({path})")
+            self._tok = llguidance.LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=self.vocab_size,
+                                               eos_token=list(eos_ids) or None)
+            self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, (os.cpu_count() or 2) // 2)))
+        return self._tok
+
+    def start(self, so: StructuredOutputsParams, eos_ids: list[int]) -> SeqGrammar:
+        """A fresh matcher for a new sequence (raises GrammarError)."""
+        import llguidance
+
+        tok = self._tokenizer(eos_ids)
+        try:
+            text = grammar_text(so)
+        except ValueError as e:  # ParamError: the gateway refuses these; a bus peer may not have
+            raise GrammarError(str(e)) from None
+        base = self._compiled.get(text)
+        if base is None:
+            base = llguidance.LLMatcher(tok, text, log_level=0)
+            if base.is_error():
+                raise GrammarError(f"the grammar does not compile: {base.get_error()}")
+            self._compiled[text] = base
+            if len(self._compiled) > COMPILED_CACHE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(text)
+        return SeqGrammar(base.deep_copy(), frozenset(eos_ids))
+
+    @property
+    def eos_token(self) -> int:
+        return int(self._tok.eos_token) if self._tok is not None else -1
+
+    def fill(self, rows: list[int], grammars: list[SeqGrammar]) -> StepMasks | None:
+        """The bitmask of the sampled rows whose matcher still constrains (None when there are none)."""
+        live = [(i, g) for i, g in zip(rows, grammars) if not g.terminated]
+        if not live:
+            return None
+        import llguidance.torch as lt
+
+        bitmask = torch.empty(len(live), self.words, dtype=torch.int32)
+        lt.fill_next_token_bitmask_par(self._executor, [(g.matcher, k) for k, (_, g) in enumerate(live)], bitmask)
+        eos = self.eos_token
+        extra = []
+        words = bitmask.numpy()
+        for _, g in live:  # the grammar's EOS bit stands for every EOS id of the request
+            w = words[len(extra)]
+            extra.append(sorted(g.eos_ids) if 0 <= eos < self.vocab_size and (w[eos >> 5] >> (eos & 31)) & 1
+                         else [])
+        return StepMasks([i for i, _ in live], bitmask, extra)
+
+
+def apply_masks(z: torch.Tensor, masks: StepMasks) -> None:
+    """-inf on the logits [S, V] of each masked row where its bitmask has a 0 bit (in place)."""
+    v = z.shape[1]
+    bits = np.unpackbits(masks.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]
+    for k, ids in enumerate(masks.extra_allowed):
+        if ids:
+            bits[k, [t for t in ids if t < v]] = 1
+    rows = z[masks.rows]
+    rows.masked_fill_(torch.from_numpy(bits) == 0, float("-inf"))
+    z[masks.rows] = rows
