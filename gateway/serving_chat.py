@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: render the chat template, validate, run n samples, shape vLLM's responses.
 
-Tools are rendered into the prompt by the template (tool_choice "none"); parsing tool calls out of the
-output is not done yet, so other tool choices are refused (gateway/protocol.py) and `tool_calls` is empty.
+Tools are rendered into the prompt by the template. tool_choice "required" or a named function forces the
+output with a grammar, and it is returned as `tool_calls` (gateway/forced_tools.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from engine.sampling_params import ParamError
 from gateway.errors import bad_request
+from gateway.forced_tools import ForcedToolStream, finish_reason, forced_tool_calls
 from gateway.protocol import ChatCompletionRequest
 from gateway.responses import JSONResponse
 from gateway.serving import (
@@ -148,13 +149,16 @@ def _logprobs_of(ctx: ServingContext, body: ChatCompletionRequest, state: Choice
 def _response(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any],
               states: list[ChoiceState]) -> dict[str, Any]:
     choices = []
+    forced = body.forced_tool()
     for s in states:
+        calls = forced_tool_calls(body.tool_choice, s.text) if forced else []  # gateway/forced_tools.py
         choice: dict[str, Any] = {
             "index": s.index,
-            "message": {"role": "assistant", "content": s.text, "refusal": None, "tool_calls": [],
-                        "reasoning_content": None},
+            "message": {"role": "assistant", "content": None if forced else s.text, "refusal": None,
+                        "tool_calls": calls, "reasoning_content": None},
             "logprobs": _logprobs_of(ctx, body, s, s.token_ids, s.logprobs, s.top_logprobs),
-            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+            "finish_reason": finish_reason(s.finish_reason, body.tool_choice, bool(calls)) if forced
+            else s.finish_reason, "stop_reason": s.stop_reason}
         if body.return_token_ids:
             choice["token_ids"] = s.token_ids
         if body.return_weight_versions:
@@ -185,11 +189,18 @@ async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, head: dict[s
             first["usage"] = usage(len(prompt_ids), 0)
         yield first
     by_index = {s.index: s for s in states}
+    forced = {s.index: ForcedToolStream(body.tool_choice) for s in states} if body.forced_tool() else None
     async with aclosing(run_choices(ctx, states)) as updates:  # type: ignore[type-var]
         async for upd in updates:
             if not (upd.text or upd.token_ids or upd.finish_reason):
                 continue
-            yield _chunk(ctx, body, head, upd, by_index[upd.index])
+            chunk = _chunk(ctx, body, head, upd, by_index[upd.index])
+            if forced is not None:  # the forced output streams as tool-call deltas (gateway/forced_tools.py)
+                f, choice = forced[upd.index], chunk["choices"][0]
+                calls = f.push(upd.text or "")
+                choice["delta"] = {"tool_calls": calls} if calls else {}
+                choice["finish_reason"] = finish_reason(upd.finish_reason, body.tool_choice, f.made)
+            yield chunk
     if body.include_usage():
         yield {**head, "choices": [], "usage": usage(len(prompt_ids), sum(len(s.token_ids) for s in states),
                                                      states[0].num_cached_tokens)}
