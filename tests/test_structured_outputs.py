@@ -37,7 +37,8 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory, smollm2_dir):  # noqa: F811
-    s = start_server(tmp_path_factory.mktemp("so"), str(smollm2_dir), "--max-model-len", "512", "--max-num-seqs", "32")
+    s = start_server(tmp_path_factory.mktemp("so"), str(smollm2_dir), "--max-model-len", "512", "--max-num-seqs", "32",
+                     "--enable-scale-out")
     yield s
     s.stop()
 
