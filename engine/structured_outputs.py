@@ -17,6 +17,7 @@ workers/grammar.py). What is accepted:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -170,3 +171,56 @@ def tool_choice_schema(tools: list[dict[str, Any]], tool_choice: str | dict[str,
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+# --- --structured-outputs-config (vLLM's StructuredOutputsConfig) -------------------------------------
+
+SO_BACKENDS = ("auto", "guidance")  # llguidance is vLLM's "guidance" backend; "auto" picks it here
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    backend: str = "auto"
+    disable_any_whitespace: bool = False  # no whitespace between JSON tokens (weak models ramble whitespace)
+    disable_additional_properties: bool = False  # objects without additionalProperties get false
+
+    def apply(self, so: StructuredOutputsParams) -> StructuredOutputsParams:
+        """The server-wide options on one request's constraint (the workers compile with them)."""
+        if not (self.disable_any_whitespace or self.disable_additional_properties):
+            return so
+        return msgspec.structs.replace(
+            so, disable_any_whitespace=so.disable_any_whitespace or self.disable_any_whitespace,
+            disable_additional_properties=so.disable_additional_properties or self.disable_additional_properties)
+
+
+def parse_structured_outputs_config(text: str | None) -> StructuredOutputsConfig:
+    """--structured-outputs-config (a JSON object); ValueError, a start-up error, for anything invalid."""
+    if text is None or not text.strip():
+        return StructuredOutputsConfig()
+    flag = "--structured-outputs-config"
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f'{flag} must be a JSON object such as {{"disable_any_whitespace": true}}')
+    known = {"backend", "disable_any_whitespace", "disable_additional_properties", "disable_fallback",
+             "reasoning_parser", "reasoning_parser_plugin", "enable_in_reasoning"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    backend = raw.get("backend", "auto")
+    if backend not in SO_BACKENDS:
+        raise ValueError(f"{flag}: backend {backend!r} is not available; rollbus's grammar engine is llguidance: "
+                         f"{' or '.join(SO_BACKENDS)}")
+    for key in ("reasoning_parser", "reasoning_parser_plugin", "enable_in_reasoning"):
+        if raw.get(key) not in (None, "", False):
+            raise ValueError(f"{flag}: {key} is not supported by rollbus's structured outputs")
+    flags = {}
+    for key in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        v = raw.get(key, False)
+        if not isinstance(v, bool):
+            raise ValueError(f"{flag}: {key} must be true or false, got {v!r}")
+        flags[key] = v
+    flags.pop("disable_fallback")  # one backend: there is nothing to fall back to
+    return StructuredOutputsConfig(backend, **flags)

@@ -1,6 +1,7 @@
 """The grammar engine of the workers: one llguidance matcher per constrained sequence, kept next to its
 sampling state, and the batch's token bitmask per step.
 
+- The llguidance tokenizer is built once, while the worker loads the model (build_in_background).
 - Compiled grammars are cached by their text (engine.structured_outputs.grammar_text): the first sequence
   with a constraint compiles it (llguidance drops the GIL while it builds), later ones start from a copy
   of the cached matcher, which is microseconds.
@@ -19,6 +20,7 @@ sampling state, and the batch's token bitmask per step.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ import torch
 
 from bus.messages import ErrorInfo
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_outputs import grammar_text
+from engine.structured_outputs import StructuredOutputsConfig, grammar_text
 
 if TYPE_CHECKING:
     from workers.sampler import RowState
@@ -80,11 +82,14 @@ class GrammarEngine:
     """The worker's llguidance tokenizer (built on first use, about a second for a 150k vocabulary),
     compiled-grammar cache and executor."""
 
-    def __init__(self, tokenizer_path: Path | None, vocab_size: int):
+    def __init__(self, tokenizer_path: Path | None, vocab_size: int, config: StructuredOutputsConfig | None = None):
+        self.config = config or StructuredOutputsConfig()  # --structured-outputs-config
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._tok = None
+        self._tok_error: str | None = None
+        self._builder: threading.Thread | None = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self.live: set[str] = set()  # sequences with a matcher: empty means no mask work at all
         self._errors: list[tuple[str, ErrorInfo]] = []
@@ -130,25 +135,45 @@ class GrammarEngine:
         errors, self._errors = self._errors, []
         return errors
 
-    def _tokenizer(self, eos_ids: list[int]):
-        if self._tok is None:
-            import llguidance
+    def build_in_background(self) -> None:
+        """Start building the llguidance tokenizer (1-3 s for a 150k vocabulary, holding the GIL), so the
+        worker does it while it loads the model, never inside a step; `wait_ready` joins it. The worker calls
+        both before it joins the bus (a thread holding the GIL for seconds would starve its heartbeats)."""
+        if self.tokenizer_path is None or not self.tokenizer_path.is_file() or self._builder is not None:
+            return
+        self._builder = threading.Thread(target=self._build, name="grammar-tokenizer", daemon=True)
+        self._builder.start()
 
-            path = self.tokenizer_path
-            if path is None or not path.is_file():
-                raise GrammarError("structured outputs need the model's tokenizer.json, which this worker does not "
-                                   f"have ({path})")
-            self._tok = llguidance.LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=self.vocab_size,
-                                               eos_token=list(eos_ids) or None)
+    def wait_ready(self) -> None:
+        if self._builder is not None:
+            self._builder.join()
+
+    def _build(self) -> None:
+        import llguidance
+
+        try:
+            self._tok = llguidance.LLTokenizer(self.tokenizer_path.read_text(encoding="utf-8"),
+                                               n_vocab=self.vocab_size)
+        except Exception as e:  # noqa: BLE001 - an unusual tokenizer: constrained requests fail, nothing else
+            self._tok_error = f"the grammar engine cannot read this model's tokenizer: {e}"
+
+    def _tokenizer(self):
+        if self._tok is None:
+            self.wait_ready()
+            if self._tok is None and self._tok_error is None:
+                self._build()  # not started in the background (a runner built directly, as in tests)
+        if self._tok is None:
+            raise GrammarError(self._tok_error or "structured outputs need the model's tokenizer.json, which this "
+                                                  f"worker does not have ({self.tokenizer_path})")
         return self._tok
 
     def start(self, so: StructuredOutputsParams, eos_ids: list[int]) -> SeqGrammar:
         """A fresh matcher for a new sequence (raises GrammarError)."""
         import llguidance
 
-        tok = self._tokenizer(eos_ids)
+        tok = self._tokenizer()
         try:
-            text = grammar_text(so)
+            text = grammar_text(self.config.apply(so))
         except ValueError as e:  # ParamError: the gateway refuses these; a bus peer may not have
             raise GrammarError(str(e)) from None
         base = self._compiled.get(text)

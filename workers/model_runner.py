@@ -28,6 +28,7 @@ import torch
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
+from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
 from workers.sampler import LOGPROBS_MODES, RowState, sample, topk
@@ -48,7 +49,7 @@ class SeqState:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False,
-                 tokenizer_path: Path | None = None):
+                 tokenizer_path: Path | None = None, structured_outputs: StructuredOutputsConfig | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
@@ -58,7 +59,7 @@ class ModelRunner:
         self.weight_version = 0
         self.logprobs_mode = logprobs_mode
         self.vocab_size = int(model.cfg.vocab_size)
-        self.grammar = GrammarEngine(tokenizer_path, self.vocab_size)  # structured outputs (workers/grammar.py)
+        self.grammar = GrammarEngine(tokenizer_path, self.vocab_size, structured_outputs)  # workers/grammar.py
         self.route_dtype: torch.dtype | None = None  # routed-experts capture: None = off
         if return_routed_experts and model.num_moe_layers and rank == 0:  # the scheduler reads rank 0's result
             wire = wire_dtype(model.num_experts)

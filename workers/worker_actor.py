@@ -69,6 +69,7 @@ from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.model_store import resolve_model
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
+from engine.structured_outputs import parse_structured_outputs_config
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
@@ -116,7 +117,9 @@ class WorkerActor:
                                   logprobs_mode=cfg.logprobs_mode,
                                   return_routed_experts=cfg.enable_return_routed_experts,
                                   tokenizer_path=None if cfg.tokens_only else
-                                  resolve_model(cfg.model, progress=False) / "tokenizer.json")
+                                  resolve_model(cfg.model, progress=False) / "tokenizer.json",
+                                  structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config))
+        self.runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before we join the bus
         self.sleep = SleepManager(model, kv, platform)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=rank,
@@ -132,6 +135,7 @@ class WorkerActor:
         self.plans.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
         self.results = make_socket(ctx, zmq.PUSH, connect=ep.results)
         w = self.weights
+        self.runner.grammar.wait_ready()
         self.link = MemberLink(ctx, ep, role="worker", name=self.name, info=self.info, handlers={
             Health: lambda c: {"ok": True},
             Shutdown: self._shutdown,
