@@ -152,8 +152,14 @@ class GrammarEngine:
         import llguidance
 
         try:
-            self._tok = llguidance.LLTokenizer(self.tokenizer_path.read_text(encoding="utf-8"),
-                                               n_vocab=self.vocab_size)
+            tok = llguidance.LLTokenizer(self.tokenizer_path.read_text(encoding="utf-8"), n_vocab=self.vocab_size)
+            # the first mask with a tokenizer builds llguidance's token tables (seconds for a 150k vocabulary):
+            # done here, once, so no step pays for it
+            warm = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}),
+                                        log_level=0)
+            warm.consume_tokens(tok.tokenize_str('{"a": "b'))
+            warm.compute_bitmask()
+            self._tok = tok
         except Exception as e:  # noqa: BLE001 - an unusual tokenizer: constrained requests fail, nothing else
             self._tok_error = f"the grammar engine cannot read this model's tokenizer: {e}"
 
@@ -197,12 +203,12 @@ class GrammarEngine:
         live = [(i, g) for i, g in zip(rows, grammars) if not g.terminated]
         if not live:
             return None
-        import llguidance.torch as lt
-
         bitmask = torch.empty(len(live), self.words, dtype=torch.int32)
-        # one thread: on a busy host the executor's thread pool costs more than it saves (measured)
+        # llguidance writes each row's words in place (llguidance.torch is not imported: it runs torch.compile
+        # at import, seconds). One thread: on a busy host the executor's pool costs more than it saves.
+        ptr, row_bytes = bitmask.data_ptr(), self.words * 4
         for k, (_, g) in enumerate(live):
-            lt.fill_next_token_bitmask(g.matcher, bitmask, k)
+            g.matcher.unsafe_compute_mask_ptr(ptr + k * row_bytes, row_bytes)  # type: ignore[attr-defined]
         eos = self.eos_token
         extra = []
         words = bitmask.numpy()

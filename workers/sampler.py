@@ -110,8 +110,11 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
             probs = raw_logprobs[draw].exp()  # the common RL case: plain sampling at temperature 1
         else:
             probs = torch.empty(len(draw), vocab, dtype=logits.dtype)
-            for k, i in enumerate(draw):
-                probs[k] = raw_logprobs[i].exp() if plain[i] else torch.softmax(processed[pos[i]], dim=-1)
+            ks = [k for k, i in enumerate(draw) if plain[i]]
+            if ks:
+                probs[ks] = raw_logprobs[[draw[k] for k in ks]].exp()
+            ks = [k for k, i in enumerate(draw) if not plain[i]]  # one batched softmax (many masked rows)
+            probs[ks] = torch.softmax(processed[[pos[draw[k]] for k in ks]], dim=-1)
         token_ids[draw] = _draw(probs, [rows[i] for i in draw], default_generator)
     for i, tok in enumerate(trace):
         if tok is not None:
