@@ -67,6 +67,8 @@ def _grammar_text(key: bytes) -> str:
         return llguidance.grammar_from("grammar", so.grammar)
     except ParamError:
         raise
+    except RecursionError:
+        raise ParamError(param, f"{param} is nested too deeply") from None
     except (ValueError, TypeError, KeyError, RuntimeError) as e:  # llguidance's compile errors
         raise ParamError(param, f"Invalid {param}: {e}") from None
 
@@ -113,6 +115,8 @@ def check_json_schema(schema: Any, param: str) -> None:
         where = "/".join(str(p) for p in e.absolute_path)
         raise ParamError(param, f"{param} is not a valid JSON Schema: {e.message}"
                                 + (f" (at {where})" if where else "")) from None
+    except RecursionError:
+        raise ParamError(param, f"{param} is nested too deeply") from None
 
 
 def _closed_objects(schema: Any) -> Any:

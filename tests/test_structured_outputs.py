@@ -22,24 +22,27 @@ from workers.grammar import GrammarEngine
 from workers.sampler import RowState, sample
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+          "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "weather of a city", "parameters": {
         "type": "object", "additionalProperties": False, "required": ["city", "unit"],
-        "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["c", "f"]}}}}},
+        "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"}, "unit": {"enum": ["c", "f"]}}}}},
     {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "additionalProperties": False, "required": ["a", "b"],
         "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 999},
                        "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}},
 ]
+# small models ramble whitespace wherever JSON allows it, until max_tokens: vLLM's switch turns that off
+NO_WHITESPACE = ("--structured-outputs-config", '{"disable_any_whitespace": true}')
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory, smollm2_dir):  # noqa: F811
     s = start_server(tmp_path_factory.mktemp("so"), str(smollm2_dir), "--max-model-len", "512", "--max-num-seqs", "32",
-                     "--enable-scale-out")
+                     "--enable-scale-out", "--enable-trace-replay", *NO_WHITESPACE)
     yield s
     s.stop()
 
@@ -49,9 +52,7 @@ def qwen3(tmp_path_factory):
     tok = require_qwen3_tokenizer_dir()
     work = tmp_path_factory.mktemp("q3")
     folder = tiny_model_with_tokenizer("qwen3", work / "model", tok, vocab_size=151936, max_position_embeddings=2048)
-    # a random-weight model rambles whitespace wherever JSON allows it: vLLM's switch turns that off
-    s = start_server(work, str(folder), "--max-model-len", "2048", "--max-num-seqs", "32",
-                     "--structured-outputs-config", '{"disable_any_whitespace": true}')
+    s = start_server(work, str(folder), "--max-model-len", "2048", "--max-num-seqs", "32", *NO_WHITESPACE)
     yield s
     s.stop()
 
@@ -93,7 +94,7 @@ def test_100_required_tool_calls_validate(qwen3):
     def one(i: int):
         return client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"Call a tool ({i})"}], tools=TOOLS,
-            tool_choice="required", max_tokens=100, seed=i, parallel_tool_calls=i % 10 == 0).choices[0]
+            tool_choice="required", max_tokens=120, seed=i, parallel_tool_calls=i % 10 == 0).choices[0]
 
     for i, choice in enumerate(_many(one, 100)):
         if i % 10:
@@ -262,3 +263,33 @@ def test_forced_stream_reassembles_to_the_whole_result():
         assert [c["name"] for c in calls.values()] == [c["function"]["name"] for c in whole]
         assert [json.loads(c["arguments"]) for c in calls.values()] == \
                [json.loads(c["function"]["arguments"]) for c in whole]
+
+
+def test_bus_admission_checks_the_constraint():
+    """A peer that bypasses the gateway gets the same 400s from the scheduler's admission."""
+    from bus.messages import AddRequest
+    from engine.scheduler.admission import EngineLimits, admission_error
+
+    limits = EngineLimits(vocab_size=1000, max_model_len=64)
+
+    def err(so):
+        return admission_error(AddRequest("r", [1, 2], SamplingParams(max_tokens=4, structured_outputs=so), [2], 0.0),
+                               limits)
+
+    assert err(StructuredOutputsParams(regex="[0-9]+")) is None
+    bad = err(StructuredOutputsParams(regex="(a"))
+    assert bad.status == 400 and bad.param == "sampling.structured_outputs.regex"
+    both = err(StructuredOutputsParams(regex="a", choice=["b"]))
+    assert both.status == 400 and both.param == "sampling.structured_outputs"
+    assert err(StructuredOutputsParams(choice=[])).param == "sampling.structured_outputs.choice"
+
+
+def test_trace_token_the_grammar_rejects_fails_that_request_only(smol):
+    tok = httpx.post(smol.url + "/tokenize", json={"prompt": "abc"}, timeout=30).json()["tokens"]
+    gen = smol.url + "/inference/v1/generate"
+    bad = httpx.post(gen, json={"token_ids": [1, 2, 3], "sampling_params": {
+        "max_tokens": 5, "trace_decode_token_ids": tok, "structured_outputs": {"regex": "[0-9]+"}}}, timeout=60)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "trace_decode_token_ids"
+    ok = httpx.post(gen, json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}, timeout=60)
+    assert ok.status_code == 200
