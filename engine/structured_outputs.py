@@ -166,9 +166,11 @@ def tool_choice_schema(tools: list[dict[str, Any]], tool_choice: str | dict[str,
             if k in defs and defs[k] != v:
                 raise ParamError("tools", f"Tool definition '{k}' has multiple schemas, which is not supported.")
             defs[k] = v
+        # additionalProperties false: what vLLM's default backend (xgrammar, strict) enforces on this schema;
+        # llguidance reads an absent one as true, and a weak model then wanders into keys of its own
         variants.append({"properties": {"name": {"type": "string", "enum": [fn.get("name")]},
                                         "parameters": _params_schema(params)},
-                         "required": ["name", "parameters"]})
+                         "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1

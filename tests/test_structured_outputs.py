@@ -293,3 +293,15 @@ def test_trace_token_the_grammar_rejects_fails_that_request_only(smol):
     assert bad.json()["error"]["param"] == "trace_decode_token_ids"
     ok = httpx.post(gen, json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_finished_grammar_allows_only_the_requests_eos(engine):
+    """The grammar's end allows the request's EOS ids, not the tokenizer's guess (a bug: a tokenizer EOS the
+    scheduler did not stop on ended the constraint, and the output ran on unconstrained)."""
+    so = StructuredOutputsParams(choice=["yes"])
+    g = engine.start(so, [2])
+    assert engine.eos_token != 2  # SmolLM2: llguidance guesses id 0
+    g.matcher.consume_tokens(engine._tok.tokenize_str("yes"))
+    bits = np.unpackbits(engine.fill([0], [g]).bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[0]
+    assert bits[:49152].nonzero()[0].tolist() == [2]
+    assert g.accept(2, engine.eos_token) and g.terminated

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,7 +57,7 @@ class SeqGrammar:
         if self.terminated:
             return True
         m = self.matcher
-        if token in self.eos_ids or token == eos_token:
+        if token in self.eos_ids or (not self.eos_ids and token == eos_token):
             self.terminated = True
             if m.is_stopped():  # type: ignore[attr-defined]
                 return True
@@ -75,7 +75,6 @@ class StepMasks:
 
     rows: list[int]
     bitmask: torch.Tensor  # int32 [len(rows), ceil(V / 32)]
-    extra_allowed: list[list[int]] = field(default_factory=list)  # per mask row: EOS ids to allow as well
 
 
 class GrammarEngine:
@@ -210,13 +209,15 @@ class GrammarEngine:
         for k, (_, g) in enumerate(live):
             g.matcher.unsafe_compute_mask_ptr(ptr + k * row_bytes, row_bytes)  # type: ignore[attr-defined]
         eos = self.eos_token
-        extra = []
-        words = bitmask.numpy()
-        for _, g in live:  # the grammar's EOS bit stands for every EOS id of the request
-            w = words[len(extra)]
-            extra.append(sorted(g.eos_ids) if 0 <= eos < self.vocab_size and (w[eos >> 5] >> (eos & 31)) & 1
-                         else [])
-        return StepMasks([i for i, _ in live], bitmask, extra)
+        words = bitmask.numpy().view(np.uint32)
+        for k, (_, g) in enumerate(live):  # the grammar's EOS bit stands for the request's EOS ids
+            w = words[k]
+            if g.eos_ids and 0 <= eos < self.vocab_size and (int(w[eos >> 5]) >> (eos & 31)) & 1:
+                w[eos >> 5] &= np.uint32(~(1 << (eos & 31)) & 0xFFFFFFFF)
+                for t in g.eos_ids:
+                    if 0 <= t < self.vocab_size:
+                        w[t >> 5] |= np.uint32(1 << (t & 31))
+        return StepMasks([i for i, _ in live], bitmask)
 
 
 def apply_masks(z: torch.Tensor, masks: StepMasks) -> None:
@@ -224,9 +225,6 @@ def apply_masks(z: torch.Tensor, masks: StepMasks) -> None:
     inverted (tiny), unpacked to one byte per token and viewed as bool, so each row is one masked_fill."""
     v = z.shape[1]
     banned = np.unpackbits((~masks.bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :v]
-    for k, ids in enumerate(masks.extra_allowed):
-        if ids:
-            banned[k, [t for t in ids if t < v]] = 0
     ban = torch.from_numpy(banned.view(np.bool_))
     if len(masks.rows) == z.shape[0]:
         z.masked_fill_(ban, float("-inf"))
