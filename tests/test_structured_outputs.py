@@ -69,13 +69,14 @@ def _many(fn, n: int) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 100 real-model requests: minutes on a busy 2-core host
 def test_100_json_schema_responses_validate(smol):
     client = _client(smol)
 
     def one(i: int):
         r = client.chat.completions.create(
             model=client.models.list().data[0].id, messages=[{"role": "user", "content": f"Person number {i}?"}],
-            max_tokens=120, temperature=1.0, seed=i,
+            max_tokens=80, temperature=1.0, seed=i,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
         return r.choices[0]
 
