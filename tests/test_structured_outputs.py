@@ -306,3 +306,36 @@ def test_a_finished_grammar_allows_only_the_requests_eos(engine):
     bits = np.unpackbits(engine.fill([0], [g]).bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[0]
     assert bits[:49152].nonzero()[0].tolist() == [2]
     assert g.accept(2, engine.eos_token) and g.terminated
+
+
+def test_a_recompute_after_preemption_advances_the_matcher_once(tmp_path, smollm2_dir):  # noqa: F811
+    """ModelRunner driven by hand-written plans: a recompute from position 0 (preemption) re-runs known tokens
+    and samples one new token, so "[0-9]{6}" still gets exactly six digits and then EOS."""
+    from bus.messages import NewSeq, StepPlan
+    from tests.tiny_models import load_model
+    from workers.kv_cache import KVCache
+    from workers.model_runner import ModelRunner
+
+    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "q", Path(smollm2_dir), vocab_size=49152)
+    model = load_model(folder)
+    kv = KVCache(*model.kv_spec, 4, 16, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, kv, rank=0, block_size=4, device=torch.device("cpu"),
+                         tokenizer_path=folder / "tokenizer.json")
+    sp = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="[0-9]{6}"))
+    table = [[1, 2, 3, 4]]
+    out: list[int] = []
+
+    def step(k, new, computed, n):
+        res = runner.execute(StepPlan(k, new, ["s"], [computed], [n], table, [], 0))
+        assert not res.seq_errors
+        out.append(int(res.token_ids[0]))
+
+    step(1, [NewSeq("s", [1, 2, 3], sp, [2])], 0, 3)
+    step(2, [], 3, 1)
+    step(3, [], 4, 1)
+    step(4, [], 0, 6)  # preempted and recomputed: prompt + 3 outputs again
+    for k, computed in enumerate((6, 7, 8), start=5):
+        step(k, [], computed, 1)
+    text = runner.grammar._tok.decode_str(out[:6])
+    assert len(text) == 6 and text.isdigit(), (out, text)
+    assert out[6] == 2  # the grammar is complete: EOS only
