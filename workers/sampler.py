@@ -92,8 +92,11 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
 
     processed = None  # [len(proc), V] processed logits
     if proc:
-        t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
-        scaled = z[proc] / t
+        if z is not logits and len(proc) == n and all(temps[i] in (0.0, 1.0) for i in proc):
+            scaled = z  # a private copy already (masked or edited): no [S, V] copy and divide by 1
+        else:
+            t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
+            scaled = z[proc] / t
         drawn = [i for i, row in enumerate(proc) if not greedy[row]]
         if drawn:  # greedy rows are not filtered (vLLM resets their top_k/top_p/min_p)
             scaled[drawn] = _filter(scaled[drawn], [rows[proc[i]] for i in drawn])
