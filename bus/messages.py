@@ -35,11 +35,11 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 10
-PROTOCOL_FINGERPRINT = "bd5d793161e3"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 11
+PROTOCOL_FINGERPRINT = "22a06d03303c"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -488,6 +488,9 @@ class StepResult(Wire):
     routed_experts: np.ndarray | None = None
     routed_spans: list[tuple[str, int, int, int]] | None = None
     interrupted: bool = False  # an abort pause cut the step short: nothing was computed, nothing failed
+    # sequences that failed alone (the rest of the step is fine): a structured-output constraint the worker
+    # cannot enforce, or a forced token its grammar rejects; the scheduler fails just these requests
+    seq_errors: list[tuple[str, ErrorInfo]] = []
 
 
 # --- weight sync over the bus (trainer <-> coordinator) -------------------------------------------
@@ -570,7 +573,7 @@ def protocol_fingerprint() -> str:
     """A hash of every struct definition on the wire: kinds, names, tags, and each field's name, type and
     default, in order (array-like structs travel positionally, so the order is part of the format)."""
     structs = [*REGISTRY.values(), *AnyCommand.__args__, ControlState, PauseState, LostMember, ErrorInfo,
-               SamplingParams]
+               SamplingParams, StructuredOutputsParams]
     desc = []
     for cls in sorted(set(structs), key=lambda c: c.__qualname__):
         cfg = cls.__struct_config__

@@ -105,6 +105,7 @@ class EngineConfig:
     additional_config: str | None = None  # JSON; see engine.rl_config
     enable_sleep_mode: bool = False
     weight_transfer_config: str | None = None  # JSON; see engine.weight_transfer_config
+    structured_outputs_config: str | None = None  # JSON; see engine.structured_outputs
     # training data (issue 5): logprob contract, tokens in/out, trace replay
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs | raw_logits | processed_logits
     tokens_only: bool = False  # no tokenizer anywhere; /inference/v1/generate on
@@ -577,6 +578,11 @@ def add_rl_args(p: argparse.ArgumentParser) -> None:
                         "--additional-config.rl_config.enabled true.")
     g.add_argument("--enable-sleep-mode", action=Switch, negatives=["--disable-sleep-mode"], default=False,
                    help="Allow /sleep and /wake_up (weights and KV cache released by tag).")
+    g.add_argument("--structured-outputs-config", type=_json_object("--structured-outputs-config"), default=None,
+                   help='JSON object (vLLM\'s StructuredOutputsConfig; docs/structured-outputs.md). backend: "auto" or '
+                        '"guidance" (llguidance, the only engine here); disable_any_whitespace (no whitespace '
+                        "between JSON tokens; default false); disable_additional_properties (objects without "
+                        "additionalProperties get false; default false).")
     g.add_argument("--weight-transfer-config", type=_json_object("--weight-transfer-config"), default=None,
                    help='JSON object. {"backend": "ipc"} (trainer on the same device: CUDA/NPU IPC, shared '
                         'memory on CPU) or {"backend": "hccl"} (separate devices: HCCL/NCCL/Gloo broadcast); '
@@ -780,6 +786,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     from bus.auth import check_config as check_bus
     from engine.generation_defaults import check_generation_config
     from engine.rl_config import determinism, parse_additional_config
+    from engine.structured_outputs import parse_structured_outputs_config
     from engine.weight_transfer_config import parse_weight_transfer_config
     from gateway.tokenizer import resolve_chat_template
     from workers.extension import check_qualname
@@ -787,6 +794,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     try:
         determinism(parse_additional_config(cfg.additional_config))
         parse_weight_transfer_config(cfg.weight_transfer_config)
+        parse_structured_outputs_config(cfg.structured_outputs_config)
         _check_load_format(cfg)
         check_generation_config(cfg.generation_config, cfg.override_generation_config)
         _check_parsers(cfg)

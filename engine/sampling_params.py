@@ -18,6 +18,43 @@ class ParamError(ValueError):
         self.param = param
 
 
+CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """vLLM's StructuredOutputsParams: exactly one constraint on the output (the gateway builds it from
+    `structured_outputs`, `response_format`, the `guided_*` aliases or a forced tool choice;
+    docs/structured-outputs.md). `json` is the JSON Schema as JSON text, so it travels typed."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark or GBNF (llguidance reads both)
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def validate(self) -> None:
+        """vLLM's shape rules (sampling_params._validate_structured_outputs and __post_init__); whether the
+        constraint compiles is engine.structured_outputs.check_compiles."""
+        p = "structured_outputs"
+        given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
+        _check(len(given) <= 1, p, "You can only use one kind of structured outputs constraint but multiple are "
+                                   f"specified: {', '.join(given)}")
+        _check(len(given) == 1, p, "You must use one kind of structured outputs constraint but none are specified")
+        _check(self.choice is None or len(self.choice) > 0, f"{p}.choice", "Choice '[]' cannot be an empty list")
+        _check(self.grammar is None or self.grammar.strip() != "", f"{p}.grammar",
+               "structured_outputs.grammar cannot be an empty string")
+        _check(self.json is None or self.json.strip() != "", f"{p}.json",
+               "structured_outputs.json cannot be an empty string")
+        _check(self.json_object is not False, f"{p}.json_object", "structured_outputs.json_object must be True if "
+                                                                 "set; omit structured_outputs to disable structured "
+                                                                 "outputs")
+        _check(self.regex is None or "\x00" not in self.regex, f"{p}.regex",
+               "structured_outputs.regex must not contain a NUL character ('\\x00')")
+
+
 class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
@@ -47,6 +84,8 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # vLLM's request-level cache_salt: prefix-cache blocks are shared only between requests with the same
     # salt (it enters the hash of the first block, so every later block inherits it); None: unsalted.
     cache_salt: str | None = None
+    # guaranteed-valid output (vLLM's structured_outputs): the workers mask the logits per step
+    structured_outputs: StructuredOutputsParams | None = None
 
     def validate(self, *, vocab_size: int, max_logprobs: int, max_n: int = 128) -> None:
         _check(1 <= self.n <= max_n, "n", f"n must be between 1 and {max_n}, got {self.n}")
@@ -87,6 +126,8 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
                    f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", "seed must fit in 64 bits")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def validate_routed_experts(self, prompt_len: int) -> None:
         """vLLM: routed_experts_prompt_start must lie within [0, prompt_len]."""

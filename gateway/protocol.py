@@ -7,8 +7,9 @@ fields raise ParamError (naming the field), which the gateway reports as a 400 w
 Every field of vLLM v0.33's schemas is declared here with vLLM's type, so none is dropped unread: a
 field rollbus does not implement is refused (400 naming it) when its value asks for something, through
 the `Refuse` tables below (docs/openai-api.md lists them); a value that asks for nothing (the default,
-null, an empty list) is accepted. The removed `guided_*` fields, which vLLM v0.33 ignores with a
-warning, are refused too: ignoring a constraint corrupts outputs silently.
+null, an empty list) is accepted. Structured outputs (`structured_outputs`, `response_format`, and the
+`guided_*` fields vLLM v0.33 removed, accepted here as aliases) become one constraint in
+gateway/structured.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any, Literal, NamedTuple
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from engine.sampling_params import ParamError, SamplingParams
+from engine.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import check_json_schema, tool_choice_schema
+from gateway.structured import GUIDED_ALIASES, build_constraint, forced_tool_constraint
 
 log = structlog.get_logger()
 
@@ -65,25 +68,13 @@ def _equals(default: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or v == default
 
 
-def _no_constraint(v: Any) -> bool:
-    """structured_outputs asks for nothing when absent or when every constraint in it is unset."""
-    return v is None or (isinstance(v, dict) and all(_unset(x) for x in v.values()))
-
-
 def _trace_only(v: Any) -> bool:
     """vllm_xargs asks for nothing rollbus lacks when it holds at most trace_decode_token_ids."""
     return _unset(v) or (isinstance(v, dict) and set(v) <= {"trace_decode_token_ids"})
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
-
-
-_STRUCTURED = "structured outputs (guided decoding) are not supported yet"
 _MULTIMODAL = "rollbus serves text-only models"
 _DISAGG = "disaggregated serving (KV/EC transfer) is not supported"
-_LEGACY_GUIDED = ("removed from vLLM; use structured_outputs, which rollbus does not support yet either: "
-                  "the output would not be constrained")
 
 # Shared by /v1/completions and /v1/chat/completions (vLLM v0.33 field names).
 REFUSED_SAMPLING: dict[str, Refuse] = {
@@ -94,8 +85,6 @@ REFUSED_SAMPLING: dict[str, Refuse] = {
     "allowed_token_ids": Refuse(_unset, "restricting the vocabulary is not supported"),
     "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
     "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
-    "structured_outputs": Refuse(_no_constraint, _STRUCTURED),
-    "response_format": Refuse(_text_format, _STRUCTURED + ': only {"type": "text"} is accepted'),
     "thinking_token_budget": Refuse(_unset, "thinking token budgets are not supported"),
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
     "kv_transfer_params": Refuse(_unset, _DISAGG),
@@ -104,8 +93,6 @@ REFUSED_SAMPLING: dict[str, Refuse] = {
                                       "trace_decode_token_ids (trace replay, with --enable-trace-replay)"),
     "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
     "best_of": Refuse(_equals(1), "removed from vLLM; use n"),
-    **{f"guided_{k}": Refuse(_unset, _LEGACY_GUIDED) for k in (
-        "json", "regex", "choice", "grammar", "json_object", "decoding_backend", "whitespace_pattern")},
 }
 REFUSED_COMPLETION: dict[str, Refuse] = {
     **REFUSED_SAMPLING,
@@ -133,7 +120,6 @@ REFUSED_ENGINE_SAMPLING: dict[str, Refuse] = {
     "prompt_logprob_token_ids": Refuse(_unset, "prompt logprobs of chosen token ids are not supported"),
     "prompt_logprob_start": Refuse(_unset, "prompt logprobs from a start position are not supported"),
     "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
-    "structured_outputs": Refuse(_no_constraint, _STRUCTURED),
     "logit_bias": Refuse(_unset, "logit bias is not supported"),
     "allowed_token_ids": Refuse(_unset, "restricting the vocabulary is not supported"),
     "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
@@ -239,10 +225,6 @@ class _SamplingRequest(OpenAIModel):
     allowed_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
     bad_words: list[str] | None = _schema(**_EMPTY_ARRAY)
     logprob_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
-    structured_outputs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
-    response_format: dict[str, Any] | None = _schema(
-        anyOf=[{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-                                  "additionalProperties": False}])
     thinking_token_budget: int | None = _schema(enum=[None])
     repetition_detection: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     kv_transfer_params: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
@@ -250,13 +232,19 @@ class _SamplingRequest(OpenAIModel):
     vllm_xargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     priority: int = _schema(0, enum=[None, 0])
     best_of: int | None = _schema(enum=[None, 1])
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_json_object: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
+    # structured outputs (gateway/structured.py; docs/structured-outputs.md)
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = _schema(
+        anyOf=[{"type": "null"}, {"type": "object", "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]}}, "required": ["type"]}])
+    # vLLM v0.33 removed these (it ignores them); accepted here as aliases of structured_outputs' fields
+    guided_json: str | dict[str, Any] | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    guided_decoding_backend: str | None = _schema(enum=[None, "auto", "guidance", "llguidance"])
+    guided_whitespace_pattern: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -293,7 +281,13 @@ class _SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=pick("skip_special_tokens"), prompt_logprobs=prompt_logprobs,
             return_sampling_mass=bool(self.return_sampling_mass), trace_decode_token_ids=self.trace_tokens(),
-            routed_experts_prompt_start=self.routed_experts_prompt_start or 0, cache_salt=self.cache_salt)
+            routed_experts_prompt_start=self.routed_experts_prompt_start or 0, cache_salt=self.cache_salt,
+            structured_outputs=self.constraint())
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint the request asks for (gateway/structured.py)."""
+        return build_constraint(self.structured_outputs, self.response_format,
+                                {k: getattr(self, k) for k in (*GUIDED_ALIASES, "guided_decoding_backend")})
 
     def trace_tokens(self) -> list[int] | None:
         """vllm_xargs.trace_decode_token_ids: trace replay on the OpenAI endpoints (beyond vLLM, whose
@@ -430,20 +424,8 @@ class FunctionDefinition(OpenAIModel):
 
     def check(self, param: str) -> None:
         """`parameters` must be a JSON Schema (vLLM hands it to the template and the grammar engine)."""
-        if self.parameters is None:
-            return
-        import jsonschema
-
-        where = f"{param}.parameters"
-        dialect = self.parameters.get("$schema")
-        if dialect is not None and not isinstance(dialect, str):
-            raise ParamError(where, f"`{where}` is not a valid JSON Schema: `$schema` must be a string")
-        try:
-            jsonschema.validators.validator_for(self.parameters).check_schema(self.parameters)
-        except jsonschema.SchemaError as e:
-            raise ParamError(where, f"`{where}` is not a valid JSON Schema: {e.message}") from None
-        except (TypeError, ValueError, AttributeError, RecursionError) as e:  # a schema jsonschema cannot read
-            raise ParamError(where, f"`{where}` is not a valid JSON Schema: {e}") from None
+        if self.parameters is not None:
+            check_json_schema(self.parameters, f"{param}.parameters")
 
 
 _CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
@@ -479,8 +461,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = _schema(0, minimum=-1)
     tools: list[Tool] | None = _schema(minItems=1)
-    # "auto" needs --enable-auto-tool-choice (gateway/serving_chat.py); see _check_tools
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _schema("none")
+    # "none", "auto" (needs --enable-auto-tool-choice: gateway/serving_chat.py), "required" / a named function
+    # (forced by a grammar: gateway/forced_tools.py); see _check_tools
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _schema(
+        "none", anyOf=[{"enum": ["none", "auto", "required", None]}, {"type": "object", "required": ["function"]}])
     parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
@@ -527,9 +511,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return "auto" if self.tools else "none"
 
     def _check_tools(self) -> None:
-        """vLLM's checks of tools and tool_choice. "none" renders the tools and parses nothing; "auto" is
-        checked against the server's flags by the chat handler; "required" and named functions are not
-        served yet."""
+        """vLLM's checks of tools and tool_choice (every tool's parameters a JSON Schema, a named function one of
+        them). "none" renders the tools and parses nothing; "auto" is checked against the server's flags by the
+        chat handler; "required" and named functions are forced by a grammar (constraint())."""
         if self.tools == []:
             raise ParamError("tools", "`tools` must not be an empty array. Either provide at least one tool or "
                                       "omit the field entirely.")
@@ -545,9 +529,22 @@ class ChatCompletionRequest(_SamplingRequest):
             if all(t.function.name != name for t in self.tools):
                 raise ParamError("tool_choice", "The tool specified in `tool_choice` does not match any of the "
                                                 "specified `tools`")
-        desc = f'function "{choice.get("function", {}).get("name")}"' if isinstance(choice, dict) else f'"{choice}"'
-        raise ParamError("tool_choice", f"`tool_choice` {desc} is not supported by rollbus yet: use \"auto\" "
-                                        "(with --enable-auto-tool-choice) or \"none\".")
+
+    def forced_tool(self) -> bool:
+        """tool_choice "required" or a named function: the output is forced into tool calls."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """A forced tool choice replaces structured_outputs and response_format with the tools' schema
+        (vLLM); a named function together with structured_outputs is refused, as vLLM does."""
+        if not self.forced_tool():
+            return super().constraint()
+        if isinstance(self.tool_choice, dict) and self.structured_outputs and any(
+                self.structured_outputs.get(k) is not None for k in ("json", "regex", "choice")):
+            raise ParamError("structured_outputs", "You can only either use constraints for structured outputs or "
+                                                   "tools, not both.")
+        schema = tool_choice_schema(self.template_tools() or [], self.tool_choice, self.parallel_tool_calls)
+        return forced_tool_constraint(schema)
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template sees beyond messages and tools (vLLM's ChatParams)."""
@@ -621,7 +618,7 @@ class GenerateSamplingParams(OpenAIModel):
     prompt_logprob_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
     prompt_logprob_start: int | None = _schema(enum=[None])
     logprob_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
-    structured_outputs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
+    structured_outputs: dict[str, Any] | None = None  # as in chat and completions (gateway/structured.py)
     extra_args: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     skip_reading_prefix_cache: bool | None = _schema(**_NEUTRAL_BOOL)
     thinking_token_budget: int | None = _schema(enum=[None])
@@ -644,7 +641,8 @@ class GenerateSamplingParams(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
             return_sampling_mass=self.return_sampling_mass, trace_decode_token_ids=self.trace_decode_token_ids,
-            routed_experts_prompt_start=self.routed_experts_prompt_start or 0)
+            routed_experts_prompt_start=self.routed_experts_prompt_start or 0,
+            structured_outputs=build_constraint(self.structured_outputs, None, {}, "sampling_params."))
 
 
 class GenerateRequest(OpenAIModel):

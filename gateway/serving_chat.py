@@ -2,7 +2,8 @@
 
 Tools are rendered into the prompt by the template; with --enable-auto-tool-choice and tool_choice "auto"
 the calls are parsed out of the output, and with --reasoning-parser the reasoning is split from the
-content (gateway/chat_parsing.py), streaming and not.
+content (gateway/chat_parsing.py), streaming and not. tool_choice "required" or a named function forces
+the output with a grammar, and it is returned as `tool_calls` (gateway/forced_tools.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi.responses import Response
 from engine.sampling_params import ParamError
 from gateway.chat_parsing import ChatOutputParser, ParserConfig
 from gateway.errors import bad_request
+from gateway.forced_tools import ForcedToolStream, finish_reason, forced_tool_calls
 from gateway.protocol import ChatCompletionRequest
 from gateway.responses import JSONResponse
 from gateway.serving import (
@@ -111,9 +113,11 @@ def parser_config(ctx: ServingContext, body: ChatCompletionRequest) -> ParserCon
 
 
 class ChatChoice(ChoiceState):
-    """A chat choice: the engine request's state plus the parser of its output."""
+    """A chat choice: the engine request's state plus the parser of its output, or, for a forced tool
+    choice, the reader of its forced tool calls."""
 
     parser: ChatOutputParser | None = None
+    forced: ForcedToolStream | None = None
 
 
 async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> list[ChoiceState]:
@@ -141,13 +145,15 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     except ParamError as e:
         raise _remap(e, body) from None
     states: list[ChoiceState] = []
+    forced = body.forced_tool()
     for i in range(params.n):
-        parser = ChatOutputParser(parsing, ctx.tokenizer, ids) if parsing.active else None
+        parser = ChatOutputParser(parsing, ctx.tokenizer, ids) if parsing.active and not forced else None
         child = params.replace(n=1, seed=child_seed(params.seed, i))
         if parser is not None:
             child = child.replace(skip_special_tokens=parser.skip_special_tokens(child.skip_special_tokens))
         state = ChatChoice(i, f"{request_id}-{i}", ids, child, ctx.detokenizer(ids, child))
         state.parser = parser
+        state.forced = ForcedToolStream(body.tool_choice) if forced else None
         states.append(state)
     return states
 
@@ -179,6 +185,14 @@ def _message(s: ChoiceState) -> tuple[dict[str, Any], str | None]:
     """vLLM's assistant message of a finished choice (tool_calls only when there are some) and its
     finish_reason. `reasoning` is vLLM's field; `reasoning_content` carries the same for older clients."""
     parser = s.parser if isinstance(s, ChatChoice) else None
+    forced = s.forced if isinstance(s, ChatChoice) else None
+    if forced is not None:  # the output is the forced calls' JSON (gateway/forced_tools.py)
+        json_calls = forced_tool_calls(forced.tool_choice, s.text)
+        message = {"role": "assistant", "content": None, "refusal": None}
+        if json_calls:
+            message["tool_calls"] = json_calls
+        message["reasoning"] = message["reasoning_content"] = None
+        return message, finish_reason(s.finish_reason, forced.tool_choice, bool(json_calls))
     if parser is None:
         reasoning, content, calls, reason = None, s.text, [], s.finish_reason
     else:
@@ -262,6 +276,11 @@ async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, head: dict[s
 def _delta(upd: ChoiceUpdate, state: ChoiceState) -> tuple[dict[str, Any] | None, str | None]:
     """The delta of one update (None: the parser has nothing to send yet) and the choice's finish_reason."""
     parser = state.parser if isinstance(state, ChatChoice) else None
+    forced = state.forced if isinstance(state, ChatChoice) else None
+    if forced is not None:  # the forced output streams as tool-call deltas (gateway/forced_tools.py)
+        calls = forced.push(upd.text or "")
+        return ({"tool_calls": calls} if calls else {}), finish_reason(upd.finish_reason, forced.tool_choice,
+                                                                         forced.made)
     if parser is None:
         return ({"content": upd.text} if upd.text else {}), upd.finish_reason
     got = parser.parse_delta(upd.text, finished=upd.finish_reason is not None)

@@ -100,6 +100,8 @@ async def _json(request: Request) -> Any:
 def sampling_params_json(params: SamplingParams, n: int, seed: int | None, stream: bool) -> dict[str, Any]:
     """Our SamplingParams under vLLM's field names, as /inference/v1/generate takes them back."""
     d = msgspec.structs.asdict(params)
+    if params.structured_outputs is not None:  # vLLM's StructuredOutputsParams as JSON (json as its text)
+        d["structured_outputs"] = msgspec.structs.asdict(params.structured_outputs)
     d.pop("cache_salt")  # a request field in vLLM (GenerateRequest.cache_salt), not a sampling parameter
     d.update(n=n, seed=seed, output_kind=DELTA if stream else FINAL_ONLY)
     for beyond_vllm in ("return_sampling_mass", "trace_decode_token_ids"):  # only when asked for

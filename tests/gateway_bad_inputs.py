@@ -207,12 +207,9 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
 ASKING_SAMPLING: dict[str, Any] = {
     "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "logit_bias": {"5": 1.0},
     "allowed_token_ids": [5, 6], "bad_words": ["bad"], "logprob_token_ids": [5],
-    "structured_outputs": {"regex": "[ab]+"}, "response_format": {"type": "json_object"},
     "thinking_token_budget": 10, "repetition_detection": {"max_pattern_size": 3},
     "kv_transfer_params": {"do_remote_prefill": True}, "ec_transfer_params": {"x": 1},
     "vllm_xargs": {"k": 1}, "priority": 1, "best_of": 3,
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "g",
-    "guided_json_object": True, "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
 }
 ASKING_COMPLETION: dict[str, Any] = {**ASKING_SAMPLING, "suffix": "end", "prompt_embeds": "AAAA"}
 ASKING_CHAT: dict[str, Any] = {
@@ -234,7 +231,7 @@ HARMLESS_CHAT: dict[str, Any] = {
 }
 ASKING_ENGINE_SAMPLING: dict[str, Any] = {
     "watermarking": True, "prompt_logprob_token_ids": [5], "prompt_logprob_start": 1, "logprob_token_ids": [5],
-    "structured_outputs": {"json": {"type": "object"}}, "logit_bias": {"5": 1.0}, "allowed_token_ids": [5],
+    "logit_bias": {"5": 1.0}, "allowed_token_ids": [5],
     "bad_words": ["x"], "extra_args": {"k": 1}, "skip_reading_prefix_cache": True, "thinking_token_budget": 3,
     "repetition_detection": {"max_pattern_size": 2},
 }
@@ -260,9 +257,20 @@ def unsupported_field_cases() -> list[BadInput]:
     for desc, extra, status, param in (
             ("tools with the default tool_choice (auto)", {"tools": [tool]}, 400, "tool_choice"),
             ("tool_choice auto", {"tools": [tool], "tool_choice": "auto"}, 400, "tool_choice"),
-            ("tool_choice required", {"tools": [tool], "tool_choice": "required"}, 400, "tool_choice"),
+            # forced tool calls (docs/structured-outputs.md): served without a tool parser, as in vLLM
+            ("tool_choice required", {"tools": [tool], "tool_choice": "required"}, 200, None),
             ("named tool_choice", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}},
-             400, "tool_choice"),
+             200, None),
+            ("named tool_choice not in tools",
+             {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+            ("structural tags", {"structured_outputs": {"structural_tag": "{}"}}, 400,
+             "structured_outputs.structural_tag"),
+            ("response_format structural_tag", {"response_format": {"type": "structural_tag", "format": {}}}, 400,
+             "response_format"),
+            ("guided_decoding_backend xgrammar", {"guided_json": {"type": "object"},
+                                                  "guided_decoding_backend": "xgrammar"}, 400,
+             "guided_decoding_backend"),
+            ("a regex that does not compile", {"guided_regex": "(ab"}, 400, "guided_regex"),
             ("tool_choice without tools", {"tool_choice": "required"}, 400, "tool_choice"),
             ("named tool_choice of an undefined function",
              {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),

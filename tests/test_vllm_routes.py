@@ -43,7 +43,8 @@ def test_tokenize_and_detokenize_shapes() -> None:
     ("/v1/chat/completions/render", {**CHAT, "return_token_offsets": True}, 400, "return_token_offsets"),
     ("/v1/chat/completions/render", {**CHAT, "model": "nope"}, 404, "model"),
     ("/v1/completions/render", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
-    ("/v1/completions/render", {"prompt": "Hi", "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
+    ("/v1/completions/render", {"prompt": "Hi", "structured_outputs": {"regex": "(a"}}, 400,
+     "structured_outputs.regex"),
 ])
 def test_bad_tokenizer_and_render_requests(path, body, status, param) -> None:
     http, _ = make_app(enable_scale_out=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +34,8 @@ from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.tp_group import SOLO
 from bus.messages import PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
+from engine.structured_outputs import StructuredOutputsConfig
+from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
 from workers.sampler import LOGPROBS_MODES, RowState, sample, topk
 
@@ -51,7 +54,8 @@ class SeqState:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0,
-                 logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False):
+                 logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False,
+                 tokenizer_path: Path | None = None, structured_outputs: StructuredOutputsConfig | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
@@ -62,6 +66,7 @@ class ModelRunner:
         self.weight_version = 0
         self.logprobs_mode = logprobs_mode
         self.vocab_size = int(model.cfg.vocab_size)
+        self.grammar = GrammarEngine(tokenizer_path, self.vocab_size, structured_outputs)  # workers/grammar.py
         self.route_dtype: torch.dtype | None = None  # routed-experts capture: None = off
         if return_routed_experts and model.num_moe_layers and rank == 0:  # the scheduler reads rank 0's result
             wire = wire_dtype(model.num_experts)
@@ -75,13 +80,15 @@ class ModelRunner:
         # Forget first: a finished id may come back at once as a new request with the same id.
         for sid in plan.finished:
             self.seqs.pop(sid, None)
+            self.grammar.forget(sid)
         for ns in plan.new_seqs:
             params = ns.sampling
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
             toks = list(ns.prompt_token_ids)
-            self.seqs[ns.seq_id] = SeqState(toks, RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen),
-                                            len(toks), prompt_lp_parts=[] if params.prompt_logprobs is not None
-                                            else None)
+            row = RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen,
+                           self.grammar.on_new_seq(ns.seq_id, params, ns.eos_token_ids))
+            self.seqs[ns.seq_id] = SeqState(toks, row, len(toks),
+                                            prompt_lp_parts=[] if params.prompt_logprobs is not None else None)
         if not plan.seq_ids:
             return self._result(plan, [], None, t0)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
@@ -100,8 +107,9 @@ class ModelRunner:
                 # on every platform; on accelerators this costs one [S, V] copy per step.
                 logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)])
                 if logits is not None:  # None: a tp rank above 0, which gets rank 0's tokens instead
-                    out = sample(logits.float().cpu(), [self.seqs[s].row for s in sample_ids], self.generator,
-                                 self.logprobs_mode)
+                    rows = [self.seqs[s].row for s in sample_ids]
+                    masks = self.grammar.step_masks(rows)
+                    out = sample(logits.float().cpu(), rows, self.generator, self.logprobs_mode, masks)
         toks = out.token_ids.tolist() if out is not None else []
         if self.tp.size > 1 and sample_ids:  # rank 0's draws, on every rank (one broadcast)
             shared = out.token_ids if out is not None else torch.empty(len(sample_ids), dtype=torch.int64)
@@ -110,6 +118,8 @@ class ModelRunner:
             st = self.seqs[sid]
             st.tokens.append(tok)
             st.row.output_token_ids.append(tok)
+        if toks:  # every rank's matchers follow the tokens (rank 0's masks decided them)
+            self.grammar.advance(sample_ids, [self.seqs[s].row for s in sample_ids], toks)
         if self.tp.rank:  # a tp rank above 0: rank 0 reports; an empty result acks the step
             for sid in sample_ids:
                 self.seqs[sid].prompt_lp_parts = None
@@ -119,6 +129,7 @@ class ModelRunner:
         routed_rows = self._routed_rows(routed_ids, *routes) if routes is not None else (None, None)
         result = self._result(plan, sample_ids, out, t0)  # step_time_s counts the capture too
         result.prompt_logprobs = prompt_lps
+        result.seq_errors = self.grammar.take_errors()
         result.routed_experts, result.routed_spans = routed_rows
         return result
 

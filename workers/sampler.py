@@ -18,6 +18,10 @@ What is reported (`--logprobs-mode`, vLLM's meaning; docs/logprobs.md is the con
 are the penalised logits before the ban and the filters, so processed_logprob = log_softmax(z / T) -
 log(mass) exactly. Rows whose distribution nothing changes (temperature 1, no penalty, filter or ban)
 have processed == raw and mass 1 without computing anything.
+
+Structured outputs (workers/grammar.py): a constrained row's grammar mask (-inf outside the tokens the
+grammar allows) is applied with the min_tokens ban, so raw values ignore it while processed values and
+the kept mass include it; such a row is never "plain". With no mask in the batch nothing of this runs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+from workers.grammar import SeqGrammar, StepMasks, apply_masks
 
 TOPK_CHUNK = 256  # vocabulary slice of the two-stage top-k
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
@@ -42,6 +47,7 @@ class RowState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    grammar: SeqGrammar | None = None  # structured outputs: this sequence's matcher (workers/grammar.py)
 
 
 @dataclass(slots=True)
@@ -55,11 +61,11 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.Generator,
-           logprobs_mode: str = "raw_logprobs") -> SampleOutput:
-    """logits [S, V] fp32 (not modified)."""
+           logprobs_mode: str = "raw_logprobs", masks: StepMasks | None = None) -> SampleOutput:
+    """logits [S, V] fp32 (not modified); masks: the grammar bitmask of the constrained rows, if any."""
     n, vocab = logits.shape
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    z = logits.clone() if _needs_edit(rows) else logits
+    z = logits.clone() if masks is not None or _needs_edit(rows) else logits
     _apply_penalties(z, rows)
     processed_mode = logprobs_mode.startswith("processed")
     want_lp = [r.params.logprobs is not None for r in rows]
@@ -68,6 +74,9 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     greedy = [t == 0.0 for t in temps]
     trace = [_trace_token(r) for r in rows]
     plain = [_plain(r) for r in rows]
+    if masks is not None:
+        for i in masks.rows:
+            plain[i] = False
     # Rows whose processed distribution must be built: drawn ones that something changes, and any row
     # whose processed values or kept mass were asked for.
     proc = [i for i in range(n) if not plain[i] and (
@@ -76,12 +85,18 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     if proc and any(want_mass[i] for i in proc):
         t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
         lse_full = torch.logsumexp(z[proc] / t, dim=-1)  # before the ban and the filters
-    _mask_until_min_tokens(z, rows)
+    if masks is None:
+        _mask_until_min_tokens(z, rows)
+    else:
+        _apply_grammar_and_ban(z, masks, rows)
 
     processed = None  # [len(proc), V] processed logits
     if proc:
-        t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
-        scaled = z[proc] / t
+        if z is not logits and len(proc) == n and all(temps[i] in (0.0, 1.0) for i in proc):
+            scaled = z  # a private copy already (masked or edited): no [S, V] copy and divide by 1
+        else:
+            t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
+            scaled = z[proc] / t
         drawn = [i for i, row in enumerate(proc) if not greedy[row]]
         if drawn:  # greedy rows are not filtered (vLLM resets their top_k/top_p/min_p)
             scaled[drawn] = _filter(scaled[drawn], [rows[proc[i]] for i in drawn])
@@ -98,8 +113,11 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
             probs = raw_logprobs[draw].exp()  # the common RL case: plain sampling at temperature 1
         else:
             probs = torch.empty(len(draw), vocab, dtype=logits.dtype)
-            for k, i in enumerate(draw):
-                probs[k] = raw_logprobs[i].exp() if plain[i] else torch.softmax(processed[pos[i]], dim=-1)
+            ks = [k for k, i in enumerate(draw) if plain[i]]
+            if ks:
+                probs[ks] = raw_logprobs[[draw[k] for k in ks]].exp()
+            ks = [k for k, i in enumerate(draw) if not plain[i]]  # one batched softmax (many masked rows)
+            probs[ks] = torch.softmax(processed[[pos[draw[k]] for k in ks]], dim=-1)
         token_ids[draw] = _draw(probs, [rows[i] for i in draw], default_generator)
     for i, tok in enumerate(trace):
         if tok is not None:
@@ -211,6 +229,18 @@ def _mask_until_min_tokens(logits: torch.Tensor, rows: list[RowState]) -> None:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
             if banned:
                 logits[i, banned] = float("-inf")
+
+
+def _apply_grammar_and_ban(z: torch.Tensor, masks: StepMasks, rows: list[RowState]) -> None:
+    """The grammar mask, then the min_tokens ban; where both together leave nothing (the grammar can only
+    end while EOS is still banned) the grammar wins, so the row always has a token to draw."""
+    apply_masks(z, masks)
+    banned = [i for i in masks.rows if len(rows[i].output_token_ids) < rows[i].params.min_tokens]
+    kept = z[banned].clone() if banned else None
+    _mask_until_min_tokens(z, rows)
+    for k, i in enumerate(banned):
+        if bool(torch.isneginf(z[i]).all()):
+            z[i] = kept[k]
 
 
 def _filter(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:

@@ -76,7 +76,9 @@ from bus.sockets import make_socket, recv, report_ready, send
 from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
+from engine.model_store import resolve_model
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
+from engine.structured_outputs import parse_structured_outputs_config
 from engine.topology import Topology, layout
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
@@ -153,7 +155,11 @@ class WorkerActor:
         kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
         self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed,
                                   logprobs_mode=cfg.logprobs_mode,
-                                  return_routed_experts=cfg.enable_return_routed_experts)
+                                  return_routed_experts=cfg.enable_return_routed_experts,
+                                  tokenizer_path=None if cfg.tokens_only else
+                                  resolve_model(cfg.model, progress=False) / "tokenizer.json",
+                                  structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config))
+        self.runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before we join the bus
         self.sleep = SleepManager(model, kv, platform)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
@@ -170,6 +176,7 @@ class WorkerActor:
         self.plans.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
         self.results = make_socket(ctx, zmq.PUSH, connect=ep.results)
         w = self.weights
+        self.runner.grammar.wait_ready()
         self.link = MemberLink(ctx, ep, role="worker", name=self.name, info=self.info, handlers={
             Health: lambda c: {"ok": True},
             Shutdown: self._shutdown,

@@ -313,6 +313,10 @@ class SchedulerActor:
         self.counters["step_compute_total"] += main.step_time_s
         if main.routed_experts is not None:
             self._file_routed(step, main)
+        for sid, error in main.seq_errors:  # one request failed alone (structured outputs): the rest go on
+            seq = self.sched.seqs.get(sid)
+            if seq is not None:
+                self._fail_seqs([seq], error)
         sampled = dict(zip(main.seq_ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
         updates = self.sched.update(step, sampled)  # the stop rules: before the next schedule
         self.counters["generation_tokens"] += len(updates)

@@ -4,9 +4,11 @@ vocabulary in one request would fail the whole batch it rides in).
 
 The gateway already refuses all of this with a 400; these checks are for whatever else speaks the bus (a
 trainer, a script, a bug). The rules are the gateway's own: `SamplingParams.validate` and its trace and
-routed-experts checks, `validate_prompt_ids`, and the context-length rule, with the engine's real limits
-(the vocabulary and max_model_len the workers reported). A refused request is answered with an `ErrorInfo`
-(status 400, `param` the AddRequest field: `prompt_token_ids`, `eos_token_ids` or `sampling.<name>`).
+routed-experts checks, `validate_prompt_ids`, that a structured-output constraint compiles
+(engine.structured_outputs, without the tokenizer, which the scheduler does not load), and the
+context-length rule, with the engine's real limits (the vocabulary and max_model_len the workers
+reported). A refused request is answered with an `ErrorInfo` (status 400, `param` the AddRequest
+field: `prompt_token_ids`, `eos_token_ids` or `sampling.<name>`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from bus.messages import AddRequest, ErrorInfo
 from engine.sampling_params import ParamError, validate_prompt_ids
+from engine.structured_outputs import check_compiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,8 @@ def admission_error(req: AddRequest, limits: EngineLimits) -> ErrorInfo | None:
             sp.validate(vocab_size=limits.vocab_size, max_logprobs=limits.max_logprobs)
             sp.validate_routed_experts(n)
             sp.validate_trace(vocab_size=limits.vocab_size, enabled=limits.enable_trace_replay)
+            if sp.structured_outputs is not None:  # the shape was checked by validate; now that it compiles
+                check_compiles(sp.structured_outputs)
             if sp.max_tokens is not None and n + sp.max_tokens > limits.max_model_len:
                 raise ParamError("max_tokens", f"max_tokens {sp.max_tokens} with a prompt of {n} tokens exceeds "
                                                f"max_model_len {limits.max_model_len}")

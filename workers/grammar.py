@@ -1,0 +1,233 @@
+"""The grammar engine of the workers: one llguidance matcher per constrained sequence, kept next to its
+sampling state, and the batch's token bitmask per step.
+
+- The llguidance tokenizer is built once, while the worker loads the model (build_in_background).
+- Compiled grammars are cached by their text (engine.structured_outputs.grammar_text): the first sequence
+  with a constraint compiles it (llguidance drops the GIL while it builds), later ones start from a copy
+  of the cached matcher, which is microseconds.
+- Per step, for the sampled rows that carry a matcher (and only then: a batch without constraints does no
+  mask work at all), one int32 bitmask [rows, ceil(V / 32)] is filled (llguidance, tens of microseconds per row)
+  and applied to those rows' logits by the sampler (workers/sampler.py) before the draw.
+- Each sampled or forced (trace-replay) token advances the matcher once: the runner samples a sequence
+  only at its last known token, so a recompute after preemption or a prefix-cache hit, which re-runs
+  positions whose tokens are known, never advances it again.
+- End of the grammar: once the grammar can only stop, the mask allows only EOS (any of the request's EOS
+  ids), so the request finishes on EOS with finish_reason "stop", as in vLLM. After EOS the matcher is
+  terminated and masks nothing (vLLM's is_terminated).
+- A token the grammar rejects (a trace-replay token outside the grammar) is reported for that sequence
+  only (`GrammarRejected`, a 400 naming trace_decode_token_ids); the step and the other sequences go on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from bus.messages import ErrorInfo
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import StructuredOutputsConfig, grammar_text
+
+if TYPE_CHECKING:
+    from workers.sampler import RowState
+
+COMPILED_CACHE = 256  # compiled matchers kept (one per distinct constraint)
+
+
+class GrammarError(Exception):
+    """A constraint the worker cannot enforce (no tokenizer, or it does not compile here)."""
+
+
+@dataclass(slots=True)
+class SeqGrammar:
+    """One sequence's matcher and where it stands."""
+
+    matcher: object  # llguidance.LLMatcher
+    eos_ids: frozenset[int]
+    terminated: bool = False  # EOS was taken: nothing is masked any more (vLLM)
+    rejected: str | None = None  # why a token was refused, once
+
+    def accept(self, token: int, eos_token: int) -> bool:
+        """Advance by one token; False (and `rejected` set) when the grammar refuses it."""
+        if self.terminated:
+            return True
+        m = self.matcher
+        if token in self.eos_ids or (not self.eos_ids and token == eos_token):
+            self.terminated = True
+            if m.is_stopped():  # type: ignore[attr-defined]
+                return True
+            token = eos_token  # any of the request's EOS ids counts as the grammar's EOS
+        if m.consume_token(token):  # type: ignore[attr-defined]
+            return True
+        self.rejected = m.get_error() or f"token {token} is not allowed by the grammar"  # type: ignore[attr-defined]
+        self.terminated = True
+        return False
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """The bitmask of one step: row k of `bitmask` belongs to row `rows[k]` of the sampled batch."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # int32 [len(rows), ceil(V / 32)]
+
+
+class GrammarEngine:
+    """The worker's llguidance tokenizer (built on first use, about a second for a 150k vocabulary),
+    compiled-grammar cache and executor."""
+
+    def __init__(self, tokenizer_path: Path | None, vocab_size: int, config: StructuredOutputsConfig | None = None):
+        self.config = config or StructuredOutputsConfig()  # --structured-outputs-config
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._tok = None
+        self._tok_error: str | None = None
+        self._builder: threading.Thread | None = None
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self.live: set[str] = set()  # sequences with a matcher: empty means no mask work at all
+        self._errors: list[tuple[str, ErrorInfo]] = []
+
+    # --- what the model runner calls --------------------------------------------------------------
+
+    def on_new_seq(self, seq_id: str, params: SamplingParams, eos_ids: list[int]) -> SeqGrammar | None:
+        """The matcher of a new sequence, or None (no constraint, or it cannot be enforced: then the
+        sequence's error is reported with the step's result and the scheduler fails it)."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            g = self.start(params.structured_outputs, eos_ids)
+        except GrammarError as e:
+            self._errors.append((seq_id, ErrorInfo("GrammarError", str(e), status=400, param="structured_outputs")))
+            return None
+        self.live.add(seq_id)
+        return g
+
+    def forget(self, seq_id: str) -> None:
+        self.live.discard(seq_id)
+
+    def step_masks(self, rows: list[RowState]) -> StepMasks | None:
+        """The bitmask of the step's sampled rows (None, at no cost, when no live sequence is constrained)."""
+        if not self.live:
+            return None
+        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+        return self.fill(idx, [rows[i].grammar for i in idx]) if idx else None
+
+    def advance(self, seq_ids: list[str], rows: list[RowState], tokens: list[int]) -> None:
+        """Each sampled (or forced) token advances its sequence's matcher once."""
+        if not self.live:
+            return
+        eos = self.eos_token
+        for sid, r, tok in zip(seq_ids, rows, tokens):
+            g = r.grammar
+            if g is not None and not g.accept(tok, eos):
+                self._errors.append((sid, ErrorInfo(
+                    "GrammarRejected", f"token {tok} is not allowed by the request's structured output "
+                                       f"constraint: {g.rejected}", status=400, param="trace_decode_token_ids")))
+
+    def take_errors(self) -> list[tuple[str, ErrorInfo]]:
+        errors, self._errors = self._errors, []
+        return errors
+
+    def build_in_background(self) -> None:
+        """Start building the llguidance tokenizer (1-3 s for a 150k vocabulary, holding the GIL), so the
+        worker does it while it loads the model, never inside a step; `wait_ready` joins it. The worker calls
+        both before it joins the bus (a thread holding the GIL for seconds would starve its heartbeats)."""
+        if self.tokenizer_path is None or not self.tokenizer_path.is_file() or self._builder is not None:
+            return
+        self._builder = threading.Thread(target=self._build, name="grammar-tokenizer", daemon=True)
+        self._builder.start()
+
+    def wait_ready(self) -> None:
+        if self._builder is not None:
+            self._builder.join()
+
+    def _build(self) -> None:
+        import llguidance
+
+        try:
+            tok = llguidance.LLTokenizer(self.tokenizer_path.read_text(encoding="utf-8"), n_vocab=self.vocab_size)
+            # the first mask with a tokenizer builds llguidance's token tables (seconds for a 150k vocabulary):
+            # done here, once, so no step pays for it
+            warm = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}),
+                                        log_level=0)
+            warm.consume_tokens(tok.tokenize_str('{"a": "b'))
+            warm.compute_bitmask()
+            self._tok = tok
+        except Exception as e:  # noqa: BLE001 - an unusual tokenizer: constrained requests fail, nothing else
+            self._tok_error = f"the grammar engine cannot read this model's tokenizer: {e}"
+
+    def _tokenizer(self):
+        if self._tok is None:
+            self.wait_ready()
+            if self._tok is None and self._tok_error is None:
+                self._build()  # not started in the background (a runner built directly, as in tests)
+        if self._tok is None:
+            raise GrammarError(self._tok_error or "structured outputs need the model's tokenizer.json, which this "
+                                                  f"worker does not have ({self.tokenizer_path})")
+        return self._tok
+
+    def start(self, so: StructuredOutputsParams, eos_ids: list[int]) -> SeqGrammar:
+        """A fresh matcher for a new sequence (raises GrammarError)."""
+        import llguidance
+
+        tok = self._tokenizer()
+        try:
+            text = grammar_text(self.config.apply(so))
+        except ValueError as e:  # ParamError: the gateway refuses these; a bus peer may not have
+            raise GrammarError(str(e)) from None
+        base = self._compiled.get(text)
+        if base is None:
+            base = llguidance.LLMatcher(tok, text, log_level=0)
+            if base.is_error():
+                raise GrammarError(f"the grammar does not compile: {base.get_error()}")
+            self._compiled[text] = base
+            if len(self._compiled) > COMPILED_CACHE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(text)
+        return SeqGrammar(base.deep_copy(), frozenset(eos_ids))
+
+    @property
+    def eos_token(self) -> int:
+        return int(self._tok.eos_token) if self._tok is not None else -1
+
+    def fill(self, rows: list[int], grammars: list[SeqGrammar]) -> StepMasks | None:
+        """The bitmask of the sampled rows whose matcher still constrains (None when there are none)."""
+        live = [(i, g) for i, g in zip(rows, grammars) if not g.terminated]
+        if not live:
+            return None
+        bitmask = torch.empty(len(live), self.words, dtype=torch.int32)
+        # llguidance writes each row's words in place (llguidance.torch is not imported: it runs torch.compile
+        # at import, seconds). One thread: on a busy host the executor's pool costs more than it saves.
+        ptr, row_bytes = bitmask.data_ptr(), self.words * 4
+        for k, (_, g) in enumerate(live):
+            g.matcher.unsafe_compute_mask_ptr(ptr + k * row_bytes, row_bytes)  # type: ignore[attr-defined]
+        eos = self.eos_token
+        words = bitmask.numpy().view(np.uint32)
+        for k, (_, g) in enumerate(live):  # the grammar's EOS bit stands for the request's EOS ids
+            w = words[k]
+            if g.eos_ids and 0 <= eos < self.vocab_size and (int(w[eos >> 5]) >> (eos & 31)) & 1:
+                w[eos >> 5] &= np.uint32(~(1 << (eos & 31)) & 0xFFFFFFFF)
+                for t in g.eos_ids:
+                    if 0 <= t < self.vocab_size:
+                        w[t >> 5] |= np.uint32(1 << (t & 31))
+        return StepMasks([i for i, _ in live], bitmask)
+
+
+def apply_masks(z: torch.Tensor, masks: StepMasks) -> None:
+    """-inf on the logits [S, V] of each masked row where its bitmask has a 0 bit, in place: the words are
+    inverted (tiny), unpacked to one byte per token and viewed as bool, so each row is one masked_fill."""
+    v = z.shape[1]
+    banned = np.unpackbits((~masks.bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :v]
+    ban = torch.from_numpy(banned.view(np.bool_))
+    if len(masks.rows) == z.shape[0]:
+        z.masked_fill_(ban, float("-inf"))
+        return
+    for k, i in enumerate(masks.rows):
+        z[i].masked_fill_(ban[k], float("-inf"))
