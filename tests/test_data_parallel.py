@@ -310,15 +310,18 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server, tr
 
 
 @pytest.mark.skipif(shutil.which("honcho") is None, reason="honcho must be installed (pip install -e '.[test]')")
-def test_honcho_runs_the_two_engine_procfile(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("procfile, entries", [
+    ("Procfile.dp2", {"scheduler1": "scheduler-1", "worker1": "worker-1"}),
+    ("Procfile.tp2dp2", {"scheduler1": "scheduler-1", "worker1": "worker-1", "worker3": "worker-3"})])
+def test_honcho_runs_the_two_engine_procfiles(tmp_path, smollm2_dir, procfile, entries):
     from tests.test_launch import ROOT, wait_healthy
 
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
     port = free_port()
     env = dict(os.environ, ROLLBUS_ARGS=f"{folder} --port {port} --bus-dir {tmp_path / 'bus'} --max-model-len 256 "
-                                        "--kv-cache-memory-bytes 67108864",
+                                        f"--kv-cache-memory-bytes 67108864 --master-port {free_port()}",
                PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
-    proc = subprocess.Popen(["honcho", "-f", "Procfile.dp2", "start"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["honcho", "-f", procfile, "start"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -329,7 +332,7 @@ def test_honcho_runs_the_two_engine_procfile(tmp_path, smollm2_dir):
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         out = proc.communicate(timeout=30)[0].decode(errors="replace")
-    for entry, member in (("scheduler1", "scheduler-1"), ("worker1", "worker-1")):
+    for entry, member in entries.items():
         assert re.search(rf"^\S+ {entry}\.1\s+\| .*\bproc={member}\b", out, re.M), (entry, out[-3000:])
 
 
