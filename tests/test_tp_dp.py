@@ -11,6 +11,7 @@ stopped before it (the machine has 2 cores).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -39,9 +40,9 @@ from workers.models.checkpoint import iter_safetensors, load_hf_config
 from workers.models.registry import shard_checksums
 
 pytestmark = pytest.mark.timeout(600)
-ENGINE_1 = ["scheduler-1", "worker-2", "worker-3"]
 WORKERS = ["worker-0", "worker-1", "worker-2", "worker-3"]
 UPDATE_SEED = 3
+PEERS = [("worker-0", "worker-2"), ("worker-1", "worker-3")]  # same tp rank in engines 0 and 1: same shard
 
 
 def both_engines(tensors, folder) -> dict[str, str]:
@@ -158,20 +159,28 @@ def test_a_collective_update_reaches_every_shard_of_both_engines_bitwise(server,
     assert httpx.get(server.url + "/weight_info", timeout=10).json()["weight_version"] == "u2"
 
 
-def test_a_killed_tp_worker_fails_only_its_engine_whose_tp_group_then_forms_again(server, moe_folder):  # noqa: F811
-    """SIGKILL worker-3 (tp rank 1 of engine 1) under streams on both engines: engine 1's streams fail naming
-    it, engine 0's finish; within 5 s engine 1 is refused and requests without the header all land on
-    engine 0; engine 1's other worker leaves its broken group, the launcher restarts both, they form a new
-    group, take the version in service from their peers of engine 0 (same tp rank, same shard), and the
-    router uses engine 1 again."""
+def peer_copies(server) -> list[int]:
+    """How many times worker-2 and worker-3 have taken their shard from engine 0's worker of their tp rank."""
+    log = server.log()
+    return [len(re.findall(rf"worker\.weights_from_peer\s+donor={d} proc={w}\b", log)) for d, w in PEERS]
+
+
+@pytest.mark.parametrize("victim", ["worker-3", "worker-2"])
+def test_a_killed_tp_worker_fails_only_its_engine_whose_tp_group_then_forms_again(server, moe_folder, victim):  # noqa: F811
+    """SIGKILL a worker of engine 1 (tp rank 1, then tp rank 0: the one that reports the tokens) under streams
+    on both engines: engine 1's streams fail naming it, engine 0's finish; within 5 s engine 1 is refused
+    and requests without the header all land on engine 0; engine 1's other worker leaves its broken group,
+    the launcher restarts both, they form a new group, take the version in service from their peers of
+    engine 0 (same tp rank, same shard), and the router uses engine 1 again."""
     url = server.url
     if httpx.get(url + "/weight_info", timeout=10).json()["weight_version"] != "u2":  # run alone
         with WeightSyncClient(url, backend="nccl", packed=True, packed_buffer_size_bytes=256 << 10) as c:
             c.send_weights(perturbed(moe_folder, UPDATE_SEED + 1), version="u2", pause="keep")
     old = server.child_pids()
+    copies = peer_copies(server)
     streams = Streams(url, 4, max_tokens=100, headers=[rank_header(e) for e in (0, 1, 0, 1)])
     streams.wait_running()
-    os.kill(old["worker-3"], signal.SIGKILL)
+    os.kill(old[victim], signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: refused(url, 1), 5, "engine 1 refused (503) within 5 s")
     before = engine_series(server, "vllm:request_success_total")
@@ -180,16 +189,15 @@ def test_a_killed_tp_worker_fails_only_its_engine_whose_tp_group_then_forms_agai
     assert after["0"] - before["0"] >= 4 and after["1"] == before["1"], (before, after)
     streams.join(90)
     for i in (1, 3):
-        assert '"error"' in streams.lines[i][-2] and "worker-3" in streams.lines[i][-2], streams.lines[i][-2:]
+        assert '"error"' in streams.lines[i][-2] and victim in streams.lines[i][-2], streams.lines[i][-2:]
     for i in (0, 2):
         assert streams.lines[i][-1] == "data: [DONE]" and '"error"' not in streams.lines[i][-2], streams.lines[i][-2:]
     wait_for(lambda: completion(url, 1).status_code == 200, 90, "engine 1 back after the restart", interval_s=0.2)
-    print(f"\n-tp 2 -dp 2, SIGKILL worker-3: engine 1 back after {time.monotonic() - killed:.1f}s")
+    print(f"\n-tp 2 -dp 2, SIGKILL {victim}: engine 1 back after {time.monotonic() - killed:.1f}s")
     new = server.child_pids()
     assert all(new[n] != old[n] for n in ("worker-2", "worker-3")), "engine 1's tp group did not form again"
     assert all(new[n] == old[n] for n in ("scheduler-0", "worker-0", "worker-1", "scheduler-1"))
-    log = server.log()
-    assert "donor=worker-0 proc=worker-2" in log and "donor=worker-1 proc=worker-3" in log
+    assert peer_copies(server) == [n + 1 for n in copies]
     assert compare(url, both_engines(perturbed(moe_folder, UPDATE_SEED + 1), moe_folder)) == {
         "match": True, "mismatches": []}
     # engine 0 would hit its prefix cache (a cached prefill differs from a whole one in the last bits) where
