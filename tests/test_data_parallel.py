@@ -336,14 +336,16 @@ def test_honcho_runs_the_two_engine_procfiles(tmp_path, smollm2_dir, procfile, e
         assert re.search(rf"^\S+ {entry}\.1\s+\| .*\bproc={member}\b", out, re.M), (entry, out[-3000:])
 
 
-def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir, tp):
     """docs/serving.md "Several hosts": "host A" (127.0.0.1) runs the coordinator, the gateway and engine 0,
     "host B" (127.0.0.2) runs engine 1 with the same flags plus its start rank; engine 1's scheduler binds
-    on 127.0.0.2 and the gateway reaches it there."""
+    on 127.0.0.2 and the gateway reaches it there. With -tp 2 each host's engine forms its own tp group."""
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
     base = free_port()
-    flags = [str(folder), "-dp", "2", "--data-parallel-size-local", "1", "--bus-transport", "tcp",
-             "--bus-host", "127.0.0.1", "--bus-engine-hosts", "127.0.0.1,127.0.0.2", "--bus-insecure",
+    flags = [str(folder), "-dp", "2", "-tp", str(tp), "--master-port", str(free_port()),
+             "--data-parallel-size-local", "1", "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
+             "--bus-engine-hosts", "127.0.0.1,127.0.0.2", "--bus-insecure",
              "--bus-port-base", str(base), "--max-model-len", "256", "--kv-cache-memory-bytes", "67108864"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -355,7 +357,7 @@ def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir):
         assert r.status_code == 503 and "not joined yet" in r.text, r.text
         b = start_server(tmp_path / "b", *flags, "--data-parallel-start-rank", "1")
         try:
-            assert set(b.child_pids()) == {"scheduler-1", "worker-1"}
+            assert set(b.child_pids()) == {"scheduler-1", *(f"worker-{tp + t}" for t in range(tp))}
             assert "engines 1..1 of --data-parallel-size 2" in b.log()
             wait_for(lambda: completion(a.url, 1).status_code == 200, 30, "engine 1 (host B) serving")
             assert completion(a.url, 0).status_code == 200
