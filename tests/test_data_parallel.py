@@ -281,9 +281,23 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server, tr
 
         with WeightSyncClient(url, backend="ipc") as client:  # a committed update: the restart needs a peer
             client.send_weights(trainer.named_parameters(), version="dp-1", pause="keep")
-    streams = Streams(url, 4, max_tokens=200, headers=[rank_header(e) for e in (0, 1, 0, 1)])
+    killed, detected = kill_in_engine_1(server, "worker-1", max_tokens=200)
+    wait_for(lambda: completion(url, 1).status_code == 200, 60, "engine 1 back after the restart", interval_s=0.2)
+    print(f"\n-dp 2, SIGKILL worker-1: engine 1 refused after {detected:.2f}s, "
+          f"back after {time.monotonic() - killed:.1f}s")
+    assert "worker.weights_from_peer" in server.log()
+    assert greedy(url, 1) == greedy(url, 0)  # the version in service, from engine 0's worker
+    assert_router_uses_engine_1(server)
+
+
+def kill_in_engine_1(server, victim: str, max_tokens: int) -> tuple[float, float]:
+    """SIGKILL `victim` (a process of engine 1) under streams on engines 0, 1, 0, 1: within 5 s engine 1 is
+    refused, requests without the header all land on engine 0, engine 1's streams end in an error naming the
+    victim and engine 0's run to the end. (When it was killed, seconds until engine 1 was refused.)"""
+    url = server.url
+    streams = Streams(url, 4, max_tokens=max_tokens, headers=[rank_header(e) for e in (0, 1, 0, 1)])
     streams.wait_running()
-    os.kill(server.child_pids()["worker-1"], signal.SIGKILL)
+    os.kill(server.child_pids()[victim], signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: refused(url, 1), 5, "engine 1 refused (503) within 5 s")
     detected = time.monotonic() - killed
@@ -294,17 +308,15 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server, tr
     assert after["0"] - before["0"] >= 6 and after["1"] == before["1"], (before, after)
     streams.join(90)  # engine 0's streams run to the end (slow on a loaded machine)
     for i in (1, 3):
-        assert '"error"' in streams.lines[i][-2] and "worker-1" in streams.lines[i][-2], streams.lines[i][-2:]
+        assert '"error"' in streams.lines[i][-2] and victim in streams.lines[i][-2], streams.lines[i][-2:]
     for i in (0, 2):
         assert streams.lines[i][-1] == "data: [DONE]" and '"error"' not in streams.lines[i][-2], streams.lines[i][-2:]
-    wait_for(lambda: completion(url, 1).status_code == 200, 60, "engine 1 back after the restart", interval_s=0.2)
-    print(f"\n-dp 2, SIGKILL worker-1: engine 1 refused after {detected:.2f}s, "
-          f"back after {time.monotonic() - killed:.1f}s")
-    assert "worker.weights_from_peer" in server.log()
-    assert greedy(url, 1) == greedy(url, 0)  # the version in service, from engine 0's worker
+    return killed, detected
+
+
+def assert_router_uses_engine_1(server) -> None:
     before = engine_series(server, "vllm:request_success_total")
-    streams = Streams(url, 4, max_tokens=16)
-    streams.join(60)
+    Streams(server.url, 4, max_tokens=16).join(60)
     after = engine_series(server, "vllm:request_success_total")
     assert after["1"] > before["1"], "the router did not take engine 1 back"
 

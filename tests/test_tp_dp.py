@@ -10,9 +10,7 @@ stopped before it (the machine has 2 cores).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import time
 
 import httpx
@@ -23,8 +21,8 @@ from bus.messages import Pause, Resume
 from engine.config import parse_config
 from engine.trainer.client import WeightSyncClient
 from tests.bus_helpers import ControlClient
-from tests.test_data_parallel import engine_series, refused
-from tests.test_recovery import Streams, completion, rank_header
+from tests.test_data_parallel import assert_router_uses_engine_1, kill_in_engine_1
+from tests.test_recovery import completion, rank_header
 from tests.test_tensor_parallel import (
     PROMPTS,
     assert_same_generation,
@@ -189,20 +187,7 @@ def test_a_killed_tp_worker_fails_only_its_engine_whose_tp_group_then_forms_agai
             c.send_weights(perturbed(moe_folder, UPDATE_SEED + 1), version="u2", pause="keep")
     old = server.child_pids()
     copies = peer_copies(server)
-    streams = Streams(url, 4, max_tokens=100, headers=[rank_header(e) for e in (0, 1, 0, 1)])
-    streams.wait_running()
-    os.kill(old[victim], signal.SIGKILL)
-    killed = time.monotonic()
-    wait_for(lambda: refused(url, 1), 5, "engine 1 refused (503) within 5 s")
-    before = engine_series(server, "vllm:request_success_total")
-    assert all(completion(url).status_code == 200 for _ in range(4))  # balanced requests avoid engine 1
-    after = engine_series(server, "vllm:request_success_total")
-    assert after["0"] - before["0"] >= 4 and after["1"] == before["1"], (before, after)
-    streams.join(90)
-    for i in (1, 3):
-        assert '"error"' in streams.lines[i][-2] and victim in streams.lines[i][-2], streams.lines[i][-2:]
-    for i in (0, 2):
-        assert streams.lines[i][-1] == "data: [DONE]" and '"error"' not in streams.lines[i][-2], streams.lines[i][-2:]
+    killed, _ = kill_in_engine_1(server, victim, max_tokens=100)
     wait_for(lambda: completion(url, 1).status_code == 200, 90, "engine 1 back after the restart", interval_s=0.2)
     print(f"\n-tp 2 -dp 2, SIGKILL {victim}: engine 1 back after {time.monotonic() - killed:.1f}s")
     new = server.child_pids()
@@ -216,7 +201,4 @@ def test_a_killed_tp_worker_fails_only_its_engine_whose_tp_group_then_forms_agai
     assert httpx.post(url + "/reset_prefix_cache", timeout=30).status_code == 200
     zero, one = on_both_engines(url)
     assert_identical(zero, one)
-    before = engine_series(server, "vllm:request_success_total")
-    Streams(url, 4, max_tokens=8).join(60)
-    after = engine_series(server, "vllm:request_success_total")
-    assert after["1"] > before["1"], "the router did not take engine 1 back"
+    assert_router_uses_engine_1(server)
