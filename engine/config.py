@@ -773,6 +773,10 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                         f"{cfg.data_parallel_size} (0..{cfg.data_parallel_size - 1})")
     if not 0 < cfg.master_port < 65536:
         problems.append(f"--master-port must be a port number, got {cfg.master_port}")
+    elif cfg.tensor_parallel_size > 1 and cfg.master_port + cfg.data_parallel_size - 1 > 65535:
+        problems.append(f"--master-port {cfg.master_port} with --data-parallel-size {cfg.data_parallel_size}: engine "
+                        f"{cfg.data_parallel_size - 1}'s tp group would rendezvous on port "
+                        f"{cfg.master_port + cfg.data_parallel_size - 1} (--master-port + engine), beyond 65535")
     if cfg.distributed_timeout_seconds is not None and cfg.distributed_timeout_seconds <= 0:
         problems.append(f"--distributed-timeout-seconds must be positive, got {cfg.distributed_timeout_seconds}")
     if problems:

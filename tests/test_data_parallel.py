@@ -281,9 +281,23 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server, tr
 
         with WeightSyncClient(url, backend="ipc") as client:  # a committed update: the restart needs a peer
             client.send_weights(trainer.named_parameters(), version="dp-1", pause="keep")
-    streams = Streams(url, 4, max_tokens=200, headers=[rank_header(e) for e in (0, 1, 0, 1)])
+    killed, detected = kill_in_engine_1(server, "worker-1", max_tokens=200)
+    wait_for(lambda: completion(url, 1).status_code == 200, 60, "engine 1 back after the restart", interval_s=0.2)
+    print(f"\n-dp 2, SIGKILL worker-1: engine 1 refused after {detected:.2f}s, "
+          f"back after {time.monotonic() - killed:.1f}s")
+    assert "worker.weights_from_peer" in server.log()
+    assert greedy(url, 1) == greedy(url, 0)  # the version in service, from engine 0's worker
+    assert_router_uses_engine_1(server)
+
+
+def kill_in_engine_1(server, victim: str, max_tokens: int) -> tuple[float, float]:
+    """SIGKILL `victim` (a process of engine 1) under streams on engines 0, 1, 0, 1: within 5 s engine 1 is
+    refused, requests without the header all land on engine 0, engine 1's streams end in an error naming the
+    victim and engine 0's run to the end. (When it was killed, seconds until engine 1 was refused.)"""
+    url = server.url
+    streams = Streams(url, 4, max_tokens=max_tokens, headers=[rank_header(e) for e in (0, 1, 0, 1)])
     streams.wait_running()
-    os.kill(server.child_pids()["worker-1"], signal.SIGKILL)
+    os.kill(server.child_pids()[victim], signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: refused(url, 1), 5, "engine 1 refused (503) within 5 s")
     detected = time.monotonic() - killed
@@ -294,31 +308,32 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server, tr
     assert after["0"] - before["0"] >= 6 and after["1"] == before["1"], (before, after)
     streams.join(90)  # engine 0's streams run to the end (slow on a loaded machine)
     for i in (1, 3):
-        assert '"error"' in streams.lines[i][-2] and "worker-1" in streams.lines[i][-2], streams.lines[i][-2:]
+        assert '"error"' in streams.lines[i][-2] and victim in streams.lines[i][-2], streams.lines[i][-2:]
     for i in (0, 2):
         assert streams.lines[i][-1] == "data: [DONE]" and '"error"' not in streams.lines[i][-2], streams.lines[i][-2:]
-    wait_for(lambda: completion(url, 1).status_code == 200, 60, "engine 1 back after the restart", interval_s=0.2)
-    print(f"\n-dp 2, SIGKILL worker-1: engine 1 refused after {detected:.2f}s, "
-          f"back after {time.monotonic() - killed:.1f}s")
-    assert "worker.weights_from_peer" in server.log()
-    assert greedy(url, 1) == greedy(url, 0)  # the version in service, from engine 0's worker
+    return killed, detected
+
+
+def assert_router_uses_engine_1(server) -> None:
     before = engine_series(server, "vllm:request_success_total")
-    streams = Streams(url, 4, max_tokens=16)
-    streams.join(60)
+    Streams(server.url, 4, max_tokens=16).join(60)
     after = engine_series(server, "vllm:request_success_total")
     assert after["1"] > before["1"], "the router did not take engine 1 back"
 
 
 @pytest.mark.skipif(shutil.which("honcho") is None, reason="honcho must be installed (pip install -e '.[test]')")
-def test_honcho_runs_the_two_engine_procfile(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("procfile, entries", [
+    ("Procfile.dp2", {"scheduler1": "scheduler-1", "worker1": "worker-1"}),
+    ("Procfile.tp2dp2", {"scheduler1": "scheduler-1", "worker1": "worker-1", "worker3": "worker-3"})])
+def test_honcho_runs_the_two_engine_procfiles(tmp_path, smollm2_dir, procfile, entries):
     from tests.test_launch import ROOT, wait_healthy
 
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
     port = free_port()
     env = dict(os.environ, ROLLBUS_ARGS=f"{folder} --port {port} --bus-dir {tmp_path / 'bus'} --max-model-len 256 "
-                                        "--kv-cache-memory-bytes 67108864",
+                                        f"--kv-cache-memory-bytes 67108864 --master-port {free_port()}",
                PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
-    proc = subprocess.Popen(["honcho", "-f", "Procfile.dp2", "start"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["honcho", "-f", procfile, "start"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -329,18 +344,20 @@ def test_honcho_runs_the_two_engine_procfile(tmp_path, smollm2_dir):
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         out = proc.communicate(timeout=30)[0].decode(errors="replace")
-    for entry, member in (("scheduler1", "scheduler-1"), ("worker1", "worker-1")):
+    for entry, member in entries.items():
         assert re.search(rf"^\S+ {entry}\.1\s+\| .*\bproc={member}\b", out, re.M), (entry, out[-3000:])
 
 
-def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir, tp):
     """docs/serving.md "Several hosts": "host A" (127.0.0.1) runs the coordinator, the gateway and engine 0,
     "host B" (127.0.0.2) runs engine 1 with the same flags plus its start rank; engine 1's scheduler binds
-    on 127.0.0.2 and the gateway reaches it there."""
+    on 127.0.0.2 and the gateway reaches it there. With -tp 2 each host's engine forms its own tp group."""
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
     base = free_port()
-    flags = [str(folder), "-dp", "2", "--data-parallel-size-local", "1", "--bus-transport", "tcp",
-             "--bus-host", "127.0.0.1", "--bus-engine-hosts", "127.0.0.1,127.0.0.2", "--bus-insecure",
+    flags = [str(folder), "-dp", "2", "-tp", str(tp), "--master-port", str(free_port()),
+             "--data-parallel-size-local", "1", "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
+             "--bus-engine-hosts", "127.0.0.1,127.0.0.2", "--bus-insecure",
              "--bus-port-base", str(base), "--max-model-len", "256", "--kv-cache-memory-bytes", "67108864"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -352,7 +369,7 @@ def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir):
         assert r.status_code == 503 and "not joined yet" in r.text, r.text
         b = start_server(tmp_path / "b", *flags, "--data-parallel-start-rank", "1")
         try:
-            assert set(b.child_pids()) == {"scheduler-1", "worker-1"}
+            assert set(b.child_pids()) == {"scheduler-1", *(f"worker-{tp + t}" for t in range(tp))}
             assert "engines 1..1 of --data-parallel-size 2" in b.log()
             wait_for(lambda: completion(a.url, 1).status_code == 200, 30, "engine 1 (host B) serving")
             assert completion(a.url, 0).status_code == 200

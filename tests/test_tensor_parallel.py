@@ -49,9 +49,10 @@ def _free_port() -> int:
     return free_port()
 
 
-def generate(url: str, prompt: list[int], **sampling) -> dict:
+def generate(url: str, prompt: list[int], headers: dict[str, str] | None = None, **sampling) -> dict:
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3, **sampling}
-    r = httpx.post(url + "/inference/v1/generate", timeout=120, json={"token_ids": prompt, "sampling_params": params})
+    r = httpx.post(url + "/inference/v1/generate", timeout=120, headers=headers,
+                   json={"token_ids": prompt, "sampling_params": params})
     assert r.status_code == 200, r.text
     return r.json()
 
