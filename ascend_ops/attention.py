@@ -31,9 +31,6 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int64, context incl. the new token
     decode_max_ctx: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Per-step decode scratch, filled by the first layer and reused by the others (every layer has the same
-    # cache shape): the block index list, the context mask and the gathered K/V buffers.
-    decode_scratch: tuple | None = None
 
 
 def write_kv(
@@ -62,18 +59,13 @@ def paged_attention(
     if meta.num_decodes:
         n = meta.num_decodes
         nblk = (meta.decode_max_ctx + bs - 1) // bs
-        scratch = meta.decode_scratch
-        if scratch is None or scratch[2].shape[1:] != k_cache.shape[1:] or scratch[2].dtype != k_cache.dtype:
-            tables = meta.decode_block_tables[:, :nblk]  # type: ignore[index]
-            pos = torch.arange(nblk * bs, device=q.device)
-            mask = (pos[None, :] < meta.decode_ctx_lens[:, None]).view(n, 1, 1, -1)  # type: ignore[index]
-            buf = k_cache.new_empty((n * nblk, bs, hk, d))
-            scratch = meta.decode_scratch = (tables.reshape(-1), mask, buf, torch.empty_like(buf))
-        flat, mask, kbuf, vbuf = scratch
-        # index_select copies whole blocks (memcpy rows); 2-D advanced indexing is ~3x slower on CPU. Into
-        # the step's buffers: a fresh [n*blocks, ...] pair per layer costs page faults as much as the copy.
-        kc = torch.index_select(k_cache, 0, flat, out=kbuf).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n,Hk,L,D]
-        vc = torch.index_select(v_cache, 0, flat, out=vbuf).view(n, nblk * bs, hk, d).transpose(1, 2)
+        tables = meta.decode_block_tables[:, :nblk]  # type: ignore[index]
+        # index_select copies whole blocks (memcpy rows); 2-D advanced indexing is ~3x slower on CPU.
+        flat = tables.reshape(-1)
+        kc = k_cache.index_select(0, flat).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n, Hk, L, D]
+        vc = v_cache.index_select(0, flat).view(n, nblk * bs, hk, d).transpose(1, 2)
+        pos = torch.arange(nblk * bs, device=q.device)
+        mask = (pos[None, :] < meta.decode_ctx_lens[:, None]).view(n, 1, 1, -1)  # type: ignore[index]
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:n] = o.squeeze(2)
