@@ -35,6 +35,7 @@ from engine.sampling_params import SamplingParams
 from workers.grammar import SeqGrammar, StepMasks, apply_masks
 
 TOPK_CHUNK = 256  # vocabulary slice of the two-stage top-k
+DRAW_ROWS = 8  # rows per slice of the inverse-CDF draw (8 x 152k vocabulary x float64 = 9.7 MB)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -109,8 +110,10 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     draw = [i for i in range(n) if not greedy[i] and trace[i] is None]
     if draw:
         pos = {row: k for k, row in enumerate(proc)}
-        if all(plain[i] for i in draw):
-            probs = raw_logprobs[draw].exp()  # the common RL case: plain sampling at temperature 1
+        if len(draw) == n and all(plain):
+            probs = raw_logprobs.exp()  # the common RL case: every row plain sampling at temperature 1
+        elif all(plain[i] for i in draw):
+            probs = raw_logprobs[draw].exp()
         else:
             probs = torch.empty(len(draw), vocab, dtype=logits.dtype)
             ks = [k for k, i in enumerate(draw) if plain[i]]
@@ -282,6 +285,14 @@ def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Ge
     for i, r in enumerate(rows):
         if r.generator is not None:
             u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator)
-    cdf = probs.double().cumsum(dim=-1)
-    target = (u * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    # Rows in slices of DRAW_ROWS through one float64 buffer: a whole [S, V] float64 copy and its cumsum
+    # cost more in page faults than in arithmetic (each row's sum runs in the same order either way).
+    n, vocab = probs.shape
+    out = torch.empty(n, dtype=torch.int64)
+    buf = torch.empty(min(n, DRAW_ROWS), vocab, dtype=torch.float64)
+    for a in range(0, n, DRAW_ROWS):
+        b = min(a + DRAW_ROWS, n)
+        cdf = torch.cumsum(probs[a:b], dim=-1, dtype=torch.float64, out=buf[: b - a])
+        target = (u[a:b] * cdf[:, -1]).unsqueeze(1)
+        out[a:b] = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return out.clamp_(max=vocab - 1)

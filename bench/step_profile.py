@@ -1,0 +1,170 @@
+"""Where one decode step's time goes, in process (no server, no sockets): the worker's ModelRunner on
+SmolLM2-135M (fp32 by default) with S sequences at ~C tokens of context, decoding together.
+
+Every kernel the model calls (ascend_ops Kernels: linear, rms_norm, apply_rope, silu_and_mul,
+paged_attention), the LM head, the sampler and the runner's step preparation are wrapped in a timer that
+counts its own time (a nested call's time goes to the inner one; the LM head's GEMM counts as LM head).
+Whatever is left of the step's wall time is "other": the embedding lookup, rope table gathers, residual
+adds, q/k/v views and the Python between the ops. Fractions are printed so that load from other
+processes matters less; on a shared machine compare runs by their fractions or ratios, never by ms.
+
+  python bench/step_profile.py                      # 64 x ~100 tokens, 12 timed steps
+  python bench/step_profile.py --seqs 256 --ctx 200 --steps 6
+  python bench/step_profile.py --plain              # no timers: the bare step time (timer overhead check)
+  python bench/step_profile.py --logprobs 1 --dump /tmp/a.npy   # outputs, to compare two checkouts bitwise
+
+A/B against another checkout: run it with PYTHONPATH pointing at each tree in turn (the script imports
+whatever `ascend_ops` / `workers` come first on the path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+import workers.model_runner as mr
+from ascend_ops.batch_invariant import DEFAULT
+from bus.messages import NewSeq, StepPlan
+from engine.model_store import resolve_model
+from engine.sampling_params import SamplingParams
+from workers.kv_cache import KVCache
+from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.registry import build_model
+
+KERNEL_CLASSES = {"linear": "GEMM (layers)", "paged_attention": "attention (paged)", "rms_norm": "rms_norm",
+                  "apply_rope": "rotary", "silu_and_mul": "silu*mul"}
+ORDER = ["GEMM (layers)", "LM head", "attention (paged)", "rms_norm", "rotary", "silu*mul", "sampling",
+         "step prep (runner)", "other (embed, adds, Python)"]
+
+
+class Timers:
+    """Self time per class; a call nested in another charges its time to itself, not to the outer one."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.stack: list[list] = []  # [class, start, time spent in children]
+        self.on = True
+
+    def wrap(self, cls: str, fn, inherit: str | None = None):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            # a GEMM inside the LM head is the LM head's
+            name = inherit if inherit and self.stack and self.stack[-1][0] == inherit else cls
+            frame = [name, time.perf_counter(), 0.0]
+            self.stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stack.pop()
+                spent = time.perf_counter() - frame[1]
+                self.total[name] += spent - frame[2]
+                if self.stack:
+                    self.stack[-1][2] += spent
+
+        return timed
+
+
+def build(args, timers: Timers | None):
+    folder = resolve_model(None, progress=False)
+    kern = DEFAULT
+    if timers is not None:
+        kern = dataclasses.replace(DEFAULT, **{k: timers.wrap(c, getattr(DEFAULT, k), inherit="LM head" if
+                                                              k == "linear" else None)
+                                               for k, c in KERNEL_CLASSES.items()})
+    dtype = getattr(torch, args.dtype)
+    model = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
+    model.load_weights(iter_safetensors(folder))
+    bs = 16
+    per_seq = (args.ctx + args.steps + args.warmup + 2 + bs - 1) // bs
+    L, hk, d = model.kv_spec
+    kv = KVCache(L, hk, d, bs, args.seqs * per_seq + 1, dtype, torch.device("cpu"))
+    runner = mr.ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"))
+    if timers is not None:
+        model.compute_logits = timers.wrap("LM head", model.compute_logits)
+        mr.sample = timers.wrap("sampling", mr.sample)
+        runner._prepare = timers.wrap("step prep (runner)", runner._prepare)
+    return runner, per_seq
+
+
+def run(args) -> None:
+    timers = None if args.plain else Timers()
+    runner, per_seq = build(args, timers)
+    torch.manual_seed(0)
+    sp = SamplingParams(temperature=1.0, max_tokens=10_000, ignore_eos=True, logprobs=args.logprobs)
+    ids = [f"s{i}" for i in range(args.seqs)]
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(args.seqs)]
+    prompts = [torch.randint(0, 49152, (args.ctx - i % 8,)).tolist() for i in range(args.seqs)]  # ~ctx, ragged
+    step = 0
+    if timers:
+        timers.on = False
+    for a in range(0, args.seqs, 8):  # prefill 8 prompts a step
+        new = [NewSeq(s, p, sp, [0]) for s, p in zip(ids[a:a + 8], prompts[a:a + 8])]
+        step += 1
+        runner.execute(StepPlan(step, new, ids[a:a + 8], [0] * len(new), [len(p) for p in prompts[a:a + 8]],
+                                tables[a:a + 8], [], 0))
+    walls, per_class, dumped = [], defaultdict(list), []
+    for i in range(args.warmup + args.steps):
+        computed = [len(runner.seqs[s].tokens) - 1 for s in ids]
+        step += 1
+        plan = StepPlan(step, [], ids, computed, [1] * args.seqs, tables, [], 0)
+        if timers:
+            timers.total.clear()
+            timers.on = i >= args.warmup
+        t0 = time.perf_counter()
+        res = runner.execute(plan)
+        wall = time.perf_counter() - t0
+        dumped.append(np.stack([res.token_ids.astype(np.float64), res.logprobs.astype(np.float64)]))
+        if i >= args.warmup:
+            walls.append(wall)
+            if timers:
+                for c in ORDER[:-1]:
+                    per_class[c].append(timers.total.get(c, 0.0))
+                per_class[ORDER[-1]].append(wall - sum(timers.total.values()))
+    if args.dump:
+        np.save(args.dump, np.stack(dumped))
+    med = statistics.median(walls)
+    ctx = statistics.mean(len(runner.seqs[s].tokens) for s in ids)
+    print(f"SmolLM2-135M {args.dtype}, {args.seqs} sequences decoding at ~{ctx:.0f} tokens of context, "
+          f"{args.steps} steps (after {args.warmup} warm-up), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"step wall time: median {med * 1e3:.1f} ms (min {min(walls) * 1e3:.1f}, max {max(walls) * 1e3:.1f}); "
+          f"{args.seqs / med:.0f} tok/s")
+    if not timers:
+        return
+    print(f"\n| {'class':<30} | median ms | fraction of step |")
+    print(f"|{'-' * 32}|-----------|------------------|")
+    for c in ORDER:
+        ms = statistics.median(per_class[c]) * 1e3
+        frac = statistics.median(v / w for v, w in zip(per_class[c], walls))
+        print(f"| {c:<30} | {ms:9.1f} | {frac:15.1%} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=100, help="prompt tokens per sequence (ragged: ctx-7 .. ctx)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--logprobs", type=int, default=None, help="ask every row for this many logprobs")
+    p.add_argument("--dump", default=None, help="save every step's sampled ids and logprobs here (.npy), to "
+                   "compare two checkouts' outputs bitwise")
+    p.add_argument("--plain", action="store_true", help="no timers: only the step wall time")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (default: torch's own). 1 gives stable fractions on a loaded machine: "
+                        "with 2+ threads every small op waits at a barrier for a thread another process preempted")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
