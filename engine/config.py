@@ -519,22 +519,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_vllm_only_args(p)
 
 
-def _positive(flag: str):
+def _at_least(flag: str, low: int, what: str):
+    """An argparse type: an integer (human_int: 8k works) of at least `low`, else an error naming the flag."""
     def parse(value: str) -> int:
         n = human_int(value)
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {n}")
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {n}")
         return n
     return parse
+
+
+def _positive(flag: str):
+    return _at_least(flag, 1, "at least 1")
 
 
 def _non_negative(flag: str):
-    def parse(value: str) -> int:
-        n = human_int(value)
-        if n < 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be non-negative, got {n}")
-        return n
-    return parse
+    return _at_least(flag, 0, "non-negative")
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:

@@ -12,13 +12,10 @@ except for a named function (OpenAI reports "stop" there); "length" stays "lengt
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+from gateway.tool_parsers.base import make_tool_call_id
 
 
 def _named(tool_choice: Any) -> str | None:
@@ -47,7 +44,7 @@ def forced_tool_calls(tool_choice: Any, text: str) -> list[dict[str, Any]]:
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": make_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def finish_reason(engine_reason: str | None, tool_choice: Any, calls_made: bool) -> str | None:
@@ -89,7 +86,7 @@ class ForcedToolStream:
             if not self.text.strip():
                 return []
             self.made = True
-            return [{"index": 0, "id": tool_call_id(), "type": "function",
+            return [{"index": 0, "id": make_tool_call_id(), "type": "function",
                      "function": {"name": name, "arguments": self.text}}]
         self.spans = _scan(self.text, self.spans)
         out: list[dict[str, Any]] = []
@@ -101,7 +98,7 @@ class ForcedToolStream:
             span.sent += len(args)
             if not span.announced:
                 span.announced = self.made = True
-                out.append({"index": index, "id": tool_call_id(), "type": "function",
+                out.append({"index": index, "id": make_tool_call_id(), "type": "function",
                             "function": {"name": span.name, "arguments": args}})
             elif args:
                 out.append({"index": index, "function": {"arguments": args}})
