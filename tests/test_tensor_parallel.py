@@ -164,8 +164,9 @@ def _rank_logits(rank: int, size: int, folder: str, port: int, q) -> None:
         p.data.zero_()
     model.load_weights((n, p.data) for n, p in full.named_parameters())
     from_fused = _steps(model)
-    if rank == 0:
-        q.put((from_hf, from_fused))
+    if rank == 0:  # as numpy, pickled by value: a torch tensor would travel as a handle to this process's
+        # memory, which the parent can no longer open once this process has exited (connection reset)
+        q.put(tuple([t.detach().numpy() for t in run] for run in (from_hf, from_fused)))
     tp.destroy()
 
 
@@ -195,7 +196,7 @@ def test_four_ranks_with_replicated_kv_heads_and_a_padded_vocabulary_match_one(t
             p.join(60)
     assert all(p.exitcode == 0 for p in procs)
     for run in got:
-        for a, b in zip(want, run):
+        for a, b in zip(want, map(torch.from_numpy, run)):
             assert a.shape == b.shape == (a.shape[0], 1001)
             assert torch.equal(a.argmax(-1), b.argmax(-1)) and (a - b).abs().max() < 1e-4
 
