@@ -19,6 +19,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int, avoid: range = range(0)) -> int:
+    """A base port whose n consecutive ports are all free now and outside `avoid` (a tcp bus binds base + i
+    for each socket: one free port says nothing of the others)."""
+    while True:
+        base = free_port()
+        if base + n > 65535 or any(p in avoid for p in range(base, base + n)):
+            continue
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen

@@ -25,6 +25,7 @@ from engine.launcher import roles
 from engine.topology import Topology, check_devices, layout_mismatch
 from gateway.dp_router import HEADER, Balancer, RankHeaderError, parse_rank_header
 from tests.bus_helpers import ControlClient
+from tests.serve_process import free_port_range
 from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
 from tests.test_recovery import RL, Streams, checksums, completion, greedy, perturbed_model, rank_header
 from tests.waits import wait_for
@@ -354,8 +355,9 @@ def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir, tp)
     "host B" (127.0.0.2) runs engine 1 with the same flags plus its start rank; engine 1's scheduler binds
     on 127.0.0.2 and the gateway reaches it there. With -tp 2 each host's engine forms its own tp group."""
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    base = free_port()
-    flags = [str(folder), "-dp", "2", "-tp", str(tp), "--master-port", str(free_port()),
+    base = free_port_range(16)  # the bus sockets of both engines
+    master = free_port_range(2, avoid=range(base, base + 16))  # each engine's tp rendezvous
+    flags = [str(folder), "-dp", "2", "-tp", str(tp), "--master-port", str(master),
              "--data-parallel-size-local", "1", "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
              "--bus-engine-hosts", "127.0.0.1,127.0.0.2", "--bus-insecure",
              "--bus-port-base", str(base), "--max-model-len", "256", "--kv-cache-memory-bytes", "67108864"]
