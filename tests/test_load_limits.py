@@ -389,10 +389,12 @@ def _no_processes_left(s) -> None:
 def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(server):
     """Runs last in the module: it stops the shared server."""
     url = server.url
-    a = Stream(url, max_tokens=50, ignore_eos=True)
+    # long enough not to finish before the pause lands, even on a fast machine (253 of 256 positions)
+    a = Stream(url, max_tokens=253, ignore_eos=True)
     a.start()
     assert a.started.wait(60) and a.error is None
     assert httpx.post(url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200  # freeze it
+    assert a.is_alive(), "stream A finished before the pause: the drain below would have nothing to wait for"
     server.proc.send_signal(signal.SIGTERM)
     _wait_draining(url)
     r = _complete(url, 1)  # sent after SIGTERM
