@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.tool_parsers.base import make_tool_call_id
+from gateway.tool_parsers.base import ToolCall, make_tool_call_id
 
 
 def _named(tool_choice: Any) -> str | None:
@@ -44,7 +44,7 @@ def forced_tool_calls(tool_choice: Any, text: str) -> list[dict[str, Any]]:
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": make_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return ToolCall(name, arguments).to_json()  # the parsed calls' shape and id (gateway/tool_parsers/base.py)
 
 
 def finish_reason(engine_reason: str | None, tool_choice: Any, calls_made: bool) -> str | None:

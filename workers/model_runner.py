@@ -118,7 +118,7 @@ class ModelRunner:
             st = self.seqs[sid]
             st.tokens.append(tok)
             st.row.output_token_ids.append(tok)
-        if toks:  # every rank's matchers follow the tokens (rank 0's masks decided them)
+        if toks and self.grammar.live:  # every rank's matchers follow the tokens (rank 0's masks decided them)
             self.grammar.advance(sample_ids, [self.seqs[s].row for s in sample_ids], toks)
         if self.tp.rank:  # a tp rank above 0: rank 0 reports; an empty result acks the step
             for sid in sample_ids:
