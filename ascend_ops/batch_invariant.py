@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ascend_ops import attention as _attention
 from ascend_ops import ops as _ops
+from ascend_ops import packed_linear as _packed
 from ascend_ops.attention import AttentionMetadata, write_kv
 
 ROW_MULTIPLE = 4  # linear: rows padded to a multiple of this (see the module docstring)
@@ -190,7 +191,7 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor
     return (out[:, 0] / L[:, 0, :, None]).to(q.dtype)
 
 
-DEFAULT = Kernels("default", _ops.linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
+DEFAULT = Kernels("default", _packed.linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
                   _ops.moe_experts, _attention.paged_attention)
 INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
                     moe_experts, paged_attention)

@@ -112,6 +112,24 @@ def test_ipc_update_makes_the_engine_compute_the_trainers_logprobs(ipc_server, t
     assert checksum["dp0:pp0:pcp0:tp0:model.embed_tokens.weight"] == sums["model.embed_tokens.weight"]
 
 
+def test_cpu_packed_weights_never_serve_the_previous_version(ipc_server, trainer):
+    """The CPU workers multiply on pre-packed copies of the weights (ascend_ops.packed_linear): generate
+    first, so every copy exists, then update; the engine must compute with the new weights at once."""
+    url = ipc_server.url
+    workers = httpx.get(url + "/server_info").json()["workers"]
+    assert all(w["cpu_linear"] == "onednn-prepacked" for w in workers.values()), workers
+    assert_engine_matches(url, trainer)  # packs made from the weights in service
+    # Two updates with no step between: staging swaps each parameter's storage to the other buffer and
+    # back, so the storage address alone would say the packs from before the first update still hold.
+    with WeightSyncClient(url, backend="ipc") as client:
+        for k in range(2):
+            perturb(trainer, seed=7 + k, scale=0.2)
+            client.send_weights(trainer.named_parameters(), version=f"after-packing-{k}", pause="keep")
+    assert_engine_matches(url, trainer)
+    sums = weight_checksums(trainer.named_parameters())
+    assert httpx.post(url + "/weight_checker", json={"action": "compare", "baseline": sums}).json()["match"]
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_collective_update_through_gloo(gloo_server, trainer, packed):
     url = gloo_server.url

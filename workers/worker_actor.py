@@ -34,6 +34,7 @@ import structlog
 import torch
 import zmq
 
+from ascend_ops import packed_linear
 from ascend_ops.batch_invariant import BatchInvarianceUnavailable, kernels, self_check
 from ascend_ops.platform import current_platform
 from ascend_ops.tp_group import TPError, init_tp_group
@@ -92,6 +93,9 @@ from workers.weight_recovery import copy_path, load_copy, save_copy
 
 log = structlog.get_logger()
 
+# Commands that never write parameters; after any other the CPU packed weights are dropped (_repacking).
+WEIGHTS_UNTOUCHED = frozenset({Health, Shutdown, UpdateWeightVersion, InitWeightTransferEngine,
+                               ShutdownWeightTransferEngine, WeightChecker, MemberLost, MemberJoined, ShareWeights})
 TP_PEER = "TensorParallelPeer"  # the error kind of ranks that could run a step another rank could not
 TP_ABORT_EVERY = 4  # tp: layers between the (collective) checks for an abort pause
 
@@ -169,6 +173,7 @@ class WorkerActor:
                      "weight_bytes": weight_bytes(model),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
                      "kernels": model.kern.name, "batch_invariant_checked": checked,
+                     "cpu_linear": packed_linear.describe() if device.type == "cpu" else None,
                      "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
@@ -177,7 +182,7 @@ class WorkerActor:
         self.results = make_socket(ctx, zmq.PUSH, connect=ep.results)
         w = self.weights
         self.runner.grammar.wait_ready()
-        self.link = MemberLink(ctx, ep, role="worker", name=self.name, info=self.info, handlers={
+        self.link = MemberLink(ctx, ep, role="worker", name=self.name, info=self.info, handlers=self._repacking({
             Health: lambda c: {"ok": True},
             Shutdown: self._shutdown,
             ReleaseMemory: self._reporting(self._release_memory),
@@ -195,7 +200,7 @@ class WorkerActor:
             MemberLost: self._member_lost,
             MemberJoined: self._member_joined,
             ShareWeights: self._share_weights,
-        }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        }), heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
         self.abort_watch = _AbortWatcher(ctx, ep.commands, self.name)
         self.weight_commits = 0  # updates whose weights this worker holds (the checkpoint: 0)
@@ -405,6 +410,19 @@ class WorkerActor:
             raise StepInterrupted()
 
     # --- control (handlers of the typed commands; the follower has applied the state already) ------
+
+    def _repacking(self, handlers: dict) -> dict:
+        """Every command that may change weights in place drops the CPU packed copies afterwards
+        (ascend_ops.packed_linear), so the next step packs what is in the parameters then; a failed
+        handler drops them too, it may have written part of an update."""
+        def wrap(handler):
+            def handle(cmd: CommandBody) -> dict[str, Any] | None:
+                try:
+                    return handler(cmd)
+                finally:
+                    packed_linear.forget(self.runner.model)
+            return handle
+        return {t: h if t in WEIGHTS_UNTOUCHED else wrap(h) for t, h in handlers.items()}
 
     def _reporting(self, handler):
         """Acks of the commands that can change it carry how many parameters lack content (sleep level 2):

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ascend_ops import ops
+from ascend_ops import ops, packed_linear
 from ascend_ops.attention import AttentionMetadata
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
@@ -521,4 +521,5 @@ class DecoderLM(nn.Module):
                 )
             dst.copy_(w)
             loaded.add(name)
+        packed_linear.forget(self)  # CPU packed copies of the old values (ascend_ops.packed_linear)
         return loaded

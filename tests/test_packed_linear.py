@@ -1,0 +1,85 @@
+"""CPU linear on pre-packed weights (ascend_ops.packed_linear): same products as F.linear, and a packed copy
+never outlives the values it was packed from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascend_ops import packed_linear as pl
+
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(pl.available() is not None, reason=str(pl.available()))]
+
+
+def param(*shape: int, dtype=torch.float32, seed: int = 0) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype),
+                        requires_grad=False)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_fp32_matches_f_linear(rows):
+    w, b = param(1536, 576), torch.randn(1536)
+    x = torch.randn(rows, 576)
+    torch.testing.assert_close(pl.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=2e-4)
+
+
+def test_bf16_matches_f_linear_and_3d_inputs_keep_their_shape():
+    w = param(320, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 5, 64).bfloat16()
+    got = pl.linear(x, w)
+    assert got.shape == (2, 5, 320) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_the_pack_is_made_once_and_reused():
+    w = param(64, 32)
+    pl.linear(torch.randn(3, 32), w)
+    first = w._rollbus_packed[1]
+    pl.linear(torch.randn(5, 32), w)
+    assert w._rollbus_packed[1] is first
+
+
+def test_forget_then_in_place_change_serves_the_new_values():
+    model = nn.Linear(32, 64, bias=False)
+    model.weight.requires_grad_(False)
+    x = torch.randn(4, 32)
+    pl.linear(x, model.weight)
+    with torch.no_grad():
+        model.weight.data.mul_(2)  # an in-place write a version counter would not see
+    assert pl.forget(model) == 1 and pl.packed_bytes(model) == 0
+    torch.testing.assert_close(pl.linear(x, model.weight), F.linear(x, model.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_a_swapped_data_tensor_is_repacked_without_forget():
+    """Sleep and staged updates swap `.data`: the storage address changes, and the pack follows it."""
+    w = param(64, 32)
+    x = torch.randn(4, 32)
+    pl.linear(x, w)
+    w.data = torch.randn(64, 32)
+    torch.testing.assert_close(pl.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_temporaries_and_other_dtypes_take_f_linear():
+    w = param(64, 32)
+    view = w[:16]  # a slice (say, one expert of a stacked tensor) is not a Parameter: never packed
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(pl.linear(x, view), F.linear(x, view))
+    w16 = param(8, 32, dtype=torch.float16)
+    assert torch.equal(pl.linear(x.half(), w16), F.linear(x.half(), w16))
+    assert getattr(w16, "_rollbus_packed", None) is None
+
+
+def test_model_load_weights_drops_the_packs(tmp_path):
+    from tests.tiny_models import load_model, make_tiny_checkpoint
+
+    model = load_model(make_tiny_checkpoint("qwen3", tmp_path / "m"))
+    lm = model.lm_head.weight
+    x = torch.randn(3, lm.shape[1])
+    pl.linear(x, lm)
+    assert pl.packed_bytes(model) > 0
+    new = torch.randn(tuple(lm.shape))
+    model.load_weights([("lm_head.weight", new)])
+    assert pl.packed_bytes(model) == 0
+    torch.testing.assert_close(pl.linear(x, lm), F.linear(x, new), rtol=1e-5, atol=1e-4)
