@@ -23,12 +23,15 @@ from bus.messages import Ack, CommitWeightUpdate, Health, Members
 from engine.config import parse_config
 from engine.launcher import roles
 from engine.topology import Topology, check_devices, layout_mismatch
+from engine.trainer import WeightSyncClient
 from gateway.dp_router import HEADER, Balancer, RankHeaderError, parse_rank_header
 from tests.bus_helpers import ControlClient
 from tests.serve_process import free_port_range
 from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
 from tests.test_recovery import RL, Streams, checksums, completion, greedy, perturbed_model, rank_header
 from tests.waits import wait_for
+from workers.models.checkpoint import load_hf_config
+from workers.models.registry import shard_checksums
 
 # --- the layout (engine.topology) --------------------------------------------------------------------
 
@@ -360,7 +363,8 @@ def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir, tp)
     flags = [str(folder), "-dp", "2", "-tp", str(tp), "--master-port", str(master),
              "--data-parallel-size-local", "1", "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
              "--bus-engine-hosts", "127.0.0.1,127.0.0.2", "--bus-insecure",
-             "--bus-port-base", str(base), "--max-model-len", "256", "--kv-cache-memory-bytes", "67108864"]
+             "--bus-port-base", str(base), "--max-model-len", "256", "--kv-cache-memory-bytes", "67108864",
+             "--additional-config", RL, "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 60}']
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = start_server(tmp_path / "a", *flags)
@@ -378,6 +382,18 @@ def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir, tp)
             assert listening("127.0.0.2", base + 5) and not listening("127.0.0.1", base + 5)  # engine 1's requests
             success = engine_series(a, "vllm:request_success_total")
             assert success["0"] >= 1 and success["1"] >= 1, success
+            # the trainer's collective group spans both hosts' workers: trainer rank 0, worker g at rank 1 + g
+            assert httpx.get(a.url + "/get_world_size", timeout=10).json() == {"world_size": 2 * tp}
+            trainer = perturbed_model(folder, 5)
+            with WeightSyncClient(a.url, backend="nccl") as client:
+                client.send_weights(trainer.named_parameters(), version="two-hosts", pause="keep")
+            named = [(n, t.detach()) for n, t in trainer.named_parameters()]
+            shards = {k: v for e in (0, 1) for k, v in shard_checksums(load_hf_config(folder), named, tp,
+                                                                         dp_rank=e).items()}
+            assert shards.keys() == checksums(a.url).keys()
+            r = httpx.post(a.url + "/weight_checker", timeout=30, json={"action": "compare", "baseline": shards})
+            assert r.json() == {"match": True, "mismatches": []}, r.text
+            assert greedy(a.url, 1) == greedy(a.url, 0)
         finally:
             b.stop()
     finally:
