@@ -1,7 +1,8 @@
 """The CPU kernels in ascend_ops/csrc, compiled once per machine kind and cached (torch.utils.cpp_extension).
 
 `ops()` returns torch.ops.rollbus_cpu once the extension is built and loaded, or None (with `unavailable()`
-saying why) where it cannot be: no compiler or ninja, a failed build, or ROLLBUS_CPU_KERNELS=0. The first
+saying why) where it cannot be: no compiler or ninja, a failed build, or ROLLBUS_CPU_KERNELS=0
+(ROLLBUS_CPU_KERNELS=portable builds the plain C++ loops only, without the AVX2 code: for tests). The first
 process on a machine compiles (~a minute on 2 cores); every later one loads the cached library directly
 (no subprocess). Several processes starting at once (a server's workers, a test run's servers) build it
 once: the build runs under an exclusive flock on the build folder, which the OS drops if the builder dies,
@@ -53,7 +54,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 def cflags() -> list[str]:
     flags = ["-O3"]
-    if _cpu_has_avx2_fma():
+    if os.environ.get(ENABLE_ENV) != "portable" and _cpu_has_avx2_fma():
         flags += ["-mavx2", "-mfma"]
     return flags
 

@@ -4,11 +4,22 @@ in the cache, GQA and MHA, fp32 and bf16, head_dim 64 and 128 (and an odd one)."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 
 from ascend_ops import attention, cpu_kernels
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
+from tests.fixtures_models import smollm2_dir  # noqa: F401
+from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BS = 16
 
@@ -149,3 +160,76 @@ def test_the_choice_is_reported_and_an_unknown_one_refused(kernel, monkeypatch) 
     assert attention.implementation("cuda") == "torch_sdpa"
     with pytest.raises(ValueError, match="ROLLBUS_CPU_ATTENTION must be one of kernel, torch, got 'fast'"):
         attention.select("fast")
+
+
+# --- building, falling back, reporting ---------------------------------------------------------------
+
+PROBE = ("from ascend_ops import attention; import torch; from tests.test_cpu_attention import paged_case, run; "
+         "out = run('kernel', paged_case([5, 40], 4, 2, 64, torch.float32)); "
+         "print('impl', attention.implementation('cpu'), bool(torch.isfinite(out).all()))")
+
+
+def probe(env: dict[str, str], cache: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PROBE], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), cpu_kernels.CACHE_ENV: str(cache), **env})
+
+
+def test_without_a_compiler_the_torch_path_serves_and_one_warning_says_why(tmp_path) -> None:
+    out, err = probe({"CXX": "/nonexistent/c++"}, tmp_path).communicate(timeout=240)
+    assert "impl torch_sdpa True" in out, out + err
+    assert err.count("CPU kernels unavailable, using the torch path instead") == 1, err
+
+
+@pytest.mark.slow  # compiles the extension into a fresh folder (~20-60 s)
+def test_processes_starting_together_build_once_even_after_a_builder_was_killed(tmp_path) -> None:
+    first = probe({}, tmp_path)
+    folder = cpu_kernels.build_dir(cpu_kernels._source(), cpu_kernels.cflags()).name
+    deadline = time.monotonic() + 120
+    while not (tmp_path / folder / "main.cpp").exists():  # the build has begun: kill it mid-compile
+        assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    first.kill()
+    first.communicate(timeout=60)
+    procs = [probe({}, tmp_path) for _ in range(3)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert all("impl cpu_paged_kernel True" in out for out, _ in results), results
+    assert sum(err.count("compiling the CPU kernels") for _, err in results) == 1, results
+    again = probe({}, tmp_path).communicate(timeout=120)  # cached: loaded without compiling
+    assert "impl cpu_paged_kernel True" in again[0] and "compiling" not in again[1], again
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_dir):  # noqa: F811
+    work = tmp_path_factory.mktemp("cpu-attn")
+    folder = tiny_model_with_tokenizer("llama", work / "m", smollm2_dir, vocab_size=49152)
+    s = start_server(work, str(folder), "--served-model-name", "tiny", "--max-model-len", "256",
+                     "--additional-config", '{"rl_config": {"enabled": true}}')  # RL mode: /server_info
+    yield s
+    s.stop()
+
+
+def test_server_info_names_the_attention_kernel_and_it_serves(server) -> None:
+    workers = httpx.get(server.url + "/server_info", timeout=30).json()["workers"]
+    assert [w["attention"] for w in workers.values()] == ["cpu_paged_kernel"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a b c", "max_tokens": 8,
+                                                         "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_serve_refuses_an_unknown_cpu_attention(tmp_path, smollm2_dir) -> None:  # noqa: F811
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "m", smollm2_dir, vocab_size=49152)
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--port",
+                        str(free_port())], env={**os.environ, "ROLLBUS_CPU_ATTENTION": "fast"},
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0 and "ROLLBUS_CPU_ATTENTION must be one of kernel, torch, got 'fast'" in r.stderr + r.stdout
+
+
+@pytest.mark.slow  # compiles the portable variant once (~20-60 s)
+def test_the_portable_loops_without_avx2_give_the_same_results(tmp_path) -> None:
+    """The plain C++ path that CPUs without AVX2/FMA get, built here on purpose, passes the same checks."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "matches_sdpa or same_bits or refused_with"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT), cpu_kernels.ENABLE_ENV: "portable"})
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "failed" not in r.stdout

@@ -281,13 +281,16 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
         const T* src = qp + r * qs0 + (h0 * g + j) * qs1;
         for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(src[i]);
       }
-      // scores[j * len + pos] = q_j . k_pos for query head j of this item; the blocks stream in table order
+      // scores[j * len + pos] = q_j . k_pos for query head j of this item; the blocks stream in table order.
+      // Prefetched meanwhile: the next block's keys and this block's values (read in the second pass).
       for (int64_t b = 0; b < nblk; ++b) {
         const int64_t n = std::min(bs, len - b * bs);
         const T* base = kp + table[b * ts1] * kb + h0 * kh;
-        const T* next = b + 1 < nblk ? kp + table[(b + 1) * ts1] * kb : vp + table[0] * vb;
+        const T* next = b + 1 < nblk ? kp + table[(b + 1) * ts1] * kb + h0 * kh : nullptr;
+        const T* vals = vp + table[b * ts1] * vb + h0 * vh;
         for (int64_t t = 0; t < n; ++t) {
-          prefetch_record(next + t * kt + h0 * kh, per * kh);
+          if (next) prefetch_record(next + t * kt, per * kh);
+          prefetch_record(vals + t * vt, per * vh);
           for (int64_t h = 0; h < per; ++h)
             group_dots(qf.data() + h * g * d, base + t * kt + h * kh, g, d, scores.data() + h * g * len + b * bs + t, len);
         }
@@ -303,6 +306,11 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
           for (int64_t t = 0; t < len; ++t) s[t] = static_cast<float>(static_cast<T>(s[t]));
         }
         inv[j] = len ? 1.0f / sum : 0.f;
+      }
+      if (item + 1 < end) {  // the next item's first block of keys, while this one sums its values
+        const int64_t r1 = (item + 1) / split, h1 = ((item + 1) % split) * per;
+        const T* k1 = kp + tp[(rt ? rt[r1] : r1) * ts0] * kb + h1 * kh;
+        for (int64_t t = 0; t < std::min(bs, lp[r1]); ++t) prefetch_record(k1 + t * kt, per * kh);
       }
       for (int64_t h = 0; h < per; ++h) {
         for (int64_t b = 0; b < nblk; ++b) vbase[b] = vp + table[b * ts1] * vb + (h0 + h) * vh;
