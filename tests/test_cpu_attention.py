@@ -29,7 +29,7 @@ def kernel():
     if cpu_kernels.ops() is None:
         pytest.fail(f"the CPU kernels did not build here: {cpu_kernels.unavailable()}")
     yield
-    attention.select("kernel")
+    attention._cpu_choice.clear()  # the environment decides again for whatever runs next
 
 
 def paged_case(lens: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, seed: int = 0, chunk: int = 0):
