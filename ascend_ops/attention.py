@@ -3,16 +3,36 @@
 Layout (one pair per layer):  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 A token's KV lives at slot = block_id * block_size + offset. The model runner flattens a step's tokens
 into one [T, ...] batch ordered decodes first (one token each), then prefill chunks; AttentionMetadata
-says where each part starts. This portable path uses torch SDPA; an NPU build swaps in
-torch_npu's paged-attention kernels behind the same signature.
+says where each part starts.
+
+Implementations behind the one signature: on CPU (default mode) the decode rows and the rows of prefill
+chunks of up to KERNEL_CHUNK_ROWS tokens go through the C++ kernel of ascend_ops/cpu_kernels.py, which
+reads each sequence's blocks in place (a chunk's row reads only the keys up to its own position);
+elsewhere, and where that kernel cannot be built, the portable path gathers the blocks into a contiguous
+copy and runs torch SDPA (an NPU build swaps in torch_npu's paged-attention kernels).
+ROLLBUS_CPU_ATTENTION=torch forces the portable path on CPU; `implementation()` names the one in use (each
+worker reports it in /server_info).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ascend_ops import cpu_kernels
+
+CPU_ATTENTION_ENV = "ROLLBUS_CPU_ATTENTION"
+CPU_CHOICES = ("kernel", "torch")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# Prefill chunks of up to this many rows go through the CPU kernel too (a prefix-cache hit, a chunked
+# prefill's tail): there one SDPA call on gathered blocks costs 3-7x the kernel (118 against 16 us for 1
+# row at 120 tokens of context, 149 / 43 us for 4 rows). Longer chunks keep SDPA (a GEMM per chunk).
+KERNEL_CHUNK_ROWS = 16
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+_cpu_choice: list[str] = []  # the CPU implementation chosen (once, from the environment, or by select())
 
 
 @dataclass(slots=True)
@@ -42,6 +62,33 @@ def write_kv(
     v_cache.view(nb * bs, hk, d).index_copy_(0, slots, v)
 
 
+def select(choice: str | None = None) -> str:
+    """The CPU attention in use, "kernel" or "torch": `choice` sets it (benchmarks compare both in one
+    process), else ROLLBUS_CPU_ATTENTION decides once (default "kernel"; an unknown value is an error).
+    "kernel" falls back to "torch", with one warning naming why, where the extension cannot be built."""
+    if choice is None and _cpu_choice:
+        return _cpu_choice[0]
+    want = choice if choice is not None else (os.environ.get(CPU_ATTENTION_ENV) or "kernel")
+    if want not in CPU_CHOICES:
+        raise ValueError(f"{CPU_ATTENTION_ENV} must be one of {', '.join(CPU_CHOICES)}, got {want!r}")
+    if want == "kernel" and cpu_kernels.ops() is None:
+        want = "torch"
+    _cpu_choice[:] = [want]
+    return want
+
+
+def implementation(device_type: str) -> str:
+    """What paged_attention runs on this device type: "cpu_paged_kernel" (in place, C++) or "torch_sdpa"
+    (blocks gathered, then SDPA)."""
+    return "cpu_paged_kernel" if device_type == "cpu" and select() == "kernel" else "torch_sdpa"
+
+
+def _cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor):
+    if q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES or k_cache.dtype != q.dtype or select() != "kernel":
+        return None
+    return cpu_kernels.ops()
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hk, D] (this step's keys, rope applied)
@@ -56,7 +103,12 @@ def paged_attention(
     out = torch.empty_like(q)
     nb, bs, hk, d = k_cache.shape
     gqa = q.shape[1] != hk
-    if meta.num_decodes:
+    kern = _cpu_kernel(q, k_cache)
+    if meta.num_decodes and kern is not None:
+        n = meta.num_decodes
+        kern.paged_attention_rows(out[:n], q[:n], k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
+                                  meta.decode_ctx_lens.contiguous(), scale)  # type: ignore[union-attr]
+    elif meta.num_decodes:
         n = meta.num_decodes
         nblk = (meta.decode_max_ctx + bs - 1) // bs
         tables = meta.decode_block_tables[:, :nblk]  # type: ignore[index]
@@ -70,6 +122,12 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:n] = o.squeeze(2)
     for c in meta.prefills:
+        if kern is not None and c.q_len <= KERNEL_CHUNK_ROWS:  # row i sees ctx_len - q_len + i + 1 keys
+            rows = slice(c.q_start, c.q_start + c.q_len)
+            kern.paged_attention_rows(out[rows], q[rows], k_cache, v_cache, c.block_table.view(1, -1),
+                                      torch.zeros(c.q_len, dtype=torch.int64),
+                                      torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale)
+            continue
         kc = k_cache.index_select(0, c.block_table).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)  # [Hk,ctx,D]
         vc = v_cache.index_select(0, c.block_table).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1)  # [Hq, q_len, D]

@@ -12,6 +12,8 @@ processes matters less; on a shared machine compare runs by their fractions or r
   python bench/step_profile.py --seqs 256 --ctx 200 --steps 6
   python bench/step_profile.py --plain              # no timers: the bare step time (timer overhead check)
   python bench/step_profile.py --logprobs 1 --dump /tmp/a.npy   # outputs, to compare two checkouts bitwise
+  python bench/step_profile.py --attention both     # CPU attention: the in-place kernel, then torch SDPA,
+                                                    # in one process, with the kernel/torch ratios
 
 A/B against another checkout: run it with PYTHONPATH pointing at each tree in turn (the script imports
 whatever `ascend_ops` / `workers` come first on the path).
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 import workers.model_runner as mr
+from ascend_ops import attention
 from ascend_ops.batch_invariant import DEFAULT
 from bus.messages import NewSeq, StepPlan
 from engine.model_store import resolve_model
@@ -93,7 +96,8 @@ def build(args, timers: Timers | None):
     return runner, per_seq
 
 
-def run(args) -> None:
+def run(args) -> tuple[float, float]:
+    """Prints the profile; returns (median step s, median attention s) of the timed steps."""
     timers = None if args.plain else Timers()
     runner, per_seq = build(args, timers)
     torch.manual_seed(0)
@@ -133,17 +137,18 @@ def run(args) -> None:
     ctx = statistics.mean(len(runner.seqs[s].tokens) for s in ids)
     print(f"SmolLM2-135M {args.dtype}, {args.seqs} sequences decoding at ~{ctx:.0f} tokens of context, "
           f"{args.steps} steps (after {args.warmup} warm-up), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, attention {attention.implementation('cpu')}")
     print(f"step wall time: median {med * 1e3:.1f} ms (min {min(walls) * 1e3:.1f}, max {max(walls) * 1e3:.1f}); "
           f"{args.seqs / med:.0f} tok/s")
     if not timers:
-        return
+        return med, float("nan")
     print(f"\n| {'class':<30} | median ms | fraction of step |")
     print(f"|{'-' * 32}|-----------|------------------|")
     for c in ORDER:
         ms = statistics.median(per_class[c]) * 1e3
         frac = statistics.median(v / w for v, w in zip(per_class[c], walls))
         print(f"| {c:<30} | {ms:9.1f} | {frac:15.1%} |")
+    return med, statistics.median(per_class["attention (paged)"])
 
 
 def main() -> None:
@@ -157,13 +162,25 @@ def main() -> None:
     p.add_argument("--dump", default=None, help="save every step's sampled ids and logprobs here (.npy), to "
                    "compare two checkouts' outputs bitwise")
     p.add_argument("--plain", action="store_true", help="no timers: only the step wall time")
+    p.add_argument("--attention", default="kernel", choices=["kernel", "torch", "both"],
+                   help="CPU paged attention: the in-place C++ kernel (the default), the torch SDPA path, or both "
+                        "in turn in this process (same model, same steps) with the kernel/torch ratios")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (default: torch's own). 1 gives stable fractions on a loaded machine: "
                         "with 2+ threads every small op waits at a barrier for a thread another process preempted")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(args)
+    got = {}
+    for choice in ("kernel", "torch") if args.attention == "both" else (args.attention,):
+        if attention.select(choice) != choice:
+            raise SystemExit(f"--attention {choice}: not available here ({attention.cpu_kernels.unavailable()})")
+        got[choice] = run(args)
+        print()
+    if len(got) == 2:
+        (ks, ka), (ts, ta) = got["kernel"], got["torch"]
+        print(f"kernel / torch, same process: step {ks * 1e3:.1f} / {ts * 1e3:.1f} ms = {ks / ts:.2f}; "
+              f"attention {ka * 1e3:.1f} / {ta * 1e3:.1f} ms = {ka / ta:.2f}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import structlog
 import torch
 import zmq
 
-from ascend_ops import packed_linear
+from ascend_ops import attention, packed_linear
 from ascend_ops.batch_invariant import BatchInvarianceUnavailable, kernels, self_check
 from ascend_ops.platform import current_platform
 from ascend_ops.tp_group import TPError, init_tp_group
@@ -168,11 +168,15 @@ class WorkerActor:
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
                                       device=device, nz_mode=extra.weight_nz_mode)
+        try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
+            attn = "batch_invariant" if model.kern.batch_invariant else attention.implementation(device.type)
+        except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION
+            raise SystemExit(str(e)) from None
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
                      "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp, "tp_rank": rank,
                      "weight_bytes": weight_bytes(model),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
-                     "kernels": model.kern.name, "batch_invariant_checked": checked,
+                     "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
                      "cpu_linear": packed_linear.describe() if device.type == "cpu" else None,
                      "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
         log.info("worker.loaded", **self.info)

@@ -1,0 +1,239 @@
+"""The CPU paged-attention kernel (ascend_ops/csrc, through ascend_ops.attention) against the torch SDPA path
+and a plain per-sequence reference, on random paged caches: ragged context lengths, blocks scattered
+in the cache, GQA and MHA, fp32 and bf16, head_dim 64 and 128 (and an odd one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ascend_ops import attention, cpu_kernels
+from ascend_ops.attention import AttentionMetadata, PrefillChunk
+from tests.fixtures_models import smollm2_dir  # noqa: F401
+from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_kernels.ops() is None:
+        pytest.fail(f"the CPU kernels did not build here: {cpu_kernels.unavailable()}")
+    yield
+    attention._cpu_choice.clear()  # the environment decides again for whatever runs next
+
+
+def paged_case(lens: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, seed: int = 0, chunk: int = 0):
+    """q/k/v of one step (one decode per sequence; with `chunk`, the last sequence instead computes its last
+    `chunk` tokens as a prefill chunk), a cache whose blocks are shuffled, and the metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    nblk = [(n + BS - 1) // BS for n in lens]
+    perm = torch.randperm(sum(nblk) + 3, generator=gen)  # block ids scattered, some never used
+    tables, at = [], 0
+    for n in nblk:
+        tables.append(perm[at:at + n])
+        at += n
+    k_cache = torch.randn(len(perm), BS, hk, d, generator=gen).to(dtype)
+    v_cache = torch.randn(len(perm), BS, hk, d, generator=gen).to(dtype)
+    decodes = len(lens) - (1 if chunk else 0)
+    rows = decodes + chunk
+    q = torch.randn(rows, hq, d, generator=gen).to(dtype)
+    k = torch.randn(rows, hk, d, generator=gen).to(dtype)
+    v = torch.randn(rows, hk, d, generator=gen).to(dtype)
+    slots = [tables[i][(n - 1) // BS] * BS + (n - 1) % BS for i, n in enumerate(lens[:decodes])]
+    prefills = []
+    if chunk:
+        n, t = lens[-1], tables[-1]
+        pos = torch.arange(n - chunk, n)
+        slots += (t[pos // BS] * BS + pos % BS).tolist()
+        prefills.append(PrefillChunk(decodes, chunk, n, t))
+    width = max(nblk[:decodes], default=1)
+    dt = torch.zeros(decodes, width + 2, dtype=torch.int64)  # wider than needed, 0-padded, as the runner's
+    for i in range(decodes):
+        dt[i, :nblk[i]] = tables[i]
+    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), num_decodes=decodes,
+                             decode_block_tables=dt, decode_ctx_lens=torch.tensor(lens[:decodes]),
+                             decode_max_ctx=max(lens[:decodes], default=0), prefills=prefills)
+    return q, k, v, k_cache, v_cache, meta, tables
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
+    """Per sequence, per head, in fp64: softmax(q k^T * scale) v over the sequence's own tokens."""
+    hq, hk = q.shape[1], k_cache.shape[2]
+    out = []
+    for i, n in enumerate(lens):
+        kc = k_cache[tables[i]].reshape(-1, hk, q.shape[2])[:n].double()
+        vc = v_cache[tables[i]].reshape(-1, hk, q.shape[2])[:n].double()
+        kc, vc = kc.repeat_interleave(hq // hk, dim=1), vc.repeat_interleave(hq // hk, dim=1)
+        s = torch.einsum("hd,thd->ht", q[i].double(), kc) * scale
+        out.append(torch.einsum("ht,thd->hd", s.softmax(-1), vc))
+    return torch.stack(out)
+
+
+def run(which: str, case) -> torch.Tensor:
+    q, k, v, k_cache, v_cache, meta, _ = case
+    attention.select(which)
+    return attention.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, q.shape[2] ** -0.5)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+LENS = [1, 5, 16, 17, 33, 100, 108, 250]  # one token, within a block, exactly a block, ragged
+
+
+@pytest.mark.parametrize("hq, hk, d", [(9, 3, 64), (4, 4, 128), (8, 2, 128), (6, 1, 40)])
+def test_decode_matches_sdpa_and_the_reference_in_fp32(kernel, hq, hk, d) -> None:
+    case = paged_case(LENS, hq, hk, d, torch.float32, seed=d + hq)
+    got, sdpa = run("kernel", case), run("torch", case)
+    q, _, _, k_cache, v_cache, meta, tables = case
+    attention.paged_attention(q, case[1], case[2], k_cache, v_cache, meta, d ** -0.5)  # the new k/v written
+    ref = reference(q, k_cache, v_cache, tables, LENS, d ** -0.5)
+    assert rel_err(got, sdpa) < 1e-5 and rel_err(got, ref) < 1e-5, (rel_err(got, sdpa), rel_err(got, ref))
+    assert rel_err(sdpa, ref) < 1e-5  # the two paths agree with the reference equally
+
+
+@pytest.mark.parametrize("hq, hk, d", [(9, 3, 64), (8, 2, 128)])
+def test_decode_matches_sdpa_in_bf16(kernel, hq, hk, d) -> None:
+    case = paged_case(LENS, hq, hk, d, torch.bfloat16, seed=1)
+    got, sdpa = run("kernel", case), run("torch", case)
+    assert got.dtype == torch.bfloat16
+    # the kernel accumulates in fp32 and rounds once: within a bf16 rounding (2^-8) of SDPA's result
+    assert rel_err(got, sdpa) < 2 ** -7, rel_err(got, sdpa)
+    q, _, _, k_cache, v_cache, meta, tables = case
+    attention.paged_attention(q, case[1], case[2], k_cache, v_cache, meta, d ** -0.5)
+    assert rel_err(got, reference(q, k_cache, v_cache, tables, LENS, d ** -0.5)) < 2 ** -7
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+@pytest.mark.parametrize("chunk", [1, 5, attention.KERNEL_CHUNK_ROWS, attention.KERNEL_CHUNK_ROWS + 4])
+def test_a_mixed_step_decodes_and_a_prefill_chunk_match_sdpa(kernel, chunk, dtype, tol) -> None:
+    """Chunks up to KERNEL_CHUNK_ROWS rows go through the kernel (each row sees the keys up to its own
+    position), longer ones through SDPA; either way the same results as the torch path."""
+    case = paged_case([3, 40, 77, 90], 9, 3, 64, dtype, seed=7, chunk=chunk)
+    got, sdpa = run("kernel", case), run("torch", case)
+    assert rel_err(got, sdpa) < tol, rel_err(got, sdpa)
+
+
+def test_a_row_is_the_same_bits_whatever_else_is_in_the_batch(kernel) -> None:
+    """Each (row, kv head) is computed alone, by one thread, in a fixed order."""
+    case = paged_case(LENS, 9, 3, 64, torch.float32, seed=3)
+    q, k, v, k_cache, v_cache, meta, _ = case
+    ops = cpu_kernels.ops()
+    full = torch.empty_like(q)
+    ops.paged_attention_rows(full, q, k_cache, v_cache, meta.decode_block_tables, torch.empty(0, dtype=torch.int64),
+                             meta.decode_ctx_lens, 0.125)
+    for r in (0, 5, 7):
+        one = torch.empty_like(q[r:r + 1])
+        ops.paged_attention_rows(one, q[r:r + 1], k_cache, v_cache, meta.decode_block_tables[r:r + 1],
+                                 torch.empty(0, dtype=torch.int64), meta.decode_ctx_lens[r:r + 1], 0.125)
+        assert torch.equal(one, full[r:r + 1])
+
+
+def test_bad_tables_and_shapes_are_refused_with_an_error(kernel) -> None:
+    q, _, _, k_cache, v_cache, meta, _ = paged_case([5, 40], 4, 2, 64, torch.float32)
+    ops, none = cpu_kernels.ops(), torch.empty(0, dtype=torch.int64)
+    out = torch.empty_like(q)
+    bad = meta.decode_block_tables.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id"):
+        ops.paged_attention_rows(out, q, k_cache, v_cache, bad, none, meta.decode_ctx_lens, 0.125)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        ops.paged_attention_rows(out, q, k_cache, v_cache, meta.decode_block_tables, none,
+                                 torch.tensor([5, 10_000]), 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.paged_attention_rows(out, q.double(), k_cache, v_cache, meta.decode_block_tables, none,
+                                 meta.decode_ctx_lens, 0.125)
+
+
+def test_the_choice_is_reported_and_an_unknown_one_refused(kernel, monkeypatch) -> None:
+    attention.select("torch")
+    assert attention.implementation("cpu") == "torch_sdpa"
+    attention.select("kernel")
+    assert attention.implementation("cpu") == "cpu_paged_kernel"
+    assert attention.implementation("cuda") == "torch_sdpa"
+    with pytest.raises(ValueError, match="ROLLBUS_CPU_ATTENTION must be one of kernel, torch, got 'fast'"):
+        attention.select("fast")
+
+
+# --- building, falling back, reporting ---------------------------------------------------------------
+
+PROBE = ("from ascend_ops import attention; import torch; from tests.test_cpu_attention import paged_case, run; "
+         "out = run('kernel', paged_case([5, 40], 4, 2, 64, torch.float32)); "
+         "print('impl', attention.implementation('cpu'), bool(torch.isfinite(out).all()))")
+
+
+def probe(env: dict[str, str], cache: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PROBE], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), cpu_kernels.CACHE_ENV: str(cache), **env})
+
+
+def test_without_a_compiler_the_torch_path_serves_and_one_warning_says_why(tmp_path) -> None:
+    out, err = probe({"CXX": "/nonexistent/c++"}, tmp_path).communicate(timeout=240)
+    assert "impl torch_sdpa True" in out, out + err
+    assert err.count("CPU kernels unavailable, using the torch path instead") == 1, err
+
+
+@pytest.mark.slow  # compiles the extension into a fresh folder (~20-60 s)
+def test_processes_starting_together_build_once_even_after_a_builder_was_killed(tmp_path) -> None:
+    first = probe({}, tmp_path)
+    folder = cpu_kernels.build_dir(cpu_kernels._source(), cpu_kernels.cflags()).name
+    deadline = time.monotonic() + 120
+    while not (tmp_path / folder / "main.cpp").exists():  # the build has begun: kill it mid-compile
+        assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    first.kill()
+    first.communicate(timeout=60)
+    procs = [probe({}, tmp_path) for _ in range(3)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert all("impl cpu_paged_kernel True" in out for out, _ in results), results
+    assert sum(err.count("compiling the CPU kernels") for _, err in results) == 1, results
+    again = probe({}, tmp_path).communicate(timeout=120)  # cached: loaded without compiling
+    assert "impl cpu_paged_kernel True" in again[0] and "compiling" not in again[1], again
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_dir):  # noqa: F811
+    work = tmp_path_factory.mktemp("cpu-attn")
+    folder = tiny_model_with_tokenizer("llama", work / "m", smollm2_dir, vocab_size=49152)
+    s = start_server(work, str(folder), "--served-model-name", "tiny", "--max-model-len", "256",
+                     "--additional-config", '{"rl_config": {"enabled": true}}')  # RL mode: /server_info
+    yield s
+    s.stop()
+
+
+def test_server_info_names_the_attention_kernel_and_it_serves(server) -> None:
+    workers = httpx.get(server.url + "/server_info", timeout=30).json()["workers"]
+    assert [w["attention"] for w in workers.values()] == ["cpu_paged_kernel"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a b c", "max_tokens": 8,
+                                                         "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_serve_refuses_an_unknown_cpu_attention(tmp_path, smollm2_dir) -> None:  # noqa: F811
+    folder = tiny_model_with_tokenizer("llama", tmp_path / "m", smollm2_dir, vocab_size=49152)
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--port",
+                        str(free_port())], env={**os.environ, "ROLLBUS_CPU_ATTENTION": "fast"},
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0 and "ROLLBUS_CPU_ATTENTION must be one of kernel, torch, got 'fast'" in r.stderr + r.stdout
+
+
+@pytest.mark.slow  # compiles the portable variant once (~20-60 s)
+def test_the_portable_loops_without_avx2_give_the_same_results(tmp_path) -> None:
+    """The plain C++ path that CPUs without AVX2/FMA get, built here on purpose, passes the same checks."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "matches_sdpa or same_bits or refused_with"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT), cpu_kernels.ENABLE_ENV: "portable"})
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "failed" not in r.stdout
