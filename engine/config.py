@@ -157,6 +157,24 @@ class EngineConfig:
 # ---------------------------------------------------------------------------------------------- values
 
 
+CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU backend: KV cache GiB, over --kv-cache-memory-bytes
+
+
+def cpu_kv_space_bytes(environ: dict[str, str]) -> int | None:
+    """vLLM's legacy CPU setting: VLLM_CPU_KVCACHE_SPACE=N (GiB) sets the KV bytes of every CPU worker and
+    wins over --kv-cache-memory-bytes, as vLLM's CpuPlatform; unset or empty: None. ValueError names it."""
+    raw = environ.get(CPU_KV_SPACE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = int(raw)
+    except ValueError:
+        raise ValueError(f"{CPU_KV_SPACE_ENV} must be a whole number of GiB, got {raw!r}") from None
+    if gib <= 0:
+        raise ValueError(f"{CPU_KV_SPACE_ENV} must be a positive number of GiB, got {gib}")
+    return gib << 30
+
+
 def human_int(value: str) -> int:
     """vLLM's human-readable integers: 25.6k = 25600 (k m g t: powers of 1000), 2K = 2048 (K M G T:
     powers of 1024, whole numbers only), else a plain int."""
@@ -777,6 +795,10 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         problems.append(f"--master-port {cfg.master_port} with --data-parallel-size {cfg.data_parallel_size}: engine "
                         f"{cfg.data_parallel_size - 1}'s tp group would rendezvous on port "
                         f"{cfg.master_port + cfg.data_parallel_size - 1} (--master-port + engine), beyond 65535")
+    try:
+        cpu_kv_space_bytes(dict(os.environ))
+    except ValueError as e:
+        problems.append(str(e))
     if cfg.distributed_timeout_seconds is not None and cfg.distributed_timeout_seconds <= 0:
         problems.append(f"--distributed-timeout-seconds must be positive, got {cfg.distributed_timeout_seconds}")
     if problems:

@@ -7,9 +7,12 @@ model; `views` are rebuilt after a re-allocation.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ascend_ops.platform import Platform, releasable_host_tensor
+from engine.config import cpu_kv_space_bytes
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -53,9 +56,12 @@ class KVCache:
 def plan_num_blocks(platform: Platform, *, bytes_per_block: int, kv_cache_memory_bytes: int | None,
                     num_blocks_override: int | None, gpu_memory_utilization: float, device_index: int) -> int:
     """How many blocks this worker can hold: an override, an explicit byte budget, or (accelerators) the
-    configured fraction of the memory left after the weights; CPU defaults to 1 GiB."""
+    configured fraction of the memory left after the weights; CPU: VLLM_CPU_KVCACHE_SPACE GiB when set, else
+    the byte budget, else 1 GiB."""
     if num_blocks_override:
         return num_blocks_override
+    if platform.name == "cpu":
+        kv_cache_memory_bytes = cpu_kv_space_bytes(os.environ) or kv_cache_memory_bytes
     if kv_cache_memory_bytes is None:
         if platform.name == "cpu":
             kv_cache_memory_bytes = CPU_DEFAULT_KV_BYTES
