@@ -14,7 +14,8 @@ the load average (`os.getloadavg`), since the machine may be shared.
 `--in-process` measures the same batch without a server: the worker's ModelRunner decodes N sequences with
 the schema against N without it (alternating rounds, seeded), and prints the median step time of each side,
 wall and CPU (the step's own thread: stable on a shared machine with `--threads 1`), their ratio, and the
-grammar's share (mask fill, sampling, matcher advance):
+grammar's share in the step's thread (mask fill: starting it and waiting for it, since it runs beside the
+model on the grammar thread; sampling; matcher advance):
 
     python bench/structured_outputs.py --in-process --threads 1
 """
@@ -101,7 +102,7 @@ def _in_process_side(model, folder: Path, a, constrained: bool, clock: _Clock) -
     runner = mr.ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"),
                             tokenizer_path=folder / "tokenizer.json",
                             structured_outputs=StructuredOutputsConfig(disable_any_whitespace=True))
-    runner.grammar.step_masks = clock.wrap("mask fill", runner.grammar.step_masks)
+    runner.grammar.step_masks = clock.wrap("mask fill", runner.grammar.step_masks)  # starts it
     runner.grammar.advance = clock.wrap("matcher advance", runner.grammar.advance)
     runner._prepare = clock.wrap("step prep", runner._prepare)
     so = StructuredOutputsParams(json=json.dumps(SCHEMA)) if constrained else None
@@ -132,6 +133,7 @@ def _in_process_side(model, folder: Path, a, constrained: bool, clock: _Clock) -
 def in_process(a) -> dict:
     import workers.model_runner as mr
     from tests.tiny_models import load_model
+    from workers.grammar import PendingMasks
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -139,6 +141,7 @@ def in_process(a) -> dict:
     model = load_model(folder)
     clock = _Clock()
     mr.sample = clock.wrap("sampling", mr.sample)
+    PendingMasks.result = clock.wrap("mask fill", PendingMasks.result)  # waits for it (if still running)
     model.forward = clock.wrap("model", model.forward)  # the layers (nn.Module.__call__ calls the instance's)
     model.compute_logits = clock.wrap("LM head", model.compute_logits)
     sides: dict[str, list[dict[str, float]]] = {"plain": [], "json_schema": []}

@@ -249,6 +249,33 @@ def test_mask_cost_for_a_batch_of_64(engine):
     assert best / 64 < 1e-3, f"{best * 1e3:.2f} ms for 64 rows"
 
 
+def test_masks_filled_while_the_model_runs_are_those_of_the_step_they_were_started_for(engine):
+    """step_masks fills on the grammar thread (the runner starts it before the forward pass); its masks are
+    the ones the matchers' state called for when it started, even when `advance` comes right after (it
+    waits for the fill), and they equal a fill done in the caller's thread."""
+    so = StructuredOutputsParams(json=json.dumps(PERSON))
+    rows = [_row(engine, so) for _ in range(64)]
+    twins = [engine.start(so, [2]) for _ in range(64)]
+    prefix = engine._tok.tokenize_str('{"name":"Bo')
+    for r, t in zip(rows, twins):
+        r.grammar.matcher.consume_tokens(prefix)
+        t.matcher.consume_tokens(prefix)
+    ids = [f"s{i}" for i in range(64)]
+    engine.live.update(ids)
+    try:
+        pending = engine.step_masks(rows)
+        engine.advance(ids, rows, engine._tok.tokenize_str("b")[:1] * 64)  # moves every matcher on
+        assert not engine.take_errors()
+        masks = pending.result()
+    finally:
+        engine.live.difference_update(ids)
+    same = engine.fill(list(range(64)), twins)
+    assert masks.rows == same.rows == list(range(64))
+    assert torch.equal(masks.bitmask, same.bitmask)
+    moved = engine.fill(list(range(64)), [r.grammar for r in rows])
+    assert not torch.equal(moved.bitmask, same.bitmask)  # the advance did move them: a later state's masks
+
+
 def test_forced_stream_reassembles_to_the_whole_result():
     text = '[{"name": "add", "parameters": {"a": 1, "b": {"x": "}],"}}}, {"name": "get_weather", "parameters": {}}]'
     for step in (1, 3, 7):
