@@ -249,6 +249,62 @@ def test_mask_cost_for_a_batch_of_64(engine):
     assert best / 64 < 1e-3, f"{best * 1e3:.2f} ms for 64 rows"
 
 
+def test_masks_filled_while_the_model_runs_are_those_of_the_step_they_were_started_for(engine):
+    """step_masks fills on the grammar thread (the runner starts it before the forward pass); its masks are
+    the ones the matchers' state called for when it started, even when `advance` comes right after (it
+    waits for the fill), and they equal a fill done in the caller's thread."""
+    so = StructuredOutputsParams(json=json.dumps(PERSON))
+    rows = [_row(engine, so) for _ in range(64)]
+    twins = [engine.start(so, [2]) for _ in range(64)]
+    prefix = engine._tok.tokenize_str('{"name":"Bo')
+    for r, t in zip(rows, twins):
+        r.grammar.matcher.consume_tokens(prefix)
+        t.matcher.consume_tokens(prefix)
+    ids = [f"s{i}" for i in range(64)]
+    engine.live.update(ids)
+    try:
+        pending = engine.step_masks(rows)
+        engine.advance(ids, rows, engine._tok.tokenize_str("b")[:1] * 64)  # moves every matcher on
+        assert not engine.take_errors()
+        masks = pending.result()
+    finally:
+        engine.live.difference_update(ids)
+    same = engine.fill(list(range(64)), twins)
+    assert masks.rows == same.rows == list(range(64))
+    assert torch.equal(masks.bitmask, same.bitmask)
+    moved = engine.fill(list(range(64)), [r.grammar for r in rows])
+    assert not torch.equal(moved.bitmask, same.bitmask)  # the advance did move them: a later state's masks
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_a_masked_row_samples_the_same_bits_alone_and_in_any_batch(engine, mode):
+    """A seeded constrained row's token, logprob and mass do not depend on its batch: alone, among masked rows
+    only (the sampler's one-softmax path) or among plain and masked rows (its partial path)."""
+    so = StructuredOutputsParams(json=json.dumps(PERSON))
+    prefix = engine._tokenizer().tokenize_str('{"name":"Bo')
+
+    def row(i, constrained=True):
+        p = SamplingParams(temperature=1.0, seed=i, logprobs=2, return_sampling_mass=True,
+                           structured_outputs=so if constrained else None)
+        g = engine.start(so, [2]) if constrained else None
+        if g is not None:
+            g.matcher.consume_tokens(prefix)
+        return RowState(p, [2], [1], [], torch.Generator().manual_seed(i), g)
+
+    logits = torch.randn(16, 49152, generator=torch.Generator().manual_seed(1)) * 4
+
+    def first(rows, at):
+        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+        out = sample(logits[at], rows, torch.Generator().manual_seed(0), mode,
+                     engine.fill(idx, [rows[i].grammar for i in idx]))
+        return (int(out.token_ids[0]), out.logprobs[0].item(), out.topk_logprobs[0].tolist(),
+                out.sampling_mass[0].item())
+
+    alone = first([row(0)], [0])
+    assert first([row(0)] + [row(i) for i in range(1, 16)], list(range(16))) == alone
+    assert first([row(0)] + [row(i, constrained=i % 2 == 0) for i in range(1, 16)], list(range(16))) == alone
+
+
 def test_forced_stream_reassembles_to_the_whole_result():
     text = '[{"name": "add", "parameters": {"a": 1, "b": {"x": "}],"}}}, {"name": "get_weather", "parameters": {}}]'
     for step in (1, 3, 7):

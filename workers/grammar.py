@@ -6,8 +6,13 @@ sampling state, and the batch's token bitmask per step.
   with a constraint compiles it (llguidance drops the GIL while it builds), later ones start from a copy
   of the cached matcher, which is microseconds.
 - Per step, for the sampled rows that carry a matcher (and only then: a batch without constraints does no
-  mask work at all), one int32 bitmask [rows, ceil(V / 32)] is filled (llguidance, tens of microseconds per row)
-  and applied to those rows' logits by the sampler (workers/sampler.py) before the draw.
+  mask work at all), one int32 bitmask [rows, ceil(V / 32)] is filled (llguidance, microseconds to tens of
+  microseconds per row) and applied to those rows' logits by the sampler (workers/sampler.py) before the draw.
+  The fill overlaps the forward pass, as vLLM's does: the runner starts it (`step_masks`) once the step's
+  sampled rows are known, before the model runs, on the grammar thread, where one llguidance executor call
+  fills every row with the GIL released; the runner waits for it (`PendingMasks.result`) just before sampling.
+  The matchers were advanced by the previous step's tokens; `advance` (the only thing that moves them) first
+  waits for a fill still under way, so a step that fails between the two never races the grammar thread.
 - Each sampled or forced (trace-replay) token advances the matcher once: the runner samples a sequence
   only at its last known token, so a recompute after preemption or a prefix-cache hit, which re-runs
   positions whose tokens are known, never advances it again.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -77,6 +83,23 @@ class StepMasks:
     bitmask: torch.Tensor  # int32 [len(rows), ceil(V / 32)]
 
 
+class PendingMasks:
+    """A step's bitmask while llguidance fills it; `result()` waits for it (once) and returns the StepMasks."""
+
+    def __init__(self, engine: GrammarEngine, live: list[tuple[int, SeqGrammar]], bitmask: torch.Tensor,
+                 filling: Future | None):
+        self._engine, self._live, self._bitmask, self._filling = engine, live, bitmask, filling
+        self._masks: StepMasks | None = None
+
+    def result(self) -> StepMasks:
+        if self._masks is None:
+            if self._filling is not None:
+                self._filling.result()  # llguidance's error, if any, raises here
+                self._filling = None
+            self._masks = self._engine.finish_masks(self._live, self._bitmask)
+        return self._masks
+
+
 class GrammarEngine:
     """The worker's llguidance tokenizer (built on first use, about a second for a 150k vocabulary),
     compiled-grammar cache and executor."""
@@ -90,6 +113,9 @@ class GrammarEngine:
         self._tok_error: str | None = None
         self._builder: threading.Thread | None = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._executor = None  # llguidance.LLExecutor, one thread: fills a step's rows in one call, GIL released
+        self._thread: ThreadPoolExecutor | None = None  # where that call runs while the model does (step_masks)
+        self._filling: Future | None = None  # the last fill started there
         self.live: set[str] = set()  # sequences with a matcher: empty means no mask work at all
         self._errors: list[tuple[str, ErrorInfo]] = []
 
@@ -111,17 +137,21 @@ class GrammarEngine:
     def forget(self, seq_id: str) -> None:
         self.live.discard(seq_id)
 
-    def step_masks(self, rows: list[RowState]) -> StepMasks | None:
-        """The bitmask of the step's sampled rows (None, at no cost, when no live sequence is constrained)."""
+    def step_masks(self, rows: list[RowState]) -> PendingMasks | None:
+        """Starts filling the bitmask of the step's sampled rows on the grammar thread, to overlap the forward
+        pass (None, at no cost, when no row is constrained); the matchers must not move until its result()."""
         if not self.live:
             return None
         idx = [i for i, r in enumerate(rows) if r.grammar is not None]
-        return self.fill(idx, [rows[i].grammar for i in idx]) if idx else None
+        return self._start_fill(idx, [rows[i].grammar for i in idx], background=True) if idx else None
 
     def advance(self, seq_ids: list[str], rows: list[RowState], tokens: list[int]) -> None:
         """Each sampled (or forced) token advances its sequence's matcher once."""
         if not self.live:
             return
+        if self._filling is not None:  # normally done already: the runner sampled with its result
+            self._filling.exception()
+            self._filling = None
         eos = self.eos_token
         for sid, r, tok in zip(seq_ids, rows, tokens):
             g = r.grammar
@@ -198,19 +228,36 @@ class GrammarEngine:
         return int(self._tok.eos_token) if self._tok is not None else -1
 
     def fill(self, rows: list[int], grammars: list[SeqGrammar]) -> StepMasks | None:
-        """The bitmask of the sampled rows whose matcher still constrains (None when there are none)."""
+        """The bitmask of the sampled rows whose matcher still constrains (None when there are none), now."""
+        pending = self._start_fill(rows, grammars, background=False)
+        return pending.result() if pending is not None else None
+
+    def _start_fill(self, rows: list[int], grammars: list[SeqGrammar], background: bool) -> PendingMasks | None:
         live = [(i, g) for i, g in zip(rows, grammars) if not g.terminated]
         if not live:
             return None
+        import llguidance
+
+        if self._executor is None:
+            # one thread: a pool on a busy host costs more than it saves; the point is the released GIL.
+            # (llguidance.torch is not imported: it runs torch.compile at import, seconds.)
+            self._executor = llguidance.LLExecutor(num_threads=1)
         bitmask = torch.empty(len(live), self.words, dtype=torch.int32)
-        # llguidance writes each row's words in place (llguidance.torch is not imported: it runs torch.compile
-        # at import, seconds). One thread: on a busy host the executor's pool costs more than it saves.
-        ptr, row_bytes = bitmask.data_ptr(), self.words * 4
-        for k, (_, g) in enumerate(live):
-            g.matcher.unsafe_compute_mask_ptr(ptr + k * row_bytes, row_bytes)  # type: ignore[attr-defined]
+        # llguidance writes row k's words at data_ptr + k * row bytes
+        args = ([(g.matcher, k) for k, (_, g) in enumerate(live)], bitmask.data_ptr(), self.words * 4, len(live))
+        if not background:
+            self._executor.unsafe_compute_mask_ptr(*args)
+            return PendingMasks(self, live, bitmask, None)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._filling = self._thread.submit(self._executor.unsafe_compute_mask_ptr, *args)
+        return PendingMasks(self, live, bitmask, self._filling)
+
+    def finish_masks(self, live: list[tuple[int, SeqGrammar]], bitmask: torch.Tensor) -> StepMasks:
+        """The filled bitmask, with the grammar's EOS bit standing for the request's EOS ids."""
         eos = self.eos_token
         words = bitmask.numpy().view(np.uint32)
-        for k, (_, g) in enumerate(live):  # the grammar's EOS bit stands for the request's EOS ids
+        for k, (_, g) in enumerate(live):
             w = words[k]
             if g.eos_ids and 0 <= eos < self.vocab_size and (int(w[eos >> 5]) >> (eos & 31)) & 1:
                 w[eos >> 5] &= np.uint32(~(1 << (eos & 31)) & 0xFFFFFFFF)
@@ -220,14 +267,16 @@ class GrammarEngine:
         return StepMasks([i for i, _ in live], bitmask)
 
 
-def apply_masks(z: torch.Tensor, masks: StepMasks) -> None:
-    """-inf on the logits [S, V] of each masked row where its bitmask has a 0 bit, in place: the words are
-    inverted (tiny), unpacked to one byte per token and viewed as bool, so each row is one masked_fill."""
-    v = z.shape[1]
+def apply_masks(z: torch.Tensor, masks: StepMasks) -> torch.Tensor:
+    """The logits [S, V] with -inf in each masked row where its bitmask has a 0 bit, as a new tensor (`z` is
+    not modified): the words are inverted (tiny), unpacked to one byte per token and viewed as bool, and one
+    torch.where writes the result. One pass that writes fresh memory costs about half of a copy followed by
+    an in-place masked_fill (whose conditional stores are slow on CPU); the values are the same bits."""
+    n, v = z.shape
     banned = np.unpackbits((~masks.bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :v]
-    ban = torch.from_numpy(banned.view(np.bool_))
-    if len(masks.rows) == z.shape[0]:
-        z.masked_fill_(ban, float("-inf"))
-        return
-    for k, i in enumerate(masks.rows):
-        z[i].masked_fill_(ban[k], float("-inf"))
+    if len(masks.rows) == n:
+        ban = torch.from_numpy(banned.view(np.bool_))
+    else:  # rows without a mask ban nothing
+        ban = torch.zeros(n, v, dtype=torch.bool)
+        ban.numpy()[masks.rows] = banned.view(np.bool_)
+    return torch.where(ban, float("-inf"), z)

@@ -92,6 +92,10 @@ class ModelRunner:
         if not plan.seq_ids:
             return self._result(plan, [], None, t0)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
+        row_states = [self.seqs[s].row for s in sample_ids]
+        # structured outputs: the sampled rows' grammar masks fill on the grammar thread while the model runs
+        # (tp rank 0 only: it samples); None when no row is constrained (workers/grammar.py)
+        pending = self.grammar.step_masks(row_states) if sample_ids and not self.tp.rank else None
         out = None
         with torch.inference_mode():
             if routes is None:
@@ -107,9 +111,8 @@ class ModelRunner:
                 # on every platform; on accelerators this costs one [S, V] copy per step.
                 logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)])
                 if logits is not None:  # None: a tp rank above 0, which gets rank 0's tokens instead
-                    rows = [self.seqs[s].row for s in sample_ids]
-                    masks = self.grammar.step_masks(rows)
-                    out = sample(logits.float().cpu(), rows, self.generator, self.logprobs_mode, masks)
+                    masks = pending.result() if pending is not None else None
+                    out = sample(logits.float().cpu(), row_states, self.generator, self.logprobs_mode, masks)
         toks = out.token_ids.tolist() if out is not None else []
         if self.tp.size > 1 and sample_ids:  # rank 0's draws, on every rank (one broadcast)
             shared = out.token_ids if out is not None else torch.empty(len(sample_ids), dtype=torch.int64)
@@ -119,7 +122,7 @@ class ModelRunner:
             st.tokens.append(tok)
             st.row.output_token_ids.append(tok)
         if toks and self.grammar.live:  # every rank's matchers follow the tokens (rank 0's masks decided them)
-            self.grammar.advance(sample_ids, [self.seqs[s].row for s in sample_ids], toks)
+            self.grammar.advance(sample_ids, row_states, toks)
         if self.tp.rank:  # a tp rank above 0: rank 0 reports; an empty result acks the step
             for sid in sample_ids:
                 self.seqs[sid].prompt_lp_parts = None

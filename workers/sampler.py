@@ -66,7 +66,8 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     """logits [S, V] fp32 (not modified); masks: the grammar bitmask of the constrained rows, if any."""
     n, vocab = logits.shape
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    z = logits.clone() if masks is not None or _needs_edit(rows) else logits
+    # a private copy only for in-place edits: the grammar mask writes a new tensor (apply_masks)
+    z = logits.clone() if _needs_edit(rows) else logits
     _apply_penalties(z, rows)
     processed_mode = logprobs_mode.startswith("processed")
     want_lp = [r.params.logprobs is not None for r in rows]
@@ -89,7 +90,7 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     if masks is None:
         _mask_until_min_tokens(z, rows)
     else:
-        _apply_grammar_and_ban(z, masks, rows)
+        z = _apply_grammar_and_ban(z, masks, rows)
 
     processed = None  # [len(proc), V] processed logits
     if proc:
@@ -99,7 +100,9 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
             t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
             scaled = z[proc] / t
         drawn = [i for i, row in enumerate(proc) if not greedy[row]]
-        if drawn:  # greedy rows are not filtered (vLLM resets their top_k/top_p/min_p)
+        # greedy rows are not filtered (vLLM resets their top_k/top_p/min_p); rows without a filter (a masked
+        # batch at temperature 1) skip the gather and scatter of their [rows, V] logits
+        if drawn and any(_filters(rows[proc[i]]) for i in drawn):
             scaled[drawn] = _filter(scaled[drawn], [rows[proc[i]] for i in drawn])
         processed = scaled
 
@@ -115,12 +118,16 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
         elif all(plain[i] for i in draw):
             probs = raw_logprobs[draw].exp()
         else:
-            probs = torch.empty(len(draw), vocab, dtype=logits.dtype)
-            ks = [k for k, i in enumerate(draw) if plain[i]]
-            if ks:
-                probs[ks] = raw_logprobs[[draw[k] for k in ks]].exp()
             ks = [k for k, i in enumerate(draw) if not plain[i]]  # one batched softmax (many masked rows)
-            probs[ks] = torch.softmax(processed[[pos[draw[k]] for k in ks]], dim=-1)
+            sel = [pos[draw[k]] for k in ks]
+            src = processed if sel == list(range(len(processed))) else processed[sel]  # no gather when all
+            if len(ks) == len(draw):  # a masked batch: every drawn row is processed
+                probs = torch.softmax(src, dim=-1)
+            else:
+                probs = torch.empty(len(draw), vocab, dtype=logits.dtype)
+                probs[ks] = torch.softmax(src, dim=-1)
+                ks = [k for k, i in enumerate(draw) if plain[i]]
+                probs[ks] = raw_logprobs[[draw[k] for k in ks]].exp()
         token_ids[draw] = _draw(probs, [rows[i] for i in draw], default_generator)
     for i, tok in enumerate(trace):
         if tok is not None:
@@ -234,16 +241,17 @@ def _mask_until_min_tokens(logits: torch.Tensor, rows: list[RowState]) -> None:
                 logits[i, banned] = float("-inf")
 
 
-def _apply_grammar_and_ban(z: torch.Tensor, masks: StepMasks, rows: list[RowState]) -> None:
-    """The grammar mask, then the min_tokens ban; where both together leave nothing (the grammar can only
-    end while EOS is still banned) the grammar wins, so the row always has a token to draw."""
-    apply_masks(z, masks)
+def _apply_grammar_and_ban(z: torch.Tensor, masks: StepMasks, rows: list[RowState]) -> torch.Tensor:
+    """The grammar mask, then the min_tokens ban, as a new tensor; where both together leave nothing (the
+    grammar can only end while EOS is still banned) the grammar wins, so the row always has a token to draw."""
+    z = apply_masks(z, masks)
     banned = [i for i in masks.rows if len(rows[i].output_token_ids) < rows[i].params.min_tokens]
     kept = z[banned].clone() if banned else None
     _mask_until_min_tokens(z, rows)
     for k, i in enumerate(banned):
         if bool(torch.isneginf(z[i]).all()):
             z[i] = kept[k]
+    return z
 
 
 def _filter(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
