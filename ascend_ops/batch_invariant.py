@@ -76,12 +76,41 @@ class Kernels:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose row i depends only on row i: x [M, K] padded to a multiple of ROW_MULTIPLE rows."""
+    """A linear whose row i depends only on row i: x [M, K] padded to a multiple of ROW_MULTIPLE rows.
+
+    A CPU parameter multiplies on its oneDNN pre-packed copy (ascend_ops.packed_linear), as in default mode:
+    that product is row-invariant for M >= ROW_MULTIPLE, as F.linear is, and `self_check` measures both on
+    the model's own parameters at start-up. With autograd (the trainer side, engine.trainer) the forward
+    is the same packed product, so its bits are the engine's, and the backward is F.linear's."""
     m = x.shape[0]
     pad = (-m) % ROW_MULTIPLE
-    if pad:
-        return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:m]
-    return F.linear(x, weight, bias)
+    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+    if not _packed.packable(xp, weight):
+        out = F.linear(xp, weight, bias)
+    elif torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                      or (bias is not None and bias.requires_grad)):
+        out = _PackedLinear.apply(xp, weight, bias)
+    else:
+        out = _packed.linear(xp, weight, bias)
+    return out[:m] if pad else out
+
+
+class _PackedLinear(torch.autograd.Function):
+    """The packed product forward; F.linear's gradients backward (within float tolerance of HF's)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _packed.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        gx = grad @ weight if ctx.needs_input_grad[0] else None
+        gw = grad.transpose(0, 1) @ x if ctx.needs_input_grad[1] else None
+        gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
 
 
 class _Silu(torch.autograd.Function):
@@ -241,7 +270,8 @@ def _linear_weights(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, t
             elif w.dim() != 2 or name != "weight":
                 continue
             bias = getattr(mod, "bias", None) if name == "weight" else None
-            out.setdefault((tuple(w.shape), bias is not None), (w.detach(), None if bias is None else bias.detach()))
+            # the parameters themselves (not detached copies): CPU parameters take the packed path
+            out.setdefault((tuple(w.shape), bias is not None), (w, bias))
     return out
 
 

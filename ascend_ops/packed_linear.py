@@ -10,12 +10,14 @@ weight once (`torch.ops.mkldnn._reorder_linear_weight`) and multiplies on the re
 The packed copy lives on the parameter it was made from (attribute `_rollbus_packed`, with the storage
 address it was packed from) and is rebuilt on first use after it is dropped. Anything that changes weights
 in place must call `forget(model)` afterwards (the worker does, after every command that may touch weights:
-updates, sleep, wake, reloads); a parameter whose `.data` was swapped is repacked on its own because its
-storage address changed. Tensors that are not `nn.Parameter`s (per-expert slices, activations) take plain
-`F.linear`: packing a temporary costs more than it saves.
+updates, sleep, wake, reloads); a parameter whose `.data` was swapped (its storage address changed) or that
+was written in place through itself (its version counter moved: an optimizer step) is repacked on its own.
+Writes through `.data` or another alias move neither, hence `forget`. Tensors that are not `nn.Parameter`s
+(per-expert slices, activations) take plain `F.linear`: packing a temporary costs more than it saves.
 
-Only for the default kernels on CPU; batch-invariant mode keeps its own row-invariant linear, and
-accelerators their vendor GEMMs. `ROLLBUS_CPU_PACKED_LINEAR=0` turns packing off (plain `F.linear`).
+Default and batch-invariant kernels on CPU (the packed product is row-invariant for four rows or more, and
+the invariant linear pads to that; its start-up self-check measures it); accelerators keep their vendor
+GEMMs. `ROLLBUS_CPU_PACKED_LINEAR=0` turns packing off (plain `F.linear`).
 """
 
 from __future__ import annotations
@@ -62,10 +64,16 @@ def describe() -> str:
     return "onednn-prepacked" if why is None else f"torch (packed off: {why})"
 
 
+def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` multiplies this on a packed copy (else it is plain F.linear)."""
+    return (isinstance(weight, nn.Parameter) and weight.device.type == "cpu" and weight.dtype in _DTYPES
+            and x.dtype == weight.dtype and weight.dim() == 2 and weight.numel() > 0 and available() is None)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, on the weight's packed copy when it is a CPU parameter of a packable dtype."""
-    if (not isinstance(weight, nn.Parameter) or weight.device.type != "cpu" or weight.dtype not in _DTYPES
-            or x.dtype != weight.dtype or weight.dim() != 2 or weight.numel() == 0 or available() is not None):
+    """F.linear, on the weight's packed copy when it is a CPU parameter of a packable dtype (no autograd:
+    ascend_ops.batch_invariant wraps it for the trainer side)."""
+    if not packable(x, weight):
         return F.linear(x, weight, bias)
     packed = _packed(weight)
     if x.dim() != 2:
@@ -77,10 +85,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _packed(weight: nn.Parameter) -> torch.Tensor:
     entry = getattr(weight, _ATTR, None)
-    ptr = weight.data_ptr()
-    if entry is None or entry[0] != ptr:
+    key = (weight.data_ptr(), weight._version)  # a .data swap, or an in-place write through the parameter
+    if entry is None or entry[0] != key:
         with torch.no_grad():
-            entry = (ptr, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
+            entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
         setattr(weight, _ATTR, entry)
     return entry[1]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check, silu_and_mul
 from bench import batch_invariance as bench
@@ -164,8 +165,10 @@ def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_fold
         checked = self_check(_load(tiny_folders[arch], torch.float32, INVARIANT), block_size=16)
         assert {"linear", "paged_attention", "rms_norm", "rotary", "log_softmax"} <= set(checked)
         assert ("moe" in checked) == (arch == "qwen3_moe")
+    # plain F.linear (not padded, not packed: what default mode ran before it packed weights) is not
     with pytest.raises(BatchInvarianceUnavailable, match=r"cpu \(float32\): the linear \[64 -> 1000\] kernel"):
-        self_check(_load(tiny_folders["llama"], torch.float32, DEFAULT), block_size=16)
+        self_check(_load(tiny_folders["llama"], torch.float32, dataclasses.replace(INVARIANT, linear=F.linear)),
+                   block_size=16)
     with pytest.raises(BatchInvarianceUnavailable, match="paged attention"):
         self_check(_load(tiny_folders["llama"], torch.bfloat16, DEFAULT), block_size=16)
     if torch.get_num_threads() >= 2:  # the default F.silu: a row cut by a thread split gets other bits

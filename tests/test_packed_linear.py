@@ -83,3 +83,34 @@ def test_model_load_weights_drops_the_packs(tmp_path):
     model.load_weights([("lm_head.weight", new)])
     assert pl.packed_bytes(model) == 0
     torch.testing.assert_close(pl.linear(x, lm), F.linear(x, new), rtol=1e-5, atol=1e-4)
+
+
+def test_an_in_place_write_through_the_parameter_repacks_without_forget():
+    """An optimizer step writes through the parameter (its version counter moves): the next product packs
+    the new values."""
+    w = nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        pl.linear(x, w)
+        w.add_(1.0)
+        torch.testing.assert_close(pl.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_invariant_linear_trains_with_the_engines_forward_bits():
+    """Trainer side (engine.trainer): with autograd the invariant linear's forward is the same packed
+    product the engine runs (bitwise), and its gradients are F.linear's."""
+    from ascend_ops import batch_invariant as bi
+
+    w, b = nn.Parameter(torch.randn(48, 40)), nn.Parameter(torch.randn(48))
+    x = torch.randn(6, 40, requires_grad=True)
+    y = bi.linear(x, w, b)
+    with torch.inference_mode():
+        engine = bi.linear(x.detach(), w, b)
+    assert torch.equal(y.detach(), engine)
+    g = torch.randn_like(y)
+    y.backward(g)
+    gx, gw, gb = x.grad, w.grad, b.grad
+    x.grad = w.grad = b.grad = None
+    F.linear(x, w, b).backward(g)
+    for got, want in ((gx, x.grad), (gw, w.grad), (gb, b.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
