@@ -370,8 +370,23 @@ class WorkerActor:
         if plan.seq_ids:
             send(self.results, result)
 
+    def _await_wake(self, timeout_s: float = 10.0) -> None:
+        """A plan can overtake the wake_up command sent before it (they travel on different sockets): handle
+        the pending commands first, so the step never runs on released memory (`_refusal` answers a plan
+        that still finds this worker asleep)."""
+        poller = zmq.Poller()
+        for s in self.link.sockets:
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while self.sleep.asleep and time.monotonic() < deadline:
+            for sock, _ in poller.poll(100):
+                self.link.handle(sock)
+
     def _refusal(self, plan: StepPlan) -> ErrorInfo | None:
         """Why this worker must not compute `plan` (None: it can)."""
+        if self.sleep.asleep:  # never compute on released memory
+            return ErrorInfo("Asleep", f"{self.name} got step {plan.step_id} while its "
+                             f"{', '.join(sorted(self.sleep.asleep))} sleep: /wake_up first", self.name, 503)
         if self.weights_lost is not None:  # never compute with a version not in service
             why = control_state.weights_lost_message(self.link.state) or f"weight version {self.weights_lost!r} lost"
             return ErrorInfo("WeightVersionLost", why, self.name, 503)
