@@ -91,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                       or (bias is not None and bias.requires_grad)):
         out = _PackedLinear.apply(xp, weight, bias)
     else:
-        out = _packed.linear(xp, weight, bias)
+        out = _packed.product(xp, weight, bias)
     return out[:m] if pad else out
 
 
@@ -102,7 +102,7 @@ class _PackedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _packed.linear(x, weight, bias)
+        return _packed.product(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -73,8 +73,11 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, on the weight's packed copy when it is a CPU parameter of a packable dtype (no autograd:
     ascend_ops.batch_invariant wraps it for the trainer side)."""
-    if not packable(x, weight):
-        return F.linear(x, weight, bias)
+    return product(x, weight, bias) if packable(x, weight) else F.linear(x, weight, bias)
+
+
+def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product on the packed copy, for a caller that has checked `packable` already."""
     packed = _packed(weight)
     if x.dim() != 2:
         lead = x.shape[:-1]
