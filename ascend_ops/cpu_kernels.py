@@ -104,7 +104,10 @@ def _build(source: str, flags: list[str], folder: Path, name: str) -> Path:
 @functools.cache
 def ops():
     """torch.ops.rollbus_cpu, or None where the kernels cannot be used (`unavailable()` says why)."""
-    if os.environ.get(ENABLE_ENV, "1") == "0":
+    value = os.environ.get(ENABLE_ENV) or "1"
+    if value not in ("0", "1", "portable"):
+        raise ValueError(f"{ENABLE_ENV} must be 0, 1 or portable, got {value!r}")
+    if value == "0":
         _reason.append(f"{ENABLE_ENV}=0")
         return None
     try:

@@ -40,7 +40,10 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def available() -> str | None:
     """None when packed linears work here, else why not (checked once per process on a small product)."""
-    if os.environ.get(ENV, "1").strip() in ("0", "false", "no", "off"):
+    value = os.environ.get(ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    if value == "0":
         return f"{ENV}=0"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"

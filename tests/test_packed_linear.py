@@ -114,3 +114,15 @@ def test_the_invariant_linear_trains_with_the_engines_forward_bits():
     F.linear(x, w, b).backward(g)
     for got, want in ((gx, x.grad), (gw, w.grad), (gb, b.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", ["yes", "off", "2"])
+def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch, value):
+    monkeypatch.setenv(pl.ENV, value)
+    pl.available.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"ROLLBUS_CPU_PACKED_LINEAR must be 0 or 1, got '{value}'"):
+            pl.available()
+    finally:
+        monkeypatch.delenv(pl.ENV)
+        pl.available.cache_clear()

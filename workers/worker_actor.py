@@ -170,14 +170,15 @@ class WorkerActor:
                                       device=device, nz_mode=extra.weight_nz_mode)
         try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
             attn = "batch_invariant" if model.kern.batch_invariant else attention.implementation(device.type)
-        except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION
+            cpu_linear = packed_linear.describe() if device.type == "cpu" else None
+        except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
             raise SystemExit(str(e)) from None
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
                      "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp, "tp_rank": rank,
                      "weight_bytes": weight_bytes(model),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
                      "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
-                     "cpu_linear": packed_linear.describe() if device.type == "cpu" else None,
+                     "cpu_linear": cpu_linear,
                      "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
