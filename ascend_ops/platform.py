@@ -93,6 +93,45 @@ def release_host_memory() -> None:
         pass
 
 
+# glibc's malloc: mallopt() parameters and the environment variables that set them before start.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+HOST_MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap, which is reused...
+HOST_TRIM_THRESHOLD = 512 << 20  # ...and keeps up to this much free memory at its top between steps
+_PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+@functools.cache
+def tune_host_allocator() -> str:
+    """Keep a CPU worker's step buffers in the process between steps; returns what is in use (each worker
+    reports it in /server_info as `host_allocator`).
+
+    glibc's malloc serves every block above its mmap threshold (128 KiB, raised as blocks are freed) from a
+    fresh mapping and trims the heap's free top after each free, so a decode step's activations, logits and
+    sampling buffers (a few MiB each) were page-faulted in anew on every step: measured on SmolLM2-135M, fp32,
+    1 thread, 64 sequences: ~7,600 page faults per step, against ~0 with the two settings here, and the step
+    ~10-15% faster. Blocks up to HOST_MMAP_THRESHOLD come from the heap, and up to HOST_TRIM_THRESHOLD of
+    free heap stays mapped (sleep's malloc_trim still hands it all back). Left alone where the user chose: a
+    MALLOC_*_ variable set, or tcmalloc / jemalloc / mimalloc in LD_PRELOAD (vLLM's CPU advice)."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    if any(name in preload for name in _PRELOADED):
+        return f"LD_PRELOAD ({preload})"
+    user = [v for v in MALLOC_ENV if v in os.environ]
+    if user:
+        return f"glibc ({', '.join(user)} from the environment)"
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD,
+                                                                                   HOST_TRIM_THRESHOLD)
+    except (OSError, AttributeError):
+        return "default (no glibc mallopt)"
+    if not ok:
+        return "glibc defaults (mallopt refused the settings)"
+    return f"glibc (mmap threshold {HOST_MMAP_THRESHOLD >> 20} MiB, trim threshold {HOST_TRIM_THRESHOLD >> 20} MiB)"
+
+
 def releasable_host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled host tensor in its own anonymous mapping, so dropping it gives the memory straight
     back to the OS (no allocator cache, no heap fragmentation) and re-creating it costs page faults
@@ -108,6 +147,32 @@ def releasable_host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
             pass
     # The tensor keeps the mapping alive; when the last view of it goes, the mapping is unmapped.
     return torch.frombuffer(mm, dtype=dtype, count=numel)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without writing to it
+
+
+def populate_host_tensor(t: torch.Tensor) -> str:
+    """Fault every page of a host tensor in now (its content is unchanged), so the steps that first write
+    to its pages do not pay for them: the KV cache, whose fresh blocks otherwise fault huge pages in (with
+    the kernel's compaction) in the middle of decode steps, one burst each time the sequences cross a block
+    boundary (measured on SmolLM2-135M, fp32, 64 sequences: ~10% of decode time, steps up to 2x slower every
+    16 tokens). Returns how: "madvise" (MADV_POPULATE_WRITE) or "write" (older kernels: zeros written over
+    the zero-filled mapping)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            start = t.data_ptr() & ~(os.sysconf("SC_PAGE_SIZE") - 1)
+            length = t.data_ptr() + nbytes - start
+            if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0:
+                return "madvise"
+        except (OSError, AttributeError):
+            pass
+        t.zero_()
+    return "write"
 
 
 BIG_COPY_BYTES = 16 << 20

@@ -1,14 +1,16 @@
 """Data parallelism on CPU: `rollbus serve -dp 2` (one thread per engine) against `-dp 1` with one thread, in
-the same run, on the RL rollout workload (64 prompts submitted at once, 64 new tokens, temperature 1.0,
-seeded, SmolLM2-135M). Every process gets OMP_NUM_THREADS=1, so -dp 2 uses two cores and -dp 1 one: the
+the same run, on the RL rollout workload (64 prompts submitted at once, exactly 64 new tokens each
+(`ignore_eos`, as bench/rollout.py's fixed-length workload), temperature 1.0, seeded, SmolLM2-135M), after a
+warm-up request on every engine. Every process gets OMP_NUM_THREADS=1, so -dp 2 uses two cores and -dp 1 one: the
 ratio says how well two engines share out the work (bar: >= 1.7x on an idle 2-core machine).
 
     python bench/data_parallel.py                 # 2 rounds, dp1 and dp2 alternating
     python bench/data_parallel.py --rounds 3 --prompts 64 --max-tokens 64 --json out.json
 
 Seeded sampling does not depend on batch-mates, so both layouts generate the same tokens; throughput is
-completion tokens over the wall time of the whole batch. The load average is printed with the result
-(`uptime`): on a machine busy with other work the ratio is not the bar's.
+completion tokens over the wall time of the whole batch. `--eos` lets sequences stop at EOS instead (the two
+engines then finish at different times, and the ratio measures that too). The load average is printed with
+the result (`uptime`): on a machine busy with other work the ratio is not the bar's.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402
 
 
-def run_layout(dp: int, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+def run_layout(dp: int, prompts: list[list[int]], max_tokens: int, fixed: bool = True) -> tuple[int, float]:
     with tempfile.TemporaryDirectory(prefix=f"rollbus-dp{dp}-") as work:
         server = start_server(Path(work), "-dp", str(dp), "--max-model-len", "2048", "--max-num-seqs", "256")
         try:
-            return asyncio.run(rollout(server.url, "HuggingFaceTB/SmolLM2-135M-Instruct", prompts, 1, max_tokens))
+            return asyncio.run(rollout(server.url, "HuggingFaceTB/SmolLM2-135M-Instruct", prompts, 1, max_tokens,
+                                       fixed=fixed, engines=dp))
         finally:
             server.stop()
 
@@ -44,6 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--eos", action="store_true", help="stop at EOS (default: exactly --max-tokens each)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # every process the servers start: one thread per engine's worker
@@ -52,13 +56,14 @@ def main() -> None:
     rates: dict[int, list[float]] = {1: [], 2: []}
     for r in range(args.rounds):
         for dp in (1, 2) if r % 2 == 0 else (2, 1):
-            tokens, seconds = run_layout(dp, prompts, args.max_tokens)
+            tokens, seconds = run_layout(dp, prompts, args.max_tokens, fixed=not args.eos)
             rates[dp].append(tokens / seconds)
             say(f"round {r + 1}: -dp {dp}: {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.0f} tok/s")
     load = os.getloadavg()
     dp1, dp2 = statistics.median(rates[1]), statistics.median(rates[2])
     result = {"dp1_tok_s": round(dp1, 1), "dp2_tok_s": round(dp2, 1), "ratio": round(dp2 / dp1, 3),
-              "rounds": args.rounds, "prompts": args.prompts, "max_tokens": args.max_tokens,
+              "rounds": args.rounds, "prompts": args.prompts, "fixed_length": not args.eos,
+              "max_tokens": args.max_tokens,
               "loadavg": [round(x, 2) for x in load], "cpus": os.cpu_count()}
     print(json.dumps(result))
     if args.json:

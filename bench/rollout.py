@@ -62,21 +62,25 @@ def say(msg: str) -> None:
 # --- rollbus -------------------------------------------------------------------------------------
 
 async def _complete(h: httpx.AsyncClient, model: str, prompt: list[int], n: int, max_tokens: int,
-                    seed: int | None, fixed: bool) -> int:
+                    seed: int | None, fixed: bool, headers: dict | None = None) -> int:
     body = {"model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": 1.0}
     if seed is not None:
         body["seed"] = seed
     if fixed:
         body["ignore_eos"] = True
-    r = await h.post("/v1/completions", json=body)
+    r = await h.post("/v1/completions", json=body, headers=headers)
     r.raise_for_status()
     return r.json()["usage"]["completion_tokens"]
 
 
 async def rollout(url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int, *, fixed: bool = False,
-                  seeds: bool = True) -> tuple[int, float]:
+                  seeds: bool = True, engines: int = 1) -> tuple[int, float]:
+    """Completion tokens and wall seconds of every prompt submitted at once, after one warm-up request per
+    data-parallel engine (`engines`, each named by its X-data-parallel-rank)."""
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=1024)) as h:
-        await _complete(h, model, prompts[0], 1, 4, 0 if seeds else None, fixed)  # warm-up
+        for rank in range(engines):
+            await _complete(h, model, prompts[0], 1, 4, 0 if seeds else None, fixed,
+                            headers={"X-data-parallel-rank": str(rank)} if engines > 1 else None)
         t0 = time.perf_counter()
         toks = await asyncio.gather(*[_complete(h, model, p, n, max_tokens, i if seeds else None, fixed)
                                       for i, p in enumerate(prompts)])

@@ -33,6 +33,7 @@ import torch
 import workers.model_runner as mr
 from ascend_ops import attention
 from ascend_ops.batch_invariant import DEFAULT
+from ascend_ops.platform import tune_host_allocator
 from bus.messages import NewSeq, StepPlan
 from engine.model_store import resolve_model
 from engine.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class Timers:
 
 
 def build(args, timers: Timers | None):
+    tune_host_allocator()  # as a CPU worker does at start (ascend_ops.platform)
     folder = resolve_model(None, progress=False)
     kern = DEFAULT
     if timers is not None:

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ascend_ops.platform import Platform, releasable_host_tensor
+from ascend_ops.platform import Platform, populate_host_tensor, releasable_host_tensor
 from engine.config import cpu_kv_space_bytes
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -37,13 +37,15 @@ class KVCache:
 
     def allocate(self) -> None:
         # Zero-filled, not uninitialised: padded decode rows read unused slots, which must be finite.
-        # On the host, an anonymous mapping is zero-filled by the kernel page by page on first touch,
-        # and goes back to the OS the moment the cache is released (sleep).
+        # On the host, an anonymous mapping (zero-filled by the kernel), which goes back to the OS the moment
+        # the cache is released (sleep); faulted in whole now, at start and at wake, as an accelerator's cache
+        # is allocated whole (ascend_ops.platform.populate_host_tensor: else decode steps pay for it).
         if self.device.type == "cpu":
             numel = 1
             for d in self.shape:
                 numel *= d
             self.tensor = releasable_host_tensor(numel, self.dtype).view(self.shape)
+            populate_host_tensor(self.tensor)
         else:
             self.tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.views = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.shape[0])]

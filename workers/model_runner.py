@@ -32,8 +32,9 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.tp_group import SOLO
-from bus.messages import PromptLogprobs, StepPlan, StepResult
+from bus.messages import NewSeq, PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
+from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
@@ -135,6 +136,26 @@ class ModelRunner:
         result.seq_errors = self.grammar.take_errors()
         result.routed_experts, result.routed_spans = routed_rows
         return result
+
+    def warm_up(self) -> float:
+        """One short greedy prefill and one decode of a throwaway sequence on KV block 0 (free: nothing is
+        cached before the first request), so that work done once per process (oneDNN packing every CPU weight,
+        loading the attention kernel, first-touch of the step's buffers: ~0.5-1.5 s on SmolLM2-135M) is paid at
+        start-up instead of by the first request, as vLLM's start-up dummy runs do. Greedy: the seeded
+        generator of unseeded requests is not touched. Every tp rank runs it at the same point (its forward
+        has collectives). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        n = max(1, min(8, self.block_size - 1))
+        sid = "\0warm-up"
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        prompt = [0] * n
+        try:
+            self.execute(StepPlan(-2, [NewSeq(sid, prompt, params, [])], [sid], [0], [n], [[0, 0]], [], 0))
+            self.execute(StepPlan(-1, [], [sid], [n], [1], [[0, 0]], [], 0))
+        finally:
+            self.seqs.pop(sid, None)
+            self.grammar.forget(sid)
+        return time.perf_counter() - t0
 
     def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
                      skipped: list[np.ndarray]) -> tuple[np.ndarray, list[list]]:

@@ -36,7 +36,7 @@ import zmq
 
 from ascend_ops import attention, packed_linear
 from ascend_ops.batch_invariant import BatchInvarianceUnavailable, kernels, self_check
-from ascend_ops.platform import current_platform
+from ascend_ops.platform import current_platform, tune_host_allocator
 from ascend_ops.tp_group import TPError, init_tp_group
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
@@ -138,6 +138,7 @@ class WorkerActor:
         self.tp_peers = set(topo.worker_names(self.engine)) - {self.name}
         self.fatal: str | None = None  # the tp group is out of step: exit (the launcher restarts us)
         model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant), self.tp)
+        host_allocator = tune_host_allocator() if device.type == "cpu" else None  # the steps' buffers, not the weights
         checked: list[str] = []
         if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
             try:
@@ -173,12 +174,13 @@ class WorkerActor:
             cpu_linear = packed_linear.describe() if device.type == "cpu" else None
         except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
             raise SystemExit(str(e)) from None
+        warm_s = self.runner.warm_up()  # once-per-process costs here, not in the first request's step
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
                      "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp, "tp_rank": rank,
                      "weight_bytes": weight_bytes(model),
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
                      "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
-                     "cpu_linear": cpu_linear,
+                     "cpu_linear": cpu_linear, "host_allocator": host_allocator, "warm_up_s": round(warm_s, 3),
                      "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
