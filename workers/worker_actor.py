@@ -344,7 +344,7 @@ class WorkerActor:
             log.warning("worker.bad_plan", error=f"a {type(plan).__name__} where a StepPlan goes")
             return
         if self.sleep.asleep and plan.seq_ids:
-            self._await_wake()
+            self._await_wake(plan.step_id)
         refusal = self._refusal(plan) if plan.seq_ids else None
         if self.tp.size > 1 and plan.seq_ids:
             try:
@@ -373,10 +373,11 @@ class WorkerActor:
         if plan.seq_ids:
             send(self.results, result)
 
-    def _await_wake(self, timeout_s: float = 10.0) -> None:
+    def _await_wake(self, step_id: int, timeout_s: float = 10.0) -> None:
         """A plan can overtake the wake_up command sent before it (they travel on different sockets): handle
         the pending commands first, so the step never runs on released memory (`_refusal` answers a plan
         that still finds this worker asleep)."""
+        log.info("worker.plan_before_wake", step=step_id, asleep=sorted(self.sleep.asleep))
         poller = zmq.Poller()
         for s in self.link.sockets:
             poller.register(s, zmq.POLLIN)
