@@ -286,13 +286,15 @@ def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Ge
     One draw per row (not one per vocabulary entry, as exponential/Gumbel races need) keeps a seeded
     row's randomness tiny and cheap; the cumulative sum runs in float64 so the 50k-entry CDF stays exact
     enough, and `right=True` never lands on a token of zero probability."""
-    u = torch.empty(len(rows), dtype=torch.float64)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=default_generator)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator)
+    if len(unseeded) == len(rows):
+        u = torch.rand(len(rows), dtype=torch.float64, generator=default_generator)
+    else:  # the seeded rows' draws gathered in Python, then one tensor: an indexed write per row cost ~1 ms / 64
+        shared = torch.rand(len(unseeded), dtype=torch.float64, generator=default_generator).tolist() if unseeded \
+            else []
+        it = iter(shared)
+        u = torch.tensor([next(it) if r.generator is None else torch.rand(1, dtype=torch.float64, generator=r.generator)
+                          .item() for r in rows], dtype=torch.float64)
     # Rows in slices of DRAW_ROWS through one float64 buffer: a whole [S, V] float64 copy and its cumsum
     # cost more in page faults than in arithmetic (each row's sum runs in the same order either way).
     n, vocab = probs.shape
