@@ -17,6 +17,7 @@ use offset").
     python bench/rollout.py                      # fp32 and bf16, prints tables
     python bench/rollout.py --dtypes float32 --vllm --json out.json --plot out.png
     python bench/rollout.py --dtypes float32 --wide --skip-hf
+    python bench/rollout.py --dtypes float32 --vllm --rollbus-dp 1 2   # rollbus as one engine and as -dp 2
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ async def rollout(url: str, model: str, prompts: list[list[int]], n: int, max_to
 
 
 def _run(name: str, url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int, fixed: bool,
-         seeds: bool = True) -> dict:
-    toks, dt = asyncio.run(rollout(url, model, prompts, n, max_tokens, fixed=fixed, seeds=seeds))
+         seeds: bool = True, engines: int = 1) -> dict:
+    toks, dt = asyncio.run(rollout(url, model, prompts, n, max_tokens, fixed=fixed, seeds=seeds, engines=engines))
     if fixed and toks != len(prompts) * n * max_tokens:
         raise RuntimeError(f"{name}: {toks} tokens, expected exactly {len(prompts) * n * max_tokens}")
     return {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
@@ -129,22 +130,27 @@ def scheduler_counters(url: str) -> dict[str, float]:
     out = dict.fromkeys(want.values(), 0.0)
     for line in httpx.get(url + "/metrics").text.splitlines():
         name = line.split("{")[0].split(" ")[0]
-        if name in want:
-            out[want[name]] = float(line.rsplit(" ", 1)[1])
+        if name in want:  # summed over engines (-dp): per-step averages stay per step
+            out[want[name]] += float(line.rsplit(" ", 1)[1])
     return out
 
 
-def bench_rollbus(dtype: str, prompts: list[list[int]], args) -> dict:
-    say(f"[rollbus {dtype}] starting the server ...")
+def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> dict:
+    """The workloads against `rollbus serve` with `dp` data-parallel engines on this host (`-dp`: each worker
+    gets its share of the cores, as rollbus serve gives it)."""
+    say(f"[rollbus {dtype}] starting the server (-dp {dp}) ...")
     work = Path(tempfile.mkdtemp(prefix="rollbus-bench-"))
     t0 = time.perf_counter()
-    server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs))
-    out: dict = {"ready_s": time.perf_counter() - t0}
+    layout = ("-dp", str(dp)) if dp > 1 else ()
+    server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
+                          *layout)
+    out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp}
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
         before = scheduler_counters(server.url)
-        out["A"] = _run("rollbus A", server.url, model, prompts[: args.num_prompts], 1, args.max_tokens, True)
+        out["A"] = _run("rollbus A", server.url, model, prompts[: args.num_prompts], 1, args.max_tokens, True,
+                        engines=dp)
         after = scheduler_counters(server.url)
         steps = after["steps"] - before["steps"]
         out["bus"] = {"steps": steps,
@@ -152,10 +158,10 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args) -> dict:
                       "compute_ms": 1e3 * (after["compute"] - before["compute"]) / steps}
         out["bus"]["hop_ms"] = out["bus"]["step_ms"] - out["bus"]["compute_ms"]
         say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
-        out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False)
+        out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False, engines=dp)
         if args.wide:
             say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
-            out["W"] = _run("rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True)
+            out["W"] = _run("rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True, engines=dp)
         for streams in (1, 32):
             say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
             out[f"C{streams}"] = asyncio.run(latency(server.url, model, prompts, streams, args.max_tokens))
@@ -282,6 +288,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=1024, help="Both servers' --max-num-seqs.")
     p.add_argument("--hf-library-defaults", action="store_true",
                    help="Run HF generate with its own sampling defaults (top_k=50) instead of rollbus's.")
+    p.add_argument("--rollbus-dp", type=int, nargs="+", default=[1], metavar="M",
+                   help="rollbus layouts to run, each as `rollbus serve -dp M` on this host (one row each; "
+                        "-dp 2 on 2 cores: two engines of one thread). Default: 1.")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
     args = p.parse_args()
@@ -294,7 +303,9 @@ def main() -> None:
     for dtype in args.dtypes:
         say(f"[machine {dtype}] large-GEMM rate ...")
         rate = gemm_rate(shape, dtype)
-        r = bench_rollbus(dtype, prompts, args)
+        layouts = {dp: bench_rollbus(dtype, prompts, args, dp) for dp in args.rollbus_dp}
+        r = layouts[args.rollbus_dp[0]]
+        r["layouts"] = {f"dp{dp}": x for dp, x in layouts.items() if x is not r}
         r["gemm_gflops"] = rate / 1e9
         r["ceiling_A"] = ceiling_tok_s(shape, [len(p) for p in prompts[: args.num_prompts]], args.max_tokens, 1, rate)
         if args.wide:
@@ -318,21 +329,25 @@ def main() -> None:
         work = [("A", f"{args.num_prompts}x{args.max_tokens} fixed"), ("B", "16 x n=8")]
         work += [("W", f"{WIDE[0]} x n={WIDE[1]} x {WIDE[2]} fixed")] if "W" in r else []
         for w, name in work:
-            ours = r[w]["tok_s"]
-            vl = r.get("vllm", {}).get(w, {}).get("tok_s")
-            hf = r.get(f"hf_{w}", {}).get("tok_s")
-            ceil = r.get(f"ceiling_{w}")
-            rows.append([dtype, name, cell(ours), cell(vl), cell(hf), cell(vl and ours / vl, "{:.2f}x"),
-                         cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}")])
+            for lay in (r, *r["layouts"].values()):
+                ours = lay[w]["tok_s"]
+                vl = r.get("vllm", {}).get(w, {}).get("tok_s")
+                hf = r.get(f"hf_{w}", {}).get("tok_s")
+                ceil = r.get(f"ceiling_{w}")
+                label = name + (f", rollbus -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
+                rows.append([dtype, label, cell(ours), cell(vl), cell(hf), cell(vl and ours / vl, "{:.2f}x"),
+                             cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}")])
     print("\nThroughput (useful tokens/s; the GEMM ceiling is the workload's FLOPs at the large-GEMM rate "
           "measured in this run: " + ", ".join(f"{d} {r['gemm_gflops']:.0f} GFLOP/s" for d, r in results.items())
           + ")\n" + table(rows))
     rows = [["dtype", "streams", "TTFT p50 ms", "TTFT max ms", "ITL p50 ms", "ITL p99 ms"]]
     for dtype, r in results.items():
-        for s in (1, 32):
-            c = r[f"C{s}"]
-            rows.append([dtype, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
-                         f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
+        for lay in (r, *r["layouts"].values()):
+            for s in (1, 32):
+                c = lay[f"C{s}"]
+                who = dtype + (f" -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
+                rows.append([who, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
+                             f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
         if "vllm" in r:
             c = r["vllm"]["C32"]
             rows.append([f"{dtype} vLLM", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
