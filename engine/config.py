@@ -43,7 +43,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # None: 0.9 on accelerators, a 1 GiB KV cache on CPU
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     seed: int = 0
@@ -157,6 +157,7 @@ class EngineConfig:
 # ---------------------------------------------------------------------------------------------- values
 
 
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default fraction of device memory
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU backend: KV cache GiB, over --kv-cache-memory-bytes
 
 
@@ -475,7 +476,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Use exactly this many KV blocks (testing and tuning).")
     g.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float,
                    default=d.gpu_memory_utilization,
-                   help="Fraction of device memory the engine may use (accelerators only).")
+                   help="Fraction of device memory the engine may use (accelerators: default 0.9 of the memory "
+                        "free after loading weights goes to the KV cache). On CPU, as vLLM's CPU backend, the "
+                        "fraction of the host's total memory one worker may hold: the KV cache gets that less what "
+                        "the worker holds after loading (weights, packed weights); unset on CPU: a 1 GiB cache. "
+                        "--kv-cache-memory-bytes and VLLM_CPU_KVCACHE_SPACE win over it.")
     g.add_argument("--enable-prefix-caching", action=Switch, negatives=["--disable-prefix-caching"],
                    default=d.enable_prefix_caching,
                    help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
@@ -789,6 +794,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     if cfg.data_parallel_rank >= cfg.data_parallel_size:
         problems.append(f"--data-parallel-rank {cfg.data_parallel_rank} is not an engine of --data-parallel-size "
                         f"{cfg.data_parallel_size} (0..{cfg.data_parallel_size - 1})")
+    if cfg.gpu_memory_utilization is not None and not 0 < cfg.gpu_memory_utilization <= 1:
+        problems.append(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
     if not 0 < cfg.master_port < 65536:
         problems.append(f"--master-port must be a port number, got {cfg.master_port}")
     elif cfg.tensor_parallel_size > 1 and cfg.master_port + cfg.data_parallel_size - 1 > 65535:

@@ -20,7 +20,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from engine.sampling_params import ParamError, SamplingParams
 from gateway.errors import bad_request, model_not_found
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
@@ -228,7 +228,9 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
             "enable_sleep_mode": cfg.enable_sleep_mode, "enable_trace_replay": cfg.enable_trace_replay,
             "generation_config": getattr(cfg, "generation_config", "auto"),
         },
-        "cache_config": {"block_size": cfg.block_size, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "cache_config": {"block_size": cfg.block_size,
+                         "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION if cfg.gpu_memory_utilization is None
+                         else cfg.gpu_memory_utilization,
                          "enable_prefix_caching": cfg.enable_prefix_caching,
                          "num_gpu_blocks_override": cfg.num_gpu_blocks_override, "num_gpu_blocks": num_blocks,
                          "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes},

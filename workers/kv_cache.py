@@ -11,8 +11,14 @@ import os
 
 import torch
 
-from ascend_ops.platform import Platform, populate_host_tensor, releasable_host_tensor
-from engine.config import cpu_kv_space_bytes
+from ascend_ops.platform import (
+    Platform,
+    host_total_bytes,
+    populate_host_tensor,
+    process_resident_bytes,
+    releasable_host_tensor,
+)
+from engine.config import CPU_KV_SPACE_ENV, DEFAULT_GPU_MEMORY_UTILIZATION, cpu_kv_space_bytes
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -56,17 +62,44 @@ class KVCache:
 
 
 def plan_num_blocks(platform: Platform, *, bytes_per_block: int, kv_cache_memory_bytes: int | None,
-                    num_blocks_override: int | None, gpu_memory_utilization: float, device_index: int) -> int:
-    """How many blocks this worker can hold: an override, an explicit byte budget, or (accelerators) the
-    configured fraction of the memory left after the weights; CPU: VLLM_CPU_KVCACHE_SPACE GiB when set, else
-    the byte budget, else 1 GiB."""
+                    num_blocks_override: int | None, gpu_memory_utilization: float | None, device_index: int) -> int:
+    """How many blocks this worker can hold: an override, an explicit byte budget, or the memory fraction.
+
+    Accelerators: the fraction (default DEFAULT_GPU_MEMORY_UTILIZATION) of the device memory free after the
+    weights. CPU, as vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE GiB, else --kv-cache-memory-bytes, else, when
+    --gpu-memory-utilization is given, that fraction of the host's total memory less what this process holds
+    already (weights, packed weights, the warm-up: call it after them), else CPU_DEFAULT_KV_BYTES. On CPU the
+    cache is committed at allocation (populate_host_tensor), so a budget over the host's available memory is
+    refused here (ValueError naming the values) instead of ending in the OOM killer."""
     if num_blocks_override:
         return num_blocks_override
-    if platform.name == "cpu":
-        kv_cache_memory_bytes = cpu_kv_space_bytes(os.environ) or kv_cache_memory_bytes
-    if kv_cache_memory_bytes is None:
-        if platform.name == "cpu":
-            kv_cache_memory_bytes = CPU_DEFAULT_KV_BYTES
-        else:
-            kv_cache_memory_bytes = int(platform.free_memory_bytes(device_index) * gpu_memory_utilization)
-    return max(1, kv_cache_memory_bytes // bytes_per_block)
+    if platform.name != "cpu":
+        if kv_cache_memory_bytes is None:
+            fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+            kv_cache_memory_bytes = int(platform.free_memory_bytes(device_index) * fraction)
+        return max(1, kv_cache_memory_bytes // bytes_per_block)
+    env = cpu_kv_space_bytes(os.environ)
+    if env is not None:
+        budget, source = env, CPU_KV_SPACE_ENV
+    elif kv_cache_memory_bytes is not None:
+        budget, source = kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+    elif gpu_memory_utilization is not None:
+        total, held = host_total_bytes(), process_resident_bytes()
+        budget, source = int(total * gpu_memory_utilization) - held, "--gpu-memory-utilization"
+        if budget < bytes_per_block:
+            raise ValueError(
+                f"--gpu-memory-utilization {gpu_memory_utilization} on CPU is {gpu_memory_utilization:.0%} of the "
+                f"host's {_gib(total)} GiB, and this worker holds {_gib(held)} GiB already (weights, packed "
+                f"weights): no room for a KV cache; raise it, or size the cache with --kv-cache-memory-bytes or "
+                f"{CPU_KV_SPACE_ENV}")
+    else:
+        budget, source = CPU_DEFAULT_KV_BYTES, "the CPU default"
+    free = platform.free_memory_bytes(device_index)
+    if budget > free:
+        raise ValueError(f"a KV cache of {_gib(budget)} GiB ({source}) does not fit the host's {_gib(free)} GiB "
+                         f"of available memory; lower it")
+    return max(1, budget // bytes_per_block)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"

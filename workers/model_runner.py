@@ -137,26 +137,6 @@ class ModelRunner:
         result.routed_experts, result.routed_spans = routed_rows
         return result
 
-    def warm_up(self) -> float:
-        """One short greedy prefill and one decode of a throwaway sequence on KV block 0 (free: nothing is
-        cached before the first request), so that work done once per process (oneDNN packing every CPU weight,
-        loading the attention kernel, first-touch of the step's buffers: ~0.5-1.5 s on SmolLM2-135M) is paid at
-        start-up instead of by the first request, as vLLM's start-up dummy runs do. Greedy: the seeded
-        generator of unseeded requests is not touched. Every tp rank runs it at the same point (its forward
-        has collectives). Returns the seconds it took."""
-        t0 = time.perf_counter()
-        n = max(1, min(8, self.block_size - 1))
-        sid = "\0warm-up"
-        params = SamplingParams(temperature=0.0, max_tokens=2)
-        prompt = [0] * n
-        try:
-            self.execute(StepPlan(-2, [NewSeq(sid, prompt, params, [])], [sid], [0], [n], [[0, 0]], [], 0))
-            self.execute(StepPlan(-1, [], [sid], [n], [1], [[0, 0]], [], 0))
-        finally:
-            self.seqs.pop(sid, None)
-            self.grammar.forget(sid)
-        return time.perf_counter() - t0
-
     def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
                      skipped: list[np.ndarray]) -> tuple[np.ndarray, list[list]]:
         """The step's routes on the host, remembered per KV slot; the positions prefix-cache hits skipped
@@ -284,3 +264,23 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     for c in meta.prefills:
         c.block_table = c.block_table.to(device)
     return meta
+
+
+def warm_up(model, *, rank: int, block_size: int, device: torch.device) -> float:
+    """One short greedy prefill and one decode of a throwaway sequence through `model`, on a KV cache of one
+    block made for it and dropped after, so that work done once per process (oneDNN packing every CPU
+    weight, loading the attention kernel, first-touch of the step's buffers: ~0.5-1.5 s on SmolLM2-135M) is
+    paid at start-up instead of by the first request, as vLLM's start-up dummy runs do, and the memory it
+    takes is resident before the KV cache is sized. Greedy, on a runner of its own: no generator or state of
+    the real runner is touched. Every tp rank runs it at the same point (its forward has collectives).
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    nl, nkv, hd = model.kv_spec
+    kv = KVCache(nl, nkv, hd, block_size, 1, next(model.parameters()).dtype, device)
+    runner = ModelRunner(model, kv, rank=rank, block_size=block_size, device=device)
+    n = max(1, min(8, block_size - 1))
+    sid = "warm-up"
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    runner.execute(StepPlan(1, [NewSeq(sid, [0] * n, params, [])], [sid], [0], [n], [[0, 0]], [], 0))
+    runner.execute(StepPlan(2, [], [sid], [n], [1], [[0, 0]], [], 0))
+    return time.perf_counter() - t0

@@ -86,7 +86,7 @@ from engine.weight_update import WeightSyncError
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
 from workers.kv_cache import KVCache, plan_num_blocks
 from workers.loader import load_model, reload_weights
-from workers.model_runner import ModelRunner
+from workers.model_runner import ModelRunner, warm_up
 from workers.sleep import SleepManager
 from workers.weight_receiver import WeightReceiver
 from workers.weight_recovery import copy_path, load_copy, save_copy
@@ -145,14 +145,24 @@ class WorkerActor:
                 checked = self_check(model, cfg.block_size)
             except BatchInvarianceUnavailable as e:
                 raise SystemExit(f"rollbus: {det.source}: {e}") from None
+        try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
+            attn = "batch_invariant" if model.kern.batch_invariant else attention.implementation(device.type)
+            cpu_linear = packed_linear.describe() if device.type == "cpu" else None
+        except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
+            raise SystemExit(str(e)) from None
+        # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
+        warm_s = warm_up(model, rank=rank, block_size=cfg.block_size, device=device)
         nl, nkv, hd = model.kv_spec
         dtype = next(model.parameters()).dtype
         per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, dtype)
-        num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
-                                     kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                                     num_blocks_override=cfg.num_gpu_blocks_override,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                     device_index=topo.local_device(self.engine, rank))
+        try:
+            num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
+                                         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+                                         num_blocks_override=cfg.num_gpu_blocks_override,
+                                         gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                         device_index=topo.local_device(self.engine, rank))
+        except ValueError as e:  # no room for a KV cache in what the flags allow
+            raise SystemExit(f"rollbus: {self.name}: {e}") from None
         if num_blocks * cfg.block_size < max_model_len:
             raise SystemExit(
                 f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
@@ -169,12 +179,6 @@ class WorkerActor:
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
                                       device=device, nz_mode=extra.weight_nz_mode)
-        try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
-            attn = "batch_invariant" if model.kern.batch_invariant else attention.implementation(device.type)
-            cpu_linear = packed_linear.describe() if device.type == "cpu" else None
-        except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
-            raise SystemExit(str(e)) from None
-        warm_s = self.runner.warm_up()  # once-per-process costs here, not in the first request's step
         self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
                      "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp, "tp_rank": rank,
                      "weight_bytes": weight_bytes(model),
