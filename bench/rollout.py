@@ -135,6 +135,17 @@ def scheduler_counters(url: str) -> dict[str, float]:
     return out
 
 
+def kv_gib(shape: Shape, dtype: str, prompts: list[list[int]], args, engines: int = 1) -> int:
+    """Whole GiB of KV cache per engine that hold every sequence of the widest workload run (W with --wide,
+    else A's and B's) at once, with 10% to spare: the same for rollbus and vLLM (VLLM_CPU_KVCACHE_SPACE)."""
+    seqs, tokens = max(args.num_prompts, 16 * 8), max(len(p) for p in prompts) + args.max_tokens
+    if args.wide:
+        seqs, tokens = max(seqs, WIDE[0] * WIDE[1]), max(tokens, max(len(p) for p in prompts[: WIDE[0]]) + WIDE[2])
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (4 if dtype == "float32" else 2)
+    need = -(-seqs // engines) * tokens * per_token * 1.1
+    return max(1, -(-int(need) // (1 << 30)))
+
+
 def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> dict:
     """The workloads against `rollbus serve` with `dp` data-parallel engines on this host (`-dp`: each worker
     gets its share of the cores, as rollbus serve gives it)."""
@@ -142,9 +153,10 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
     work = Path(tempfile.mkdtemp(prefix="rollbus-bench-"))
     t0 = time.perf_counter()
     layout = ("-dp", str(dp)) if dp > 1 else ()
+    gib = kv_gib(args.shape, dtype, prompts, args, dp)
     server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
-                          *layout)
-    out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp}
+                          "--kv-cache-memory-bytes", f"{gib}G", *layout)
+    out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
@@ -189,7 +201,7 @@ def bench_vllm(dtype: str, folder: Path, prompts: list[list[int]], args) -> dict
         raise SystemExit(f"--vllm: {py} does not exist (install vLLM's CPU build: docs/benchmarks.md)")
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="vllm-bench-")) / "vllm.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib(args.shape, dtype, prompts, args))}
     say(f"[vllm {dtype}] starting its server (about 3 minutes; log {log}) ...")
     with open(log, "w") as f:
         proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
@@ -298,7 +310,7 @@ def main() -> None:
     folder = resolve_model(None, progress=True)
     tok = Tokenizer.from_dir(folder)
     prompts = make_prompts(tok, max(WIDE[0] if args.wide else 64, args.num_prompts))
-    shape = Shape.from_config(json.loads((folder / "config.json").read_text()))
+    shape = args.shape = Shape.from_config(json.loads((folder / "config.json").read_text()))
     results: dict = {}
     for dtype in args.dtypes:
         say(f"[machine {dtype}] large-GEMM rate ...")

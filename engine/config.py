@@ -470,7 +470,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Token budget of one step; longer prefills are chunked across steps (2k, 8K work).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
     g.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
-                   help="Bytes of KV cache per worker (4G, 4GiB = 4G). Default on CPU: 1 GiB; on accelerators "
+                   help="Bytes of KV cache per worker (4G = 4 GiB, 4g = 4e9). Default on CPU: 1 GiB; on accelerators "
                         "--gpu-memory-utilization of the free memory after loading weights.")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV blocks (testing and tuning).")
