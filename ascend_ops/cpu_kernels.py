@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rollbus_cpu"
-SOURCES = ("cpu_attention.cpp",)
+SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp")  # one compile unit, in this order
 CACHE_ENV = "ROLLBUS_KERNEL_CACHE"
 ENABLE_ENV = "ROLLBUS_CPU_KERNELS"
 CHOICES = ("0", "1", "avx2", "portable")
@@ -60,7 +60,7 @@ AVX512 = ("avx512f", "avx512bw", "avx512vl")
 
 def cflags() -> list[str]:
     """-O3, plus the widest vector code this CPU runs (ROLLBUS_CPU_KERNELS caps it: portable, avx2)."""
-    flags = ["-O3"]
+    flags = ["-O3", "-ffp-contract=off"]  # a * b + c rounded twice, as torch's elementwise kernels
     cap = os.environ.get(ENABLE_ENV)
     have = _cpu_flags()
     if cap != "portable" and all(f in have for f in AVX2):
