@@ -83,7 +83,7 @@ def build(args, timers: Timers | None):
     if timers is not None:
         kern = dataclasses.replace(DEFAULT, **{k: timers.wrap(c, getattr(DEFAULT, k), inherit="LM head" if
                                                               k == "linear" else None)
-                                               for k, c in KERNEL_CLASSES.items() if getattr(DEFAULT, k)})
+                                               for k, c in KERNEL_CLASSES.items() if getattr(DEFAULT, k, None)})
     dtype = getattr(torch, args.dtype)
     model = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
     model.load_weights(iter_safetensors(folder))
