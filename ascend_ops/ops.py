@@ -88,13 +88,12 @@ def apply_rope(
 def fused_apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rope, computed in place on q and k (views of the step's fresh q/k/v product) where it can."""
+    """apply_rope in one pass over q and k (strided slices of the q/k/v product are fine)."""
     kern = _cpu_ops(q, k, cos, sin)
     if (kern is None or q.dim() != 3 or k.dim() != 3 or q.shape[-1] % 2 or q.stride(-1) != 1 or k.stride(-1) != 1
             or not cos.is_contiguous() or not sin.is_contiguous()):
         return apply_rope(q, k, cos, sin)
-    kern.rope_(q, k, cos, sin)
-    return q, k
+    return kern.rope(q, k, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // Fused elementwise kernels of the default (not batch-invariant) CPU path: RMSNorm (alone, or after the
-// residual add that precedes it), rotary embedding on q and k in place, SiLU(gate) * up. One pass over
+// residual add that precedes it), rotary embedding on q and k, SiLU(gate) * up. One pass over
 // the data and one call instead of torch's chain of ops (each its own pass, allocation and dispatch).
 // Compiled as one unit with cpu_attention.cpp (cpu_kernels.SOURCES, this file after it), whose helpers
 // (load8, hsum, exp8 under AVX2; exp_neg, to_float) it uses. The arithmetic is torch's, step by step:
@@ -142,50 +142,51 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {s, out};
 }
 
-// In place on x [T, heads, D] (HF's rotate-half layout): x * cos + rotate_half(x) * sin, cos/sin [T, D].
+// out = x * cos + rotate_half(x) * sin (HF's rotate-half layout) for x [T, heads, D] (rows strided, as the
+// q or k slice of the q/k/v product), cos/sin [T, D]; out contiguous.
 template <typename T>
-void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t heads = x.size(1), d = x.size(2), half = d / 2, s0 = x.stride(0), s1 = x.stride(1);
-  T* xp = x.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, x.size(0) * heads, std::max<int64_t>(1, 16384 / d), [&](int64_t b, int64_t e) {
-    std::vector<float> lo(half), hi(half);
     for (int64_t item = b; item < e; ++item) {
       const int64_t t = item / heads;
-      T* v = xp + t * s0 + (item % heads) * s1;
+      const T* v = xp + t * s0 + (item % heads) * s1;
       const T* c = cp + t * d;
       const T* s = sp + t * d;
+      T* o = op + item * d;
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
-        lo[i] = round_as(round_as(x1 * to_float(c[i]), T()) - round_as(x2 * to_float(s[i]), T()), T());
-        hi[i] = round_as(round_as(x2 * to_float(c[i + half]), T()) + round_as(x1 * to_float(s[i + half]), T()), T());
-      }
-      for (int64_t i = 0; i < half; ++i) {
-        v[i] = static_cast<T>(lo[i]);
-        v[i + half] = static_cast<T>(hi[i]);
+        o[i] = static_cast<T>(round_as(x1 * to_float(c[i]), T()) - round_as(x2 * to_float(s[i]), T()));
+        o[i + half] = static_cast<T>(round_as(x2 * to_float(c[i + half]), T()) + round_as(x1 * to_float(s[i + half]), T()));
       }
     }
   });
 }
 
-void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                        const at::Tensor& sin) {
   for (const at::Tensor* x : {&q, &k}) {
     TORCH_CHECK(x->device().is_cpu() && x->dim() == 3 && x->stride(2) == 1 && x->size(2) % 2 == 0 &&
                     x->size(0) == cos.size(0) && x->size(2) == cos.size(1) && x->scalar_type() == cos.scalar_type(),
-                "rope_: q, k [T, heads, D] (D even, contiguous) of cos's dtype");
+                "rope: q, k [T, heads, D] (D even, contiguous) of cos's dtype");
   }
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && sin.sizes() == cos.sizes() &&
                   sin.scalar_type() == cos.scalar_type(),
-              "rope_: cos and sin are contiguous [T, D] of one dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "rope_: float32 or bfloat16 only");
+              "rope: cos and sin are contiguous [T, D] of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "rope: float32 or bfloat16 only");
+  at::Tensor qo = at::empty(q.sizes(), q.options()), ko = at::empty(k.sizes(), k.options());
   if (q.scalar_type() == at::kFloat) {
-    rope_impl<float>(q, cos, sin);
-    rope_impl<float>(k, cos, sin);
+    rope_impl<float>(q, cos, sin, qo);
+    rope_impl<float>(k, cos, sin, ko);
   } else {
-    rope_impl<c10::BFloat16>(q, cos, sin);
-    rope_impl<c10::BFloat16>(k, cos, sin);
+    rope_impl<c10::BFloat16>(q, cos, sin, qo);
+    rope_impl<c10::BFloat16>(k, cos, sin, ko);
   }
+  return {qo, ko};
 }
 
 // silu(g) = g / (1 + e^-g). The vector exp takes min(-g, kExpMax): from ~88.4 on its 2^n is +inf (the
@@ -254,13 +255,13 @@ at::Tensor silu_and_mul(const at::Tensor& g, const at::Tensor& u) {
 TORCH_LIBRARY_FRAGMENT(rollbus_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor h, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rollbus_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_", &rope_);
+  m.impl("rope", &rope);
   m.impl("silu_and_mul", &silu_and_mul);
 }
