@@ -69,6 +69,8 @@ class Kernels:
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     moe_experts: Callable[..., torch.Tensor]
     paged_attention: Callable[..., torch.Tensor]
+    # (x + h, rms_norm(x + h)) in one pass (default mode); None: the layer adds, then calls rms_norm
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def batch_invariant(self) -> bool:
@@ -220,8 +222,8 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor
     return (out[:, 0] / L[:, 0, :, None]).to(q.dtype)
 
 
-DEFAULT = Kernels("default", _packed.linear, _ops.rms_norm, _ops.silu_and_mul, _ops.apply_rope, _ops.moe_route,
-                  _ops.moe_experts, _attention.paged_attention)
+DEFAULT = Kernels("default", _packed.linear, _ops.fused_rms_norm, _ops.fused_silu_and_mul, _ops.fused_apply_rope,
+                  _ops.moe_route, _ops.moe_experts, _attention.paged_attention, _ops.fused_add_rms_norm)
 INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
                     moe_experts, paged_attention)
 

@@ -2,7 +2,8 @@
 
 `ops()` returns torch.ops.rollbus_cpu once the extension is built and loaded, or None (with `unavailable()`
 saying why) where it cannot be: no compiler or ninja, a failed build, or ROLLBUS_CPU_KERNELS=0
-(ROLLBUS_CPU_KERNELS=portable builds the plain C++ loops only, without the AVX2 code: for tests). The first
+(ROLLBUS_CPU_KERNELS=portable builds the plain C++ loops only, =avx2 the AVX2 code without the AVX-512 code:
+for tests). The first
 process on a machine compiles (~a minute on 2 cores); every later one loads the cached library directly
 (no subprocess). Several processes starting at once (a server's workers, a test run's servers) build it
 once: the build runs under an exclusive flock on the build folder, which the OS drops if the builder dies,
@@ -11,7 +12,8 @@ so a killed build never leaves the others waiting (torch's own lock file would).
 Where: $ROLLBUS_KERNEL_CACHE if set, else torch's extension folder ($TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions/py<ver>_cpu), in a folder named by a hash of the source, the compile flags, the
 torch and Python versions; AVX2/FMA code is compiled (and its folder named so) only on CPUs that have both,
-so a cache copied to an older CPU is never loaded there.
+AVX-512 code (F, BW, VL) only on CPUs that have all three, so a cache copied to an older CPU is never loaded
+there.
 
   python -m ascend_ops.cpu_kernels     # build now (CI warms the cache this way), print where and what
 """
@@ -32,9 +34,10 @@ import torch
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rollbus_cpu"
-SOURCES = ("cpu_attention.cpp",)
+SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp")  # one compile unit, in this order
 CACHE_ENV = "ROLLBUS_KERNEL_CACHE"
 ENABLE_ENV = "ROLLBUS_CPU_KERNELS"
+CHOICES = ("0", "1", "avx2", "portable")
 _reason: list[str] = []
 
 
@@ -43,19 +46,27 @@ def _source() -> str:
     return "\n".join((here / s).read_text(encoding="utf-8") for s in SOURCES)
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
-                     [])
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return set()
+
+
+AVX2 = ("avx2", "fma")
+AVX512 = ("avx512f", "avx512bw", "avx512vl")
 
 
 def cflags() -> list[str]:
-    flags = ["-O3"]
-    if os.environ.get(ENABLE_ENV) != "portable" and _cpu_has_avx2_fma():
+    """-O3, plus the widest vector code this CPU runs (ROLLBUS_CPU_KERNELS caps it: portable, avx2)."""
+    flags = ["-O3", "-ffp-contract=off"]  # a * b + c rounded twice, as torch's elementwise kernels
+    cap = os.environ.get(ENABLE_ENV)
+    have = _cpu_flags()
+    if cap != "portable" and all(f in have for f in AVX2):
         flags += ["-mavx2", "-mfma"]
+        if cap != "avx2" and all(f in have for f in AVX512):
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
     return flags
 
 
@@ -105,8 +116,8 @@ def _build(source: str, flags: list[str], folder: Path, name: str) -> Path:
 def ops():
     """torch.ops.rollbus_cpu, or None where the kernels cannot be used (`unavailable()` says why)."""
     value = os.environ.get(ENABLE_ENV) or "1"
-    if value not in ("0", "1", "portable"):
-        raise ValueError(f"{ENABLE_ENV} must be 0, 1 or portable, got {value!r}")
+    if value not in CHOICES:
+        raise ValueError(f"{ENABLE_ENV} must be {', '.join(CHOICES[:-1])} or {CHOICES[-1]}, got {value!r}")
     if value == "0":
         _reason.append(f"{ENABLE_ENV}=0")
         return None

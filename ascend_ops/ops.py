@@ -1,13 +1,28 @@
 """Elementwise and normalisation kernels every model goes through.
 
 One place for them so an Ascend kernel (torch_npu.npu_rms_norm, npu_rotary_mul, ...) or a
-batch-invariant variant can be swapped in without touching model code. These are the portable versions.
+batch-invariant variant can be swapped in without touching model code. The plain functions are the
+portable versions (the batch-invariant kernels use them); the fused_* ones are what the default mode
+runs: on CPU, for fp32 and bf16, one C++ call each (ascend_ops/csrc/cpu_elementwise.cpp, torch's arithmetic
+step by step), else, and without the extension (ROLLBUS_CPU_KERNELS=0, no compiler), the portable version.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ascend_ops import cpu_kernels
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_ops(*ts: torch.Tensor):
+    """torch.ops.rollbus_cpu where every tensor is a CPU fp32/bf16 one of the first's dtype, else None."""
+    x = ts[0]
+    if x.device.type != "cpu" or x.dtype not in _FUSED_DTYPES or any(t.dtype != x.dtype for t in ts):
+        return None
+    return cpu_kernels.ops()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,6 +39,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = _cpu_ops(x, weight)
+    if k is None or x.dim() not in (2, 3) or x.stride(-1) != 1:
+        return rms_norm(x, weight, eps)
+    return k.rms_norm(x, weight.contiguous(), eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, rms_norm(x + h)): the residual add and the norm that follows it, in one pass."""
+    k = _cpu_ops(x, h, weight)
+    if k is None or x.dim() != 2 or x.shape != h.shape or x.stride(-1) != 1 or h.stride(-1) != 1:
+        s = x + h
+        return s, rms_norm(s, weight, eps)
+    return k.add_rms_norm(x, h, weight.contiguous(), eps)
+
+
+def fused_silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    k = _cpu_ops(gate, up)
+    if k is None or gate.dim() != 2 or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return silu_and_mul(gate, up)
+    return k.silu_and_mul(gate, up)
 
 
 def rope_cos_sin(
@@ -44,6 +83,17 @@ def apply_rope(
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def fused_apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope in one pass over q and k (strided slices of the q/k/v product are fine)."""
+    kern = _cpu_ops(q, k, cos, sin)
+    if (kern is None or q.dim() != 3 or k.dim() != 3 or q.shape[-1] % 2 or q.stride(-1) != 1 or k.stride(-1) != 1
+            or not cos.is_contiguous() or not sin.is_contiguous()):
+        return apply_rope(q, k, cos, sin)
+    return kern.rope(q, k, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +120,7 @@ def moe_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows first, then up
     down: torch.Tensor,  # [E, H, I]
     mm=linear,  # the GEMM: ascend_ops.batch_invariant passes its row-invariant linear
-    act=silu_and_mul,  # and its row-invariant silu_and_mul
+    act=None,  # default: fused_silu_and_mul; ascend_ops.batch_invariant passes its row-invariant one
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
 
@@ -80,6 +130,7 @@ def moe_experts(
     GPU), the result does not depend on thread timing or on the other tokens in the batch. As in HF
     transformers, each product is scaled in the promoted dtype of (output, weights), then cast to x's dtype.
     """
+    act = act or fused_silu_and_mul
     T, k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)

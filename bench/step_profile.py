@@ -1,9 +1,10 @@
 """Where one decode step's time goes, in process (no server, no sockets): the worker's ModelRunner on
 SmolLM2-135M (fp32 by default) with S sequences at ~C tokens of context, decoding together.
 
-Every kernel the model calls (ascend_ops Kernels: linear, rms_norm, apply_rope, silu_and_mul,
-paged_attention), the LM head, the sampler and the runner's step preparation are wrapped in a timer that
-counts its own time (a nested call's time goes to the inner one; the LM head's GEMM counts as LM head).
+Every kernel the model calls (ascend_ops Kernels: linear, rms_norm and add_rms_norm (which includes the
+residual add before the norm), apply_rope, silu_and_mul, paged_attention), the LM head, the sampler and
+the runner's step preparation are wrapped in a timer that counts its own time (a nested call's time goes
+to the inner one; the LM head's GEMM counts as LM head).
 Whatever is left of the step's wall time is "other": the embedding lookup, rope table gathers, residual
 adds, q/k/v views and the Python between the ops. Fractions are printed so that load from other
 processes matters less; on a shared machine compare runs by their fractions or ratios, never by ms.
@@ -42,7 +43,7 @@ from workers.models.checkpoint import iter_safetensors, load_hf_config
 from workers.models.registry import build_model
 
 KERNEL_CLASSES = {"linear": "GEMM (layers)", "paged_attention": "attention (paged)", "rms_norm": "rms_norm",
-                  "apply_rope": "rotary", "silu_and_mul": "silu*mul"}
+                  "add_rms_norm": "rms_norm", "apply_rope": "rotary", "silu_and_mul": "silu*mul"}
 ORDER = ["GEMM (layers)", "LM head", "attention (paged)", "rms_norm", "rotary", "silu*mul", "sampling",
          "step prep (runner)", "other (embed, adds, Python)"]
 
@@ -82,7 +83,7 @@ def build(args, timers: Timers | None):
     if timers is not None:
         kern = dataclasses.replace(DEFAULT, **{k: timers.wrap(c, getattr(DEFAULT, k), inherit="LM head" if
                                                               k == "linear" else None)
-                                               for k, c in KERNEL_CLASSES.items()})
+                                               for k, c in KERNEL_CLASSES.items() if getattr(DEFAULT, k, None)})
     dtype = getattr(torch, args.dtype)
     model = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
     model.load_weights(iter_safetensors(folder))

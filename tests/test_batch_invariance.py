@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ascend_ops import ops
 from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check, silu_and_mul
 from bench import batch_invariance as bench
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
@@ -86,8 +87,8 @@ def test_plain_f_silu_is_not_batch_invariant_in_fp32_on_this_cpu():
         pytest.skip("needs two intra-op threads (the split is between threads)")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(420, 320, generator=g) * 4
-    rows = [(DEFAULT.silu_and_mul(x[:n, :160], x[:n, 160:])[n // 2], x[n // 2:n // 2 + 1]) for n in range(205, 420, 2)]
-    assert not all(same(r, DEFAULT.silu_and_mul(a[:, :160], a[:, 160:])[0]) for r, a in rows)
+    rows = [(ops.silu_and_mul(x[:n, :160], x[:n, 160:])[n // 2], x[n // 2:n // 2 + 1]) for n in range(205, 420, 2)]
+    assert not all(same(r, ops.silu_and_mul(a[:, :160], a[:, 160:])[0]) for r, a in rows)
 
 
 def _load(folder: Path, dtype: torch.dtype, kern):
@@ -174,7 +175,7 @@ def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_fold
     if torch.get_num_threads() >= 2:  # the default F.silu: a row cut by a thread split gets other bits
         with pytest.raises(BatchInvarianceUnavailable, match=r"the silu_and_mul \[160\] kernel"):
             self_check(_load(tiny_folders["llama"], torch.float32,
-                             dataclasses.replace(INVARIANT, silu_and_mul=DEFAULT.silu_and_mul)), block_size=16)
+                             dataclasses.replace(INVARIANT, silu_and_mul=ops.silu_and_mul)), block_size=16)
 
 
 # --- flags -----------------------------------------------------------------------------------------

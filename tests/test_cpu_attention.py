@@ -138,6 +138,16 @@ def test_a_row_is_the_same_bits_whatever_else_is_in_the_batch(kernel) -> None:
         ops.paged_attention_rows(one, q[r:r + 1], k_cache, v_cache, meta.decode_block_tables[r:r + 1],
                                  torch.empty(0, dtype=torch.int64), meta.decode_ctx_lens[r:r + 1], 0.125)
         assert torch.equal(one, full[r:r + 1])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):  # how the rows are split between threads changes nothing either
+            torch.set_num_threads(n)
+            again = torch.empty_like(q)
+            ops.paged_attention_rows(again, q, k_cache, v_cache, meta.decode_block_tables,
+                                     torch.empty(0, dtype=torch.int64), meta.decode_ctx_lens, 0.125)
+            assert torch.equal(again, full)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_tables_and_shapes_are_refused_with_an_error(kernel) -> None:
@@ -229,11 +239,13 @@ def test_serve_refuses_an_unknown_cpu_attention(tmp_path, smollm2_dir) -> None: 
     assert r.returncode != 0 and "ROLLBUS_CPU_ATTENTION must be one of kernel, torch, got 'fast'" in r.stderr + r.stdout
 
 
-@pytest.mark.slow  # compiles the portable variant once (~20-60 s)
-def test_the_portable_loops_without_avx2_give_the_same_results(tmp_path) -> None:
-    """The plain C++ path that CPUs without AVX2/FMA get, built here on purpose, passes the same checks."""
+@pytest.mark.slow  # compiles the variant once (~20-60 s)
+@pytest.mark.parametrize("variant", ["portable", "avx2"])
+def test_the_narrower_code_paths_give_the_same_results(tmp_path, variant) -> None:
+    """The plain C++ path that CPUs without AVX2/FMA get, and the AVX2 path of CPUs without AVX-512, built
+    here on purpose, pass the same checks."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                         "matches_sdpa or same_bits or refused_with"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT), cpu_kernels.ENABLE_ENV: "portable"})
+                       timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT), cpu_kernels.ENABLE_ENV: variant})
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert "failed" not in r.stdout

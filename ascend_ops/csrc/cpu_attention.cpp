@@ -16,6 +16,9 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ROLLBUS_AVX512 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +34,12 @@ template <typename T>
 inline void prefetch_record(const T* rec, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(rec);
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
+// The same into L2 only (the next row's keys and values, a row ahead: L1 holds the chunk being computed).
+inline void prefetch_l2(const void* rec, int64_t bytes) {
+  const char* p = static_cast<const char*>(rec);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
 inline float to_float(float x) { return x; }
@@ -229,6 +238,172 @@ void weighted_sum(const float* p, int64_t len, const T* const* base, int64_t bs,
 }
 #endif
 
+#ifdef ROLLBUS_AVX512
+// --- AVX-512 (F, BW, VL; compiled only where the CPU has them): 16 positions at a time ---------------
+// Scores: for each query head, 16 accumulators (one per position, its chain of FMAs over the head
+// dimension in 16-lane pieces) reduced together by one transpose tree, so no horizontal sum per key.
+// Weighted sum: the G x d accumulators of a kv head's query heads stay in registers over the 16
+// positions. Positions stream in table order, keys then values, one 16-position chunk of all the item's
+// kv heads at a time (contiguous within a block).
+namespace v512 {
+
+constexpr int64_t kChunk = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// r[t] = the sum of the 16 lanes of a[t], t = 0..15, in a fixed order (pairs of lanes, then of pairs, ...).
+inline __m512 reduce16(const __m512* a) {
+  __m512 s[8], u[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of tokens 2i, 2i+1
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: tokens 4i .. 4i+3
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[j * stride + t] = q_j . k_t for the g query heads of one kv head and the chunk's positions t < n
+// (k[t] + off: position t's key of this head; the pointers past n repeat a valid one, their sums unused).
+template <typename T>
+inline void chunk_scores(const float* q, const T* const* k, int64_t off, int64_t g, int64_t d, float* s,
+                         int64_t stride, __mmask16 keep) {
+  const int64_t full = d / 16;
+  const __mmask16 tail = first(d % 16);
+  for (int64_t j = 0; j < g; ++j) {
+    const float* qj = q + j * d;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < full; ++u) {
+      const __m512 qv = _mm512_loadu_ps(qj + 16 * u);
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qv, load16(k[t] + off + 16 * u), acc[t]);
+    }
+    if (tail) {
+      const __m512 qv = _mm512_maskz_loadu_ps(tail, qj + 16 * full);
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qv, load16(k[t] + off + 16 * full, tail), acc[t]);
+    }
+    _mm512_mask_storeu_ps(s + j * stride, keep, reduce16(acc));
+  }
+}
+
+// acc[j * d + c ..] += sum over the chunk's n positions of p_j[t] * v_t[c ..] for G query heads and the
+// columns [c, c + 16V) (the last vector masked by `last`).
+template <typename T, int G, int V>
+inline void wsum_cols(const float* p, int64_t stride, const T* const* v, int64_t off, int64_t n, int64_t c,
+                      __mmask16 last, int64_t d, float* acc) {
+  __m512 a[G][V];
+  for (int j = 0; j < G; ++j)
+    for (int u = 0; u < V; ++u) a[j][u] = _mm512_maskz_loadu_ps(u == V - 1 ? last : 0xFFFF, acc + j * d + c + 16 * u);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 x[V];
+    for (int u = 0; u < V; ++u) x[u] = load16(v[t] + off + c + 16 * u, u == V - 1 ? last : __mmask16(0xFFFF));
+    for (int j = 0; j < G; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j * stride + t]);
+      for (int u = 0; u < V; ++u) a[j][u] = _mm512_fmadd_ps(w, x[u], a[j][u]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int u = 0; u < V; ++u) _mm512_mask_storeu_ps(acc + j * d + c + 16 * u, u == V - 1 ? last : 0xFFFF, a[j][u]);
+}
+
+template <typename T, int G>
+inline void wsum_group(const float* p, int64_t stride, const T* const* v, int64_t off, int64_t n, int64_t d,
+                       float* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) wsum_cols<T, G, 4>(p, stride, v, off, n, c, 0xFFFF, d, acc);
+  for (; c < d; c += 16) wsum_cols<T, G, 1>(p, stride, v, off, n, c, first(d - c), d, acc);
+}
+
+// The g query heads of one kv head, four at a time (16 accumulators + 4 loaded vectors of 32 registers).
+template <typename T>
+inline void chunk_wsum(const float* p, int64_t stride, const T* const* v, int64_t off, int64_t n, int64_t g,
+                       int64_t d, float* acc) {
+  int64_t j = 0;
+  for (; j + 4 <= g; j += 4) wsum_group<T, 4>(p + j * stride, stride, v, off, n, d, acc + j * d);
+  switch (g - j) {
+    case 1: wsum_group<T, 1>(p + j * stride, stride, v, off, n, d, acc + j * d); break;
+    case 2: wsum_group<T, 2>(p + j * stride, stride, v, off, n, d, acc + j * d); break;
+    case 3: wsum_group<T, 3>(p + j * stride, stride, v, off, n, d, acc + j * d); break;
+    default: break;
+  }
+}
+
+inline __m512 exp16(__m512 x) {
+  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(r, _mm512_set1_ps(kLn2Hi), v);
+  f = _mm512_fmadd_ps(r, _mm512_set1_ps(kLn2Lo), f);
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP5));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(r), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// s *= scale in place; returns the maximum (-inf for n = 0).
+inline float scale_max(float* s, int64_t n, float scale) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = first(n - t);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), sc);
+    _mm512_mask_storeu_ps(s + t, k, x);
+    m = _mm512_mask_max_ps(m, k, m, x);
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// s = exp(s - m) in place; returns their sum.
+inline float exp_sum(float* s, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = first(n - t);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), mv));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// ptr[t] = the record of position p0 + t (t < n; past n: position p0 + n - 1) in a cache of block stride
+// cb and token stride ct, heads from h0 (stride ch).
+template <typename T>
+inline void chunk_records(const T* cache, const int64_t* table, int64_t ts1, int64_t bs, int64_t cb, int64_t ct,
+                          int64_t ch0, int64_t p0, int64_t n, const T** ptr) {
+  for (int64_t t = 0; t < kChunk; ++t) {
+    const int64_t pos = p0 + std::min(t, n - 1);
+    ptr[t] = cache + table[(pos / bs) * ts1] * cb + (pos % bs) * ct + ch0;
+  }
+}
+
+}  // namespace v512
+#endif
+
 template <typename T>
 void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const at::Tensor& row_table, const at::Tensor& row_len, double scale) {
@@ -271,16 +446,43 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
     const int64_t span = std::max<int64_t>(max_len, 1);
     const int64_t heads = per * g;  // query heads of an item
     std::vector<float> qf(heads * d), acc(heads * d), scores(heads * span), inv(heads);
-    std::vector<const T*> vbase((span + bs - 1) / bs);
+    [[maybe_unused]] std::vector<const T*> vbase((span + bs - 1) / bs);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / split, h0 = (item % split) * per;
       const int64_t len = lp[r];
       const int64_t* table = tp + (rt ? rt[r] : r) * ts0;
-      const int64_t nblk = (len + bs - 1) / bs;
+      [[maybe_unused]] const int64_t nblk = (len + bs - 1) / bs;
       for (int64_t j = 0; j < heads; ++j) {
         const T* src = qp + r * qs0 + (h0 * g + j) * qs1;
         for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(src[i]);
       }
+#ifdef ROLLBUS_AVX512
+      // The next item of this thread (none: this one again, already cached), prefetched into L2 meanwhile.
+      const int64_t nitem = item + 1 < end ? item + 1 : item;
+      const int64_t nr = nitem / split, nh0 = (nitem % split) * per, nlen = lp[nr];
+      const int64_t* ntable = tp + (rt ? rt[nr] : nr) * ts0;
+      // scores[j * len + pos] = q_j . k_pos, 16 positions at a time. Rows are a few cache blocks long, so
+      // the prefetches run a whole item ahead: while this item reads chunk c of its keys (then of its
+      // values), the next item's chunk c of keys (of values) is brought into L2.
+      for (int64_t p0 = 0; p0 < len; p0 += v512::kChunk) {
+        const int64_t n = std::min(v512::kChunk, len - p0);
+        const T* rec[v512::kChunk];
+        v512::chunk_records(kp, table, ts1, bs, kb, kt, h0 * kh, p0, n, rec);
+        const int64_t rec_bytes = per * kh * static_cast<int64_t>(sizeof(T));
+        const char* pf[v512::kChunk];  // the next item's keys at this chunk's positions
+        int64_t npf = 0;
+        for (int64_t t = p0; t < std::min(p0 + v512::kChunk, nlen); ++t)
+          pf[npf++] = reinterpret_cast<const char*>(kp + ntable[(t / bs) * ts1] * kb + (t % bs) * kt + nh0 * kh);
+        for (int64_t h = 0; h < per; ++h) {  // the prefetches spread between the heads' computations
+          for (int64_t i = h * npf / per; i < (h + 1) * npf / per; ++i) prefetch_l2(pf[i], rec_bytes);
+          v512::chunk_scores(qf.data() + h * g * d, rec, h * kh, g, d, scores.data() + h * g * len + p0, len,
+                             v512::first(n));
+        }
+        if (p0 + v512::kChunk >= len)  // this row's last chunk: the rest of the next one's keys
+          for (int64_t t = p0 + v512::kChunk; t < nlen; ++t)
+            prefetch_l2(kp + ntable[(t / bs) * ts1] * kb + (t % bs) * kt + nh0 * kh, rec_bytes);
+      }
+#else
       // scores[j * len + pos] = q_j . k_pos for query head j of this item; the blocks stream in table order.
       // Prefetched meanwhile: the next block's keys and this block's values (read in the second pass).
       for (int64_t b = 0; b < nblk; ++b) {
@@ -295,11 +497,17 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
             group_dots(qf.data() + h * g * d, base + t * kt + h * kh, g, d, scores.data() + h * g * len + b * bs + t, len);
         }
       }
+#endif
       for (int64_t j = 0; j < heads; ++j) {
         float* s = scores.data() + j * len;
+#ifdef ROLLBUS_AVX512
+        const float m = v512::scale_max(s, len, fscale);  // (q . k) * scale, as SDPA
+        const float sum = v512::exp_sum(s, len, m);
+#else
         float m = -INFINITY;
         for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t] *= fscale);  // (q . k) * scale, as SDPA
         const float sum = exp_sum(s, len, m);
+#endif
         if constexpr (!std::is_same_v<T, float>) {
           // As torch's CPU flash attention does for reduced types: the normaliser sums the fp32 numerators,
           // the weighted sum of V takes them rounded to the cache dtype (accumulating in fp32).
@@ -312,10 +520,25 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
         const T* k1 = kp + tp[(rt ? rt[r1] : r1) * ts0] * kb + h1 * kh;
         for (int64_t t = 0; t < std::min(bs, lp[r1]); ++t) prefetch_record(k1 + t * kt, per * kh);
       }
+#ifdef ROLLBUS_AVX512
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p0 = 0; p0 < len; p0 += v512::kChunk) {
+        const int64_t n = std::min(v512::kChunk, len - p0);
+        const T* rec[v512::kChunk];
+        v512::chunk_records(vp, table, ts1, bs, vb, vt, h0 * vh, p0, n, rec);
+        // the next item's values at this chunk's positions (at the last chunk: all the rest), into L2
+        const int64_t vrec = per * vh * static_cast<int64_t>(sizeof(T));
+        const int64_t upto = p0 + v512::kChunk >= len ? nlen : std::min(p0 + v512::kChunk, nlen);
+        for (int64_t t = p0; t < upto; ++t) prefetch_l2(vp + ntable[(t / bs) * ts1] * vb + (t % bs) * vt + nh0 * vh, vrec);
+        for (int64_t h = 0; h < per; ++h)
+          v512::chunk_wsum(scores.data() + h * g * len + p0, len, rec, h * vh, n, g, d, acc.data() + h * g * d);
+      }
+#else
       for (int64_t h = 0; h < per; ++h) {
         for (int64_t b = 0; b < nblk; ++b) vbase[b] = vp + table[b * ts1] * vb + (h0 + h) * vh;
         weighted_sum(scores.data() + h * g * len, len, vbase.data(), bs, vt, g, d, acc.data() + h * g * d);
       }
+#endif
       for (int64_t j = 0; j < heads; ++j) {
         T* o = op + r * os0 + (h0 * g + j) * os1;
         const float* a = acc.data() + j * d;

@@ -218,7 +218,7 @@ class DecoderLayer(nn.Module):
                  kern: Kernels = DEFAULT, shard: Shard | None = None, tp: Solo = SOLO) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.norm = kern.rms_norm
+        self.norm, self.add_norm = kern.rms_norm, kern.add_rms_norm
         self.self_attn = Attention(cfg, dtype, device, kern, shard, tp)
         self.mlp = mlp  # MLP, or a sparse MoE block with the same forward(x, routed_experts)
         self.input_layernorm = nn.Module()
@@ -235,8 +235,13 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         routed_experts: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.norm(x, self.input_layernorm.weight, self.eps), cos, sin, meta, kv)
-        return x + self.mlp(self.norm(x, self.post_attention_layernorm.weight, self.eps), routed_experts)
+        h = self.self_attn(self.norm(x, self.input_layernorm.weight, self.eps), cos, sin, meta, kv)
+        if self.add_norm is not None:  # the residual add and the norm after it in one pass
+            x, n = self.add_norm(x, h, self.post_attention_layernorm.weight, self.eps)
+        else:
+            x = x + h
+            n = self.norm(x, self.post_attention_layernorm.weight, self.eps)
+        return x + self.mlp(n, routed_experts)
 
 
 class _Body(nn.Module):
