@@ -129,8 +129,7 @@ class _Silu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        xf = x.float()
-        return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+        return _silu_value(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -140,13 +139,27 @@ class _Silu(torch.autograd.Function):
         return (grad.float() * s * (1 + xf * (1 - s))).to(grad.dtype)
 
 
+def _silu_value(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp(-x)) in fp32, rounded once to x's dtype: one buffer, the ops in place (the same bits as
+    the expression written out, without three temporaries)."""
+    xf = x.float()
+    e = torch.neg(xf)
+    e.exp_()
+    e.add_(1)
+    return torch.div(xf, e, out=e).to(x.dtype)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """F.silu whose every element gets the same bits wherever it sits in the tensor (module docstring)."""
-    return _Silu.apply(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Silu.apply(x)
+    return _silu_value(x)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return silu(gate) * up
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return silu(gate) * up
+    return silu(gate).mul_(up)  # silu's result is a fresh tensor of gate's dtype: the product lands in it
 
 
 def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
