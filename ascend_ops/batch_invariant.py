@@ -11,13 +11,20 @@ What makes each op invariant (measured on CPU; `self_check` re-measures on the d
   [576, 1536] product differs from the same row inside 2, 7 or 64 rows), and one order for every
   multiple of 4 rows measured (4 .. 4096). So rows are padded to a multiple of ROW_MULTIPLE and the
   product runs as one GEMM: the cost is F.linear's plus at most 3 zero rows.
-- attention over the paged cache: every query row (a decode or any row of a prefill chunk) is computed
-  the same way from its own context, one KV-cache block of keys at a time: scores of the row's G query
-  heads that share a KV head against the block's keys are one [G, D] x [D, block_size] GEMM (a fixed
-  shape, so a fixed reduction order), the block's softmax numerators and its [G, block] x [block, D]
-  product likewise; the blocks are then combined by a pairwise tree over the row's blocks, padded with
-  exact zeros to a power of two, so how many blocks other rows have changes nothing. The computation
-  is fp32 whatever the model dtype. Hence a position gives the same bits computed in a decode or in a
+- attention over the paged cache: every query row (a decode or any row of a prefill chunk, of any length)
+  is computed alone from its own q and its own context, the keys and values up to its position read in
+  position order. On CPU (fp32 / bf16, where ascend_ops.cpu_kernels builds) that is the C++ kernel the
+  default mode runs for decodes, torch.ops.rollbus_cpu.paged_attention_rows, given each row's block
+  table and context length: it computes one (row, KV head) at a time with a fixed sequence of
+  operations (fp32 dots, a two-pass softmax, the weighted sum of V), and how the rows are split among
+  threads never changes a row's arithmetic. Elsewhere (ROLLBUS_CPU_ATTENTION=torch, no compiler, another
+  device) a torch path: the scores of a row's G query heads that share a KV head against one KV-cache
+  block of keys are one [G, D] x [D, block_size] GEMM (a fixed shape, so a fixed reduction order), the
+  block's softmax numerators and its [G, block] x [block, D] product likewise; the blocks are then
+  combined by a pairwise tree over the row's blocks, padded with exact zeros to a power of two, so how
+  many blocks other rows have changes nothing. Which of the two runs is decided once per process
+  (`attention_backend`), for the engine and the trainer side (engine.trainer) alike. Both compute in
+  fp32 whatever the model dtype. Hence a position gives the same bits computed in a decode or in a
   prefill chunk of any size, alone or in any batch, from the prefix cache or recomputed.
 - SiLU (and with it SiLU*mul, in the dense MLPs and in every expert): torch's CPU elementwise loops run
   the vectorised kernel over whole vectors and the scalar one over each loop's tail, and a tensor of
@@ -44,13 +51,16 @@ import torch
 import torch.nn.functional as F
 
 from ascend_ops import attention as _attention
+from ascend_ops import cpu_kernels
 from ascend_ops import ops as _ops
 from ascend_ops import packed_linear as _packed
 from ascend_ops.attention import AttentionMetadata, write_kv
 
 ROW_MULTIPLE = 4  # linear: rows padded to a multiple of this (see the module docstring)
 TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: CPU elementwise ops of this many elements or more are split
-PAIR_BUDGET = 4096  # attention: (query row, key block) pairs computed at once; bounds the gathered K/V
+PAIR_BUDGET = 4096  # attention (torch path): (query row, key block) pairs computed at once; bounds the gathered K/V
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+_attention_choice: list[str] = []  # "kernel" or "torch", decided on first use (attention_backend)
 
 
 class BatchInvarianceUnavailable(RuntimeError):
@@ -121,8 +131,7 @@ class _Silu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        xf = x.float()
-        return (xf / (1 + torch.exp(-xf))).to(x.dtype)
+        return _silu_value(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -132,13 +141,27 @@ class _Silu(torch.autograd.Function):
         return (grad.float() * s * (1 + xf * (1 - s))).to(grad.dtype)
 
 
+def _silu_value(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp(-x)) in fp32, rounded once to x's dtype: one buffer, the ops in place (the same bits as
+    the expression written out, without three temporaries)."""
+    xf = x.float()
+    e = torch.neg(xf)
+    e.exp_()
+    e.add_(1)
+    return torch.div(xf, e, out=e).to(x.dtype)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """F.silu whose every element gets the same bits wherever it sits in the tensor (module docstring)."""
-    return _Silu.apply(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Silu.apply(x)
+    return _silu_value(x)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return silu(gate) * up
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return silu(gate) * up
+    return silu(gate).mul_(up)  # silu's result is a fresh tensor of gate's dtype: the product lands in it
 
 
 def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
@@ -164,6 +187,56 @@ def _row_tables(meta: AttentionMetadata, num_rows: int, device: torch.device) ->
     return tables, lens
 
 
+def attention_backend() -> str:
+    """The invariant attention of this process: "kernel" (the CPU kernel, where ascend_ops.attention.select()
+    chose it: ROLLBUS_CPU_ATTENTION unset or "kernel", and the extension builds) or "torch". Decided on the
+    first call and kept: a later ascend_ops.attention.select("torch") (a benchmark's) changes default mode
+    only, so the engine's and the trainer side's bits in one process never come from two implementations."""
+    if not _attention_choice:
+        _attention_choice.append(_attention.select())
+    return _attention_choice[0]
+
+
+def attention_implementation(device_type: str, dtype: torch.dtype) -> str:
+    """What invariant paged attention runs for this device and dtype (each worker reports it in /server_info)."""
+    kernel = device_type == "cpu" and dtype in _attention.KERNEL_DTYPES and attention_backend() == "kernel"
+    return "batch_invariant_cpu_kernel" if kernel else "batch_invariant_torch"
+
+
+def attention_kernel(q: torch.Tensor, k_cache: torch.Tensor):
+    """torch.ops.rollbus_cpu where the invariant attention runs the CPU kernel for these tensors, else None."""
+    if attention_implementation(q.device.type, q.dtype) != "batch_invariant_cpu_kernel" or k_cache.dtype != q.dtype:
+        return None
+    return cpu_kernels.ops()
+
+
+_step_rows: list = []  # [meta, tables, row_table, row_len] of the last step: its layers share them
+
+
+def _kernel_rows(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's view of a step: one block table per decode and per prefill chunk ([N, W], 0-padded),
+    each row's table (row_table [T]) and context length (row_len [T]: its position + 1). Built once per
+    step (the metadata object), not once per layer."""
+    if _step_rows and _step_rows[0] is meta:
+        return _step_rows[1], _step_rows[2], _step_rows[3]
+    n = meta.num_decodes
+    widths = [c.block_table.shape[0] for c in meta.prefills] + ([meta.decode_block_tables.shape[1]] if n else [])
+    tables = torch.zeros(n + len(meta.prefills), max(widths), dtype=torch.int64)
+    row_table = torch.zeros(num_rows, dtype=torch.int64)
+    row_len = torch.zeros(num_rows, dtype=torch.int64)  # a row no part covers (none should) gets zeros
+    if n:
+        tables[:n, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables  # type: ignore[union-attr]
+        row_table[:n] = torch.arange(n)
+        row_len[:n] = meta.decode_ctx_lens  # type: ignore[assignment]
+    for i, c in enumerate(meta.prefills):
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        tables[n + i, : c.block_table.shape[0]] = c.block_table
+        row_table[rows] = n + i
+        row_len[rows] = torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1)
+    _step_rows[:] = [meta, tables, row_table, row_len]
+    return tables, row_table, row_len
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hk, D]
@@ -175,7 +248,22 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    T, hq, d = q.shape
+    kern = attention_kernel(q, k_cache)
+    if kern is None:
+        return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if not meta.prefills:  # a decode-only step: the call default mode makes
+        kern.paged_attention_rows(out, q, k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
+                                  meta.decode_ctx_lens.contiguous(), scale)  # type: ignore[union-attr]
+    else:
+        tables, row_table, row_len = _kernel_rows(meta, q.shape[0])
+        kern.paged_attention_rows(out, q, k_cache, v_cache, tables, row_table, row_len, scale)
+    return out
+
+
+def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The portable path (module docstring): rows in chunks of at most PAIR_BUDGET (row, block) pairs."""
+    T = q.shape[0]
     bs = k_cache.shape[1]
     tables, lens = _row_tables(meta, T, q.device)
     nblk = (lens + bs - 1) // bs
@@ -295,6 +383,10 @@ def self_check(model, block_size: int) -> list[str]:
             f"batch invariance cannot be delivered on {where}: the {op} kernel ({kern.name}) gives a row "
             f"different bits depending on the other rows of the batch")
 
+    try:  # decided here, before any op runs: an unknown ROLLBUS_CPU_ATTENTION stops the start-up, named
+        attention_implementation(dev.type, dtype)
+    except ValueError as e:
+        raise BatchInvarianceUnavailable(f"batch invariance: {e}") from None
     checked = []
     small, big = (1, 2, 3, 5, 6, 7, 9, 13, 64), (1, 3, 5)
     with torch.inference_mode():
@@ -339,14 +431,17 @@ def self_check(model, block_size: int) -> list[str]:
                 raise fail("moe routing / experts")
             checked.append("moe")
         if not _attention_invariant(kern, hq, hk, d, block_size, rand):
-            raise fail("paged attention")
+            impl = attention_implementation(dev.type, dtype) if kern.batch_invariant else kern.name
+            raise fail(f"paged attention ({impl})")
         checked.append("paged_attention")
     return checked
 
 
 def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand) -> bool:
-    """Three sequences computed (a) each alone as one prefill chunk, (b) together: chunked, batched, and
-    one of them finishing with a decode row; every row's output must be the same bits."""
+    """Three sequences computed (a) each alone as one prefill chunk (of 5 to 4 blocks + 6 rows), (b)
+    together: chunked, batched with decodes, and two of them finishing in a decode-only step; every row's
+    output must be the same bits. On CPU this measures the kernel path (attention_backend), with both of
+    its ways to split work between threads (a row's heads apart or together)."""
     from ascend_ops.attention import PrefillChunk
 
     lens = (5, 2 * bs + 5, 4 * bs + 6)
@@ -389,7 +484,9 @@ def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand)
 
     alone = [step([], [(s, 0, n)])[0] for s, n in enumerate(lens)]
     a, b, c = lens
-    first = step([], [(0, 0, a - 1), (1, 0, bs + 1), (2, 0, 3)])
-    second = step([(0, a - 1)], [(1, bs + 1, b), (2, 3, c)])
-    got = [torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]), torch.cat([first[2], second[2]])]
+    first = step([], [(0, 0, a - 2), (1, 0, bs + 1), (2, 0, 3)])
+    second = step([(0, a - 2)], [(1, bs + 1, b - 1), (2, 3, c)])
+    third = step([(0, a - 1), (1, b - 1)], [])  # decodes of different table widths, without a prefill
+    got = [torch.cat([first[0], second[0], third[0]]), torch.cat([first[1], second[1], third[1]]),
+           torch.cat([first[2], second[2]])]
     return all(_same(x, y) for x, y in zip(alone, got))

@@ -28,6 +28,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ascend_ops.batch_invariant import attention_implementation  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.trainer import WeightSyncClient, use_engine_kernels  # noqa: E402
 
@@ -75,6 +76,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     folder = resolve_model(args.model, progress=False)
+    # the engine's invariant attention and this process's must be one implementation (the same bits)
+    engine_attention = {w["attention"] for w in httpx.get(args.url + "/server_info", timeout=30).json()["workers"]
+                        .values()}
+    ours = attention_implementation("cpu", getattr(torch, args.dtype))
+    if engine_attention != {ours}:
+        raise SystemExit(f"the engine's workers run attention {sorted(engine_attention)}, this trainer {ours}: "
+                         "give both processes the same ROLLBUS_CPU_ATTENTION")
     model = use_engine_kernels(AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     client = WeightSyncClient(args.url, backend="ipc")

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_ops import ops
+from ascend_ops import batch_invariant as bi
+from ascend_ops import cpu_kernels, ops
 from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check, silu_and_mul
 from bench import batch_invariance as bench
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
@@ -91,6 +92,57 @@ def test_plain_f_silu_is_not_batch_invariant_in_fp32_on_this_cpu():
     assert not all(same(r, ops.silu_and_mul(a[:, :160], a[:, 160:])[0]) for r, a in rows)
 
 
+BACKENDS = ["kernel", "torch"] if cpu_kernels.ops() is not None else ["torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """The invariant attention this test runs: the CPU kernel and the torch path (what
+    ROLLBUS_CPU_ATTENTION=torch or a machine without a compiler gets), set as the process's choice."""
+    saved = list(bi._attention_choice)
+    bi._attention_choice[:] = [request.param]
+    yield request.param
+    bi._attention_choice[:] = saved
+
+
+def test_invariant_attention_runs_the_cpu_kernel_for_every_row_where_it_builds():
+    """Decodes and prefill chunks of any length (here 40 rows, past default mode's 16-row kernel limit)
+    are the kernel's rows, each with its own context: the step's output is the kernel's, bit for bit."""
+    if cpu_kernels.ops() is None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable()}")
+    from ascend_ops.attention import AttentionMetadata, PrefillChunk
+
+    assert bi.attention_backend() == "kernel"
+    assert bi.attention_implementation("cpu", torch.float32) == "batch_invariant_cpu_kernel"
+    assert bi.attention_implementation("cpu", torch.float16) == "batch_invariant_torch"
+    g = torch.Generator().manual_seed(0)
+    hq, hk, d, bs = 6, 2, 16, 4
+    kc, vc = torch.randn(40, bs, hk, d, generator=g), torch.randn(40, bs, hk, d, generator=g)
+    q = torch.randn(42, hq, d, generator=g)
+    table = torch.arange(30, 19, -1)  # 11 blocks, reversed; the chunk's 40 rows are positions 2..41
+    meta = AttentionMetadata(torch.arange(20 * bs, 20 * bs + 42), num_decodes=2,
+                             decode_block_tables=torch.tensor([[3, 7, 0], [5, 0, 0]]),
+                             decode_ctx_lens=torch.tensor([9, 2]), decode_max_ctx=9,
+                             prefills=[PrefillChunk(2, 40, 42, table)])
+    k, v = (torch.randn(42, hk, d, generator=g) for _ in range(2))
+    out = INVARIANT.paged_attention(q, k, v, kc, vc, meta, 0.25)
+    want = torch.empty_like(q)
+    ops = cpu_kernels.ops()
+    ops.paged_attention_rows(want[:2], q[:2], kc, vc, meta.decode_block_tables, bi._NO_ROWS, meta.decode_ctx_lens, 0.25)
+    ops.paged_attention_rows(want[2:], q[2:], kc, vc, table.view(1, -1), torch.zeros(40, dtype=torch.int64),
+                             torch.arange(3, 43), 0.25)
+    assert same(out, want)
+
+
+def test_the_attention_choice_is_made_once_per_process_and_follows_rollbus_cpu_attention():
+    code = ("import torch; from ascend_ops import attention, batch_invariant as bi; "
+            "a = bi.attention_implementation('cpu', torch.float32); attention.select('kernel'); "
+            "print(a, bi.attention_implementation('cpu', torch.float32))")
+    env = {**os.environ, "ROLLBUS_CPU_ATTENTION": "torch", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["batch_invariant_torch", "batch_invariant_torch"], r.stderr[-2000:]
+
+
 def _load(folder: Path, dtype: torch.dtype, kern):
     m = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
     m.load_weights(iter_safetensors(folder))
@@ -135,7 +187,7 @@ def _three_ways(model, prompt: list[int], steps: int):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(tiny_folders, arch, dtype):
+def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(tiny_folders, arch, dtype, backend):
     model = _load(tiny_folders[arch], dtype, INVARIANT)
     prompt = random_prompt(13, model.cfg.vocab_size, 1)
     alone, mixed, prefilled, alone_routes, full_routes = _three_ways(model, prompt, 10)
@@ -161,7 +213,7 @@ def test_a_prefill_gets_the_same_bits_in_a_step_large_enough_for_threads_to_spli
         assert same(out[before:before + 40], alone), f"{before} rows before ours changed our bits"
 
 
-def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_folders):
+def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_folders, backend):
     for arch in ("llama", "qwen3_moe"):
         checked = self_check(_load(tiny_folders[arch], torch.float32, INVARIANT), block_size=16)
         assert {"linear", "paged_attention", "rms_norm", "rotary", "log_softmax"} <= set(checked)
@@ -240,6 +292,8 @@ def test_server_info_reports_invariance(servers):
                                    "source": "rl_config.enable_batch_invariant", "batch_invariant_active": True}
     (worker,) = info["workers"].values()
     assert worker["kernels"] == "batch_invariant" and "paged_attention" in worker["batch_invariant_checked"]
+    assert worker["attention"] == ("batch_invariant_cpu_kernel" if cpu_kernels.ops() is not None
+                                   else "batch_invariant_torch")
 
 
 # --- training consistency: the trainer-side forward ------------------------------------------------
@@ -254,7 +308,7 @@ def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
-def test_trainer_forward_reproduces_the_engine_logprobs_bitwise(tmp_path, arch, dtype):
+def test_trainer_forward_reproduces_the_engine_logprobs_bitwise(tmp_path, arch, dtype, backend):
     from transformers import AutoModelForCausalLM
 
     from engine.trainer import use_engine_kernels
@@ -298,7 +352,7 @@ def test_trainer_backward_matches_plain_hf_and_bad_use_is_refused(tmp_path):
         use_engine_kernels(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
 
 
-def test_trainer_attention_keeps_only_q_k_v_for_backward():
+def test_trainer_attention_keeps_only_q_k_v_for_backward(backend):
     """The per-(row, key block) copies the engine kernel makes must not be kept for autograd (they made a
     16 x 110-token batch of SmolLM2 need 13 GB); saved bytes stay those of q, k and v whatever S is."""
     from engine.trainer.consistency import _attention

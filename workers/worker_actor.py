@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from ascend_ops import attention, packed_linear
-from ascend_ops.batch_invariant import BatchInvarianceUnavailable, kernels, self_check
+from ascend_ops.batch_invariant import BatchInvarianceUnavailable, attention_implementation, kernels, self_check
 from ascend_ops.platform import current_platform, tune_host_allocator
 from ascend_ops.tp_group import TPError, init_tp_group
 from bus.codec import CodecError, decode
@@ -146,7 +146,8 @@ class WorkerActor:
             except BatchInvarianceUnavailable as e:
                 raise SystemExit(f"rollbus: {det.source}: {e}") from None
         try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
-            attn = "batch_invariant" if model.kern.batch_invariant else attention.implementation(device.type)
+            attn = (attention_implementation(device.type, next(model.parameters()).dtype) if model.kern.batch_invariant
+                    else attention.implementation(device.type))
             cpu_linear = packed_linear.describe() if device.type == "cpu" else None
         except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
             raise SystemExit(str(e)) from None

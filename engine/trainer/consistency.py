@@ -6,7 +6,8 @@
 
 Every op of the forward goes through the same functions the engine's workers run with batch invariance on
 (ascend_ops.batch_invariant): linear layers and the LM head (rows padded to a multiple of 4), attention
-(per query row, one KV block of `block_size` keys at a time, as over the paged cache), the MoE router and
+(each query row over its own keys laid out as KV-cache blocks of `block_size`, by the engine's CPU kernel
+or, where the engine runs its torch path, that path), the MoE router and
 expert sums, and SiLU (HF's F.silu gives a row other bits when a CPU thread split falls inside it). HF's
 RMSNorm, rotary embedding, the product with up_proj and embedding are already the same arithmetic as the
 engine's and stay. The logits come back in fp32 (the engine's log_softmax runs on fp32 logits).
@@ -40,9 +41,12 @@ def _lm_head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _engine_attention_forward(query, key, value, scaling: float, block_size: int) -> torch.Tensor:
-    """The engine's kernel (ascend_ops.batch_invariant._attend_rows) over a right-padded batch, causal:
-    query [B, Hq, S, D], key/value [B, Hk, S, D] -> [B, S, Hq, D]. Rows go through it in chunks of at most
-    PAIR_BUDGET (row, block) pairs, as in the engine, so the memory in use is bounded whatever B and S."""
+    """The engine's invariant attention over a right-padded batch, causal: query [B, Hq, S, D], key/value
+    [B, Hk, S, D] -> [B, S, Hq, D]. Keys and values are laid out as KV-cache blocks of `block_size` tokens
+    (sequence b in blocks b * nblk ..), and every query row reads the first position + 1 of its sequence's,
+    as the engine's paged attention does. Where the engine runs the CPU kernel
+    (ascend_ops.batch_invariant.attention_backend) this is one call of it; else the torch path's
+    _attend_rows, in chunks of at most PAIR_BUDGET (row, block) pairs, as in the engine."""
     B, hq, S, d = query.shape
     hk = key.shape[1]
     nblk = -(-S // block_size)
@@ -57,12 +61,18 @@ def _engine_attention_forward(query, key, value, scaling: float, block_size: int
     kc, vc = blocks(key), blocks(value)
     q = query.transpose(1, 2).reshape(B * S, hq, d)
     dev = query.device
-    tables = (torch.arange(B, device=dev)[:, None] * nblk + torch.arange(nblk, device=dev)[None, :])
-    tables = tables.repeat_interleave(S, dim=0)  # [B * S, nblk]
+    tables = (torch.arange(B, device=dev)[:, None] * nblk + torch.arange(nblk, device=dev)[None, :])  # [B, nblk]
     lens = torch.arange(1, S + 1, device=dev).repeat(B)
+    out = torch.empty_like(q)
+    kern = bi.attention_kernel(q, kc)
+    if kern is not None:
+        row_table = torch.arange(B, device=dev).repeat_interleave(S)
+        kern.paged_attention_rows(out, q.contiguous(), kc.contiguous(), vc.contiguous(), tables, row_table, lens,
+                                  scaling)
+        return out.view(B, S, hq, d)
+    tables = tables.repeat_interleave(S, dim=0)  # [B * S, nblk]
     nb = (lens + block_size - 1) // block_size
     rows = max(1, bi.PAIR_BUDGET // nblk)
-    out = torch.empty_like(q)
     for a in range(0, B * S, rows):
         out[a:a + rows] = bi._attend_rows(q[a:a + rows], tables[a:a + rows], lens[a:a + rows], nb[a:a + rows],
                                           kc, vc, scaling)
@@ -70,8 +80,8 @@ def _engine_attention_forward(query, key, value, scaling: float, block_size: int
 
 
 class _EngineAttention(torch.autograd.Function):
-    """Forward: the engine's kernel, bit for bit, with nothing kept for autograd but q, k and v (the
-    per-(row, block) copies of keys and values it makes are freed chunk by chunk). Backward: the exact
+    """Forward: the engine's attention, bit for bit, with nothing kept for autograd but q, k and v (the
+    blocked copies of keys and values it makes are freed when it returns). Backward: the exact
     gradient of causal softmax attention, computed densely one sequence at a time in fp32 (gradients need
     ordinary float agreement with HF's, not the engine's bits), so memory is one sequence's [Hq, S, S]."""
 
