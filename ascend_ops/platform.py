@@ -52,38 +52,34 @@ class Platform:
         return _host_available_bytes()
 
 
-def _host_available_bytes() -> int:
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A "Key:   N kB" line of a /proc file, in bytes (None where it is not there)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
+def _host_available_bytes() -> int:
+    got = _proc_bytes("/proc/meminfo", "MemAvailable")
+    return got if got is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def host_total_bytes() -> int:
     """The host's total memory (MemTotal)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    got = _proc_bytes("/proc/meminfo", "MemTotal")
+    return got if got is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def process_resident_bytes() -> int:
-    """This process's resident memory now (VmRSS)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """This process's resident memory now (VmRSS; where /proc has none, its peak)."""
+    got = _proc_bytes("/proc/self/status", "VmRSS")
+    if got is not None:
+        return got
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

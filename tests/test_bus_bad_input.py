@@ -8,6 +8,7 @@ fit the step in flight are dropped too. Real processes, real sockets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -487,27 +488,10 @@ def test_a_worker_drops_garbage_on_its_plan_and_abort_watch_sub_sockets(tmp_path
     and presence topics) and on the command SUB its member link and its abort watcher both read is logged
     and dropped; afterwards it still follows commands, executes a valid plan, and its abort watcher still
     interrupts a step."""
-    import subprocess
-    import sys
-
     from bus.endpoints import presence_topic
     from bus.messages import Pause
-    from tests.tiny_models import make_tiny_checkpoint
 
-    folder = make_tiny_checkpoint("llama", tmp_path / "llama")
-    cfg = bus_config(tmp_path / "bus", model=str(folder), max_model_len=256, num_gpu_blocks_override=64,
-                     heartbeat_timeout_s=120)
-    ep = Endpoints.from_config(cfg)
-    ctx = zmq.Context()
-    log_path = tmp_path / "worker.log"
-    proc = None
-    try:
-        coord, sched = FakeCoordinator(ctx, ep), FakeScheduler(ctx, ep)
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--rank", "0", *cfg.to_argv()],
-                                    stdout=log, stderr=subprocess.STDOUT)
-        coord.welcome("worker-0", timeout_s=120)
-        sched.wait_worker("worker-0", timeout_s=30)
+    with lone_worker(tmp_path) as (coord, sched, proc, log_path):
         for topic in (PLAN_TOPIC, presence_topic("worker-0")):
             for frames in plan_garbage():
                 sched.plans.send_multipart([topic, *frames])
@@ -529,6 +513,32 @@ def test_a_worker_drops_garbage_on_its_plan_and_abort_watch_sub_sockets(tmp_path
         assert "worker.bad_plan" in out and "a Hello where a StepPlan goes" in out
         assert "worker.abort_watch_bad_message" in out and "bus.bad_message" in out
         assert "Traceback" not in out, out[-3000:]
+
+
+@contextlib.contextmanager
+def lone_worker(tmp_path):
+    """A real worker process (a tiny llama) between a FakeCoordinator and a FakeScheduler, joined and
+    subscribed: yields (coordinator, scheduler, process, log path); stops it after."""
+    import subprocess
+    import sys
+
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint("llama", tmp_path / "llama")
+    cfg = bus_config(tmp_path / "bus", model=str(folder), max_model_len=256, num_gpu_blocks_override=64,
+                     heartbeat_timeout_s=120)
+    ep = Endpoints.from_config(cfg)
+    ctx = zmq.Context()
+    log_path = tmp_path / "worker.log"
+    proc = None
+    try:
+        coord, sched = FakeCoordinator(ctx, ep), FakeScheduler(ctx, ep)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--rank", "0", *cfg.to_argv()],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        coord.welcome("worker-0", timeout_s=120)
+        sched.wait_worker("worker-0", timeout_s=30)
+        yield coord, sched, proc, log_path
     finally:
         if proc is not None:
             proc.terminate()

@@ -6,36 +6,17 @@ stayed, and such a plan killed the worker with AttributeError)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
-import zmq
-
 from bus.codec import decode
-from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints
+from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC
 from bus.messages import Ack, Command, ReleaseMemory, StepResult, WakeUp
 from bus.sockets import send
-from tests.bus_helpers import bus_config
-from tests.test_bus_bad_input import FakeCoordinator, FakeScheduler, _next, plan_of
-from tests.tiny_models import make_tiny_checkpoint
+from tests.test_bus_bad_input import _next, lone_worker, plan_of
 
 
 def test_a_plan_that_overtakes_its_wake_up_waits_for_it_then_computes(tmp_path):
-    folder = make_tiny_checkpoint("llama", tmp_path / "llama")
-    cfg = bus_config(tmp_path / "bus", model=str(folder), max_model_len=256, num_gpu_blocks_override=64,
-                     heartbeat_timeout_s=120)
-    ep = Endpoints.from_config(cfg)
-    ctx = zmq.Context()
-    log_path = tmp_path / "worker.log"
-    proc = None
-    try:
-        coord, sched = FakeCoordinator(ctx, ep), FakeScheduler(ctx, ep)
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--rank", "0", *cfg.to_argv()],
-                                    stdout=log, stderr=subprocess.STDOUT)
-        coord.welcome("worker-0", timeout_s=120)
-        sched.wait_worker("worker-0", timeout_s=30)
+    with lone_worker(tmp_path) as (coord, sched, proc, log_path):
         assert sched.run(plan_of(1, "s1")).error is None  # awake: computes
         send(coord.pub, Command(1, ReleaseMemory(1)), topic=COMMAND_TOPIC)
         ack = _next(coord, Ack)
@@ -58,8 +39,3 @@ def test_a_plan_that_overtakes_its_wake_up_waits_for_it_then_computes(tmp_path):
         assert res.error is None and res.seq_ids == ["s2"] and res.token_ids.shape == (1,), res
         assert proc.poll() is None
         assert "Traceback" not in log_path.read_text()
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(20)
-        ctx.destroy(linger=0)
