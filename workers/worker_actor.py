@@ -145,8 +145,9 @@ class WorkerActor:
                 checked = self_check(model, cfg.block_size)
             except BatchInvarianceUnavailable as e:
                 raise SystemExit(f"rollbus: {det.source}: {e}") from None
+        dtype = next(model.parameters()).dtype
         try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
-            attn = (attention_implementation(device.type, next(model.parameters()).dtype) if model.kern.batch_invariant
+            attn = (attention_implementation(device.type, dtype) if model.kern.batch_invariant
                     else attention.implementation(device.type))
             cpu_linear = packed_linear.describe() if device.type == "cpu" else None
         except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
@@ -154,7 +155,6 @@ class WorkerActor:
         # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
         warm_s = warm_up(model, rank=rank, block_size=cfg.block_size, device=device)
         nl, nkv, hd = model.kv_spec
-        dtype = next(model.parameters()).dtype
         per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, dtype)
         try:
             num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
