@@ -154,6 +154,44 @@ def tune_host_allocator() -> str:
     return f"glibc (mmap threshold {HOST_MMAP_THRESHOLD >> 20} MiB, trim threshold {HOST_TRIM_THRESHOLD >> 20} MiB)"
 
 
+HUGE_PAGES_ENV = "ROLLBUS_CPU_HUGE_PAGES"  # 0: leave glibc's malloc on 4 KiB pages
+_HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
+
+
+def huge_pages_env(env: dict[str, str]) -> dict[str, str]:
+    """What a CPU worker's environment gains so glibc's malloc backs the heap and its large blocks with
+    transparent huge pages (the weights and their packed copies): `GLIBC_TUNABLES` with
+    glibc.malloc.hugetlb=1, after any tunables the user set. A tunable read at exec, so the launcher sets
+    it for the workers it starts (Procfile: the worker lines). Measured on SmolLM2-135M's layer GEMMs, fp32,
+    1 thread, weights streamed from memory as in a decode step: 5-6% faster at 32-64 rows (fewer TLB misses;
+    the same products on 4 KiB pages in the same process). Nothing when the user chose: a hugetlb tunable
+    already set, ROLLBUS_CPU_HUGE_PAGES=0, or tcmalloc / jemalloc / mimalloc in LD_PRELOAD."""
+    value = env.get(HUGE_PAGES_ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{HUGE_PAGES_ENV} must be 0 or 1, got {value!r}")
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if (value == "0" or _HUGETLB_TUNABLE in tunables
+            or any(name in env.get("LD_PRELOAD", "") for name in _PRELOADED)):
+        return {}
+    return {"GLIBC_TUNABLES": f"{tunables}:{_HUGETLB_TUNABLE}=1" if tunables else f"{_HUGETLB_TUNABLE}=1"}
+
+
+def host_huge_pages() -> str:
+    """How this process's host memory is paged (each CPU worker reports it in /server_info as
+    `host_huge_pages`, after its weights are loaded): the malloc tunable in effect and how much of the
+    process is on transparent huge pages now."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unavailable (no transparent huge pages on this host)"
+    huge = _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages") or 0
+    tunable = next((t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith(_HUGETLB_TUNABLE)),
+                   None)
+    how = f"glibc {tunable}" if tunable else "malloc on 4 KiB pages"
+    return f"{how}, transparent huge pages '{thp}': {huge >> 20} MiB of the process on huge pages"
+
+
 def releasable_host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled host tensor in its own anonymous mapping, so dropping it gives the memory straight
     back to the OS (no allocator cache, no heap fragmentation) and re-creating it costs page faults

@@ -55,6 +55,16 @@ def roles(cfg: EngineConfig) -> list[tuple[str, list[str]]]:
     return out
 
 
+def worker_env(topo: Topology, env: dict[str, str], platform_name: str) -> dict[str, str]:
+    """The environment of the workers this host starts: on CPU their share of the cores and malloc on huge
+    pages (ascend_ops.platform.huge_pages_env; ValueError for a bad ROLLBUS_CPU_HUGE_PAGES)."""
+    if platform_name != "cpu":
+        return env
+    from ascend_ops.platform import huge_pages_env
+
+    return {**env, **cpu_thread_share(topo, env, platform_name), **huge_pages_env(env)}
+
+
 def cpu_thread_share(topo: Topology, env: dict[str, str], platform_name: str) -> dict[str, str]:
     """On CPU with several workers on this host, each worker's share of the cores (OMP_NUM_THREADS =
     cores // workers), unless the user set OMP_NUM_THREADS: workers that each take every core contend."""
@@ -85,6 +95,14 @@ class Launcher:
         if why:
             print(f"rollbus: {why}", file=sys.stderr, flush=True)
             return 2
+        env = dict(os.environ)
+        if self.cfg.api_key:
+            env["VLLM_API_KEY"] = self.cfg.api_key
+        try:
+            self._worker_env = worker_env(Topology.from_config(self.cfg), env, self._platform_name)
+        except ValueError as e:
+            print(f"rollbus: {e}", file=sys.stderr, flush=True)
+            return 2
         ctx = zmq.Context()
         ready_dir = tempfile.mkdtemp(prefix="rollbus-launch-")
         endpoint = f"ipc://{ready_dir}/ready"
@@ -92,12 +110,7 @@ class Launcher:
         ready_sock.bind(endpoint)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
-        argv = self.cfg.to_argv() + ["--ready-endpoint", endpoint]
-        env = dict(os.environ)
-        if self.cfg.api_key:
-            env["VLLM_API_KEY"] = self.cfg.api_key
-        self._argv, self._env = argv, env
-        self._worker_env = {**env, **cpu_thread_share(Topology.from_config(self.cfg), env, self._platform_name)}
+        self._argv, self._env = self.cfg.to_argv() + ["--ready-endpoint", endpoint], env
         self._role_argv = dict(roles(self.cfg))
         try:
             for name in self._role_argv:

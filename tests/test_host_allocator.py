@@ -62,3 +62,69 @@ def test_the_users_malloc_settings_are_left_alone():
     got = probe("tuned", MALLOC_TRIM_THRESHOLD_="1000000")
     assert got["mode"] == "glibc (MALLOC_TRIM_THRESHOLD_ from the environment)", got
     assert got["heap"] is False, got
+
+
+# --- huge pages (ascend_ops.platform.huge_pages_env / host_huge_pages) --------------------------------------
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "none"
+
+
+def test_workers_get_the_hugetlb_tunable_unless_the_user_chose():
+    from ascend_ops.platform import huge_pages_env
+
+    assert huge_pages_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    # the user's other tunables are kept, ahead of ours
+    assert huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    assert huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}  # their choice wins
+    assert huge_pages_env({"ROLLBUS_CPU_HUGE_PAGES": "0"}) == {}
+    assert huge_pages_env({"LD_PRELOAD": "/usr/lib/libtcmalloc.so.4"}) == {}
+    with pytest.raises(ValueError, match="ROLLBUS_CPU_HUGE_PAGES must be 0 or 1, got 'yes'"):
+        huge_pages_env({"ROLLBUS_CPU_HUGE_PAGES": "yes"})
+
+
+def test_the_worker_launcher_env_carries_it_on_cpu_only():
+    from engine.launcher import worker_env
+    from engine.topology import Topology
+
+    env = worker_env(Topology(), {"PATH": "/bin"}, "cpu")
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env["PATH"] == "/bin"
+    assert worker_env(Topology(), {"PATH": "/bin"}, "cuda") == {"PATH": "/bin"}
+
+
+# 96 MiB of packed weights as a worker makes them (oneDNN reorders through torch's allocator), with the
+# worker's malloc settings; how much of the process is on huge pages after.
+HUGE_PROBE = """
+import json, torch
+from ascend_ops.platform import host_huge_pages, tune_host_allocator, _proc_bytes
+tune_host_allocator()
+ws = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(3072, 576)) for _ in range(14)]
+print(json.dumps({"huge": _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages"), "report": host_huge_pages()}))
+"""
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_the_tunable_puts_packed_weights_on_huge_pages():
+    from ascend_ops.platform import huge_pages_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")
+            and not k.startswith("MALLOC_")}
+
+    def run(env: dict) -> dict:
+        out = subprocess.run([sys.executable, "-c", HUGE_PROBE], env={**base, "PYTHONPATH": root, **env},
+                             capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    got = run(huge_pages_env({}))
+    assert got["huge"] >= 64 << 20, got  # most of the 96 MiB (the heap's unaligned ends stay on 4 KiB pages)
+    assert got["report"].startswith("glibc glibc.malloc.hugetlb=1, transparent huge pages"), got
+    if _thp_mode() == "madvise":  # without the tunable nothing asks for them
+        plain = run({})
+        assert plain["huge"] < 8 << 20, plain
+        assert plain["report"].startswith("malloc on 4 KiB pages"), plain

@@ -36,7 +36,7 @@ import zmq
 
 from ascend_ops import attention, packed_linear
 from ascend_ops.batch_invariant import BatchInvarianceUnavailable, attention_implementation, kernels, self_check
-from ascend_ops.platform import current_platform, tune_host_allocator
+from ascend_ops.platform import current_platform, host_huge_pages, tune_host_allocator
 from ascend_ops.tp_group import TPError, init_tp_group
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
@@ -186,6 +186,7 @@ class WorkerActor:
                      "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
                      "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
                      "cpu_linear": cpu_linear, "host_allocator": host_allocator, "warm_up_s": round(warm_s, 3),
+                     "host_huge_pages": host_huge_pages() if device.type == "cpu" else None,
                      "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
