@@ -170,3 +170,67 @@ def test_two_stage_topk_is_exact(shape, k):
     peaked[:, [5, 39999]] = torch.tensor([1.0, 2.0])
     v, i = topk(peaked, 3)
     assert i[:, :2].tolist() == [[39999, 5]] * 2 and v[:, 2].tolist() == [float("-inf")] * 2
+
+
+# --- the fused CPU draw (ascend_ops/csrc/cpu_sampling.cpp) -----------------------------------------------------
+
+def _draw_kernel_or_skip():
+    from workers.sampler import _draw_kernel
+
+    kernel = _draw_kernel()
+    if kernel is None:
+        pytest.skip("the CPU kernels are not built here (python -m ascend_ops.cpu_kernels)")
+    return kernel
+
+
+def _brackets(lp: torch.Tensor, u: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Each token is one the exact (float64) inverse CDF allows at its uniform, up to float32 exp rounding:
+    cdf[t - 1] <= u * total <= cdf[t], within 1e-6 of the total, and never a token of zero probability."""
+    p = lp.double().exp()
+    cdf = p.cumsum(-1)
+    total = cdf[:, -1]
+    target = u * total
+    before = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
+                         torch.zeros_like(total))
+    at = cdf.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    slack = 1e-6 * total
+    assert bool((before <= target + slack).all()) and bool((at >= target - slack).all())
+    assert bool((p.gather(1, tokens.unsqueeze(1)) > 0).all())
+
+
+def test_fused_draw_takes_the_inverse_cdf_token_as_the_torch_path_does():
+    from workers.sampler import _draw, _uniforms
+
+    kernel = _draw_kernel_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(200, 49157, generator=gen)  # not a multiple of the kernel's chunks or vectors
+    logits[torch.rand(logits.shape, generator=gen) < 0.1] = float("-inf")  # banned tokens: zero probability
+    lp = torch.log_softmax(logits, -1)
+    rows = [row() for _ in range(200)]
+    u = _uniforms(rows, torch.Generator().manual_seed(9))
+    fused = kernel(lp, u)
+    torch_path = _draw(lp.exp(), rows, torch.Generator().manual_seed(9))  # the same uniforms
+    _brackets(lp, u, fused)
+    _brackets(lp, u, torch_path)
+    # both read the same CDF: only a uniform within float32 rounding of a boundary may pick a neighbour
+    assert bool(((fused - torch_path).abs() <= 1).all())
+
+
+def test_fused_draw_at_the_ends_of_the_cdf_and_in_the_scalar_tail():
+    kernel = _draw_kernel_or_skip()
+    v = 49157
+    lp = torch.full((4, v), float("-inf"))
+    lp[0, 1], lp[0, 2] = -0.5, -1.0  # u = 0: the first token that can be drawn, not the banned token 0
+    lp[1, 3], lp[1, v - 2] = -1.0, -0.5  # u just under 1: the last token of non-zero probability
+    lp[2, v - 1] = 0.0  # all the mass in the vector loops' scalar tail
+    lp[3] = torch.log_softmax(torch.zeros(v), -1)  # uniform: u = 0.5 lands mid-vocabulary
+    u = torch.tensor([0.0, 1.0 - 2.0**-53, 0.5, 0.5], dtype=torch.float64)
+    assert kernel(lp, u).tolist() == [1, v - 2, v - 1, v // 2]
+
+
+def test_fused_draw_refuses_what_it_cannot_read():
+    kernel = _draw_kernel_or_skip()
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="one contiguous float64 per row"):
+        kernel(torch.zeros(2, 8), torch.zeros(3, dtype=torch.float64))

@@ -26,6 +26,7 @@ the kept mass include it; such a row is never "plain". With no mask in the batch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -113,10 +114,9 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     draw = [i for i in range(n) if not greedy[i] and trace[i] is None]
     if draw:
         pos = {row: k for k, row in enumerate(proc)}
-        if len(draw) == n and all(plain):
-            probs = raw_logprobs.exp()  # the common RL case: every row plain sampling at temperature 1
-        elif all(plain[i] for i in draw):
-            probs = raw_logprobs[draw].exp()
+        if all(plain[i] for i in draw):  # the common RL case: plain sampling at temperature 1
+            token_ids[draw] = draw_logprobs(raw_logprobs if len(draw) == n else raw_logprobs[draw],
+                                            [rows[i] for i in draw], default_generator)
         else:
             ks = [k for k, i in enumerate(draw) if not plain[i]]  # one batched softmax (many masked rows)
             sel = [pos[draw[k]] for k in ks]
@@ -128,7 +128,7 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
                 probs[ks] = torch.softmax(src, dim=-1)
                 ks = [k for k, i in enumerate(draw) if plain[i]]
                 probs[ks] = raw_logprobs[[draw[k] for k in ks]].exp()
-        token_ids[draw] = _draw(probs, [rows[i] for i in draw], default_generator)
+            token_ids[draw] = _draw(probs, [rows[i] for i in draw], default_generator)
     for i, tok in enumerate(trace):
         if tok is not None:
             token_ids[i] = tok
@@ -280,12 +280,26 @@ def _filter(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform per row, from the row's own generator when it has a seed.
+def draw_logprobs(lp: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
+    """`_draw(lp.exp(), ...)` for rows of log-probabilities: on CPU one fused kernel (ascend_ops/csrc/
+    cpu_sampling.cpp: no [S, V] exp and float64 cumsum; the same uniforms and the same rule, the sums in
+    another order), elsewhere, or without the CPU kernels, the torch path."""
+    kernel = _draw_kernel() if lp.device.type == "cpu" and lp.dtype == torch.float32 and lp.stride(-1) == 1 else None
+    if kernel is None:
+        return _draw(lp.exp(), rows, default_generator)
+    return kernel(lp, _uniforms(rows, default_generator))
 
-    One draw per row (not one per vocabulary entry, as exponential/Gumbel races need) keeps a seeded
-    row's randomness tiny and cheap; the cumulative sum runs in float64 so the 50k-entry CDF stays exact
-    enough, and `right=True` never lands on a token of zero probability."""
+
+@functools.cache
+def _draw_kernel():
+    from ascend_ops.cpu_kernels import ops
+
+    kernels = ops()
+    return None if kernels is None else kernels.draw_logprobs
+
+
+def _uniforms(rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
+    """One float64 uniform per row, from the row's own generator when it has a seed."""
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if len(unseeded) == len(rows):
         u = torch.rand(len(rows), dtype=torch.float64, generator=default_generator)
@@ -295,6 +309,16 @@ def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Ge
         it = iter(shared)
         u = torch.tensor([next(it) if r.generator is None else torch.rand(1, dtype=torch.float64, generator=r.generator)
                           .item() for r in rows], dtype=torch.float64)
+    return u
+
+
+def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform per row, from the row's own generator when it has a seed.
+
+    One draw per row (not one per vocabulary entry, as exponential/Gumbel races need) keeps a seeded
+    row's randomness tiny and cheap; the cumulative sum runs in float64 so the 50k-entry CDF stays exact
+    enough, and `right=True` never lands on a token of zero probability."""
+    u = _uniforms(rows, default_generator)
     # Rows in slices of DRAW_ROWS through one float64 buffer: a whole [S, V] float64 copy and its cumsum
     # cost more in page faults than in arithmetic (each row's sum runs in the same order either way).
     n, vocab = probs.shape
