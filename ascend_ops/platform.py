@@ -195,16 +195,20 @@ def host_huge_pages() -> str:
 def releasable_host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled host tensor in its own anonymous mapping, so dropping it gives the memory straight
     back to the OS (no allocator cache, no heap fragmentation) and re-creating it costs page faults
-    only, on first touch. Huge pages are asked for where the kernel allows them (fewer faults)."""
+    only, on first touch."""
     import mmap
 
     nbytes = max(1, numel * torch.empty(0, dtype=dtype).element_size())
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
+    # Huge pages where the kernel allows them (fewer faults). DONTFORK: a forked child gets no copy of it, and
+    # its flags then differ from the allocator's mappings (which glibc.malloc.hugetlb=1 also marks for huge
+    # pages), so the kernel never merges it with one: it stays a mapping of its own in /proc/<pid>/smaps.
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        if hasattr(mmap, advice):
+            try:
+                mm.madvise(getattr(mmap, advice))
+            except OSError:
+                pass
     # The tensor keeps the mapping alive; when the last view of it goes, the mapping is unmapped.
     return torch.frombuffer(mm, dtype=dtype, count=numel)
 
