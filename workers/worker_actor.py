@@ -34,9 +34,8 @@ import structlog
 import torch
 import zmq
 
-from ascend_ops import attention, packed_linear
-from ascend_ops.batch_invariant import BatchInvarianceUnavailable, attention_implementation, kernels, self_check
-from ascend_ops.platform import current_platform, host_huge_pages, tune_host_allocator
+from ascend_ops import packed_linear
+from ascend_ops.platform import current_platform
 from ascend_ops.tp_group import TPError, init_tp_group
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
@@ -77,17 +76,14 @@ from bus.sockets import make_socket, recv, report_ready, send
 from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
-from engine.model_store import resolve_model
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
-from engine.structured_outputs import parse_structured_outputs_config
-from engine.topology import Topology, layout
+from engine.topology import Topology
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
-from workers.kv_cache import KVCache, plan_num_blocks
-from workers.loader import load_model, reload_weights
-from workers.model_runner import ModelRunner, warm_up
+from workers.loader import reload_weights
 from workers.sleep import SleepManager
+from workers.startup import load_worker
 from workers.weight_receiver import WeightReceiver
 from workers.weight_recovery import copy_path, load_copy, save_copy
 
@@ -102,15 +98,6 @@ TP_ABORT_EVERY = 4  # tp: layers between the (collective) checks for an abort pa
 
 class StepInterrupted(Exception):
     pass
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameter storage this process holds (each storage counted once: tied weights share)."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        st = p.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 class WorkerActor:
@@ -137,57 +124,14 @@ class WorkerActor:
             raise SystemExit(f"rollbus: {self.name}: {e}") from None
         self.tp_peers = set(topo.worker_names(self.engine)) - {self.name}
         self.fatal: str | None = None  # the tp group is out of step: exit (the launcher restarts us)
-        model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant), self.tp)
-        host_allocator = tune_host_allocator() if device.type == "cpu" else None  # the steps' buffers, not the weights
-        checked: list[str] = []
-        if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
-            try:
-                checked = self_check(model, cfg.block_size)
-            except BatchInvarianceUnavailable as e:
-                raise SystemExit(f"rollbus: {det.source}: {e}") from None
-        dtype = next(model.parameters()).dtype
-        try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
-            attn = (attention_implementation(device.type, dtype) if model.kern.batch_invariant
-                    else attention.implementation(device.type))
-            cpu_linear = packed_linear.describe() if device.type == "cpu" else None
-        except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
-            raise SystemExit(str(e)) from None
-        # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
-        warm_s = warm_up(model, rank=rank, block_size=cfg.block_size, device=device)
-        nl, nkv, hd = model.kv_spec
-        per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, dtype)
-        try:
-            num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
-                                         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                                         num_blocks_override=cfg.num_gpu_blocks_override,
-                                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                         device_index=topo.local_device(self.engine, rank))
-        except ValueError as e:  # no room for a KV cache in what the flags allow
-            raise SystemExit(f"rollbus: {self.name}: {e}") from None
-        if num_blocks * cfg.block_size < max_model_len:
-            raise SystemExit(
-                f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
-                f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
-        kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
-        self.runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed,
-                                  logprobs_mode=cfg.logprobs_mode,
-                                  return_routed_experts=cfg.enable_return_routed_experts,
-                                  tokenizer_path=None if cfg.tokens_only else
-                                  resolve_model(cfg.model, progress=False) / "tokenizer.json",
-                                  structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config))
-        self.runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before we join the bus
+        loaded = load_worker(cfg, name=self.name, rank=rank, tp_size=tp, device=device,
+                             device_index=topo.local_device(self.engine, rank), platform=platform, det=det, tp=self.tp)
+        model, kv, self.runner = loaded.model, loaded.kv, loaded.runner
         self.sleep = SleepManager(model, kv, platform)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
                                       device=device, nz_mode=extra.weight_nz_mode)
-        self.info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
-                     "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp, "tp_rank": rank,
-                     "weight_bytes": weight_bytes(model),
-                     "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
-                     "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
-                     "cpu_linear": cpu_linear, "host_allocator": host_allocator, "warm_up_s": round(warm_s, 3),
-                     "host_huge_pages": host_huge_pages() if device.type == "cpu" else None,
-                     "worker_extension_methods": extension_methods(self), "layout": layout(cfg)}
+        self.info = {**loaded.info, "worker_extension_methods": extension_methods(self)}
         log.info("worker.loaded", **self.info)
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
         self.plans.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)

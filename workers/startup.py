@@ -1,0 +1,92 @@
+"""A worker's start-up, before it joins the bus: the model (this rank's shard) on its device, the checks the
+flags ask for, the warm-up, the KV cache sized by the flags, and the ModelRunner over them, plus what the
+worker reports about itself (its Hello and /server_info). Every refusal here stops the start-up with a
+SystemExit naming the value (an unknown kernel variable, no room for a KV cache, a batch-invariance
+self-check that fails on this device). The socket loop is workers.worker_actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ascend_ops import attention, packed_linear
+from ascend_ops.batch_invariant import BatchInvarianceUnavailable, attention_implementation, kernels, self_check
+from ascend_ops.platform import Platform, host_huge_pages, tune_host_allocator
+from engine.config import EngineConfig
+from engine.model_store import resolve_model
+from engine.rl_config import Determinism
+from engine.structured_outputs import parse_structured_outputs_config
+from engine.topology import layout
+from workers.kv_cache import KVCache, plan_num_blocks
+from workers.loader import load_model
+from workers.model_runner import ModelRunner, warm_up
+
+
+@dataclass(slots=True)
+class Loaded:
+    model: torch.nn.Module
+    kv: KVCache
+    runner: ModelRunner
+    info: dict[str, Any]  # what the worker reports (its Hello, /server_info's `workers`)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameter storage this process holds (each storage counted once: tied weights share)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        st = p.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device: torch.device, device_index: int,
+                platform: Platform, det: Determinism, tp) -> Loaded:
+    """Everything a worker computes with, ready for its first step; `tp` is its tensor-parallel group."""
+    model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant), tp)
+    host_allocator = tune_host_allocator() if device.type == "cpu" else None  # the steps' buffers, not the weights
+    checked: list[str] = []
+    if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
+        try:
+            checked = self_check(model, cfg.block_size)
+        except BatchInvarianceUnavailable as e:
+            raise SystemExit(f"rollbus: {det.source}: {e}") from None
+    dtype = next(model.parameters()).dtype
+    try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
+        attn = (attention_implementation(device.type, dtype) if model.kern.batch_invariant
+                else attention.implementation(device.type))
+        cpu_linear = packed_linear.describe() if device.type == "cpu" else None
+    except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
+        raise SystemExit(str(e)) from None
+    # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
+    warm_s = warm_up(model, rank=rank, block_size=cfg.block_size, device=device)
+    nl, nkv, hd = model.kv_spec
+    per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, dtype)
+    try:
+        num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
+                                     kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+                                     num_blocks_override=cfg.num_gpu_blocks_override,
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization, device_index=device_index)
+    except ValueError as e:  # no room for a KV cache in what the flags allow
+        raise SystemExit(f"rollbus: {name}: {e}") from None
+    if num_blocks * cfg.block_size < max_model_len:
+        raise SystemExit(
+            f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
+            f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
+    kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
+    runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed,
+                         logprobs_mode=cfg.logprobs_mode, return_routed_experts=cfg.enable_return_routed_experts,
+                         tokenizer_path=None if cfg.tokens_only else
+                         resolve_model(cfg.model, progress=False) / "tokenizer.json",
+                         structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config))
+    runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before the worker joins the bus
+    info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
+            "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp_size, "tp_rank": rank,
+            "weight_bytes": weight_bytes(model),
+            "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
+            "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
+            "cpu_linear": cpu_linear, "host_allocator": host_allocator, "warm_up_s": round(warm_s, 3),
+            "host_huge_pages": host_huge_pages() if device.type == "cpu" else None, "layout": layout(cfg)}
+    return Loaded(model, kv, runner, info)
