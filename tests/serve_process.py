@@ -133,6 +133,15 @@ def kv_cache_bytes_for_tests(args: tuple[str, ...] | list[str]) -> int | None:
     return tokens * bytes_per_token if tokens * bytes_per_token < CPU_DEFAULT_KV_BYTES else None
 
 
+def sized_for_tests(cfg):
+    """An EngineConfig whose roles a test starts itself (engine.cli <role> *cfg.to_argv()), with
+    kv_cache_bytes_for_tests when SIZE_KV_FOR_TESTS is on and its fields size no KV cache."""
+    import dataclasses
+
+    kv = kv_cache_bytes_for_tests(cfg.to_argv()) if SIZE_KV_FOR_TESTS else None
+    return cfg if kv is None else dataclasses.replace(cfg, kv_cache_memory_bytes=kv)
+
+
 def start_server(workdir: Path, *args: str, timeout_s: float = 180.0) -> Server:
     """`rollbus serve *args` on a free port, its log and bus sockets under workdir. Under pytest
     (SIZE_KV_FOR_TESTS), a server whose flags size no KV cache gets kv_cache_bytes_for_tests."""
