@@ -5,6 +5,7 @@ import subprocess
 import numpy.testing  # noqa: F401
 import pytest
 
+from tests import serve_process
 from tests.fixtures_models import smollm2_dir, smollm2_gguf, smollm2_moe_dir  # noqa: F401  (shared fixtures)
 
 
@@ -19,3 +20,8 @@ def _unit_tests_start_no_process(request, monkeypatch):
                                  "move it out of the unit lane or drop the process")
 
         monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+
+
+def pytest_configure(config):
+    """Test servers get a KV cache sized for tests unless their flags size one (tests.serve_process)."""
+    serve_process.SIZE_KV_FOR_TESTS = True

@@ -3,6 +3,7 @@ trainers that launch the engine from Python."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -88,8 +89,64 @@ def _member_name(args: list[str], role: str) -> str:
     return role
 
 
+# Set by tests/conftest.py (pytest only; benchmarks keep the engine's defaults): a server started without a KV
+# size of its own gets a cache sized for tests (kv_cache_bytes_for_tests), not the CPU default of 1 GiB,
+# which every start would fault in whole (about 3.6 s per GiB on the CI machine).
+SIZE_KV_FOR_TESTS = False
+TEST_KV_TOKENS = 8192  # the least a test server's cache holds, in tokens (and at least 4 max-length sequences)
+_KV_FLAGS = ("kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override")
+
+
+def kv_cache_bytes_for_tests(args: tuple[str, ...] | list[str]) -> int | None:
+    """The --kv-cache-memory-bytes a test server gets when its flags size no KV cache: room for
+    max(4 x max-model-len, TEST_KV_TOKENS) tokens at fp32 with every KV head (each worker's share is
+    smaller). None (the engine's own sizing) when that is not below the CPU default, the flags or a
+    --config file size the cache, VLLM_CPU_KVCACHE_SPACE is set, the flags do not parse, or the model is not a
+    folder with a config.json (a .gguf file)."""
+    from engine.config import CPU_KV_SPACE_ENV, parse_config
+    from workers.kv_cache import CPU_DEFAULT_KV_BYTES
+
+    if os.environ.get(CPU_KV_SPACE_ENV):
+        return None
+    try:
+        cfg = parse_config(list(args))
+    except (SystemExit, ValueError, OSError):
+        return None  # the server itself reports it
+    if any(getattr(cfg, name) is not None for name in _KV_FLAGS):
+        return None
+    if cfg.model is None:
+        from engine.model_store import resolve_model
+
+        folder = resolve_model(None, progress=False)
+    else:
+        folder = Path(cfg.model)
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    heads = hf["num_attention_heads"]
+    bytes_per_token = (hf["num_hidden_layers"] * 2 * (hf.get("num_key_value_heads") or heads)
+                       * (hf.get("head_dim") or hf["hidden_size"] // heads) * 4)
+    max_len = cfg.max_model_len or int(hf.get("max_position_embeddings", 2048))
+    tokens = max(4 * max_len, TEST_KV_TOKENS)
+    tokens = -(-tokens // cfg.block_size) * cfg.block_size
+    return tokens * bytes_per_token if tokens * bytes_per_token < CPU_DEFAULT_KV_BYTES else None
+
+
+def sized_for_tests(cfg):
+    """An EngineConfig whose roles a test starts itself (engine.cli <role> *cfg.to_argv()), with
+    kv_cache_bytes_for_tests when SIZE_KV_FOR_TESTS is on and its fields size no KV cache."""
+    import dataclasses
+
+    kv = kv_cache_bytes_for_tests(cfg.to_argv()) if SIZE_KV_FOR_TESTS else None
+    return cfg if kv is None else dataclasses.replace(cfg, kv_cache_memory_bytes=kv)
+
+
 def start_server(workdir: Path, *args: str, timeout_s: float = 180.0) -> Server:
-    """`rollbus serve *args` on a free port, its log and bus sockets under workdir."""
+    """`rollbus serve *args` on a free port, its log and bus sockets under workdir. Under pytest
+    (SIZE_KV_FOR_TESTS), a server whose flags size no KV cache gets kv_cache_bytes_for_tests."""
+    if SIZE_KV_FOR_TESTS and (kv := kv_cache_bytes_for_tests(args)) is not None:
+        args = (*args, "--kv-cache-memory-bytes", str(kv))
     port = free_port()
     log_path = workdir / f"serve-{port}.log"
     bus_dir = workdir / f"bus-{port}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serve_process import Server, free_port, start_server  # noqa: F401  (re-exported for tests)
+from tests.serve_process import Server, free_port, sized_for_tests, start_server  # noqa: F401  (re-exported for tests)
 
 
 def tiny_model_with_tokenizer(arch: str, folder: Path, tokenizer_dir: Path, **overrides) -> Path:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from tests.server_helpers import free_port, metric
+from tests.server_helpers import free_port, metric, sized_for_tests
 from tests.waits import holds, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -64,8 +64,8 @@ def wait_status(url, want, timeout_s=60):
 def test_health_waits_for_workers_and_a_lost_gateway_only_costs_its_own_requests(tmp_path, smollm2_dir):
     # the real model: its orphan request must still be running when its gateway is declared lost
     folder = smollm2_dir
-    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=2048,
-                       heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+    cfg = sized_for_tests(EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
+                                       max_model_len=2048, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5))
     argv = cfg.to_argv()
     url = f"http://127.0.0.1:{cfg.port}"
     sched_log = open(tmp_path / "scheduler.log", "w")
@@ -112,8 +112,8 @@ def test_a_late_worker_and_scheduler_start_from_the_current_control_state(tmp_pa
     from tests.server_helpers import tiny_model_with_tokenizer
 
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=256,
-                       additional_config='{"rl_config": {"enabled": true}}')
+    cfg = sized_for_tests(EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
+                                       max_model_len=256, additional_config='{"rl_config": {"enabled": true}}'))
     argv = cfg.to_argv()
     url = f"http://127.0.0.1:{cfg.port}"
     procs = [role(argv, "coordinator"), role(argv, "scheduler"), role(argv, "gateway")]

@@ -422,10 +422,11 @@ def test_under_a_supervisor_a_restarted_coordinator_makes_the_others_start_fresh
     import sys
 
     from engine.config import EngineConfig
-    from tests.server_helpers import free_port
+    from tests.server_helpers import free_port, sized_for_tests
 
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    cfg = EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"), max_model_len=256)
+    cfg = sized_for_tests(EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
+                                       max_model_len=256))
     url = f"http://127.0.0.1:{cfg.port}"
     logs = {r: open(tmp_path / f"{r}.log", "w") for r in ("coordinator", "scheduler", "worker", "gateway")}
 
