@@ -135,6 +135,17 @@ def scheduler_counters(url: str) -> dict[str, float]:
     return out
 
 
+def bus_cost(before: dict[str, float], after: dict[str, float], seconds: float, engines: int) -> dict[str, float]:
+    """Per step of one workload (counters summed over engines): the scheduler's wall time of a step, the
+    worker's compute in it, the bus hop (their difference) and the time between steps (the workload's wall
+    time per engine-step less the step itself: planning, the gateway, waiting for requests)."""
+    steps = after["steps"] - before["steps"]
+    step_ms = 1e3 * (after["wall"] - before["wall"]) / steps
+    compute_ms = 1e3 * (after["compute"] - before["compute"]) / steps
+    return {"steps": steps, "step_ms": step_ms, "compute_ms": compute_ms, "hop_ms": step_ms - compute_ms,
+            "between_ms": 1e3 * seconds * engines / steps - step_ms}
+
+
 def kv_gib(shape: Shape, dtype: str, prompts: list[list[int]], args, engines: int = 1) -> int:
     """Whole GiB of KV cache per engine that hold every sequence of the widest workload run (W with --wide,
     else A's and B's) at once, with 10% to spare: the same for rollbus and vLLM (VLLM_CPU_KVCACHE_SPACE)."""
@@ -163,17 +174,14 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
         before = scheduler_counters(server.url)
         out["A"] = _run("rollbus A", server.url, model, prompts[: args.num_prompts], 1, args.max_tokens, True,
                         engines=dp)
-        after = scheduler_counters(server.url)
-        steps = after["steps"] - before["steps"]
-        out["bus"] = {"steps": steps,
-                      "step_ms": 1e3 * (after["wall"] - before["wall"]) / steps,
-                      "compute_ms": 1e3 * (after["compute"] - before["compute"]) / steps}
-        out["bus"]["hop_ms"] = out["bus"]["step_ms"] - out["bus"]["compute_ms"]
+        out["bus"] = bus_cost(before, scheduler_counters(server.url), out["A"]["seconds"], dp)
         say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
         out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False, engines=dp)
         if args.wide:
             say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
+            before = scheduler_counters(server.url)
             out["W"] = _run("rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True, engines=dp)
+            out["bus_W"] = bus_cost(before, scheduler_counters(server.url), out["W"]["seconds"], dp)
         for streams in (1, 32):
             say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
             out[f"C{streams}"] = asyncio.run(latency(server.url, model, prompts, streams, args.max_tokens))
@@ -365,11 +373,15 @@ def main() -> None:
             rows.append([f"{dtype} vLLM", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                          f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
     print("\nStreaming latency over HTTP\n" + table(rows))
-    rows = [["dtype", "steps", "step ms (scheduler)", "compute ms (worker)", "bus hop ms/step"]]
+    rows = [["dtype", "workload", "steps", "step ms (scheduler)", "compute ms (worker)", "bus hop ms/step",
+             "between steps ms"]]
     for dtype, r in results.items():
-        b = r["bus"]
-        rows.append([dtype, f"{b['steps']:.0f}", f"{b['step_ms']:.2f}", f"{b['compute_ms']:.2f}", f"{b['hop_ms']:.3f}"])
-    print("\nBus cost per decode step (workload A)\n" + table(rows))
+        for w, key in (("A", "bus"), ("W", "bus_W")):
+            if key in r:
+                b = r[key]
+                rows.append([dtype, w, f"{b['steps']:.0f}", f"{b['step_ms']:.2f}", f"{b['compute_ms']:.2f}",
+                             f"{b['hop_ms']:.3f}", f"{b['between_ms']:.2f}"])
+    print("\nBus cost per step (workloads A and W; counters summed over engines)\n" + table(rows))
     print("\nServer ready in: " + ", ".join(f"{d} {r['ready_s']:.1f}s" for d, r in results.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
