@@ -123,6 +123,11 @@ HOST_TRIM_THRESHOLD = 512 << 20  # ...and keeps up to this much free memory at i
 _PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")
 
 
+def _allocator_preloaded(env) -> bool:
+    """tcmalloc / jemalloc / mimalloc in LD_PRELOAD (a dict or os.environ): the user chose the allocator."""
+    return any(name in env.get("LD_PRELOAD", "") for name in _PRELOADED)
+
+
 @functools.cache
 def tune_host_allocator() -> str:
     """Keep a CPU worker's step buffers in the process between steps; returns what is in use (each worker
@@ -135,9 +140,8 @@ def tune_host_allocator() -> str:
     ~10-15% faster. Blocks up to HOST_MMAP_THRESHOLD come from the heap, and up to HOST_TRIM_THRESHOLD of
     free heap stays mapped (sleep's malloc_trim still hands it all back). Left alone where the user chose: a
     MALLOC_*_ variable set, or tcmalloc / jemalloc / mimalloc in LD_PRELOAD (vLLM's CPU advice)."""
-    preload = os.environ.get("LD_PRELOAD", "")
-    if any(name in preload for name in _PRELOADED):
-        return f"LD_PRELOAD ({preload})"
+    if _allocator_preloaded(os.environ):
+        return f"LD_PRELOAD ({os.environ['LD_PRELOAD']})"
     user = [v for v in MALLOC_ENV if v in os.environ]
     if user:
         return f"glibc ({', '.join(user)} from the environment)"
@@ -162,7 +166,7 @@ def huge_pages_env(env: dict[str, str]) -> dict[str, str]:
     """What a CPU worker's environment gains so glibc's malloc backs the heap and its large blocks with
     transparent huge pages (the weights and their packed copies): `GLIBC_TUNABLES` with
     glibc.malloc.hugetlb=1, after any tunables the user set. A tunable read at exec, so the launcher sets
-    it for the workers it starts (Procfile: the worker lines). Measured on SmolLM2-135M's layer GEMMs, fp32,
+    it for the workers it starts (honcho: .env, as the Procfile says). Measured on SmolLM2-135M's layer GEMMs, fp32,
     1 thread, weights streamed from memory as in a decode step: 5-6% faster at 32-64 rows (fewer TLB misses;
     the same products on 4 KiB pages in the same process). Nothing when the user chose: a hugetlb tunable
     already set, ROLLBUS_CPU_HUGE_PAGES=0, or tcmalloc / jemalloc / mimalloc in LD_PRELOAD."""
@@ -170,20 +174,26 @@ def huge_pages_env(env: dict[str, str]) -> dict[str, str]:
     if value not in ("0", "1"):
         raise ValueError(f"{HUGE_PAGES_ENV} must be 0 or 1, got {value!r}")
     tunables = env.get("GLIBC_TUNABLES", "")
-    if (value == "0" or _HUGETLB_TUNABLE in tunables
-            or any(name in env.get("LD_PRELOAD", "") for name in _PRELOADED)):
+    if value == "0" or _HUGETLB_TUNABLE in tunables or _allocator_preloaded(env):
         return {}
     return {"GLIBC_TUNABLES": f"{tunables}:{_HUGETLB_TUNABLE}=1" if tunables else f"{_HUGETLB_TUNABLE}=1"}
+
+
+def transparent_huge_pages() -> str | None:
+    """The host's transparent huge page mode (always, madvise or never); None where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
 
 
 def host_huge_pages() -> str:
     """How this process's host memory is paged (each CPU worker reports it in /server_info as
     `host_huge_pages`, after its weights are loaded): the malloc tunable in effect and how much of the
     process is on transparent huge pages now."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
+    thp = transparent_huge_pages()
+    if thp is None:
         return "unavailable (no transparent huge pages on this host)"
     huge = _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages") or 0
     tunable = next((t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith(_HUGETLB_TUNABLE)),

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +40,7 @@ from bench.gemm_ceiling import Shape, ceiling_tok_s, gemm_rate  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402
+from workers.kv_cache import KVCache  # noqa: E402
 
 TOPICS = ["the ocean", "a robot", "mathematics", "autumn", "a city at night", "friendship", "volcanoes",
           "the moon", "coffee", "a library", "rain", "chess", "bicycles", "music", "a forest", "time"]
@@ -152,7 +154,7 @@ def kv_gib(shape: Shape, dtype: str, prompts: list[list[int]], args, engines: in
     seqs, tokens = max(args.num_prompts, 16 * 8), max(len(p) for p in prompts) + args.max_tokens
     if args.wide:
         seqs, tokens = max(seqs, WIDE[0] * WIDE[1]), max(tokens, max(len(p) for p in prompts[: WIDE[0]]) + WIDE[2])
-    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (4 if dtype == "float32" else 2)
+    per_token = KVCache.bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, 1, getattr(torch, dtype))
     need = -(-seqs // engines) * tokens * per_token * 1.1
     return max(1, -(-int(need) // (1 << 30)))
 

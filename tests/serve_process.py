@@ -103,8 +103,10 @@ def kv_cache_bytes_for_tests(args: tuple[str, ...] | list[str]) -> int | None:
     smaller). None (the engine's own sizing) when that is not below the CPU default, the flags or a
     --config file size the cache, VLLM_CPU_KVCACHE_SPACE is set, the flags do not parse, or the model is not a
     folder with a config.json (a .gguf file)."""
+    import torch
+
     from engine.config import CPU_KV_SPACE_ENV, parse_config
-    from workers.kv_cache import CPU_DEFAULT_KV_BYTES
+    from workers.kv_cache import CPU_DEFAULT_KV_BYTES, KVCache
 
     if os.environ.get(CPU_KV_SPACE_ENV):
         return None
@@ -125,8 +127,8 @@ def kv_cache_bytes_for_tests(args: tuple[str, ...] | list[str]) -> int | None:
     except (OSError, ValueError):
         return None
     heads = hf["num_attention_heads"]
-    bytes_per_token = (hf["num_hidden_layers"] * 2 * (hf.get("num_key_value_heads") or heads)
-                       * (hf.get("head_dim") or hf["hidden_size"] // heads) * 4)
+    bytes_per_token = KVCache.bytes_per_block(hf["num_hidden_layers"], hf.get("num_key_value_heads") or heads,
+                                              hf.get("head_dim") or hf["hidden_size"] // heads, 1, torch.float32)
     max_len = cfg.max_model_len or int(hf.get("max_position_embeddings", 2048))
     tokens = max(4 * max_len, TEST_KV_TOKENS)
     tokens = -(-tokens // cfg.block_size) * cfg.block_size

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from ascend_ops.platform import transparent_huge_pages
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 
 # Where a fresh 16 MiB tensor lives (glibc's default threshold, 128 KiB, maps it on its own; tuned, the heap
@@ -66,14 +68,6 @@ def test_the_users_malloc_settings_are_left_alone():
 
 # --- huge pages (ascend_ops.platform.huge_pages_env / host_huge_pages) --------------------------------------
 
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "none"
-
-
 def test_workers_get_the_hugetlb_tunable_unless_the_user_chose():
     from ascend_ops.platform import huge_pages_env
 
@@ -108,7 +102,7 @@ print(json.dumps({"huge": _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages"
 """
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+@pytest.mark.skipif(transparent_huge_pages() not in ("madvise", "always"), reason="transparent huge pages are off here")
 def test_the_tunable_puts_packed_weights_on_huge_pages():
     from ascend_ops.platform import huge_pages_env
 
@@ -124,7 +118,7 @@ def test_the_tunable_puts_packed_weights_on_huge_pages():
     got = run(huge_pages_env({}))
     assert got["huge"] >= 64 << 20, got  # most of the 96 MiB (the heap's unaligned ends stay on 4 KiB pages)
     assert got["report"].startswith("glibc glibc.malloc.hugetlb=1, transparent huge pages"), got
-    if _thp_mode() == "madvise":  # without the tunable nothing asks for them
+    if transparent_huge_pages() == "madvise":  # without the tunable nothing asks for them
         plain = run({})
         assert plain["huge"] < 8 << 20, plain
         assert plain["report"].startswith("malloc on 4 KiB pages"), plain

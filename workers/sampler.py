@@ -300,16 +300,14 @@ def _draw_kernel():
 
 def _uniforms(rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
     """One float64 uniform per row, from the row's own generator when it has a seed."""
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if len(unseeded) == len(rows):
-        u = torch.rand(len(rows), dtype=torch.float64, generator=default_generator)
-    else:  # the seeded rows' draws gathered in Python, then one tensor: an indexed write per row cost ~1 ms / 64
-        shared = torch.rand(len(unseeded), dtype=torch.float64, generator=default_generator).tolist() if unseeded \
-            else []
-        it = iter(shared)
-        u = torch.tensor([next(it) if r.generator is None else torch.rand(1, dtype=torch.float64, generator=r.generator)
-                          .item() for r in rows], dtype=torch.float64)
-    return u
+    unseeded = sum(r.generator is None for r in rows)
+    if unseeded == len(rows):
+        return torch.rand(len(rows), dtype=torch.float64, generator=default_generator)
+    # the seeded rows' draws gathered in Python, then one tensor: an indexed write per row cost ~1 ms / 64
+    shared = iter(torch.rand(unseeded, dtype=torch.float64, generator=default_generator).tolist() if unseeded else [])
+    return torch.tensor([next(shared) if r.generator is None else
+                         torch.rand(1, dtype=torch.float64, generator=r.generator).item() for r in rows],
+                        dtype=torch.float64)
 
 
 def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
