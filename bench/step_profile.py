@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import workers.model_runner as mr
+import workers.sampler as sampler
 from ascend_ops import attention
 from ascend_ops.batch_invariant import DEFAULT
 from ascend_ops.platform import tune_host_allocator
@@ -94,7 +95,7 @@ def build(args, timers: Timers | None):
     runner = mr.ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"))
     if timers is not None:
         model.compute_logits = timers.wrap("LM head", model.compute_logits)
-        mr.sample = timers.wrap("sampling", mr.sample)
+        sampler.sample = timers.wrap("sampling", sampler.sample)  # sample_in_spans calls it per span
         runner._prepare = timers.wrap("step prep (runner)", runner._prepare)
     return runner, per_seq
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from workers.sampler import RowState, sample
+from workers.grammar import StepMasks
+from workers.sampler import RowState, sample, sample_in_spans, span_rows
 
 pytestmark = pytest.mark.unit
 
@@ -234,3 +235,53 @@ def test_fused_draw_refuses_what_it_cannot_read():
         kernel(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="one contiguous float64 per row"):
         kernel(torch.zeros(2, 8), torch.zeros(3, dtype=torch.float64))
+
+
+def _mixed_rows(n):
+    """Rows of every kind a step can hold: seeded and unseeded draws, greedy, filtered, penalised, with and
+    without logprobs (various k) and kept mass."""
+    kinds = [dict(), dict(seed=5), dict(temperature=0.0, logprobs=3), dict(top_k=7, logprobs=1),
+             dict(temperature=0.7, top_p=0.9, return_sampling_mass=True), dict(seed=9, logprobs=0),
+             dict(repetition_penalty=1.3), dict(min_p=0.05, seed=2, logprobs=5)]
+    out = []
+    for i in range(n):
+        kind = dict(kinds[i % len(kinds)])
+        seed = kind.pop("seed", None)
+        out.append(row(seed=None if seed is None else seed + i, out=(i % 11, 3), **kind))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_sampling_in_spans_gives_every_row_what_the_whole_batch_gives(mode):
+    """A wide step samples its rows in spans (so no [S, V] tensor is whole); every reported number and every
+    draw, seeded or from the shared generator, is the whole batch's, and a grammar mask follows its row."""
+    n, vocab = 53, 300
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    bitmask = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32)
+    bitmask[:, :4] = 0  # rows 17 and 40 may not take tokens 0..127
+    masks = StepMasks([17, 40], bitmask)
+    whole = sample(logits, _mixed_rows(n), torch.Generator().manual_seed(11), mode, masks)
+    calls = []
+
+    def logits_of(a, b):
+        calls.append((a, b))
+        return logits[a:b]
+
+    spans = sample_in_spans(logits_of, _mixed_rows(n), torch.Generator().manual_seed(11), mode, lambda: masks,
+                            vocab=vocab, span=8)
+    assert calls == [(a, min(a + 8, n)) for a in range(0, n, 8)]
+    assert torch.equal(spans.token_ids, whole.token_ids)
+    assert (spans.token_ids[[17, 40]] >= 128).all()
+    for name in ("logprobs", "topk_ids", "topk_logprobs", "sampling_mass"):
+        assert torch.equal(getattr(spans, name), getattr(whole, name)), name
+    asked = [i for i, r in enumerate(_mixed_rows(n)) if r.params.logprobs is not None]
+    assert torch.equal(spans.ranks[asked], whole.ranks[asked])
+
+
+def test_sampling_spans_keep_the_large_tensors_under_the_heap_limit_and_skip_non_sampling_ranks():
+    assert span_rows(49152) * 49152 * 4 <= 16 << 20 and span_rows(49152) >= 64  # SmolLM2: 85 rows
+    assert span_rows(262144) == 16  # a huge vocabulary still samples 16 rows at a time
+    rows = [row() for _ in range(40)]
+    seen = []
+    assert sample_in_spans(lambda a, b: seen.append(a) or None, rows, torch.Generator(), vocab=100, span=16) is None
+    assert seen == [0, 16, 32]  # a tp rank above 0 still takes part in every span's LM-head gather

@@ -201,6 +201,78 @@ def test_four_ranks_with_replicated_kv_heads_and_a_padded_vocabulary_match_one(t
             assert torch.equal(a.argmax(-1), b.argmax(-1)) and (a - b).abs().max() < 1e-4
 
 
+def _runner_steps(model, rank: int, span_bytes: int) -> list[tuple]:
+    """40 sequences (greedy with top-2 logprobs, and seeded draws) through a ModelRunner: a prefill step and
+    two decodes; the sampler's spans set by `span_bytes`. Rank 0's tokens, logprobs and top-2 per step."""
+    import workers.sampler as sampler
+    from bus.messages import NewSeq, StepPlan
+    from engine.sampling_params import SamplingParams
+    from workers.kv_cache import KVCache
+    from workers.model_runner import ModelRunner
+
+    sampler.SPAN_BYTES = span_bytes
+    nl, nkv, hd = model.kv_spec
+    runner = ModelRunner(model, KVCache(nl, nkv, hd, 4, 3 * 40 + 1, torch.float32, torch.device("cpu")),
+                         rank=rank, block_size=4, device=torch.device("cpu"))
+    ids = [f"s{i}" for i in range(40)]
+    params = [SamplingParams(temperature=0.0, logprobs=2, max_tokens=8) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=8) for i in range(40)]
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(5 + i % 3)] for i in range(40)]
+    tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(40)]
+    out = []
+    for step in range(3):
+        new = [NewSeq(s, p, sp, [0]) for s, p, sp in zip(ids, prompts, params)] if step == 0 else []
+        computed = [0] * 40 if step == 0 else [len(p) + step - 1 for p in prompts]
+        res = runner.execute(StepPlan(step + 1, new, ids, computed, [len(p) for p in prompts] if step == 0 else
+                                      [1] * 40, tables, [], 0))
+        out.append((res.token_ids.tolist(), res.logprobs.tolist(), res.topk_logprobs.tolist()))
+    return out
+
+
+def _rank_sampling(rank: int, folder: str, port: int, q) -> None:
+    torch.set_num_threads(1)
+    from ascend_ops.tp_group import init_tp_group
+    from workers.models.registry import build_model
+
+    tp = init_tp_group(rank, 2, torch.device("cpu"), port=port, timeout_s=120)
+    model = build_model(load_hf_config(folder), torch.float32, "cpu", tp=tp)
+    model.load_weights(iter_safetensors(folder))
+    got = _runner_steps(model, rank, 16 * 4 * 1001)  # spans of 16 rows: 3 LM-head gathers a step
+    if rank == 0:
+        q.put(got)
+    tp.destroy()
+
+
+def test_sampling_in_spans_on_two_ranks_matches_one_whole_batch(tmp_path):
+    """A wide step samples in spans of rows, each span's logits gathered over the tp ranks: -tp 2 with spans
+    of 16 rows draws and reports what -tp 1 does with the 40 rows sampled at once."""
+    import multiprocessing as mp
+
+    from tests.tiny_models import make_tiny_checkpoint
+    from workers.models.registry import build_model
+
+    folder = make_tiny_checkpoint("llama", tmp_path / "llama", vocab_size=1001)
+    one = build_model(load_hf_config(folder), torch.float32, "cpu")
+    one.load_weights(iter_safetensors(folder))
+    want = _runner_steps(one, 0, 1 << 40)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_sampling, args=(r, str(folder), port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = q.get(timeout=240)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    for (ids_a, lp_a, top_a), (ids_b, lp_b, top_b) in zip(want, got):
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < LP_TOL
+        assert max(abs(a - b) for ra, rb in zip(top_a, top_b) for a, b in zip(ra, rb)) < LP_TOL
+
+
 # ----------------------------------------------------------------------------- tiny Qwen3-MoE, ipc
 
 

@@ -82,6 +82,13 @@ class StepMasks:
     rows: list[int]
     bitmask: torch.Tensor  # int32 [len(rows), ceil(V / 32)]
 
+    def window(self, a: int, b: int) -> StepMasks | None:
+        """The masks of batch rows a..b-1, numbered from a; None when none of them is constrained."""
+        keep = [k for k, r in enumerate(self.rows) if a <= r < b]
+        if not keep:
+            return None
+        return StepMasks([self.rows[k] - a for k in keep], self.bitmask[keep])
+
 
 class PendingMasks:
     """A step's bitmask while llguidance fills it; `result()` waits for it (once) and returns the StepMasks."""

@@ -38,7 +38,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
-from workers.sampler import LOGPROBS_MODES, RowState, sample, topk
+from workers.sampler import LOGPROBS_MODES, RowState, SampleOutput, sample_in_spans, topk
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows per LM-head slice: bounds the [rows, V] fp32 logits
 
@@ -108,12 +108,7 @@ class ModelRunner:
             for sid, rows, targets in prompt_rows:
                 self._prompt_logprobs(self.seqs[sid], hidden, rows, targets)
             if sample_ids:  # else only partial prefill chunks this step: nothing to sample
-                # Sampling runs on the host with per-request CPU generators, so seeded draws are identical
-                # on every platform; on accelerators this costs one [S, V] copy per step.
-                logits = self.model.compute_logits(hidden[sample_rows.to(hidden.device)])
-                if logits is not None:  # None: a tp rank above 0, which gets rank 0's tokens instead
-                    masks = pending.result() if pending is not None else None
-                    out = sample(logits.float().cpu(), row_states, self.generator, self.logprobs_mode, masks)
+                out = self._sample(hidden[sample_rows.to(hidden.device)], row_states, pending)
         toks = out.token_ids.tolist() if out is not None else []
         if self.tp.size > 1 and sample_ids:  # rank 0's draws, on every rank (one broadcast)
             shared = out.token_ids if out is not None else torch.empty(len(sample_ids), dtype=torch.int64)
@@ -136,6 +131,26 @@ class ModelRunner:
         result.seq_errors = self.grammar.take_errors()
         result.routed_experts, result.routed_spans = routed_rows
         return result
+
+    def _sample(self, hidden: torch.Tensor, row_states: list[RowState], pending) -> SampleOutput | None:
+        """The LM head and the sampler over the sampled rows' hidden states, in spans of rows
+        (workers.sampler.sample_in_spans); None on a tp rank above 0, which gets rank 0's tokens instead.
+        Sampling runs on the host with per-request CPU generators, so seeded draws are identical on every
+        platform. On CPU the LM head runs span by span too (its [rows, V] output is the step's largest
+        tensor); an accelerator computes it whole and copies it to the host once."""
+        if hidden.device.type == "cpu":
+            def logits_of(a: int, b: int) -> torch.Tensor | None:
+                logits = self.model.compute_logits(hidden[a:b])
+                return None if logits is None else logits.float()
+        else:
+            whole = self.model.compute_logits(hidden)
+            host = None if whole is None else whole.float().cpu()
+
+            def logits_of(a: int, b: int) -> torch.Tensor | None:
+                return None if host is None else host[a:b]
+        # the grammar masks (rank 0 only) fill while the model runs: waited for after the first span's logits
+        return sample_in_spans(logits_of, row_states, self.generator, self.logprobs_mode,
+                               pending.result if pending is not None else None, vocab=self.vocab_size)
 
     def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
                      skipped: list[np.ndarray]) -> tuple[np.ndarray, list[list]]:

@@ -27,6 +27,7 @@ the kept mass include it; such a row is never "plain". With no mask in the batch
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,11 @@ from workers.grammar import SeqGrammar, StepMasks, apply_masks
 
 TOPK_CHUNK = 256  # vocabulary slice of the two-stage top-k
 DRAW_ROWS = 8  # rows per slice of the inverse-CDF draw (8 x 152k vocabulary x float64 = 9.7 MB)
+# Bytes of one [rows, V] fp32 tensor in a step's sampling span (sample_in_spans). glibc serves a block above
+# its mmap threshold (at most 32 MiB) with a fresh mapping each time: a 1,024-row step's logits (200 MB for
+# SmolLM2) were faulted in page by page every step, and on huge pages they stalled on compaction.
+SPAN_BYTES = 16 << 20
+MIN_SPAN_ROWS = 16
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -62,9 +68,66 @@ class SampleOutput:
     sampling_mass: torch.Tensor | None = None  # [S] fp32, when any row asked for it
 
 
+def span_rows(vocab: int) -> int:
+    """Rows per sampling span for this vocabulary (SPAN_BYTES of fp32 logits, at least MIN_SPAN_ROWS)."""
+    return max(MIN_SPAN_ROWS, SPAN_BYTES // (4 * vocab))
+
+
+def num_top(rows: list[RowState], vocab: int) -> int:
+    """Top-logprob columns a step reports: the most any row asked for."""
+    return min(max(r.params.num_logprobs(vocab) for r in rows), vocab)
+
+
+def sample_in_spans(logits_of: Callable[[int, int], torch.Tensor | None], rows: list[RowState],
+                    default_generator: torch.Generator, logprobs_mode: str = "raw_logprobs",
+                    masks: StepMasks | Callable[[], StepMasks] | None = None, *, vocab: int,
+                    span: int | None = None) -> SampleOutput | None:
+    """`sample` over the rows in spans of `span` rows (span_rows(vocab) by default): `logits_of(a, b)`
+    gives the fp32 host logits of rows a..b-1 (None on a tp rank that does not sample, for every span), so no
+    [S, V] tensor of the step is ever whole and each span's temporaries reuse the heap. Every row gets what
+    `sample` over the whole batch gives it: its values depend on its own logits only, unseeded rows draw the
+    shared generator's uniforms in row order either way, and all spans report `num_top` columns. `masks` may
+    be a function that returns them (grammar masks still filling): called after the first span's logits."""
+    n = len(rows)
+    span = span or span_rows(vocab)
+    top = num_top(rows, vocab)
+    parts: list[SampleOutput] = []
+    for a in range(0, n, span):
+        b = min(a + span, n)
+        logits = logits_of(a, b)  # every span, on every tp rank: the LM head's gather is a collective
+        if logits is None:
+            continue
+        if callable(masks):
+            masks = masks()
+        if b - a == n:
+            parts.append(sample(logits, rows, default_generator, logprobs_mode, masks))
+        else:
+            parts.append(sample(logits, rows[a:b], default_generator, logprobs_mode,
+                                masks.window(a, b) if masks is not None else None, top=top))
+    if len(parts) == 1:
+        return parts[0]
+    return _concat(parts) if parts else None
+
+
+def _concat(parts: list[SampleOutput]) -> SampleOutput:
+    def cat(name: str, fill: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+        got = [getattr(p, name) for p in parts]
+        if all(t is None for t in got):
+            return None
+        # a span where no row asked for ranks / mass: values no row reads (ranks) or the plain rows' 1.0
+        return torch.cat([t if t is not None else fill(len(p.token_ids)) for p, t in zip(parts, got)])
+
+    return SampleOutput(torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
+                        torch.cat([p.topk_ids for p in parts]), torch.cat([p.topk_logprobs for p in parts]),
+                        cat("ranks", lambda k: torch.zeros(k, dtype=torch.int64)),
+                        cat("sampling_mass", lambda k: torch.ones(k, dtype=torch.float32)))
+
+
 def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.Generator,
-           logprobs_mode: str = "raw_logprobs", masks: StepMasks | None = None) -> SampleOutput:
-    """logits [S, V] fp32 (not modified); masks: the grammar bitmask of the constrained rows, if any."""
+           logprobs_mode: str = "raw_logprobs", masks: StepMasks | None = None, *,
+           top: int | None = None) -> SampleOutput:
+    """logits [S, V] fp32 (not modified); masks: the grammar bitmask of the constrained rows, if any;
+    top: the top-logprob columns to report (default: the most these rows asked for)."""
     n, vocab = logits.shape
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     # a private copy only for in-place edits: the grammar mask writes a new tensor (apply_masks)
@@ -142,7 +205,7 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
             vals = base.clone()
             p = processed[keep]
             vals[[proc[k] for k in keep]] = p if logprobs_mode == "processed_logits" else torch.log_softmax(p, -1)
-    k = min(max(r.params.num_logprobs(vocab) for r in rows), vocab)
+    k = num_top(rows, vocab) if top is None else top
     chosen = vals.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     ranks = None
     # Ranks come from the top-k when the token is in it (the usual case), so only the other rows pay
