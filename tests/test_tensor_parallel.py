@@ -147,6 +147,26 @@ def _steps(model) -> list[torch.Tensor]:
     return [runner.step(prefills=[(0, PROMPTS[0]), (1, PROMPTS[1])]), runner.step(decodes=[(0, 11), (1, 12)])]
 
 
+def _run_ranks(target, size: int, *args):
+    """`target(rank, *args, port, queue)` in `size` spawned processes (one tp group on a free port); returns
+    what rank 0 put on the queue, after every rank exited cleanly."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, *args, port, q)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        got = q.get(timeout=240)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    return got
+
+
 def _rank_logits(rank: int, size: int, folder: str, port: int, q) -> None:
     """One tp rank: build its shard, load it from the HF tensors, run a prefill and a decode step; then load
     it again from a -tp 1 model's own (fused) tensors and run them again; rank 0 sends the logits home."""
@@ -174,8 +194,6 @@ def test_four_ranks_with_replicated_kv_heads_and_a_padded_vocabulary_match_one(t
     """Llama with 4 heads, 2 KV heads (each on 2 of the 4 ranks), biases, untied LM head and a vocabulary of
     1001 (ranks of 251 rows, the last with 2 padding rows): -tp 4's logits are -tp 1's, loaded from HF
     names or from our fused ones."""
-    import multiprocessing as mp
-
     from tests.tiny_models import make_tiny_checkpoint
     from workers.models.registry import build_model
 
@@ -183,18 +201,7 @@ def test_four_ranks_with_replicated_kv_heads_and_a_padded_vocabulary_match_one(t
     one = build_model(load_hf_config(folder), torch.float32, "cpu")
     one.load_weights(iter_safetensors(folder))
     want = _steps(one)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_logits, args=(r, 4, str(folder), port, q)) for r in range(4)]
-    for p in procs:
-        p.start()
-    try:
-        got = q.get(timeout=240)
-    finally:
-        for p in procs:
-            p.join(60)
-    assert all(p.exitcode == 0 for p in procs)
+    got = _run_ranks(_rank_logits, 4, 4, str(folder))
     for run in got:
         for a, b in zip(want, map(torch.from_numpy, run)):
             assert a.shape == b.shape == (a.shape[0], 1001)
@@ -246,8 +253,6 @@ def _rank_sampling(rank: int, folder: str, port: int, q) -> None:
 def test_sampling_in_spans_on_two_ranks_matches_one_whole_batch(tmp_path):
     """A wide step samples in spans of rows, each span's logits gathered over the tp ranks: -tp 2 with spans
     of 16 rows draws and reports what -tp 1 does with the 40 rows sampled at once."""
-    import multiprocessing as mp
-
     from tests.tiny_models import make_tiny_checkpoint
     from workers.models.registry import build_model
 
@@ -255,18 +260,7 @@ def test_sampling_in_spans_on_two_ranks_matches_one_whole_batch(tmp_path):
     one = build_model(load_hf_config(folder), torch.float32, "cpu")
     one.load_weights(iter_safetensors(folder))
     want = _runner_steps(one, 0, 1 << 40)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_sampling, args=(r, str(folder), port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = q.get(timeout=240)
-    finally:
-        for p in procs:
-            p.join(60)
-    assert all(p.exitcode == 0 for p in procs)
+    got = _run_ranks(_rank_sampling, 2, str(folder))
     for (ids_a, lp_a, top_a), (ids_b, lp_b, top_b) in zip(want, got):
         assert ids_a == ids_b
         assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < LP_TOL
