@@ -76,14 +76,28 @@ async def _complete(h: httpx.AsyncClient, model: str, prompt: list[int], n: int,
     return r.json()["usage"]["completion_tokens"]
 
 
+async def _warm_up(h: httpx.AsyncClient, model: str, prompt: list[int], seeds: bool, fixed: bool, engines: int) -> None:
+    for rank in range(engines):
+        await _complete(h, model, prompt, 1, 4, 0 if seeds else None, fixed,
+                        headers={"X-data-parallel-rank": str(rank)} if engines > 1 else None)
+
+
+def warm_up(url: str, model: str, prompt: list[int], *, engines: int = 1) -> None:
+    """One short request per data-parallel engine (each named by its X-data-parallel-rank)."""
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as h:
+            await _warm_up(h, model, prompt, True, True, engines)
+
+    asyncio.run(run())
+
+
 async def rollout(url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int, *, fixed: bool = False,
-                  seeds: bool = True, engines: int = 1) -> tuple[int, float]:
+                  seeds: bool = True, engines: int = 1, warm: bool = True) -> tuple[int, float]:
     """Completion tokens and wall seconds of every prompt submitted at once, after one warm-up request per
-    data-parallel engine (`engines`, each named by its X-data-parallel-rank)."""
+    data-parallel engine (`engines`; `warm=False`: the caller warmed them up)."""
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=1024)) as h:
-        for rank in range(engines):
-            await _complete(h, model, prompts[0], 1, 4, 0 if seeds else None, fixed,
-                            headers={"X-data-parallel-rank": str(rank)} if engines > 1 else None)
+        if warm:
+            await _warm_up(h, model, prompts[0], seeds, fixed, engines)
         t0 = time.perf_counter()
         toks = await asyncio.gather(*[_complete(h, model, p, n, max_tokens, i if seeds else None, fixed)
                                       for i, p in enumerate(prompts)])
@@ -91,8 +105,9 @@ async def rollout(url: str, model: str, prompts: list[list[int]], n: int, max_to
 
 
 def _run(name: str, url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int, fixed: bool,
-         seeds: bool = True, engines: int = 1) -> dict:
-    toks, dt = asyncio.run(rollout(url, model, prompts, n, max_tokens, fixed=fixed, seeds=seeds, engines=engines))
+         seeds: bool = True, engines: int = 1, warm: bool = True) -> dict:
+    toks, dt = asyncio.run(rollout(url, model, prompts, n, max_tokens, fixed=fixed, seeds=seeds, engines=engines,
+                                   warm=warm))
     if fixed and toks != len(prompts) * n * max_tokens:
         raise RuntimeError(f"{name}: {toks} tokens, expected exactly {len(prompts) * n * max_tokens}")
     return {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
@@ -173,16 +188,18 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
+        warm_up(server.url, model, prompts[0], engines=dp)  # before the counters: its steps are not A's
         before = scheduler_counters(server.url)
         out["A"] = _run("rollbus A", server.url, model, prompts[: args.num_prompts], 1, args.max_tokens, True,
-                        engines=dp)
+                        engines=dp, warm=False)
         out["bus"] = bus_cost(before, scheduler_counters(server.url), out["A"]["seconds"], dp)
         say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
         out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False, engines=dp)
         if args.wide:
             say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
-            before = scheduler_counters(server.url)
-            out["W"] = _run("rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True, engines=dp)
+            before = scheduler_counters(server.url)  # the engines are warm (A's warm-up)
+            out["W"] = _run("rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True, engines=dp,
+                            warm=False)
             out["bus_W"] = bus_cost(before, scheduler_counters(server.url), out["W"]["seconds"], dp)
         for streams in (1, 32):
             say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
