@@ -99,14 +99,12 @@ def sample_in_spans(logits_of: Callable[[int, int], torch.Tensor | None], rows: 
             continue
         if callable(masks):
             masks = masks()
-        if b - a == n:
-            parts.append(sample(logits, rows, default_generator, logprobs_mode, masks))
-        else:
-            parts.append(sample(logits, rows[a:b], default_generator, logprobs_mode,
-                                masks.window(a, b) if masks is not None else None, top=top))
-    if len(parts) == 1:
-        return parts[0]
-    return _concat(parts) if parts else None
+        whole = b - a == n  # one span: the rows and masks as they are, no slice or window copy
+        parts.append(sample(logits, rows if whole else rows[a:b], default_generator, logprobs_mode,
+                            masks if whole or masks is None else masks.window(a, b), top=top))
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return _concat(parts)
 
 
 def _concat(parts: list[SampleOutput]) -> SampleOutput:
