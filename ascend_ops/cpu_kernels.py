@@ -59,8 +59,12 @@ AVX512 = ("avx512f", "avx512bw", "avx512vl")
 
 
 def cflags() -> list[str]:
-    """-O3, plus the widest vector code this CPU runs (ROLLBUS_CPU_KERNELS caps it: portable, avx2)."""
-    flags = ["-O3", "-ffp-contract=off"]  # a * b + c rounded twice, as torch's elementwise kernels
+    """-O3 and OpenMP, plus the widest vector code this CPU runs (ROLLBUS_CPU_KERNELS caps it: portable,
+    avx2). -fopenmp is what makes at::parallel_for parallel: torch's CPU build uses OpenMP for it, and
+    the header runs the loop serially in code compiled without _OPENMP (the kernels ran on one thread
+    whatever torch.get_num_threads() said). The OpenMP runtime is torch's own: the extension's libgomp.so.1
+    is the one libtorch_cpu already loaded (same soname), so both share one thread pool and its size."""
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]  # fp-contract off: a * b + c rounded twice, as torch
     cap = os.environ.get(ENABLE_ENV)
     have = _cpu_flags()
     if cap != "portable" and all(f in have for f in AVX2):
@@ -106,8 +110,8 @@ def _build(source: str, flags: list[str], folder: Path, name: str) -> Path:
         (folder / "lock").unlink(missing_ok=True)  # torch's lock file, left by a builder that was killed
         _ninja_on_path()
         log.warning("compiling the CPU kernels into %s (once per machine; about a minute)", folder)
-        load_inline(name, [source], extra_cflags=flags, build_directory=str(folder), is_python_module=False,
-                    no_implicit_headers=True)
+        load_inline(name, [source], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                    is_python_module=False, no_implicit_headers=True)
         done.write_text(" ".join(flags) + "\n")
     return lib
 
@@ -134,6 +138,15 @@ def ops():
         _reason.append(f"{type(e).__name__}: {first}")
         log.warning("CPU kernels unavailable, using the torch path instead: %s", _reason[-1])
         return None
+
+
+def threads() -> dict[str, int | None]:
+    """The threads torch's ops run on and the threads these kernels' parallel loops ran on just now (None
+    where the kernels are unavailable): each CPU worker reports both in /server_info, and they are equal
+    unless the library was built without OpenMP."""
+    got = ops()
+    n = torch.get_num_threads()
+    return {"torch": n, "kernels": int(got.parallel_width(n)) if got is not None else None}
 
 
 def unavailable() -> str | None:

@@ -150,6 +150,20 @@ def test_a_row_is_the_same_bits_whatever_else_is_in_the_batch(kernel) -> None:
         torch.set_num_threads(threads)
 
 
+def test_the_kernels_run_on_as_many_threads_as_torch(kernel) -> None:
+    """The extension's at::parallel_for runs on torch's OpenMP threads. Built without -fopenmp, the header
+    runs every parallel loop serially: all the kernels ran on one thread whatever torch.get_num_threads()
+    said (attention took the same time at 1 and 2 threads)."""
+    ops, threads = cpu_kernels.ops(), torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert ops.parallel_width(64) == n
+            assert ops.parallel_width(1) == 1  # one item: one thread
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bad_tables_and_shapes_are_refused_with_an_error(kernel) -> None:
     q, _, _, k_cache, v_cache, meta, _ = paged_case([5, 40], 4, 2, 64, torch.float32)
     ops, none = cpu_kernels.ops(), torch.empty(0, dtype=torch.int64)
@@ -226,6 +240,8 @@ def server(tmp_path_factory, smollm2_dir):  # noqa: F811
 def test_server_info_names_the_attention_kernel_and_it_serves(server) -> None:
     workers = httpx.get(server.url + "/server_info", timeout=30).json()["workers"]
     assert [w["attention"] for w in workers.values()] == ["cpu_paged_kernel"]
+    threads = next(iter(workers.values()))["cpu_threads"]
+    assert threads["kernels"] == threads["torch"] >= 1, threads  # the kernels' loops on all of torch's threads
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a b c", "max_tokens": 8,
                                                          "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ascend_ops import attention, packed_linear
+from ascend_ops import attention, cpu_kernels, packed_linear
 from ascend_ops.batch_invariant import BatchInvarianceUnavailable, attention_implementation, kernels, self_check
 from ascend_ops.platform import Platform, host_huge_pages, tune_host_allocator
 from engine.config import EngineConfig
@@ -88,5 +88,6 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
             "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
             "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
             "cpu_linear": cpu_linear, "host_allocator": host_allocator, "warm_up_s": round(warm_s, 3),
-            "host_huge_pages": host_huge_pages() if device.type == "cpu" else None, "layout": layout(cfg)}
+            "host_huge_pages": host_huge_pages() if device.type == "cpu" else None,
+            "cpu_threads": cpu_kernels.threads() if device.type == "cpu" else None, "layout": layout(cfg)}
     return Loaded(model, kv, runner, info)

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -577,11 +578,27 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& q, const at::Tensor&
   }
 }
 
+// How many threads an at::parallel_for over `items` ran on in this library: what every kernel here gets
+// (1 where the library was built without OpenMP, whatever torch.get_num_threads() says).
+int64_t parallel_width(int64_t items) {
+  std::mutex mu;
+  std::vector<int> seen;
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    std::lock_guard<std::mutex> hold(mu);
+    if (std::find(seen.begin(), seen.end(), tid) == seen.end()) seen.push_back(tid);
+  });
+  return static_cast<int64_t>(seen.size());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rollbus_cpu, m) {
   m.def("paged_attention_rows(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor row_table, Tensor row_len, float scale) -> ()");
+  m.def("parallel_width(int items) -> int");
 }
 
 TORCH_LIBRARY_IMPL(rollbus_cpu, CPU, m) { m.impl("paged_attention_rows", &paged_attention_rows); }
+// No tensor argument to dispatch on: registered for every backend.
+TORCH_LIBRARY_IMPL(rollbus_cpu, CompositeExplicitAutograd, m) { m.impl("parallel_width", &parallel_width); }
