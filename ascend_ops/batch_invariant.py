@@ -6,11 +6,18 @@ goes through has exactly one implementation in each set (`Kernels`).
 
 What makes each op invariant (measured on CPU; `self_check` re-measures on the device at start-up):
 - linear (and the LM head, the router, the experts): a GEMM library picks its kernel, and with it the
-  order of the reduction over K, from the number of rows M. MKL on CPU uses a different reduction
-  order for M = 1, for M = 2-3, and for the tail rows of some M below 12 (row 0 of a [1, 576] x
-  [576, 1536] product differs from the same row inside 2, 7 or 64 rows), and one order for every
-  multiple of 4 rows measured (4 .. 4096). So rows are padded to a multiple of ROW_MULTIPLE and the
-  product runs as one GEMM: the cost is F.linear's plus at most 3 zero rows.
+  order of the reduction over K, from the number of rows M, and how it picks differs between CPUs. MKL's
+  sgemm (torch's F.linear on CPU) on an AMD Zen 4 used a different order for M = 1, for M = 2-3 and for
+  the tail rows of some M below 12, then one order for every multiple of 4 rows measured (4 .. 4096); on
+  an Intel Xeon with AVX-512 and AMX it changed order again at M = 13 for K = 576, and at M = 5 for K =
+  160. oneDNN's brgemm (the packed product of ascend_ops.packed_linear, and the same primitive on a plain
+  weight) kept one order for every row of every M measured (4 .. 300) in fp32; in bf16 on the Xeon
+  (AMX) some rows of products of more than 32 rows took another order, and none of 4 .. 32 rows. So on
+  CPU every fp32 / bf16 product runs through oneDNN (a parameter on its packed copy, any other weight,
+  such as an expert's slice, as it is), with rows padded to a multiple of ROW_MULTIPLE (at most 3 zero
+  rows), bf16 in pieces of BF16_ROWS rows (a bf16 step of 64 rows reads each weight twice);
+  `self_check` measures each of the model's products at start-up and refuses where one is not invariant.
+  Elsewhere F.linear, padded the same way.
 - attention over the paged cache: every query row (a decode or any row of a prefill chunk, of any length)
   is computed alone from its own q and its own context, the keys and values up to its position read in
   position order. On CPU (fp32 / bf16, where ascend_ops.cpu_kernels builds) that is the C++ kernel the
@@ -57,6 +64,7 @@ from ascend_ops import packed_linear as _packed
 from ascend_ops.attention import AttentionMetadata, write_kv
 
 ROW_MULTIPLE = 4  # linear: rows padded to a multiple of this (see the module docstring)
+BF16_ROWS = 32  # linear, bf16 on oneDNN: at most this many rows per product (a multiple of ROW_MULTIPLE)
 TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: CPU elementwise ops of this many elements or more are split
 PAIR_BUDGET = 4096  # attention (torch path): (query row, key block) pairs computed at once; bounds the gathered K/V
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
@@ -97,24 +105,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x.shape[0]
     pad = (-m) % ROW_MULTIPLE
     xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    if not _packed.packable(xp, weight):
+    if not _onednn(xp, weight):
         out = F.linear(xp, weight, bias)
     elif torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                       or (bias is not None and bias.requires_grad)):
         out = _PackedLinear.apply(xp, weight, bias)
     else:
-        out = _packed.product(xp, weight, bias)
+        out = _onednn_product(xp, weight, bias)
     return out[:m] if pad else out
 
 
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the product runs on oneDNN: a CPU weight of a packable dtype, packed or not (module docstring)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype
+            and x.dim() == 2 and weight.dim() == 2 and weight.numel() > 0 and _packed.available() is None)
+
+
+def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS:  # bf16: pieces of BF16_ROWS rows (docstring)
+        return torch.cat([_onednn_product(x[i:i + BF16_ROWS], weight, bias) for i in range(0, x.shape[0], BF16_ROWS)])
+    if _packed.packable(x, weight):  # a parameter: on its packed copy, as default mode
+        return _packed.product(x, weight, bias)
+    # any other weight (an expert's slice of a stacked parameter): the same primitive on the plain layout,
+    # reordered inside oneDNN for this call (about F.linear's cost; packing it here would cost more)
+    return torch.ops.mkldnn._linear_pointwise(x, weight.detach().contiguous(), bias, "none", [], "")
+
+
 class _PackedLinear(torch.autograd.Function):
-    """The packed product forward; F.linear's gradients backward (within float tolerance of HF's)."""
+    """The oneDNN product forward; F.linear's gradients backward (within float tolerance of HF's)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _packed.product(x, weight, bias)
+        return _onednn_product(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
