@@ -124,8 +124,8 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS:  # bf16: pieces of BF16_ROWS rows (docstring)
         return torch.cat([_onednn_product(x[i:i + BF16_ROWS], weight, bias) for i in range(0, x.shape[0], BF16_ROWS)])
-    if _packed.packable(x, weight):  # a parameter: on its packed copy, as default mode
-        return _packed.product(x, weight, bias)
+    if _packed.packable(x, weight):  # a parameter: on its oneDNN packed copy
+        return _packed.product(x, weight, bias, backend="onednn")
     # any other weight (an expert's slice of a stacked parameter): the same primitive on the plain layout,
     # reordered inside oneDNN for this call (about F.linear's cost; packing it here would cost more)
     return torch.ops.mkldnn._linear_pointwise(x, weight.detach().contiguous(), bias, "none", [], "")

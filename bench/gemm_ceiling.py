@@ -75,8 +75,8 @@ def gemm_rate(shape: Shape, dtype: str = "float32", threads: int | None = None, 
               repeats: int = 5, warmup_s: float = 0.5) -> float:
     """FLOP/s of torch's own matrix products over one layer of this model (q, k, v, o, gate, up, down) at a
     large M (a wide prefill), the best of `repeats` after `warmup_s` of warm-up (the cores' clocks and
-    the allocator settle). On CPU also on oneDNN pre-packed weights (what rollbus multiplies on there,
-    ascend_ops.packed_linear): the ceiling takes the faster of the two, the machine's best."""
+    the allocator settle). On CPU also on oneDNN pre-packed weights and, in fp32, MKL's packed sgemm (what
+    rollbus multiplies on there, ascend_ops.packed_linear): the ceiling takes the fastest, the machine's best."""
     import torch
 
     if threads:
@@ -104,6 +104,20 @@ def gemm_rate(shape: Shape, dtype: str = "float32", threads: int | None = None, 
                 mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
 
         kernels.append(prepacked)
+    if dt == torch.float32:  # MKL's packed sgemm too (rollbus's fp32 product on Intel CPUs), where it loads
+        from ascend_ops import packed_linear
+
+        if packed_linear.mkl_unavailable() is None:
+            from ascend_ops import cpu_kernels
+
+            ops = cpu_kernels.ops()
+            mkl = [(w.shape[1], w.shape[0], ops.mkl_pack(w, packed_linear.MKL_PACK_ROWS)) for w in weights]
+
+            def mkl_packed() -> None:
+                for k, n, w in mkl:
+                    ops.mkl_packed_linear(inputs[k], w, n, k, None)
+
+            kernels.append(mkl_packed)
     best = float("inf")
     for kernel in kernels:
         end = time.perf_counter() + warmup_s

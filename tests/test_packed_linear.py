@@ -121,8 +121,100 @@ def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv(pl.ENV, value)
     pl.available.cache_clear()
     try:
-        with pytest.raises(ValueError, match=f"ROLLBUS_CPU_PACKED_LINEAR must be 0 or 1, got '{value}'"):
+        with pytest.raises(ValueError, match=f"ROLLBUS_CPU_PACKED_LINEAR must be one of 1, 0, onednn, mkl, got '{value}'"):
             pl.available()
     finally:
         monkeypatch.delenv(pl.ENV)
         pl.available.cache_clear()
+
+
+# --- the two fp32 backends ---------------------------------------------------------------------------
+
+needs_mkl = pytest.mark.skipif(pl.mkl_unavailable() is not None, reason=str(pl.mkl_unavailable()))
+
+
+@pytest.fixture
+def choose(monkeypatch):
+    """Set ROLLBUS_CPU_PACKED_LINEAR (and the CPU vendor) for one test; the cached decisions are redone after."""
+    def set_(value: str | None = None, vendor: str | None = None) -> None:
+        if value is None:
+            monkeypatch.delenv(pl.ENV, raising=False)
+        else:
+            monkeypatch.setenv(pl.ENV, value)
+        if vendor is not None:
+            monkeypatch.setattr(pl, "_cpu_vendor", lambda: vendor)
+        pl.available.cache_clear()
+        pl.fp32_backend.cache_clear()
+
+    yield set_
+    monkeypatch.undo()
+    pl.available.cache_clear()
+    pl.fp32_backend.cache_clear()
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_the_mkl_pack_matches_f_linear_at_any_number_of_rows(rows):
+    """One pack serves every row count (torch's own mkl linear uses its pack for one batch size only)."""
+    w, b = param(1536, 576, seed=1), torch.randn(1536)
+    x = torch.randn(rows, 576)
+    got = pl.product(x, w, b, backend="mkl")
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=2e-4)
+    torch.testing.assert_close(pl.product(x.view(1, rows, 576), w, None, backend="mkl"),
+                               F.linear(x, w).view(1, rows, -1), rtol=1e-5, atol=2e-4)
+    assert pl.product(x[:0], w, b, backend="mkl").shape == (0, 1536)
+
+
+def test_the_default_backend_is_mkl_on_intel_and_onednn_elsewhere_and_the_switch_overrides(choose):
+    choose(None, vendor="AuthenticAMD")
+    assert pl.fp32_backend() == "onednn" and pl.describe(torch.float32) == "onednn-prepacked"
+    choose("onednn", vendor="GenuineIntel")
+    assert pl.fp32_backend() == "onednn"
+    choose(None, vendor="GenuineIntel")
+    want = "mkl" if pl.mkl_unavailable() is None else "onednn"
+    assert pl.fp32_backend() == want and pl.describe(torch.float32) == f"{want}-prepacked"
+    assert pl.describe(torch.bfloat16) == "onednn-prepacked"  # bf16 is always oneDNN's
+    choose("0")
+    assert pl.describe(torch.float32).startswith("torch (packed off")
+
+
+def test_asking_for_mkl_where_it_is_missing_is_refused_naming_why(choose, monkeypatch):
+    monkeypatch.setattr(pl, "mkl_unavailable", lambda: "this torch build exports no MKL packed sgemm")
+    choose("mkl")
+    with pytest.raises(ValueError, match="ROLLBUS_CPU_PACKED_LINEAR=mkl: this torch build exports no MKL"):
+        pl.fp32_backend()
+
+
+@needs_mkl
+def test_each_backend_keeps_its_own_pack_and_the_invariant_linear_stays_on_onednn(choose):
+    """Default mode on MKL's pack and the batch-invariant linear (always oneDNN's, measured invariant) in one
+    process: switching repacks, and the invariant product is oneDNN's bits."""
+    from ascend_ops import batch_invariant as bi
+
+    choose("mkl")
+    w = param(256, 96, seed=2)
+    x = torch.randn(8, 96)
+    via_mkl = pl.linear(x, w)
+    assert w._rollbus_packed[0][2] == "mkl"
+    onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w.detach()), None,
+                                                "none", [], "")
+    assert torch.equal(bi.linear(x, w), onednn) and w._rollbus_packed[0][2] == "onednn"
+    torch.testing.assert_close(pl.linear(x, w), via_mkl, rtol=0, atol=0)  # repacked for MKL: the same bits
+
+
+@needs_mkl
+def test_the_mkl_kernels_refuse_bad_operands_with_an_error():
+    from ascend_ops import cpu_kernels
+
+    ops = cpu_kernels.ops()
+    with pytest.raises(RuntimeError, match="mkl_pack: a 2-D float32"):
+        ops.mkl_pack(torch.randn(4, 4).bfloat16(), 64)
+    packed = ops.mkl_pack(torch.randn(16, 8), 64)
+    with pytest.raises(RuntimeError, match="mkl_packed_linear: bias"):
+        ops.mkl_packed_linear(torch.randn(2, 8), packed, 16, 8, torch.randn(3))
+    with pytest.raises(RuntimeError, match="mkl_packed_linear: x is a 2-D float32"):
+        ops.mkl_packed_linear(torch.randn(2, 8).double(), packed, 16, 8, None)
+    with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
+        ops.mkl_packed_linear(torch.randn(2, 9), packed, 16, 8, None)
+    with pytest.raises(RuntimeError, match="the pack is smaller than a .1600, 8. weight"):
+        ops.mkl_packed_linear(torch.randn(2, 8), packed, 1600, 8, None)

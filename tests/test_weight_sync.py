@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 
+from ascend_ops import packed_linear
 from ascend_ops.ipc import SharedBuffer
 from bus.codec import decode
 from bus.endpoints import WEIGHTS_TOPIC, Endpoints
@@ -117,7 +118,8 @@ def test_cpu_packed_weights_never_serve_the_previous_version(ipc_server, trainer
     first, so every copy exists, then update; the engine must compute with the new weights at once."""
     url = ipc_server.url
     workers = httpx.get(url + "/server_info").json()["workers"]
-    assert all(w["cpu_linear"] == "onednn-prepacked" for w in workers.values()), workers
+    # packed on this CPU's fp32 backend (MKL's on Intel, oneDNN's elsewhere; ascend_ops.packed_linear)
+    assert all(w["cpu_linear"] == f"{packed_linear.fp32_backend()}-prepacked" for w in workers.values()), workers
     # the start-up warm-up made every pack before the first request (workers.model_runner.warm_up)
     assert all(w["warm_up_s"] > 0 for w in workers.values()), workers
     # and the launcher started them with malloc on huge pages (ascend_ops.platform.huge_pages_env)

@@ -57,7 +57,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
     try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
         attn = (attention_implementation(device.type, dtype) if model.kern.batch_invariant
                 else attention.implementation(device.type))
-        cpu_linear = packed_linear.describe() if device.type == "cpu" else None
+        cpu_linear = packed_linear.describe(dtype) if device.type == "cpu" else None
     except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
         raise SystemExit(str(e)) from None
     # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
