@@ -153,16 +153,20 @@ def choose(monkeypatch):
 
 
 @needs_mkl
+@pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (192, 576), (1000, 64), (7, 33), (49152, 64)])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_the_mkl_pack_matches_f_linear_at_any_number_of_rows(rows):
-    """One pack serves every row count (torch's own mkl linear uses its pack for one batch size only)."""
-    w, b = param(1536, 576, seed=1), torch.randn(1536)
-    x = torch.randn(rows, 576)
+def test_the_mkl_pack_matches_f_linear_at_any_number_of_rows(rows, n, k):
+    """One pack serves every row count (torch's own mkl linear uses its pack for one batch size only), on a
+    pack mapped zeroed (MKL reads words it does not write: heap memory there gave NaN)."""
+    w, b = param(n, k, seed=1), torch.randn(n)
+    x = torch.randn(rows, k)
+    del_me = torch.full((4 * n * k + 1024,), float("nan"))  # freed heap full of NaN, where a pack could land
+    del del_me
     got = pl.product(x, w, b, backend="mkl")
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=2e-4)
-    torch.testing.assert_close(pl.product(x.view(1, rows, 576), w, None, backend="mkl"),
+    torch.testing.assert_close(pl.product(x.view(1, rows, k), w, None, backend="mkl"),
                                F.linear(x, w).view(1, rows, -1), rtol=1e-5, atol=2e-4)
-    assert pl.product(x[:0], w, b, backend="mkl").shape == (0, 1536)
+    assert pl.product(x[:0], w, b, backend="mkl").shape == (0, n)
 
 
 def test_the_default_backend_is_mkl_on_intel_and_onednn_elsewhere_and_the_switch_overrides(choose):

@@ -9,8 +9,10 @@
 // m given to the pack is a hint for its layout), which a decode step, whose rows change every step, needs.
 
 #include <dlfcn.h>
+#include <sys/mman.h>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <string>
 
@@ -62,15 +64,25 @@ at::Tensor mkl_pack(const at::Tensor& weight, int64_t m_hint) {
               "mkl_pack: dimensions beyond MKL's 32-bit interface");
   const at::Tensor w = weight.contiguous();
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
+  // MKL asks for up to 4x the weight's bytes, writes about the weight's bytes spread over 1-2x of them, and
+  // its compute reads some words it did not write, expecting zeros (a NaN there shows in the product). So
+  // the pack gets a mapping of its own: fresh anonymous pages are zero, and only those MKL writes become
+  // resident (4 KiB pages: MADV_NOHUGEPAGE, else a huge page per touched 2 MiB would make ~1.6x resident).
   const size_t bytes = g.pack_size(kBMatrix, static_cast<int>(m_hint), n, k);
-  at::Tensor dest = at::empty({static_cast<int64_t>((bytes + sizeof(float) - 1) / sizeof(float))}, w.options());
+  const size_t words = (bytes + sizeof(float) - 1) / sizeof(float);
+  const size_t len = words * sizeof(float);
+  void* mem = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(mem != MAP_FAILED, "mkl_pack: could not map ", len, " bytes for the pack");
+  madvise(mem, len, MADV_NOHUGEPAGE);
+  at::Tensor dest = at::from_blob(mem, {static_cast<int64_t>(words)}, [len](void* p) { munmap(p, len); },
+                                  w.options());
   g.pack(kRowMajor, kBMatrix, kTrans, static_cast<int>(m_hint), n, k, 1.0f, w.data_ptr<float>(), k,
          dest.data_ptr<float>());
   return dest;
 }
 
 // x [M, K] @ weight^T (+ bias) on the pack of weight [N, K] (n, k: the weight's shape, checked against x and
-// against the pack's size, so a wrong pack is an error rather than a read past its end)
+// against the pack's size, so a pack of another weight's shape is an error rather than a read past its end)
 at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_in,
                              const std::optional<at::Tensor>& bias) {
   const MklGemm& g = mkl_gemm();
