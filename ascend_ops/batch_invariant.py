@@ -10,12 +10,13 @@ What makes each op invariant (measured on CPU; `self_check` re-measures on the d
   sgemm (torch's F.linear on CPU) on an AMD Zen 4 used a different order for M = 1, for M = 2-3 and for
   the tail rows of some M below 12, then one order for every multiple of 4 rows measured (4 .. 4096); on
   an Intel Xeon with AVX-512 and AMX it changed order again at M = 13 for K = 576, and at M = 5 for K =
-  160. oneDNN's brgemm (the packed product of ascend_ops.packed_linear, and the same primitive on a plain
-  weight) kept one order for every row of every M measured (4 .. 300) in fp32; in bf16 on the Xeon
-  (AMX) some rows of products of more than 32 rows took another order, and none of 4 .. 32 rows. So on
-  CPU every fp32 / bf16 product runs through oneDNN (a parameter on its packed copy, any other weight,
-  such as an expert's slice, as it is), with rows padded to a multiple of ROW_MULTIPLE (at most 3 zero
-  rows), bf16 in pieces of BF16_ROWS rows (a bf16 step of 64 rows reads each weight twice);
+  160. oneDNN's brgemm (a packed product of ascend_ops.packed_linear, and the same primitive on a plain
+  weight) kept one order for every row of every M measured (4 .. 300) in fp32, and so did MKL's packed
+  sgemm (the other packed product, fp32 on Intel CPUs); in bf16 on the Xeon (AMX) some rows of oneDNN
+  products of more than 32 rows took another order, and none of 4 .. 32 rows. So on CPU a parameter
+  multiplies on default mode's packed copy and any other fp32 / bf16 weight (an expert's slice) on
+  oneDNN's primitive as it is, rows padded to a multiple of ROW_MULTIPLE (at most 3 zero rows), bf16 in
+  pieces of BF16_ROWS rows (a bf16 step of 64 rows reads each weight twice);
   `self_check` measures each of the model's products at start-up and refuses where one is not invariant.
   Elsewhere F.linear, padded the same way.
 - attention over the paged cache: every query row (a decode or any row of a prefill chunk, of any length)
@@ -98,7 +99,7 @@ class Kernels:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A linear whose row i depends only on row i: x [M, K] padded to a multiple of ROW_MULTIPLE rows.
 
-    A CPU parameter multiplies on its oneDNN pre-packed copy (ascend_ops.packed_linear), as in default mode:
+    A CPU parameter multiplies on its pre-packed copy (ascend_ops.packed_linear), as in default mode:
     that product is row-invariant for M >= ROW_MULTIPLE, as F.linear is, and `self_check` measures both on
     the model's own parameters at start-up. With autograd (the trainer side, engine.trainer) the forward
     is the same packed product, so its bits are the engine's, and the backward is F.linear's."""
@@ -124,8 +125,8 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS:  # bf16: pieces of BF16_ROWS rows (docstring)
         return torch.cat([_onednn_product(x[i:i + BF16_ROWS], weight, bias) for i in range(0, x.shape[0], BF16_ROWS)])
-    if _packed.packable(x, weight):  # a parameter: on its oneDNN packed copy
-        return _packed.product(x, weight, bias, backend="onednn")
+    if _packed.packable(x, weight):  # a parameter: on its packed copy, default mode's (MKL's or oneDNN's)
+        return _packed.product(x, weight, bias)
     # any other weight (an expert's slice of a stacked parameter): the same primitive on the plain layout,
     # reordered inside oneDNN for this call (about F.linear's cost; packing it here would cost more)
     return torch.ops.mkldnn._linear_pointwise(x, weight.detach().contiguous(), bias, "none", [], "")

@@ -22,9 +22,9 @@ GFLOP/s, oneDNN packed 243, MKL packed 296 (at 32 rows 176 / 213 / 279); MKL was
 which keep oneDNN. `ROLLBUS_CPU_PACKED_LINEAR` chooses: `1` (the default: as above), `onednn`, `mkl` (fp32
 on MKL whatever the CPU; refused where this torch has no MKL), `0` (packing off, plain `F.linear`).
 
-Default kernels on CPU; the batch-invariant ones always multiply on oneDNN's pack (`product(...,
-backend="onednn")`: row-invariant for four rows or more, measured; see ascend_ops.batch_invariant);
-accelerators keep their vendor GEMMs.
+Default and batch-invariant kernels on CPU (both packed products were measured row-invariant for four rows
+or more, and the invariant linear pads to that; its start-up self-check measures it); accelerators keep
+their vendor GEMMs.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None, *,
             backend: str | None = None) -> torch.Tensor:
-    """The product on the packed copy, for a caller that has checked `packable` already; `backend` "onednn"
-    forces oneDNN's (the batch-invariant linear), else fp32 takes `fp32_backend()`."""
+    """The product on the packed copy, for a caller that has checked `packable` already; `backend` chooses
+    ("onednn" or "mkl"), else fp32 takes `fp32_backend()` and bf16 oneDNN's."""
     if backend is None:
         backend = fp32_backend() if weight.dtype == torch.float32 else "onednn"
     packed = _packed(weight, backend)

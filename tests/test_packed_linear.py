@@ -190,20 +190,23 @@ def test_asking_for_mkl_where_it_is_missing_is_refused_naming_why(choose, monkey
 
 
 @needs_mkl
-def test_each_backend_keeps_its_own_pack_and_the_invariant_linear_stays_on_onednn(choose):
-    """Default mode on MKL's pack and the batch-invariant linear (always oneDNN's, measured invariant) in one
-    process: switching repacks, and the invariant product is oneDNN's bits."""
+def test_each_backend_keeps_its_own_pack_and_the_invariant_linear_multiplies_on_the_default_one(choose):
+    """Switching backends repacks; the batch-invariant linear gives default mode's bits (the same pack), and
+    its rows are the same bits whatever the batch (padded to 4 rows), on MKL's pack as on oneDNN's."""
     from ascend_ops import batch_invariant as bi
 
-    choose("mkl")
-    w = param(256, 96, seed=2)
-    x = torch.randn(8, 96)
-    via_mkl = pl.linear(x, w)
-    assert w._rollbus_packed[0][2] == "mkl"
-    onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w.detach()), None,
-                                                "none", [], "")
-    assert torch.equal(bi.linear(x, w), onednn) and w._rollbus_packed[0][2] == "onednn"
-    torch.testing.assert_close(pl.linear(x, w), via_mkl, rtol=0, atol=0)  # repacked for MKL: the same bits
+    w = param(1536, 576, seed=2)
+    x = torch.randn(70, 576)
+    for backend in ("onednn", "mkl", "onednn"):
+        choose(backend)
+        got = pl.linear(x, w)
+        assert w._rollbus_packed[0][2] == backend
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=2e-4)
+        with torch.inference_mode():
+            assert torch.equal(bi.linear(x[:8], w), pl.linear(x[:8], w))
+            whole = bi.linear(x, w)
+            for m in (1, 5, 13, 33, 64):
+                assert torch.equal(bi.linear(x[:m], w), whole[:m]), (backend, m)
 
 
 @needs_mkl
