@@ -34,7 +34,8 @@ import torch
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rollbus_cpu"
-SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp")  # one compile unit, in this order
+# one compile unit, in this order
+SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp")
 CACHE_ENV = "ROLLBUS_KERNEL_CACHE"
 ENABLE_ENV = "ROLLBUS_CPU_KERNELS"
 CHOICES = ("0", "1", "avx2", "portable")

@@ -6,6 +6,7 @@ ratio says how well two engines share out the work (bar: >= 1.7x on an idle 2-co
 
     python bench/data_parallel.py                 # 2 rounds, dp1 and dp2 alternating
     python bench/data_parallel.py --rounds 3 --prompts 64 --max-tokens 64 --json out.json
+    python bench/data_parallel.py --rounds 1 --cpu   # and each process's CPU seconds during each batch
 
 Seeded sampling does not depend on batch-mates, so both layouts generate the same tokens; throughput is
 completion tokens over the wall time of the whole batch. `--eos` lets sequences stop at EOS instead (the two
@@ -32,12 +33,52 @@ from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402
 
 
-def run_layout(dp: int, prompts: list[list[int]], max_tokens: int, fixed: bool = True) -> tuple[int, float]:
+def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of `root` and every process below it, from /proc: {pid: (role, s)}."""
+    stats, parent = {}, {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "stat").read_text()
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+        pid = int(d.name)
+        parent[pid] = int(fields[1])
+        role = next((a.decode() for a in argv if a.decode() in ROLES), argv[0].decode()[-20:])
+        stats[pid] = (role, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            tree[pid] = stats[pid]
+        todo += [c for c, pp in parent.items() if pp == pid]
+    return tree
+
+
+ROLES = ("serve", "gateway", "scheduler", "worker", "coordinator")
+
+
+def run_layout(dp: int, prompts: list[list[int]], max_tokens: int, fixed: bool = True,
+               cpu: bool = False) -> tuple[int, float]:
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
     with tempfile.TemporaryDirectory(prefix=f"rollbus-dp{dp}-") as work:
         server = start_server(Path(work), "-dp", str(dp), "--max-model-len", "2048", "--max-num-seqs", "256")
         try:
-            return asyncio.run(rollout(server.url, "HuggingFaceTB/SmolLM2-135M-Instruct", prompts, 1, max_tokens,
-                                       fixed=fixed, engines=dp))
+            if not cpu:
+                return asyncio.run(rollout(server.url, model, prompts, 1, max_tokens, fixed=fixed, engines=dp))
+            asyncio.run(rollout(server.url, model, prompts[:dp], 1, 4, fixed=fixed, engines=dp))  # warm-up
+            before, client = process_tree_cpu(server.proc.pid), os.times()
+            out = asyncio.run(rollout(server.url, model, prompts, 1, max_tokens, fixed=fixed, engines=dp, warm=False))
+            after, client_after = process_tree_cpu(server.proc.pid), os.times()
+            say(f"  -dp {dp}: CPU seconds during the batch ({out[1]:.2f} s of wall time): client (this process) "
+                f"{client_after.user + client_after.system - client.user - client.system:.2f}")
+            for pid, (role, t) in sorted(after.items(), key=lambda kv: kv[1][0]):
+                used = t - before.get(pid, (role, 0.0))[1]
+                say(f"    {role:12s} pid {pid:<8d} {used:7.2f} s ({used / out[1]:.0%} of the wall time)")
+            return out
         finally:
             server.stop()
 
@@ -49,6 +90,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--eos", action="store_true", help="stop at EOS (default: exactly --max-tokens each)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu", action="store_true",
+                    help="print each process's CPU seconds during every batch (workers, schedulers, gateway, client)")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # every process the servers start: one thread per engine's worker
     tok = Tokenizer.from_dir(resolve_model(None, progress=False))
@@ -56,7 +99,7 @@ def main() -> None:
     rates: dict[int, list[float]] = {1: [], 2: []}
     for r in range(args.rounds):
         for dp in (1, 2) if r % 2 == 0 else (2, 1):
-            tokens, seconds = run_layout(dp, prompts, args.max_tokens, fixed=not args.eos)
+            tokens, seconds = run_layout(dp, prompts, args.max_tokens, fixed=not args.eos, cpu=args.cpu)
             rates[dp].append(tokens / seconds)
             say(f"round {r + 1}: -dp {dp}: {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.0f} tok/s")
     load = os.getloadavg()

@@ -121,7 +121,8 @@ def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv(pl.ENV, value)
     pl.available.cache_clear()
     try:
-        with pytest.raises(ValueError, match=f"ROLLBUS_CPU_PACKED_LINEAR must be one of 1, 0, onednn, mkl, got '{value}'"):
+        want = f"ROLLBUS_CPU_PACKED_LINEAR must be one of 1, 0, onednn, mkl, got '{value}'"
+        with pytest.raises(ValueError, match=want):
             pl.available()
     finally:
         monkeypatch.delenv(pl.ENV)
