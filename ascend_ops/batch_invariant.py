@@ -106,25 +106,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x.shape[0]
     pad = (-m) % ROW_MULTIPLE
     xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    if not _onednn(xp, weight):
+    if not (xp.dim() == 2 and _packed.cpu_operands(xp, weight)):
         out = F.linear(xp, weight, bias)
     elif torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                       or (bias is not None and bias.requires_grad)):
         out = _PackedLinear.apply(xp, weight, bias)
     else:
-        out = _onednn_product(xp, weight, bias)
+        out = _cpu_product(xp, weight, bias)
     return out[:m] if pad else out
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the product runs on oneDNN: a CPU weight of a packable dtype, packed or not (module docstring)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype
-            and x.dim() == 2 and weight.dim() == 2 and weight.numel() > 0 and _packed.available() is None)
-
-
-def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS:  # bf16: pieces of BF16_ROWS rows (docstring)
-        return torch.cat([_onednn_product(x[i:i + BF16_ROWS], weight, bias) for i in range(0, x.shape[0], BF16_ROWS)])
+        return torch.cat([_cpu_product(x[i:i + BF16_ROWS], weight, bias) for i in range(0, x.shape[0], BF16_ROWS)])
     if _packed.packable(x, weight):  # a parameter: on its packed copy, default mode's (MKL's or oneDNN's)
         return _packed.product(x, weight, bias)
     # any other weight (an expert's slice of a stacked parameter): the same primitive on the plain layout,
@@ -133,13 +127,13 @@ def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 class _PackedLinear(torch.autograd.Function):
-    """The oneDNN product forward; F.linear's gradients backward (within float tolerance of HF's)."""
+    """The CPU library's product forward; F.linear's gradients backward (within float tolerance of HF's)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn_product(x, weight, bias)
+        return _cpu_product(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -114,13 +114,24 @@ def describe(dtype: torch.dtype = torch.float32) -> str:
     why = available()
     if why is not None:
         return f"torch (packed off: {why})"
-    return f"{fp32_backend() if dtype == torch.float32 else 'onednn'}-prepacked"
+    return f"{backend_for(dtype)}-prepacked"
+
+
+def backend_for(dtype: torch.dtype) -> str:
+    """The packed product a parameter of this dtype uses: fp32 `fp32_backend()`, bf16 oneDNN's."""
+    return fp32_backend() if dtype == torch.float32 else "onednn"
 
 
 def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` multiplies this on a packed copy (else it is plain F.linear)."""
-    return (isinstance(weight, nn.Parameter) and weight.device.type == "cpu" and weight.dtype in _DTYPES
-            and x.dtype == weight.dtype and weight.dim() == 2 and weight.numel() > 0 and available() is None)
+    return isinstance(weight, nn.Parameter) and cpu_operands(x, weight)
+
+
+def cpu_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the CPU GEMM libraries take these operands (a parameter or not): a 2-D CPU weight of a
+    packable dtype, x of the same dtype, packing not turned off."""
+    return (weight.device.type == "cpu" and weight.dtype in _DTYPES and x.dtype == weight.dtype
+            and weight.dim() == 2 and weight.numel() > 0 and available() is None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,8 +144,7 @@ def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = N
             backend: str | None = None) -> torch.Tensor:
     """The product on the packed copy, for a caller that has checked `packable` already; `backend` chooses
     ("onednn" or "mkl"), else fp32 takes `fp32_backend()` and bf16 oneDNN's."""
-    if backend is None:
-        backend = fp32_backend() if weight.dtype == torch.float32 else "onednn"
+    backend = backend or backend_for(weight.dtype)
     packed = _packed(weight, backend)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if backend == "mkl":

@@ -32,6 +32,8 @@ from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402
 
+ROLES = ("serve", "gateway", "scheduler", "worker", "coordinator")
+
 
 def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system) so far of `root` and every process below it, from /proc: {pid: (role, s)}."""
@@ -41,13 +43,13 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
             continue
         try:
             raw = (d / "stat").read_text()
-            argv = (d / "cmdline").read_bytes().split(b"\0")
+            argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
         fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
         pid = int(d.name)
         parent[pid] = int(fields[1])
-        role = next((a.decode() for a in argv if a.decode() in ROLES), argv[0].decode()[-20:])
+        role = next((a for a in argv if a in ROLES), argv[0][-20:])
         stats[pid] = (role, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
     tree, todo = {}, [root]
     while todo:
@@ -56,9 +58,6 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
             tree[pid] = stats[pid]
         todo += [c for c, pp in parent.items() if pp == pid]
     return tree
-
-
-ROLES = ("serve", "gateway", "scheduler", "worker", "coordinator")
 
 
 def run_layout(dp: int, prompts: list[list[int]], max_tokens: int, fixed: bool = True,
