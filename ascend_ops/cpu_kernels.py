@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "rollbus_cpu"
 # one compile unit, in this order
-SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp")
+SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp", "cpu_panel_gemm.cpp")
 CACHE_ENV = "ROLLBUS_KERNEL_CACHE"
 ENABLE_ENV = "ROLLBUS_CPU_KERNELS"
 CHOICES = ("0", "1", "avx2", "portable")
@@ -47,7 +47,7 @@ def _source() -> str:
     return "\n".join((here / s).read_text(encoding="utf-8") for s in SOURCES)
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
@@ -67,7 +67,7 @@ def cflags() -> list[str]:
     is the one libtorch_cpu already loaded (same soname), so both share one thread pool and its size."""
     flags = ["-O3", "-ffp-contract=off", "-fopenmp"]  # fp-contract off: a * b + c rounded twice, as torch
     cap = os.environ.get(ENABLE_ENV)
-    have = _cpu_flags()
+    have = cpu_flags()
     if cap != "portable" and all(f in have for f in AVX2):
         flags += ["-mavx2", "-mfma"]
         if cap != "avx2" and all(f in have for f in AVX512):

@@ -1,4 +1,4 @@
-"""CPU linear layers on pre-packed (oneDNN-reordered) weights: default mode's GEMM on CPU.
+"""CPU linear layers on pre-packed weights (oneDNN's, MKL's or our own panel layout): default mode's GEMM on CPU.
 
 torch's CPU `F.linear` repacks the weight matrix into the BLAS kernel's blocked layout on every call. A decode
 step multiplies a few dozen rows by every weight of the model, so that repacking is a large share of the
@@ -15,12 +15,20 @@ was written in place through itself (its version counter moved: an optimizer ste
 Writes through `.data` or another alias move neither, hence `forget`. Tensors that are not `nn.Parameter`s
 (per-expert slices, activations) take plain `F.linear`: packing a temporary costs more than it saves.
 
-Two packed products, one per parameter and process: oneDNN's (bf16 always; fp32 on other CPUs) and MKL's
-packed sgemm (fp32 on Intel CPUs, `cblas_sgemm_pack` / `cblas_sgemm_compute` through ascend_ops/csrc/cpu_gemm.cpp).
-Measured on an Intel Xeon (AVX-512, 2 threads), SmolLM2-135M's layer GEMMs at 64 rows: F.linear 237
-GFLOP/s, oneDNN packed 243, MKL packed 296 (at 32 rows 176 / 213 / 279); MKL was not measured on AMD CPUs,
-which keep oneDNN. `ROLLBUS_CPU_PACKED_LINEAR` chooses: `1` (the default: as above), `onednn`, `mkl` (fp32
-on MKL whatever the CPU; refused where this torch has no MKL), `0` (packing off, plain `F.linear`).
+Three packed products, one per parameter and process: oneDNN's (bf16 always; fp32 where neither of the
+others is chosen), MKL's packed sgemm (fp32 on Intel CPUs, `cblas_sgemm_pack` / `cblas_sgemm_compute` through
+ascend_ops/csrc/cpu_gemm.cpp) and our own AVX2/FMA kernel over column panels (fp32 on other x86 CPUs with
+AVX2 but no AVX-512, such as AMD Zen 2/3; ascend_ops/csrc/cpu_panel_gemm.cpp).
+Measured, SmolLM2-135M's layer GEMMs, GFLOP/s:
+- Intel Xeon (AVX-512, 2 threads), 64 rows: F.linear 237, oneDNN packed 243, MKL packed 296 (at 32 rows
+  176 / 213 / 279).
+- AMD EPYC Zen 3 (AVX2, 1 thread), 16 / 32 / 64 rows: oneDNN packed 36.5 / 48.3 / 54.0, the panel kernel
+  51.3 / 57.2 / 65.1 (2 threads at 32 / 64 rows: 79.5 / 103.4 against 101.1 / 112.7); MKL there ran at
+  two thirds of oneDNN's speed in a decode step.
+CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: the panel kernel was not measured there.
+`ROLLBUS_CPU_PACKED_LINEAR` chooses: `1` (the default: as above), `onednn`, `mkl` (fp32 on MKL whatever the
+CPU; refused where this torch has no MKL), `avx2` (fp32 on the panel kernel whatever the CPU; refused where
+the kernels were built without AVX2/FMA), `0` (packing off, plain `F.linear`).
 
 Default and batch-invariant kernels on CPU (both packed products were measured row-invariant for four rows
 or more, and the invariant linear pads to that; its start-up self-check measures it); accelerators keep
@@ -42,10 +50,18 @@ from ascend_ops import cpu_kernels
 log = structlog.get_logger()
 
 ENV = "ROLLBUS_CPU_PACKED_LINEAR"
-CHOICES = ("1", "0", "onednn", "mkl")
+CHOICES = ("1", "0", "onednn", "mkl", "avx2")
 MKL_PACK_ROWS = 64  # the rows MKL's pack is laid out for (any number works; 64 measured best at 32-256 rows)
 _ATTR = "_rollbus_packed"
 _DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes packed here: bf16 only where oneDNN has a bf16 path on this CPU (AVX512-BF16/AMX, or
+    AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 has none: there its reorder raises, so bf16 weights
+    take F.linear)."""
+    return _DTYPES if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def _choice() -> str:
@@ -73,16 +89,32 @@ def mkl_unavailable() -> str | None:
 
 
 @functools.cache
+def panel_unavailable() -> str | None:
+    """None when the AVX2 panel kernel (ascend_ops/csrc/cpu_panel_gemm.cpp) works here, else why not."""
+    ops = cpu_kernels.ops()
+    if ops is None:
+        return f"the CPU kernels are unavailable ({cpu_kernels.unavailable()})"
+    return ops.panel_gemm_unavailable() or None
+
+
+def _has_avx512() -> bool:
+    return "avx512f" in cpu_kernels.cpu_flags()
+
+
+@functools.cache
 def fp32_backend() -> str:
-    """"mkl" or "onednn": the packed product fp32 parameters use in default mode (module docstring)."""
+    """"mkl", "avx2" or "onednn": the packed product fp32 parameters use in default mode (module docstring)."""
     value = _choice()
-    if value == "mkl":
-        why = mkl_unavailable()
+    unavailable = {"mkl": mkl_unavailable, "avx2": panel_unavailable}
+    if value in unavailable:
+        why = unavailable[value]()
         if why:
-            raise ValueError(f"{ENV}=mkl: {why}")
-        return "mkl"
+            raise ValueError(f"{ENV}={value}: {why}")
+        return value
     if value == "1" and _cpu_vendor() == "GenuineIntel" and mkl_unavailable() is None:
         return "mkl"
+    if value == "1" and _cpu_vendor() != "GenuineIntel" and not _has_avx512() and panel_unavailable() is None:
+        return "avx2"
     return "onednn"
 
 
@@ -110,10 +142,13 @@ def available() -> str | None:
 
 
 def describe(dtype: torch.dtype = torch.float32) -> str:
-    """What a CPU model of this dtype multiplies on: "mkl-prepacked", "onednn-prepacked" or why neither."""
+    """What a CPU model of this dtype multiplies on: "mkl-prepacked", "avx2-prepacked", "onednn-prepacked" or
+    why none."""
     why = available()
     if why is not None:
         return f"torch (packed off: {why})"
+    if dtype not in _dtypes():
+        return "torch (oneDNN has no bf16 path on this CPU)"
     return f"{backend_for(dtype)}-prepacked"
 
 
@@ -130,7 +165,7 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def cpu_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the CPU GEMM libraries take these operands (a parameter or not): a 2-D CPU weight of a
     packable dtype, x of the same dtype, packing not turned off."""
-    return (weight.device.type == "cpu" and weight.dtype in _DTYPES and x.dtype == weight.dtype
+    return (weight.device.type == "cpu" and weight.dtype in _dtypes() and x.dtype == weight.dtype
             and weight.dim() == 2 and weight.numel() > 0 and available() is None)
 
 
@@ -143,12 +178,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None, *,
             backend: str | None = None) -> torch.Tensor:
     """The product on the packed copy, for a caller that has checked `packable` already; `backend` chooses
-    ("onednn" or "mkl"), else fp32 takes `fp32_backend()` and bf16 oneDNN's."""
+    ("onednn", "mkl" or "avx2"), else fp32 takes `fp32_backend()` and bf16 oneDNN's."""
     backend = backend or backend_for(weight.dtype)
     packed = _packed(weight, backend)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if backend == "mkl":
         out = cpu_kernels.ops().mkl_packed_linear(x2, packed, weight.shape[0], weight.shape[1], bias)
+    elif backend == "avx2":
+        out = cpu_kernels.ops().panel_linear(x2, packed, weight.shape[0], weight.shape[1], bias)
     else:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], -1)
@@ -162,6 +199,8 @@ def _packed(weight: nn.Parameter, backend: str) -> torch.Tensor:
             w = weight.detach().contiguous()
             if backend == "mkl":
                 packed = cpu_kernels.ops().mkl_pack(w, MKL_PACK_ROWS)
+            elif backend == "avx2":
+                packed = cpu_kernels.ops().panel_pack(w)
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w)
             entry = (key, packed)

@@ -26,6 +26,7 @@ def test_fp32_matches_f_linear(rows):
 
 
 def test_bf16_matches_f_linear_and_3d_inputs_keep_their_shape():
+    """Where oneDNN has no bf16 path (an AVX2-only CPU: its reorder raises), bf16 weights take F.linear."""
     w = param(320, 64, dtype=torch.bfloat16)
     x = torch.randn(2, 5, 64).bfloat16()
     got = pl.linear(x, w)
@@ -121,7 +122,7 @@ def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv(pl.ENV, value)
     pl.available.cache_clear()
     try:
-        want = f"ROLLBUS_CPU_PACKED_LINEAR must be one of 1, 0, onednn, mkl, got '{value}'"
+        want = f"ROLLBUS_CPU_PACKED_LINEAR must be one of 1, 0, onednn, mkl, avx2, got '{value}'"
         with pytest.raises(ValueError, match=want):
             pl.available()
     finally:
@@ -129,21 +130,24 @@ def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch, value):
         pl.available.cache_clear()
 
 
-# --- the two fp32 backends ---------------------------------------------------------------------------
+# --- the three fp32 backends ---------------------------------------------------------------------------
 
 needs_mkl = pytest.mark.skipif(pl.mkl_unavailable() is not None, reason=str(pl.mkl_unavailable()))
+needs_panel = pytest.mark.skipif(pl.panel_unavailable() is not None, reason=str(pl.panel_unavailable()))
 
 
 @pytest.fixture
 def choose(monkeypatch):
     """Set ROLLBUS_CPU_PACKED_LINEAR (and the CPU vendor) for one test; the cached decisions are redone after."""
-    def set_(value: str | None = None, vendor: str | None = None) -> None:
+    def set_(value: str | None = None, vendor: str | None = None, avx512: bool | None = None) -> None:
         if value is None:
             monkeypatch.delenv(pl.ENV, raising=False)
         else:
             monkeypatch.setenv(pl.ENV, value)
         if vendor is not None:
             monkeypatch.setattr(pl, "_cpu_vendor", lambda: vendor)
+        if avx512 is not None:
+            monkeypatch.setattr(pl, "_has_avx512", lambda: avx512)
         pl.available.cache_clear()
         pl.fp32_backend.cache_clear()
 
@@ -170,15 +174,21 @@ def test_the_mkl_pack_matches_f_linear_at_any_number_of_rows(rows, n, k):
     assert pl.product(x[:0], w, b, backend="mkl").shape == (0, n)
 
 
-def test_the_default_backend_is_mkl_on_intel_and_onednn_elsewhere_and_the_switch_overrides(choose):
-    choose(None, vendor="AuthenticAMD")
+def test_the_default_backend_is_mkl_on_intel_avx2_on_other_avx2_cpus_and_onednn_elsewhere(choose):
+    choose(None, vendor="AuthenticAMD", avx512=True)
     assert pl.fp32_backend() == "onednn" and pl.describe(torch.float32) == "onednn-prepacked"
+    choose(None, vendor="AuthenticAMD", avx512=False)
+    want = "avx2" if pl.panel_unavailable() is None else "onednn"
+    assert pl.fp32_backend() == want and pl.describe(torch.float32) == f"{want}-prepacked"
     choose("onednn", vendor="GenuineIntel")
     assert pl.fp32_backend() == "onednn"
-    choose(None, vendor="GenuineIntel")
+    choose("onednn", vendor="AuthenticAMD", avx512=False)
+    assert pl.fp32_backend() == "onednn"
+    choose(None, vendor="GenuineIntel", avx512=False)
     want = "mkl" if pl.mkl_unavailable() is None else "onednn"
     assert pl.fp32_backend() == want and pl.describe(torch.float32) == f"{want}-prepacked"
-    assert pl.describe(torch.bfloat16) == "onednn-prepacked"  # bf16 is always oneDNN's
+    bf16 = "onednn-prepacked" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch (oneDNN has no bf16"
+    assert pl.describe(torch.bfloat16).startswith(bf16)  # bf16 is always oneDNN's, where it has a bf16 path
     choose("0")
     assert pl.describe(torch.float32).startswith("torch (packed off")
 
@@ -187,6 +197,13 @@ def test_asking_for_mkl_where_it_is_missing_is_refused_naming_why(choose, monkey
     monkeypatch.setattr(pl, "mkl_unavailable", lambda: "this torch build exports no MKL packed sgemm")
     choose("mkl")
     with pytest.raises(ValueError, match="ROLLBUS_CPU_PACKED_LINEAR=mkl: this torch build exports no MKL"):
+        pl.fp32_backend()
+
+
+def test_asking_for_the_panel_kernel_where_it_is_missing_is_refused_naming_why(choose, monkeypatch):
+    monkeypatch.setattr(pl, "panel_unavailable", lambda: "the CPU kernels were compiled without AVX2 and FMA")
+    choose("avx2")
+    with pytest.raises(ValueError, match="ROLLBUS_CPU_PACKED_LINEAR=avx2: the CPU kernels were compiled without"):
         pl.fp32_backend()
 
 
@@ -226,3 +243,74 @@ def test_the_mkl_kernels_refuse_bad_operands_with_an_error():
         ops.mkl_packed_linear(torch.randn(2, 9), packed, 16, 8, None)
     with pytest.raises(RuntimeError, match="the pack is smaller than a .1600, 8. weight"):
         ops.mkl_packed_linear(torch.randn(2, 8), packed, 1600, 8, None)
+
+
+# --- the AVX2 panel kernel (ascend_ops/csrc/cpu_panel_gemm.cpp) -----------------------------------------
+
+@needs_panel
+@pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (960, 576), (1000, 64), (7, 33), (49152, 64), (17, 257)])
+@pytest.mark.parametrize("rows", [1, 5, 7, 64, 85, 121, 300])
+def test_the_panel_kernel_matches_f_linear_at_any_shape(rows, n, k):
+    """Outputs past the last whole panel (n % 16), depth past a 256-chunk (k 257, 576, 1536), rows in tiles of
+    1-6 and past the 120-row pass (121, 300), with and without bias, 2-D and 3-D inputs."""
+    w, b = param(n, k, seed=3), torch.randn(n)
+    x = torch.randn(rows, k)
+    torch.testing.assert_close(pl.product(x, w, b, backend="avx2"), F.linear(x, w, b), rtol=1e-5, atol=2e-4)
+    torch.testing.assert_close(pl.product(x.view(1, rows, k), w, None, backend="avx2"),
+                               F.linear(x, w).view(1, rows, -1), rtol=1e-5, atol=2e-4)
+    assert pl.product(x[:0], w, b, backend="avx2").shape == (0, n)
+
+
+@needs_panel
+def test_a_panel_kernel_row_is_the_same_bits_in_any_batch_and_on_any_number_of_threads():
+    """Row invariance by construction (one k order per output, whatever the tile, pass or thread), without
+    the invariant linear's padding: every row of every batch size and thread count equals the 300-row batch's."""
+    w, b = param(3072, 576, seed=4), torch.randn(3072)
+    x = torch.randn(300, 576)
+    threads = torch.get_num_threads()
+    whole = pl.product(x, w, b, backend="avx2")
+    try:
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 5, 6, 7, 13, 64, 85, 119, 120, 121, 299):
+                assert torch.equal(pl.product(x[:m], w, b, backend="avx2"), whole[:m]), (t, m)
+            assert torch.equal(pl.product(x[150:151], w, b, backend="avx2")[0], whole[150]), t
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_panel
+def test_the_panel_backend_packs_once_and_the_invariant_linear_multiplies_on_it(choose):
+    from ascend_ops import batch_invariant as bi
+
+    choose("avx2")
+    w = param(1536, 576, seed=5)
+    x = torch.randn(70, 576)
+    got = pl.linear(x, w)
+    assert w._rollbus_packed[0][2] == "avx2" and pl.describe(torch.float32) == "avx2-prepacked"
+    first = w._rollbus_packed[1]
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=2e-4)
+    with torch.inference_mode():
+        assert torch.equal(bi.linear(x[:8], w), pl.linear(x[:8], w))
+        whole = bi.linear(x, w)
+        for m in (1, 5, 13, 33, 64):
+            assert torch.equal(bi.linear(x[:m], w), whole[:m]), m
+    assert w._rollbus_packed[1] is first
+
+
+@needs_panel
+def test_the_panel_kernels_refuse_bad_operands_with_an_error():
+    from ascend_ops import cpu_kernels
+
+    ops = cpu_kernels.ops()
+    with pytest.raises(RuntimeError, match="panel_pack: a 2-D float32"):
+        ops.panel_pack(torch.randn(4, 4).bfloat16())
+    packed = ops.panel_pack(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="panel_linear: bias"):
+        ops.panel_linear(torch.randn(2, 8), packed, 16, 8, torch.randn(3))
+    with pytest.raises(RuntimeError, match="panel_linear: x is a 2-D float32"):
+        ops.panel_linear(torch.randn(2, 8).double(), packed, 16, 8, None)
+    with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
+        ops.panel_linear(torch.randn(2, 9), packed, 16, 8, None)
+    with pytest.raises(RuntimeError, match="the pack is not a .1600, 8. weight"):
+        ops.panel_linear(torch.randn(2, 8), packed, 1600, 8, None)
