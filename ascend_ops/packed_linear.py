@@ -79,22 +79,24 @@ def _cpu_vendor() -> str:
         return ""
 
 
-@functools.cache
-def mkl_unavailable() -> str | None:
-    """None when the MKL packed sgemm (ascend_ops/csrc/cpu_gemm.cpp) works here, else why not."""
+def _kernel_unavailable(op: str) -> str | None:
+    """None when the CPU kernels build here and their `op` (a reason or "") says this product works."""
     ops = cpu_kernels.ops()
     if ops is None:
         return f"the CPU kernels are unavailable ({cpu_kernels.unavailable()})"
-    return ops.mkl_gemm_unavailable() or None
+    return getattr(ops, op)() or None
+
+
+@functools.cache
+def mkl_unavailable() -> str | None:
+    """None when the MKL packed sgemm (ascend_ops/csrc/cpu_gemm.cpp) works here, else why not."""
+    return _kernel_unavailable("mkl_gemm_unavailable")
 
 
 @functools.cache
 def panel_unavailable() -> str | None:
     """None when the AVX2 panel kernel (ascend_ops/csrc/cpu_panel_gemm.cpp) works here, else why not."""
-    ops = cpu_kernels.ops()
-    if ops is None:
-        return f"the CPU kernels are unavailable ({cpu_kernels.unavailable()})"
-    return ops.panel_gemm_unavailable() or None
+    return _kernel_unavailable("panel_gemm_unavailable")
 
 
 def _has_avx512() -> bool:
