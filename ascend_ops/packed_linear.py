@@ -30,9 +30,9 @@ CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: the panel kernel w
 CPU; refused where this torch has no MKL), `avx2` (fp32 on the panel kernel whatever the CPU; refused where
 the kernels were built without AVX2/FMA), `0` (packing off, plain `F.linear`).
 
-Default and batch-invariant kernels on CPU (both packed products were measured row-invariant for four rows
-or more, and the invariant linear pads to that; its start-up self-check measures it); accelerators keep
-their vendor GEMMs.
+Default and batch-invariant kernels on CPU (all three packed products were measured row-invariant for four
+rows or more, the panel kernel for any rows by construction, and the invariant linear pads to that; its
+start-up self-check measures it); accelerators keep their vendor GEMMs.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def _dtypes() -> tuple[torch.dtype, ...]:
     """The dtypes packed here: bf16 only where oneDNN has a bf16 path on this CPU (AVX512-BF16/AMX, or
     AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 has none: there its reorder raises, so bf16 weights
     take F.linear)."""
-    return _DTYPES if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent without oneDNN
+    return _DTYPES if supported is not None and supported() else (torch.float32,)
 
 
 def _choice() -> str:
