@@ -50,7 +50,8 @@ from ascend_ops import cpu_kernels
 log = structlog.get_logger()
 
 ENV = "ROLLBUS_CPU_PACKED_LINEAR"
-CHOICES = ("1", "0", "onednn", "mkl", "avx2")
+CHOICES = ("1", "0", "onednn", "mkl", "avx2", "avx512")
+PANEL_WIDTHS = {"avx2": 16, "avx512": 32}  # our panel kernels: backend -> pack width (cpu_panel_gemm.cpp)
 MKL_PACK_ROWS = 64  # the rows MKL's pack is laid out for (any number works; 64 measured best at 32-256 rows)
 _ATTR = "_rollbus_packed"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -80,12 +81,12 @@ def _cpu_vendor() -> str:
         return ""
 
 
-def _kernel_unavailable(op: str) -> str | None:
+def _kernel_unavailable(op: str, *args: int) -> str | None:
     """None when the CPU kernels build here and their `op` (a reason or "") says this product works."""
     ops = cpu_kernels.ops()
     if ops is None:
         return f"the CPU kernels are unavailable ({cpu_kernels.unavailable()})"
-    return getattr(ops, op)() or None
+    return getattr(ops, op)(*args) or None
 
 
 @functools.cache
@@ -95,9 +96,10 @@ def mkl_unavailable() -> str | None:
 
 
 @functools.cache
-def panel_unavailable() -> str | None:
-    """None when the AVX2 panel kernel (ascend_ops/csrc/cpu_panel_gemm.cpp) works here, else why not."""
-    return _kernel_unavailable("panel_gemm_unavailable")
+def panel_unavailable(backend: str = "avx2") -> str | None:
+    """None when the panel kernel `backend` ("avx2" or "avx512", ascend_ops/csrc/cpu_panel_gemm.cpp) works
+    here, else why not."""
+    return _kernel_unavailable("panel_gemm_unavailable", PANEL_WIDTHS[backend])
 
 
 def _has_avx512() -> bool:
@@ -106,15 +108,18 @@ def _has_avx512() -> bool:
 
 @functools.cache
 def fp32_backend() -> str:
-    """"mkl", "avx2" or "onednn": the packed product fp32 parameters use in default mode (module docstring)."""
+    """"avx512", "mkl", "avx2" or "onednn": the packed product fp32 parameters use in default mode (module
+    docstring)."""
     value = _choice()
-    unavailable = {"mkl": mkl_unavailable, "avx2": panel_unavailable}
-    if value in unavailable:
-        why = unavailable[value]()
+    if value in ("mkl", *PANEL_WIDTHS):
+        why = mkl_unavailable() if value == "mkl" else panel_unavailable(value)
         if why:
             raise ValueError(f"{ENV}={value}: {why}")
         return value
-    if value == "1" and _cpu_vendor() == "GenuineIntel" and mkl_unavailable() is None:
+    intel = _cpu_vendor() == "GenuineIntel"
+    if value == "1" and intel and _has_avx512() and panel_unavailable("avx512") is None:
+        return "avx512"
+    if value == "1" and intel and mkl_unavailable() is None:
         return "mkl"
     if value == "1" and _cpu_vendor() != "GenuineIntel" and not _has_avx512() and panel_unavailable() is None:
         return "avx2"
@@ -187,8 +192,8 @@ def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = N
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if backend == "mkl":
         out = cpu_kernels.ops().mkl_packed_linear(x2, packed, weight.shape[0], weight.shape[1], bias)
-    elif backend == "avx2":
-        out = cpu_kernels.ops().panel_linear(x2, packed, weight.shape[0], weight.shape[1], bias)
+    elif backend in PANEL_WIDTHS:
+        out = cpu_kernels.ops().panel_linear(x2, packed, weight.shape[0], weight.shape[1], bias, PANEL_WIDTHS[backend])
     else:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], -1)
@@ -202,8 +207,8 @@ def _packed(weight: nn.Parameter, backend: str) -> torch.Tensor:
             w = weight.detach().contiguous()
             if backend == "mkl":
                 packed = cpu_kernels.ops().mkl_pack(w, MKL_PACK_ROWS)
-            elif backend == "avx2":
-                packed = cpu_kernels.ops().panel_pack(w)
+            elif backend in PANEL_WIDTHS:
+                packed = cpu_kernels.ops().panel_pack(w, PANEL_WIDTHS[backend])
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w)
             entry = (key, packed)

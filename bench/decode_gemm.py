@@ -1,5 +1,5 @@
 """Decode-sized GEMMs on every fp32 packed product this CPU has (ascend_ops.packed_linear: oneDNN's, MKL's
-packed sgemm, the AVX2 panel kernel), against F.linear: GFLOP/s over one model's layer products (fused qkv,
+packed sgemm, the AVX2 and AVX-512 panel kernels), against F.linear: GFLOP/s over one model's layer products (fused qkv,
 o, fused gate_up, down) for every layer with distinct weights (as a decode step streams them), at the row
 counts a decode step has, on 1 thread and on torch's threads. The numbers behind packed_linear's choice of
 product per CPU (docs/serving.md, "Pre-packed weights").
@@ -38,7 +38,7 @@ def layer_shapes(cfg: dict) -> list[tuple[int, int]]:
 def backends() -> list[str]:
     out = ["onednn"] if packed_linear.available() is None else []
     out += ["mkl"] if packed_linear.mkl_unavailable() is None else []
-    out += ["avx2"] if packed_linear.panel_unavailable() is None else []
+    out += [b for b in packed_linear.PANEL_WIDTHS if packed_linear.panel_unavailable(b) is None]
     return out
 
 

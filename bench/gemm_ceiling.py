@@ -76,7 +76,7 @@ def gemm_rate(shape: Shape, dtype: str = "float32", threads: int | None = None, 
     """FLOP/s of torch's own matrix products over one layer of this model (q, k, v, o, gate, up, down) at a
     large M (a wide prefill), the best of `repeats` after `warmup_s` of warm-up (the cores' clocks and
     the allocator settle). On CPU also on oneDNN pre-packed weights and, in fp32, MKL's packed sgemm and the
-    AVX2 panel kernel (what rollbus multiplies on there, ascend_ops.packed_linear): the ceiling takes the
+    panel kernels (what rollbus multiplies on there, ascend_ops.packed_linear): the ceiling takes the
     fastest, the machine's best."""
     import torch
 
@@ -119,17 +119,18 @@ def gemm_rate(shape: Shape, dtype: str = "float32", threads: int | None = None, 
                     ops.mkl_packed_linear(inputs[k], w, n, k, None)
 
             kernels.append(mkl_packed)
-        if packed_linear.panel_unavailable() is None:  # the AVX2 panel kernel (rollbus's fp32 on AMD Zen 2/3)
-            from ascend_ops import cpu_kernels
+        for backend, width in packed_linear.PANEL_WIDTHS.items():  # our panel kernels (rollbus's fp32 on some CPUs)
+            if packed_linear.panel_unavailable(backend) is None:
+                from ascend_ops import cpu_kernels
 
-            ops = cpu_kernels.ops()
-            panel = [(w.shape[1], w.shape[0], ops.panel_pack(w)) for w in weights]
+                ops = cpu_kernels.ops()
+                panel = [(w.shape[1], w.shape[0], ops.panel_pack(w, width)) for w in weights]
 
-            def panel_packed() -> None:
-                for k, n, w in panel:
-                    ops.panel_linear(inputs[k], w, n, k, None)
+                def panel_packed(panel=panel, width=width) -> None:
+                    for k, n, w in panel:
+                        ops.panel_linear(inputs[k], w, n, k, None, width)
 
-            kernels.append(panel_packed)
+                kernels.append(panel_packed)
     best = float("inf")
     for kernel in kernels:
         end = time.perf_counter() + warmup_s

@@ -122,7 +122,7 @@ def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv(pl.ENV, value)
     pl.available.cache_clear()
     try:
-        want = f"ROLLBUS_CPU_PACKED_LINEAR must be one of 1, 0, onednn, mkl, avx2, got '{value}'"
+        want = f"ROLLBUS_CPU_PACKED_LINEAR must be one of 1, 0, onednn, mkl, avx2, avx512, got '{value}'"
         with pytest.raises(ValueError, match=want):
             pl.available()
     finally:
@@ -133,7 +133,10 @@ def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch, value):
 # --- the three fp32 backends ---------------------------------------------------------------------------
 
 needs_mkl = pytest.mark.skipif(pl.mkl_unavailable() is not None, reason=str(pl.mkl_unavailable()))
-needs_panel = pytest.mark.skipif(pl.panel_unavailable() is not None, reason=str(pl.panel_unavailable()))
+# each panel kernel this machine has (avx2: 16-wide panels, avx512: 32-wide), the others skipped saying why
+PANELS = [pytest.param(b, marks=pytest.mark.skipif(pl.panel_unavailable(b) is not None,
+                                                   reason=str(pl.panel_unavailable(b))))
+          for b in pl.PANEL_WIDTHS]
 
 
 @pytest.fixture
@@ -174,7 +177,9 @@ def test_the_mkl_pack_matches_f_linear_at_any_number_of_rows(rows, n, k):
     assert pl.product(x[:0], w, b, backend="mkl").shape == (0, n)
 
 
-def test_the_default_backend_is_mkl_on_intel_avx2_on_other_avx2_cpus_and_onednn_elsewhere(choose):
+def test_the_default_backend_per_cpu(choose):
+    """Intel with AVX-512: the AVX-512 panel kernel; other Intel: MKL; other vendors with AVX2 but no AVX-512:
+    the AVX2 panel kernel; everything else (AMD Zen 4): oneDNN. Each falls back where it is missing."""
     choose(None, vendor="AuthenticAMD", avx512=True)
     assert pl.fp32_backend() == "onednn" and pl.describe(torch.float32) == "onednn-prepacked"
     choose(None, vendor="AuthenticAMD", avx512=False)
@@ -184,8 +189,11 @@ def test_the_default_backend_is_mkl_on_intel_avx2_on_other_avx2_cpus_and_onednn_
     assert pl.fp32_backend() == "onednn"
     choose("onednn", vendor="AuthenticAMD", avx512=False)
     assert pl.fp32_backend() == "onednn"
+    mkl = "mkl" if pl.mkl_unavailable() is None else "onednn"
     choose(None, vendor="GenuineIntel", avx512=False)
-    want = "mkl" if pl.mkl_unavailable() is None else "onednn"
+    assert pl.fp32_backend() == mkl and pl.describe(torch.float32) == f"{mkl}-prepacked"
+    choose(None, vendor="GenuineIntel", avx512=True)
+    want = "avx512" if pl.panel_unavailable("avx512") is None else mkl
     assert pl.fp32_backend() == want and pl.describe(torch.float32) == f"{want}-prepacked"
     bf16 = "onednn-prepacked" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch (oneDNN has no bf16"
     assert pl.describe(torch.bfloat16).startswith(bf16)  # bf16 is always oneDNN's, where it has a bf16 path
@@ -200,10 +208,12 @@ def test_asking_for_mkl_where_it_is_missing_is_refused_naming_why(choose, monkey
         pl.fp32_backend()
 
 
-def test_asking_for_the_panel_kernel_where_it_is_missing_is_refused_naming_why(choose, monkeypatch):
-    monkeypatch.setattr(pl, "panel_unavailable", lambda: "the CPU kernels were compiled without AVX2 and FMA")
-    choose("avx2")
-    with pytest.raises(ValueError, match="ROLLBUS_CPU_PACKED_LINEAR=avx2: the CPU kernels were compiled without"):
+@pytest.mark.parametrize("backend, why", [("avx2", "the CPU kernels were compiled without AVX2 and FMA"),
+                                          ("avx512", "the CPU kernels were compiled without AVX-512")])
+def test_asking_for_a_panel_kernel_where_it_is_missing_is_refused_naming_why(choose, monkeypatch, backend, why):
+    monkeypatch.setattr(pl, "panel_unavailable", lambda b="avx2": why if b == backend else None)
+    choose(backend)
+    with pytest.raises(ValueError, match=f"ROLLBUS_CPU_PACKED_LINEAR={backend}: {why}"):
         pl.fp32_backend()
 
 
@@ -245,49 +255,60 @@ def test_the_mkl_kernels_refuse_bad_operands_with_an_error():
         ops.mkl_packed_linear(torch.randn(2, 8), packed, 1600, 8, None)
 
 
-# --- the AVX2 panel kernel (ascend_ops/csrc/cpu_panel_gemm.cpp) -----------------------------------------
+# --- the panel kernels, AVX2 and AVX-512 (ascend_ops/csrc/cpu_panel_gemm.cpp) ----------------------------
 
-@needs_panel
-@pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (960, 576), (1000, 64), (7, 33), (49152, 64), (17, 257)])
-@pytest.mark.parametrize("rows", [1, 5, 7, 64, 85, 121, 300])
-def test_the_panel_kernel_matches_f_linear_at_any_shape(rows, n, k):
-    """Outputs past the last whole panel (n % 16), depth past a 256-chunk (k 257, 576, 1536), rows in tiles of
-    1-6 and past the 120-row pass (121, 300), with and without bias, 2-D and 3-D inputs."""
+@pytest.mark.parametrize("backend", PANELS)
+@pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (960, 576), (1000, 64), (7, 33), (49152, 64), (17, 257),
+                                  (40, 130)])
+@pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 64, 85, 121, 300])
+def test_the_panel_kernel_matches_f_linear_at_any_shape(rows, n, k, backend):
+    """Outputs past the last whole panel (n % 16, n % 32: 7, 17, 40), depth past a chunk (k 130, 257, 576,
+    1536), rows in tiles of 1-6 / 1-12 and past the 120-row pass (121, 300), with and without bias, 2-D and
+    3-D inputs."""
     w, b = param(n, k, seed=3), torch.randn(n)
     x = torch.randn(rows, k)
-    torch.testing.assert_close(pl.product(x, w, b, backend="avx2"), F.linear(x, w, b), rtol=1e-5, atol=2e-4)
-    torch.testing.assert_close(pl.product(x.view(1, rows, k), w, None, backend="avx2"),
+    torch.testing.assert_close(pl.product(x, w, b, backend=backend), F.linear(x, w, b), rtol=1e-5, atol=2e-4)
+    torch.testing.assert_close(pl.product(x.view(1, rows, k), w, None, backend=backend),
                                F.linear(x, w).view(1, rows, -1), rtol=1e-5, atol=2e-4)
-    assert pl.product(x[:0], w, b, backend="avx2").shape == (0, n)
+    assert pl.product(x[:0], w, b, backend=backend).shape == (0, n)
 
 
-@needs_panel
-def test_a_panel_kernel_row_is_the_same_bits_in_any_batch_and_on_any_number_of_threads():
+@pytest.mark.parametrize("backend", PANELS)
+def test_a_panel_kernel_row_is_the_same_bits_in_any_batch_and_on_any_number_of_threads(backend):
     """Row invariance by construction (one k order per output, whatever the tile, pass or thread), without
     the invariant linear's padding: every row of every batch size and thread count equals the 300-row batch's."""
     w, b = param(3072, 576, seed=4), torch.randn(3072)
     x = torch.randn(300, 576)
     threads = torch.get_num_threads()
-    whole = pl.product(x, w, b, backend="avx2")
+    whole = pl.product(x, w, b, backend=backend)
     try:
         for t in sorted({1, 2, threads}):
             torch.set_num_threads(t)
-            for m in (1, 2, 3, 5, 6, 7, 13, 64, 85, 119, 120, 121, 299):
-                assert torch.equal(pl.product(x[:m], w, b, backend="avx2"), whole[:m]), (t, m)
-            assert torch.equal(pl.product(x[150:151], w, b, backend="avx2")[0], whole[150]), t
+            for m in (1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 64, 85, 119, 120, 121, 299):
+                assert torch.equal(pl.product(x[:m], w, b, backend=backend), whole[:m]), (t, m)
+            assert torch.equal(pl.product(x[150:151], w, b, backend=backend)[0], whole[150]), t
     finally:
         torch.set_num_threads(threads)
 
 
-@needs_panel
-def test_the_panel_backend_packs_once_and_the_invariant_linear_multiplies_on_it(choose):
+@pytest.mark.skipif(any(pl.panel_unavailable(b) for b in pl.PANEL_WIDTHS), reason="needs both panel kernels")
+def test_the_two_panel_kernels_give_the_same_bits():
+    """Both add bias then one FMA per k in order: a 16-wide and a 32-wide pack give one result, bit for bit
+    (the same trajectories on an AVX2 host and an AVX-512 one)."""
+    w, b = param(1000, 576, seed=6), torch.randn(1000)
+    x = torch.randn(77, 576)
+    assert torch.equal(pl.product(x, w, b, backend="avx2"), pl.product(x, w, b, backend="avx512"))
+
+
+@pytest.mark.parametrize("backend", PANELS)
+def test_the_panel_backend_packs_once_and_the_invariant_linear_multiplies_on_it(choose, backend):
     from ascend_ops import batch_invariant as bi
 
-    choose("avx2")
+    choose(backend)
     w = param(1536, 576, seed=5)
     x = torch.randn(70, 576)
     got = pl.linear(x, w)
-    assert w._rollbus_packed[0][2] == "avx2" and pl.describe(torch.float32) == "avx2-prepacked"
+    assert w._rollbus_packed[0][2] == backend and pl.describe(torch.float32) == f"{backend}-prepacked"
     first = w._rollbus_packed[1]
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=2e-4)
     with torch.inference_mode():
@@ -298,19 +319,24 @@ def test_the_panel_backend_packs_once_and_the_invariant_linear_multiplies_on_it(
     assert w._rollbus_packed[1] is first
 
 
-@needs_panel
-def test_the_panel_kernels_refuse_bad_operands_with_an_error():
+@pytest.mark.parametrize("backend", PANELS)
+def test_the_panel_kernels_refuse_bad_operands_with_an_error(backend):
     from ascend_ops import cpu_kernels
 
-    ops = cpu_kernels.ops()
+    ops, width = cpu_kernels.ops(), pl.PANEL_WIDTHS[backend]
     with pytest.raises(RuntimeError, match="panel_pack: a 2-D float32"):
-        ops.panel_pack(torch.randn(4, 4).bfloat16())
-    packed = ops.panel_pack(torch.randn(16, 8))
+        ops.panel_pack(torch.randn(4, 4).bfloat16(), width)
+    with pytest.raises(RuntimeError, match="panel_pack: a panel width is 16 .AVX2. or 32 .AVX-512., not 8"):
+        ops.panel_pack(torch.randn(4, 4), 8)
+    packed = ops.panel_pack(torch.randn(16, 8), width)
     with pytest.raises(RuntimeError, match="panel_linear: bias"):
-        ops.panel_linear(torch.randn(2, 8), packed, 16, 8, torch.randn(3))
+        ops.panel_linear(torch.randn(2, 8), packed, 16, 8, torch.randn(3), width)
     with pytest.raises(RuntimeError, match="panel_linear: x is a 2-D float32"):
-        ops.panel_linear(torch.randn(2, 8).double(), packed, 16, 8, None)
+        ops.panel_linear(torch.randn(2, 8).double(), packed, 16, 8, None, width)
     with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
-        ops.panel_linear(torch.randn(2, 9), packed, 16, 8, None)
-    with pytest.raises(RuntimeError, match="the pack is not a .1600, 8. weight"):
-        ops.panel_linear(torch.randn(2, 8), packed, 1600, 8, None)
+        ops.panel_linear(torch.randn(2, 9), packed, 16, 8, None, width)
+    with pytest.raises(RuntimeError, match="the pack is not a .1600, 8. weight's of width"):
+        ops.panel_linear(torch.randn(2, 8), packed, 1600, 8, None, width)
+    if backend == "avx512":  # a 16-wide pack (3 panels of a [40, 8] weight) is not a 32-wide one (2 panels)
+        with pytest.raises(RuntimeError, match="the pack is not a .40, 8. weight's of width 32"):
+            ops.panel_linear(torch.randn(2, 8), ops.panel_pack(torch.randn(40, 8), 16), 40, 8, None, 32)

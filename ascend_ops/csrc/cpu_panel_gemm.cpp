@@ -1,21 +1,26 @@
-// fp32 linear layers on an AVX2/FMA kernel of our own over weights packed in column panels:
-// ascend_ops.packed_linear's "avx2" backend (the default for fp32 on x86 CPUs with AVX2 but no AVX-512 and no
-// MKL advantage, i.e. AMD Zen 2/3). Compiled as one unit with cpu_attention.cpp (cpu_kernels.SOURCES).
+// fp32 linear layers on kernels of our own over weights packed in column panels: ascend_ops.packed_linear's
+// "avx2" backend (16-wide panels; the default for fp32 on x86 CPUs with AVX2 but no AVX-512 and no MKL
+// advantage, i.e. AMD Zen 2/3) and its "avx512" backend (32-wide panels; the default on Intel CPUs with
+// AVX-512). Compiled as one unit with cpu_attention.cpp (cpu_kernels.SOURCES).
 //
 // Why: a decode step multiplies a few dozen rows by every weight. At 16-64 rows oneDNN's packed product ran at
 // 70-80% of its large-M rate on an AMD EPYC (Zen 3, one thread: 36.5 / 48.3 / 54.0 GFLOP/s at 16 / 32 / 64
-// rows over SmolLM2's layer shapes, 68 at 128+), this kernel at 51.3 / 57.2 / 65.1 (71 at 128).
+// rows over SmolLM2's layer shapes, 68 at 128+), the AVX2 kernel at 51.3 / 57.2 / 65.1 (71 at 128). On an
+// Intel Xeon (AVX-512 and AMX, one thread) MKL's packed sgemm ran 32 rows at 110 GFLOP/s and 64 at 159
+// against ~190 at 128+; packed_linear's docstring has what the AVX-512 kernel measured there.
 //
-// Layout: the weight [N, K] becomes ceil(N/16) panels, each [K][16]: for every k the 16 weights of 16
-// consecutive output features (the last panel zero-padded). A micro-kernel keeps a tile of up to 6 rows x 16
-// outputs in 12 ymm accumulators, and for each k loads the panel's 16 weights once and broadcasts each row's
-// x[k] (BLIS's 6x16 shape for AVX2). K is walked in chunks of 256 so a panel's chunk (16 KiB) stays in L1
-// while every row tile of the step passes over it; rows are walked 120 at a time so their chunk stays in L2.
-// Threads take whole panels (at::parallel_for): each streams its own share of the weight.
+// Layout: the weight [N, K] becomes ceil(N/W) panels, each [K][W] (W = 16 or 32, the pack's width): for
+// every k the W weights of W consecutive output features (the last panel zero-padded). A micro-kernel keeps a
+// tile of rows x W outputs in vector accumulators (AVX2: up to 6 rows x 2 ymm, BLIS's 6x16 shape; AVX-512:
+// up to 12 rows x 2 zmm), and for each k loads the panel's W weights once and broadcasts each row's x[k]. K
+// is walked in chunks so a panel's chunk (16 KiB) stays in L1 while every row tile of the step passes over
+// it; rows are walked 120 at a time so their chunk stays in L2. Threads take whole panels
+// (at::parallel_for): each streams its own share of the weight.
 //
 // Every output is bias (or 0) followed by one fused multiply-add per k, k = 0..K-1 in order, whatever the
-// number of rows, the tile a row falls in or the number of threads: a row's result is the same bits in any
-// batch (batch_invariant.py's row invariance holds by construction, and its start-up self-check measures it).
+// number of rows, the tile a row falls in, the number of threads or the width: a row's result is the same
+// bits in any batch and on either kernel (batch_invariant.py's row invariance holds by construction, and its
+// start-up self-check measures it).
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -30,27 +35,41 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;     // output features per panel
-constexpr int64_t kDepth = 256;    // k per chunk: a panel's chunk is 16 KiB
-constexpr int64_t kTileRows = 6;   // rows per micro-kernel tile
-constexpr int64_t kRowChunk = 120; // rows per pass over a thread's panels (20 tiles)
+constexpr int64_t kRowChunk = 120; // rows per pass over a thread's panels (a multiple of both tiles' rows)
 
-std::string panel_gemm_unavailable() {
+// "" when the kernel of this pack width (16: AVX2/FMA, 32: AVX-512) was compiled in, else why not
+std::string panel_gemm_unavailable(int64_t width) {
+  if (width == 16) {
 #if defined(__AVX2__) && defined(__FMA__)
-  return "";
+    return "";
 #else
-  return "the CPU kernels were compiled without AVX2 and FMA (this CPU lacks them, or ROLLBUS_CPU_KERNELS=portable)";
+    return "the CPU kernels were compiled without AVX2 and FMA (this CPU lacks them, or ROLLBUS_CPU_KERNELS=portable)";
 #endif
+  }
+  if (width == 32) {
+#if defined(__AVX512F__)
+    return "";
+#else
+    return "the CPU kernels were compiled without AVX-512 (this CPU lacks it, or ROLLBUS_CPU_KERNELS caps it)";
+#endif
+  }
+  return "a panel width is 16 (AVX2) or 32 (AVX-512), not " + std::to_string(width);
 }
 
-int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+void check_width(const char* op, int64_t width) {
+  const std::string why = panel_gemm_unavailable(width);
+  TORCH_CHECK(why.empty(), op, ": ", why);
+}
 
-// weight [N, K] fp32 -> panels [ceil(N/16)][K][16], flattened
-at::Tensor panel_pack(const at::Tensor& weight) {
+int64_t panels(int64_t n, int64_t width) { return (n + width - 1) / width; }
+
+// weight [N, K] fp32 -> panels [ceil(N/W)][K][W], flattened
+at::Tensor panel_pack(const at::Tensor& weight, int64_t width) {
+  check_width("panel_pack", width);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "panel_pack: a 2-D float32 CPU weight [out_features, in_features]");
   const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), p = panels(n);
+  const int64_t n = w.size(0), k = w.size(1), p = panels(n, width), kPanel = width;
   at::Tensor out = at::zeros({p * k * kPanel}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
@@ -65,7 +84,17 @@ at::Tensor panel_pack(const at::Tensor& weight) {
   return out;
 }
 
+// x rows, ldx, panel, k0, k1, c, ldc, cols, bias, first chunk, prefetch from, prefetch lines
+using PanelTile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t,
+                           const float*, bool, const char*, int64_t);
+
 #if defined(__AVX2__) && defined(__FMA__)
+
+namespace avx2 {
+
+constexpr int64_t kPanel = 16;   // output features per panel
+constexpr int64_t kDepth = 256;  // k per chunk: a panel's chunk is 16 KiB
+constexpr int64_t kTileRows = 6; // rows per micro-kernel tile: 12 ymm accumulators
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
@@ -73,7 +102,7 @@ at::Tensor panel_pack(const at::Tensor& weight) {
 // 16); first: start from the bias (or 0), else from what c holds (the previous chunk's sums)
 template <int R>
 void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
-                int64_t cols, const float* bias, bool first) {
+                int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
   const __m256 zero = _mm256_setzero_ps();
 #define PANEL_DECL(r) __m256 lo##r = zero, hi##r = zero;
   PANEL_ROWS(PANEL_DECL)
@@ -105,7 +134,10 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int
   }
   const float* b = panel + k0 * kPanel;
   const float* a = x + k0;
+  const int64_t iters = k1 - k0;
+  int64_t due = 0;
   for (int64_t i = k0; i < k1; ++i, b += kPanel, ++a) {
+    for (due += lines; due >= iters; due -= iters, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(b), w1 = _mm256_loadu_ps(b + 8);
 #define PANEL_FMA(r)                                         \
   if (R > r) {                                               \
@@ -136,25 +168,125 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int
 
 #undef PANEL_ROWS
 
-using PanelTile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t,
-                           const float*, bool);
 constexpr PanelTile kTiles[kTileRows + 1] = {nullptr,        panel_tile<1>, panel_tile<2>, panel_tile<3>,
                                              panel_tile<4>, panel_tile<5>, panel_tile<6>};
 
+}  // namespace avx2
+
 #endif
 
+#if defined(__AVX512F__)
+
+namespace avx512 {
+
+constexpr int64_t kPanel = 32;    // output features per panel: two zmm
+constexpr int64_t kDepth = 128;   // k per chunk: a panel's chunk is 16 KiB
+constexpr int64_t kTileRows = 12; // rows per micro-kernel tile: 24 zmm accumulators
+
+#define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+// as avx2::panel_tile, on 32-wide panels; the last panel's invalid outputs are masked off. Also prefetches
+// `lines` cache lines from `pf` on (a share of the weights the thread multiplies next), spread evenly over
+// its k loop, so the weight stream from memory overlaps the arithmetic instead of stalling the next chunk's
+// first tile.
+template <int R>
+void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
+                int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (first && bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(m0, bias);
+    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  }
+#define PANEL_DECL(r)                                                                          \
+  __m512 lo##r = b0, hi##r = b1;                                                               \
+  if (R > r && !first) {                                                                       \
+    lo##r = _mm512_maskz_loadu_ps(m0, c + r * ldc);                                            \
+    hi##r = _mm512_maskz_loadu_ps(m1, c + r * ldc + 16);                                       \
+  }
+  PANEL_ROWS(PANEL_DECL)
+  const float* b = panel + k0 * kPanel;
+  const float* a = x + k0;
+  const int64_t iters = k1 - k0;
+  int64_t due = 0;
+  for (int64_t i = k0; i < k1; ++i, b += kPanel, ++a) {
+    for (due += lines; due >= iters; due -= iters, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(b), w1 = _mm512_loadu_ps(b + 16);
+#define PANEL_FMA(r)                                         \
+  if (R > r) {                                               \
+    const __m512 v = _mm512_set1_ps(a[r * ldx]);             \
+    lo##r = _mm512_fmadd_ps(v, w0, lo##r);                   \
+    hi##r = _mm512_fmadd_ps(v, w1, hi##r);                   \
+  }
+    PANEL_ROWS(PANEL_FMA)
+  }
+#define PANEL_STORE(r)                                       \
+  if (R > r) {                                               \
+    _mm512_mask_storeu_ps(c + r * ldc, m0, lo##r);           \
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, hi##r);      \
+  }
+  PANEL_ROWS(PANEL_STORE)
+#undef PANEL_DECL
+#undef PANEL_FMA
+#undef PANEL_STORE
+}
+
+#undef PANEL_ROWS
+
+constexpr PanelTile kTiles[kTileRows + 1] = {nullptr,         panel_tile<1>,  panel_tile<2>, panel_tile<3>,
+                                             panel_tile<4>,   panel_tile<5>,  panel_tile<6>, panel_tile<7>,
+                                             panel_tile<8>,   panel_tile<9>,  panel_tile<10>, panel_tile<11>,
+                                             panel_tile<12>};
+
+}  // namespace avx512
+
+#endif
+
+// rows x @ panels^T on one kernel (Kernel: avx2 or avx512's constants and tiles), threads over panels
+template <int64_t kPanel, int64_t kDepth, int64_t kTileRows, bool kPrefetch>
+void run_panels(const float* xs, const float* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
+                const PanelTile* tiles) {
+  at::parallel_for(0, panels(n, kPanel), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+      const int64_t rows = std::min(kRowChunk, m - r0);
+      // the chunk's rows in tiles of at most kTileRows, as even as they go (85 rows on 6-row tiles: 10 tiles
+      // of 6 and 5 of 5, not a tile of 1): a tile of few rows loads the panel's weights for little work
+      const int64_t count = (rows + kTileRows - 1) / kTileRows, base = rows / count, extra = rows % count;
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t cols = std::min(kPanel, n - q * kPanel);
+        const float* panel = ws + q * k * kPanel;
+        for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+          const int64_t k1 = std::min(k, k0 + kDepth);
+          // the weights this thread multiplies next (panels are contiguous: the next chunk of this panel, or
+          // the next panel's first), their lines shared out between this chunk's tiles
+          const char* next = reinterpret_cast<const char*>(panel + k1 * kPanel);
+          const int64_t lines = !kPrefetch || (k1 == k && q + 1 == end)
+                                    ? 0 : (std::min(k, (k1 == k ? 0 : k1) + kDepth) - (k1 == k ? 0 : k1)) * kPanel / 16;
+          int64_t r = r0;
+          for (int64_t t = 0; t < count; ++t) {
+            const int64_t h = base + (t < extra ? 1 : 0), from = lines * t / count, to = lines * (t + 1) / count;
+            tiles[h](xs + r * k, k, panel, k0, k1, cs + r * n + q * kPanel, n, cols,
+                     bias_ptr ? bias_ptr + q * kPanel : nullptr, k0 == 0, next + from * 64, to - from);
+            r += h;
+          }
+        }
+      }
+    }
+  });
+}
+
 // x [M, K] @ weight^T (+ bias) on the panels of weight [N, K] (n, k: the weight's shape, checked against x
-// and the pack's size)
+// and the pack's size; width: the pack's, 16 or 32)
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_in,
-                        const std::optional<at::Tensor>& bias) {
-  const std::string why = panel_gemm_unavailable();
-  TORCH_CHECK(why.empty(), "panel_linear: ", why);
+                        const std::optional<at::Tensor>& bias, int64_t width) {
+  check_width("panel_linear", width);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
                   packed.scalar_type() == at::kFloat,
               "panel_linear: x is a 2-D float32 CPU tensor [rows, in_features]");
   TORCH_CHECK(x.size(1) == k_in, "panel_linear: x has ", x.size(1), " features, the weight ", k_in);
-  TORCH_CHECK(n >= 1 && packed.is_contiguous() && packed.numel() == panels(n) * k_in * kPanel,
-              "panel_linear: the pack is not a [", n, ", ", k_in, "] weight's");
+  TORCH_CHECK(n >= 1 && packed.is_contiguous() && packed.numel() == panels(n, width) * k_in * width,
+              "panel_linear: the pack is not a [", n, ", ", k_in, "] weight's of width ", width);
   const float* bias_ptr = nullptr;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -167,32 +299,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const int64_t m = a.size(0), k = k_in;
   at::Tensor out = at::empty({m, n}, a.options());
   if (m == 0) return out;
-#if defined(__AVX2__) && defined(__FMA__)
   const float* xs = a.data_ptr<float>();
   const float* ws = packed.data_ptr<float>();
   float* cs = out.data_ptr<float>();
-  at::parallel_for(0, panels(n), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-      const int64_t rows = std::min(kRowChunk, m - r0);
-      // the chunk's rows in tiles of at most 6, as even as they go (85 rows: 10 tiles of 6 and 5 of 5, not a
-      // tile of 1): a tile of few rows loads the panel's weights for little work
-      const int64_t tiles = (rows + kTileRows - 1) / kTileRows, base = rows / tiles, extra = rows % tiles;
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t cols = std::min(kPanel, n - q * kPanel);
-        const float* panel = ws + q * k * kPanel;
-        for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-          const int64_t k1 = std::min(k, k0 + kDepth);
-          int64_t r = r0;
-          for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t h = base + (t < extra ? 1 : 0);
-            kTiles[h](xs + r * k, k, panel, k0, k1, cs + r * n + q * kPanel, n, cols,
-                      bias_ptr ? bias_ptr + q * kPanel : nullptr, k0 == 0);
-            r += h;
-          }
-        }
-      }
-    }
-  });
+#if defined(__AVX2__) && defined(__FMA__)
+  if (width == avx2::kPanel)
+    run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows, true>(xs, ws, cs, m, n, k, bias_ptr, avx2::kTiles);
+#endif
+#if defined(__AVX512F__)
+  if (width == avx512::kPanel)
+    run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows, true>(xs, ws, cs, m, n, k, bias_ptr, avx512::kTiles);
 #endif
   return out;
 }
@@ -200,9 +316,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rollbus_cpu, m) {
-  m.def("panel_gemm_unavailable() -> str");
-  m.def("panel_pack(Tensor weight) -> Tensor");
-  m.def("panel_linear(Tensor x, Tensor packed, int n, int k, Tensor? bias) -> Tensor");
+  m.def("panel_gemm_unavailable(int width) -> str");
+  m.def("panel_pack(Tensor weight, int width) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor packed, int n, int k, Tensor? bias, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rollbus_cpu, CPU, m) {
