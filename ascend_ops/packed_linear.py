@@ -15,24 +15,27 @@ was written in place through itself (its version counter moved: an optimizer ste
 Writes through `.data` or another alias move neither, hence `forget`. Tensors that are not `nn.Parameter`s
 (per-expert slices, activations) take plain `F.linear`: packing a temporary costs more than it saves.
 
-Three packed products, one per parameter and process: oneDNN's (bf16 always; fp32 where neither of the
-others is chosen), MKL's packed sgemm (fp32 on Intel CPUs, `cblas_sgemm_pack` / `cblas_sgemm_compute` through
-ascend_ops/csrc/cpu_gemm.cpp) and our own AVX2/FMA kernel over column panels (fp32 on other x86 CPUs with
-AVX2 but no AVX-512, such as AMD Zen 2/3; ascend_ops/csrc/cpu_panel_gemm.cpp).
-Measured, SmolLM2-135M's layer GEMMs, GFLOP/s:
-- Intel Xeon (AVX-512, 2 threads), 64 rows: F.linear 237, oneDNN packed 243, MKL packed 296 (at 32 rows
-  176 / 213 / 279).
-- AMD EPYC Zen 3 (AVX2, 1 thread), 16 / 32 / 64 rows: oneDNN packed 36.5 / 48.3 / 54.0, the panel kernel
-  51.3 / 57.2 / 65.1 (2 threads at 32 / 64 rows: 79.5 / 103.4 against 101.1 / 112.7); MKL there ran at
-  two thirds of oneDNN's speed in a decode step.
-CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: the panel kernel was not measured there.
+Four packed products, one per parameter and process: oneDNN's (bf16 always; fp32 where none of the others
+is chosen), MKL's packed sgemm (fp32 on Intel CPUs without AVX-512, `cblas_sgemm_pack` /
+`cblas_sgemm_compute` through ascend_ops/csrc/cpu_gemm.cpp) and our own kernels over column panels
+(ascend_ops/csrc/cpu_panel_gemm.cpp): AVX-512 on 32-wide panels (fp32 on Intel CPUs with AVX-512) and
+AVX2/FMA on 16-wide panels (fp32 on other x86 CPUs with AVX2 but no AVX-512, such as AMD Zen 2/3).
+Measured, SmolLM2-135M's layer GEMMs, GFLOP/s (`python bench/decode_gemm.py`):
+- Intel Xeon (AVX-512, AMX), 32 / 64 rows: 1 thread MKL packed 104-106 / 153-155, the AVX-512 kernel
+  131 / 170-173; 2 threads MKL 194-204 / 285-301, the AVX-512 kernel 263-264 / 305-329 (oneDNN packed
+  1 thread 101-103 / 132-136).
+- AMD EPYC Zen 3 (AVX2, 1 thread), 16 / 32 / 64 rows: oneDNN packed 36.5 / 48.3 / 54.0, the AVX2 kernel
+  51.3 / 57.2 / 65.1 (2 threads at 32 / 64 rows: 79.5 / 103.4 against 101.1 / 112.7), measured before its
+  software prefetch (which took it from 69 to 90 GFLOP/s at 32 rows on the Xeon; not measured on Zen 3);
+  MKL there ran at two thirds of oneDNN's speed in a decode step.
+CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: the panel kernels were not measured there.
 `ROLLBUS_CPU_PACKED_LINEAR` chooses: `1` (the default: as above), `onednn`, `mkl` (fp32 on MKL whatever the
-CPU; refused where this torch has no MKL), `avx2` (fp32 on the panel kernel whatever the CPU; refused where
-the kernels were built without AVX2/FMA), `0` (packing off, plain `F.linear`).
+CPU; refused where this torch has no MKL), `avx2` / `avx512` (fp32 on that panel kernel whatever the CPU;
+refused where the kernels were built without that instruction set), `0` (packing off, plain `F.linear`).
 
-Default and batch-invariant kernels on CPU (all three packed products were measured row-invariant for four
-rows or more, the panel kernel for any rows by construction, and the invariant linear pads to that; its
-start-up self-check measures it); accelerators keep their vendor GEMMs.
+Default and batch-invariant kernels on CPU (oneDNN's and MKL's packed products were measured row-invariant
+for four rows or more, the panel kernels are for any rows by construction, and the invariant linear pads to
+that; its start-up self-check measures it); accelerators keep their vendor GEMMs.
 """
 
 from __future__ import annotations
@@ -150,8 +153,8 @@ def available() -> str | None:
 
 
 def describe(dtype: torch.dtype = torch.float32) -> str:
-    """What a CPU model of this dtype multiplies on: "mkl-prepacked", "avx2-prepacked", "onednn-prepacked" or
-    why none."""
+    """What a CPU model of this dtype multiplies on: "<backend>-prepacked" (avx512, mkl, avx2, onednn) or why
+    none."""
     why = available()
     if why is not None:
         return f"torch (packed off: {why})"
@@ -186,7 +189,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None, *,
             backend: str | None = None) -> torch.Tensor:
     """The product on the packed copy, for a caller that has checked `packable` already; `backend` chooses
-    ("onednn", "mkl" or "avx2"), else fp32 takes `fp32_backend()` and bf16 oneDNN's."""
+    ("onednn", "mkl", "avx2" or "avx512"), else fp32 takes `fp32_backend()` and bf16 oneDNN's."""
     backend = backend or backend_for(weight.dtype)
     packed = _packed(weight, backend)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
