@@ -6,8 +6,8 @@
 // Why: a decode step multiplies a few dozen rows by every weight. At 16-64 rows oneDNN's packed product ran at
 // 70-80% of its large-M rate on an AMD EPYC (Zen 3, one thread: 36.5 / 48.3 / 54.0 GFLOP/s at 16 / 32 / 64
 // rows over SmolLM2's layer shapes, 68 at 128+), the AVX2 kernel at 51.3 / 57.2 / 65.1 (71 at 128). On an
-// Intel Xeon (AVX-512 and AMX, one thread) MKL's packed sgemm ran 32 rows at 110 GFLOP/s and 64 at 159
-// against ~190 at 128+; packed_linear's docstring has what the AVX-512 kernel measured there.
+// Intel Xeon (AVX-512 and AMX, one thread) MKL's packed sgemm ran 32 rows at 104-110 GFLOP/s and 64 at
+// 153-159 against 160-187 at 128-1024; packed_linear's docstring has what the AVX-512 kernel measured there.
 //
 // Layout: the weight [N, K] becomes ceil(N/W) panels, each [K][W] (W = 16 or 32, the pack's width): for
 // every k the W weights of W consecutive output features (the last panel zero-padded). A micro-kernel keeps a
@@ -15,7 +15,10 @@
 // up to 12 rows x 2 zmm), and for each k loads the panel's W weights once and broadcasts each row's x[k]. K
 // is walked in chunks so a panel's chunk (16 KiB) stays in L1 while every row tile of the step passes over
 // it; rows are walked 120 at a time so their chunk stays in L2. Threads take whole panels
-// (at::parallel_for): each streams its own share of the weight.
+// (at::parallel_for): each streams its own share of the weight, and every tile prefetches a share of the
+// chunk its thread multiplies next, spread over its k loop. Without that, each chunk's first tile waited on
+// memory for the weights: on the Xeon, one thread, 32 rows, the AVX-512 kernel ran at 96 GFLOP/s without it
+// and 131 with it, the AVX2 kernel at 70 and 90.
 //
 // Every output is bias (or 0) followed by one fused multiply-add per k, k = 0..K-1 in order, whatever the
 // number of rows, the tile a row falls in, the number of threads or the width: a row's result is the same
@@ -99,7 +102,8 @@ constexpr int64_t kTileRows = 6; // rows per micro-kernel tile: 12 ymm accumulat
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
 // rows [0, R) of x (stride ldx) times one panel's k in [k0, k1) into c (stride ldc, `cols` valid outputs of
-// 16); first: start from the bias (or 0), else from what c holds (the previous chunk's sums)
+// 16); first: start from the bias (or 0), else from what c holds (the previous chunk's sums); prefetches
+// `lines` cache lines from `pf` on, spread evenly over the k loop
 template <int R>
 void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
                 int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
@@ -185,10 +189,7 @@ constexpr int64_t kTileRows = 12; // rows per micro-kernel tile: 24 zmm accumula
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
-// as avx2::panel_tile, on 32-wide panels; the last panel's invalid outputs are masked off. Also prefetches
-// `lines` cache lines from `pf` on (a share of the weights the thread multiplies next), spread evenly over
-// its k loop, so the weight stream from memory overlaps the arithmetic instead of stalling the next chunk's
-// first tile.
+// as avx2::panel_tile, on 32-wide panels; the last panel's invalid outputs are masked off
 template <int R>
 void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
                 int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
@@ -243,8 +244,9 @@ constexpr PanelTile kTiles[kTileRows + 1] = {nullptr,         panel_tile<1>,  pa
 
 #endif
 
-// rows x @ panels^T on one kernel (Kernel: avx2 or avx512's constants and tiles), threads over panels
-template <int64_t kPanel, int64_t kDepth, int64_t kTileRows, bool kPrefetch>
+// rows x @ panels^T on one kernel (avx2 or avx512: its panel width, depth chunk, tile rows and tiles), threads
+// over panels
+template <int64_t kPanel, int64_t kDepth, int64_t kTileRows>
 void run_panels(const float* xs, const float* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
                 const PanelTile* tiles) {
   at::parallel_for(0, panels(n, kPanel), 1, [&](int64_t begin, int64_t end) {
@@ -258,11 +260,14 @@ void run_panels(const float* xs, const float* ws, float* cs, int64_t m, int64_t 
         const float* panel = ws + q * k * kPanel;
         for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
           const int64_t k1 = std::min(k, k0 + kDepth);
-          // the weights this thread multiplies next (panels are contiguous: the next chunk of this panel, or
-          // the next panel's first), their lines shared out between this chunk's tiles
+          // the weights this thread multiplies next start where this chunk ends (panels are contiguous: the
+          // next chunk of this panel, or the next panel's first); their lines are shared out between the tiles
           const char* next = reinterpret_cast<const char*>(panel + k1 * kPanel);
-          const int64_t lines = !kPrefetch || (k1 == k && q + 1 == end)
-                                    ? 0 : (std::min(k, (k1 == k ? 0 : k1) + kDepth) - (k1 == k ? 0 : k1)) * kPanel / 16;
+          int64_t lines = 0;
+          if (k1 < k || q + 1 < end) {
+            const int64_t depth = k1 < k ? std::min(k, k1 + kDepth) - k1 : std::min(k, kDepth);
+            lines = depth * kPanel * static_cast<int64_t>(sizeof(float)) / 64;
+          }
           int64_t r = r0;
           for (int64_t t = 0; t < count; ++t) {
             const int64_t h = base + (t < extra ? 1 : 0), from = lines * t / count, to = lines * (t + 1) / count;
@@ -304,11 +309,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   float* cs = out.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__)
   if (width == avx2::kPanel)
-    run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows, true>(xs, ws, cs, m, n, k, bias_ptr, avx2::kTiles);
+    run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows>(xs, ws, cs, m, n, k, bias_ptr, avx2::kTiles);
 #endif
 #if defined(__AVX512F__)
   if (width == avx512::kPanel)
-    run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows, true>(xs, ws, cs, m, n, k, bias_ptr, avx512::kTiles);
+    run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows>(xs, ws, cs, m, n, k, bias_ptr, avx512::kTiles);
 #endif
   return out;
 }
