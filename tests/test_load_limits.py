@@ -415,10 +415,11 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(server):
 def test_after_the_shutdown_timeout_running_requests_end_with_an_error_and_done(tmp_path, smollm2_dir):
     s = start_server(tmp_path, str(_tiny(tmp_path, smollm2_dir)), *_args("--shutdown-timeout", "1"))
     try:
-        a = Stream(s.url, max_tokens=50, ignore_eos=True)
+        a = Stream(s.url, max_tokens=253, ignore_eos=True)  # as long as fits: it must outlast the pause
         a.start()
         assert a.started.wait(60) and a.error is None
         assert httpx.post(s.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        assert a.is_alive(), "the stream finished before the pause: shutdown would have nothing to wait for"
         s.proc.send_signal(signal.SIGTERM)
         a.join(60)
         assert a.error is None and a.events[-1] == "[DONE]", a.events[-3:]
@@ -433,10 +434,11 @@ def test_after_the_shutdown_timeout_running_requests_end_with_an_error_and_done(
 def test_a_second_sigterm_stops_at_once(tmp_path, smollm2_dir):
     s = start_server(tmp_path, str(_tiny(tmp_path, smollm2_dir)), *_args("--shutdown-timeout", "600"))
     try:
-        a = Stream(s.url, max_tokens=50, ignore_eos=True)
+        a = Stream(s.url, max_tokens=253, ignore_eos=True)  # as long as fits: it must outlast the pause
         a.start()
         assert a.started.wait(60) and a.error is None
         assert httpx.post(s.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        assert a.is_alive(), "the stream finished before the pause: shutdown would have nothing to wait for"
         s.proc.send_signal(signal.SIGTERM)
         _wait_draining(s.url)
         s.proc.send_signal(signal.SIGTERM)
