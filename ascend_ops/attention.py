@@ -27,6 +27,8 @@ from ascend_ops import cpu_kernels
 CPU_ATTENTION_ENV = "ROLLBUS_CPU_ATTENTION"
 CPU_CHOICES = ("kernel", "torch")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# The caches the kernel reads for each q dtype: the model's own, or (--kv-cache-dtype) 16 bits under fp32.
+KERNEL_CACHE_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16), torch.bfloat16: (torch.bfloat16,)}
 # Prefill chunks of up to this many rows go through the CPU kernel too (a prefix-cache hit, a chunked
 # prefill's tail): there one SDPA call on gathered blocks costs 3-7x the kernel (118 against 16 us for 1
 # row at 120 tokens of context, 149 / 43 us for 4 rows). Longer chunks keep SDPA (a GEMM per chunk).
@@ -56,10 +58,11 @@ class AttentionMetadata:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Scatter this step's k/v [T, Hk, D] into the caches at their slots."""
+    """Scatter this step's k/v [T, Hk, D] into the caches at their slots (rounded to the caches' dtype where
+    --kv-cache-dtype makes it narrower than the model's)."""
     nb, bs, hk, d = k_cache.shape
-    k_cache.view(nb * bs, hk, d).index_copy_(0, slots, k)
-    v_cache.view(nb * bs, hk, d).index_copy_(0, slots, v)
+    k_cache.view(nb * bs, hk, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hk, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def select(choice: str | None = None) -> str:
@@ -77,16 +80,27 @@ def select(choice: str | None = None) -> str:
     return want
 
 
-def implementation(device_type: str) -> str:
-    """What paged_attention runs on this device type: "cpu_paged_kernel" (in place, C++) or "torch_sdpa"
-    (blocks gathered, then SDPA)."""
-    return "cpu_paged_kernel" if device_type == "cpu" and select() == "kernel" else "torch_sdpa"
+def implementation(device_type: str, q_dtype: torch.dtype | None = None, cache_dtype: torch.dtype | None = None) -> str:
+    """What paged_attention runs on this device type (for these query and KV-cache dtypes, where given):
+    "cpu_paged_kernel" (in place, C++) or "torch_sdpa" (blocks gathered, then SDPA)."""
+    reads = q_dtype is None or kernel_reads(q_dtype, q_dtype if cache_dtype is None else cache_dtype)
+    return "cpu_paged_kernel" if device_type == "cpu" and reads and select() == "kernel" else "torch_sdpa"
+
+
+def kernel_reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the CPU kernel takes queries of q_dtype over caches of cache_dtype (else the portable path)."""
+    return cache_dtype in KERNEL_CACHE_DTYPES.get(q_dtype, ())
 
 
 def _cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor):
-    if q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES or k_cache.dtype != q.dtype or select() != "kernel":
+    if q.device.type != "cpu" or not kernel_reads(q.dtype, k_cache.dtype) or select() != "kernel":
         return None
     return cpu_kernels.ops()
+
+
+def _widened(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows in the queries' dtype (a no-op unless --kv-cache-dtype differs from the model's)."""
+    return cache_rows if cache_rows.dtype == dtype else cache_rows.to(dtype)
 
 
 def paged_attention(
@@ -114,8 +128,8 @@ def paged_attention(
         tables = meta.decode_block_tables[:, :nblk]  # type: ignore[index]
         # index_select copies whole blocks (memcpy rows); 2-D advanced indexing is ~3x slower on CPU.
         flat = tables.reshape(-1)
-        kc = k_cache.index_select(0, flat).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n, Hk, L, D]
-        vc = v_cache.index_select(0, flat).view(n, nblk * bs, hk, d).transpose(1, 2)
+        kc = _widened(k_cache.index_select(0, flat), q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n,Hk,L,D]
+        vc = _widened(v_cache.index_select(0, flat), q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)
         pos = torch.arange(nblk * bs, device=q.device)
         mask = (pos[None, :] < meta.decode_ctx_lens[:, None]).view(n, 1, 1, -1)  # type: ignore[index]
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
@@ -128,8 +142,8 @@ def paged_attention(
                                       torch.zeros(c.q_len, dtype=torch.int64),
                                       torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale)
             continue
-        kc = k_cache.index_select(0, c.block_table).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)  # [Hk,ctx,D]
-        vc = v_cache.index_select(0, c.block_table).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
+        kc = _widened(k_cache.index_select(0, c.block_table), q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
+        vc = _widened(v_cache.index_select(0, c.block_table), q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1)  # [Hq, q_len, D]
         # Row i (absolute position ctx_len - q_len + i) sees keys at positions <= its own.
         qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)

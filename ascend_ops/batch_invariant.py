@@ -216,15 +216,17 @@ def attention_backend() -> str:
     return _attention_choice[0]
 
 
-def attention_implementation(device_type: str, dtype: torch.dtype) -> str:
-    """What invariant paged attention runs for this device and dtype (each worker reports it in /server_info)."""
-    kernel = device_type == "cpu" and dtype in _attention.KERNEL_DTYPES and attention_backend() == "kernel"
+def attention_implementation(device_type: str, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> str:
+    """What invariant paged attention runs for this device, model dtype and KV-cache dtype (default: the
+    model's); each worker reports it in /server_info."""
+    reads = _attention.kernel_reads(dtype, dtype if cache_dtype is None else cache_dtype)
+    kernel = device_type == "cpu" and reads and attention_backend() == "kernel"
     return "batch_invariant_cpu_kernel" if kernel else "batch_invariant_torch"
 
 
 def attention_kernel(q: torch.Tensor, k_cache: torch.Tensor):
     """torch.ops.rollbus_cpu where the invariant attention runs the CPU kernel for these tensors, else None."""
-    if attention_implementation(q.device.type, q.dtype) != "batch_invariant_cpu_kernel" or k_cache.dtype != q.dtype:
+    if attention_implementation(q.device.type, q.dtype, k_cache.dtype) != "batch_invariant_cpu_kernel":
         return None
     return cpu_kernels.ops()
 
@@ -384,10 +386,11 @@ def _linear_weights(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, t
     return out
 
 
-def self_check(model, block_size: int) -> list[str]:
-    """Measure, on the model's device and dtype and with its real GEMM shapes, that each of its kernels gives
-    every row the same bits whatever else is computed with it. Returns the ops checked; raises
-    BatchInvarianceUnavailable naming the first that is not invariant here."""
+def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -> list[str]:
+    """Measure, on the model's device and dtype (attention over a KV cache of cache_dtype, default the
+    model's) and with its real GEMM shapes, that each of its kernels gives every row the same bits whatever
+    else is computed with it. Returns the ops checked; raises BatchInvarianceUnavailable naming the first
+    that is not invariant here."""
     kern: Kernels = model.kern
     w0 = next(model.parameters())
     dev, dtype = w0.device, w0.dtype
@@ -403,7 +406,7 @@ def self_check(model, block_size: int) -> list[str]:
             f"different bits depending on the other rows of the batch")
 
     try:  # decided here, before any op runs: an unknown ROLLBUS_CPU_ATTENTION stops the start-up, named
-        attention_implementation(dev.type, dtype)
+        attention_implementation(dev.type, dtype, cache_dtype)
     except ValueError as e:
         raise BatchInvarianceUnavailable(f"batch invariance: {e}") from None
     checked = []
@@ -449,14 +452,14 @@ def self_check(model, block_size: int) -> list[str]:
             if not _rows_invariant(experts, rand(67, h), small):
                 raise fail("moe routing / experts")
             checked.append("moe")
-        if not _attention_invariant(kern, hq, hk, d, block_size, rand):
-            impl = attention_implementation(dev.type, dtype) if kern.batch_invariant else kern.name
+        if not _attention_invariant(kern, hq, hk, d, block_size, rand, cache_dtype or dtype):
+            impl = attention_implementation(dev.type, dtype, cache_dtype) if kern.batch_invariant else kern.name
             raise fail(f"paged attention ({impl})")
         checked.append("paged_attention")
     return checked
 
 
-def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand) -> bool:
+def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand, cache_dtype: torch.dtype) -> bool:
     """Three sequences computed (a) each alone as one prefill chunk (of 5 to 4 blocks + 6 rows), (b)
     together: chunked, batched with decodes, and two of them finishing in a decode-only step; every row's
     output must be the same bits. On CPU this measures the kernel path (attention_backend), with both of
@@ -473,7 +476,7 @@ def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand)
     k = [rand(n, hk, d) for n in lens]
     v = [rand(n, hk, d) for n in lens]
     dev = q[0].device
-    cache = (rand(nxt, bs, hk, d), rand(nxt, bs, hk, d))
+    cache = (rand(nxt, bs, hk, d).to(cache_dtype), rand(nxt, bs, hk, d).to(cache_dtype))
 
     def step(decodes: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """decodes (seq, position), chunks (seq, start, end): outputs of each part, in order."""

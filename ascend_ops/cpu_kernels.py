@@ -11,7 +11,7 @@ so a killed build never leaves the others waiting (torch's own lock file would).
 
 Where: $ROLLBUS_KERNEL_CACHE if set, else torch's extension folder ($TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions/py<ver>_cpu), in a folder named by a hash of the source, the compile flags, the
-torch and Python versions; AVX2/FMA code is compiled (and its folder named so) only on CPUs that have both,
+torch and Python versions; AVX2/FMA/F16C code is compiled (and its folder named so) only on CPUs that have all three,
 AVX-512 code (F, BW, VL) only on CPUs that have all three, so a cache copied to an older CPU is never loaded
 there.
 
@@ -55,7 +55,7 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-AVX2 = ("avx2", "fma")
+AVX2 = ("avx2", "fma", "f16c")  # F16C: fp16 KV caches (every AVX2 CPU has it)
 AVX512 = ("avx512f", "avx512bw", "avx512vl")
 
 
@@ -69,7 +69,7 @@ def cflags() -> list[str]:
     cap = os.environ.get(ENABLE_ENV)
     have = cpu_flags()
     if cap != "portable" and all(f in have for f in AVX2):
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma", "-mf16c"]
         if cap != "avx2" and all(f in have for f in AVX512):
             flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
     return flags

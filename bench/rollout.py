@@ -170,7 +170,8 @@ def kv_gib(shape: Shape, dtype: str, prompts: list[list[int]], args, engines: in
     seqs, tokens = max(args.num_prompts, 16 * 8), max(len(p) for p in prompts) + args.max_tokens
     if args.wide:
         seqs, tokens = max(seqs, WIDE[0] * WIDE[1]), max(tokens, max(len(p) for p in prompts[: WIDE[0]]) + WIDE[2])
-    per_token = KVCache.bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, 1, getattr(torch, dtype))
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    per_token = KVCache.bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, 1, getattr(torch, kv_dtype))
     need = -(-seqs // engines) * tokens * per_token * 1.1
     return max(1, -(-int(need) // (1 << 30)))
 
@@ -184,7 +185,7 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
     layout = ("-dp", str(dp)) if dp > 1 else ()
     gib = kv_gib(args.shape, dtype, prompts, args, dp)
     server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
-                          "--kv-cache-memory-bytes", f"{gib}G", *layout)
+                          "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout)
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
@@ -331,6 +332,8 @@ def main() -> None:
     p.add_argument("--rollbus-dp", type=int, nargs="+", default=[1], metavar="M",
                    help="rollbus layouts to run, each as `rollbus serve -dp M` on this host (one row each; "
                         "-dp 2 on 2 cores: two engines of one thread). Default: 1.")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+                   help="rollbus's --kv-cache-dtype (vLLM's CPU build runs with the model's dtype).")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
     args = p.parse_args()
@@ -380,6 +383,7 @@ def main() -> None:
                 hf = r.get(f"hf_{w}", {}).get("tok_s")
                 ceil = r.get(f"ceiling_{w}")
                 label = name + (f", rollbus -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
+                label += f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
                 rows.append([dtype, label, cell(ours), cell(vl), cell(hf), cell(vl and ours / vl, "{:.2f}x"),
                              cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}")])
     print("\nThroughput (useful tokens/s; the GEMM ceiling is the workload's FLOPs at the large-GEMM rate "

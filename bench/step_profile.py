@@ -91,7 +91,8 @@ def build(args, timers: Timers | None):
     bs = 16
     per_seq = (args.ctx + args.steps + args.warmup + 2 + bs - 1) // bs
     L, hk, d = model.kv_spec
-    kv = KVCache(L, hk, d, bs, args.seqs * per_seq + 1, dtype, torch.device("cpu"))
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+    kv = KVCache(L, hk, d, bs, args.seqs * per_seq + 1, kv_dtype, torch.device("cpu"))
     runner = mr.ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"))
     if timers is not None:
         model.compute_logits = timers.wrap("LM head", model.compute_logits)
@@ -139,7 +140,8 @@ def run(args) -> tuple[float, float]:
         np.save(args.dump, np.stack(dumped))
     med = statistics.median(walls)
     ctx = statistics.mean(len(runner.seqs[s].tokens) for s in ids)
-    print(f"SmolLM2-135M {args.dtype}, {args.seqs} sequences decoding at ~{ctx:.0f} tokens of context, "
+    print(f"SmolLM2-135M {args.dtype} (KV cache {args.kv_cache_dtype}), {args.seqs} sequences decoding at "
+          f"~{ctx:.0f} tokens of context, "
           f"{args.steps} steps (after {args.warmup} warm-up), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, attention {attention.implementation('cpu')}")
     print(f"step wall time: median {med * 1e3:.1f} ms (min {min(walls) * 1e3:.1f}, max {max(walls) * 1e3:.1f}); "
@@ -162,6 +164,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+                   help="the KV cache's dtype, as rollbus serve's flag (auto: the model's)")
     p.add_argument("--logprobs", type=int, default=None, help="ask every row for this many logprobs")
     p.add_argument("--dump", default=None, help="save every step's sampled ids and logprobs here (.npy), to "
                    "compare two checkouts' outputs bitwise")

@@ -41,6 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float16 (workers.startup)
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None  # None: 0.9 on accelerators, a 1 GiB KV cache on CPU
@@ -282,7 +283,6 @@ ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "pipeline_parallel_size": (("1",), "pipeline parallelism is not implemented"),
     "decode_context_parallel_size": (("1",), "context parallelism is not implemented"),
     "prefill_context_parallel_size": (("1",), "context parallelism is not implemented"),
-    "kv_cache_dtype": (("auto",), "the KV cache always has the model's dtype"),
     "tokenizer_mode": (("auto", "hf"), "rollbus reads the model folder's tokenizer.json"),
     "model_impl": (("auto",), "rollbus has one implementation per architecture"),
     "runner": (("auto", "generate"), "rollbus serves generative models only"),
@@ -469,6 +469,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                    help="Token budget of one step; longer prefills are chunked across steps (2k, 8K work).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
+    g.add_argument("--kv-cache-dtype", type=str.lower, default=d.kv_cache_dtype, metavar="{auto,bfloat16,float16}",
+                   help="What the KV cache stores: auto, the model's dtype (the default); bfloat16 or float16, keys "
+                        "and values rounded to 16 bits as they are written, half the bytes of an fp32 model's cache "
+                        "(twice the tokens in the same memory, half the bytes each decode step reads); attention "
+                        "still computes in the model's dtype. vLLM's fp8 and quantized caches are refused.")
     g.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
                    help="Bytes of KV cache per worker (4G = 4 GiB, 4g = 4e9). Default on CPU: 1 GiB; on accelerators "
                         "--gpu-memory-utilization of the free memory after loading weights.")
@@ -550,6 +555,9 @@ def _at_least(flag: str, low: int, what: str):
             raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {n}")
         return n
     return parse
+
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 
 def _positive(flag: str):
@@ -770,6 +778,9 @@ def _check_load_format(cfg: EngineConfig) -> None:
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate the parsed flags (SystemExit with every problem named) and build the config."""
     refusals, notes = _refusals_and_notes(ns)
+    if getattr(ns, "kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+        refusals.append(f"--kv-cache-dtype {ns.kv_cache_dtype}: not supported here: fp8 and quantized KV caches are "
+                        f"not implemented; accepted: {', '.join(KV_CACHE_DTYPES)}")
     if getattr(ns, "num_workers_refused", None) is not None:
         refusals.append(f"--num-workers {ns.num_workers_refused}: removed: N lockstep copies of the model did the "
                         "work of one; use --data-parallel-size N (-dp N: N engines, requests balanced over them) "

@@ -131,7 +131,8 @@ def layout(cfg) -> dict[str, object]:
     member whose layout differs from its own (another host started with other flags), naming the value."""
     topo = Topology.from_config(cfg)
     return {"model": cfg.model_name, "tensor_parallel_size": topo.tp, "data_parallel_size": topo.dp,
-            "max_model_len": cfg.max_model_len, "block_size": cfg.block_size, "dtype": cfg.dtype}
+            "max_model_len": cfg.max_model_len, "block_size": cfg.block_size, "dtype": cfg.dtype,
+            "kv_cache_dtype": cfg.kv_cache_dtype}
 
 
 def layout_mismatch(own: dict, theirs: object) -> str | None:

@@ -228,7 +228,7 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
             "enable_sleep_mode": cfg.enable_sleep_mode, "enable_trace_replay": cfg.enable_trace_replay,
             "generation_config": getattr(cfg, "generation_config", "auto"),
         },
-        "cache_config": {"block_size": cfg.block_size,
+        "cache_config": {"block_size": cfg.block_size, "cache_dtype": getattr(cfg, "kv_cache_dtype", "auto"),
                          "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION if cfg.gpu_memory_utilization is None
                          else cfg.gpu_memory_utilization,
                          "enable_prefix_caching": cfg.enable_prefix_caching,

@@ -125,6 +125,51 @@ def test_a_mixed_step_decodes_and_a_prefill_chunk_match_sdpa(kernel, chunk, dtyp
     assert rel_err(got, sdpa) < tol, rel_err(got, sdpa)
 
 
+def narrow_cache(case, cache_dtype: torch.dtype):
+    """The fp32 case with its caches in cache_dtype (--kv-cache-dtype): what the worker allocates."""
+    q, k, v, k_cache, v_cache, meta, tables = case
+    return q, k, v, k_cache.to(cache_dtype), v_cache.to(cache_dtype), meta, tables
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hk, d, chunk", [(9, 3, 64, 0), (8, 2, 128, 0), (6, 1, 40, 0), (9, 3, 64, 5),
+                                              (9, 3, 64, attention.KERNEL_CHUNK_ROWS + 4)])
+def test_a_16_bit_cache_under_fp32_queries_matches_sdpa_and_the_reference(kernel, cache_dtype, hq, hk, d,
+                                                                          chunk) -> None:
+    """--kv-cache-dtype bfloat16 / float16 under an fp32 model: this step's keys and values are stored rounded
+    to 16 bits, then read exactly (widened), and attention computes in fp32. So against the fp64 reference
+    over the rounded cache, the kernel and the torch path are as close as in fp32; the output is fp32."""
+    lens = [3, 40, 77, 90] if chunk else LENS
+    case = narrow_cache(paged_case(lens, hq, hk, d, torch.float32, seed=d + hq, chunk=chunk), cache_dtype)
+    got, sdpa = run("kernel", case), run("torch", case)
+    assert got.dtype == sdpa.dtype == torch.float32
+    q, k, v, k_cache, v_cache, meta, tables = case
+    attention.paged_attention(q, k, v, k_cache, v_cache, meta, d ** -0.5)  # the new k/v written, rounded
+    assert k_cache.dtype == cache_dtype
+    slots = meta.slot_mapping
+    written = k_cache.view(-1, hk, d)[slots]
+    assert torch.equal(written, k.to(cache_dtype)) and not torch.equal(written.float(), k)
+    assert rel_err(got, sdpa) < 1e-5, rel_err(got, sdpa)
+    if not chunk:
+        ref = reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
+        assert rel_err(got, ref) < 1e-5 and rel_err(sdpa, ref) < 1e-5, (rel_err(got, ref), rel_err(sdpa, ref))
+    # and within a 16-bit rounding of attention over the fp32 cache
+    assert rel_err(got, run("kernel", paged_case(lens, hq, hk, d, torch.float32, seed=d + hq, chunk=chunk))) < 2 ** -6
+
+
+def test_a_16_bit_cache_under_bf16_queries_goes_to_the_torch_path(kernel) -> None:
+    """bf16 queries read only a bf16 cache in the kernel; a float16 cache under a bf16 model is served by
+    the torch path (the cache widened to bf16), and reported so."""
+    assert attention.kernel_reads(torch.bfloat16, torch.bfloat16)
+    assert not attention.kernel_reads(torch.bfloat16, torch.float16)
+    attention.select("kernel")
+    assert attention.implementation("cpu", torch.bfloat16, torch.float16) == "torch_sdpa"
+    assert attention.implementation("cpu", torch.float32, torch.float16) == "cpu_paged_kernel"
+    case = narrow_cache(paged_case(LENS, 9, 3, 64, torch.bfloat16, seed=2), torch.float16)
+    got = run("kernel", case)
+    assert got.dtype == torch.bfloat16 and rel_err(got, run("torch", case)) == 0
+
+
 def test_a_row_is_the_same_bits_whatever_else_is_in_the_batch(kernel) -> None:
     """Each (row, kv head) is computed alone, by one thread, in a fixed order."""
     case = paged_case(LENS, 9, 3, 64, torch.float32, seed=3)

@@ -281,7 +281,7 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     return meta
 
 
-def warm_up(model, *, rank: int, block_size: int, device: torch.device) -> float:
+def warm_up(model, *, rank: int, block_size: int, device: torch.device, kv_dtype: torch.dtype | None = None) -> float:
     """One short greedy prefill and one decode of a throwaway sequence through `model`, on a KV cache of one
     block made for it and dropped after, so that work done once per process (oneDNN packing every CPU
     weight, loading the attention kernel, first-touch of the step's buffers: ~0.5-1.5 s on SmolLM2-135M) is
@@ -291,7 +291,7 @@ def warm_up(model, *, rank: int, block_size: int, device: torch.device) -> float
     Returns the seconds it took."""
     t0 = time.perf_counter()
     nl, nkv, hd = model.kv_spec
-    kv = KVCache(nl, nkv, hd, block_size, 1, next(model.parameters()).dtype, device)
+    kv = KVCache(nl, nkv, hd, block_size, 1, kv_dtype or next(model.parameters()).dtype, device)
     runner = ModelRunner(model, kv, rank=rank, block_size=block_size, device=device)
     n = max(1, min(8, block_size - 1))
     sid = "warm-up"

@@ -33,6 +33,11 @@ class Loaded:
     info: dict[str, Any]  # what the worker reports (its Hello, /server_info's `workers`)
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's for auto, else bfloat16 / float16 (--kv-cache-dtype)."""
+    return dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameter storage this process holds (each storage counted once: tied weights share)."""
     seen: dict[int, int] = {}
@@ -47,23 +52,24 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
     """Everything a worker computes with, ready for its first step; `tp` is its tensor-parallel group."""
     model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant), tp)
     host_allocator = tune_host_allocator() if device.type == "cpu" else None  # the steps' buffers, not the weights
+    dtype = next(model.parameters()).dtype
+    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
     checked: list[str] = []
     if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
         try:
-            checked = self_check(model, cfg.block_size)
+            checked = self_check(model, cfg.block_size, kv_dtype)
         except BatchInvarianceUnavailable as e:
             raise SystemExit(f"rollbus: {det.source}: {e}") from None
-    dtype = next(model.parameters()).dtype
     try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
-        attn = (attention_implementation(device.type, dtype) if model.kern.batch_invariant
-                else attention.implementation(device.type))
+        attn = (attention_implementation(device.type, dtype, kv_dtype) if model.kern.batch_invariant
+                else attention.implementation(device.type, dtype, kv_dtype))
         cpu_linear = packed_linear.describe(dtype) if device.type == "cpu" else None
     except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
         raise SystemExit(str(e)) from None
     # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
-    warm_s = warm_up(model, rank=rank, block_size=cfg.block_size, device=device)
+    warm_s = warm_up(model, rank=rank, block_size=cfg.block_size, device=device, kv_dtype=kv_dtype)
     nl, nkv, hd = model.kv_spec
-    per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, dtype)
+    per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, kv_dtype)
     try:
         num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
                                      kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
@@ -75,7 +81,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
         raise SystemExit(
             f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
             f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
-    kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, dtype, device)
+    kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, kv_dtype, device)
     runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed,
                          logprobs_mode=cfg.logprobs_mode, return_routed_experts=cfg.enable_return_routed_experts,
                          tokenizer_path=None if cfg.tokens_only else
@@ -86,6 +92,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
             "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp_size, "tp_rank": rank,
             "weight_bytes": weight_bytes(model),
             "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
             "cpu_linear": cpu_linear, "host_allocator": host_allocator, "warm_up_s": round(warm_s, 3),
             "host_huge_pages": host_huge_pages() if device.type == "cpu" else None,

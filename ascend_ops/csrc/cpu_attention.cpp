@@ -5,12 +5,14 @@
 // paged_attention_rows: every query row r attends to the first row_len[r] tokens of the sequence whose
 // block table is tables[row_table[r]] (row_table empty: tables[r]). Work is split over (row, kv head);
 // each item computes the G = Hq / Hk query heads that share the kv head: scores q.k * scale in fp32, a
-// two-pass softmax (max, then exp and sum), and the weighted sum of V, all in fp32 whatever the cache
-// dtype (fp32 or bf16); the output is written in q's dtype.
+// two-pass softmax (max, then exp and sum), and the weighted sum of V, all in fp32 whatever the dtypes;
+// the output is written in q's dtype. q / out and the caches share one dtype (fp32 or bf16), or q is fp32
+// and the caches bf16 or fp16 (--kv-cache-dtype: the cached keys and values are read exactly, widened).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #ifdef __AVX2__
@@ -45,6 +47,7 @@ inline void prefetch_l2(const void* rec, int64_t bytes) {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
 constexpr float kExpMin = -87.0f;  // e^-87 ~ 1.6e-38: inputs below flush to it (softmax numerators only)
@@ -114,6 +117,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the 16 bits moved to the top
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {  // fp16 -> fp32 is exact (F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline float hsum(__m256 v) {
@@ -255,10 +261,16 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
 inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
@@ -405,15 +417,16 @@ inline void chunk_records(const T* cache, const int64_t* table, int64_t ts1, int
 }  // namespace v512
 #endif
 
-template <typename T>
+// Q: the dtype of q and out; T: the caches'.
+template <typename Q, typename T>
 void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const at::Tensor& row_table, const at::Tensor& row_len, double scale) {
   const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), hk = k_cache.size(2);
   const int64_t g = hq / hk;
   const int64_t width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -454,7 +467,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
       const int64_t* table = tp + (rt ? rt[r] : r) * ts0;
       [[maybe_unused]] const int64_t nblk = (len + bs - 1) / bs;
       for (int64_t j = 0; j < heads; ++j) {
-        const T* src = qp + r * qs0 + (h0 * g + j) * qs1;
+        const Q* src = qp + r * qs0 + (h0 * g + j) * qs1;
         for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(src[i]);
       }
 #ifdef ROLLBUS_AVX512
@@ -509,10 +522,10 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
         for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t] *= fscale);  // (q . k) * scale, as SDPA
         const float sum = exp_sum(s, len, m);
 #endif
-        if constexpr (!std::is_same_v<T, float>) {
+        if constexpr (!std::is_same_v<Q, float>) {
           // As torch's CPU flash attention does for reduced types: the normaliser sums the fp32 numerators,
-          // the weighted sum of V takes them rounded to the cache dtype (accumulating in fp32).
-          for (int64_t t = 0; t < len; ++t) s[t] = static_cast<float>(static_cast<T>(s[t]));
+          // the weighted sum of V takes them rounded to q's dtype (accumulating in fp32).
+          for (int64_t t = 0; t < len; ++t) s[t] = static_cast<float>(static_cast<Q>(s[t]));
         }
         inv[j] = len ? 1.0f / sum : 0.f;
       }
@@ -541,9 +554,9 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
       }
 #endif
       for (int64_t j = 0; j < heads; ++j) {
-        T* o = op + r * os0 + (h0 * g + j) * os1;
+        Q* o = op + r * os0 + (h0 * g + j) * os1;
         const float* a = acc.data() + j * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(a[i] * inv[j]);
+        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<Q>(a[i] * inv[j]);
       }
     }
   });
@@ -555,9 +568,8 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_attention_rows: q/out [R, Hq, D], caches [num_blocks, block_size, Hk, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention_rows: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "paged_attention_rows: q, out and the caches must have one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "paged_attention_rows: q and out must have one dtype, and the caches one dtype");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(3) &&
                   q.size(1) % k_cache.size(2) == 0 && out.sizes() == q.sizes(),
               "paged_attention_rows: shapes do not match");
@@ -569,12 +581,18 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(row_len.is_contiguous() && row_table.is_contiguous() && row_len.numel() == q.size(0) &&
                   (row_table.numel() == 0 || row_table.numel() == q.size(0)),
               "paged_attention_rows: one row_len (and row_table) per query row");
-  if (q.scalar_type() == at::kFloat) {
-    attend_rows<float>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    attend_rows<c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) {
+    attend_rows<float, float>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+  } else if (qt == at::kFloat && ct == at::kBFloat16) {
+    attend_rows<float, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+  } else if (qt == at::kFloat && ct == at::kHalf) {
+    attend_rows<float, c10::Half>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    attend_rows<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
   } else {
-    TORCH_CHECK(false, "paged_attention_rows: float32 or bfloat16 only, got ", q.scalar_type());
+    TORCH_CHECK(false, "paged_attention_rows: q, out and the caches must have one dtype, float32 or bfloat16 (or q "
+                "float32 over bfloat16 or float16 caches); got q ", qt, ", caches ", ct);
   }
 }
 
