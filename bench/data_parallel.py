@@ -6,7 +6,7 @@ ratio says how well two engines share out the work (bar: >= 1.7x on an idle 2-co
 
     python bench/data_parallel.py                 # 2 rounds, dp1 and dp2 alternating
     python bench/data_parallel.py --rounds 3 --prompts 64 --max-tokens 64 --json out.json
-    python bench/data_parallel.py --rounds 1 --cpu   # and each process's CPU seconds during each batch
+    python bench/data_parallel.py --rounds 1 --cpu   # and each process's CPU seconds and the steps' times
 
 Seeded sampling does not depend on batch-mates, so both layouts generate the same tokens; throughput is
 completion tokens over the wall time of the whole batch. `--eos` lets sequences stop at EOS instead (the two
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rollout import make_prompts, rollout, say  # noqa: E402
+from bench.rollout import bus_cost, make_prompts, rollout, say, scheduler_counters  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402
@@ -69,9 +69,12 @@ def run_layout(dp: int, prompts: list[list[int]], max_tokens: int, fixed: bool =
             if not cpu:
                 return asyncio.run(rollout(server.url, model, prompts, 1, max_tokens, fixed=fixed, engines=dp))
             asyncio.run(rollout(server.url, model, prompts[:dp], 1, 4, fixed=fixed, engines=dp))  # warm-up
-            before, client = process_tree_cpu(server.proc.pid), os.times()
+            before, client, steps = process_tree_cpu(server.proc.pid), os.times(), scheduler_counters(server.url)
             out = asyncio.run(rollout(server.url, model, prompts, 1, max_tokens, fixed=fixed, engines=dp, warm=False))
             after, client_after = process_tree_cpu(server.proc.pid), os.times()
+            bus = bus_cost(steps, scheduler_counters(server.url), out[1], dp)
+            say(f"  -dp {dp}: {bus['steps']:.0f} steps (all engines), per step: {bus['step_ms']:.1f} ms in the scheduler, "
+                f"{bus['compute_ms']:.1f} ms of worker compute, {bus['between_ms']:.1f} ms between steps")
             say(f"  -dp {dp}: CPU seconds during the batch ({out[1]:.2f} s of wall time): client (this process) "
                 f"{client_after.user + client_after.system - client.user - client.system:.2f}")
             for pid, (role, t) in sorted(after.items(), key=lambda kv: kv[1][0]):
