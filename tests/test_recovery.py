@@ -29,13 +29,16 @@ from tests.waits import recv_topic, wait_for, wait_subscribed
 pytestmark = pytest.mark.timeout(300)
 RL = '{"rl_config": {"enabled": true}}'
 PROMPT = [5, 17, 99, 250, 31, 8, 77]
+# Tokens of a stream that must still be running when its worker is killed: the tiny model decodes 32
+# streams of 240 tokens in about a second on a fast host, while the 32nd stream may only be starting.
+LONG = 2000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
     work = tmp_path_factory.mktemp("recovery")
-    folder = tiny_model_with_tokenizer("llama", work / "llama", smollm2_dir)
-    s = start_server(work, str(folder), "--max-model-len", "256", "--additional-config", RL,
+    folder = tiny_model_with_tokenizer("llama", work / "llama", smollm2_dir, max_position_embeddings=LONG + 16)
+    s = start_server(work, str(folder), "--max-model-len", str(LONG + 16), "--additional-config", RL,
                      "--weight-transfer-config", '{"backend": "ipc"}', "--weights-recovery-dir", str(work / "copies"))
     s.folder, s.copies = folder, work / "copies"
     yield s
@@ -120,10 +123,11 @@ class Streams:
         assert not any(t.is_alive() for t in self.threads), "a stream hung"
 
 
-def kill_and_watch_streams(server, role: str, n: int = 32, engine: int | None = None) -> tuple[float, list[str]]:
-    """SIGKILL `role` under `n` running streams (on data-parallel `engine`, if given); (seconds until the last
-    stream ended, their last lines)."""
-    streams = Streams(server.url, n, headers=[rank_header(engine)] * n)
+def kill_and_watch_streams(server, role: str, n: int = 32, engine: int | None = None,
+                           max_tokens: int = 240) -> tuple[float, list[str]]:
+    """SIGKILL `role` under `n` running streams of `max_tokens` (on data-parallel `engine`, if given); (seconds
+    until the last stream ended, their last lines)."""
+    streams = Streams(server.url, n, max_tokens=max_tokens, headers=[rank_header(engine)] * n)
     streams.wait_running()
     pid = server.child_pids()[role]
     os.kill(pid, signal.SIGKILL)
@@ -136,7 +140,7 @@ def test_a_killed_worker_under_32_streams_is_restarted_alone_and_serves_the_same
     url = server.url
     sums, before = checksums(url), greedy(url)
     pids = server.child_pids()
-    ended_s, last = kill_and_watch_streams(server, "worker-0")
+    ended_s, last = kill_and_watch_streams(server, "worker-0", max_tokens=LONG)
     killed = time.monotonic()
     assert ended_s < 5.0, f"the streams took {ended_s:.2f}s to end"
     for text in last:  # each ends with an error event naming the lost worker, then [DONE]
@@ -180,7 +184,7 @@ def test_after_a_weight_update_a_killed_worker_comes_back_with_that_update(serve
         client.send_weights(trainer.named_parameters(), version="step-1", pause="keep")
     sums, before = checksums(url), greedy(url)
     assert sums != old
-    ended_s, _ = kill_and_watch_streams(server, "worker-0", n=4)
+    ended_s, _ = kill_and_watch_streams(server, "worker-0", n=4, max_tokens=LONG)
     assert ended_s < 5.0
     back_s = wait_serving(url)
     print(f"\nafter an update, SIGKILL worker-0: serving step-1 again after {back_s:.1f}s")
