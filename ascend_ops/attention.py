@@ -26,8 +26,8 @@ from ascend_ops import cpu_kernels
 
 CPU_ATTENTION_ENV = "ROLLBUS_CPU_ATTENTION"
 CPU_CHOICES = ("kernel", "torch")
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# The caches the kernel reads for each q dtype: the model's own, or (--kv-cache-dtype) 16 bits under fp32.
+# The query dtypes the kernel takes, each with the caches it reads: the model's own, or (--kv-cache-dtype)
+# 16 bits under fp32.
 KERNEL_CACHE_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16), torch.bfloat16: (torch.bfloat16,)}
 # Prefill chunks of up to this many rows go through the CPU kernel too (a prefix-cache hit, a chunked
 # prefill's tail): there one SDPA call on gathered blocks costs 3-7x the kernel (118 against 16 us for 1
