@@ -98,11 +98,6 @@ def _cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor):
     return cpu_kernels.ops()
 
 
-def _widened(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache rows in the queries' dtype (a no-op unless --kv-cache-dtype differs from the model's)."""
-    return cache_rows if cache_rows.dtype == dtype else cache_rows.to(dtype)
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hk, D] (this step's keys, rope applied)
@@ -112,7 +107,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention output [T, Hq, D]. Writes k/v into the cache first, then reads context from it."""
+    """Attention output [T, Hq, D]. Writes k/v into the cache first, then reads context from it (blocks of a
+    --kv-cache-dtype narrower than q's are widened to it: `.to` is a no-op where they match)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nb, bs, hk, d = k_cache.shape
@@ -128,8 +124,8 @@ def paged_attention(
         tables = meta.decode_block_tables[:, :nblk]  # type: ignore[index]
         # index_select copies whole blocks (memcpy rows); 2-D advanced indexing is ~3x slower on CPU.
         flat = tables.reshape(-1)
-        kc = _widened(k_cache.index_select(0, flat), q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n,Hk,L,D]
-        vc = _widened(v_cache.index_select(0, flat), q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)
+        kc = k_cache.index_select(0, flat).to(q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n,Hk,L,D]
+        vc = v_cache.index_select(0, flat).to(q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)
         pos = torch.arange(nblk * bs, device=q.device)
         mask = (pos[None, :] < meta.decode_ctx_lens[:, None]).view(n, 1, 1, -1)  # type: ignore[index]
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
@@ -142,8 +138,8 @@ def paged_attention(
                                       torch.zeros(c.q_len, dtype=torch.int64),
                                       torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale)
             continue
-        kc = _widened(k_cache.index_select(0, c.block_table), q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
-        vc = _widened(v_cache.index_select(0, c.block_table), q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
+        kc = k_cache.index_select(0, c.block_table).to(q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
+        vc = v_cache.index_select(0, c.block_table).to(q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1)  # [Hq, q_len, D]
         # Row i (absolute position ctx_len - q_len + i) sees keys at positions <= its own.
         qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)

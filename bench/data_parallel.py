@@ -73,8 +73,8 @@ def run_layout(dp: int, prompts: list[list[int]], max_tokens: int, fixed: bool =
             out = asyncio.run(rollout(server.url, model, prompts, 1, max_tokens, fixed=fixed, engines=dp, warm=False))
             after, client_after = process_tree_cpu(server.proc.pid), os.times()
             bus = bus_cost(steps, scheduler_counters(server.url), out[1], dp)
-            say(f"  -dp {dp}: {bus['steps']:.0f} steps (all engines), per step: {bus['step_ms']:.1f} ms in the scheduler, "
-                f"{bus['compute_ms']:.1f} ms of worker compute, {bus['between_ms']:.1f} ms between steps")
+            say(f"  -dp {dp}: {bus['steps']:.0f} steps (all engines), per step: {bus['step_ms']:.1f} ms in the "
+                f"scheduler, {bus['compute_ms']:.1f} ms of worker compute, {bus['between_ms']:.1f} ms between steps")
             say(f"  -dp {dp}: CPU seconds during the batch ({out[1]:.2f} s of wall time): client (this process) "
                 f"{client_after.user + client_after.system - client.user - client.system:.2f}")
             for pid, (role, t) in sorted(after.items(), key=lambda kv: kv[1][0]):

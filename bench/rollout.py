@@ -38,10 +38,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gemm_ceiling import Shape, ceiling_tok_s, gemm_rate  # noqa: E402
+from engine.config import KV_CACHE_DTYPES  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402
-from workers.kv_cache import KVCache  # noqa: E402
+from workers.kv_cache import KVCache, cache_dtype  # noqa: E402
 
 TOPICS = ["the ocean", "a robot", "mathematics", "autumn", "a city at night", "friendship", "volcanoes",
           "the moon", "coffee", "a library", "rain", "chess", "bicycles", "music", "a forest", "time"]
@@ -170,8 +171,8 @@ def kv_gib(shape: Shape, dtype: str, prompts: list[list[int]], args, engines: in
     seqs, tokens = max(args.num_prompts, 16 * 8), max(len(p) for p in prompts) + args.max_tokens
     if args.wide:
         seqs, tokens = max(seqs, WIDE[0] * WIDE[1]), max(tokens, max(len(p) for p in prompts[: WIDE[0]]) + WIDE[2])
-    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    per_token = KVCache.bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, 1, getattr(torch, kv_dtype))
+    per_token = KVCache.bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, 1,
+                                        cache_dtype(args.kv_cache_dtype, getattr(torch, dtype)))
     need = -(-seqs // engines) * tokens * per_token * 1.1
     return max(1, -(-int(need) // (1 << 30)))
 
@@ -332,7 +333,7 @@ def main() -> None:
     p.add_argument("--rollbus-dp", type=int, nargs="+", default=[1], metavar="M",
                    help="rollbus layouts to run, each as `rollbus serve -dp M` on this host (one row each; "
                         "-dp 2 on 2 cores: two engines of one thread). Default: 1.")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="rollbus's --kv-cache-dtype (vLLM's CPU build runs with the model's dtype).")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")

@@ -37,9 +37,10 @@ from ascend_ops import attention
 from ascend_ops.batch_invariant import DEFAULT
 from ascend_ops.platform import tune_host_allocator
 from bus.messages import NewSeq, StepPlan
+from engine.config import KV_CACHE_DTYPES
 from engine.model_store import resolve_model
 from engine.sampling_params import SamplingParams
-from workers.kv_cache import KVCache
+from workers.kv_cache import KVCache, cache_dtype
 from workers.models.checkpoint import iter_safetensors, load_hf_config
 from workers.models.registry import build_model
 
@@ -91,8 +92,7 @@ def build(args, timers: Timers | None):
     bs = 16
     per_seq = (args.ctx + args.steps + args.warmup + 2 + bs - 1) // bs
     L, hk, d = model.kv_spec
-    kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-    kv = KVCache(L, hk, d, bs, args.seqs * per_seq + 1, kv_dtype, torch.device("cpu"))
+    kv = KVCache(L, hk, d, bs, args.seqs * per_seq + 1, cache_dtype(args.kv_cache_dtype, dtype), torch.device("cpu"))
     runner = mr.ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"))
     if timers is not None:
         model.compute_logits = timers.wrap("LM head", model.compute_logits)
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype, as rollbus serve's flag (auto: the model's)")
     p.add_argument("--logprobs", type=int, default=None, help="ask every row for this many logprobs")
     p.add_argument("--dump", default=None, help="save every step's sampled ids and logprobs here (.npy), to "

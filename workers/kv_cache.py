@@ -23,6 +23,11 @@ from engine.config import CPU_KV_SPACE_ENV, DEFAULT_GPU_MEMORY_UTILIZATION, cpu_
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's for auto, else bfloat16 / float16 (--kv-cache-dtype)."""
+    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device):

@@ -20,7 +20,7 @@ from engine.model_store import resolve_model
 from engine.rl_config import Determinism
 from engine.structured_outputs import parse_structured_outputs_config
 from engine.topology import layout
-from workers.kv_cache import KVCache, plan_num_blocks
+from workers.kv_cache import KVCache, cache_dtype, plan_num_blocks
 from workers.loader import load_model
 from workers.model_runner import ModelRunner, warm_up
 
@@ -31,11 +31,6 @@ class Loaded:
     kv: KVCache
     runner: ModelRunner
     info: dict[str, Any]  # what the worker reports (its Hello, /server_info's `workers`)
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the model's for auto, else bfloat16 / float16 (--kv-cache-dtype)."""
-    return dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -53,7 +48,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
     model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant), tp)
     host_allocator = tune_host_allocator() if device.type == "cpu" else None  # the steps' buffers, not the weights
     dtype = next(model.parameters()).dtype
-    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
+    kv_dtype = cache_dtype(cfg.kv_cache_dtype, dtype)
     checked: list[str] = []
     if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
         try:
