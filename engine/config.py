@@ -40,6 +40,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    async_scheduling: bool | None = None  # None: as vLLM, on for accelerators, off on CPU (async_scheduling_on)
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float16 (workers.startup)
     kv_cache_memory_bytes: int | None = None
@@ -468,6 +469,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Most sequences in the running batch.")
     g.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                    help="Token budget of one step; longer prefills are chunked across steps (2k, 8K work).")
+    g.add_argument("--async-scheduling", action=Switch, default=d.async_scheduling,
+                   help="Plan step N+1 while step N computes (vLLM's flag): the workers start the next step the "
+                        "moment they finish one, instead of waiting for the results' round trip and the planning. "
+                        "A sequence that stops at EOS or a stop token computes one token more, which is dropped; a "
+                        "new request starts one step later. Default as vLLM: on for accelerators, off on CPU "
+                        "(--async-scheduling / --no-async-scheduling choose).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
     g.add_argument("--kv-cache-dtype", type=str.lower, default=d.kv_cache_dtype, metavar="{auto,bfloat16,float16}",
                    help="What the KV cache stores: auto, the model's dtype (the default); bfloat16 or float16, keys "
@@ -735,6 +742,15 @@ def _refusals_and_notes(ns: argparse.Namespace) -> tuple[list[str], list[str]]:
             else:
                 refusals.append(f"{shown}: a vLLM flag rollbus does not implement")
     return refusals, notes
+
+
+def async_scheduling_on(cfg: EngineConfig, device: str) -> bool:
+    """--async-scheduling as given, else vLLM's default for the workers' device (off on CPU, where vLLM's CPU
+    platform turns it off, on for CUDA and NPU)."""
+    given = getattr(cfg, "async_scheduling", None)
+    if given is not None:
+        return bool(given)
+    return device.split(":")[0] != "cpu"
 
 
 def engine_hosts(cfg: EngineConfig) -> list[str]:

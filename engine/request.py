@@ -26,6 +26,10 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
+    # async scheduling (engine.scheduler.policy): positions and samples of steps planned but whose results are
+    # not in yet; the next plan starts after them
+    inflight_tokens: int = 0
+    inflight_samples: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, in order

@@ -20,7 +20,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, async_scheduling_on
 from engine.sampling_params import ParamError, SamplingParams
 from gateway.errors import bad_request, model_not_found
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
@@ -240,7 +240,8 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
                             "worker_extension_cls": getattr(cfg, "worker_extension_cls", "")
                             or ""},
         "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                             "enable_chunked_prefill": True, "policy": "fcfs"},
+                             "enable_chunked_prefill": True, "policy": "fcfs",
+                             "async_scheduling": async_scheduling_on(cfg, device)},
         "device_config": {"device": device},
         "load_config": {"load_format": getattr(cfg, "load_format", "auto")},
         "aux_output_config": {"enable_return_routed_experts": cfg.enable_return_routed_experts},

@@ -20,15 +20,17 @@ RL = '{"rl_config": {"enabled": true}}'
 LONG = 300
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_dir):
+# Every pause mode under both schedulers: with --async-scheduling a second step is in flight whenever a pause
+# arrives, and the quiesce must wait for both.
+@pytest.fixture(scope="module", params=["--no-async-scheduling", "--async-scheduling"])
+def server(request, tmp_path_factory, smollm2_dir):
     from tests.server_helpers import tiny_model_with_tokenizer
 
     work = tmp_path_factory.mktemp("pause")
     folder = tiny_model_with_tokenizer("llama", work / "m", smollm2_dir, vocab_size=49152,
                                        max_position_embeddings=1024)
     s = start_server(work, str(folder), "--served-model-name", MODEL, "--additional-config", RL,
-                     "--max-model-len", "1024")
+                     "--max-model-len", "1024", request.param)
     yield s
     s.stop()
 

@@ -15,6 +15,11 @@ which position (engine.routed_experts). The rows are also kept per KV slot, so a
 starts with a prefix-cache hit gets the routes of the positions it never computed, from whichever
 sequence computed them. With the flag off, or on a dense model, nothing of this runs.
 
+A step that raised or was interrupted leaves its sequences' state behind what the scheduler planned next
+(their tokens were not appended): `drop` forgets them here at once. The scheduler fails or aborts them, but
+with async scheduling the plan after that step was sent already and still names them; such a plan runs
+without them and reports each as failed (`seq_errors`), until a plan's `finished` list names it.
+
 Tensor parallelism (model.tp of size N > 1): every tp worker runs the same plan; the LM head's logits
 reach tp rank 0 only (the model gathers them), which samples and computes every reported number, then
 broadcasts the sampled token ids so every rank's sequences stay the same. Only rank 0's StepResult carries
@@ -32,7 +37,7 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.tp_group import SOLO
-from bus.messages import NewSeq, PromptLogprobs, StepPlan, StepResult
+from bus.messages import ErrorInfo, NewSeq, PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsConfig
@@ -63,6 +68,7 @@ class ModelRunner:
         self.tp = getattr(model, "tp", SOLO)
         self.rank, self.block_size, self.device = rank, block_size, device
         self.seqs: dict[str, SeqState] = {}
+        self.dropped: set[str] = set()  # forgotten after a failed step, not yet in a plan's finished list
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
         self.logprobs_mode = logprobs_mode
@@ -82,6 +88,10 @@ class ModelRunner:
         for sid in plan.finished:
             self.seqs.pop(sid, None)
             self.grammar.forget(sid)
+            self.dropped.discard(sid)
+        skipped: list[str] = []
+        if self.dropped and not self.dropped.isdisjoint(plan.seq_ids):
+            plan, skipped = self._without_dropped(plan)
         for ns in plan.new_seqs:
             params = ns.sampling
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -91,7 +101,7 @@ class ModelRunner:
             self.seqs[ns.seq_id] = SeqState(toks, row, len(toks),
                                             prompt_lp_parts=[] if params.prompt_logprobs is not None else None)
         if not plan.seq_ids:
-            return self._result(plan, [], None, t0)
+            return self._with_skipped(self._result(plan, [], None, t0), skipped)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
         row_states = [self.seqs[s].row for s in sample_ids]
         # structured outputs: the sampled rows' grammar masks fill on the grammar thread while the model runs
@@ -130,6 +140,27 @@ class ModelRunner:
         result.prompt_logprobs = prompt_lps
         result.seq_errors = self.grammar.take_errors()
         result.routed_experts, result.routed_spans = routed_rows
+        return self._with_skipped(result, skipped)
+
+    def drop(self, seq_ids: list[str]) -> None:
+        """Forget the sequences of a step that raised or was interrupted (see the module's docstring)."""
+        for sid in seq_ids:
+            if self.seqs.pop(sid, None) is not None:
+                self.dropped.add(sid)
+            self.grammar.forget(sid)
+
+    def _without_dropped(self, plan: StepPlan) -> tuple[StepPlan, list[str]]:
+        keep = [i for i, sid in enumerate(plan.seq_ids) if sid not in self.dropped]
+        skipped = [sid for sid in plan.seq_ids if sid in self.dropped]
+        rows = (plan.seq_ids, plan.num_computed, plan.num_new, plan.block_tables)
+        ids, computed, new, tables = ([xs[i] for i in keep] for xs in rows)
+        return StepPlan(plan.step_id, plan.new_seqs, ids, computed, new, tables, plan.finished,
+                        plan.weight_version), skipped
+
+    def _with_skipped(self, result: StepResult, skipped: list[str]) -> StepResult:
+        if skipped and not self.tp.rank:  # rank 0 reports for the engine
+            why = ErrorInfo("StepFailed", "an earlier step of this request failed or was interrupted on this worker")
+            result.seq_errors = [*result.seq_errors, *((sid, why) for sid in skipped)]
         return result
 
     def _sample(self, hidden: torch.Tensor, row_states: list[RowState], pending) -> SampleOutput | None:

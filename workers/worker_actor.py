@@ -306,12 +306,14 @@ class WorkerActor:
                 refusal = ErrorInfo(TP_PEER, f"another tensor-parallel worker of this engine could not run step "
                                     f"{plan.step_id}", self.name)
         if refusal is not None:
+            self.runner.drop(plan.seq_ids)  # the scheduler fails them: a plan sent after this one may name them
             send(self.results, self._no_result(plan, refusal))
             return
         self.layers_done = 0
         try:
             result = self.runner.execute(plan, self._check_interrupt)
         except StepInterrupted:
+            self.runner.drop(plan.seq_ids)  # aborted: a plan sent after this one may still name them
             result = self._no_result(plan)
             result.interrupted = True
         except Exception as e:  # report, so the scheduler fails the step's requests instead of hanging
@@ -319,6 +321,7 @@ class WorkerActor:
                 self._tp_failed(plan, e)
                 return
             log.exception("worker.step_failed", step=plan.step_id)
+            self.runner.drop(plan.seq_ids)  # failed: their state here is behind the plans that follow
             result = self._no_result(plan, ErrorInfo(type(e).__name__, str(e), self.name))
         if plan.seq_ids:
             send(self.results, result)
@@ -348,7 +351,7 @@ class WorkerActor:
             st = self.sleep.weights_status()
             why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"])
             return ErrorInfo("WeightsDiscarded", why, self.name, 503)
-        known = self.runner.seqs.keys() | {ns.seq_id for ns in plan.new_seqs}
+        known = self.runner.seqs.keys() | self.runner.dropped | {ns.seq_id for ns in plan.new_seqs}
         unknown = [sid for sid in plan.seq_ids if sid not in known]
         if unknown:  # planned before a stall or a scheduler's return made us forget them: nothing to compute
             log.warning("worker.stale_plan", step=plan.step_id, unknown=len(unknown))

@@ -10,7 +10,11 @@ cannot be lost. One step is in flight at a time: plan -> results of every worker
 Recovery: a worker declared lost (dead, or stalled past --heartbeat-timeout-s) fails the requests the
 workers had seen (503: they were running on it) and stops the stepping; requests still queued wait. The
 worker is back once it says Hello on the results socket again, at or after the seq of its loss, with its
-plan subscription in place (a restarted one subscribes anew); then steps resume. Queued requests fail
+plan subscription in place (a restarted one subscribes anew); then steps resume.
+
+Async scheduling (--async-scheduling, engine.scheduler.policy): up to two steps are in flight. The next plan
+is sent while the workers compute the current one, so they start it the moment they finish, without waiting
+for the bus hop and the planning; results still come back, and are applied, in step order. Queued requests fail
 after RECOVERY_WAIT_S without it. A scheduler that was itself declared lost (a stall) drops all its
 requests (the gateways failed them already) and waits for every worker's Hello the same way.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from itertools import repeat
 from typing import Any
 
@@ -58,7 +62,7 @@ from bus.messages import (
 from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, async_scheduling_on
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
@@ -97,9 +101,13 @@ class SchedulerActor:
         self.sched: Scheduler | None = None  # built once the workers report their KV capacity
         self.stopping = False
         self.step_id = 0
-        self.in_flight: ScheduledStep | None = None
-        self.pending_results: dict[int, StepResult] = {}
-        self.step_started = 0.0
+        # Steps sent and not answered yet, oldest first: (step id, step, when it was sent). At most
+        # `depth`: 1, or 2 with async scheduling (the next plan waits at the workers while one computes).
+        self.in_flight: deque[tuple[int, ScheduledStep, float]] = deque()
+        self.depth = 1  # 2 with async scheduling, decided once the workers say what device they run on
+        self.plan_ahead_idle = False  # async: the last look-ahead planned nothing; wait for news before the next
+        self.pending_results: dict[int, dict[int, StepResult]] = {}  # step id -> rank -> its result
+        self.last_done = 0.0  # when the previous step's results were all in (a queued step starts then)
         self.results_at = 0.0  # when the last step's results were all in (0: consumed by the next plan)
         self.results_cpu = 0.0  # this thread's CPU time then: turnaround_cpu_total is what we spent of it
         self.step_time_ema = 0.0
@@ -154,6 +162,7 @@ class SchedulerActor:
         num_blocks = min(i["num_blocks"] for i in infos)
         max_len = min(i["max_model_len"] for i in infos)
         self.max_model_len = max_len
+        self.depth = 2 if async_scheduling_on(self.cfg, str(infos[0].get("device", "cpu"))) else 1
         self.limits = EngineLimits(min(i["vocab_size"] for i in infos), max_len, self.cfg.max_logprobs,
                                    self.cfg.enable_trace_replay)
         self.sched = Scheduler(BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching),
@@ -162,8 +171,9 @@ class SchedulerActor:
         # was broadcast while we waited for the workers).
         self.sched.weight_version = self.link.state.weight_epoch
         self.gate = StepGate.from_state(self.link.state)
-        log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len)
-        return {"num_blocks": num_blocks, "max_model_len": max_len}
+        log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len,
+                 async_scheduling=self.depth > 1)
+        return {"num_blocks": num_blocks, "max_model_len": max_len, "async_scheduling": self.depth > 1}
 
     # --- main loop ------------------------------------------------------------------------------
 
@@ -178,7 +188,10 @@ class SchedulerActor:
     def turn(self, poller: zmq.Poller, idle_ms: float) -> None:
         """One loop turn: what arrived, then the next plan if a step may start, then this turn's outputs."""
         busy = self._can_start_step()
-        for sock, _ in poller.poll(0 if busy else idle_ms):
+        events = poller.poll(0 if busy else idle_ms)
+        if events:
+            self.plan_ahead_idle = False  # a request, a result or a command may give a look-ahead work
+        for sock, _ in events:
             if self.step_outputs is not None:
                 self._build_step_outputs()  # a step's outputs go before whatever came after its results
             if sock is self.router:
@@ -205,8 +218,10 @@ class SchedulerActor:
             self._flush()
 
     def _can_start_step(self) -> bool:
+        if self.in_flight and self.plan_ahead_idle:
+            return False
         return not self.workers_waiting and self.gate.may_step(
-            self.link.state, in_flight=self.in_flight is not None, has_work=self.sched.has_work())
+            self.link.state, in_flight=len(self.in_flight) >= self.depth, has_work=self.sched.has_work())
 
     def _on_request(self) -> None:
         try:
@@ -246,15 +261,16 @@ class SchedulerActor:
         if not step.seqs:
             if step.finished_ids:  # nothing to run, but let workers forget finished sequences
                 self._publish(step)
+            self.plan_ahead_idle = bool(self.in_flight)  # what is left is in flight: plan again after news
             return
-        self._publish(step)
-        self.in_flight = step
-        self.step_started = time.perf_counter()
+        waiting = not self.in_flight  # the workers are idle until this plan reaches them
+        self._publish(step, waiting)
+        self.in_flight.append((self.step_id, step, time.perf_counter()))
 
-    def _publish(self, step: ScheduledStep) -> None:
+    def _publish(self, step: ScheduledStep, waiting: bool = True) -> None:
         self.step_id += 1
         self._send_plan(step)
-        if self.results_at:
+        if self.results_at and waiting:
             # the scheduler's own time between a step's results and the next plan (the workers wait)
             self.counters["turnaround_total"] += time.perf_counter() - self.results_at
             self.counters["turnaround_cpu_total"] += time.thread_time() - self.results_cpu
@@ -279,23 +295,34 @@ class SchedulerActor:
         if isinstance(res, Hello):
             self._on_worker_hello(res)
             return
-        if not isinstance(res, StepResult) or self.in_flight is None or res.step_id != self.step_id:
+        if not isinstance(res, StepResult):
             return
-        why = result_problem(res, self.in_flight, self.num_workers)
+        step = next((st for sid, st, _ in self.in_flight if sid == res.step_id), None)
+        if step is None:
+            return  # a step failed or forgotten (a worker was lost): nothing waits for it
+        why = result_problem(res, step, self.num_workers)
         if why is not None:  # well-typed but not an answer to this step: the real one is still to come
             log.warning("scheduler.bad_result", step=res.step_id, rank=res.rank, error=why)
             return
-        self.pending_results[res.rank] = res
-        if len(self.pending_results) < self.num_workers:
-            return
-        step, self.in_flight = self.in_flight, None
-        self.results_at, self.results_cpu = arrived, cpu
-        main = self.pending_results[0]
+        # one tp worker may answer the next step before another answers this one: kept until its turn
+        self.pending_results.setdefault(res.step_id, {})[res.rank] = res
+        while self.in_flight and len(self.pending_results.get(self.in_flight[0][0], ())) == self.num_workers:
+            if self.step_outputs is not None:
+                self._build_step_outputs()  # the outputs of the step before go first
+            self._complete_step(arrived, cpu)
+
+    def _complete_step(self, arrived: float, cpu: float) -> None:
+        """Apply the oldest step in flight, whose results from every worker are in."""
+        step_id, step, sent = self.in_flight.popleft()
+        results = self.pending_results.pop(step_id)
+        started, self.last_done = max(sent, self.last_done), arrived  # a queued step started when the one before ended
+        if not self.in_flight:  # the workers wait for the next plan from now: turnaround
+            self.results_at, self.results_cpu = arrived, cpu
+        main = results[0]
         # the failing worker's own error first (tp peers that only declined the step say TensorParallelPeer)
-        errors = sorted((r.error for r in self.pending_results.values() if r.error is not None),
+        errors = sorted((r.error for r in results.values() if r.error is not None),
                         key=lambda e: e.kind == "TensorParallelPeer")
-        interrupted = any(r.interrupted for r in self.pending_results.values())
-        self.pending_results = {}
+        interrupted = any(r.interrupted for r in results.values())
         if errors:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
             # keeps serving the others. Dead workers are handled by member_lost, not here.
@@ -305,7 +332,7 @@ class SchedulerActor:
             # An abort pause cut the step short: its sequences were aborted, nothing advanced.
             self._maybe_complete_quiesce()
             return
-        dt = time.perf_counter() - self.step_started
+        dt = time.perf_counter() - started
         self.step_time_ema = dt if not self.step_time_ema else 0.9 * self.step_time_ema + 0.1 * dt
         self.counters["steps"] += 1
         self.counters["step_time_total"] += dt
@@ -452,7 +479,7 @@ class SchedulerActor:
             self.workers_waiting[n] = seq
         if self.sched is None:
             return  # still starting: wait_for_workers waits for the Hellos anyway
-        self.in_flight = None
+        self.in_flight.clear()
         self.pending_results = {}
         seqs = [q for q in self.sched.seqs.values() if everything or q.sent_to_workers]
         self._fail_seqs(seqs, error)
@@ -523,7 +550,7 @@ class SchedulerActor:
     def _complete_quiesce(self) -> dict[str, Any] | None:
         """The ack's result once the pending quiesce is complete (no step in flight, and for wait no work
         left), else None."""
-        q = self.gate.quiesced(in_flight=self.in_flight is not None, has_work=self.sched.has_work())
+        q = self.gate.quiesced(in_flight=bool(self.in_flight), has_work=self.sched.has_work())
         if q is None:
             return None
         if q.clear_cache:

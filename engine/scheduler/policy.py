@@ -8,6 +8,16 @@ Each step (vLLM v1 style, one token budget for everything):
      longer than the budget is chunked over several steps.
 A sequence is sampled in the step that computes its last known token. Outputs are appended by
 `update`, which also applies the stop rules and frees finished sequences' blocks.
+
+Async scheduling (--async-scheduling): the next step may be planned while one is still computing. A sequence
+in that step counts its positions and its sample as if they were done (`inflight_tokens`,
+`inflight_samples`, vLLM's output placeholders): the next plan decodes the token the workers are sampling
+now, which they append to their own copy before they run it. A sequence that the step in flight will
+finish for certain (max_tokens, max_model_len) is not planned again; one that stops at EOS or a stop token
+is, and that one extra token is dropped by `update` (the sequence is finished by then). Blocks a finished or
+preempted sequence frees may go to another sequence in the next plan: the workers run plans in order, so
+the step in flight writes them before the next one does, and it never writes a full block (the only kind
+the prefix cache shares).
 """
 
 from __future__ import annotations
@@ -126,8 +136,15 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            computed = seq.num_computed
-            n = min(len(seq.prompt_token_ids) + len(seq.output_token_ids) - computed, budget)
+            computed = seq.num_computed + seq.inflight_tokens
+            known = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.inflight_samples
+            if seq.inflight_samples and self._finishes_for_sure(seq):
+                i += 1  # the step in flight samples its last token
+                continue
+            n = min(known - computed, budget)
+            if n <= 0:
+                i += 1  # everything it has is being computed (and nothing sampled)
+                continue
             # blocks_needed, inlined: most steps need none (a decode fills a block every block_size steps)
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
             if need > len(free):
@@ -145,11 +162,16 @@ class Scheduler:
             add_seq(seq)
             add_new(n)
             add_computed(computed)
+            seq.inflight_tokens += n
+            if computed + n == known:
+                seq.inflight_samples += 1
             budget -= n
             i += 1
         new_seqs: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.inflight_tokens:
+                break  # preempted while a step of it was computing: it comes back once that step is in
             # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
             # never reads the prefix cache (its blocks are still shared with later requests).
             want_prompt_lp = seq.sampling.prompt_logprobs is not None
@@ -173,6 +195,9 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             num_computed.append(seq.num_computed)
+            seq.inflight_tokens += n
+            if seq.num_computed + n == seq.num_tokens:
+                seq.inflight_samples += 1
             budget -= n
         if num_new.count(1) != len(num_new):  # decodes first (stable: arrival order kept)
             order = sorted(range(len(seqs)), key=lambda k: num_new[k] != 1)
@@ -198,7 +223,11 @@ class Scheduler:
         for seq, n, before in zip(step.seqs, step.num_new, step.num_computed):
             status = seq.status
             if status is finished:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or stopped in the step before (async scheduling)
+            seq.inflight_tokens -= n
+            out = seq.output_token_ids
+            if before + n == len(seq.prompt_token_ids) + len(out):
+                seq.inflight_samples -= 1  # the step was to sample it (got or not: a failed sequence has none)
             if status is running:
                 if seq.kv_epoch is None or before == 0:
                     seq.kv_epoch = version
@@ -211,7 +240,6 @@ class Scheduler:
             if got is None:
                 continue
             token, logprob, top = got
-            out = seq.output_token_ids
             out.append(token)
             # the stop rules (_stop_reason), inlined for the common case of a sequence that goes on
             sp = seq.sampling
@@ -227,6 +255,13 @@ class Scheduler:
             else:
                 append(SeqUpdate(seq, token, logprob, top, False, seq.kv_epoch))
         return updates
+
+    def _finishes_for_sure(self, seq: Sequence) -> bool:
+        """Async scheduling: the samples in flight reach max_tokens or max_model_len, whatever they are."""
+        n_out = len(seq.output_token_ids) + seq.inflight_samples
+        max_tokens = seq.sampling.max_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or \
+            len(seq.prompt_token_ids) + n_out >= self.max_model_len
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling
