@@ -201,3 +201,124 @@ def test_a_plan_after_a_failed_step_runs_without_its_sequences(tmp_path) -> None
     # the finished list that follows frees the id for a new request of the same name
     res = r.execute(StepPlan(4, [NewSeq("a", [7, 8], greedy, [])], ["a"], [0], [2], [[2]], ["a"], 0))
     assert res.seq_ids == ["a"] and res.seq_errors == [] and not r.dropped
+
+
+# --- served: real processes, with and without the flag ------------------------------------------------------
+
+MODEL = "async-tiny"
+# batch-invariant kernels: the two servers batch the same requests differently (the async one computes the
+# EOS stoppers' extra token, and starts requests a step later), and only then are logprobs equal bit for bit
+RL = '{"rl_config": {"enabled": true, "enable_batch_invariant": true}}'
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, smollm2_dir):  # noqa: F811
+    work = tmp_path_factory.mktemp("async")
+    folder = tiny_model_with_tokenizer("qwen3", work / "m", smollm2_dir, vocab_size=49152,
+                                       max_position_embeddings=1024)
+    flags = ("--served-model-name", MODEL, "--additional-config", RL, "--max-model-len", "1024",
+             "--max-num-batched-tokens", "64", "--max-logprobs", "5")
+    for name in ("sync", "async"):
+        (work / name).mkdir()
+    with cf.ThreadPoolExecutor(2) as ex:
+        started = [ex.submit(start_server, work / name, str(folder), *flags, flag)
+                   for name, flag in (("sync", "--no-async-scheduling"), ("async", "--async-scheduling"))]
+        pair = [f.result() for f in started]
+    yield dict(zip(("sync", "async"), pair))
+    for s in pair:
+        s.stop()
+
+
+def complete(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def probe(url: str, prompt: str, n: int) -> list[int]:
+    """The greedy continuation's token ids (to pick stop tokens and strings that surely occur)."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    return complete(url, body)["choices"][0]["token_ids"]
+
+
+def bodies(url: str) -> list[dict]:
+    stop_tok = probe(url, "Stop token test", 40)[6]
+    text = complete(url, {"prompt": "Stop string test", "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+    stop_str = text["choices"][0]["text"][10:14]
+    out = []
+    for i in range(12):
+        kind = i % 4
+        b = {"prompt": f"Request {i} says", "max_tokens": 30 + i, "logprobs": 2, "return_token_ids": True}
+        if kind == 0:
+            b |= {"temperature": 1.0, "seed": i, "n": 2, "ignore_eos": True}
+        elif kind == 1:
+            b |= {"temperature": 0, "stop_token_ids": [stop_tok], "prompt": "Stop token test"}
+        elif kind == 2:
+            b |= {"temperature": 0.8, "seed": 100 + i, "stop": [stop_str], "prompt": "Stop string test"}
+        else:
+            b |= {"temperature": 0, "prompt_logprobs": 1, "min_tokens": 3}
+        out.append(b)
+    return out
+
+
+def answers(url: str, reqs: list[dict]) -> list[dict]:
+    with cf.ThreadPoolExecutor(len(reqs)) as ex:
+        outs = list(ex.map(lambda b: complete(url, b), reqs))
+    keep = ("text", "token_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs")
+    return [[{k: c.get(k) for k in keep} for c in o["choices"]] + [o["usage"]] for o in outs]
+
+
+@pytest.mark.timeout(600)
+def test_the_same_outputs_with_and_without_async_scheduling(servers) -> None:
+    reqs = bodies(servers["sync"].url)
+    want = answers(servers["sync"].url, reqs)
+    got = answers(servers["async"].url, reqs)
+    assert got == want
+    reasons = {c["finish_reason"] for o in want for c in o[:-1]}
+    assert reasons == {"length", "stop"}
+    stopped = [o for o, b in zip(want, reqs) if "stop_token_ids" in b]
+    assert all(o[0]["finish_reason"] == "stop" and o[0]["stop_reason"] == b["stop_token_ids"][0]
+               for o, b in zip(stopped, [b for b in reqs if "stop_token_ids" in b]))
+    assert all(o[-1]["completion_tokens"] == b["max_tokens"] * b.get("n", 1)
+               for o, b in zip(want, reqs) if b.get("ignore_eos"))
+
+
+def test_the_workers_do_not_wait_between_steps(servers) -> None:
+    """The scheduler counts a turnaround whenever the workers sat idle between a step's results and the next
+    plan. Synchronous: once per step. Async: only when there was nothing to plan ahead (a batch's start)."""
+    counts = {}
+    for name, s in servers.items():
+        before = (metric(s, "rollbus_turnarounds"), metric(s, "rollbus_step_latency_seconds_count"))
+        complete(s.url, {"prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True, "n": 4, "temperature": 1.0})
+        counts[name] = (metric(s, "rollbus_turnarounds") - before[0],
+                        metric(s, "rollbus_step_latency_seconds_count") - before[1])
+    sync_waits, sync_steps = counts["sync"]
+    async_waits, async_steps = counts["async"]
+    assert sync_steps >= 120 and sync_waits >= sync_steps - 2
+    assert async_steps >= 120 and async_waits <= 2, counts
+    info = httpx.get(servers["async"].url + "/server_info", params={"config_format": "json"}).json()
+    assert info["vllm_config"]["scheduler_config"]["async_scheduling"] is True
+
+
+def test_an_abort_pause_with_two_steps_in_flight(servers) -> None:
+    url = servers["async"].url
+    done: dict[int, dict] = {}
+
+    def go(i):
+        done[i] = complete(url, {"prompt": f"Long {i}", "max_tokens": 900, "ignore_eos": True, "temperature": 0})
+
+    with cf.ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(go, i) for i in range(3)]
+        base = metric(servers["async"], "rollbus_engine_generation_tokens_total")
+        wait_for(lambda: metric(servers["async"], "rollbus_engine_generation_tokens_total") >= base + 30, 60,
+                 "tokens sampled")
+        r = httpx.post(url + "/pause", params={"mode": "abort"}, timeout=60)
+        assert r.status_code == 200
+        for f in futs:
+            f.result(timeout=120)
+    assert {d["choices"][0]["finish_reason"] for d in done.values()} == {"abort"}
+    assert all(0 < d["usage"]["completion_tokens"] < 900 for d in done.values())
+    assert httpx.post(url + "/resume", timeout=60).status_code == 200
+    # the engine goes on, and the next request's answer is the synchronous server's
+    body = {"prompt": "After the pause", "max_tokens": 20, "temperature": 0, "logprobs": 1}
+    assert answers(url, [body]) == answers(servers["sync"].url, [body])
