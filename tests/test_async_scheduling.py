@@ -38,9 +38,8 @@ class FakeWorker:
         self.tokens: dict[str, int] = {}  # seq id -> tokens it knows (prompt + sampled)
         self.computed: dict[str, int] = {}
         self.eos_at = eos_at
-        self.wasted = collections.Counter()
 
-    def run(self, step, prompts: dict[str, int]) -> dict[str, tuple[int, float, None]]:
+    def run(self, step) -> dict[str, tuple[int, float, None]]:
         for s in step.new_seqs:
             self.tokens[s.seq_id] = len(s.prompt_token_ids)
             self.computed[s.seq_id] = 0
@@ -80,7 +79,6 @@ def drive(s: Scheduler, all_seqs: list[Sequence], eos_at: dict[str, int], depth:
     the fake worker)."""
     arrivals = arrivals or {0: all_seqs}
     worker = FakeWorker(eos_at)
-    prompts = {q.seq_id: len(q.prompt_token_ids) for q in all_seqs}
     outputs: dict[str, list[int]] = collections.defaultdict(list)
     in_flight: collections.deque = collections.deque()
     steps = 0
@@ -100,7 +98,7 @@ def drive(s: Scheduler, all_seqs: list[Sequence], eos_at: dict[str, int], depth:
             continue
         step = in_flight.popleft()
         steps += 1
-        for u in s.update(step, worker.run(step, prompts)):
+        for u in s.update(step, worker.run(step)):
             outputs[u.seq.seq_id].append(u.token_id)
     assert not in_flight and not s.has_work()
     return outputs, steps, worker
@@ -143,9 +141,9 @@ def test_an_eos_stopper_computes_one_dropped_token() -> None:
     worker = FakeWorker({"e": 5})  # EOS is the first token
     first, ahead = s.schedule(), s.schedule()
     assert ahead.seq_ids == ["e"] and ahead.num_computed == [5]  # decodes the token being sampled now
-    ups = s.update(first, worker.run(first, {}))
+    ups = s.update(first, worker.run(first))
     assert [u.token_id for u in ups] == [EOS] and ups[0].finished
-    assert s.update(ahead, worker.run(ahead, {})) == []  # the extra token is dropped
+    assert s.update(ahead, worker.run(ahead)) == []  # the extra token is dropped
     nxt = s.schedule()
     assert nxt.seqs == [] and nxt.finished_ids == ["e"]
     assert e.status is SeqStatus.FINISHED and e.output_token_ids == [EOS]

@@ -5,18 +5,19 @@ messages.
 
 Start-up: join the control bus, then wait until every worker has both said Hello on the results socket
 (with its KV capacity) and subscribed to the plans socket (seen on the XPUB), so the first plan
-cannot be lost. One step is in flight at a time: plan -> results of every worker -> outputs.
+cannot be lost. One step is in flight at a time (two with async scheduling, below): plan -> results of
+every worker -> outputs.
 
 Recovery: a worker declared lost (dead, or stalled past --heartbeat-timeout-s) fails the requests the
 workers had seen (503: they were running on it) and stops the stepping; requests still queued wait. The
 worker is back once it says Hello on the results socket again, at or after the seq of its loss, with its
-plan subscription in place (a restarted one subscribes anew); then steps resume.
+plan subscription in place (a restarted one subscribes anew); then steps resume. Queued requests fail
+after RECOVERY_WAIT_S without it. A scheduler that was itself declared lost (a stall) drops all its
+requests (the gateways failed them already) and waits for every worker's Hello the same way.
 
 Async scheduling (--async-scheduling, engine.scheduler.policy): up to two steps are in flight. The next plan
 is sent while the workers compute the current one, so they start it the moment they finish, without waiting
-for the bus hop and the planning; results still come back, and are applied, in step order. Queued requests fail
-after RECOVERY_WAIT_S without it. A scheduler that was itself declared lost (a stall) drops all its
-requests (the gateways failed them already) and waits for every worker's Hello the same way.
+for the bus hop and the planning; results still come back, and are applied, in step order.
 """
 
 from __future__ import annotations
@@ -263,14 +264,13 @@ class SchedulerActor:
                 self._publish(step)
             self.plan_ahead_idle = bool(self.in_flight)  # what is left is in flight: plan again after news
             return
-        waiting = not self.in_flight  # the workers are idle until this plan reaches them
-        self._publish(step, waiting)
+        self._publish(step)
         self.in_flight.append((self.step_id, step, time.perf_counter()))
 
-    def _publish(self, step: ScheduledStep, waiting: bool = True) -> None:
+    def _publish(self, step: ScheduledStep) -> None:
         self.step_id += 1
         self._send_plan(step)
-        if self.results_at and waiting:
+        if self.results_at:  # set only when the results left nothing in flight: the workers wait for this plan
             # the scheduler's own time between a step's results and the next plan (the workers wait)
             self.counters["turnaround_total"] += time.perf_counter() - self.results_at
             self.counters["turnaround_cpu_total"] += time.thread_time() - self.results_cpu
