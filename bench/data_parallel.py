@@ -7,6 +7,7 @@ ratio says how well two engines share out the work (bar: >= 1.7x on an idle 2-co
     python bench/data_parallel.py                 # 2 rounds, dp1 and dp2 alternating
     python bench/data_parallel.py --rounds 3 --prompts 64 --max-tokens 64 --json out.json
     python bench/data_parallel.py --rounds 1 --cpu   # and each process's CPU seconds and the steps' times
+    python bench/data_parallel.py --async-scheduling # both layouts with rollbus serve --async-scheduling
 
 Seeded sampling does not depend on batch-mates, so both layouts generate the same tokens; throughput is
 completion tokens over the wall time of the whole batch. `--eos` lets sequences stop at EOS instead (the two
@@ -61,10 +62,10 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
 
 
 def run_layout(dp: int, prompts: list[list[int]], max_tokens: int, fixed: bool = True,
-               cpu: bool = False) -> tuple[int, float]:
+               cpu: bool = False, flags: tuple[str, ...] = ()) -> tuple[int, float]:
     model = "HuggingFaceTB/SmolLM2-135M-Instruct"
     with tempfile.TemporaryDirectory(prefix=f"rollbus-dp{dp}-") as work:
-        server = start_server(Path(work), "-dp", str(dp), "--max-model-len", "2048", "--max-num-seqs", "256")
+        server = start_server(Path(work), "-dp", str(dp), "--max-model-len", "2048", "--max-num-seqs", "256", *flags)
         try:
             if not cpu:
                 return asyncio.run(rollout(server.url, model, prompts, 1, max_tokens, fixed=fixed, engines=dp))
@@ -94,21 +95,24 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu", action="store_true",
                     help="print each process's CPU seconds during every batch (workers, schedulers, gateway, client)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="serve both layouts with --async-scheduling (plan step N+1 while step N computes)")
     args = ap.parse_args()
+    flags = ("--async-scheduling",) if args.async_scheduling else ()
     os.environ["OMP_NUM_THREADS"] = "1"  # every process the servers start: one thread per engine's worker
     tok = Tokenizer.from_dir(resolve_model(None, progress=False))
     prompts = make_prompts(tok, args.prompts)
     rates: dict[int, list[float]] = {1: [], 2: []}
     for r in range(args.rounds):
         for dp in (1, 2) if r % 2 == 0 else (2, 1):
-            tokens, seconds = run_layout(dp, prompts, args.max_tokens, fixed=not args.eos, cpu=args.cpu)
+            tokens, seconds = run_layout(dp, prompts, args.max_tokens, fixed=not args.eos, cpu=args.cpu, flags=flags)
             rates[dp].append(tokens / seconds)
             say(f"round {r + 1}: -dp {dp}: {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.0f} tok/s")
     load = os.getloadavg()
     dp1, dp2 = statistics.median(rates[1]), statistics.median(rates[2])
     result = {"dp1_tok_s": round(dp1, 1), "dp2_tok_s": round(dp2, 1), "ratio": round(dp2 / dp1, 3),
               "rounds": args.rounds, "prompts": args.prompts, "fixed_length": not args.eos,
-              "max_tokens": args.max_tokens,
+              "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
               "loadavg": [round(x, 2) for x in load], "cpus": os.cpu_count()}
     print(json.dumps(result))
     if args.json:

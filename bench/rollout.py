@@ -115,6 +115,15 @@ def _run(name: str, url: str, model: str, prompts: list[list[int]], n: int, max_
     return {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
 
 
+def _median_of(repeats: int, run) -> dict:
+    """run() `repeats` times: the run of median throughput, with every run's tok/s ("runs") and their seconds
+    together ("seconds_all"). A host's speed drifts from one run to the next; one sample is not enough to
+    judge a bar by."""
+    outs = [run() for _ in range(repeats)]
+    mid = sorted(outs, key=lambda o: o["tok_s"])[(len(outs) - 1) // 2]
+    return {**mid, "runs": [o["tok_s"] for o in outs], "seconds_all": sum(o["seconds"] for o in outs)}
+
+
 async def _stream(h: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -186,24 +195,25 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
     layout = ("-dp", str(dp)) if dp > 1 else ()
     gib = kv_gib(args.shape, dtype, prompts, args, dp)
     server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
-                          "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout)
+                          "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout,
+                          *(("--async-scheduling",) if args.async_scheduling else ()))
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
         warm_up(server.url, model, prompts[0], engines=dp)  # before the counters: its steps are not A's
         before = scheduler_counters(server.url)
-        out["A"] = _run("rollbus A", server.url, model, prompts[: args.num_prompts], 1, args.max_tokens, True,
-                        engines=dp, warm=False)
-        out["bus"] = bus_cost(before, scheduler_counters(server.url), out["A"]["seconds"], dp)
+        out["A"] = _median_of(args.repeats, lambda: _run("rollbus A", server.url, model, prompts[: args.num_prompts],
+                                                         1, args.max_tokens, True, engines=dp, warm=False))
+        out["bus"] = bus_cost(before, scheduler_counters(server.url), out["A"]["seconds_all"], dp)
         say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
         out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False, engines=dp)
         if args.wide:
             say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
             before = scheduler_counters(server.url)  # the engines are warm (A's warm-up)
-            out["W"] = _run("rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True, engines=dp,
-                            warm=False)
-            out["bus_W"] = bus_cost(before, scheduler_counters(server.url), out["W"]["seconds"], dp)
+            out["W"] = _median_of(args.repeats, lambda: _run("rollbus W", server.url, model, prompts[: WIDE[0]],
+                                                             WIDE[1], WIDE[2], True, engines=dp, warm=False))
+            out["bus_W"] = bus_cost(before, scheduler_counters(server.url), out["W"]["seconds_all"], dp)
         for streams in (1, 32):
             say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
             out[f"C{streams}"] = asyncio.run(latency(server.url, model, prompts, streams, args.max_tokens))
@@ -335,9 +345,16 @@ def main() -> None:
                         "-dp 2 on 2 cores: two engines of one thread). Default: 1.")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="rollbus's --kv-cache-dtype (vLLM's CPU build runs with the model's dtype).")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="rollbus's --async-scheduling (plan step N+1 while step N computes; off by default on CPU).")
+    p.add_argument("--repeats", type=int, default=1, metavar="K",
+                   help="Run rollbus's A and W K times on the same server and report the median (every run's "
+                        "tok/s is printed and saved).")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be at least 1")
 
     folder = resolve_model(None, progress=True)
     tok = Tokenizer.from_dir(folder)
@@ -385,12 +402,20 @@ def main() -> None:
                 ceil = r.get(f"ceiling_{w}")
                 label = name + (f", rollbus -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
                 label += f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+                label += ", async scheduling" if args.async_scheduling else ""
                 rows.append([dtype, label, cell(ours), cell(vl), cell(hf), cell(vl and ours / vl, "{:.2f}x"),
                              cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}")])
     print("\nThroughput (useful tokens/s; the GEMM ceiling is the workload's FLOPs at the large-GEMM rate "
           "measured in this run, before and after rollbus's workloads, the higher of the two: "
           + ", ".join(f"{d} {r['gemm_gflops']:.0f} GFLOP/s ({'{:.0f} / {:.0f}'.format(*r['gemm_gflops_before_after'])})"
                       for d, r in results.items()) + ")\n" + table(rows))
+    if args.repeats > 1:
+        print("\nrollbus's runs (tok/s, in the order run; the table gives the median):")
+        for dtype, r in results.items():
+            for lay in (r, *r["layouts"].values()):
+                for w in ("A", "W"):
+                    if w in lay:
+                        print(f"  {dtype} -dp {lay['dp']} {w}: " + ", ".join(f"{x:.0f}" for x in lay[w]["runs"]))
     rows = [["dtype", "streams", "TTFT p50 ms", "TTFT max ms", "ITL p50 ms", "ITL p99 ms"]]
     for dtype, r in results.items():
         for lay in (r, *r["layouts"].values()):
