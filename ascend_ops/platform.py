@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ascend_ops.host_env import DEVICE_ENV, HUGETLB_TUNABLE, allocator_preloaded
+
 
 @dataclass(frozen=True, slots=True)
 class Platform:
@@ -96,7 +98,7 @@ def _npu_available() -> bool:
 @functools.cache
 def current_platform() -> Platform:
     """Pick NPU, then CUDA, then CPU. ROLLBUS_DEVICE=cpu|cuda|npu forces one."""
-    forced = os.environ.get("ROLLBUS_DEVICE", "").lower()
+    forced = os.environ.get(DEVICE_ENV, "").lower()
     if forced == "npu" or (not forced and _npu_available()):
         return Platform("npu", "npu", "hccl", "PYTORCH_NPU_ALLOC_CONF")
     if forced == "cuda" or (not forced and torch.cuda.is_available()):
@@ -120,12 +122,6 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 HOST_MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap, which is reused...
 HOST_TRIM_THRESHOLD = 512 << 20  # ...and keeps up to this much free memory at its top between steps
-_PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")
-
-
-def _allocator_preloaded(env) -> bool:
-    """tcmalloc / jemalloc / mimalloc in LD_PRELOAD (a dict or os.environ): the user chose the allocator."""
-    return any(name in env.get("LD_PRELOAD", "") for name in _PRELOADED)
 
 
 @functools.cache
@@ -140,7 +136,7 @@ def tune_host_allocator() -> str:
     ~10-15% faster. Blocks up to HOST_MMAP_THRESHOLD come from the heap, and up to HOST_TRIM_THRESHOLD of
     free heap stays mapped (sleep's malloc_trim still hands it all back). Left alone where the user chose: a
     MALLOC_*_ variable set, or tcmalloc / jemalloc / mimalloc in LD_PRELOAD (vLLM's CPU advice)."""
-    if _allocator_preloaded(os.environ):
+    if allocator_preloaded(os.environ):
         return f"LD_PRELOAD ({os.environ['LD_PRELOAD']})"
     user = [v for v in MALLOC_ENV if v in os.environ]
     if user:
@@ -156,27 +152,6 @@ def tune_host_allocator() -> str:
     if not ok:
         return "glibc defaults (mallopt refused the settings)"
     return f"glibc (mmap threshold {HOST_MMAP_THRESHOLD >> 20} MiB, trim threshold {HOST_TRIM_THRESHOLD >> 20} MiB)"
-
-
-HUGE_PAGES_ENV = "ROLLBUS_CPU_HUGE_PAGES"  # 0: leave glibc's malloc on 4 KiB pages
-_HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
-
-
-def huge_pages_env(env: dict[str, str]) -> dict[str, str]:
-    """What a CPU worker's environment gains so glibc's malloc backs the heap and its large blocks with
-    transparent huge pages (the weights and their packed copies): `GLIBC_TUNABLES` with
-    glibc.malloc.hugetlb=1, after any tunables the user set. A tunable read at exec, so the launcher sets
-    it for the workers it starts (honcho: .env, as the Procfile says). Measured on SmolLM2-135M's layer GEMMs, fp32,
-    1 thread, weights streamed from memory as in a decode step: 5-6% faster at 32-64 rows (fewer TLB misses;
-    the same products on 4 KiB pages in the same process). Nothing when the user chose: a hugetlb tunable
-    already set, ROLLBUS_CPU_HUGE_PAGES=0, or tcmalloc / jemalloc / mimalloc in LD_PRELOAD."""
-    value = env.get(HUGE_PAGES_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{HUGE_PAGES_ENV} must be 0 or 1, got {value!r}")
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if value == "0" or _HUGETLB_TUNABLE in tunables or _allocator_preloaded(env):
-        return {}
-    return {"GLIBC_TUNABLES": f"{tunables}:{_HUGETLB_TUNABLE}=1" if tunables else f"{_HUGETLB_TUNABLE}=1"}
 
 
 def transparent_huge_pages() -> str | None:
@@ -196,7 +171,7 @@ def host_huge_pages() -> str:
     if thp is None:
         return "unavailable (no transparent huge pages on this host)"
     huge = _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages") or 0
-    tunable = next((t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith(_HUGETLB_TUNABLE)),
+    tunable = next((t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith(HUGETLB_TUNABLE)),
                    None)
     how = f"glibc {tunable}" if tunable else "malloc on 4 KiB pages"
     return f"{how}, transparent huge pages '{thp}': {huge >> 20} MiB of the process on huge pages"

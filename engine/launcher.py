@@ -23,6 +23,7 @@ import time
 
 import zmq
 
+from ascend_ops.host_env import huge_pages_env, launcher_platform
 from bus.codec import CodecError, decode
 from bus.endpoints import Endpoints
 from bus.messages import Ready
@@ -57,11 +58,9 @@ def roles(cfg: EngineConfig) -> list[tuple[str, list[str]]]:
 
 def worker_env(topo: Topology, env: dict[str, str], platform_name: str) -> dict[str, str]:
     """The environment of the workers this host starts: on CPU their share of the cores and malloc on huge
-    pages (ascend_ops.platform.huge_pages_env; ValueError for a bad ROLLBUS_CPU_HUGE_PAGES)."""
+    pages (ascend_ops.host_env.huge_pages_env; ValueError for a bad ROLLBUS_CPU_HUGE_PAGES)."""
     if platform_name != "cpu":
         return env
-    from ascend_ops.platform import huge_pages_env
-
     return {**env, **cpu_thread_share(topo, env, platform_name), **huge_pages_env(env)}
 
 
@@ -132,21 +131,19 @@ class Launcher:
     def _layout_problem(self, folder) -> str | None:
         """Why this layout cannot start (None: it can), before any process starts: a -tp the model cannot
         be split by, a single engine's --data-parallel-rank, more workers than devices."""
-        from ascend_ops.platform import current_platform
-        from workers.models.checkpoint import load_hf_config
-        from workers.models.tp_layout import layout_error
-
         if self.cfg.data_parallel_rank:
             return (f"--data-parallel-rank {self.cfg.data_parallel_rank} names the engine of one scheduler or worker "
                     "process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
                     "--data-parallel-size-local")
         if self.cfg.tensor_parallel_size > 1:
+            from workers.models.checkpoint import load_hf_config  # imports torch: only where a split is checked
+            from workers.models.tp_layout import layout_error
+
             why = layout_error(load_hf_config(folder), self.cfg.tensor_parallel_size)
             if why:
                 return why
-        platform = current_platform()
-        self._platform_name = platform.name
-        return check_devices(Topology.from_config(self.cfg), platform.name, platform.device_count())
+        self._platform_name, device_count = launcher_platform()  # no torch import on a CPU-only host
+        return check_devices(Topology.from_config(self.cfg), self._platform_name, device_count)
 
     def _spawn(self, name: str) -> None:
         self.procs[name] = subprocess.Popen(

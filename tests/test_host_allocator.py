@@ -66,10 +66,10 @@ def test_the_users_malloc_settings_are_left_alone():
     assert got["heap"] is False, got
 
 
-# --- huge pages (ascend_ops.platform.huge_pages_env / host_huge_pages) --------------------------------------
+# --- huge pages (ascend_ops.host_env.huge_pages_env / host_huge_pages) --------------------------------------
 
 def test_workers_get_the_hugetlb_tunable_unless_the_user_chose():
-    from ascend_ops.platform import huge_pages_env
+    from ascend_ops.host_env import huge_pages_env
 
     assert huge_pages_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     # the user's other tunables are kept, ahead of ours
@@ -104,7 +104,7 @@ print(json.dumps({"huge": _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages"
 
 @pytest.mark.skipif(transparent_huge_pages() not in ("madvise", "always"), reason="transparent huge pages are off here")
 def test_the_tunable_puts_packed_weights_on_huge_pages():
-    from ascend_ops.platform import huge_pages_env
+    from ascend_ops.host_env import huge_pages_env
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")

@@ -7,11 +7,13 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
+from ascend_ops.host_env import cpu_only_host, launcher_platform, torch_build_targets
 from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.timeout(240)
@@ -72,5 +74,24 @@ def test_tcp_endpoints(tmp_path, smollm2_dir):
         assert complete(s.url, str(folder))["usage"]["completion_tokens"] == 4
         assert f"tcp://127.0.0.1:{base + 4}" in s.log() or f"tcp://127.0.0.1:{base}" in s.log()
         assert "bus.insecure" in s.log()
+        if cpu_only_host():  # the launcher checked the layout without torch (ascend_ops.host_env)
+            assert "libtorch" not in open(f"/proc/{s.proc.pid}/maps").read()
     finally:
         assert s.stop() == 0
+
+
+def test_the_launcher_knows_a_cpu_only_host_without_importing_torch():
+    import torch
+
+    from ascend_ops.platform import current_platform
+
+    # the file read agrees with what torch says of its own build, and the answer with the workers' platform
+    assert torch_build_targets() == {"cuda": torch.version.cuda, "hip": torch.version.hip, "xpu": torch.version.xpu}
+    assert launcher_platform() == (current_platform().name, current_platform().device_count())
+    assert cpu_only_host({"ROLLBUS_DEVICE": "cpu"}) and not cpu_only_host({"ROLLBUS_DEVICE": "cuda"})
+    if not cpu_only_host():
+        return  # an accelerator build: only torch can tell, and launcher_platform asked it (above)
+    code = ("import sys; from ascend_ops.host_env import launcher_platform; import engine.launcher; "
+            "print(launcher_platform(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["('cpu',", "1)", "False"], out.stdout + out.stderr

@@ -122,7 +122,7 @@ def test_cpu_packed_weights_never_serve_the_previous_version(ipc_server, trainer
     assert all(w["cpu_linear"] == f"{packed_linear.fp32_backend()}-prepacked" for w in workers.values()), workers
     # the start-up warm-up made every pack before the first request (workers.model_runner.warm_up)
     assert all(w["warm_up_s"] > 0 for w in workers.values()), workers
-    # and the launcher started them with malloc on huge pages (ascend_ops.platform.huge_pages_env)
+    # and the launcher started them with malloc on huge pages (ascend_ops.host_env.huge_pages_env)
     assert all("glibc.malloc.hugetlb=1" in w["host_huge_pages"] or w["host_huge_pages"].startswith("unavailable")
                for w in workers.values()), workers
     assert_engine_matches(url, trainer)  # packs made from the weights in service
