@@ -28,7 +28,8 @@ Measured, SmolLM2-135M's layer GEMMs, GFLOP/s (`python bench/decode_gemm.py`):
   51.3 / 57.2 / 65.1 (2 threads at 32 / 64 rows: 79.5 / 103.4 against 101.1 / 112.7), measured before its
   software prefetch (which took it from 69 to 90 GFLOP/s at 32 rows on the Xeon; not measured on Zen 3);
   MKL there ran at two thirds of oneDNN's speed in a decode step.
-CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: the panel kernels were not measured there.
+CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: there, 2 threads, the AVX-512 kernel ran 6-19%
+faster than oneDNN at 16-128 rows but 12% slower at 1,024 (an RL rollout's wide step; docs/serving.md).
 `ROLLBUS_CPU_PACKED_LINEAR` chooses: `1` (the default: as above), `onednn`, `mkl` (fp32 on MKL whatever the
 CPU; refused where this torch has no MKL), `avx2` / `avx512` (fp32 on that panel kernel whatever the CPU;
 refused where the kernels were built without that instruction set), `0` (packing off, plain `F.linear`).
