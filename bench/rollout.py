@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -115,11 +117,22 @@ def _run(name: str, url: str, model: str, prompts: list[list[int]], n: int, max_
     return {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
 
 
-def _median_of(repeats: int, run) -> dict:
-    """run() `repeats` times: the run of median throughput, with every run's tok/s ("runs") and their seconds
-    together ("seconds_all"). A host's speed drifts from one run to the next; one sample is not enough to
-    judge a bar by."""
-    outs = [run() for _ in range(repeats)]
+def reset_prefix_cache(url: str) -> None:
+    """Forget every cached prefix (vLLM's dev endpoint), so the next run prefills its prompts: repeated runs
+    of one workload would otherwise find them cached by the run before, which no single run of a peer does."""
+    r = httpx.post(url + "/reset_prefix_cache", timeout=60)
+    if r.status_code != 200 or not r.json().get("success"):
+        raise RuntimeError(f"POST /reset_prefix_cache: {r.status_code} {r.text}")
+
+
+def _median_of(repeats: int, run, before: Callable[[], None]) -> dict:
+    """run() `repeats` times, each after before(): the run of median throughput, with every run's tok/s
+    ("runs") and their seconds together ("seconds_all"). A host's speed drifts from one run to the next; one
+    sample is not enough to judge a bar by."""
+    outs = []
+    for _ in range(repeats):
+        before()
+        outs.append(run())
     mid = sorted(outs, key=lambda o: o["tok_s"])[(len(outs) - 1) // 2]
     return {**mid, "runs": [o["tok_s"] for o in outs], "seconds_all": sum(o["seconds"] for o in outs)}
 
@@ -196,15 +209,17 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
     gib = kv_gib(args.shape, dtype, prompts, args, dp)
     server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
                           "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout,
-                          *(("--async-scheduling",) if args.async_scheduling else ()))
+                          *(("--async-scheduling",) if args.async_scheduling else ()),
+                          env={"VLLM_SERVER_DEV_MODE": "1"})  # for POST /reset_prefix_cache between runs
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
         warm_up(server.url, model, prompts[0], engines=dp)  # before the counters: its steps are not A's
         before = scheduler_counters(server.url)
+        cold = functools.partial(reset_prefix_cache, server.url)  # every run prefills all of its prompts, as a peer's
         out["A"] = _median_of(args.repeats, lambda: _run("rollbus A", server.url, model, prompts[: args.num_prompts],
-                                                         1, args.max_tokens, True, engines=dp, warm=False))
+                                                         1, args.max_tokens, True, engines=dp, warm=False), cold)
         out["bus"] = bus_cost(before, scheduler_counters(server.url), out["A"]["seconds_all"], dp)
         say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
         out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False, engines=dp)
@@ -212,7 +227,7 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
             say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
             before = scheduler_counters(server.url)  # the engines are warm (A's warm-up)
             out["W"] = _median_of(args.repeats, lambda: _run("rollbus W", server.url, model, prompts[: WIDE[0]],
-                                                             WIDE[1], WIDE[2], True, engines=dp, warm=False))
+                                                             WIDE[1], WIDE[2], True, engines=dp, warm=False), cold)
             out["bus_W"] = bus_cost(before, scheduler_counters(server.url), out["W"]["seconds_all"], dp)
         for streams in (1, 32):
             say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")

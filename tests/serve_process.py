@@ -144,9 +144,10 @@ def sized_for_tests(cfg):
     return cfg if kv is None else dataclasses.replace(cfg, kv_cache_memory_bytes=kv)
 
 
-def start_server(workdir: Path, *args: str, timeout_s: float = 180.0) -> Server:
-    """`rollbus serve *args` on a free port, its log and bus sockets under workdir. Under pytest
-    (SIZE_KV_FOR_TESTS), a server whose flags size no KV cache gets kv_cache_bytes_for_tests."""
+def start_server(workdir: Path, *args: str, timeout_s: float = 180.0, env: dict[str, str] | None = None) -> Server:
+    """`rollbus serve *args` on a free port, its log and bus sockets under workdir, with `env` over this
+    process's environment. Under pytest (SIZE_KV_FOR_TESTS), a server whose flags size no KV cache gets
+    kv_cache_bytes_for_tests."""
     if SIZE_KV_FOR_TESTS and (kv := kv_cache_bytes_for_tests(args)) is not None:
         args = (*args, "--kv-cache-memory-bytes", str(kv))
     port = free_port()
@@ -156,7 +157,7 @@ def start_server(workdir: Path, *args: str, timeout_s: float = 180.0) -> Server:
     cmd = [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), *ipc,
            "--heartbeat-timeout-s", "3"]
     f = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env})
     server = Server(proc, port, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
