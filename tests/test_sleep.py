@@ -96,13 +96,21 @@ def test_memory_returns_to_where_it_started_over_cycles(server):
     url, worker = server.url, server.child_pids()["worker-0"]
     greedy(url)
     start = rss(worker)
+    asleep, awake = [], []
     for _ in range(5):
         post(url, "/sleep", {"level": 2})
+        asleep.append(rss(worker))  # after the sleep's malloc_trim: what the process keeps
         post(url, "/wake_up", {"tags": "weights"})
         post(url, "/collective_rpc", json={"method": "reload_weights"})
         post(url, "/wake_up", {"tags": "kv_cache"})
         greedy(url)
-    assert abs(rss(worker) - start) < 0.05 * start, (rss(worker) / 2**20, start / 2**20)
+        awake.append(rss(worker))
+    mib = [round(b / 2**20) for b in (start, *asleep, *awake)]
+    # asleep, nothing may pile up from one cycle to the next
+    assert max(asleep) - min(asleep) < 0.02 * start, mib
+    # awake, a step's freed blocks may still sit in the heap when RSS is read (measured: about one cycle in
+    # ten reads ~110 MiB above the others, and the next cycle is back), so a leak is growth in the last two
+    assert abs(min(awake[-2:]) - start) < 0.05 * start, mib
 
 
 def test_bad_sleep_input_is_400_and_noops_are_200(server):
