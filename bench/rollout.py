@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -125,14 +123,15 @@ def reset_prefix_cache(url: str) -> None:
         raise RuntimeError(f"POST /reset_prefix_cache: {r.status_code} {r.text}")
 
 
-def _median_of(repeats: int, run, before: Callable[[], None]) -> dict:
-    """run() `repeats` times, each after before(): the run of median throughput, with every run's tok/s
-    ("runs") and their seconds together ("seconds_all"). A host's speed drifts from one run to the next; one
-    sample is not enough to judge a bar by."""
+def _cold_runs(repeats: int, name: str, url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int,
+               engines: int) -> dict:
+    """A fixed-length workload run `repeats` times on warm engines, each from an empty prefix cache: the run of
+    median throughput, with every run's tok/s ("runs") and their seconds together ("seconds_all"). A host's
+    speed drifts from one run to the next; one sample is not enough to judge a bar by."""
     outs = []
     for _ in range(repeats):
-        before()
-        outs.append(run())
+        reset_prefix_cache(url)  # every run prefills all of its prompts, as a peer's single run does
+        outs.append(_run(name, url, model, prompts, n, max_tokens, True, engines=engines, warm=False))
     mid = sorted(outs, key=lambda o: o["tok_s"])[(len(outs) - 1) // 2]
     return {**mid, "runs": [o["tok_s"] for o in outs], "seconds_all": sum(o["seconds"] for o in outs)}
 
@@ -217,17 +216,16 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
         say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
         warm_up(server.url, model, prompts[0], engines=dp)  # before the counters: its steps are not A's
         before = scheduler_counters(server.url)
-        cold = functools.partial(reset_prefix_cache, server.url)  # every run prefills all of its prompts, as a peer's
-        out["A"] = _median_of(args.repeats, lambda: _run("rollbus A", server.url, model, prompts[: args.num_prompts],
-                                                         1, args.max_tokens, True, engines=dp, warm=False), cold)
+        out["A"] = _cold_runs(args.repeats, "rollbus A", server.url, model, prompts[: args.num_prompts], 1,
+                              args.max_tokens, dp)
         out["bus"] = bus_cost(before, scheduler_counters(server.url), out["A"]["seconds_all"], dp)
         say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
         out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False, engines=dp)
         if args.wide:
             say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
             before = scheduler_counters(server.url)  # the engines are warm (A's warm-up)
-            out["W"] = _median_of(args.repeats, lambda: _run("rollbus W", server.url, model, prompts[: WIDE[0]],
-                                                             WIDE[1], WIDE[2], True, engines=dp, warm=False), cold)
+            out["W"] = _cold_runs(args.repeats, "rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2],
+                                  dp)
             out["bus_W"] = bus_cost(before, scheduler_counters(server.url), out["W"]["seconds_all"], dp)
         for streams in (1, 32):
             say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
