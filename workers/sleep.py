@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ascend_ops import packed_linear
 from ascend_ops.platform import Platform, release_host_memory
 from workers.kv_cache import KVCache
 
@@ -52,6 +53,9 @@ class SleepManager:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             if not offload:
                 self._discarded = {name: [] for name in self._shapes}
+            # the CPU packed copies of the weights go too, before the trim below: dropped after it (as the
+            # worker's command wrapper did alone), their heap pages stayed resident for the whole sleep
+            packed_linear.forget(self.model)
         self.asleep = set(TAGS)
         self.platform.synchronize()
         release_host_memory()
