@@ -10,8 +10,9 @@ weight once (`torch.ops.mkldnn._reorder_linear_weight`) and multiplies on the re
 The packed copy lives on the parameter it was made from (attribute `_rollbus_packed`, with the storage
 address it was packed from) and is rebuilt on first use after it is dropped. Anything that changes weights
 in place must call `forget(model)` afterwards (the worker does, after every command that may touch weights:
-updates, sleep, wake, reloads; sleep drops them itself before it trims the heap); a parameter whose `.data` was swapped (its storage address changed) or that
-was written in place through itself (its version counter moved: an optimizer step) is repacked on its own.
+updates, sleep, wake, reloads; sleep drops them itself, before it trims the heap); a parameter whose `.data`
+was swapped (its storage address changed) or that was written in place through itself (its version counter
+moved: an optimizer step) is repacked on its own.
 Writes through `.data` or another alias move neither, hence `forget`. Tensors that are not `nn.Parameter`s
 (per-expert slices, activations) take plain `F.linear`: packing a temporary costs more than it saves.
 
