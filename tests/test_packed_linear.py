@@ -88,10 +88,10 @@ def test_model_load_weights_drops_the_packs(tmp_path):
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_drops_the_packs_before_it_trims_the_heap(tmp_path, monkeypatch, level):
-    """Level 2 discards the weights, and their packed copies with them before malloc_trim: dropped after it
-    (by the worker's command wrapper alone), ~400 MiB of SmolLM2's packs stayed resident in the asleep
-    worker's heap in some cycles (CI: 721 MiB asleep against 337). On CPU, level 1 keeps the weights in
-    place, and their packs with them."""
+    """Level 2 discards the weights and their packed copies before malloc_trim, and counts the packs as
+    released: dropped after the trim (by the worker's command wrapper alone), ~400 MiB of SmolLM2's packs
+    stayed resident in the asleep worker's heap in some cycles (CI: 721 MiB asleep against 337). On CPU
+    level 1 keeps the weights in place, and their packs with them."""
     from ascend_ops.platform import current_platform
     from tests.tiny_models import load_model, make_tiny_checkpoint
     from workers import sleep as sleep_mod
@@ -105,8 +105,13 @@ def test_sleep_drops_the_packs_before_it_trims_the_heap(tmp_path, monkeypatch, l
     at_trim: list[int] = []
     monkeypatch.setattr(sleep_mod, "release_host_memory", lambda: at_trim.append(pl.packed_bytes(model)))
     kv = KVCache(1, 1, 8, 4, 2, torch.float32, torch.device("cpu"))
-    sleep_mod.SleepManager(model, kv, current_platform()).sleep(level)
+    kv_bytes, weights = kv.nbytes, sum(p.numel() * p.element_size() for p in model.parameters())
+    x = torch.randn(2, lm.shape[1])
+    released = sleep_mod.SleepManager(model, kv, current_platform()).sleep(level)
     assert at_trim == [0 if level == 2 else packed]
+    assert released == kv_bytes + (weights + packed if level == 2 else 0)
+    if level == 1:  # the weights and their packs stayed
+        torch.testing.assert_close(pl.linear(x, lm), F.linear(x, lm), rtol=1e-5, atol=1e-4)
 
 
 def test_an_in_place_write_through_the_parameter_repacks_without_forget():
