@@ -102,6 +102,7 @@ class EngineConfig:
     max_request_body_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 4096
     max_prompt_tokens_per_request: int = 2 * 1024 * 1024
+    max_stored_responses: int = 1024  # the Responses API's in-memory store (gateway/responses_store.py)
     shutdown_timeout: int = 0  # vLLM's: seconds SIGTERM waits for running requests; 0 aborts them
     # RL
     additional_config: str | None = None  # JSON; see engine.rl_config
@@ -595,6 +596,13 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens-per-request", type=_non_negative("--max-prompt-tokens-per-request"),
                    default=d.max_prompt_tokens_per_request,
                    help="A request whose prompts hold more tokens in all gets 400 naming the prompt field (rollbus).")
+    g.add_argument("--max-stored-responses", type=_non_negative("--max-stored-responses"),
+                   default=d.max_stored_responses,
+                   help="POST /v1/responses keeps at most this many responses in the gateway's memory (for GET, "
+                        "previous_response_id and cancel; none survive a restart). The oldest finished one makes "
+                        "room for a new one; with every slot held by a running response, a stored request gets 429. "
+                        "0: nothing is stored (store=true is a 400). vLLM stores with "
+                        "VLLM_ENABLE_RESPONSES_API_STORE=1, without a bound (rollbus).")
     g.add_argument("--shutdown-timeout", type=_non_negative("--shutdown-timeout"), default=d.shutdown_timeout,
                    help="vLLM's: on SIGTERM (or Ctrl-C) new requests get 503 and running ones get this many "
                         "seconds to finish; then the rest are aborted (an error, then [DONE]) and every process "

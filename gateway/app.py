@@ -1,5 +1,5 @@
-"""The FastAPI app: vLLM's routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /ping,
-/version, /metrics), the --api-key check, and the error envelope. Handlers live in serving_*.py.
+"""The FastAPI app: vLLM's routes (/v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /health,
+/ping, /version, /metrics), the --api-key check, and the error envelope. Handlers live in serving_*.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -32,10 +32,13 @@ from gateway.metrics import Metrics
 from gateway.openapi import install_openapi
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from gateway.responses import JSONResponse
+from gateway.responses_protocol import ResponsesRequest
+from gateway.responses_store import ResponseStore
 from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completions import create_completion
 from gateway.serving_generate import abort_requests, create_generate
+from gateway.serving_responses import cancel_response, create_response, retrieve_response
 from gateway.vllm_routes import add_vllm_routes
 from gateway.weight_routes import WEIGHT_PATHS, add_weight_routes
 
@@ -185,6 +188,23 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     async def chat_completions(request: Request) -> Response:
         body = ChatCompletionRequest.model_validate_json(await request.body())
         return await create_chat_completion(ctx, body, request)
+
+    # The Responses API (docs/openai-api.md): responses kept in this gateway's memory, bounded
+    app.state.responses_store = responses_store = ResponseStore(cfg.max_stored_responses)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = ResponsesRequest.model_validate_json(await request.body())
+        return await create_response(ctx, responses_store, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_retrieve(response_id: str, stream: bool | None = None,
+                                 starting_after: int | None = Query(None, ge=0)) -> Response:
+        return await retrieve_response(responses_store, response_id, stream, starting_after)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str) -> Response:
+        return await cancel_response(responses_store, response_id)
 
     # Tokens in, tokens out (docs/tokens.md): always routed, 403 unless scale-out is on (vLLM v0.33).
     @app.post("/inference/v1/generate")

@@ -20,7 +20,7 @@ from gateway.errors import APIError, envelope
 from gateway.memory import HeapTrimmer
 from gateway.responses import JSONResponse
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate")
 RETRY_AFTER_S = 1
 OVERLOADED_MESSAGE = ("The engine is currently busy and cannot accept new requests. Please try again later or "
                       "on a different instance.")  # vLLM's QueueOverflowError
@@ -93,6 +93,17 @@ class Admission:
         k = min(tokens, state.get(_QUEUED, 0))
         state[_QUEUED] = state.get(_QUEUED, 0) - k
         self.queued_tokens -= k
+
+    def detach(self) -> Scope:
+        """A request's bookkeeping for work that outlives its HTTP request (a background response): it counts
+        as a request in flight (draining waits for it) until `release`."""
+        self._enter()
+        return {"type": "detached", "state": {}}
+
+    def release(self, scope: Scope) -> None:
+        """The end of a detached request (a second call changes nothing)."""
+        if scope.pop("type", None) == "detached":
+            self._leave(scope, counted=True)
 
     def _enter(self) -> None:
         self.requests += 1

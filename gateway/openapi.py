@@ -66,11 +66,13 @@ QUERY: dict[tuple[str, str], dict[str, Any]] = {
 def model_bodies() -> dict[str, Any]:
     """path -> the pydantic model(s) of its JSON body (a tuple: any one of them)."""
     from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+    from gateway.responses_protocol import ResponsesRequest
     from gateway.vllm_routes import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
     return {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
             "/v1/completions/render": CompletionRequest, "/v1/chat/completions/render": ChatCompletionRequest,
-            "/inference/v1/generate": GenerateRequest, "/detokenize": DetokenizeRequest,
+            "/v1/responses": ResponsesRequest, "/inference/v1/generate": GenerateRequest,
+            "/detokenize": DetokenizeRequest,
             "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest)}
 
 

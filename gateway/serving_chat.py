@@ -273,7 +273,7 @@ async def _chunks(ctx: ServingContext, body: ChatCompletionRequest, head: dict[s
         yield {**head, "choices": [], "usage": _usage(ctx, states, len(prompt_ids), states[0].num_cached_tokens)}
 
 
-def _delta(upd: ChoiceUpdate, state: ChoiceState) -> tuple[dict[str, Any] | None, str | None]:
+def choice_delta(upd: ChoiceUpdate, state: ChoiceState) -> tuple[dict[str, Any] | None, str | None]:
     """The delta of one update (None: the parser has nothing to send yet) and the choice's finish_reason."""
     parser = state.parser if isinstance(state, ChatChoice) else None
     forced = state.forced if isinstance(state, ChatChoice) else None
@@ -302,7 +302,7 @@ def _chunk(ctx: ServingContext, body: ChatCompletionRequest, head: dict[str, Any
     """One SSE chunk, or None when there is nothing to send (as vLLM: a parser's held-back step without
     logprobs or token ids to deliver)."""
     hide = _hide_metadata(body, state)
-    delta, reason = _delta(upd, state)
+    delta, reason = choice_delta(upd, state)
     logprobs = None if hide else _logprobs_of(ctx, body, state, upd.token_ids, upd.logprobs, upd.top_logprobs)
     if delta is None:
         if upd.finish_reason is None and logprobs is None and (not body.return_token_ids or hide):
