@@ -93,8 +93,10 @@ def install_openapi(app: FastAPI, cfg: Any, model: Any) -> None:
 
 def add_bodies(doc: dict[str, Any], *, names: list[str], vocab_size: int, max_model_len: int,
                max_logprobs: int, trust_chat_template: bool = False) -> None:
+    from gateway.responses_protocol import INPUT_ITEMS, SCHEMA_MODELS
+
     bodies = model_bodies()
-    models: list[type[BaseModel]] = []
+    models: list[type[BaseModel]] = list(SCHEMA_MODELS)  # the items of ResponsesRequest's input and tools
     for m in bodies.values():
         models += list(m) if isinstance(m, tuple) else [m]
     refs, defs = models_json_schema([(m, "validation") for m in dict.fromkeys(models)], ref_template=REF)
@@ -105,6 +107,10 @@ def add_bodies(doc: dict[str, Any], *, names: list[str], vocab_size: int, max_mo
             schema["properties"]["chat_template"]["enum"] = [None]  # 400 without --trust-request-chat-template
         if name == "TokenizeChatRequest":
             schema["properties"]["messages"]["items"] = {"$ref": REF.format(model="ChatMessage")}
+        if name == "ResponsesRequest":
+            items = {"anyOf": [{"$ref": REF.format(model=m.__name__)} for m in INPUT_ITEMS.values()]}
+            schema["properties"]["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                                                            "items": items}], "title": "Input"}
     components.update(defs.get("$defs", {}))
     paths = doc.get("paths", {})
     for path, m in bodies.items():

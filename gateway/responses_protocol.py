@@ -60,10 +60,13 @@ class TextContent(_Item):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextContent"}}]}
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] = Field(json_schema_extra=_PARTS)
     id: str | None = None
     status: str | None = None
 
@@ -80,7 +83,7 @@ class FunctionCallItem(_Item):
 class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[dict[str, Any]]
+    output: str | list[dict[str, Any]] = Field(json_schema_extra=_PARTS)
     id: str | None = None
     status: str | None = None
 
@@ -104,11 +107,17 @@ INPUT_ITEMS: dict[str, type[_Item]] = {"message": MessageItem, "function_call": 
 
 
 class FunctionTool(_Item):
+    """A function tool as the Responses API defines it (flat, unlike chat's {"function": {...}})."""
+
     type: Literal["function"]
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+# the schemas /openapi.json publishes for `input` items and `tools` (the fields are read item by item)
+SCHEMA_MODELS: tuple[type[BaseModel], ...] = (TextContent, *INPUT_ITEMS.values(), FunctionTool)
 
 
 def _parse(model: type[BaseModel], value: Any, param: str) -> Any:
