@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.responses_protocol import items_to_messages
+from gateway.responses_protocol import REFUSED_RESPONSES, items_to_messages
 from tests.test_gateway_protocol import FakeClient, make_app
 from tests.waits import wait_for
 
@@ -222,3 +222,16 @@ def test_bad_input_is_refused_naming_it_and_the_engine_goes_on(body: dict, statu
     assert err["param"] == param and words in err["message"], err
     assert err["code"] == status and not client.submitted  # refused before anything reached the engine
     assert http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2}).status_code == 200
+
+
+ASKING = {"logit_bias": {"5": 1.0}, "max_tool_calls": 3, "prompt": {"id": "p"}, "mm_processor_kwargs": {"a": 1},
+          "priority": 1, "enable_response_messages": True, "previous_input_messages": [{"role": "user"}],
+          "previous_response": {"id": "resp_1"}, "conversation": "conv_1", "context_management": [{"type": "x"}]}
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_RESPONSES))
+def test_every_refused_field_is_a_400_naming_it(field: str) -> None:
+    http, client = make_app()
+    r = http.post("/v1/responses", json={"input": "x", field: ASKING[field]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "not supported" in r.json()["error"]["message"] and not client.submitted

@@ -18,6 +18,7 @@ from gateway.protocol import (
     GenerateRequest,
     GenerateSamplingParams,
 )
+from gateway.responses_protocol import ResponsesRequest
 from tests.gateway_bad_inputs import ASKING_CHAT, ASKING_COMPLETION, ASKING_ENGINE_SAMPLING, ASKING_GENERATE
 
 VLLM_V033_FIELDS = {
@@ -61,6 +62,14 @@ VLLM_V033_FIELDS = {
         stream_interval skip_clone output_text_buffer_length structured_outputs logit_bias
         allowed_token_ids extra_args bad_words skip_reading_prefix_cache thinking_token_budget
         repetition_detection routed_experts_prompt_start trace_decode_token_ids
+    """.split(),
+    ResponsesRequest: """
+        background include input instructions max_output_tokens max_tool_calls metadata model logit_bias
+        parallel_tool_calls previous_response_id prompt reasoning service_tier store stream temperature text
+        tool_choice tools top_logprobs top_p top_k truncation user skip_special_tokens include_stop_str_in_output
+        prompt_cache_key request_id mm_processor_kwargs priority cache_salt enable_response_messages
+        previous_input_messages previous_response structured_outputs repetition_penalty seed stop ignore_eos
+        vllm_xargs
     """.split(),
 }
 
