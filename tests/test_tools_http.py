@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from typing import Any
 
 import httpx
@@ -19,17 +18,15 @@ import pytest
 
 from gateway.tokenizer import Tokenizer
 from tests.fixtures_models import require_qwen3_tokenizer_dir
-from tests.serve_process import Server, start_server
-from tests.tiny_models import make_tiny_checkpoint
+from tests.serve_process import Server
+from tests.server_helpers import ANSWER, TOOL_CALLS, forced, qwen3_tool_server, run_weather_agent
 
 pytestmark = pytest.mark.slow
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-CALLS = ('<think>\nThe user wants both.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
-         '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
-ANSWER = "<think>\nI have the weather.\n</think>\n\nIt is sunny in Paris."
+CALLS = TOOL_CALLS
 USER = [{"role": "user", "content": "Weather and time in Paris?"}]
 
 
@@ -40,20 +37,9 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tok: Tokenizer) -> Server:
-    work = tmp_path_factory.mktemp("tools")
-    folder = make_tiny_checkpoint("qwen3", work / "qwen3", vocab_size=151936, max_position_embeddings=2048)
-    for f in require_qwen3_tokenizer_dir().iterdir():
-        shutil.copy(f, folder / f.name)
-    s = start_server(work, str(folder), "--served-model-name", "tiny", "--max-model-len", "2048",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-                     "--enable-trace-replay", "--enable-scale-out")
+    s = qwen3_tool_server(tmp_path_factory.mktemp("tools"))
     yield s
     s.stop()
-
-
-def forced(tok: Tokenizer, text: str) -> dict[str, Any]:
-    """The extra body that makes the engine emit exactly `text` (then <|im_end|>)."""
-    return {"vllm_xargs": {"trace_decode_token_ids": tok.encode(text) + [tok.token_to_id("<|im_end|>")]}}
 
 
 def client(server: Server) -> openai.OpenAI:
@@ -138,39 +124,14 @@ def test_tool_choice_none_returns_the_text(server: Server, tok: Tokenizer) -> No
 
 
 def test_agent_framework_two_turn_tool_loop(server: Server, tok: Tokenizer) -> None:
-    """pydantic-ai, unmodified, against rollbus: turn 1 calls get_weather (run by the framework), turn 2 answers
-    from the result. The forced outputs ride on the framework's own HTTP client: an httpx request hook adds
-    the trace of the turn (the tool call while no tool result is in the conversation, the answer after),
-    which the framework never sees; everything else is the framework's own request."""
-    Agent = pytest.importorskip("pydantic_ai", reason="pip install -e '.[agents]'").Agent
+    """pydantic-ai's OpenAIChatModel, unmodified, against rollbus (tests.server_helpers.run_weather_agent)."""
+    pytest.importorskip("pydantic_ai", reason="pip install -e '.[agents]'")
     from pydantic_ai.models.openai import OpenAIChatModel
-    from pydantic_ai.providers.openai import OpenAIProvider
 
-    turns: list[dict[str, Any]] = []
-
-    async def add_trace(request: httpx.Request) -> None:
-        body = json.loads(request.content)
-        answered = any(m.get("role") == "tool" for m in body["messages"])
-        body.update(forced(tok, ANSWER if answered else CALLS.split("\n<tool_call>\n{\"name\": \"get_time\"")[0]))
-        turns.append(body)
-        request.stream = httpx.ByteStream(json.dumps(body).encode())
-        request.headers["content-length"] = str(len(request.stream._stream))
-
-    http = httpx.AsyncClient(event_hooks={"request": [add_trace]}, timeout=60)
-    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=server.url + "/v1", api_key="x",
-                                                            http_client=http))
-    agent = Agent(model)
-    seen: list[str] = []
-
-    @agent.tool_plain
-    def get_weather(city: str) -> str:
-        """Weather of a city."""
-        seen.append(city)
-        return f"sunny in {city}"
-
-    result = agent.run_sync("Weather in Paris?")
+    output, seen, turns = run_weather_agent(server, tok, OpenAIChatModel,
+                                            lambda body: any(m.get("role") == "tool" for m in body["messages"]))
     assert seen == ["Paris"]
-    assert result.output.strip() == "It is sunny in Paris."  # content keeps the "\n\n" after </think>, as vLLM
+    assert output.strip() == "It is sunny in Paris."  # content keeps the "\n\n" after </think>, as vLLM
     assert len(turns) == 2
     tool_msgs = [m for m in turns[1]["messages"] if m["role"] == "tool"]
     assert tool_msgs and tool_msgs[0]["content"] == "sunny in Paris"
