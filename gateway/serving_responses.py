@@ -110,8 +110,10 @@ def _stored(store: ResponseStore, body: ResponsesRequest) -> bool:
     if body.store is False:
         return False
     if store.limit == 0:
-        if "store" in body.model_fields_set:
-            raise bad_request(f"This server stores no responses ({LIMIT_FLAG} 0): send store=false", "store")
+        if "store" in body.model_fields_set or body.background:
+            param = "store" if "store" in body.model_fields_set else "background"
+            raise bad_request(f"This server stores no responses ({LIMIT_FLAG} 0): send store=false, without "
+                              "background", param)
         return False
     return True
 

@@ -95,6 +95,8 @@ def test_the_store_is_bounded_and_an_evicted_id_is_a_404_naming_the_limit() -> N
     assert http.post("/v1/responses", json={"input": "a"}).status_code == 200  # store left at its default
     r = http.post("/v1/responses", json={"input": "a", "store": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+    r = http.post("/v1/responses", json={"input": "a", "background": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
 
 
 def test_background_response_is_cancelled_and_its_engine_request_aborted() -> None:
