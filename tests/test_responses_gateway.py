@@ -237,3 +237,19 @@ def test_every_refused_field_is_a_400_naming_it(field: str) -> None:
     r = http.post("/v1/responses", json={"input": "x", field: ASKING[field]})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert "not supported" in r.json()["error"]["message"] and not client.submitted
+
+
+def test_an_engine_failure_is_an_error_event_or_a_failed_background_response() -> None:
+    client = FakeClient()
+    client.fail_after = 2
+    http, _ = make_app(client)
+    with http:
+        events = events_of(http.post("/v1/responses", json={"input": "x", "stream": True}).text)
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "500", events[-1]
+        assert "worker exploded" in events[-1]["message"]
+        assert http.get(f"/v1/responses/{events[0]['response']['id']}").status_code == 404  # nothing finished
+        r = http.post("/v1/responses", json={"input": "x"})
+        assert r.status_code == 500 and "worker exploded" in r.json()["error"]["message"]
+        rid = http.post("/v1/responses", json={"input": "x", "background": True}).json()["id"]
+        wait_for(lambda: http.get(f"/v1/responses/{rid}").json()["status"] == "failed", 10, "the failure")
+        assert "worker exploded" in http.get(f"/v1/responses/{rid}").json()["error"]["message"]
