@@ -10,11 +10,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.dp_router import HEADER, RankHeaderError, parse_rank_header
 from gateway.errors import bad_request, error_response
+from gateway.limits import GENERATION_PATHS
 
 # the engine the current request's header names (None: the router balances)
 requested_engine: contextvars.ContextVar[int | None] = contextvars.ContextVar("requested_engine", default=None)
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 _HEADER = HEADER.lower().encode()
 
 

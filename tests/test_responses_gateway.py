@@ -253,3 +253,11 @@ def test_an_engine_failure_is_an_error_event_or_a_failed_background_response() -
         rid = http.post("/v1/responses", json={"input": "x", "background": True}).json()["id"]
         wait_for(lambda: http.get(f"/v1/responses/{rid}").json()["status"] == "failed", 10, "the failure")
         assert "worker exploded" in http.get(f"/v1/responses/{rid}").json()["error"]["message"]
+
+
+def test_the_data_parallel_rank_header_is_read_on_responses_too() -> None:
+    http, client = make_app()
+    r = http.post("/v1/responses", json={"input": "x"}, headers={"X-data-parallel-rank": "3"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-data-parallel-rank", r.text
+    assert not client.submitted
+    assert http.post("/v1/responses", json={"input": "x"}, headers={"X-data-parallel-rank": "0"}).status_code == 200
