@@ -15,9 +15,10 @@ from typing import Any
 
 import structlog
 
-from gateway.reasoning_parsers import ReasoningParser, reasoning_parser_class
+from gateway.reasoning_parsers import HarmonyReasoningParser, ReasoningParser, reasoning_parser_class
 from gateway.tool_parsers import tool_parser_class
 from gateway.tool_parsers.base import Delta, DeltaToolCall, Extracted, ToolCall, ToolParser
+from gateway.tool_parsers.harmony import HarmonyOutput, HarmonyToolParser
 
 log = structlog.get_logger()
 
@@ -43,7 +44,8 @@ class ParserConfig:
 
     @property
     def active(self) -> bool:
-        return bool(self.reasoning_parser) or (bool(self.tool_parser) and self.tool_choice_auto)
+        harmony = self.tool_parser == HarmonyToolParser.name  # gpt-oss's output is always read by channel
+        return bool(self.reasoning_parser) or harmony or (bool(self.tool_parser) and self.tool_choice_auto)
 
 
 def finish_reason(engine_reason: str | None, tools_called: bool) -> str:
@@ -64,6 +66,9 @@ class ChatOutputParser:
         self.tools: ToolParser | None = None
         if cfg.tool_parser and cfg.tool_choice_auto:
             self.tools = tool_parser_class(cfg.tool_parser)(tokenizer, cfg.tools)
+        self.harmony: HarmonyOutput | None = None  # gpt-oss: one reader of the channels for both parsers
+        if isinstance(self.reasoning, HarmonyReasoningParser) or cfg.tool_parser == HarmonyToolParser.name:
+            self.harmony = HarmonyOutput(reasoning=self.reasoning is not None, tools=self.tools is not None)
         self._tool_text = ""  # the streamed text after the reasoning
         self._blank = ""  # whitespace-only content held back (_hold_blank)
         self.tools_streamed = False
@@ -72,11 +77,20 @@ class ChatOutputParser:
         return self.reasoning.count_tokens(token_ids) if self.reasoning is not None else 0
 
     def skip_special_tokens(self, skip: bool) -> bool:
-        return self.tools.adjust_skip_special_tokens(skip) if self.tools is not None else skip
+        if self.harmony is not None:
+            return False
+        for parser in (self.reasoning, self.tools):
+            skip = parser.adjust_skip_special_tokens(skip) if parser is not None else skip
+        return skip
 
     # ------------------------------------------------------------------ whole output
 
     def parse(self, text: str) -> ParsedMessage:
+        if self.harmony is not None:
+            assert self.reasoning is None or isinstance(self.reasoning, HarmonyReasoningParser)
+            reasoning, content, calls = HarmonyOutput(self.harmony.reasoning, self.harmony.tools).parse(text)
+            calls = calls[:1] if not self.cfg.parallel_tool_calls else calls
+            return ParsedMessage(reasoning if self.cfg.include_reasoning else None, content, calls)
         reasoning, content = None, text
         if self.reasoning is not None:
             split = self.reasoning.split(text)
@@ -100,6 +114,23 @@ class ChatOutputParser:
 
     def parse_delta(self, delta_text: str, finished: bool) -> Delta | None:
         """What this delta adds (None: nothing to send yet). At `finished`, held-back text is flushed."""
+        if self.harmony is not None:
+            out = self.harmony.feed(delta_text, finished)
+        else:
+            out = self._delta(delta_text, finished)
+        filtered = False
+        if out.tool_calls:
+            self.tools_streamed = True
+            if not self.cfg.parallel_tool_calls:
+                kept = [c for c in out.tool_calls if c.index == 0]
+                filtered, out.tool_calls = len(kept) < len(out.tool_calls), kept
+        if not self.cfg.include_reasoning:
+            out.reasoning = None
+        if out.empty() and not filtered:  # vLLM: a step whose calls were all filtered out still sends {}
+            return None
+        return out
+
+    def _delta(self, delta_text: str, finished: bool) -> Delta:
         out = Delta()
         after = delta_text
         if self.reasoning is not None:
@@ -123,16 +154,6 @@ class ChatOutputParser:
             if finished:
                 self._finish_tools(out)
             out.content = self._hold_blank(out.content, bool(out.tool_calls), finished)
-        filtered = False
-        if out.tool_calls:
-            self.tools_streamed = True
-            if not self.cfg.parallel_tool_calls:
-                kept = [c for c in out.tool_calls if c.index == 0]
-                filtered, out.tool_calls = len(kept) < len(out.tool_calls), kept
-        if not self.cfg.include_reasoning:
-            out.reasoning = None
-        if out.empty() and not filtered:  # vLLM: a step whose calls were all filtered out still sends {}
-            return None
         return out
 
     def _hold_blank(self, content: str | None, calls: bool, finished: bool) -> str | None:

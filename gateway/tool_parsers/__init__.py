@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from gateway.tool_parsers.base import ToolParser
+from gateway.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from gateway.tool_parsers.glm45 import Glm45ToolParser
+from gateway.tool_parsers.harmony import HarmonyToolParser
 from gateway.tool_parsers.hermes import HermesToolParser
+from gateway.tool_parsers.kimi_k2 import KimiK2ToolParser
 from gateway.tool_parsers.llama3_json import Llama3JsonToolParser
+from gateway.tool_parsers.mistral import MistralToolParser
 from gateway.tool_parsers.pythonic import PythonicToolParser
 from gateway.tool_parsers.qwen3_xml import Qwen3XmlToolParser
 
@@ -17,6 +22,12 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,  # Llama 3.x / 4 JSON calls
     "llama4_json": Llama3JsonToolParser,
     "pythonic": PythonicToolParser,  # Llama 3.2 / 4, ToolACE: [f(x=1), g(y="a")]
+    "deepseek_v3": DeepSeekV3ToolParser,  # DeepSeek-V3 / R1
+    "deepseek_v31": DeepSeekV31ToolParser,  # DeepSeek-V3.1 / V3.2's chat format
+    "kimi_k2": KimiK2ToolParser,  # Kimi-K2
+    "glm45": Glm45ToolParser,  # GLM-4.5 / 4.6 / 4.7
+    "mistral": MistralToolParser,  # Mistral / Ministral / Devstral: [TOOL_CALLS]
+    "openai": HarmonyToolParser,  # gpt-oss's harmony format
 }
 
 

@@ -104,6 +104,15 @@ class ToolParser:
         self.prev_calls: list[dict[str, Any]] = []  # per call: "name", "arguments" (text) as parsed so far
         self.streamed_args: list[str] = []  # per call: argument text already sent
 
+    def tool_properties(self, name: str) -> dict[str, Any]:
+        """The JSON Schema properties of the request's tool `name` ({} when it has none)."""
+        for t in self.tools:
+            fn = t.get("function") or {}
+            if fn.get("name") == name:
+                props = (fn.get("parameters") or {}).get("properties")
+                return props if isinstance(props, dict) else {}
+        return {}
+
     def adjust_skip_special_tokens(self, skip: bool) -> bool:
         """vLLM's `adjust_request`: tool-call markers may be special tokens, which must reach the parser."""
         return skip

@@ -125,15 +125,8 @@ class Qwen3XmlToolParser(ToolParser):
         super().__init__(tokenizer, tools)
         self._sent_content = 0
 
-    def _properties(self, name: str) -> dict[str, Any]:
-        for t in self.tools:
-            fn = t.get("function") or {}
-            if fn.get("name") == name:
-                return (fn.get("parameters") or {}).get("properties") or {}
-        return {}
-
     def _value(self, fn: str, key: str, raw: str) -> Any:
-        props = self._properties(fn)
+        props = self.tool_properties(fn)
         if not props or not isinstance(props.get(key), dict):
             return raw
         return coerce(raw, schema_types(props[key]))
@@ -192,7 +185,7 @@ class Qwen3XmlToolParser(ToolParser):
             return ""
         parts = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}" for k, v in params.items()]
         text = "{" + "".join(p + ", " for p in parts) + json.dumps(open_key, ensure_ascii=False) + ": "
-        props = self._properties(fn)
+        props = self.tool_properties(fn)
         if not props or not isinstance(props.get(open_key), dict) or schema_types(props[open_key]) == {"string"}:
             text += '"' + json.dumps(open_value, ensure_ascii=False)[1:-1]
         return text
