@@ -338,6 +338,10 @@ def _check_parsers(cfg: EngineConfig) -> None:
         tool_parser_class(cfg.tool_call_parser)
     if cfg.reasoning_parser:
         reasoning_parser_class(cfg.reasoning_parser)
+    harmony = (cfg.tool_call_parser == "openai", cfg.reasoning_parser == "openai_gptoss")
+    if cfg.tool_call_parser and cfg.reasoning_parser and harmony[0] != harmony[1]:  # vLLM's HarmonyParser refuses it
+        raise ValueError("--tool-call-parser openai and --reasoning-parser openai_gptoss (gpt-oss's harmony format) "
+                         "go together: neither reads another parser's format")
 
 
 def _vllm_dest(dest: str) -> str:
@@ -384,15 +388,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(_tool_parser_names()) + "}",
                    help="How tool calls are written in the model's output: hermes and qwen3_json (<tool_call> JSON: "
                         "Hermes, Qwen2.5, Qwen3), qwen3_xml and qwen3_coder (Qwen3-Coder's XML calls), llama3_json "
-                        "and llama4_json (Llama 3.x / 4 JSON calls), pythonic ([f(x=1)]: Llama 3.2 / 4). An unknown "
-                        "name is a start-up error listing these (docs/tools.md).")
+                        "and llama4_json (Llama 3.x / 4 JSON calls), pythonic ([f(x=1)]: Llama 3.2 / 4), deepseek_v3 "
+                        "(DeepSeek-V3 / R1), deepseek_v31 (DeepSeek-V3.1 / V3.2), kimi_k2 (Kimi-K2), glm45 (GLM-4.5 / "
+                        "4.6 / 4.7), mistral ([TOOL_CALLS]: Mistral, Ministral, Devstral), openai (gpt-oss's harmony "
+                        "format, with --reasoning-parser openai_gptoss or none). An unknown name is a start-up error "
+                        "listing these (docs/tools.md).")
     g.add_argument("--exclude-tools-when-tool-choice-none", action=Switch,
                    negatives=["--no-exclude-tools-when-tool-choice-none"], default=False,
                    help='Requests with tool_choice "none" get no tool definitions in the prompt.')
     g.add_argument("--reasoning-parser", default=None, type=lambda v: "" if v.lower() == "none" else v,
                    metavar="{" + ",".join(_reasoning_parser_names()) + "}",
                    help="Split chat outputs into reasoning (message.reasoning, also sent as reasoning_content) "
-                        "and content: qwen3 or deepseek_r1 (<think>...</think>); 'none' turns it off.")
+                        "and content: qwen3, deepseek_r1 (<think>...</think>), deepseek_v3 (DeepSeek-V3.1: thinking only "
+                        "with chat_template_kwargs thinking), kimi_k2 (Kimi-K2-Thinking), glm45 (GLM-4.5 / 4.6 / 4.7), "
+                        "openai_gptoss (gpt-oss's analysis channel); 'none' turns it off (docs/tools.md).")
     g.add_argument("--return-tokens-as-token-ids", action=Switch, default=d.return_tokens_as_token_ids,
                    help="Logprob tokens as 'token_id:N' for requests that do not set return_tokens_as_token_ids.")
     g.add_argument("--generation-config", default=d.generation_config,

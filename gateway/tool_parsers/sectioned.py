@@ -88,7 +88,7 @@ class SectionedToolParser(ToolParser):
         start = self._first(text)
         if start == -1:
             return Extracted([], text)
-        calls = [ToolCall(c.name, c.arguments, **({"id": c.id} if c.id else {}))
+        calls = [ToolCall(c.name, c.arguments, c.id or self.new_id())
                  for c in self.calls(text[start:], final=True) if c.name]
         if not calls:
             return Extracted([], text)  # as vLLM: no call parsed, the output is content
