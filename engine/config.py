@@ -399,9 +399,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, type=lambda v: "" if v.lower() == "none" else v,
                    metavar="{" + ",".join(_reasoning_parser_names()) + "}",
                    help="Split chat outputs into reasoning (message.reasoning, also sent as reasoning_content) "
-                        "and content: qwen3, deepseek_r1 (<think>...</think>), deepseek_v3 (DeepSeek-V3.1: thinking only "
-                        "with chat_template_kwargs thinking), kimi_k2 (Kimi-K2-Thinking), glm45 (GLM-4.5 / 4.6 / 4.7), "
-                        "openai_gptoss (gpt-oss's analysis channel); 'none' turns it off (docs/tools.md).")
+                        "and content: qwen3, deepseek_r1 (<think>...</think>), deepseek_v3 (DeepSeek-V3.1: thinking "
+                        "only with chat_template_kwargs thinking), kimi_k2 (Kimi-K2-Thinking), glm45 (GLM-4.5 / 4.6 / "
+                        "4.7), openai_gptoss (gpt-oss's analysis channel); 'none' turns it off (docs/tools.md).")
     g.add_argument("--return-tokens-as-token-ids", action=Switch, default=d.return_tokens_as_token_ids,
                    help="Logprob tokens as 'token_id:N' for requests that do not set return_tokens_as_token_ids.")
     g.add_argument("--generation-config", default=d.generation_config,

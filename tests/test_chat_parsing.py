@@ -245,7 +245,7 @@ def test_partial_tag_overlap() -> None:
 def test_unknown_names_list_the_available_ones() -> None:
     with pytest.raises(ValueError, match=r"invalid tool call parser: nope \(choose from \{ hermes,qwen3_json"):
         tool_parser_class("nope")
-    with pytest.raises(ValueError, match=r"invalid reasoning parser: nope \(choose from \{ deepseek_r1,qwen3 \}"):
+    with pytest.raises(ValueError, match=r"invalid reasoning parser: nope \(choose from \{ deepseek_r1,deepseek_v3,"):
         reasoning_parser_class("nope")
 
 

@@ -48,10 +48,11 @@ MISTRAL_V3 = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pari
               '{"name": "get_time", "arguments": {"tz": "CET"}, "id": "xyz789QWE"}]')
 MISTRAL_V11 = ('Let me check.[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris", "days": 3}'
                '[TOOL_CALLS]get_time[CALL_ID]xyz789QWE[ARGS]{"tz": "CET"}')
-MISTRAL_V13 = 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
-HARMONY = ("<|channel|>analysis<|message|>Need the weather, then the time.<|end|><|start|>assistant<|channel|>commentary "
-           'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris","days":3}<|call|><|start|>assistant '
-           'to=functions.get_time<|channel|>commentary json<|message|>{"tz":"CET"}<|call|>')
+MISTRAL_V13 = ('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+               '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}')
+HARMONY = ("<|channel|>analysis<|message|>Need the weather, then the time.<|end|><|start|>assistant"
+           '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris","days":3}'
+           '<|call|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz":"CET"}<|call|>')
 HARMONY_TEXT = ("<|channel|>analysis<|message|>Simple.<|end|><|start|>assistant<|channel|>commentary<|message|>Hi!"
                 "<|end|><|start|>assistant<|channel|>final<|message|>Paris is sunny.")
 THINK = "<think>\nThe user wants weather.\n</think>\n\n"
@@ -79,7 +80,8 @@ CASES: list[tuple[str, str, str | None, str | None, dict[str, Any], tuple]] = [
     ("mistral text", "No tools needed.", "mistral", None, {}, (None, "No tools needed.", [])),
     ("harmony calls", HARMONY, "openai", "openai_gptoss", {}, ("Need the weather, then the time.", None, [W, T])),
     ("harmony text", HARMONY_TEXT, "openai", "openai_gptoss", {}, ("Simple.", "Hi!\nParis is sunny.", [])),
-    ("harmony reasoning parser alone", HARMONY_TEXT, None, "openai_gptoss", {}, ("Simple.", "Hi!\nParis is sunny.", [])),
+    ("harmony reasoning parser alone", HARMONY_TEXT, None, "openai_gptoss", {},
+     ("Simple.", "Hi!\nParis is sunny.", [])),
     ("harmony cut in a header", "<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>fin", "openai",
      "openai_gptoss", {}, ("ok", "<|start|>assistant<|channel|>fin", [])),
 ]
@@ -229,7 +231,8 @@ def test_harmony_refuses_other_parsers_beside_it() -> None:
     with pytest.raises(ValueError, match="--reasoning-parser openai_gptoss"):
         _check_parsers(EngineConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
                                     reasoning_parser="openai_gptoss"))
-    _check_parsers(EngineConfig(enable_auto_tool_choice=True, tool_call_parser="openai", reasoning_parser="openai_gptoss"))
+    _check_parsers(EngineConfig(enable_auto_tool_choice=True, tool_call_parser="openai",
+                                reasoning_parser="openai_gptoss"))
 
 
 def test_every_parser_is_in_the_docs_table_and_the_help() -> None:
