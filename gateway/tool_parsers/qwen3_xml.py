@@ -27,7 +27,8 @@ import math
 import re
 from typing import Any
 
-from gateway.tool_parsers.base import Delta, DeltaToolCall, Extracted, ToolCall, ToolParser, make_tool_call_id
+from gateway.tool_parsers.base import Delta, DeltaToolCall, Extracted, ToolCall, make_tool_call_id
+from gateway.tool_parsers.sectioned import ContentBeforeCalls
 
 _OPENERS = ("<tool_call>", "<function=")
 _FUNC = re.compile(r"<function=([^>]*)>")
@@ -118,23 +119,16 @@ def _held_tail(text: str, tags: tuple[str, ...]) -> int:
     return len(tail) if any(t.startswith(tail) for t in tags) else 0
 
 
-class Qwen3XmlToolParser(ToolParser):
+class Qwen3XmlToolParser(ContentBeforeCalls):
     name = "qwen3_xml"
-
-    def __init__(self, tokenizer: object = None, tools: list[dict[str, Any]] | None = None) -> None:
-        super().__init__(tokenizer, tools)
-        self._sent_content = 0
+    starts = _OPENERS
+    strip_content = True
 
     def _value(self, fn: str, key: str, raw: str) -> Any:
         props = self.tool_properties(fn)
         if not props or not isinstance(props.get(key), dict):
             return raw
         return coerce(raw, schema_types(props[key]))
-
-    @staticmethod
-    def _first_call(text: str) -> int:
-        found = [i for i in (text.find(o) for o in _OPENERS) if i != -1]
-        return min(found) if found else -1
 
     def _regions(self, text: str) -> list[tuple[str, str, bool]]:
         """(function name, body so far, closed) of each call whose name is complete."""
@@ -152,7 +146,7 @@ class Qwen3XmlToolParser(ToolParser):
                 for m in _PARAM.finditer(body)}
 
     def extract(self, text: str) -> Extracted:
-        start = self._first_call(text)
+        start = self._first(text)
         if start == -1:
             return Extracted([], text)
         calls = [ToolCall(fn, json.dumps(self._params(fn, body), ensure_ascii=False))
@@ -190,25 +184,9 @@ class Qwen3XmlToolParser(ToolParser):
             text += '"' + json.dumps(open_value, ensure_ascii=False)[1:-1]
         return text
 
-    def _content(self, text: str) -> str | None:
-        start = self._first_call(text)
-        end = len(text) - _held_tail(text, _OPENERS) if start == -1 else start
-        # trailing whitespace waits for more text (before a call it is dropped), as does a blank start
-        end = len(text[:end].rstrip()) if text[:end].strip() else self._sent_content
-        if end > self._sent_content:
-            out, self._sent_content = text[self._sent_content:end], end
-            return out
-        return None
-
-    def unsent_content(self, text: str) -> str:
-        if self._first_call(text) != -1:
-            return ""
-        out, self._sent_content = text[self._sent_content:], len(text)
-        return out
-
     def extract_streaming(self, previous_text: str, current_text: str, delta_text: str) -> Delta | None:
         content = self._content(current_text)
-        start = self._first_call(current_text)
+        start = self._first(current_text)
         deltas: list[DeltaToolCall] = []
         for i, (fn, body, closed) in enumerate(self._regions(current_text[start:]) if start != -1 else []):
             if i >= len(self.prev_calls):

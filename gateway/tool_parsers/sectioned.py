@@ -58,13 +58,41 @@ def open_object(params: dict[str, Any], closed: bool) -> str:
     return text if closed else text[:-1]
 
 
-class SectionedToolParser(ToolParser):
+class ContentBeforeCalls(ToolParser):
+    """The content is the text before the first of `starts`; streamed, a tail that may still become a start
+    marker is held back."""
+
     starts: tuple[str, ...] = ()  # markers that open the calls
     strip_content = False  # vLLM strips the content before calls (here its trailing whitespace, as streamed)
 
     def __init__(self, tokenizer: object = None, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tokenizer, tools)
         self._sent_content = 0
+
+    def _first(self, text: str) -> int:
+        found = [i for i in (text.find(s) for s in self.starts) if i != -1]
+        return min(found) if found else -1
+
+    def _content(self, text: str) -> str | None:
+        start = self._first(text)
+        end = start if start != -1 else len(text) - max(partial_tag_overlap(text, s) for s in self.starts)
+        if self.strip_content:  # trailing whitespace waits for more text (before a call it is dropped)
+            end = len(text[:end].rstrip()) if text[:end].strip() else self._sent_content
+        if end > self._sent_content:
+            out, self._sent_content = text[self._sent_content:end], end
+            return out
+        return None
+
+    def unsent_content(self, text: str) -> str:
+        if self._first(text) != -1 and self.extract(text).tools_called:
+            return ""
+        out, self._sent_content = text[self._sent_content:], len(text)  # no call: the whole output is content
+        return out
+
+
+class SectionedToolParser(ContentBeforeCalls):
+    def __init__(self, tokenizer: object = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
         self._text = ""
 
     def adjust_skip_special_tokens(self, skip: bool) -> bool:
@@ -80,10 +108,6 @@ class SectionedToolParser(ToolParser):
     def tool_names(self) -> set[str]:
         return {(t.get("function") or {}).get("name") for t in self.tools} - {None}
 
-    def _first(self, text: str) -> int:
-        found = [i for i in (text.find(s) for s in self.starts) if i != -1]
-        return min(found) if found else -1
-
     def extract(self, text: str) -> Extracted:
         start = self._first(text)
         if start == -1:
@@ -94,22 +118,6 @@ class SectionedToolParser(ToolParser):
             return Extracted([], text)  # as vLLM: no call parsed, the output is content
         content = text[:start].rstrip() if self.strip_content else text[:start]
         return Extracted(calls, content or None)
-
-    def _content(self, text: str) -> str | None:
-        start = self._first(text)
-        end = start if start != -1 else len(text) - max(partial_tag_overlap(text, s) for s in self.starts)
-        if self.strip_content:  # trailing whitespace waits for more text (before a call it is dropped)
-            end = len(text[:end].rstrip()) if text[:end].strip() else self._sent_content
-        if end > self._sent_content:
-            out, self._sent_content = text[self._sent_content:end], end
-            return out
-        return None
-
-    def unsent_content(self, text: str) -> str:
-        if self._first(text) != -1 and self.extract(text).tools_called:
-            return ""
-        out, self._sent_content = text[self._sent_content:], len(text)
-        return out
 
     def extract_streaming(self, previous_text: str, current_text: str, delta_text: str) -> Delta | None:
         self._text = current_text
