@@ -429,3 +429,20 @@ def test_same_as_vllm(vllm_family_results: dict[str, tuple[dict, dict]], case: t
         assert ours["whole"] == theirs["whole"]
     if known is None:
         assert ours["stream"] == theirs["stream"]
+
+
+def test_chat_route_harmony_channels() -> None:
+    """gpt-oss's channels through the chat route (one character a delta; the fake model's context is short)."""
+    from tests.test_gateway_protocol import FakeClient, make_app, sse_events
+
+    script = "<|channel|>final<|message|>Hi"
+    http, fake = make_app(FakeClient(script), reasoning_parser="openai_gptoss")
+    body = {"messages": [{"role": "user", "content": ""}], "max_tokens": len(script) + 3}
+    got = http.post("/v1/chat/completions", json=body).json()
+    message = got["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (None, "Hi")
+    assert got["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert fake.submitted[-1][2].skip_special_tokens is False  # the markers reach the parser
+    events = sse_events(http.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    deltas = [c["choices"][0]["delta"] for c in events[1:-1] if c.get("choices")]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hi" and not any(d.get("reasoning") for d in deltas)

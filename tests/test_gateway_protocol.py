@@ -48,6 +48,10 @@ class CharTokenizer:
         return "".join(("" if skip_special_tokens else self._special[i]) if i in self._special else chr(i)
                        for i in ids)
 
+    def token_to_id(self, token: str) -> int | None:
+        special = {t: i for i, t in self._special.items()}
+        return special.get(token, ord(token) if len(token) == 1 else None)  # else one character a token
+
     def id_to_token(self, i: int) -> str:
         return self._special.get(i) or chr(i)
 
