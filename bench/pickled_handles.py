@@ -1,5 +1,5 @@
 """What reading vLLM's pickled IPC handles safely costs: rollbus's restricted unpickler plus the per-field checks
-(ascend_ops.ipc) against plain pickle.loads (what vLLM's worker runs), on the handles vLLM's HTTP client makes for
+(engine.weights.ipc) against plain pickle.loads (what vLLM's worker runs), on the handles vLLM's HTTP client makes for
 a CPU trainer holding SmolLM2-135M in bf16 (reduce_tensor per tensor, pickled: the data travels inline).
 Ratio of medians over 5 alternating rounds.
 
@@ -17,8 +17,8 @@ import warnings
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ascend_ops import ipc
 from engine.model_store import resolve_model
+from engine.weights import ipc
 from workers.models.checkpoint import iter_safetensors
 
 warnings.simplefilter("ignore")  # TypedStorage deprecation, from reduce_tensor

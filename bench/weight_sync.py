@@ -43,10 +43,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ascend_ops.ipc import SharedBuffer  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.trainer import WeightSyncClient  # noqa: E402
-from engine.weight_update import ParamMeta, UpdateMeta  # noqa: E402
+from engine.weights.ipc import SharedBuffer  # noqa: E402
+from engine.weights.protocol import ParamMeta, UpdateMeta  # noqa: E402
 from tests.serve_process import Server, free_port, start_server  # noqa: E402
 
 RL = '{"rl_config": {"enabled": true}}'

@@ -173,7 +173,7 @@ class UpdateWeightVersion(CommandBody):
 
 
 class InitWeightTransferEngine(CommandBody):
-    init_info: dict[str, Any]  # vLLM's init_info (validated by the workers: workers/weight_receiver.py)
+    init_info: dict[str, Any]  # vLLM's init_info (validated by the workers: engine/weights/receiver.py)
 
 
 class StartWeightUpdate(CommandBody):

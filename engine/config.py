@@ -107,7 +107,7 @@ class EngineConfig:
     # RL
     additional_config: str | None = None  # JSON; see engine.rl_config
     enable_sleep_mode: bool = False
-    weight_transfer_config: str | None = None  # JSON; see engine.weight_transfer_config
+    weight_transfer_config: str | None = None  # JSON; see engine.weights.config
     structured_outputs_config: str | None = None  # JSON; see engine.structured_outputs
     # training data (issue 5): logprob contract, tokens in/out, trace replay
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs | raw_logits | processed_logits
@@ -864,7 +864,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     from engine.generation_defaults import check_generation_config
     from engine.rl_config import determinism, parse_additional_config
     from engine.structured_outputs import parse_structured_outputs_config
-    from engine.weight_transfer_config import parse_weight_transfer_config
+    from engine.weights.config import parse_weight_transfer_config
     from gateway.tokenizer import resolve_chat_template
     from workers.extension import check_qualname
 

@@ -32,7 +32,7 @@ every tensor bitwise with /weight_checker. Expected (numbers vary a little):
     OK: after sleep/train/wake the engine computes exactly what the trainer holds, version step-6
 
 On CPU, level 1 frees the 1 GiB KV cache; from round 2 on also the staging copy of the weights (538 MB)
-that the engine keeps after an update for the next one (workers/weight_receiver.py). Level 2 frees the
+that the engine keeps after an update for the next one (engine/weights/receiver.py). Level 2 frees the
 weights themselves too (538 MB more: 2149.6 MB once a staging copy exists).
 
 Exits 1 on any mismatch.

@@ -28,9 +28,9 @@ from bus.messages import (
 from engine import control_state
 from engine.config import EngineConfig
 from engine.control_state import PAUSE_MODES, SLEEP_TAGS
-from engine.coordinator.weight_sync_driver import reply_status
 from engine.rl_config import AdditionalConfig, determinism
-from engine.weight_transfer_config import parse_weight_transfer_config
+from engine.weights.config import parse_weight_transfer_config
+from engine.weights.lifecycle import reply_status
 from gateway.engine_client import EngineClient
 from gateway.errors import BAD_REQUEST, APIError, bad_request, check_timeout
 from gateway.responses import JSONResponse, loads

@@ -11,7 +11,7 @@
 A failed update_weights or finish_weight_update aborts the whole update on every worker (what they staged
 is dropped; the previous weights stay in service) and answers with the worker's message: 400 for bad
 names/shapes/dtypes/handles, 409 for calls out of order, 504 for a rendezvous or transfer that timed out.
-Collective backend (vLLM's StatelessProcessGroup + PyNccl/PyHccl protocol, ascend_ops/collective.py): the
+Collective backend (vLLM's StatelessProcessGroup + PyNccl/PyHccl protocol, engine/weights/collective.py): the
 workers answer a refused update_weights only after taking part in (and discarding) every broadcast the
 trainer issues for it, so the trainer is never left blocked; /init_weight_transfer_engine answers 409 for a
 store key collision (rank taken, group already formed) and 400 for a store object naming a refused global.
@@ -39,9 +39,9 @@ from bus.messages import (
     command_name,
 )
 from engine.config import EngineConfig
-from engine.coordinator.weight_sync_driver import reply_status
 from engine.topology import Topology
-from engine.weight_transfer_config import parse_weight_transfer_config
+from engine.weights.config import parse_weight_transfer_config
+from engine.weights.lifecycle import reply_status
 from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
 from gateway.engine_client import EngineClient
 from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request, check_timeout

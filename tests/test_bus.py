@@ -234,7 +234,7 @@ def test_a_stale_welcome_never_rolls_back_applied_commands():
 
 
 def test_a_failing_handler_acks_a_typed_error():
-    from engine.weight_update import WeightSyncError
+    from engine.weights.protocol import WeightSyncError
 
     def refuse(cmd):
         raise WeightSyncError("tensor 'w' has the wrong shape", status=400, param="shapes")

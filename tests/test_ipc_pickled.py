@@ -28,10 +28,10 @@ import httpx
 import pytest
 import torch
 
-from ascend_ops import ipc
-from ascend_ops.ipc import HandleImporter, SharedBuffer
 from engine.trainer import weight_checksums
-from engine.weight_update import ParamMeta, UpdateMeta
+from engine.weights import ipc
+from engine.weights.ipc import HandleImporter, SharedBuffer
+from engine.weights.protocol import ParamMeta, UpdateMeta
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
 from tests.test_weight_sync import PROMPT, assert_engine_matches, engine_greedy, perturb, post
 

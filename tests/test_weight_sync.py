@@ -15,12 +15,12 @@ import torch
 import zmq
 
 from ascend_ops import packed_linear
-from ascend_ops.ipc import SharedBuffer
 from bus.codec import decode
 from bus.endpoints import WEIGHTS_TOPIC, Endpoints
 from bus.messages import WeightVersionCommitted
 from engine.trainer import WeightSyncClient, WeightSyncFailed, weight_checksums
-from engine.weight_update import ParamMeta, UpdateMeta
+from engine.weights.ipc import SharedBuffer
+from engine.weights.protocol import ParamMeta, UpdateMeta
 from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer
 from tests.waits import holds, recv_topic, wait_subscribed
 
@@ -517,7 +517,7 @@ def test_a_trainer_that_never_publishes_its_communicator_id_is_a_504_naming_the_
 def test_rank_offset_places_the_engine_after_other_ranks(gloo_server, trainer):
     """SkyRL's layout for a second engine: rank_offset 2 (rank 1 is another engine's worker, played here by a
     thread), world 3; the update lands and the other rank received the same bytes."""
-    from ascend_ops.collective import WeightGroup
+    from engine.weights.collective import WeightGroup
 
     url, port = gloo_server.url, _free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 2, "world_size": 3, "timeout_s": 30}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bus.messages import ErrorInfo
-from engine.coordinator.weight_sync_driver import StepReply, SyncOutcome, reply_status, sync_steps
-from engine.weight_transfer_config import parse_weight_transfer_config
-from engine.weight_update import ParamMeta, UpdateMeta, WeightSyncError, byte_views, plan_chunks, tensor_checksum
+from engine.weights.config import parse_weight_transfer_config
+from engine.weights.lifecycle import StepReply, SyncOutcome, reply_status, sync_steps
+from engine.weights.protocol import ParamMeta, UpdateMeta, WeightSyncError, byte_views, plan_chunks, tensor_checksum
 
 pytestmark = pytest.mark.unit
 

@@ -75,7 +75,7 @@ def reload_weights(model, cfg: EngineConfig, weights_path: str | None = None) ->
     try:
         folder = resolve_model(weights_path or cfg.model, progress=False)
     except (FileNotFoundError, ValueError) as e:  # the caller's path: a 400 naming it, not a worker failure
-        from engine.weight_update import WeightSyncError
+        from engine.weights.protocol import WeightSyncError
 
         raise WeightSyncError(f"weights_path: {e}", status=400, param="kwargs.weights_path") from None
     return model.load_weights(iter_safetensors(folder))

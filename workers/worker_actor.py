@@ -4,7 +4,7 @@ workers.model_runner.
 
 Recovery: a worker starts from the checkpoint; when the engine had committed weight updates before it
 (re)started (ControlState.weight_commits), it loads its recovery copy of that update
-(--weights-recovery-dir, workers.weight_recovery) or, lacking one, says the version is lost (WeightsLost:
+(--weights-recovery-dir, engine.weights.recovery) or, lacking one, says the version is lost (WeightsLost:
 requests 503 until an update commits) and computes nothing meanwhile; it never serves another version.
 It (re)introduces itself to the scheduler (Hello on the results socket, with the seq it joined at) when
 it joins and whenever a scheduler joins; a stall that got it declared lost drops the sequences it held.
@@ -78,14 +78,14 @@ from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
 from engine.topology import Topology
-from engine.weight_transfer_config import parse_weight_transfer_config
-from engine.weight_update import WeightSyncError
+from engine.weights.config import parse_weight_transfer_config
+from engine.weights.protocol import WeightSyncError
+from engine.weights.receiver import WeightReceiver
+from engine.weights.recovery import copy_path, load_copy, save_copy
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
 from workers.loader import reload_weights
 from workers.sleep import SleepManager
 from workers.startup import load_worker
-from workers.weight_receiver import WeightReceiver
-from workers.weight_recovery import copy_path, load_copy, save_copy
 
 log = structlog.get_logger()
 
@@ -451,7 +451,7 @@ class WorkerActor:
         return self.weights.start(weights_asleep="weights" in self.sleep.asleep)
 
     def _update_weights(self, cmd: UpdateWeights) -> dict[str, Any] | None:
-        """The weight-transfer lifecycle (workers.weight_receiver); errors carry their HTTP status."""
+        """The weight-transfer lifecycle (engine.weights.receiver); errors carry their HTTP status."""
         info = cmd.update_info
         if isinstance(info, list):  # v0.33: one entry per global worker rank
             if self.index >= len(info):

@@ -1,2 +1,2 @@
 """The coordinator process: actor.py (numbers, broadcasts and collects the acks of control commands;
-watches liveness) and weight_sync_driver.py (the pure step sequence of a bus-driven weight update)."""
+watches liveness) and engine.weights.lifecycle (the pure step sequence of a bus-driven weight update)."""

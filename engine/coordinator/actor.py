@@ -50,10 +50,10 @@ from bus.messages import (
 from bus.sockets import make_socket, member_name, recv_from, report_ready, send, subscription_event
 from engine import control_state
 from engine.config import EngineConfig
-from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.logs import setup_logging
 from engine.topology import layout, layout_mismatch
-from engine.weight_transfer_config import PAUSE_MODES, parse_weight_transfer_config
+from engine.weights.config import PAUSE_MODES, parse_weight_transfer_config
+from engine.weights.lifecycle import StepReply, reply_status, sync_steps
 
 log = structlog.get_logger()
 
@@ -175,7 +175,7 @@ class Coordinator:
             self.stopping = True
 
     def _on_weight_event(self, sender: bytes, ev: WeightUpdateEvent) -> None:
-        """A trainer announced a weight version: drive the acked steps of engine.coordinator.weight_sync_driver."""
+        """A trainer announced a weight version: drive the acked steps of engine.weights.lifecycle."""
         def refuse(status: int, error: str) -> None:
             log.warning("coordinator.weight_event_refused", version=ev.version, error=error)
             send(self.router, WeightUpdateResult(ev.request_id, False, ev.version, self.ledger.snapshot.weight_epoch,

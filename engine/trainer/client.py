@@ -20,7 +20,7 @@ Transfers:
        of its own (it does not touch a default process group the trainer may have), run while the engine's
        update_weights call receives them. The group is vLLM's: a StatelessProcessGroup rendezvous, then
        NCCL/HCCL as vLLM's PyNccl/PyHccl communicators (Gloo on CPU), vLLM's init_info/update_info fields
-       and packed chunking (ascend_ops/collective.py); a vLLM trainer and this client are interchangeable.
+       and packed chunking (engine/weights/collective.py); a vLLM trainer and this client are interchangeable.
 
 Importable without a running engine and without the server's modules (only the wire protocol).
 """
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from engine.weight_transfer_config import BACKENDS
-from engine.weight_update import (
+from engine.weights.config import BACKENDS
+from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     DTYPES,
@@ -85,8 +85,8 @@ class WeightSyncClient:
         self.master_address, self.master_port = master_address, master_port
         self.clear_cache = clear_cache
         self.device = torch.device(device) if device is not None else None
-        self.group = None  # ascend_ops.collective.WeightGroup (hccl)
-        self._buffers: list[Any] = []  # ascend_ops.ipc.SharedBuffer, reused across versions (ipc on CPU)
+        self.group = None  # engine.weights.collective.WeightGroup (hccl)
+        self._buffers: list[Any] = []  # engine.weights.ipc.SharedBuffer, reused across versions (ipc on CPU)
         self._pack_bufs: list[torch.Tensor] = []  # packed broadcast chunks, reused across versions (hccl)
         # ipc on CPU, unpacked: the trainer's tensors moved into one shared segment, sent without a copy
         self.share_memory = share_memory
@@ -125,7 +125,7 @@ class WeightSyncClient:
 
     def init_transfer(self) -> None:
         """hccl: form the group (this process is rank 0) while the engine's workers join it."""
-        from ascend_ops.collective import WeightGroup
+        from engine.weights.collective import WeightGroup
 
         if self.backend != "hccl":
             self._post("/init_weight_transfer_engine", {"init_info": {"packed": self.packed}})
@@ -231,7 +231,7 @@ class WeightSyncClient:
                      reuse: list[Future | None] | None):
         """Yield (update_info, chunk) after staging each chunk. `reuse` holds the engine call that still
         reads each buffer: wait for it before overwriting (None: every chunk gets its own buffer)."""
-        from ascend_ops import ipc
+        from engine.weights import ipc
 
         on_device = tensors[0][1].device.type != "cpu"
         if not self.packed:
@@ -269,7 +269,7 @@ class WeightSyncClient:
         engine reads the trainer's memory, as CUDA IPC does. Parameters keep their identity (optimizers
         hold the same objects). Tensors that cannot be shared as they are (other dtype than the engine's,
         non-contiguous, on a device) leave everything on the staging path."""
-        from ascend_ops import ipc
+        from engine.weights import ipc
 
         dtype = self._dtype()
         ts = [t for _, t in named]
@@ -299,7 +299,7 @@ class WeightSyncClient:
         return off if 0 <= off and off + t.numel() * t.element_size() <= self._arena.size else None
 
     def _buffer(self, slot: int, nbytes: int, device: torch.device):
-        from ascend_ops import ipc
+        from engine.weights import ipc
 
         while len(self._buffers) <= slot:
             self._buffers.append(None)
@@ -473,7 +473,7 @@ class _DeviceBuffer:
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def handle(self, offset: int, nbytes: int) -> dict[str, Any]:
-        from ascend_ops import ipc
+        from engine.weights import ipc
 
         return ipc.export_handle(self.tensor[offset:offset + nbytes])
 

@@ -49,7 +49,7 @@ def shard_checksums(hf_config: dict[str, Any], named_tensors: Iterable[tuple[str
     HF tensors: sha256 of each tp rank's part under vLLM's "dp<d>:pp0:pcp0:tp<r>:<name>" keys (a trainer's
     baseline for a bitwise, per-shard compare). The shard layouts are built on the meta device, no weights."""
     from ascend_ops.tp_group import Layout
-    from engine.weight_update import tensor_checksum
+    from engine.weights.protocol import tensor_checksum
 
     named = dict(named_tensors)
     out: dict[str, str] = {}

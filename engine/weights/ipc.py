@@ -217,7 +217,7 @@ def export_handle(t: torch.Tensor) -> dict[str, Any]:
     kind = t.device.type
     if kind == "cpu":
         raise ValueError("export_handle is for CUDA/NPU tensors: copy a CPU tensor into an "
-                         "ascend_ops.ipc.SharedBuffer and send SharedBuffer.handle(offset, nbytes) instead")
+                         "engine.weights.ipc.SharedBuffer and send SharedBuffer.handle(offset, nbytes) instead")
     if kind not in ("cuda", "npu"):
         raise ValueError(f"no IPC handles for {kind} tensors (cuda and npu only)")
     if not t.is_contiguous():
@@ -553,7 +553,7 @@ def _rebuild(kind: str) -> Any:
 # ``torch.storage._load_from_bytes(<torch.save bytes>)``: the data itself, inline). Older examples send
 # ``(rebuild_fn, args)`` pairs instead of bare args.
 #
-# The pickle is read by ascend_ops.safe_pickle with the allow-list below, whose entries resolve to inert
+# The pickle is read by engine.weights.safe_pickle with the allow-list below, whose entries resolve to inert
 # stand-ins: nothing the pickle names is called while it is read. Only afterwards, with every field checked
 # against the tensor the update declares (dtype, shape, contiguity, byte ranges; the CUDA ref-counter slot and
 # its shared-memory file), is the handle opened, by the same code as rollbus's own plain-data handles.
@@ -709,7 +709,7 @@ def load_pickled_handles(text: Any) -> Any:
     """Decode and unpickle ``ipc_handles_pickled`` through the restricted unpickler. Returns the handle
     structure with stand-ins in place of torch's classes and functions; raises ValueError (UnsafePickleError
     for a global off the allow-list, naming it)."""
-    from ascend_ops.safe_pickle import restricted_loads
+    from engine.weights.safe_pickle import restricted_loads
 
     if not isinstance(text, str):
         raise ValueError(f"{_PICKLED} must be base64 text, got {type(text).__name__}")
@@ -909,7 +909,7 @@ def _parse_legacy_storage(blob: bytes, where: str) -> tuple[torch.dtype, torch.T
     import pickletools
     import struct
 
-    from ascend_ops.safe_pickle import restricted_loads
+    from engine.weights.safe_pickle import restricted_loads
 
     what = f"{where} (inline storage)"
     pos, parts = 0, []

@@ -6,7 +6,7 @@ vLLM's trainers do not use torch.distributed's NCCL/HCCL process groups for weig
 (a pickle of vLLM's ctypes struct: ``_ctypes._unpickle(<module>.ncclUniqueId, ({}, <128 raw bytes>))``),
 every rank calls ``ncclCommInitRank`` (``HcclCommInitRootInfo``) with it and then runs a one-element float32
 sum all-reduce as a warm-up. This module does the same, with the same library calls; the id pickle is read
-through ascend_ops.safe_pickle with exactly the two globals it names, both replaced by local stand-ins (no
+through engine.weights.safe_pickle with exactly the two globals it names, both replaced by local stand-ins (no
 vLLM import, no ctypes call from the pickle).
 
 Untested in this repository (no GPU or NPU here); written against the libraries' C APIs as vLLM and
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ascend_ops.safe_pickle import PLAIN_DATA, UnsafePickleError, restricted_loads
+from engine.weights.safe_pickle import PLAIN_DATA, UnsafePickleError, restricted_loads
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,8 @@ import structlog
 import torch
 
 from ascend_ops.platform import bulk_copy_threads
-from engine.weight_transfer_config import WeightTransferConfig
-from engine.weight_update import (
+from engine.weights.config import WeightTransferConfig
+from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     ParamMeta,
@@ -64,9 +64,9 @@ class WeightReceiver:
         self.packed = False
         self.buffer_size = DEFAULT_PACKED_BUFFER_SIZE_BYTES
         self.num_buffers = DEFAULT_PACKED_NUM_BUFFERS
-        self.group = None  # ascend_ops.collective.WeightGroup for the collective backend
+        self.group = None  # engine.weights.collective.WeightGroup for the collective backend
         self.group_released = False  # by a sleep with sleep_mode_extra_cleanup
-        self.importer = None  # ascend_ops.ipc.HandleImporter for the ipc backend
+        self.importer = None  # engine.weights.ipc.HandleImporter for the ipc backend
         self.touched: dict[str, _Touched] = {}
         self.pool: dict[str, torch.Tensor] = {}  # staging storage kept between updates
         self._recv: list[torch.Tensor] = []  # packed collective receive buffers, kept between updates
@@ -95,7 +95,7 @@ class WeightReceiver:
         if cfg.backend == "hccl":
             self._init_collective(info, cfg)
         else:
-            from ascend_ops.ipc import HandleImporter
+            from engine.weights.ipc import HandleImporter
 
             self.importer = self.importer or HandleImporter()
         self.initialized, self.was_shut_down, self.group_released = True, False, False
@@ -119,7 +119,7 @@ class WeightReceiver:
         if weights_asleep:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights before updating them", status=409)
         if cfg.backend == "ipc" and self.importer is None:
-            from ascend_ops.ipc import HandleImporter
+            from engine.weights.ipc import HandleImporter
 
             self.importer = HandleImporter()
         if self.importer is not None:
@@ -292,8 +292,8 @@ class WeightReceiver:
 
     def _pickled_handles(self, info: dict[str, Any], meta: UpdateMeta) -> Any:
         """vLLM's ``ipc_handles_pickled`` (its HTTP client's form of reduce_tensor's args) -> the handles
-        ``_open`` takes, every field checked against the declared tensors; see ascend_ops.ipc."""
-        from ascend_ops import ipc
+        ``_open`` takes, every field checked against the declared tensors; see engine.weights.ipc."""
+        from engine.weights import ipc
 
         where = "update_info.ipc_handles_pickled"
         if info.get("ipc_handles") is not None:
@@ -337,7 +337,7 @@ class WeightReceiver:
                                   param="ipc_handles")
         return buf
 
-    # --- collective backend (vLLM's NCCL weight-transfer engine protocol; ascend_ops.collective) -----------
+    # --- collective backend (vLLM's NCCL weight-transfer engine protocol; engine.weights.collective) -----------
 
     def _init_collective(self, info: dict[str, Any], cfg: WeightTransferConfig) -> None:
         """Join the trainer's group as rank rank_offset + dp_rank x tp + tp_rank (self.rank is that global
@@ -345,7 +345,7 @@ class WeightReceiver:
         import base64
         import binascii
 
-        from ascend_ops.collective import StoreCollision, WeightGroup
+        from engine.weights.collective import StoreCollision, WeightGroup
 
         unknown = sorted(set(info) - INIT_INFO_KEYS)
         if unknown:

@@ -7,11 +7,11 @@ Rendezvous (vLLM's ``StatelessProcessGroup.create``, vllm/distributed/utils.py):
   as a client with the same ``world_size`` (the client's constructor counts it in). No other key is needed.
 Objects (``broadcast_obj``): the source sets key ``broadcast_from/<src>/<n>`` (n counts that source's
   broadcasts from 0) to a pickle of the object; the others wait for the key and read it. Pickles are read
-  only through ascend_ops.safe_pickle with an allow-list of what the protocol carries.
+  only through engine.weights.safe_pickle with an allow-list of what the protocol carries.
 Communicator (by platform, ``current_platform().dist_backend``):
   nccl (CUDA), hccl (NPU): as vLLM's PyNcclCommunicator / vLLM-Ascend's PyHcclCommunicator: rank 0's
     unique id is ``broadcast_from/0/0`` (vLLM's pickled ctypes struct), every rank inits the communicator
-    with it, then a one-element float32 sum all-reduce (warm-up). See ascend_ops/pyccl.py.
+    with it, then a one-element float32 sum all-reduce (warm-up). See engine/weights/pyccl.py.
   gloo (CPU; vLLM has no CPU data plane, so this one is rollbus's, built the same way): rank 0 publishes
     a fresh store prefix (a str) as ``broadcast_from/0/0``; every rank builds ProcessGroupGloo on
     ``PrefixStore(<that prefix>, store)`` (what vLLM's ``init_gloo_process_group`` does given that prefix
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ascend_ops.platform import current_platform
-from ascend_ops.safe_pickle import PLAIN_DATA, restricted_loads
+from engine.weights.safe_pickle import PLAIN_DATA, restricted_loads
 
 DEFAULT_OP_TIMEOUT_S = 600.0
 GLOO_PREFIX = "rollbus/gloo/"  # + a fresh hex id per group
@@ -228,7 +228,7 @@ class WeightGroup:
                        ) -> WeightGroup:
         """vLLM's torch-free rendezvous (``nccl_unique_id_b64``): join an NCCL communicator whose id the trainer
         minted, without a store; every rank must enter concurrently. CUDA only."""
-        from ascend_ops.pyccl import NCCL_ID, CclCommunicator
+        from engine.weights.pyccl import NCCL_ID, CclCommunicator
 
         plat = current_platform()
         if plat.dist_backend != "nccl":
@@ -388,7 +388,7 @@ class _Done:
 
 
 class _Ccl:
-    """NCCL / HCCL through ascend_ops.pyccl, the unique id exchanged as vLLM's PyNccl/PyHccl communicators do."""
+    """NCCL / HCCL through engine.weights.pyccl, the unique id exchanged as vLLM's PyNccl/PyHccl communicators do."""
 
     def __init__(self, comm: Any):
         self.comm = comm
@@ -396,7 +396,7 @@ class _Ccl:
     @classmethod
     def handshake(cls, group: StatelessGroup, backend: str, dev: torch.device, connect_s: float,
                   timeout_s: float) -> _Ccl:
-        from ascend_ops.pyccl import HCCL_ID, NCCL_ID, CclCommunicator, dumps_unique_id, loads_unique_id
+        from engine.weights.pyccl import HCCL_ID, NCCL_ID, CclCommunicator, dumps_unique_id, loads_unique_id
 
         fmt = NCCL_ID if backend == "nccl" else HCCL_ID
         comm = CclCommunicator(fmt, dev)
