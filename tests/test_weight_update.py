@@ -136,9 +136,22 @@ def test_weight_transfer_config():
     c = parse_weight_transfer_config('{"backend": "nccl"}')
     assert (c.backend, c.name, c.stage_updates, c.pause_mode) == ("hccl", "nccl", True, "keep")
     assert parse_weight_transfer_config('{"backend": "npu_ipc", "stage_updates": false}').backend == "ipc"
+    with pytest.raises(ValueError, match=r"Invalid weight transfer backend: None"):  # explicit null, as vLLM
+        parse_weight_transfer_config('{"backend": null}')
     with pytest.raises(ValueError, match=r"Invalid weight transfer backend: foo. Available engines: \['gloo'"):
         parse_weight_transfer_config('{"backend": "foo"}')
     for bad in ('[1]', '{"backend": "ipc", "x": 1}', '{"backend": "ipc", "stage_updates": 1}',
                 '{"backend": "ipc", "timeout_s": 0}', '{"backend": "ipc", "pause_mode": "later"}', "{"):
         with pytest.raises(ValueError):
             parse_weight_transfer_config(bad)
+
+
+def test_weight_transfer_config_defaults_the_backend_by_platform(monkeypatch):
+    """'{}' takes the platform's collective, as vLLM's default backend is nccl (issue 32 item 8)."""
+    for device, name in (("cpu", "gloo"), ("cuda", "nccl"), ("npu", "hccl")):
+        monkeypatch.setattr("ascend_ops.host_env.launcher_platform", lambda d=device: (d, 1))
+        c = parse_weight_transfer_config("{}")
+        assert (c.backend, c.name, c.stage_updates) == ("hccl", name, True)
+    monkeypatch.undo()
+    monkeypatch.setenv("ROLLBUS_DEVICE", "cpu")
+    assert parse_weight_transfer_config('{"timeout_s": 30}').name == "gloo"

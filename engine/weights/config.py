@@ -5,7 +5,8 @@
                           HCCL on NPU / NCCL on CUDA as vLLM's PyHccl/PyNccl communicators, Gloo on CPU)
 
 Aliases: npu_ipc -> ipc; nccl and gloo -> hccl (the platform picks the collective library, so every name
-works on every platform). Optional keys beyond vLLM's:
+works on every platform). Without "backend" (`'{}'`) the platform's collective is the default, as vLLM
+defaults to nccl: nccl on CUDA, hccl on NPU, gloo on CPU. Optional keys beyond vLLM's:
 
     stage_updates  (default true)  write an update into a second copy of the touched weights and swap it in
                                    when every worker has finished: a failed update leaves the previous
@@ -40,6 +41,13 @@ class WeightTransferConfig:
         return asdict(self)
 
 
+def default_backend() -> str:
+    """vLLM's default backend is nccl (its only collective); ours is the platform's collective library."""
+    from ascend_ops.host_env import launcher_platform
+
+    return {"cuda": "nccl", "npu": "hccl"}.get(launcher_platform()[0], "gloo")
+
+
 def parse_weight_transfer_config(text: str | None) -> WeightTransferConfig | None:
     """None when the flag is absent; ValueError (a start-up error) for anything invalid."""
     if text is None or not text.strip():
@@ -53,7 +61,7 @@ def parse_weight_transfer_config(text: str | None) -> WeightTransferConfig | Non
     unknown = set(raw) - _KEYS
     if unknown:
         raise ValueError(f"--weight-transfer-config: unknown keys {sorted(unknown)}; known: {sorted(_KEYS)}")
-    name = raw.get("backend")
+    name = raw.get("backend", None) if "backend" in raw else default_backend()
     if name not in BACKENDS:
         raise ValueError(f"Invalid weight transfer backend: {name}. Available engines: {sorted(BACKENDS)}")
     stage = raw.get("stage_updates", True)
