@@ -641,8 +641,9 @@ def add_rl_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-transfer-config", type=_json_object("--weight-transfer-config"), default=None,
                    help='JSON object. {"backend": "ipc"} (trainer on the same device: CUDA/NPU IPC, shared '
                         'memory on CPU) or {"backend": "hccl"} (separate devices: HCCL/NCCL/Gloo broadcast); '
-                        "aliases npu_ipc, nccl, gloo. Without backend ('{}') the platform's collective, as vLLM defaults "
-                        "to nccl: nccl on CUDA, hccl on NPU, gloo on CPU. Enables /init_weight_transfer_engine, /start_weight_update, "
+                        "aliases npu_ipc, nccl, gloo. Without backend ('{}') the platform's collective, as vLLM "
+                        "defaults to nccl: nccl on CUDA, hccl on NPU, gloo on CPU. Enables "
+                        "/init_weight_transfer_engine, /start_weight_update, "
                         "/update_weights, /finish_weight_update. Optional: stage_updates (default true: a failed "
                         "update leaves the old weights in service; costs one extra copy of the updated weights), "
                         "timeout_s (default 300).")

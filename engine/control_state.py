@@ -32,7 +32,6 @@ from bus.messages import (
     WeightsMissing,
 )
 
-PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 

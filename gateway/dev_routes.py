@@ -27,10 +27,10 @@ from bus.messages import (
 )
 from engine import control_state
 from engine.config import EngineConfig
-from engine.control_state import PAUSE_MODES, SLEEP_TAGS
+from engine.control_state import SLEEP_TAGS
 from engine.rl_config import AdditionalConfig, determinism
 from engine.weights.config import parse_weight_transfer_config
-from engine.weights.lifecycle import reply_status
+from engine.weights.lifecycle import PAUSE_MODES, pause_deadline, reply_status
 from gateway.engine_client import EngineClient
 from gateway.errors import BAD_REQUEST, APIError, bad_request, check_timeout
 from gateway.responses import JSONResponse, loads
@@ -73,7 +73,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             timeout = check_timeout(timeout, "timeout")
         command = Pause(mode, _bool(clear_cache, "clear_cache"))
         # wait mode may take as long as the longest running request; the default deadline is generous
-        deadline = timeout if timeout is not None else (3600.0 if mode == "wait" else cfg.control_timeout_s)
+        deadline = timeout if timeout is not None else pause_deadline(mode, cfg.control_timeout_s)
         await broadcast(client, command, deadline)
         return JSONResponse({"status": "paused"})
 
@@ -94,7 +94,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             raise bad_request(f"level must be 0, 1 or 2, got {level!r}", "level")
         if mode not in PAUSE_MODES:
             raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        deadline = 3600.0 if mode == "wait" else cfg.control_timeout_s
+        deadline = pause_deadline(mode, cfg.control_timeout_s)
         # Two broadcasts: first every member quiesces (the scheduler acks once no step runs), then the
         # workers release memory, which is only safe once nothing can touch it.
         await broadcast(client, Sleep(int(level), mode), deadline)

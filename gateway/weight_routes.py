@@ -25,23 +25,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from bus.messages import (
-    UPDATE_ACTIVE,
-    AbortWeightUpdate,
     CommandBody,
-    CommitWeightUpdate,
     ControlReply,
-    FinishWeightUpdate,
     InitWeightTransferEngine,
     ShutdownWeightTransferEngine,
-    StartWeightUpdate,
-    UpdateWeights,
     WeightChecker,
     command_name,
 )
 from engine.config import EngineConfig
 from engine.topology import Topology
 from engine.weights.config import parse_weight_transfer_config
-from engine.weights.lifecycle import reply_status
+from engine.weights.lifecycle import Deadlines, Step, abort_needed, reply_status
 from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
 from gateway.engine_client import EngineClient
 from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request, check_timeout
@@ -70,25 +64,20 @@ def failure(command: CommandBody, reply: ControlReply) -> APIError:
 
 def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
     wt = parse_weight_transfer_config(cfg.weight_transfer_config)
-    control_s = cfg.control_timeout_s
-    transfer_s = (wt.timeout_s if wt else 300.0) + control_s
+    steps = Deadlines(cfg.control_timeout_s, *([wt.timeout_s] if wt else []))
     # the last checksums and the command seq before they were asked for: valid while no command but that
     # WeightChecker itself followed (a reload_weights or a sleep changes weights without a new epoch);
     # /weight_checker reset drops them
     checksums: dict[int, dict[str, str]] = {}
 
-    async def call_or_abort(command: CommandBody, timeout_s: float) -> None:
-        """All or nothing: when one worker fails a step of the update, every worker drops the update. A
-        failed start too (a worker refused it, e.g. its weights are asleep): its broadcast opened the
-        update window, which would hold every step. Not aborted: the coordinator's refusal of a start
-        while another update is active (nothing was broadcast), and a 409 mid-update (none is active)."""
-        reply = await client.control(command, timeout_s=timeout_s)
+    async def step(step: Step) -> None:
+        """One step of the update (engine.weights.lifecycle); on failure, abort when the rule says so."""
+        reply = await client.control(step.command, timeout_s=step.timeout_s)
         if not reply.ok:
-            e = failure(command, reply)
-            busy = any(err.kind == UPDATE_ACTIVE for err in reply.errors)
-            if not busy and (isinstance(command, StartWeightUpdate) or e.status != 409):
+            e = failure(step.command, reply)
+            if abort_needed(step.command, e.status, reply.errors):
                 try:
-                    await call(client, AbortWeightUpdate(), control_s)
+                    await call(client, steps.abort().command, steps.control_s)
                 except APIError:
                     pass  # the original failure is what the caller needs to see
             raise e
@@ -101,14 +90,13 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             raise bad_request("Missing 'init_info' in request body", "init_info")
         if not isinstance(info, dict):
             raise bad_request("init_info must be an object", "init_info")
-        timeout = info.get("timeout_s", wt.timeout_s if wt else 300.0)
-        timeout = check_timeout(timeout, "timeout_s")
-        await call(client, InitWeightTransferEngine(info), timeout + control_s)
+        timeout = check_timeout(info.get("timeout_s", steps.transfer_timeout_s), "timeout_s")
+        await call(client, InitWeightTransferEngine(info), timeout + steps.control_s)
         return JSONResponse({"message": "Weight transfer initialized"})
 
     @app.post("/start_weight_update")
     async def start_weight_update() -> JSONResponse:
-        await call_or_abort(StartWeightUpdate(), control_s)
+        await step(steps.start())
         return JSONResponse({"message": "Weight update started"})
 
     @app.post("/update_weights")
@@ -119,7 +107,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             raise bad_request("Missing 'update_info' in request body", "update_info")
         if not isinstance(info, dict | list) or (isinstance(info, list) and not all(isinstance(i, dict) for i in info)):
             raise bad_request("update_info must be an object, or a list of objects (one per worker)", "update_info")
-        await call_or_abort(UpdateWeights(info), transfer_s)
+        await step(steps.update(info))
         return JSONResponse({"message": "Weights updated"})
 
     @app.post("/finish_weight_update")
@@ -128,13 +116,14 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         version = body.get("weight_version")
         if version is not None and (not isinstance(version, str) or not version):
             raise bad_request("weight_version must be a non-empty string", "weight_version")
-        await call_or_abort(FinishWeightUpdate(), control_s)
-        await call(client, CommitWeightUpdate(version or ""), control_s)
+        await step(steps.finish())
+        commit = steps.commit(version or "")
+        await call(client, commit.command, commit.timeout_s)
         return JSONResponse({"message": "Weight update finished"})
 
     @app.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> JSONResponse:
-        await call(client, ShutdownWeightTransferEngine(), control_s)
+        await call(client, ShutdownWeightTransferEngine(), steps.control_s)
         return JSONResponse({"message": "Weight transfer shut down"})
 
     @app.get("/get_world_size")
@@ -158,7 +147,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         seq = client.follower.seq or 0
         asked = next(iter(checksums), None)
         if asked is None or seq > asked + 1:
-            results = await call(client, WeightChecker("checksum"), transfer_s)
+            results = await call(client, WeightChecker("checksum"), steps.transfer_s)
             merged: dict[str, str] = {}
             for r in results.values():
                 merged.update((r or {}).get("checksums", {}))

@@ -52,8 +52,8 @@ from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.topology import layout, layout_mismatch
-from engine.weights.config import PAUSE_MODES, parse_weight_transfer_config
-from engine.weights.lifecycle import StepReply, reply_status, sync_steps
+from engine.weights.config import parse_weight_transfer_config
+from engine.weights.lifecycle import UPDATE_PAUSE_MODES, StepReply, reply_status, sync_steps
 
 log = structlog.get_logger()
 
@@ -186,8 +186,8 @@ class Coordinator:
         if self.sync is not None or self.ledger.snapshot.weight_update_active:
             return refuse(409, "another weight update is in progress")
         mode = ev.pause_mode or self.weight_cfg.pause_mode
-        if mode not in PAUSE_MODES:
-            return refuse(400, f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if mode not in UPDATE_PAUSE_MODES:
+            return refuse(400, f"pause_mode must be one of {', '.join(UPDATE_PAUSE_MODES)}, got {mode!r}")
         if not ev.updates or not all(isinstance(u, dict) for u in ev.updates):
             return refuse(400, "updates must be a non-empty list of update_info objects")
         timeout = ev.timeout_s if ev.timeout_s > 0 else self.weight_cfg.timeout_s

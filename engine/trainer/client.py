@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from engine.weights.config import BACKENDS
+from engine.weights.lifecycle import PAUSE_MODES
 from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -50,8 +51,6 @@ from engine.weights.protocol import (
     plan_chunks,
     tensor_checksum,
 )
-
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class WeightSyncFailed(RuntimeError):

@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from engine.weights.lifecycle import DEFAULT_TRANSFER_TIMEOUT_S, UPDATE_PAUSE_MODES
+
 BACKENDS = {"ipc": "ipc", "npu_ipc": "ipc", "hccl": "hccl", "nccl": "hccl", "gloo": "hccl"}
 _KEYS = {"backend", "stage_updates", "timeout_s", "pause_mode"}
-PAUSE_MODES = ("abort", "wait", "keep", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class WeightTransferConfig:
     backend: str  # canonical: ipc | hccl
     name: str  # as the user wrote it
     stage_updates: bool = True
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     pause_mode: str = "keep"
 
     def effective(self) -> dict:
@@ -67,10 +68,11 @@ def parse_weight_transfer_config(text: str | None) -> WeightTransferConfig | Non
     stage = raw.get("stage_updates", True)
     if not isinstance(stage, bool):
         raise ValueError(f"--weight-transfer-config: stage_updates must be true or false, got {stage!r}")
-    timeout = raw.get("timeout_s", 300.0)
+    timeout = raw.get("timeout_s", DEFAULT_TRANSFER_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         raise ValueError(f"--weight-transfer-config: timeout_s must be a positive number, got {timeout!r}")
     pause = raw.get("pause_mode", "keep")
-    if pause not in PAUSE_MODES:
-        raise ValueError(f"--weight-transfer-config: pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause!r}")
+    if pause not in UPDATE_PAUSE_MODES:
+        raise ValueError(f"--weight-transfer-config: pause_mode must be one of {', '.join(UPDATE_PAUSE_MODES)}, "
+                         f"got {pause!r}")
     return WeightTransferConfig(BACKENDS[name], name, stage, float(timeout), pause)

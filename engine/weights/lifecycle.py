@@ -1,13 +1,14 @@
-"""The sequence of acked broadcasts that applies one weight version, and what happens when a step fails.
-Pure: a generator that yields the commands to broadcast and is sent each reply; the coordinator runs it
-for bus-driven updates (WeightUpdateEvent).
+"""The weight-update lifecycle, written once: pause modes, every step's deadline, the step sequence and the
+abort rule (all or nothing). Pure: no sockets. The HTTP routes (gateway/weight_routes.py) take one step per
+call from `Deadlines` and apply `abort_needed`; the coordinator runs `sync_steps` for a bus-driven update
+(WeightUpdateEvent); the trainer client checks its pause mode against PAUSE_MODES.
 
     pause (unless mode "none") -> start_weight_update -> update_weights x N -> finish_weight_update
       -> commit_weight_update (new epoch and label: every worker has the update) -> resume
 
 A failure at start, update or finish broadcasts abort_weight_update (the workers drop what they staged:
 the previous weights stay in service) and then resume, so the engine never stays paused or half-updated
-because a trainer went wrong. The HTTP routes (gateway/weight_routes.py) apply the same rule call by call.
+because a trainer went wrong.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.messages import (
+    UPDATE_ACTIVE,
     AbortWeightUpdate,
     CommandBody,
     CommitWeightUpdate,
@@ -28,6 +30,60 @@ from bus.messages import (
     UpdateWeights,
     command_name,
 )
+
+PAUSE_MODES = ("abort", "wait", "keep")  # /pause, /sleep, and the pause around a weight update
+UPDATE_PAUSE_MODES = (*PAUSE_MODES, "none")  # a weight update may also run without pausing
+WAIT_DEADLINE_S = 3600.0  # a "wait" pause lasts as long as the longest running request: a generous deadline
+DEFAULT_TRANSFER_TIMEOUT_S = 300.0  # --weight-transfer-config timeout_s
+
+
+def pause_deadline(mode: str, control_timeout_s: float) -> float:
+    return WAIT_DEADLINE_S if mode == "wait" else control_timeout_s
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Each step of an update with its deadline: control steps take control_timeout_s, a transfer (and a
+    rendezvous) its own timeout on top."""
+
+    control_s: float
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+
+    @property
+    def transfer_s(self) -> float:
+        return self.transfer_timeout_s + self.control_s
+
+    def pause(self, mode: str, clear_cache: bool) -> Step:
+        return Step(Pause(mode, clear_cache), pause_deadline(mode, self.control_s))
+
+    def start(self) -> Step:
+        return Step(StartWeightUpdate(), self.control_s)
+
+    def update(self, info: Any) -> Step:
+        return Step(UpdateWeights(info), self.transfer_s)
+
+    def finish(self) -> Step:
+        return Step(FinishWeightUpdate(), self.control_s)
+
+    def commit(self, version: str) -> Step:
+        return Step(CommitWeightUpdate(version), self.control_s)
+
+    def abort(self) -> Step:
+        return Step(AbortWeightUpdate(), self.control_s)
+
+    def resume(self) -> Step:
+        return Step(Resume(), self.control_s)
+
+
+def abort_needed(command: CommandBody, status: int, errors: list[ErrorInfo]) -> bool:
+    """All or nothing, for a step a caller drives (HTTP): when one worker fails a step of the update, every
+    worker drops the update. A failed start too (a worker refused it, e.g. its weights are asleep): its
+    broadcast opened the update window, which would hold every step. Not aborted: the coordinator's refusal
+    of a start while another update is active (nothing was broadcast), and a 409 mid-update (none is
+    active). `sync_steps` aborts after any failure: it owns the window it opened."""
+    if any(e.kind == UPDATE_ACTIVE for e in errors):
+        return False
+    return isinstance(command, StartWeightUpdate) or status != 409
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,33 +127,33 @@ class SyncOutcome:
 def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[dict[str, Any]],
                control_timeout_s: float, transfer_timeout_s: float,
                ) -> Generator[Step, StepReply, SyncOutcome]:
+    """The coordinator's driver of a bus-driven update: yields each step, is sent its reply. transfer_timeout_s
+    is the whole deadline of an update_weights step."""
+    d = Deadlines(control_timeout_s, transfer_timeout_s - control_timeout_s)
     paused = pause_mode != "none"
     if paused:
-        deadline = 3600.0 if pause_mode == "wait" else control_timeout_s
-        r = yield Step(Pause(pause_mode, clear_cache), deadline)
+        r = yield d.pause(pause_mode, clear_cache)
         if not r.ok:
             return SyncOutcome(False, r.error, r.status, "pause", r.errors)
     failed: tuple[str, StepReply] | None = None
-    r = yield Step(StartWeightUpdate(), control_timeout_s)
+    r = yield d.start()
     if not r.ok:
         failed = ("start_weight_update", r)
     else:
         for info in updates:
-            r = yield Step(UpdateWeights(info), transfer_timeout_s)
+            r = yield d.update(info)
             if not r.ok:
                 failed = ("update_weights", r)
                 break
         else:
-            r = yield Step(FinishWeightUpdate(), control_timeout_s)
+            r = yield d.finish()
             if not r.ok:
                 failed = ("finish_weight_update", r)
-    if failed is None:
-        yield Step(CommitWeightUpdate(version), control_timeout_s)
-    else:  # a failed start too: it reached the workers and opened the window (the coordinator
-        # refuses a start while another update is active before this generator runs)
-        yield Step(AbortWeightUpdate(), control_timeout_s)
+    # a failed start is aborted too: it reached the workers and opened the window (the coordinator refuses
+    # a start while another update is active before this generator runs)
+    yield d.commit(version) if failed is None else d.abort()
     if paused:
-        yield Step(Resume(), control_timeout_s)
+        yield d.resume()
     if failed is not None:
         step, r = failed
         return SyncOutcome(False, r.error, r.status, step, r.errors)
