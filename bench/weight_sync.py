@@ -262,7 +262,7 @@ def bench_collective(server: Server, model: torch.nn.Module, rounds: int, work: 
     try:
         for mode in modes:
             client.packed = mode == "packed"
-            say(f"[collective] warm-up update, {mode}{' (forms the group)' if client.group is None else ''} ...")
+            say(f"[collective] warm-up update, {mode}{' (forms the group)' if client.sender.group is None else ''} ...")
             t0 = time.perf_counter()
             client.send_weights(model.named_parameters(), version=f"coll-warm-{mode}", pause="keep")
             out[f"{mode}_first_s"] = time.perf_counter() - t0

@@ -155,7 +155,7 @@ def test_a_collective_update_reaches_every_shard_of_both_engines_bitwise(server,
     update = perturbed(moe_folder, UPDATE_SEED)
     with WeightSyncClient(server.url, backend="nccl", packed=True, packed_buffer_size_bytes=256 << 10) as c:
         c.send_weights(update, version="u1", pause="abort")
-        assert c.group.world_size == 5
+        assert c.sender.group.world_size == 5
         assert compare(server.url, both_engines(update, moe_folder)) == {"match": True, "mismatches": []}
         for engine in on_both_engines(server.url):
             for ref, got in zip(reference["after"], engine):

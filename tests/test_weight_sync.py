@@ -371,14 +371,14 @@ def test_ipc_share_memory_sends_the_trainers_own_memory(ipc_server, trainer):
     with WeightSyncClient(url, backend="ipc", packed=False, share_memory=True) as client:
         perturb(trainer, seed=70)
         client.send_weights(trainer.named_parameters(), version="shared-1", pause="keep")
-        arena = client._arena
+        arena = client.sender._arena
         assert arena is not None
         first = next(trainer.parameters())
-        assert client._arena_offset(first) is not None  # the parameter now lives in the segment
+        assert client.sender._arena_offset(first) is not None  # the parameter now lives in the segment
         assert_engine_matches(url, trainer)
         perturb(trainer, seed=71)  # in-place updates, as an optimizer step makes
         client.send_weights(trainer.named_parameters(), version="shared-2", pause="keep")
-        assert client._arena is arena and not client._buffers  # nothing re-shared, nothing staged
+        assert client.sender._arena is arena and not client.sender._buffers  # nothing re-shared, nothing staged
     assert version(url) == "shared-2"
     assert_engine_matches(url, trainer)
     with torch.no_grad():  # the trainer's tensors outlive the client's segment name

@@ -21,13 +21,8 @@ mid-way, a failed collective, or a tp peer lost leaves the group out of step: th
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import stat
-import tempfile
 import threading
 import time
-import uuid
 from typing import Any
 
 import structlog
@@ -49,7 +44,6 @@ from bus.messages import (
     CommandBody,
     CommitWeightUpdate,
     ControlReply,
-    ControlRequest,
     ErrorInfo,
     FinishWeightUpdate,
     Health,
@@ -70,7 +64,6 @@ from bus.messages import (
     UpdateWeightVersion,
     WakeUp,
     WeightChecker,
-    WeightsLost,
 )
 from bus.sockets import make_socket, recv, report_ready, send
 from engine import control_state
@@ -81,7 +74,7 @@ from engine.topology import Topology
 from engine.weights.config import parse_weight_transfer_config
 from engine.weights.protocol import WeightSyncError
 from engine.weights.receiver import WeightReceiver
-from engine.weights.recovery import copy_path, load_copy, save_copy
+from engine.weights.recovery import WeightRecovery
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
 from workers.loader import reload_weights
 from workers.sleep import SleepManager
@@ -156,21 +149,20 @@ class WorkerActor:
             CollectiveRpc: self._reporting(self._rpc),
             MemberLost: self._member_lost,
             MemberJoined: self._member_joined,
-            ShareWeights: self._share_weights,
+            ShareWeights: lambda c: self.recovery.share(c, self.away),
         }), heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.stopping = False
         self.abort_watch = _AbortWatcher(ctx, ep.commands, self.name)
-        self.weight_commits = 0  # updates whose weights this worker holds (the checkpoint: 0)
-        self.weights_lost: str | None = None  # the version in service that this worker could not restore
         self.away = False  # declared lost (a stall) and not welcomed back yet: updates then run without us
-        self.restoring: tuple[str, str, str, str] | None = None  # asking a peer: (request id, donor, path, why)
+        self.recovery = WeightRecovery(model, folder=cfg.weights_recovery_dir, index=self.index, name=self.name,
+                                       donor=self.donor, link=self.link, sleep=self.sleep,
+                                       control_timeout_s=cfg.control_timeout_s)
         self.link.on_reply = self._on_reply
-        self.update_started_away = False
 
     def start(self) -> None:
         state = self.link.wait_welcome(timeout_s=120)
         self.runner.weight_version = state.weight_epoch
-        self._restore_weights()
+        self.recovery.restore()
         if "weights" in state.sleeping_tags:  # joined a sleeping engine: sleep as well
             self.sleep.sleep(state.sleep_level or 1)
         self._hello_scheduler(self.link.follower.seq or 0)
@@ -178,93 +170,14 @@ class WorkerActor:
     def _hello_scheduler(self, joined_seq: int) -> None:
         """Introduce ourselves on the results socket: the scheduler waits for this (joined at or after our
         last loss) before it plans for us again. Not while a peer's copy of the weights is on its way."""
-        if self.restoring is not None:
+        if self.recovery.restoring is not None:
             return
         info = {**self.info, "joined_seq": joined_seq}
         send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, info, PROTOCOL_FINGERPRINT))
 
-    def _restore_weights(self) -> None:
-        """Hold the version in service: the checkpoint when no update committed, else our recovery copy of
-        the last update, else a live peer's (ShareWeights); when none fits, the version is lost (reported;
-        no step computes meanwhile)."""
-        state = self.link.state
-        if state.weight_commits == self.weight_commits or self.weights_lost is not None or self.restoring:
-            return  # in service already, lost and reported (only a complete update mends it), or on its way
-        why = "no --weights-recovery-dir"
-        if self.cfg.weights_recovery_dir:
-            why = load_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.index),
-                            run_id=state.run_id, commits=state.weight_commits)
-            if why is None:
-                self.weight_commits, self.weights_lost = state.weight_commits, None
-                return
-        why = (f"{self.name} (re)started after {state.weight_commits} weight update(s) and cannot restore "
-               f"version {state.weight_version!r}: {why}")
-        if self.donor is not None:
-            self._ask_peer(why)
-        else:
-            self._lose_weights(why)
-
-    def _ask_peer(self, why: str) -> None:
-        """Ask a live replica (the worker with our tp rank in another engine) for its weights: it writes a
-        tagged copy into a private folder of ours (same host), which _on_reply loads. The scheduler gets our
-        Hello only after that."""
-        donor = self.donor
-        folder = tempfile.mkdtemp(prefix="rollbus-share-")
-        path = os.path.join(folder, f"{self.name}-from-{donor}.safetensors")
-        rid = uuid.uuid4().hex
-        self.restoring = (rid, donor, path, why)
-        log.info("worker.asking_peer_for_weights", donor=donor, version=self.link.state.weight_version)
-        timeout = max(self.cfg.control_timeout_s, 120.0)
-        send(self.link.dealer, ControlRequest(rid, ShareWeights(self.name, donor, path), timeout))
-
     def _on_reply(self, reply: ControlReply) -> None:
-        if self.restoring is None or reply.request_id != self.restoring[0]:
-            return
-        _, donor, path, why_own = self.restoring
-        self.restoring = None
-        state = self.link.state
-        result = reply.results.get(donor)
-        if self.weight_commits == state.weight_commits:
-            why = None  # a complete update reached us meanwhile: we hold the version in service already
-        elif reply.ok and isinstance(result, dict) and result.get("path") == path:
-            why = load_copy(self.runner.model, path, run_id=state.run_id, commits=state.weight_commits)
-        else:
-            why = f"{donor} could not share its weights: {reply.error or 'no copy'}"
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-        if why is None:
-            self.weight_commits, self.weights_lost = state.weight_commits, None
-            log.info("worker.weights_from_peer", donor=donor, weight_commits=state.weight_commits)
-        else:
-            self._lose_weights(f"{why_own}; {why}")
-        self._hello_scheduler(self.link.follower.seq or 0)
-
-    def _share_weights(self, cmd: ShareWeights) -> dict[str, Any] | None:
-        """A restarted peer asks for the version in service: write a tagged copy where it said, if that is
-        a private folder of this user's made for it (nothing else is written on a bus peer's word)."""
-        if cmd.donor != self.name:
-            return None
-        state = self.link.state
-        if self.weights_lost is not None or self.weight_commits != state.weight_commits or self.away \
-                or "weights" in self.sleep.asleep or self.sleep.missing:
-            raise WeightSyncError(f"{self.name} does not hold version {state.weight_version!r} either", status=503)
-        folder, name = os.path.split(cmd.path)
-        st = os.stat(folder) if os.path.isdir(folder) else None
-        if not re.fullmatch(r"worker-\d+-from-worker-\d+\.safetensors", name) or \
-                not os.path.basename(folder).startswith("rollbus-share-") or st is None or \
-                st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise WeightSyncError(f"refusing to write weights to {cmd.path!r}: not a private share folder", status=400)
-        t0 = time.perf_counter()
-        save_copy(self.runner.model, cmd.path, run_id=state.run_id, commits=state.weight_commits,
-                  version=state.weight_version)
-        log.info("worker.weights_shared", member=cmd.member, seconds=round(time.perf_counter() - t0, 3))
-        return {"path": cmd.path}
-
-    def _lose_weights(self, why: str) -> None:
-        state = self.link.state
-        self.weights_lost = state.weight_version
-        log.error("worker.weight_version_lost", version=state.weight_version, why=why)
-        send(self.link.dealer, ControlRequest(uuid.uuid4().hex, WeightsLost(state.weight_version, state.weight_epoch,
-                                                                            self.name, why), 0.0))
+        if self.recovery.on_reply(reply):  # a peer's copy of the weights arrived (or did not)
+            self._hello_scheduler(self.link.follower.seq or 0)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -344,8 +257,9 @@ class WorkerActor:
         if self.sleep.asleep:  # never compute on released memory
             return ErrorInfo("Asleep", f"{self.name} got step {plan.step_id} while its "
                              f"{', '.join(sorted(self.sleep.asleep))} sleep: /wake_up first", self.name, 503)
-        if self.weights_lost is not None:  # never compute with a version not in service
-            why = control_state.weights_lost_message(self.link.state) or f"weight version {self.weights_lost!r} lost"
+        if self.recovery.weights_lost is not None:  # never compute with a version not in service
+            why = (control_state.weights_lost_message(self.link.state)
+                   or f"weight version {self.recovery.weights_lost!r} lost")
             return ErrorInfo("WeightVersionLost", why, self.name, 503)
         if self.sleep.missing:  # never compute with weights a level-2 sleep discarded
             st = self.sleep.weights_status()
@@ -424,7 +338,7 @@ class WorkerActor:
             self.runner.seqs.clear()
         elif cmd.name == self.name:  # (back) in: after a stall an update may have committed without us
             self.away = False
-            self._restore_weights()
+            self.recovery.restore()
         else:
             return
         self._hello_scheduler(self.link.follower.current.seq)
@@ -447,7 +361,7 @@ class WorkerActor:
         self.runner.weight_version = self.link.state.weight_epoch
 
     def _start_update(self, cmd: StartWeightUpdate) -> dict[str, Any]:
-        self.update_started_away = self.away
+        self.recovery.update_started_away = self.away
         return self.weights.start(weights_asleep="weights" in self.sleep.asleep)
 
     def _update_weights(self, cmd: UpdateWeights) -> dict[str, Any] | None:
@@ -462,36 +376,12 @@ class WorkerActor:
 
     def _commit(self, cmd: CommitWeightUpdate) -> dict[str, Any] | None:
         received = list(self.weights.received)
-        started_away, self.update_started_away = self.update_started_away, False
         out = self.weights.commit()
         if out.get("committed"):
             self.sleep.mark_loaded(received)
         self.runner.weight_version = self.link.state.weight_epoch
-        state = self.link.state
-        if not out.get("committed") or self.away or started_away:
-            # the others finished an update we did not (we were stalled, declared lost, while it ran)
-            self._lose_weights(f"{self.name} missed weight update {state.weight_commits} (it was not in the "
-                               "engine while the update ran)")
-        elif self.weights_lost is not None and not set(self.runner.model.required_weight_names()) <= set(received):
-            # a partial update on top of weights we do not have is still not the version in service
-            self._lose_weights(f"{self.name} lost the weights before this update, which sent only "
-                               f"{len(set(received))} of the model's tensors: send every tensor")
-        else:
-            self.weights_lost = None
-            self.weight_commits = state.weight_commits
-            self._keep_copy()
+        self.recovery.committed(bool(out.get("committed")), received, self.away)
         return out
-
-    def _keep_copy(self) -> None:
-        """--weights-recovery-dir: the weights now in service, for a restart of this worker."""
-        if not self.cfg.weights_recovery_dir or "weights" in self.sleep.asleep or self.sleep.missing:
-            return
-        state = self.link.state
-        t0 = time.perf_counter()
-        path = save_copy(self.runner.model, copy_path(self.cfg.weights_recovery_dir, self.index), run_id=state.run_id,
-                         commits=state.weight_commits, version=state.weight_version)
-        log.info("worker.weights_copy_kept", path=path, weight_commits=state.weight_commits,
-                 seconds=round(time.perf_counter() - t0, 3))
 
     def _weight_checker(self, cmd: WeightChecker) -> dict[str, Any]:
         if "weights" in self.sleep.asleep:
@@ -509,7 +399,7 @@ class WorkerActor:
             raise RuntimeError("the weights are asleep: wake_up?tags=weights first")
         names = reload_weights(self.runner.model, self.cfg, kwargs.get("weights_path"))
         self.sleep.mark_loaded(names)
-        self._keep_copy()  # a restart must come back with these weights, not the update's
+        self.recovery.keep()  # a restart must come back with these weights, not the update's
         return {"loaded_tensors": len(names)}
 
 

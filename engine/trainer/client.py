@@ -28,27 +28,22 @@ Importable without a running engine and without the server's modules (only the w
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from engine.weights import backends
 from engine.weights.config import BACKENDS
 from engine.weights.lifecycle import PAUSE_MODES
 from engine.weights.protocol import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     DTYPES,
     ParamMeta,
-    UpdateMeta,
-    plan_chunks,
     tensor_checksum,
 )
 
@@ -84,12 +79,9 @@ class WeightSyncClient:
         self.master_address, self.master_port = master_address, master_port
         self.clear_cache = clear_cache
         self.device = torch.device(device) if device is not None else None
-        self.group = None  # engine.weights.collective.WeightGroup (hccl)
-        self._buffers: list[Any] = []  # engine.weights.ipc.SharedBuffer, reused across versions (ipc on CPU)
-        self._pack_bufs: list[torch.Tensor] = []  # packed broadcast chunks, reused across versions (hccl)
         # ipc on CPU, unpacked: the trainer's tensors moved into one shared segment, sent without a copy
         self.share_memory = share_memory
-        self._arena = None
+        self.sender = backends.sender(self.backend, self)  # the backend's trainer half
         self._engine_dtype: torch.dtype | None = None
         self._bus = None
         if bus is not None:
@@ -108,13 +100,10 @@ class WeightSyncClient:
         if pause is not None and pause not in PAUSE_MODES:
             raise ValueError(f"pause must be one of {PAUSE_MODES} or None, got {pause!r}")
         t0 = time.perf_counter()
-        if self.share_memory and self.backend == "ipc" and not self.packed:
-            named_tensors = self._share(list(named_tensors))
-        tensors = self._prepare(named_tensors)
+        tensors = self._prepare(self.sender.prepare(named_tensors))
         metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
         self.timings = {"prepare": time.perf_counter() - t0}
-        if self.backend == "hccl" and self.group is None:
-            self.init_transfer()
+        self.sender.ensure_ready()
         if self._bus is not None:
             self._send_bus(tensors, metas, version, pause)
         else:
@@ -123,49 +112,12 @@ class WeightSyncClient:
         return self.timings
 
     def init_transfer(self) -> None:
-        """hccl: form the group (this process is rank 0) while the engine's workers join it."""
-        from engine.weights.collective import WeightGroup
-
-        if self.backend != "hccl":
-            self._post("/init_weight_transfer_engine", {"init_info": {"packed": self.packed}})
-            return
-        world = int(self._get("/get_world_size")["world_size"]) + 1 if self.base_url else self._bus_world()
-        port = self.master_port or _free_port()
-        info = {"master_address": self.master_address, "master_port": port, "rank_offset": 1, "world_size": world,
-                "packed": self.packed, "timeout_s": self.timeout_s}
-        if self.buffer_size:
-            info["packed_buffer_size_bytes"] = self.buffer_size
-        info["packed_num_buffers"] = self.num_buffers
-        failure: list[BaseException] = []
-        engine_side = threading.Thread(target=_capture(failure, lambda: self._control(
-            "/init_weight_transfer_engine", {"init_info": info}, self.timeout_s)), daemon=True)
-        engine_side.start()
-        try:
-            self.group = WeightGroup.create(self.master_address, port, 0, world, self.timeout_s,
-                                            self.device or torch.device("cpu"), op_timeout_s=self.timeout_s)
-        finally:
-            engine_side.join(self.timeout_s + 30)
-        if failure:
-            if self.group is not None:
-                self.group.destroy()
-                self.group = None
-            raise failure[0]
+        """/init_weight_transfer_engine (hccl: form the group, this process rank 0, while the workers join)."""
+        self.sender.init_transfer()
 
     def close(self) -> None:
         """Tear down the group and the shared buffers (the engine keeps serving the last version)."""
-        if self.group is not None:
-            try:
-                self._control("/shutdown_weight_transfer_engine", {}, 30)
-            except (WeightSyncFailed, OSError):
-                pass
-            self.group.destroy()
-            self.group = None
-        for b in self._buffers:
-            b.close()
-        self._buffers, self._pack_bufs = [], []
-        if self._arena is not None:
-            self._arena.close()  # unlinks the name; the trainer's tensors keep the memory
-            self._arena = None
+        self.sender.close()
         if self._bus is not None:
             self._bus.close()
             self._bus = None
@@ -189,11 +141,7 @@ class WeightSyncClient:
             self._start()
             self._mark("start", t)
             t = time.perf_counter()
-            if self.backend == "hccl":
-                self._transfer_collective(tensors, metas, lambda info: self._post("/update_weights",
-                                                                                   {"update_info": info}))
-            else:
-                self._transfer_ipc(tensors, metas)
+            self.sender.transfer(tensors, metas)
             self._mark("transfer", t)
             t = time.perf_counter()
             self._post("/finish_weight_update", {"weight_version": version} if version else None)
@@ -208,181 +156,26 @@ class WeightSyncClient:
         try:
             self._post("/start_weight_update", None)
         except WeightSyncFailed as e:
-            # the engine slept with sleep_mode_extra_cleanup and released our group: form it again
-            if not (self.backend == "hccl" and e.status == 409 and "init_weight_transfer_engine" in str(e)):
+            if not self.sender.restart(e.status, str(e)):
                 raise
-            self.group.destroy()
-            self.group = None
-            self.init_transfer()
             self._post("/start_weight_update", None)
-
-    def _transfer_ipc(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None:
-        """Fill buffer k+1 while the engine copies out of buffer k (packed), or one call for all."""
-        with ThreadPoolExecutor(1) as pool:  # one engine call at a time, in order
-            inflight: list[Future | None] = [None] * self.num_buffers
-            for k, (info, _) in enumerate(self._ipc_updates(tensors, metas, reuse=inflight)):
-                inflight[k % self.num_buffers] = pool.submit(self._post, "/update_weights", {"update_info": info})
-            for f in inflight:
-                if f is not None:
-                    f.result()
-
-    def _ipc_updates(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
-                     reuse: list[Future | None] | None):
-        """Yield (update_info, chunk) after staging each chunk. `reuse` holds the engine call that still
-        reads each buffer: wait for it before overwriting (None: every chunk gets its own buffer)."""
-        from engine.weights import ipc
-
-        on_device = tensors[0][1].device.type != "cpu"
-        if not self.packed:
-            if on_device:  # handles to the tensors' own memory: nothing is copied on this side
-                handles = [ipc.export_handle(t) for _, t in tensors]
-                yield {**UpdateMeta(metas).to_info(), "ipc_handles": handles}, list(range(len(metas)))
-                return
-            if self._arena is not None and all(self._arena_offset(t) is not None for _, t in tensors):
-                handles = [self._arena.handle(self._arena_offset(t), m.nbytes) for (_, t), m in zip(tensors, metas)]
-                yield {**UpdateMeta(metas).to_info(), "ipc_handles": handles}, list(range(len(metas)))
-                return
-            chunks = [list(range(len(metas)))]
-        else:
-            # a shared buffer must hold the largest tensor (vLLM's examples size it the same way)
-            size = max(self.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES // 4, max(m.nbytes for m in metas))
-            chunks = plan_chunks(metas, size, fit=True)
-        nbuf = len(chunks) if reuse is None else min(self.num_buffers, len(chunks))
-        for k, chunk in enumerate(chunks):
-            slot = k % nbuf
-            if reuse is not None and reuse[slot] is not None:
-                reuse[slot].result()  # the engine is done with this buffer
-            nbytes = sum(metas[i].nbytes for i in chunk)
-            buf = self._buffer(slot, nbytes, tensors[0][1].device)
-            offsets = _pack(buf.tensor, [tensors[i][1] for i in chunk])
-            sub = UpdateMeta([metas[i] for i in chunk]).to_info()
-            if self.packed:
-                info = {**sub, "ipc_handles": buf.handle(0, nbytes), "tensor_sizes": [n for _, n in offsets]}
-            else:
-                info = {**sub, "ipc_handles": [buf.handle(o, n) for o, n in offsets]}
-            yield info, chunk
-
-    def _share(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """share_memory: move the trainer's own tensors into one shared-memory segment (once; again only
-        if some tensor left it), re-pointing each tensor's .data, so sends need no copy on this side: the
-        engine reads the trainer's memory, as CUDA IPC does. Parameters keep their identity (optimizers
-        hold the same objects). Tensors that cannot be shared as they are (other dtype than the engine's,
-        non-contiguous, on a device) leave everything on the staging path."""
-        from engine.weights import ipc
-
-        dtype = self._dtype()
-        ts = [t for _, t in named]
-        if any(t.device.type != "cpu" or not t.is_contiguous() or (dtype is not None and t.dtype != dtype)
-               for t in ts):
-            return named
-        if self._arena is not None and all(self._arena_offset(t) is not None for t in ts):
-            return named
-        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in ts]  # 64-byte aligned slots
-        arena = ipc.SharedBuffer(sum(sizes))
-        off = 0
-        with torch.no_grad():
-            for t, n in zip(ts, sizes):
-                nb = t.numel() * t.element_size()
-                view = arena.tensor[off:off + nb].view(t.dtype).view(t.shape)
-                view.copy_(t)
-                t.data = view
-                off += n
-        if self._arena is not None:
-            self._arena.close()  # tensors still viewing it keep its memory
-        self._arena = arena
-        return named
-
-    def _arena_offset(self, t: torch.Tensor) -> int | None:
-        base = self._arena.tensor.data_ptr()
-        off = t.data_ptr() - base
-        return off if 0 <= off and off + t.numel() * t.element_size() <= self._arena.size else None
-
-    def _buffer(self, slot: int, nbytes: int, device: torch.device):
-        from engine.weights import ipc
-
-        while len(self._buffers) <= slot:
-            self._buffers.append(None)
-        b = self._buffers[slot]
-        if b is None or b.size < nbytes:
-            if b is not None:
-                b.close()
-            b = self._buffers[slot] = (ipc.SharedBuffer(nbytes) if device.type == "cpu"
-                                       else _DeviceBuffer(nbytes, device))
-        return b
-
-    def _transfer_collective(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
-                             update_call) -> None:
-        """The engine's update_weights call (on a thread) receives what this thread broadcasts."""
-        info = UpdateMeta(metas).to_info()  # vLLM's NCCLWeightTransferUpdateInfo: packing was set at init
-        failure: list[BaseException] = []
-        engine_side = threading.Thread(target=_capture(failure, lambda: update_call(info)), daemon=True)
-        engine_side.start()
-        try:
-            # The engine takes part in every broadcast, even of an update it refuses, and answers after the
-            # last one; an answer before that means it receives nothing (say, a 409), so stop sending.
-            if not self.packed:
-                for _, t in tensors:
-                    if failure:
-                        break
-                    self.group.broadcast(t, 0)
-            else:
-                self._broadcast_packed(tensors, metas, stop=lambda: bool(failure))
-        except Exception as e:
-            engine_side.join(self.timeout_s)
-            raise WeightSyncFailed(f"broadcast failed: {e}; engine: {failure[0] if failure else 'no error'}") from e
-        engine_side.join(self.timeout_s + 30)
-        if failure:
-            raise failure[0]
-
-    def _broadcast_packed(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
-                          stop=lambda: False) -> None:
-        """vLLM's packed producer: chunks closed once they exceed the buffer size, num_buffers in flight."""
-        size = self.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES
-        chunks = plan_chunks(metas, size)
-        widest = max(sum(metas[i].nbytes for i in c) for c in chunks)
-        n = min(self.num_buffers, len(chunks))
-        if len(self._pack_bufs) < n or any(b.numel() < widest for b in self._pack_bufs[:n]):
-            self._pack_bufs = [torch.empty(widest, dtype=torch.uint8, device=tensors[0][1].device) for _ in range(n)]
-        inflight: list[Any] = []
-        for k, chunk in enumerate(chunks):
-            if stop():
-                break
-            if len(inflight) >= n:
-                inflight.pop(0).wait()  # its buffer is free again
-            buf = self._pack_bufs[k % n][:sum(metas[i].nbytes for i in chunk)]
-            _pack(buf, [tensors[i][1] for i in chunk])
-            inflight.append(self.group.broadcast_async(buf, 0))
-        for w in inflight:
-            w.wait()
 
     # --- bus path -----------------------------------------------------------------------------------
 
     def _send_bus(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
                   version: str | None, pause: str | None) -> None:
         from bus.messages import WeightUpdateEvent, WeightUpdateResult
+        from bus.sockets import send
 
         rid = uuid.uuid4().hex
-        if self.backend == "ipc":
-            t = time.perf_counter()
-            updates = [info for info, _ in self._ipc_updates(tensors, metas, reuse=None)]
-            self._mark("stage", t)
-        else:
-            updates = [{**UpdateMeta(metas).to_info(), "packed": self.packed,
-                        **({"packed_buffer_size_bytes": self.buffer_size} if self.buffer_size else {})}]
+        t = time.perf_counter()
+        updates = self.sender.bus_updates(tensors, metas)  # ipc: staged here
+        self._mark("stage", t)
         ev = WeightUpdateEvent(rid, version or "", pause or "none", self.clear_cache, updates, self.timeout_s)
         t = time.perf_counter()
-        if self.backend == "hccl":
-            from bus.sockets import send
-
-            send(self._bus.sock, ev)  # the coordinator pauses and starts; the workers then receive
-            if self.packed:
-                self._broadcast_packed(tensors, metas)
-            else:
-                for _, tensor in tensors:
-                    self.group.broadcast(tensor, 0)
-            reply = self._bus.wait(rid, WeightUpdateResult, self.timeout_s + 60, "weight update")
-        else:
-            reply = self._bus.call(ev, WeightUpdateResult, self.timeout_s + 60)
+        send(self._bus.sock, ev)  # the coordinator pauses and starts; the workers then receive
+        self.sender.after_announce(tensors, metas)  # hccl: the broadcasts
+        reply = self._bus.wait(rid, WeightUpdateResult, self.timeout_s + 60, "weight update")
         self._mark("sync", t)
         self.timings.update({f"engine_{k}": v for k, v in reply.timings_s.items()})
         if not reply.ok:
@@ -462,48 +255,3 @@ class WeightSyncClient:
                 msg = raw.decode(errors="replace")
             raise WeightSyncFailed(f"{method} {path} -> {e.code}: {msg}", e.code) from None
         return json.loads(raw) if raw.strip() else {}
-
-
-class _DeviceBuffer:
-    """A staging buffer in accelerator memory for packed IPC; handles point into it."""
-
-    def __init__(self, nbytes: int, device: torch.device):
-        self.size = nbytes
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def handle(self, offset: int, nbytes: int) -> dict[str, Any]:
-        from engine.weights import ipc
-
-        return ipc.export_handle(self.tensor[offset:offset + nbytes])
-
-    def close(self) -> None:
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-
-
-def _pack(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """Copy tensors back to back into a flat uint8 buffer; returns (offset, nbytes) of each."""
-    from ascend_ops.platform import bulk_copy_threads
-
-    out, off = [], 0
-    with bulk_copy_threads() as copy:
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            copy(buf[off:off + n], t.reshape(-1).view(torch.uint8))
-            out.append((off, n))
-            off += n
-    return out
-
-
-def _capture(failure: list[BaseException], fn):
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:  # re-raised on the caller's thread
-            failure.append(e)
-    return run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -169,3 +169,17 @@ def byte_views(buf: torch.Tensor, params: list[ParamMeta]) -> list[torch.Tensor]
             raw = raw.clone()
         out.append(raw.view(p.dtype).view(p.shape))
     return out
+
+
+def pack(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Copy tensors back to back into a flat uint8 buffer; returns (offset, nbytes) of each."""
+    from ascend_ops.platform import bulk_copy_threads
+
+    out, off = [], 0
+    with bulk_copy_threads() as copy:
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            copy(buf[off:off + n], t.reshape(-1).view(torch.uint8))
+            out.append((off, n))
+            off += n
+    return out

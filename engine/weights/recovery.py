@@ -1,4 +1,4 @@
-"""Copies of the weights in service, for a restarted worker: its own recovery copy
+"""Recovery of the weights in service (WeightRecovery, below): copies for a restarted worker: its own recovery copy
 (--weights-recovery-dir: written after every committed weight update, `worker-<rank>.safetensors`), or a
 copy a live peer wrote on request (ShareWeights). A copy is tagged with the run (ControlState.run_id: a
 copy from an earlier run is never taken) and the number of updates committed (ControlState.weight_commits),
@@ -9,11 +9,22 @@ which its tag then refuses.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import stat
+import tempfile
+import time
+import uuid
+from typing import Any
 
 import structlog
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from bus.messages import ControlReply, ControlRequest, ShareWeights, WeightsLost
+from bus.sockets import send
+from engine.weights.protocol import WeightSyncError
 
 log = structlog.get_logger()
 
@@ -51,3 +62,132 @@ def load_copy(model: torch.nn.Module, path: str, *, run_id: str, commits: int) -
         loaded = model.load_weights(((n, f.get_tensor(n)) for n in sorted(want)), local=True)
     log.info("worker.weights_recovered", path=path, tensors=len(loaded), weight_commits=commits)
     return None
+
+
+class WeightRecovery:
+    """One worker's hold on the weight version in service, across its restarts: keep a copy after every
+    commit (--weights-recovery-dir), restore one at start (its own, else a live peer's: ShareWeights), share
+    its own with a restarted peer, and say the version is lost (WeightsLost) when nothing fits. The worker
+    actor calls in; `link` is its bus.member.MemberLink (the control state, the DEALER), `sleep` its
+    SleepManager."""
+
+    def __init__(self, model: torch.nn.Module, *, folder: str | None, index: int, name: str, donor: str | None,
+                 link: Any, sleep: Any, control_timeout_s: float) -> None:
+        self.model, self.folder, self.index, self.name, self.donor = model, folder, index, name, donor
+        self.link, self.sleep, self.control_timeout_s = link, sleep, control_timeout_s
+        self.weight_commits = 0  # updates whose weights this worker holds (the checkpoint: 0)
+        self.weights_lost: str | None = None  # the version in service that this worker could not restore
+        self.restoring: tuple[str, str, str, str] | None = None  # asking a peer: (request id, donor, path, why)
+        self.update_started_away = False
+
+    def restore(self) -> None:
+        """Hold the version in service: the checkpoint when no update committed, else our recovery copy of
+        the last update, else a live peer's (ShareWeights); when none fits, the version is lost (reported;
+        no step computes meanwhile)."""
+        state = self.link.state
+        if state.weight_commits == self.weight_commits or self.weights_lost is not None or self.restoring:
+            return  # in service already, lost and reported (only a complete update mends it), or on its way
+        why = "no --weights-recovery-dir"
+        if self.folder:
+            why = load_copy(self.model, copy_path(self.folder, self.index), run_id=state.run_id,
+                            commits=state.weight_commits)
+            if why is None:
+                self.weight_commits, self.weights_lost = state.weight_commits, None
+                return
+        why = (f"{self.name} (re)started after {state.weight_commits} weight update(s) and cannot restore "
+               f"version {state.weight_version!r}: {why}")
+        if self.donor is not None:
+            self._ask_peer(why)
+        else:
+            self.lose(why)
+
+    def _ask_peer(self, why: str) -> None:
+        """Ask a live replica (the worker with our tp rank in another engine) for its weights: it writes a
+        tagged copy into a private folder of ours (same host), which on_reply loads. The scheduler gets our
+        Hello only after that."""
+        donor = self.donor
+        folder = tempfile.mkdtemp(prefix="rollbus-share-")
+        path = os.path.join(folder, f"{self.name}-from-{donor}.safetensors")
+        rid = uuid.uuid4().hex
+        self.restoring = (rid, donor, path, why)
+        log.info("worker.asking_peer_for_weights", donor=donor, version=self.link.state.weight_version)
+        timeout = max(self.control_timeout_s, 120.0)
+        send(self.link.dealer, ControlRequest(rid, ShareWeights(self.name, donor, path), timeout))
+
+    def on_reply(self, reply: ControlReply) -> bool:
+        """The donor's answer: load its copy (or lose the version). True when the reply was ours."""
+        if self.restoring is None or reply.request_id != self.restoring[0]:
+            return False
+        _, donor, path, why_own = self.restoring
+        self.restoring = None
+        state = self.link.state
+        result = reply.results.get(donor)
+        if self.weight_commits == state.weight_commits:
+            why = None  # a complete update reached us meanwhile: we hold the version in service already
+        elif reply.ok and isinstance(result, dict) and result.get("path") == path:
+            why = load_copy(self.model, path, run_id=state.run_id, commits=state.weight_commits)
+        else:
+            why = f"{donor} could not share its weights: {reply.error or 'no copy'}"
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        if why is None:
+            self.weight_commits, self.weights_lost = state.weight_commits, None
+            log.info("worker.weights_from_peer", donor=donor, weight_commits=state.weight_commits)
+        else:
+            self.lose(f"{why_own}; {why}")
+        return True
+
+    def share(self, cmd: ShareWeights, away: bool) -> dict[str, Any] | None:
+        """A restarted peer asks for the version in service: write a tagged copy where it said, if that is
+        a private folder of this user's made for it (nothing else is written on a bus peer's word)."""
+        if cmd.donor != self.name:
+            return None
+        state = self.link.state
+        if self.weights_lost is not None or self.weight_commits != state.weight_commits or away \
+                or "weights" in self.sleep.asleep or self.sleep.missing:
+            raise WeightSyncError(f"{self.name} does not hold version {state.weight_version!r} either", status=503)
+        folder, name = os.path.split(cmd.path)
+        st = os.stat(folder) if os.path.isdir(folder) else None
+        if not re.fullmatch(r"worker-\d+-from-worker-\d+\.safetensors", name) or \
+                not os.path.basename(folder).startswith("rollbus-share-") or st is None or \
+                st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise WeightSyncError(f"refusing to write weights to {cmd.path!r}: not a private share folder", status=400)
+        t0 = time.perf_counter()
+        save_copy(self.model, cmd.path, run_id=state.run_id, commits=state.weight_commits,
+                  version=state.weight_version)
+        log.info("worker.weights_shared", member=cmd.member, seconds=round(time.perf_counter() - t0, 3))
+        return {"path": cmd.path}
+
+    def lose(self, why: str) -> None:
+        state = self.link.state
+        self.weights_lost = state.weight_version
+        log.error("worker.weight_version_lost", version=state.weight_version, why=why)
+        send(self.link.dealer, ControlRequest(uuid.uuid4().hex, WeightsLost(state.weight_version, state.weight_epoch,
+                                                                            self.name, why), 0.0))
+
+    def committed(self, committed: bool, received: list[str], away: bool) -> None:
+        """An update committed on the engine: hold it (and keep a copy), or say that we missed it."""
+        started_away, self.update_started_away = self.update_started_away, False
+        state = self.link.state
+        if not committed or away or started_away:
+            # the others finished an update we did not (we were stalled, declared lost, while it ran)
+            self.lose(f"{self.name} missed weight update {state.weight_commits} (it was not in the "
+                      "engine while the update ran)")
+        elif self.weights_lost is not None and not set(self.model.required_weight_names()) <= set(received):
+            # a partial update on top of weights we do not have is still not the version in service
+            self.lose(f"{self.name} lost the weights before this update, which sent only "
+                      f"{len(set(received))} of the model's tensors: send every tensor")
+        else:
+            self.weights_lost = None
+            self.weight_commits = state.weight_commits
+            self.keep()
+
+    def keep(self) -> None:
+        """--weights-recovery-dir: the weights now in service, for a restart of this worker."""
+        if not self.folder or "weights" in self.sleep.asleep or self.sleep.missing:
+            return
+        state = self.link.state
+        t0 = time.perf_counter()
+        path = save_copy(self.model, copy_path(self.folder, self.index), run_id=state.run_id,
+                         commits=state.weight_commits, version=state.weight_version)
+        log.info("worker.weights_copy_kept", path=path, weight_commits=state.weight_commits,
+                 seconds=round(time.perf_counter() - t0, 3))
