@@ -233,7 +233,9 @@ class Receiver:
                 if target is not None:
                     try:
                         r.copy(target, r.model.weight_source(p.name, buf))  # casts when the dtypes differ
+                        r.copy.flush()  # the scratch buffer takes the next tensor
                     except Exception as e:
+                        r.copy.discard()
                         failure = e
             return failure
         chunks = plan_chunks(params, size)
@@ -250,7 +252,9 @@ class Receiver:
             try:
                 for i, src in zip(chunk, byte_views(buf, [params[i] for i in chunk])):
                     r.write(params[i].name, src, dests[i])
+                r.copy.flush()  # the buffer takes another chunk next
             except Exception as e:
+                r.copy.discard()
                 failure = e
 
         for ci, chunk in enumerate(chunks):
@@ -351,7 +355,7 @@ class Sender:
         from engine.trainer.client import WeightSyncFailed
 
         c = self.c
-        info = UpdateMeta(metas).to_info()  # vLLM's NCCLWeightTransferUpdateInfo: packing was set at init
+        info = self.bus_updates(tensors, metas)[0]  # packing travels with the call: the client may flip it
         failure: list[BaseException] = []
         engine_side = threading.Thread(target=capture(failure, lambda: c._post(
             "/update_weights", {"update_info": info})), daemon=True)
