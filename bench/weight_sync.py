@@ -7,11 +7,11 @@ this process) and the engine's. Every bar is a ratio against a peer timed in the
 
   1. ipc: WeightSyncClient.send_weights(..., pause="keep"), pause to resume, packed and unpacked, after one
      warm-up each, against one memcpy of the same bytes (dst.copy_(src), preallocated and pre-faulted).
-     Bar: ipc update <= 3x memcpy. Per-phase breakdown from client.timings.
+     Bar (issue 31): ipc update <= 1.5x memcpy. Per-phase breakdown from client.timings.
   2. collective (hccl backend, Gloo on CPU): the transfer phase and the whole send, packed and unpacked,
      against a raw torch.distributed broadcast of the same bytes between this process and a subprocess
      (init_process_group("gloo")): one flat tensor, and per tensor as unpacked sends them.
-     Bar: collective throughput >= 50% of the raw broadcast's.
+     Bar (issue 31): collective throughput >= 75% of the raw broadcast's.
   3. a failed update (packed chunk written and staged, then a chunk whose middle tensor has a wrong shape):
      greedy tokens + top-5 logprobs, /weight_info and /weight_checker checksums bitwise unchanged.
   Also the worker's memory before the first update and after (the stage_updates copy).
@@ -262,7 +262,8 @@ def bench_collective(server: Server, model: torch.nn.Module, rounds: int, work: 
     try:
         for mode in modes:
             client.packed = mode == "packed"
-            say(f"[collective] warm-up update, {mode}{' (forms the group)' if client.sender.group is None else ''} ...")
+            forms = ' (forms the group)' if client.sender.group is None else ''
+            say(f"[collective] warm-up update, {mode}{forms} ...")
             t0 = time.perf_counter()
             client.send_weights(model.named_parameters(), version=f"coll-warm-{mode}", pause="keep")
             out[f"{mode}_first_s"] = time.perf_counter() - t0
@@ -394,7 +395,7 @@ def report(res: dict, nbytes: int, n_tensors: int, rounds: int) -> str:
                 ["memcpy of the same bytes", ms(cm), ms(cb), "1.00x", "1.00x", "-", "-"]]
         for mode, xs in r["send_s"].items():
             rows.append([f"ipc update, {mode} (pause..resume)", ms(med(xs)), ms(min(xs)), f"{med(xs) / cm:.2f}x",
-                         f"{min(xs) / cb:.2f}x", "<= 3x memcpy", verdict(med(xs) / cm <= 3)])
+                         f"{min(xs) / cb:.2f}x", "<= 1.5x memcpy", verdict(med(xs) / cm <= 1.5)])
         parts.append("### 1. IPC update against one memcpy\n\n" + md(rows))
         parts.append("IPC per-phase medians (ms, client.timings)\n\n" + phase_table(r, "first (cold) update"))
     if "collective" in res:
@@ -412,8 +413,8 @@ def report(res: dict, nbytes: int, n_tensors: int, rounds: int) -> str:
             for what, xs in (("transfer phase", r["phases_s"][mode]["transfer"]), ("whole send", r["send_s"][mode])):
                 m = med(xs)
                 rows.append([f"collective {mode}, {what}", ms(m), ms(min(xs)), gbps(nbytes, m),
-                             f"{100 * flat / m:.0f}%", f"{100 * per / m:.0f}%", f">= 50% of {peer_name}",
-                             verdict(peer / m >= 0.5)])
+                             f"{100 * flat / m:.0f}%", f"{100 * per / m:.0f}%", f">= 75% of {peer_name}",
+                             verdict(peer / m >= 0.75)])
         parts.append("### 2. Collective (hccl backend = Gloo on CPU) against a raw broadcast\n\n" + md(rows))
         parts.append("Collective per-phase medians (ms, client.timings)\n\n"
                      + phase_table(r, "first update (incl. rendezvous)"))
@@ -464,7 +465,7 @@ def plot(res: dict, nbytes: int, path: str) -> None:
         labels = ["memcpy", *[f"ipc {m}" for m in r["send_s"]]]
         vals = [med(r["memcpy_s"]), *[med(x) for x in r["send_s"].values()]]
         axes[0].bar(labels, [1e3 * v for v in vals])
-        axes[0].axhline(3e3 * vals[0], ls="--", color="r", label="bar: 3x memcpy")
+        axes[0].axhline(1.5e3 * vals[0], ls="--", color="r", label="bar: 1.5x memcpy")
         axes[0].set_ylabel("ms (median)")
         axes[0].legend()
     if "collective" in res:
@@ -473,7 +474,7 @@ def plot(res: dict, nbytes: int, path: str) -> None:
         vals = [med(r["raw_flat"]), med(r["raw_per_tensor"]), med(r["phases_s"]["packed"]["transfer"]),
                 med(r["phases_s"]["unpacked"]["transfer"]), med(r["send_s"]["packed"]), med(r["send_s"]["unpacked"])]
         axes[1].bar(labels, [nbytes / v / 1e9 for v in vals])
-        axes[1].axhline(0.5 * nbytes / vals[0] / 1e9, ls="--", color="r", label="bar: 50% of raw flat")
+        axes[1].axhline(0.75 * nbytes / vals[0] / 1e9, ls="--", color="r", label="bar: 75% of raw flat")
         axes[1].set_ylabel("GB/s (median)")
         axes[1].tick_params(axis="x", rotation=30)
         axes[1].legend()
