@@ -41,6 +41,7 @@ from engine.weights import backends
 from engine.weights.config import BACKENDS
 from engine.weights.lifecycle import PAUSE_MODES
 from engine.weights.protocol import (
+    CLIENT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     DTYPES,
     ParamMeta,
@@ -74,7 +75,7 @@ class WeightSyncClient:
         self.base_url = base_url.rstrip("/") if base_url else None
         self.backend = BACKENDS[backend]
         self.packed, self.api_key, self.timeout_s = packed, api_key, timeout_s
-        self.buffer_size = packed_buffer_size_bytes
+        self.buffer_size = packed_buffer_size_bytes or CLIENT_PACKED_BUFFER_SIZE_BYTES
         self.num_buffers = max(1, packed_num_buffers)
         self.master_address, self.master_port = master_address, master_port
         self.clear_cache = clear_cache

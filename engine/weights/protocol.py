@@ -21,6 +21,10 @@ import torch
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3  # vLLM's default
 DEFAULT_PACKED_NUM_BUFFERS = 2
+# What rollbus's trainer client packs by when not told (it sends the size, so both sides agree): chunks of
+# a few tens of MiB keep num_buffers in flight, so packing, moving and unpacking overlap. One chunk of
+# vLLM's 1 GiB holds a whole small model: SmolLM2 over Gloo then packed, broadcast and unpacked in turn.
+CLIENT_PACKED_BUFFER_SIZE_BYTES = 64 << 20
 
 # torch dtype names a trainer may send (vLLM sends str(dtype) without the "torch." prefix).
 DTYPES: dict[str, torch.dtype] = {
