@@ -221,10 +221,12 @@ class SchedulerActor:
         if self.step_outputs is not None:
             self._build_step_outputs()  # after the plan: the workers compute while we build them
         self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
+        if self.kv_events is not None and self.sched.blocks.events:
+            # before the outputs, as vLLM: a client that reads a finished request and sends the next turn
+            # finds its blocks announced already
+            self.kv_events.publish(self.sched.blocks.take_events())
         if self.outbox:
             self._flush()
-        if self.kv_events is not None and self.sched.blocks.events:
-            self.kv_events.publish(self.sched.blocks.take_events())
 
     def _can_start_step(self) -> bool:
         if self.in_flight and self.plan_ahead_idle:
