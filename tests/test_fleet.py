@@ -187,14 +187,16 @@ def test_kv_aware_sends_a_prompt_back_to_the_engine_that_holds_it(tmp_path, tiny
 
 
 @pytest.mark.fleet
+@pytest.mark.timeout(900)
 def test_skyrl_server_group_places_two_engines_on_ray(tmp_path, tiny_qwen3) -> None:
     """SkyRL 0.4's ServerGroup + VLLMRouter + RemoteInferenceClient, unmodified but for the compat shim,
     with RollbusServerActor on `ray.init(num_cpus=4, num_gpus=2)`."""
     python = fleet_venvs() / "fleet" / "bin" / "python"
     if not python.is_file():
         pytest.skip(f"the fleet venv is absent ({python}): bash tests/interop/setup_venvs.sh fleet")
+    # Ray's workers import engine.fleet from PYTHONPATH; the engines run in rollbus's python (ROLLBUS_PYTHON)
     env = {**os.environ, "ROLLBUS_PYTHON": sys.executable, "ROLLBUS_PYTHONPATH": str(ROOT),
-           "PYTHONPATH": "", "RAY_ADDRESS": "", "FLEET_START_PORT": str(free_port())}
+           "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "", "FLEET_START_PORT": str(free_port())}
     p = subprocess.run([str(python), str(ROOT / "tests" / "fleet" / "skyrl_fleet_driver.py"), str(tiny_qwen3),
                         str(ROOT)], capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
     assert p.returncode == 0, f"driver failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"

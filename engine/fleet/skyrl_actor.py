@@ -48,18 +48,19 @@ HEALTH_TIMEOUT_S = float(os.environ.get("ROLLBUS_FLEET_HEALTH_TIMEOUT_S", "600")
 RESTART_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
-try:  # SkyRL's ServerInfo when SkyRL is there (its pool reads .url), else the same shape
-    from skyrl.backends.skyrl_train.inference_servers.common import ServerInfo
-except ImportError:  # pragma: no cover - exercised only without SkyRL
-    @dataclass
-    class ServerInfo:  # type: ignore[no-redef]
-        ip: str
-        port: int
-        mooncake_bootstrap_server_port: int | None = None
+@dataclass
+class ServerInfo:
+    """SkyRL's ServerInfo (inference_servers/common.py), field for field: what start() returns and SkyRL's
+    pool reads (.url). Our own class, so that the actor never imports SkyRL (which needs Python 3.12)."""
 
-        @property
-        def url(self) -> str:
-            return f"http://{self.ip}:{self.port}"
+    ip: str
+    port: int
+    mooncake_bootstrap_server_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip
+        return f"http://{host}:{self.port}"
 
 
 def _node_ip() -> str:

@@ -38,6 +38,10 @@ from vllm_router.router_args import RouterArgs  # noqa: E402
 from engine.fleet.skyrl_actor import RollbusServerActor  # noqa: E402
 
 
+def say(*a) -> None:
+    print(f"[driver {time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
+
+
 def pids_of(marker: str) -> list[int]:
     out = []
     for pid in os.listdir("/proc"):
@@ -54,7 +58,7 @@ def pids_of(marker: str) -> list[int]:
 async def main() -> dict:
     out: dict = {"compat": compat}
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    cli_args = Namespace(model=MODEL, max_model_len=512, enable_sleep_mode=True, kv_cache_memory_bytes=16 << 20,
+    cli_args = Namespace(model=MODEL, max_model_len=256, enable_sleep_mode=True, kv_cache_memory_bytes=16 << 20,
                          tensor_parallel_size=1, pipeline_parallel_size=1)
     group = ServerGroup(cli_args, num_servers=2, start_port=int(os.environ.get("FLEET_START_PORT", "18400")),
                         server_actor_cls=RollbusServerActor)
@@ -62,13 +66,15 @@ async def main() -> dict:
     try:
         t0 = time.monotonic()
         infos = group.start()
+        say('servers started')
         out["start_s"] = round(time.monotonic() - t0, 1)
         urls = [i.url for i in infos]
         out["urls"] = urls
         out["health"] = [httpx.get(u + "/health").status_code for u in urls]
-        router = VLLMRouter(RouterArgs(worker_urls=urls, policy="consistent_hash", port=18480,
+        router = VLLMRouter(RouterArgs(worker_urls=urls, policy="consistent_hash", host="0.0.0.0", port=18480,
                                        log_level="warning"))
         router_url = router.start()
+        say('router started')
         client = RemoteInferenceClient(proxy_url=router_url, server_urls=urls, data_parallel_size=1,
                                        model_name=MODEL)
         prompt = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -78,6 +84,7 @@ async def main() -> dict:
                 "max_tokens": 6, "temperature": 0.0}, "session_ids": [sid]})
             gen.append(r["response_ids"][0])
         out["generate"] = gen
+        say('generated')
         out["pause"] = json.loads(json.dumps(await client.pause(), default=str))
         out["paused"] = [httpx.get(u + "/is_paused").json() for u in urls]
         out["resume"] = json.loads(json.dumps(await client.resume(), default=str))

@@ -65,7 +65,9 @@ for t in "${targets[@]}"; do
       # own python), so rollbus itself need not be installed here.
       make_venv fleet "$fleet"
       install_skyrl "$fleet/fleet"
-      "$fleet/fleet/bin/python" -m pip install -q "ray==2.60.0" "vllm-router==0.1.17" httpx
+      # ServerGroup imports omegaconf and skyrl_gym (through skyrl.train.utils) besides what the client needs
+      "$fleet/fleet/bin/python" -m pip install -q "ray==2.60.0" "vllm-router==0.1.17" httpx "omegaconf==2.4.0" \
+        "skyrl-gym==0.4.0"
       "$fleet/fleet/bin/python" -c "import ray, skyrl; print('ray', ray.__version__)"
       echo "fleet venv ready in $(( $(date +%s) - start )) s: $fleet/fleet"
       continue
