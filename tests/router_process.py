@@ -61,8 +61,8 @@ def start_router(workdir: Path, worker_urls: list[str], policy: str, *, kv_sourc
         raise RuntimeError(f"vllm-router is not installed: {SETUP}")
     port = free_port()
     cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *worker_urls,
-           "--health-check-interval-secs", "2", "--log-level", os.environ.get("ROLLBUS_ROUTER_LOG_LEVEL", "info"),
-           *extra]
+           "--prometheus-port", str(free_port()), "--health-check-interval-secs", "2",
+           "--log-level", os.environ.get("ROLLBUS_ROUTER_LOG_LEVEL", "info"), *extra]
     for url, endpoint in (kv_sources or {}).items():
         cmd += ["--kv-event-source", f"{url}={endpoint}"]
     if kv_sources:
