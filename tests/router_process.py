@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from tests.serve_process import free_port
+from tests.serve_process import Server, free_port
 
 SETUP = "bash tests/interop/setup_venvs.sh router"
 
@@ -27,27 +26,7 @@ def router_binary() -> Path | None:
     return exe if exe.is_file() else None
 
 
-@dataclass
-class Router:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+Router = Server  # a process on a port with a log: the same handle as a `rollbus serve`
 
 
 def start_router(workdir: Path, worker_urls: list[str], policy: str, *, kv_sources: dict[str, str] | None = None,
