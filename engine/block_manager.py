@@ -7,6 +7,12 @@ Freed blocks keep their hash and stay findable until the free list hands them ou
 so a prompt that comes back soon is still cached.
 
 Callers pair `can_allocate` with `allocate` so they never see a half-done allocation.
+
+With `record_events` the manager also returns what it did to the cache as vLLM's KV events
+(engine.kv_events; the scheduler actor publishes them, `take_events`): BlockStored when blocks of the
+current weights become findable, BlockRemoved when a block announced that way is evicted, AllBlocksCleared
+when the cache is reset or the weights change (blocks of older weights can no longer be matched by a new
+request, so a router should stop counting them).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
+from engine.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from engine.request import Sequence
 
 
@@ -33,7 +40,8 @@ def salt_root(salt: str | None) -> int | None:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = enable_prefix_caching
@@ -43,6 +51,12 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_prefix_hits = 0
         self.num_prefix_queries = 0
+        # KV events (record_events): pending events, the hashes announced since the last clear, and the
+        # weight epoch they belong to
+        self.record_events = record_events and enable_prefix_caching
+        self.events: list[KVCacheEvent] = []
+        self.announced: set[int] = set()
+        self.events_epoch = 0
 
     @property
     def num_free(self) -> int:
@@ -93,6 +107,7 @@ class BlockManager:
             return
         bs = self.block_size
         full = seq.num_computed // bs
+        stored: list[int] = []  # indexes of the blocks this call made findable (recorded as events)
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else salt_root(seq.sampling.cache_salt)
@@ -102,6 +117,53 @@ class BlockManager:
             if h not in self.cached and self.hash_of[bid] is None:
                 self.cached[h] = bid
                 self.hash_of[bid] = h
+                stored.append(i)
+        if self.record_events and stored:
+            self._record_stored(seq, stored, weight_version)
+
+    def _record_stored(self, seq: Sequence, stored: list[int], weight_version: int) -> None:
+        """BlockStored events for the blocks at `stored` (indexes into seq's blocks), one per contiguous run,
+        each naming the block before it as parent. Blocks of older weights than the newest seen are not
+        announced: no new request can match them."""
+        if weight_version > self.events_epoch:
+            self._record_clear()
+            self.events_epoch = weight_version
+        elif weight_version < self.events_epoch:
+            return
+        bs, hashes = self.block_size, seq.block_hashes
+        start = 0
+        while start < len(stored):
+            end = start + 1
+            while end < len(stored) and stored[end] == stored[end - 1] + 1:
+                end += 1
+            run = stored[start:end]
+            first = run[0]
+            parent = external_hash(hashes[first - 1]) if first > 0 else None
+            ext = [external_hash(hashes[i]) for i in run]
+            self.announced.update(ext)
+            self.events.append(BlockStored(ext, parent, seq.tokens(first * bs, (run[-1] + 1) * bs), bs,
+                                           None, MEDIUM, None))
+            start = end
+
+    def _record_removed(self, h: int) -> None:
+        ext = external_hash(h)
+        if ext not in self.announced:
+            return
+        self.announced.discard(ext)
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(ext)
+        else:
+            self.events.append(BlockRemoved([ext], MEDIUM))
+
+    def _record_clear(self) -> None:
+        self.announced.clear()
+        self.events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (the scheduler publishes them once per loop turn)."""
+        events, self.events = self.events, []
+        return events
 
     def free_seq(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are reused before its (more shareable) head.
@@ -116,6 +178,8 @@ class BlockManager:
         """Forget every hash (e.g. after a weight update with clear_cache); used blocks stay allocated."""
         self.cached.clear()
         self.hash_of = [None] * self.num_blocks
+        if self.record_events:
+            self._record_clear()
 
     def _take_fresh(self) -> int:
         """Hand out the least recently freed block for new content, evicting its cached hash."""
@@ -125,6 +189,8 @@ class BlockManager:
             self.hash_of[bid] = None
             if self.cached.get(h) == bid:
                 del self.cached[h]
+                if self.record_events:
+                    self._record_removed(h)
         self.ref[bid] = 1
         return bid
 

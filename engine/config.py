@@ -47,6 +47,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None  # None: 0.9 on accelerators, a 1 GiB KV cache on CPU
     enable_prefix_caching: bool = True
+    kv_events_config: str | None = None  # JSON; vLLM's KVEventsConfig (engine.kv_events, docs/fleet.md)
     max_logprobs: int = 20
     seed: int = 0
     # data parallelism (engine.topology; docs/serving.md "Scale-out")
@@ -506,6 +507,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=Switch, negatives=["--disable-prefix-caching"],
                    default=d.enable_prefix_caching,
                    help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
+    g.add_argument("--kv-events-config", type=_json_object("--kv-events-config"), default=None,
+                   help='JSON object, vLLM\'s KVEventsConfig: {"enable_kv_cache_events": true, "endpoint": '
+                        '"tcp://*:5557"} publishes the prefix cache\'s BlockStored / BlockRemoved / '
+                        "AllBlocksCleared events in vLLM's format on that ZeroMQ PUB endpoint (engine N of "
+                        "-dp publishes on port + N), for a KV-aware router (docs/fleet.md). Other keys: "
+                        "publisher (zmq | null), replay_endpoint, buffer_steps, hwm, max_queue_size, topic. "
+                        "Needs the prefix cache on.")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the "
                         "whole vocabulary (a request's -1 asks for the whole vocabulary).")
@@ -864,6 +872,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         raise SystemExit("rollbus: --max-log-len must be non-negative")
     from bus.auth import check_config as check_bus
     from engine.generation_defaults import check_generation_config
+    from engine.kv_events import parse_kv_events_config
     from engine.rl_config import determinism, parse_additional_config
     from engine.structured_outputs import parse_structured_outputs_config
     from engine.weights.config import parse_weight_transfer_config
@@ -873,6 +882,10 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     try:
         determinism(parse_additional_config(cfg.additional_config))
         parse_weight_transfer_config(cfg.weight_transfer_config)
+        kv_events = parse_kv_events_config(cfg.kv_events_config)
+        if kv_events is not None and kv_events.publishing and not cfg.enable_prefix_caching:
+            raise ValueError("--kv-events-config publishes the prefix cache's events; --no-enable-prefix-caching "
+                             "turns that cache off")
         parse_structured_outputs_config(cfg.structured_outputs_config)
         _check_load_format(cfg)
         check_generation_config(cfg.generation_config, cfg.override_generation_config)

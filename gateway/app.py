@@ -39,6 +39,7 @@ from gateway.serving_chat import create_chat_completion
 from gateway.serving_completions import create_completion
 from gateway.serving_generate import abort_requests, create_generate
 from gateway.serving_responses import cancel_response, create_response, retrieve_response
+from gateway.skyrl_routes import add_skyrl_routes
 from gateway.vllm_routes import add_vllm_routes
 from gateway.weight_routes import WEIGHT_PATHS, add_weight_routes
 
@@ -169,6 +170,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     created = int(time.time())
     app.state.serving = ctx
     add_vllm_routes(app, ctx)  # /tokenize, /detokenize, /v1/chat/completions/render, /v1/completions/render
+    add_skyrl_routes(app, ctx)  # /skyrl/v1/generate (SkyRL's server actor's route; docs/fleet.md)
     # /openapi.json with the bodies the routes read themselves
     install_openapi(app, cfg, model_info)
 

@@ -20,7 +20,8 @@ from gateway.errors import APIError, envelope
 from gateway.memory import HeapTrimmer
 from gateway.responses import JSONResponse
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate",
+                    "/skyrl/v1/generate")
 RETRY_AFTER_S = 1
 OVERLOADED_MESSAGE = ("The engine is currently busy and cannot accept new requests. Please try again later or "
                       "on a different instance.")  # vLLM's QueueOverflowError

@@ -68,11 +68,13 @@ def model_bodies() -> dict[str, Any]:
     """path -> the pydantic model(s) of its JSON body (a tuple: any one of them)."""
     from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
     from gateway.responses_protocol import ResponsesRequest
+    from gateway.skyrl_routes import SkyrlGenerateRequest
     from gateway.vllm_routes import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
     return {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
             "/v1/completions/render": CompletionRequest, "/v1/chat/completions/render": ChatCompletionRequest,
             "/v1/responses": ResponsesRequest, "/inference/v1/generate": GenerateRequest,
+            "/skyrl/v1/generate": SkyrlGenerateRequest,
             "/detokenize": DetokenizeRequest,
             "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest)}
 

@@ -583,18 +583,24 @@ def clamp_logprob(x: float) -> float:
     return MAX_LOGPROB_FLOOR if math.isnan(x) else max(MAX_LOGPROB_FLOOR, x)
 
 
-def routed_experts_b64(state: ChoiceState) -> str | None:
-    """vLLM's `routed_experts` of a choice: base64 of a `.npy` file (np.save, no pickle) of the router's
-    top-k [num_tokens - 1 - routed_experts_prompt_start, num_moe_layers, top_k] from the prompt position
-    routed_experts_prompt_start on, prompt and generated tokens but the last (never forwarded). None when
-    the engine sent none: the flag is off, the model is dense, or the request ended before any forward
-    pass. An aborted request has the positions computed until then."""
+def routed_experts_rows(state: ChoiceState):
+    """The router's top-k of a choice, [num_tokens - 1 - routed_experts_prompt_start, num_moe_layers, top_k]
+    from the prompt position routed_experts_prompt_start on, prompt and generated tokens but the last (never
+    forwarded); None when the engine sent none: the flag is off, the model is dense, or the request ended
+    before any forward pass. An aborted request has the positions computed until then."""
     pieces = state.routed_pieces
     if not pieces:
         return None
     hi = min(routed_experts.end(pieces), len(state.prompt_ids) + len(state.token_ids) - 1)
     lo = min(state.params.routed_experts_prompt_start, hi)
-    return routed_experts.to_b64(routed_experts.assemble(pieces, lo, hi))
+    return routed_experts.assemble(pieces, lo, hi)
+
+
+def routed_experts_b64(state: ChoiceState) -> str | None:
+    """vLLM's `routed_experts` of a choice: base64 of a `.npy` file (np.save, no pickle) of
+    routed_experts_rows."""
+    rows = routed_experts_rows(state)
+    return None if rows is None else routed_experts.to_b64(rows)
 
 
 def request_base_id(request: Request, body_request_id: str | None, new_id: Callable[[], str]) -> str:

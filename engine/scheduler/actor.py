@@ -64,10 +64,12 @@ from bus.sockets import make_socket, member_name, recv, recv_from, report_ready,
 from engine import control_state
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on
+from engine.kv_events import parse_kv_events_config
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
 from engine.scheduler.admission import EngineLimits, admission_error
+from engine.scheduler.kv_event_publisher import KVEventPublisher
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
@@ -98,6 +100,8 @@ class SchedulerActor:
             ResetPrefixCache: self._reset_prefix_cache,
             **dict.fromkeys((Pause, Resume, Sleep, WakeUp, StartWeightUpdate, AbortWeightUpdate), self._gate_command),
         }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        kv_events = parse_kv_events_config(cfg.kv_events_config)
+        self.kv_events = KVEventPublisher(kv_events, ctx, self.engine) if kv_events and kv_events.publishing else None
         self.gate = StepGate()
         self.sched: Scheduler | None = None  # built once the workers report their KV capacity
         self.stopping = False
@@ -166,7 +170,9 @@ class SchedulerActor:
         self.depth = 2 if async_scheduling_on(self.cfg, str(infos[0].get("device", "cpu"))) else 1
         self.limits = EngineLimits(min(i["vocab_size"] for i in infos), max_len, self.cfg.max_logprobs,
                                    self.cfg.enable_trace_replay)
-        self.sched = Scheduler(BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching),
+        blocks = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
+                              record_events=self.kv_events is not None)
+        self.sched = Scheduler(blocks,
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
@@ -215,6 +221,10 @@ class SchedulerActor:
         if self.step_outputs is not None:
             self._build_step_outputs()  # after the plan: the workers compute while we build them
         self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
+        if self.kv_events is not None and self.sched.blocks.events:
+            # before the outputs, as vLLM: a client that reads a finished request and sends the next turn
+            # finds its blocks announced already
+            self.kv_events.publish(self.sched.blocks.take_events())
         if self.outbox:
             self._flush()
 
@@ -604,5 +614,7 @@ def run_scheduler_process(cfg: EngineConfig) -> None:
         report_ready(ctx, ep.ready, "scheduler", actor.name, info)
         actor.run()
     finally:
+        if actor.kv_events is not None:
+            actor.kv_events.close()
         actor.link.close()
         ctx.destroy(linger=500)

@@ -6,19 +6,36 @@
 #                                   transfer engines, HTTPVLLMWeightSyncClient), as peers.md installs it
 # Each client lives in its own venv, never in the project's Python; the tests run it in a subprocess
 # with that venv's python and skip (saying why) when the venv is absent.
-# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl|vllm ...]   (default: all three; re-running is cheap)
-# ROLLBUS_INTEROP_VENVS overrides the parent folder (the tests read the same variable).
+#   ~/.cache/rollbus-fleet/router   vllm-router 0.1.17 (a Rust binary in the wheel), for the `fleet` tests and
+#                                   bench/fleet_routing.py
+#   ~/.cache/rollbus-fleet/fleet    Ray 2.60 + SkyRL 0.4 (ServerGroup, VLLMRouter, RemoteInferenceClient), the
+#                                   `fleet` tests' driver (docs/fleet.md)
+# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl|vllm|router|fleet ...]   (default: the first three;
+# re-running is cheap). ROLLBUS_INTEROP_VENVS and ROLLBUS_FLEET_VENVS override the parent folders (the tests
+# read the same variables).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="${ROLLBUS_INTEROP_VENVS:-$HOME/.cache/rollbus-interop}"
+fleet="${ROLLBUS_FLEET_VENVS:-$HOME/.cache/rollbus-fleet}"
 py="${PYTHON:-python3}"
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(trl skyrl vllm)
-mkdir -p "$root"
+mkdir -p "$root" "$fleet"
 
-make_venv() {  # name
-  [ -x "$root/$1/bin/python" ] || "$py" -m venv "$root/$1"
-  "$root/$1/bin/python" -m pip install -q --upgrade pip >/dev/null
+make_venv() {  # name [parent folder]
+  local dir="${2:-$root}/$1"
+  [ -x "$dir/bin/python" ] || "$py" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null
+}
+
+install_skyrl() {  # venv folder: skyrl 0.4 without its training stack, and what its clients import
+  # skyrl 0.4 declares Python >= 3.12; its HTTP client runs on 3.11 (the test shims typing.TypedDict).
+  local tmp
+  tmp="$(mktemp -d)"
+  "$1/bin/python" -m pip download -q --no-deps skyrl==0.4.0 --python-version 3.12 --only-binary=:all: -d "$tmp"
+  "$1/bin/python" -m pip install -q --no-deps --ignore-requires-python "$tmp"/skyrl-0.4.0-*.whl
+  rm -rf "$tmp"
+  "$1/bin/python" -m pip install -q -r "$here/requirements-skyrl.txt"
 }
 
 for t in "${targets[@]}"; do
@@ -33,13 +50,27 @@ for t in "${targets[@]}"; do
       ;;
     skyrl)
       make_venv skyrl
-      # skyrl 0.4 declares Python >= 3.12; its HTTP client runs on 3.11 (the test shims typing.TypedDict).
-      tmp="$(mktemp -d)"
-      "$root/skyrl/bin/python" -m pip download -q --no-deps skyrl==0.4.0 --python-version 3.12 \
-        --only-binary=:all: -d "$tmp"
-      "$root/skyrl/bin/python" -m pip install -q --no-deps --ignore-requires-python "$tmp"/skyrl-0.4.0-*.whl
-      rm -rf "$tmp"
-      "$root/skyrl/bin/python" -m pip install -q -r "$here/requirements-skyrl.txt"
+      install_skyrl "$root/skyrl"
+      ;;
+    router)
+      make_venv router "$fleet"
+      "$fleet/router/bin/python" -m pip install -q "vllm-router==0.1.17"
+      "$fleet/router/bin/vllm-router" --help >/dev/null
+      echo "router venv ready in $(( $(date +%s) - start )) s: $fleet/router"
+      continue
+      ;;
+    fleet)
+      # The driver of a SkyRL fleet: Ray (places the actors; rollbus.engine.fleet imports it) and SkyRL's
+      # inference-server layer. The actors start `rollbus serve` with ROLLBUS_PYTHON (default: the actor's
+      # own python), so rollbus itself need not be installed here.
+      make_venv fleet "$fleet"
+      install_skyrl "$fleet/fleet"
+      # ServerGroup imports omegaconf and skyrl_gym (through skyrl.train.utils) besides what the client needs
+      "$fleet/fleet/bin/python" -m pip install -q "ray==2.60.0" "vllm-router==0.1.17" httpx "omegaconf==2.4.0" \
+        "skyrl-gym==0.4.0"
+      "$fleet/fleet/bin/python" -c "import ray, skyrl; print('ray', ray.__version__)"
+      echo "fleet venv ready in $(( $(date +%s) - start )) s: $fleet/fleet"
+      continue
       ;;
     vllm)
       # vLLM's own CPU wheel, in the venv the tests look for (ROLLBUS_VLLM_PYTHON overrides the python);
@@ -54,7 +85,7 @@ for t in "${targets[@]}"; do
       echo "vllm venv ready in $(( $(date +%s) - start )) s: $vdir"
       continue
       ;;
-    *) echo "unknown target $t (trl, skyrl, vllm)" >&2; exit 2 ;;
+    *) echo "unknown target $t (trl, skyrl, vllm, router, fleet)" >&2; exit 2 ;;
   esac
   echo "$t venv ready in $(( $(date +%s) - start )) s: $root/$t"
 done

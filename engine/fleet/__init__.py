@@ -1,0 +1,7 @@
+"""The fleet: rollbus engines placed by Ray and driven by RL frameworks (docs/fleet.md).
+
+`engine.fleet.serve_args` (pure) turns vLLM's serve Namespace into a `rollbus serve` command line;
+`engine.fleet.skyrl_actor` is the Ray actor SkyRL's ServerGroup places (it alone imports Ray: install with
+`pip install rollbus[ray]`); `engine.fleet.skyrl_compat` works around SkyRL 0.4's bugs. Importing this
+package imports neither Ray nor SkyRL.
+"""
