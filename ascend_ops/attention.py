@@ -106,14 +106,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention output [T, Hq, D]. Writes k/v into the cache first, then reads context from it (blocks of a
-    --kv-cache-dtype narrower than q's are widened to it: `.to` is a no-op where they match)."""
+    --kv-cache-dtype narrower than q's are widened to it: `.to` is a no-op where they match).
+    `window` > 0: sliding-window attention as HF masks it, a query at position p sees the keys at positions
+    (p - window, p]; such layers take the SDPA path (the C++ kernel reads every key from position 0)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nb, bs, hk, d = k_cache.shape
     gqa = q.shape[1] != hk
-    kern = _cpu_kernel(q, k_cache)
+    kern = None if window else _cpu_kernel(q, k_cache)
     if meta.num_decodes and kern is not None:
         n = meta.num_decodes
         kern.paged_attention_rows(out[:n], q[:n], k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
@@ -127,7 +130,11 @@ def paged_attention(
         kc = k_cache.index_select(0, flat).to(q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n,Hk,L,D]
         vc = v_cache.index_select(0, flat).to(q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)
         pos = torch.arange(nblk * bs, device=q.device)
-        mask = (pos[None, :] < meta.decode_ctx_lens[:, None]).view(n, 1, 1, -1)  # type: ignore[index]
+        lens = meta.decode_ctx_lens[:, None]  # type: ignore[index]
+        mask = pos[None, :] < lens
+        if window:
+            mask &= pos[None, :] >= lens - window
+        mask = mask.view(n, 1, 1, -1)
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:n] = o.squeeze(2)
@@ -143,7 +150,10 @@ def paged_attention(
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1)  # [Hq, q_len, D]
         # Row i (absolute position ctx_len - q_len + i) sees keys at positions <= its own.
         qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)
-        mask = torch.arange(c.ctx_len, device=q.device)[None, :] <= qpos[:, None]
+        kpos = torch.arange(c.ctx_len, device=q.device)[None, :]
+        mask = kpos <= qpos[:, None]
+        if window:
+            mask &= kpos > qpos[:, None] - window
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[c.q_start : c.q_start + c.q_len] = o.transpose(0, 1)
     return out

@@ -266,12 +266,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring)."""
+    """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring).
+    A sliding-window layer (`window` > 0) takes the torch path, whose rows are as invariant as the kernel's."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    kern = attention_kernel(q, k_cache)
+    kern = None if window else attention_kernel(q, k_cache)
     if kern is None:
-        return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+        return _paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(q)
     if not meta.prefills:  # a decode-only step: the call default mode makes
         kern.paged_attention_rows(out, q, k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
@@ -282,7 +284,7 @@ def paged_attention(
     return out
 
 
-def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """The portable path (module docstring): rows in chunks of at most PAIR_BUDGET (row, block) pairs."""
     T = q.shape[0]
     bs = k_cache.shape[1]
@@ -292,11 +294,12 @@ def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     rows_per_chunk = max(1, PAIR_BUDGET // int(nblk.max()))
     for r0 in range(0, T, rows_per_chunk):
         r1 = min(T, r0 + rows_per_chunk)
-        out[r0:r1] = _attend_rows(q[r0:r1], tables[r0:r1], lens[r0:r1], nblk[r0:r1], k_cache, v_cache, scale)
+        out[r0:r1] = _attend_rows(q[r0:r1], tables[r0:r1], lens[r0:r1], nblk[r0:r1], k_cache, v_cache, scale,
+                                  window)
     return out
 
 
-def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor:
+def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0) -> torch.Tensor:
     R, hq, d = q.shape
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     g = hq // hk
@@ -312,7 +315,10 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale) -> torch.Tensor
     qp = q.float()[row].view(P * hk, g, d)  # the G query heads of each KV head
     s = torch.bmm(qp, kb.transpose(1, 2)).view(P, hk, g, bs) * scale
     keypos = blk[:, None] * bs + torch.arange(bs, device=dev)[None, :]  # [P, bs]
-    s = s.masked_fill((keypos >= lens[row][:, None])[:, None, None, :], float("-inf"))
+    hidden = keypos >= lens[row][:, None]
+    if window:  # keys before the window: masked like those after the row (a block may be all masked: p = 0)
+        hidden |= keypos < (lens[row] - window)[:, None]
+    s = s.masked_fill(hidden[:, None, None, :], float("-inf"))
     # the row's max over all its keys (a max is exact in any order); softmax numerators against it
     rowmax = torch.full((R, hk * g), float("-inf"), device=dev).scatter_reduce(
         0, row[:, None].expand(P, hk * g), s.detach().amax(dim=-1).view(P, hk * g), "amax")

@@ -60,8 +60,22 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                               decoder_sparse_step=2, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
                                       num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0)),
+    # Mistral: a sliding window of 7 keys, shorter than the test prompts and across block boundaries.
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
+                                      head_dim=24, sliding_window=7, rope_theta=10000.0)),
+    "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
+                                  attention_bias=True, rope_theta=500000.0)),
+    # Qwen2-MoE: a shared expert with its gate, a dense layer, sliding windows on the lower layers.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=3, vocab_size=1200, tie_word_embeddings=False,
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=96, mlp_only_layers=[1],
+                                         use_sliding_window=True, sliding_window=6, max_window_layers=2,
+                                         rope_theta=1000000.0)),
+    "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
+                                  intermediate_size=48, num_experts=8, num_experts_per_tok=2, clip_qkv=3.0,
+                                  rope_theta=10000.0)),
 }
-MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral"}
+MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 

@@ -53,17 +53,21 @@ class DecoderConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+    qk_norm: bool  # RMSNorm of q and k per head (Qwen3)
+    qk_norm_full: bool  # ... over the whole q and k projections instead (OLMo 2, OLMoE)
+    post_norms: bool  # OLMo 2: no input norm; the attention's and the MLP's outputs are normed, then added
+    clip_qkv: float | None  # OLMoE: q, k, v clamped to [-clip, clip]
+    windows: tuple[int, ...]  # per layer: its sliding window (keys (p - w, p] for position p), 0 = full
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> DecoderConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         qwen2, qwen3 = arch.startswith("Qwen2"), arch.startswith("Qwen3")
-        if cfg.get("use_sliding_window"):
-            raise NotImplementedError(f"{arch}: sliding-window attention is not supported")
+        olmo2, olmoe = arch.startswith("Olmo2"), arch.startswith("Olmoe")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"{arch}: hidden_act {act!r} is not supported (only silu)")
+        _refuse_quantization(arch, cfg)
         heads = cfg["num_attention_heads"]
         # Transformers 5 nests rope settings under rope_parameters; older configs use rope_theta/rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -84,11 +88,53 @@ class DecoderConfig:
             rope_scaling=scaling,
             max_positions=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if qwen2 else attn_bias,
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attn_bias,
             o_bias=False if qwen2 else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=qwen3,
+            qk_norm_full=olmo2 or olmoe,
+            post_norms=olmo2,
+            clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
+            windows=sliding_windows(arch, cfg),
         )
+
+
+def _refuse_quantization(arch: str, cfg: dict[str, Any]) -> None:
+    """A quantised checkpoint would load as a different model: refused, naming what it declares."""
+    q = cfg.get("quantization_config")
+    if q:
+        method = q.get("quant_method", q) if isinstance(q, dict) else q
+        raise NotImplementedError(f"{arch}: quantization_config quant_method {method!r} is not supported "
+                                  f"(unquantised checkpoints only)")
+
+
+def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window as HF builds its masks (0: full attention): from `layer_types` where the
+    config lists them, else every layer of a Mistral / Mixtral with `sliding_window`, else (Qwen2 family
+    `use_sliding_window`) HF's rule: the layers below `max_window_layers`, every other one."""
+    n = int(cfg["num_hidden_layers"])
+    w = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if arch.startswith(("Qwen2", "Qwen3")) and not cfg.get("use_sliding_window"):
+        w = 0
+    if types:
+        if len(types) != n:
+            raise ValueError(f"{arch}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise NotImplementedError(f"{arch}: layer_types {bad[0]!r} is not supported "
+                                      f"(only full_attention and sliding_attention)")
+        if "sliding_attention" in types and w <= 0:
+            raise ValueError(f"{arch}: layer_types has sliding_attention layers but sliding_window is {w}")
+        return tuple(w if t == "sliding_attention" else 0 for t in types)
+    if arch.startswith(("Mistral", "Mixtral")):
+        return (w,) * n
+    if arch.startswith(("Qwen2", "Qwen3")) and w:
+        top = int(cfg.get("max_window_layers", n))
+        return tuple(w if (i + 1) % 2 and i < top else 0 for i in range(n))
+    if w:
+        raise NotImplementedError(f"{arch}: sliding_window {w} is not supported for this architecture")
+    return (0,) * n
 
 
 def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
@@ -136,13 +182,15 @@ class Attention(nn.Module):
     """Column-parallel q/k/v (this rank's heads), row-parallel o (one all-reduce, bias added once)."""
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
-                 shard: Shard | None = None, tp: Solo = SOLO) -> None:
+                 shard: Shard | None = None, tp: Solo = SOLO, window: int = 0) -> None:
         super().__init__()
         self.kern, self.tp = kern, tp
         sh = shard or _full_shard(cfg)
         self.hq, self.hk, self.d = sh.hq, sh.hk, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = self.d**-0.5
+        self.window = window
+        self.clip = cfg.clip_qkv
         qkv = (self.hq + 2 * self.hk) * self.d
         kw = dict(dtype=dtype, device=device)
         self.qkv_proj = nn.Module()
@@ -151,12 +199,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Module()
         self.o_proj.weight = _param(cfg.hidden_size, self.hq * self.d, **kw)
         self.o_proj.bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
-        if cfg.qk_norm:
+        if cfg.qk_norm or cfg.qk_norm_full:  # per head, or over this rank's part of the whole projection
             self.q_norm = nn.Module()
-            self.q_norm.weight = _param(self.d, ones=True, **kw)
+            self.q_norm.weight = _param(self.d * (self.hq if cfg.qk_norm_full else 1), ones=True, **kw)
             self.k_norm = nn.Module()
-            self.k_norm.weight = _param(self.d, ones=True, **kw)
-        self.qk_norm = cfg.qk_norm
+            self.k_norm.weight = _param(self.d * (self.hk if cfg.qk_norm_full else 1), ones=True, **kw)
+        self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
+        self.q_width, self.k_width = cfg.num_heads * self.d, cfg.num_kv_heads * self.d  # the whole projections
 
     def forward(
         self,
@@ -170,15 +219,30 @@ class Attention(nn.Module):
         kern = self.kern
         qkv = kern.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hk)*D]
         q, k, v = qkv.split([self.hq * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        if self.qk_norm_full:
+            q = self._full_norm(q, self.q_norm.weight, self.q_width)
+            k = self._full_norm(k, self.k_norm.weight, self.k_width)
+        if self.clip is not None:
+            q, k, v = q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip), v.clamp(-self.clip, self.clip)
         q, k, v = q.view(T, self.hq, self.d), k.view(T, self.hk, self.d), v.view(T, self.hk, self.d)
         if self.qk_norm:
             q = kern.rms_norm(q, self.q_norm.weight, self.eps)
             k = kern.rms_norm(k, self.k_norm.weight, self.eps)
         q, k = kern.apply_rope(q, k, cos, sin)
-        o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # [T, Hq, D]
         if self.tp.size == 1:
             return kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
         return _reduce(self.tp, kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight), self.o_proj.bias)
+
+
+    def _full_norm(self, x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
+        """RMSNorm over a whole projection [T, width] of which this rank holds x [T, width / tp] (the sum of
+        squares all-reduced; layout_error keeps every KV head on one rank's slice, never replicated)."""
+        if self.tp.size == 1:
+            return self.kern.rms_norm(x.contiguous(), weight, self.eps)
+        xf = x.float()
+        var = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / width
+        return weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)
 
 
 def _reduce(tp: Solo, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -191,10 +255,11 @@ class MLP(nn.Module):
     """Column-parallel gate/up (this rank's intermediate rows), row-parallel down (one all-reduce)."""
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
-                 tp: Solo = SOLO) -> None:
+                 tp: Solo = SOLO, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.kern, self.tp = kern, tp
-        self.i = cfg.intermediate_size // tp.size
+        self.full_i = intermediate_size or cfg.intermediate_size  # a shared expert's differs from the dense
+        self.i = self.full_i // tp.size
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Module()
         self.gate_up_proj.weight = _param(2 * self.i, cfg.hidden_size, **kw)
@@ -215,16 +280,18 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, mlp: nn.Module, dtype: torch.dtype, device: torch.device,
-                 kern: Kernels = DEFAULT, shard: Shard | None = None, tp: Solo = SOLO) -> None:
+                 kern: Kernels = DEFAULT, shard: Shard | None = None, tp: Solo = SOLO, window: int = 0) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.norm, self.add_norm = kern.rms_norm, kern.add_rms_norm
-        self.self_attn = Attention(cfg, dtype, device, kern, shard, tp)
+        self.self_attn = Attention(cfg, dtype, device, kern, shard, tp, window)
         self.mlp = mlp  # MLP, or a sparse MoE block with the same forward(x, routed_experts)
-        self.input_layernorm = nn.Module()
-        self.input_layernorm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
-        self.post_attention_layernorm = nn.Module()
-        self.post_attention_layernorm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
+        self.post_norms = cfg.post_norms
+        names = (("post_attention_layernorm", "post_feedforward_layernorm") if cfg.post_norms
+                 else ("input_layernorm", "post_attention_layernorm"))
+        for name in names:
+            setattr(self, name, nn.Module())
+            getattr(self, name).weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -235,6 +302,9 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         routed_experts: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if self.post_norms:  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
+            x = x + self.norm(self.self_attn(x, cos, sin, meta, kv), self.post_attention_layernorm.weight, self.eps)
+            return x + self.norm(self.mlp(x, routed_experts), self.post_feedforward_layernorm.weight, self.eps)
         h = self.self_attn(self.norm(x, self.input_layernorm.weight, self.eps), cos, sin, meta, kv)
         if self.add_norm is not None:  # the residual add and the norm after it in one pass
             x, n = self.add_norm(x, h, self.post_attention_layernorm.weight, self.eps)
@@ -254,7 +324,7 @@ class _Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Module()  # vocabulary-parallel: this rank's rows (padded to ceil(V / tp))
         self.embed_tokens.weight = _param(shard.vp, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device, kern, shard, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device, kern, shard, tp, cfg.windows[i])
                                     for i in range(cfg.num_layers))
         self.norm = nn.Module()
         self.norm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
@@ -443,17 +513,11 @@ class DecoderLM(nn.Module):
                 t.add(f"{a}.k_proj.{kind}", f"{a}.qkv_proj.{kind}", qd, kd, split=k_split)
                 t.add(f"{a}.v_proj.{kind}", f"{a}.qkv_proj.{kind}", qd + kd, kd, split=k_split)
             t.split(f"{a}.o_proj.weight", sharded and Split(1, q_full, (q_part,)) or None)
-            if not isinstance(layer.mlp, MLP):
-                continue
-            i = layer.mlp.i
-            i_part = (sh.rank * i, i)
-            for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-                half = Split(0, cfg.intermediate_size, (i_part,)) if sharded else None
-                t.split(f"{m}.gate_up_proj.{kind}", sharded and Split(0, 2 * cfg.intermediate_size, (
-                    i_part, (cfg.intermediate_size + i_part[0], i))) or None)
-                t.add(f"{m}.gate_proj.{kind}", f"{m}.gate_up_proj.{kind}", 0, i, split=half)
-                t.add(f"{m}.up_proj.{kind}", f"{m}.gate_up_proj.{kind}", i, i, split=half)
-            t.split(f"{m}.down_proj.weight", sharded and Split(1, cfg.intermediate_size, (i_part,)) or None)
+            if cfg.qk_norm_full and sharded:
+                t.split(f"{a}.q_norm.weight", Split(0, q_full, (q_part,)))
+                t.split(f"{a}.k_norm.weight", Split(0, k_full, (k_part,)))
+            if isinstance(layer.mlp, MLP):
+                self._mlp_targets(t, m, layer.mlp)
         if sharded:
             vocab = Split(0, cfg.vocab_size, ((sh.v0, sh.vocab_valid),))
             t.split("model.embed_tokens.weight", vocab, rows=sh.vocab_valid)
@@ -462,6 +526,17 @@ class DecoderLM(nn.Module):
         if cfg.tie_word_embeddings:
             t.alias("lm_head.weight", "model.embed_tokens.weight")
         return t
+
+    def _mlp_targets(self, t: WeightMap, m: str, mlp: MLP) -> None:
+        """HF's gate_proj / up_proj of the MLP named `m` as the two halves of its fused gate_up_proj."""
+        i, full, sharded = mlp.i, mlp.full_i, self.shard.size > 1
+        i_part = (self.shard.rank * i, i)
+        for kind in ("weight", "bias") if self.cfg.mlp_bias else ("weight",):
+            half = Split(0, full, (i_part,)) if sharded else None
+            t.split(f"{m}.gate_up_proj.{kind}", sharded and Split(0, 2 * full, (i_part, (full + i_part[0], i))) or None)
+            t.add(f"{m}.gate_proj.{kind}", f"{m}.gate_up_proj.{kind}", 0, i, split=half)
+            t.add(f"{m}.up_proj.{kind}", f"{m}.gate_up_proj.{kind}", i, i, split=half)
+        t.split(f"{m}.down_proj.weight", sharded and Split(1, full, (i_part,)) or None)
 
     def required_weight_names(self) -> set[str]:
         """HF names a complete checkpoint (as save_pretrained writes it) provides; lm_head is optional when

@@ -34,23 +34,24 @@ class MoEConfig(DecoderConfig):
     norm_topk_prob: bool
     fp32_expert_scale: bool  # Mixtral scales expert outputs by fp32 weights; Qwen3-MoE casts them first
     sparse_layers: tuple[int, ...]  # indices of the MoE layers (the others are dense MLPs)
+    shared_expert_size: int  # Qwen2-MoE: intermediate size of the shared expert beside the routed ones (0: none)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> MoEConfig:
         arch = (cfg.get("architectures") or ["?"])[0]
         mixtral = arch.startswith("Mixtral")
+        olmoe = arch.startswith("Olmoe")
         if mixtral:
-            if cfg.get("sliding_window") is not None:
-                raise NotImplementedError(f"{arch}: sliding-window attention is not supported")
             # Mixtral's own defaults, where a hand-made config leaves them out.
             cfg = {"rms_norm_eps": 1e-5, **cfg}
             if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
                 cfg["rope_theta"] = 1e6
         base = DecoderConfig.from_hf(cfg)
         layers = cfg["num_hidden_layers"]
-        if mixtral:
-            experts, top_k = int(cfg.get("num_local_experts", 8)), cfg.get("num_experts_per_tok", 2)
-            inter = base.intermediate_size  # Mixtral's intermediate_size is each expert's
+        if mixtral or olmoe:
+            experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 8 if mixtral else 64)))
+            top_k = cfg.get("num_experts_per_tok", 2 if mixtral else 8)
+            inter = base.intermediate_size  # Mixtral's and OLMoE's intermediate_size is each expert's
             sparse = tuple(range(layers))
         else:
             # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map alias).
@@ -66,6 +67,8 @@ class MoEConfig(DecoderConfig):
             norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
             fp32_expert_scale=mixtral,
             sparse_layers=sparse,
+            shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if arch.startswith("Qwen2Moe") else 0,
         )
 
 
@@ -87,6 +90,11 @@ class SparseMoE(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = _param(e, 2 * i, h, **kw)
         self.experts.down_proj = _param(e, h, i, **kw)
+        self.shared_expert: MLP | None = None
+        if cfg.shared_expert_size:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            self.shared_expert = MLP(cfg, dtype, device, kern, tp, cfg.shared_expert_size)
+            self.shared_expert_gate = nn.Module()
+            self.shared_expert_gate.weight = _param(1, h, **kw)
 
     def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
         kern = self.kern
@@ -96,6 +104,14 @@ class SparseMoE(nn.Module):
         if not self.fp32_scale:
             weights = weights.to(x.dtype)
         out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_expert is not None:  # its down projection's partial sum joins the experts' (one reduce)
+            gu = kern.linear(x, self.shared_expert.gate_up_proj.weight)
+            si = self.shared_expert.i
+            shared = kern.linear(kern.silu_and_mul(gu[:, :si], gu[:, si:]), self.shared_expert.down_proj.weight)
+            gate = torch.sigmoid(kern.linear(x, self.shared_expert_gate.weight))
+            if self.tp.size == 1:
+                return out + gate * shared
+            return _reduce(self.tp, out + gate * shared, None)
         return out if self.tp.size == 1 else _reduce(self.tp, out, None)
 
 
@@ -151,4 +167,7 @@ class MoEDecoderLM(DecoderLM):
                 t.add(f"{x}.{gate}.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e, split=rows)
                 t.add(f"{x}.{up}.weight", f"{m}.experts.gate_up_proj", i, i, expert=e, split=rows)
                 t.add(f"{x}.{down}.weight", f"{m}.experts.down_proj", expert=e, split=cols)
+            shared = self.model.layers[li].mlp.shared_expert
+            if shared is not None:
+                self._mlp_targets(t, f"{m}.shared_expert", shared)
         return t

@@ -16,11 +16,16 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "Qwen3ForCausalLM": DecoderLM,
     "Qwen3MoeForCausalLM": MoEDecoderLM,
     "MixtralForCausalLM": MoEDecoderLM,
+    "MistralForCausalLM": DecoderLM,
+    "Olmo2ForCausalLM": DecoderLM,
+    "Qwen2MoeForCausalLM": MoEDecoderLM,
+    "OlmoeForCausalLM": MoEDecoderLM,
 }
 
 # Older or hand-made configs sometimes lack `architectures`; model_type then names the family.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM",
+                "olmo2": "Olmo2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
