@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import MOE, PagedRunner, load_model, make_tiny_checkpoint, random_prompt, tiny_with_oracle
+from tests.tiny_models import (
+    MOE,
+    NEW_ARCHS,
+    PagedRunner,
+    load_model,
+    make_tiny_checkpoint,
+    random_prompt,
+    tiny_with_oracle,
+)
 from workers.models.checkpoint import iter_safetensors, load_hf_config
 from workers.models.registry import build_model
 
@@ -26,7 +34,8 @@ LOGPROB_TOL = 1e-4
 MIN_MARGIN = 1e-6
 
 
-@pytest.fixture(scope="module", params=sorted(MOE))
+@pytest.fixture(scope="module", params=[pytest.param(a, marks=pytest.mark.slow) if a in NEW_ARCHS else a
+                                        for a in sorted(MOE)])
 def tiny(request, tmp_path_factory) -> tuple[str, Path, object]:
     return tiny_with_oracle(request.param, tmp_path_factory.mktemp(request.param))
 

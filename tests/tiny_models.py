@@ -64,7 +64,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
                                       head_dim=24, sliding_window=7, rope_theta=10000.0)),
     "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
-                                  attention_bias=True, rope_theta=500000.0)),
+                                  rope_theta=500000.0)),  # (with attention_bias greedy collapses on a prompt)
     # Qwen2-MoE: a shared expert with its gate, a dense layer, sliding windows on the lower layers.
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=3, vocab_size=1200, tie_word_embeddings=False,
                                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -76,6 +76,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                   rope_theta=10000.0)),
 }
 MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
+NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe"]  # issue 34's: test_arch_oracle.py in CI, the rest slow
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 

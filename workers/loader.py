@@ -58,7 +58,14 @@ def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAU
     if cfg.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
         initialize_dummy_weights(model)
     else:
-        model.load_weights(iter_safetensors(folder, progress=cfg.use_tqdm_on_load))
+        try:
+            loaded = model.load_weights(iter_safetensors(folder, progress=cfg.use_tqdm_on_load))
+        except (KeyError, ValueError) as e:  # an extra tensor, or one of the wrong shape: named in the message
+            raise SystemExit(f"rollbus: checkpoint {folder}: {e.args[0] if e.args else e}") from None
+        missing = model.missing_weights(loaded)
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise SystemExit(f"rollbus: checkpoint {folder} lacks tensor {', '.join(missing[:3])}{more}")
     model.eval()
     max_len = int(hf_config.get("max_position_embeddings", 2048))
     if cfg.max_model_len:

@@ -144,7 +144,8 @@ def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
     if kind == "default":
         return None
     if kind != "llama3":
-        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (only default and llama3)")
+        raise NotImplementedError(f"rope_scaling / rope_parameters rope_type {kind!r} is not supported "
+                                  f"(only default and llama3)")
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
@@ -542,6 +543,13 @@ class DecoderLM(nn.Module):
         """HF names a complete checkpoint (as save_pretrained writes it) provides; lm_head is optional when
         tied. A checkpoint may instead carry our own fused names, which load_weights accepts too."""
         return set(self._weights.required)
+
+    def missing_weights(self, loaded: set[str]) -> list[str]:
+        """The required checkpoint names that `loaded` (what load_weights returned) does not cover: neither
+        loaded themselves nor through their parameter's own (fused) name."""
+        targets = self._weights.targets
+        whole = {n for n in loaded if targets[n].param == n and targets[n].rows < 0 and targets[n].expert < 0}
+        return sorted(n for n in self._weights.required - loaded if targets[n].param not in whole)
 
     def weight_destination(self, name: str) -> torch.Tensor:
         """The exact view of an existing parameter that checkpoint tensor `name` is copied into.
