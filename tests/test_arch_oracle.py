@@ -10,11 +10,13 @@ unimplemented config value refused naming the key. The exhaustive per-arch oracl
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from ascend_ops.tp_group import Layout
 from tests.tiny_models import NEW_ARCHS, PagedRunner, load_model, random_prompt, tiny_with_oracle
 from workers.models.checkpoint import iter_safetensors, load_hf_config
 from workers.models.registry import build_model
@@ -137,3 +139,51 @@ def test_unimplemented_config_values_are_refused_naming_them(tiny) -> None:
     assert layout_error(cfg, 2) is None
     heads = cfg["num_attention_heads"]
     assert "num_attention_heads" in (layout_error(cfg, heads + 1) or "")
+
+
+class _ThreadGroup(Layout):
+    """Rank `rank` of a tensor-parallel group whose ranks are threads of this process (tests only): the
+    collectives meet at a barrier and sum / collect in rank order, as Gloo's would."""
+
+    def __init__(self, rank: int, size: int, shared: dict, barrier: threading.Barrier) -> None:
+        super().__init__(rank, size)
+        self.shared, self.barrier = shared, barrier
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.shared[self.rank] = t
+        self.barrier.wait()
+        parts = [self.shared[r] for r in range(self.size)]
+        self.barrier.wait()
+        return parts
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange(t)).sum(0)
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        parts = self._exchange(t)
+        return parts if self.rank == 0 else None
+
+
+def test_two_tensor_parallel_ranks_compute_what_one_does(tiny) -> None:
+    """-tp 2, each rank a thread holding its shard (loaded from the whole HF tensors): the logits equal
+    the unsharded model's (fp32 noise)."""
+    arch, folder, _ = tiny
+    cfg = load_hf_config(folder)
+    prompt = random_prompt(19, cfg["vocab_size"], 3)
+    want = PagedRunner(load_model(folder)).step(prefills=[(0, prompt)])
+    shared: dict = {}
+    barrier = threading.Barrier(2, timeout=60)
+    got: dict[int, torch.Tensor | None] = {}
+
+    def rank(r: int) -> None:
+        model = build_model(cfg, torch.float32, "cpu", tp=_ThreadGroup(r, 2, shared, barrier))
+        model.load_weights(iter_safetensors(folder))
+        got[r] = PagedRunner(model).step(prefills=[(0, prompt)])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got[1] is None and got[0] is not None
+    assert (got[0] - want).abs().max().item() < 1e-4

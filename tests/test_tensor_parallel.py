@@ -117,6 +117,10 @@ def test_layout_errors_name_the_value():
     assert "6 KV heads" in layout_error({"num_attention_heads": 12, "num_key_value_heads": 6}, 4)
     assert "intermediate_size 100" in layout_error({"num_attention_heads": 8, "intermediate_size": 100}, 8)
     assert "moe_intermediate_size 30" in layout_error({"num_attention_heads": 4, "moe_intermediate_size": 30}, 4)
+    shared = {"num_attention_heads": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 30}
+    assert "shared_expert_intermediate_size 30" in layout_error(shared, 4)
+    olmo = {"architectures": ["Olmo2ForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2}
+    assert layout_error(olmo, 2) is None and "each rank must hold distinct KV heads" in layout_error(olmo, 4)
 
 
 def test_tp_flags_parse_and_bad_values_are_refused():

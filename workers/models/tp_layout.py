@@ -34,11 +34,19 @@ def layout_error(hf: dict[str, Any], tp: int) -> str | None:
     if hk < tp and tp % hk:
         return (f"--tensor-parallel-size {tp} is not a multiple of the model's {hk} KV heads (num_key_value_heads), "
                 f"so they cannot be replicated evenly")
-    for key in ("intermediate_size", "moe_intermediate_size"):
+    arch = (hf.get("architectures") or [""])[0]
+    if hk < tp and arch in FULL_QK_NORM:
+        return (f"--tensor-parallel-size {tp} exceeds the model's {hk} KV heads (num_key_value_heads): {arch} "
+                f"normalises the whole k projection, so each rank must hold distinct KV heads")
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         size = hf.get(key)
         if isinstance(size, int) and size % tp:
             return f"--tensor-parallel-size {tp} does not divide the model's {key} {size}"
     return None
+
+
+# QK-norm over the whole q / k projections: a rank's sum of squares is all-reduced, which needs unreplicated KV heads
+FULL_QK_NORM = ("Olmo2ForCausalLM", "OlmoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
