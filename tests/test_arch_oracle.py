@@ -19,7 +19,8 @@ import torch
 from ascend_ops.tp_group import Layout
 from tests.tiny_models import NEW_ARCHS, PagedRunner, load_model, random_prompt, tiny_with_oracle
 from workers.models.checkpoint import iter_safetensors, load_hf_config
-from workers.models.registry import build_model
+from workers.models.llama import sliding_windows
+from workers.models.registry import ARCHITECTURES, build_model
 from workers.models.tp_layout import layout_error
 
 transformers = pytest.importorskip("transformers")
@@ -187,3 +188,26 @@ def test_two_tensor_parallel_ranks_compute_what_one_does(tiny) -> None:
         t.join(120)
     assert got[1] is None and got[0] is not None
     assert (got[0] - want).abs().max().item() < 1e-4
+
+
+def test_the_docs_table_lists_exactly_the_registered_architectures() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    listed = set(re.findall(r"^  \| `(\w+ForCausalLM)` \|", text, re.M))
+    assert listed == set(ARCHITECTURES)
+
+
+@pytest.mark.unit
+def test_sliding_windows_follow_each_familys_rule_without_layer_types() -> None:
+    """(With layer_types in config.json, as transformers 5 saves it, they decide; checked against HF above.)"""
+    base = {"num_hidden_layers": 4, "sliding_window": 5, "max_window_layers": 2}
+    assert sliding_windows("MistralForCausalLM", base) == (5, 5, 5, 5)
+    assert sliding_windows("Qwen2ForCausalLM", base) == (0, 0, 0, 0)  # use_sliding_window off
+    on = {**base, "use_sliding_window": True}
+    assert sliding_windows("Qwen2ForCausalLM", on) == (0, 0, 5, 5)
+    assert sliding_windows("Qwen2MoeForCausalLM", on) == (5, 0, 0, 0)
+    assert sliding_windows("Qwen3MoeForCausalLM", on) == (5, 5, 5, 5)
+    assert sliding_windows("LlamaForCausalLM", {**base, "sliding_window": None}) == (0, 0, 0, 0)
+    with pytest.raises(NotImplementedError, match="layer_types 'chunked_attention'"):
+        sliding_windows("MistralForCausalLM", {**base, "layer_types": ["chunked_attention"] * 4})
+    with pytest.raises(NotImplementedError, match="sliding_window 5"):
+        sliding_windows("LlamaForCausalLM", base)

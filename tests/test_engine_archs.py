@@ -14,7 +14,7 @@ from tests.server_helpers import start_server, tiny_model_with_tokenizer
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "qwen2_moe"])
 def test_engine_matches_hf(arch, tmp_path, smollm2_dir):
     from transformers import AutoModelForCausalLM
 

@@ -110,8 +110,9 @@ def _refuse_quantization(arch: str, cfg: dict[str, Any]) -> None:
 
 def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's sliding window as HF builds its masks (0: full attention): from `layer_types` where the
-    config lists them, else every layer of a Mistral / Mixtral with `sliding_window`, else (Qwen2 family
-    `use_sliding_window`) HF's rule: the layers below `max_window_layers`, every other one."""
+    config lists them, else HF's rule for the family: every layer of a Mistral / Mixtral with
+    `sliding_window` (Qwen3-MoE with `use_sliding_window`), the layers from `max_window_layers` on (Qwen2,
+    Qwen3), every other layer below it (Qwen2-MoE)."""
     n = int(cfg["num_hidden_layers"])
     w = int(cfg.get("sliding_window") or 0)
     types = cfg.get("layer_types")
@@ -127,11 +128,13 @@ def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         if "sliding_attention" in types and w <= 0:
             raise ValueError(f"{arch}: layer_types has sliding_attention layers but sliding_window is {w}")
         return tuple(w if t == "sliding_attention" else 0 for t in types)
-    if arch.startswith(("Mistral", "Mixtral")):
+    if arch.startswith(("Mistral", "Mixtral", "Qwen3Moe")):
         return (w,) * n
-    if arch.startswith(("Qwen2", "Qwen3")) and w:
-        top = int(cfg.get("max_window_layers", n))
+    top = int(cfg.get("max_window_layers", n))
+    if arch.startswith("Qwen2Moe") and w:
         return tuple(w if (i + 1) % 2 and i < top else 0 for i in range(n))
+    if arch.startswith(("Qwen2", "Qwen3")) and w:
+        return tuple(w if i >= top else 0 for i in range(n))
     if w:
         raise NotImplementedError(f"{arch}: sliding_window {w} is not supported for this architecture")
     return (0,) * n
