@@ -131,10 +131,13 @@ def test_hf_names_load_update_and_are_checked(tiny) -> None:
 def test_unimplemented_config_values_are_refused_naming_them(tiny) -> None:
     arch, folder, _ = tiny
     cfg = load_hf_config(folder)
-    for key, value in [("hidden_act", "relu2"), ("quantization_config", {"quant_method": "fp8"})]:
+    act = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"  # Gemma 3 reads the former
+    for key, value in [(act, "relu2"), ("quantization_config", {"quant_method": "fp8"})]:
         with pytest.raises(NotImplementedError, match=f"{key}.*{value if isinstance(value, str) else 'fp8'}"):
             build_model({**cfg, key: value}, torch.float32, "meta")
     rope = {**(cfg.get("rope_parameters") or {}), "rope_type": "dynamic", "factor": 2.0}
+    if "full_attention" in rope:  # Gemma 3: one set per layer type
+        rope = {**rope, "full_attention": {**rope["full_attention"], "rope_type": "dynamic"}}
     with pytest.raises(NotImplementedError, match="dynamic"):
         build_model({**cfg, "rope_parameters": rope, "rope_scaling": rope}, torch.float32, "meta")
     assert layout_error(cfg, 2) is None

@@ -74,9 +74,19 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
                                   intermediate_size=48, num_experts=8, num_experts_per_tok=2, clip_qkv=3.0,
                                   rope_theta=10000.0)),
+    # Gemma 3: sliding layers (window 6) around a global one, two rotary bases (the global one linearly
+    # scaled), soft-capped logits.
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=3, vocab_size=1000, head_dim=32, sliding_window=6,
+                                        tie_word_embeddings=False,  # tied, greedy repeats one token
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                            "rope_theta": 100000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}})),
 }
 MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
-NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe"]  # issue 34's: test_arch_oracle.py in CI, the rest slow
+NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3"]  # issue 34's: test_arch_oracle.py in CI, the rest slow
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
@@ -98,8 +108,8 @@ def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:  # Gemma 3 scales by (1 + weight)
+                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
             else:  # bias
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
     folder.mkdir(parents=True, exist_ok=True)

@@ -146,9 +146,12 @@ def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        d = cfg.head_dim
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)) / sc["factor"]
     if kind != "llama3":
         raise NotImplementedError(f"rope_scaling / rope_parameters rope_type {kind!r} is not supported "
-                                  f"(only default and llama3)")
+                                  f"(only default, linear and llama3)")
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
@@ -195,6 +198,7 @@ class Attention(nn.Module):
         self.scale = self.d**-0.5
         self.window = window
         self.clip = cfg.clip_qkv
+        self.norm_offset = 0.0  # Gemma 3 scales by (1 + weight)
         qkv = (self.hq + 2 * self.hk) * self.d
         kw = dict(dtype=dtype, device=device)
         self.qkv_proj = nn.Module()
@@ -230,8 +234,10 @@ class Attention(nn.Module):
             q, k, v = q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip), v.clamp(-self.clip, self.clip)
         q, k, v = q.view(T, self.hq, self.d), k.view(T, self.hk, self.d), v.view(T, self.hk, self.d)
         if self.qk_norm:
-            q = kern.rms_norm(q, self.q_norm.weight, self.eps)
-            k = kern.rms_norm(k, self.k_norm.weight, self.eps)
+            qw, kw = self.q_norm.weight, self.k_norm.weight
+            if self.norm_offset:
+                qw, kw = qw + self.norm_offset, kw + self.norm_offset
+            q, k = kern.rms_norm(q, qw, self.eps), kern.rms_norm(k, kw, self.eps)
         q, k = kern.apply_rope(q, k, cos, sin)
         o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # [T, Hq, D]
         if self.tp.size == 1:
@@ -323,12 +329,12 @@ class _Body(nn.Module):
 
     def __init__(
         self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, make_mlp: Callable[[int], nn.Module],
-        kern: Kernels, shard: Shard, tp: Solo,
+        kern: Kernels, shard: Shard, tp: Solo, layer_class: type[nn.Module],
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()  # vocabulary-parallel: this rank's rows (padded to ceil(V / tp))
         self.embed_tokens.weight = _param(shard.vp, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(i), dtype, device, kern, shard, tp, cfg.windows[i])
+        self.layers = nn.ModuleList(layer_class(cfg, make_mlp(i), dtype, device, kern, shard, tp, cfg.windows[i])
                                     for i in range(cfg.num_layers))
         self.norm = nn.Module()
         self.norm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
@@ -391,6 +397,7 @@ class DecoderLM(nn.Module):
     """
 
     config_class: type[DecoderConfig] = DecoderConfig
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(
         self,
@@ -409,7 +416,7 @@ class DecoderLM(nn.Module):
         self.tp = tp
         self.shard = shard_of(cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, tp.rank, tp.size)
         self.model = _Body(cfg, dtype, device, lambda layer: self._make_mlp(layer, dtype, device), kernels,
-                           self.shard, tp)
+                           self.shard, tp, self.layer_class)
         self.lm_head = nn.Module()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one shared tensor
