@@ -84,7 +84,7 @@ class Gemma3Layer(nn.Module):
         return self.norm(x, getattr(self, name).weight + 1.0, self.eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor], routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], routed_experts: list | None = None) -> torch.Tensor:
         x = x + self._n("post_attention_layernorm", self.self_attn(self._n("input_layernorm", x), cos, sin, meta, kv))
         return x + self._n("post_feedforward_layernorm", self.mlp(self._n("pre_feedforward_layernorm", x)))
 
