@@ -214,3 +214,15 @@ def test_sliding_windows_follow_each_familys_rule_without_layer_types() -> None:
         sliding_windows("MistralForCausalLM", {**base, "layer_types": ["chunked_attention"] * 4})
     with pytest.raises(NotImplementedError, match="sliding_window 5"):
         sliding_windows("LlamaForCausalLM", base)
+
+
+@pytest.mark.unit
+def test_glm_mtp_layers_in_the_checkpoint_are_skipped_as_hf_skips_them() -> None:
+    from tests.tiny_models import TINY_CONFIGS
+
+    cfg = {**TINY_CONFIGS["glm4_moe"][1], "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64,
+           "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2, "num_nextn_predict_layers": 1}
+    model = build_model(cfg, torch.float32, "meta")
+    assert model.load_weights([("model.layers.3.mlp.gate.weight", torch.zeros(8, 64))]) == set()
+    with pytest.raises(KeyError, match="model.layers.4.mlp.gate.weight"):
+        model.load_weights([("model.layers.4.mlp.gate.weight", torch.zeros(8, 64))])

@@ -4,14 +4,12 @@ capture and the MoE-specific checks are in test_moe_oracle.py."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.tiny_models import (
-    MOE,
     NEW_ARCHS,
     SHARDED,
     TINY_CONFIGS,
@@ -122,12 +120,15 @@ def test_bf16_runs_and_agrees_loosely(tiny) -> None:
         ref = _hf_logits(hf, p + toks[s])[len(p) - 1 : len(p) - 1 + 8]
         lp, lr = rows[s].log_softmax(-1), ref.log_softmax(-1)
         # bf16 keeps ~3 significant digits; require the same distribution shape, not the same bits.
-        assert (lp.exp() - lr.exp()).abs().sum(-1).max().item() < 0.25
+        l1 = (lp.exp() - lr.exp()).abs().sum(-1)
         agree = (rows[s].argmax(-1) == ref.argmax(-1)).float().mean().item()
-        if agree < 0.75:  # a model whose near-ties bf16 flips (OLMoE's routing): HF in bf16 flips the same ones
-            hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+        if l1.max().item() >= 0.25 or agree < 0.75:
+            # a model whose near-ties bf16 flips (OLMoE's, GLM's routing): HF itself in bf16 moves there too
+            hf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
             ref16 = _hf_logits(hf16, p + toks[s])[len(p) - 1 : len(p) - 1 + 8]
-            agree = (rows[s].argmax(-1) == ref16.argmax(-1)).float().mean().item()
+            hf_l1 = (ref16.log_softmax(-1).exp() - lr.exp()).abs().sum(-1)
+            assert ((l1 < 0.25) | (hf_l1 >= 0.25)).all(), (l1, hf_l1)
+            agree = max(agree, (rows[s].argmax(-1) == ref16.argmax(-1)).float().mean().item())
         assert agree >= 0.75
 
 
@@ -172,8 +173,9 @@ def test_checkpoint_files_and_progress(tiny, capsys) -> None:
     names = [n for n, _ in iter_safetensors(folder, progress=True)]
     assert len(names) == len(set(names))
     # save_pretrained writes exactly the names the model requires (MoE experts one tensor per piece).
-    assert set(names) == load_model(folder).required_weight_names()
-    if arch not in MOE:  # HF keeps MoE experts stacked in memory but saves them per expert
+    model = load_model(folder)
+    assert set(names) == model.required_weight_names()
+    if not model.num_moe_layers:  # HF keeps MoE experts stacked in memory but saves them per expert
         assert len(names) == len(hf.state_dict()) - bool(hf.config.tie_word_embeddings)
     assert "loading weights" in capsys.readouterr().err
 

@@ -84,9 +84,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                                                             "rope_theta": 100000.0},
                                                          "sliding_attention": {"rope_type": "default",
                                                                                "rope_theta": 10000.0}})),
+    # GLM-4.5: a dense first layer, 8 experts in 4 groups (top-2 groups, top-3 experts), a shared expert,
+    # a correction bias, partial rotary, QK-norm, q/k/v bias.
+    "glm4_moe": ("Glm4MoeConfig", dict(num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=False, head_dim=32,
+                                       n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                       n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                       routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5})),
 }
 MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
-NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3"]  # issue 34's: test_arch_oracle.py in CI, the rest slow
+# issue 34's: test_arch_oracle.py in CI, the exhaustive suites slow
+NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe"]
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
@@ -112,6 +121,9 @@ def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float
                 p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
             else:  # bias
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
+        for name, b in model.named_buffers():  # GLM / DeepSeek routers' correction bias (a buffer in HF)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, max_shard_size="40KB" if arch in SHARDED else "1GB")
     return folder

@@ -58,6 +58,7 @@ class DecoderConfig:
     post_norms: bool  # OLMo 2: no input norm; the attention's and the MLP's outputs are normed, then added
     clip_qkv: float | None  # OLMoE: q, k, v clamped to [-clip, clip]
     windows: tuple[int, ...]  # per layer: its sliding window (keys (p - w, p] for position p), 0 = full
+    rotary_dim: int  # the leading dims of each head that rope rotates (partial_rotary_factor * head_dim)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> DecoderConfig:
@@ -74,6 +75,8 @@ class DecoderConfig:
         scaling = cfg.get("rope_scaling") or rope or None
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         attn_bias = bool(cfg.get("attention_bias", False))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -82,20 +85,21 @@ class DecoderConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_positions=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attn_bias,
-            o_bias=False if qwen2 else attn_bias,
+            o_bias=False if qwen2 or arch.startswith("Glm4Moe") else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=qwen3,
             qk_norm_full=olmo2 or olmoe,
             post_norms=olmo2,
             clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
             windows=sliding_windows(arch, cfg),
+            rotary_dim=int(head_dim * partial),
         )
 
 
@@ -147,12 +151,12 @@ def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
     if kind == "default":
         return None
     if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
-        d = cfg.head_dim
+        d = cfg.rotary_dim
         return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)) / sc["factor"]
     if kind != "llama3":
         raise NotImplementedError(f"rope_scaling / rope_parameters rope_type {kind!r} is not supported "
                                   f"(only default, linear and llama3)")
-    d = cfg.head_dim
+    d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
     old_len = sc["original_max_position_embeddings"]
@@ -170,7 +174,7 @@ def _rope_tables(
     """cos/sin [n, head_dim], computed once in fp32 then cast, as HF does per step."""
     inv = _inv_freq(cfg)
     if inv is None:
-        return ops.rope_cos_sin(cfg.head_dim, n, cfg.rope_theta, device, dtype)
+        return ops.rope_cos_sin(cfg.rotary_dim, n, cfg.rope_theta, device, dtype)
     freqs = torch.outer(torch.arange(n, dtype=torch.int64).float(), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
@@ -199,6 +203,7 @@ class Attention(nn.Module):
         self.window = window
         self.clip = cfg.clip_qkv
         self.norm_offset = 0.0  # Gemma 3 scales by (1 + weight)
+        self.rd = cfg.rotary_dim  # < head_dim: rope turns the leading rd dims of each head, the rest pass (GLM)
         qkv = (self.hq + 2 * self.hk) * self.d
         kw = dict(dtype=dtype, device=device)
         self.qkv_proj = nn.Module()
@@ -238,7 +243,11 @@ class Attention(nn.Module):
             if self.norm_offset:
                 qw, kw = qw + self.norm_offset, kw + self.norm_offset
             q, k = kern.rms_norm(q, qw, self.eps), kern.rms_norm(k, kw, self.eps)
-        q, k = kern.apply_rope(q, k, cos, sin)
+        if self.rd < self.d:
+            qr, kr = kern.apply_rope(q[..., : self.rd].contiguous(), k[..., : self.rd].contiguous(), cos, sin)
+            q, k = torch.cat((qr, q[..., self.rd :]), -1), torch.cat((kr, k[..., self.rd :]), -1)
+        else:
+            q, k = kern.apply_rope(q, k, cos, sin)
         o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # [T, Hq, D]
         if self.tp.size == 1:
             return kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
@@ -554,6 +563,10 @@ class DecoderLM(nn.Module):
         tied. A checkpoint may instead carry our own fused names, which load_weights accepts too."""
         return set(self._weights.required)
 
+    def skipped_weight(self, name: str) -> bool:
+        """Checkpoint tensors this model accepts and ignores (GLM's MTP layers); none here."""
+        return False
+
     def missing_weights(self, loaded: set[str]) -> list[str]:
         """The required checkpoint names that `loaded` (what load_weights returned) does not cover: neither
         loaded themselves nor through their parameter's own (fused) name."""
@@ -604,7 +617,7 @@ class DecoderLM(nn.Module):
         """
         loaded: set[str] = set()
         for name, w in weights:
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or self.skipped_weight(name):
                 continue
             dst = self.weight_destination(name)
             if not local:

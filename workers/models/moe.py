@@ -167,7 +167,7 @@ class MoEDecoderLM(DecoderLM):
                 t.add(f"{x}.{gate}.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e, split=rows)
                 t.add(f"{x}.{up}.weight", f"{m}.experts.gate_up_proj", i, i, expert=e, split=rows)
                 t.add(f"{x}.{down}.weight", f"{m}.experts.down_proj", expert=e, split=cols)
-            shared = self.model.layers[li].mlp.shared_expert
+            shared = getattr(self.model.layers[li].mlp, "shared_expert", None)  # Qwen2-MoE's
             if shared is not None:
                 self._mlp_targets(t, f"{m}.shared_expert", shared)
         return t
