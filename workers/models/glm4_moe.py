@@ -110,11 +110,16 @@ class GroupedMoE(nn.Module):
         self.shared_experts = (MLP(cfg, dtype, device, kern, tp, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 expert weights, int64 expert ids [T, k]) of an fp32 router, whatever the model dtype (as HF)."""
+        c = self.cfg
+        logits = self.kern.linear(x.float(), self.gate.weight)
+        return grouped_sigmoid_route(logits, self.gate.e_score_correction_bias, c.top_k, c.n_group, c.topk_group,
+                                     c.norm_topk_prob, c.routed_scaling_factor)
+
     def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
-        kern, c = self.kern, self.cfg
-        logits = kern.linear(x.float(), self.gate.weight)  # HF: an fp32 router, whatever the model dtype
-        weights, ids = grouped_sigmoid_route(logits, self.gate.e_score_correction_bias, c.top_k, c.n_group,
-                                             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        kern = self.kern
+        weights, ids = self.route(x)
         if routed_experts is not None:
             routed_experts.append(ids)
         out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)

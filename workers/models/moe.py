@@ -96,13 +96,16 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Module()
             self.shared_expert_gate.weight = _param(1, h, **kw)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weights that scale each expert's output, int64 expert ids [T, k] best first)."""
+        weights, ids = self.kern.moe_route(self.kern.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        return (weights if self.fp32_scale else weights.to(x.dtype)), ids
+
     def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
         kern = self.kern
-        weights, ids = kern.moe_route(kern.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         if routed_experts is not None:
             routed_experts.append(ids)
-        if not self.fp32_scale:
-            weights = weights.to(x.dtype)
         out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_expert is not None:  # its down projection's partial sum joins the experts' (one reduce)
             gu = kern.linear(x, self.shared_expert.gate_up_proj.weight)
