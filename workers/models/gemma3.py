@@ -24,7 +24,8 @@ from torch import nn
 from ascend_ops.attention import AttentionMetadata
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
-from workers.models.llama import MLP, Attention, DecoderConfig, DecoderLM, _param, _reduce, _rope_tables
+from workers.models.decoder_config import DecoderConfig, _rope_tables
+from workers.models.llama import MLP, Attention, DecoderLM, _param, _reduce
 from workers.models.tp_layout import Shard
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")

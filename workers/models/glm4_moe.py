@@ -22,8 +22,10 @@ from torch import nn
 
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
-from workers.models.llama import MLP, DecoderConfig, WeightMap, _param, _reduce
+from workers.models.decoder_config import DecoderConfig
+from workers.models.llama import MLP, _param, _reduce
 from workers.models.moe import MoEConfig, MoEDecoderLM
+from workers.models.weight_map import WeightMap
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,9 @@ from torch import nn
 
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
-from workers.models.llama import MLP, DecoderConfig, DecoderLM, Split, WeightMap, _param, _reduce
+from workers.models.decoder_config import DecoderConfig
+from workers.models.llama import MLP, DecoderLM, _param, _reduce
+from workers.models.weight_map import Split, WeightMap
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,160 @@
+"""The decoder's configuration, read from an HF config dict: each family's flags and defaults, the checks
+that refuse what is not implemented (naming the key and value), each layer's sliding window, and the
+rotary tables (default, linear and llama3 scaling; partial rotary)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ascend_ops import ops
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """The fields of an HF config dict this decoder needs, with each family's defaults applied."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_positions: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # RMSNorm of q and k per head (Qwen3)
+    qk_norm_full: bool  # ... over the whole q and k projections instead (OLMo 2, OLMoE)
+    post_norms: bool  # OLMo 2: no input norm; the attention's and the MLP's outputs are normed, then added
+    clip_qkv: float | None  # OLMoE: q, k, v clamped to [-clip, clip]
+    windows: tuple[int, ...]  # per layer: its sliding window (keys (p - w, p] for position p), 0 = full
+    rotary_dim: int  # the leading dims of each head that rope rotates (partial_rotary_factor * head_dim)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> DecoderConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        qwen2, qwen3 = arch.startswith("Qwen2"), arch.startswith("Qwen3")
+        olmo2, olmoe = arch.startswith("Olmo2"), arch.startswith("Olmoe")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"{arch}: hidden_act {act!r} is not supported (only silu)")
+        _refuse_quantization(arch, cfg)
+        heads = cfg["num_attention_heads"]
+        # Transformers 5 nests rope settings under rope_parameters; older configs use rope_theta/rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or rope or None
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        attn_bias = bool(cfg.get("attention_bias", False))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_positions=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attn_bias,
+            o_bias=False if qwen2 or arch.startswith("Glm4Moe") else attn_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=qwen3,
+            qk_norm_full=olmo2 or olmoe,
+            post_norms=olmo2,
+            clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
+            windows=sliding_windows(arch, cfg),
+            rotary_dim=int(head_dim * partial),
+        )
+
+
+def _refuse_quantization(arch: str, cfg: dict[str, Any]) -> None:
+    """A quantised checkpoint would load as a different model: refused, naming what it declares."""
+    q = cfg.get("quantization_config")
+    if q:
+        method = q.get("quant_method", q) if isinstance(q, dict) else q
+        raise NotImplementedError(f"{arch}: quantization_config quant_method {method!r} is not supported "
+                                  f"(unquantised checkpoints only)")
+
+
+def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window as HF builds its masks (0: full attention): from `layer_types` where the
+    config lists them, else HF's rule for the family: every layer of a Mistral / Mixtral with
+    `sliding_window` (Qwen3-MoE with `use_sliding_window`), the layers from `max_window_layers` on (Qwen2,
+    Qwen3), every other layer below it (Qwen2-MoE)."""
+    n = int(cfg["num_hidden_layers"])
+    w = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if arch.startswith(("Qwen2", "Qwen3")) and not cfg.get("use_sliding_window"):
+        w = 0
+    if types:
+        if len(types) != n:
+            raise ValueError(f"{arch}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise NotImplementedError(f"{arch}: layer_types {bad[0]!r} is not supported "
+                                      f"(only full_attention and sliding_attention)")
+        if "sliding_attention" in types and w <= 0:
+            raise ValueError(f"{arch}: layer_types has sliding_attention layers but sliding_window is {w}")
+        return tuple(w if t == "sliding_attention" else 0 for t in types)
+    if arch.startswith(("Mistral", "Mixtral", "Qwen3Moe")):
+        return (w,) * n
+    top = int(cfg.get("max_window_layers", n))
+    if arch.startswith("Qwen2Moe") and w:
+        return tuple(w if (i + 1) % 2 and i < top else 0 for i in range(n))
+    if arch.startswith(("Qwen2", "Qwen3")) and w:
+        return tuple(w if i >= top else 0 for i in range(n))
+    if w:
+        raise NotImplementedError(f"{arch}: sliding_window {w} is not supported for this architecture")
+    return (0,) * n
+
+
+def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
+    """Scaled inverse frequencies for llama3 rope; None for plain rope (ops.rope_cos_sin handles it)."""
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        d = cfg.rotary_dim
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)) / sc["factor"]
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_scaling / rope_parameters rope_type {kind!r} is not supported "
+                                  f"(only default, linear and llama3)")
+    d = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old_len = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > old_len / lo, inv / factor, inv)  # long wavelengths: fully scaled
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * out / factor + smooth * out
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, mid, out)
+
+
+def _rope_tables(
+    cfg: DecoderConfig, n: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, head_dim], computed once in fp32 then cast, as HF does per step."""
+    inv = _inv_freq(cfg)
+    if inv is None:
+        return ops.rope_cos_sin(cfg.rotary_dim, n, cfg.rope_theta, device, dtype)
+    freqs = torch.outer(torch.arange(n, dtype=torch.int64).float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
