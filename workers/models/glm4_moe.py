@@ -18,13 +18,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch import nn
 
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.decoder_config import DecoderConfig
-from workers.models.llama import MLP, _param, _reduce
-from workers.models.moe import MoEConfig, MoEDecoderLM
+from workers.models.llama import MLP, _param
+from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE, invariant_sigmoid
 from workers.models.weight_map import WeightMap
 
 
@@ -77,9 +76,7 @@ def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
                           renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 weights [T, k], int64 ids [T, k]) of noaux_tc routing (module docstring); ids best first by the
     biased score (HF returns them unsorted: the set is the same). Each row alone: batch invariant."""
-    # 1 / (1 + exp(-x)): torch's sigmoid gives an element other bits in a vector loop's scalar tail, which
-    # would make a token's route depend on the batch's size (exp and an IEEE division do not)
-    scores = torch.exp(-logits.float()).add_(1).reciprocal_()
+    scores = invariant_sigmoid(logits.float())
     choice = scores + bias.float()
     T, E = choice.shape
     if n_group > 1:
@@ -94,21 +91,16 @@ def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     return weights * scale, ids
 
 
-class GroupedMoE(nn.Module):
-    """Router (`mlp.gate`: weight and e_score_correction_bias) + stacked experts + shared experts."""
+class GroupedMoE(SparseMoE):
+    """Router (`mlp.gate`: an fp32 weight and e_score_correction_bias) + stacked experts + shared experts."""
 
     def __init__(self, cfg: GroupedRouterConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
                  tp: Solo = SOLO) -> None:
-        super().__init__()
-        self.kern, self.tp, self.cfg = kern, tp, cfg
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // tp.size
-        self.i = i
-        self.gate = nn.Module()
+        super().__init__(cfg, dtype, device, kern, tp)
+        self.cfg = cfg
+        e, h = cfg.num_experts, cfg.hidden_size
         self.gate.weight = _param(e, h, dtype=torch.float32, device=device)  # fp32 whatever the model's, as HF
         self.gate.e_score_correction_bias = _param(e, dtype=torch.float32, device=device)
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
-        self.experts.down_proj = _param(e, h, i, dtype=dtype, device=device)
         self.shared_experts = (MLP(cfg, dtype, device, kern, tp, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
 
@@ -119,27 +111,14 @@ class GroupedMoE(nn.Module):
         return grouped_sigmoid_route(logits, self.gate.e_score_correction_bias, c.top_k, c.n_group, c.topk_group,
                                      c.norm_topk_prob, c.routed_scaling_factor)
 
-    def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
-        kern = self.kern
-        weights, ids = self.route(x)
-        if routed_experts is not None:
-            routed_experts.append(ids)
-        out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
-        if self.shared_experts is not None:  # its down projection's partial sum joins the experts' (one reduce)
-            se = self.shared_experts
-            gu = kern.linear(x, se.gate_up_proj.weight)
-            out = out + kern.linear(kern.silu_and_mul(gu[:, : se.i], gu[:, se.i :]), se.down_proj.weight)
-        return out if self.tp.size == 1 else _reduce(self.tp, out, None)
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts.partial(x)
 
 
 class Glm4MoeLM(MoEDecoderLM):
     config_class = GroupedRouterConfig
+    sparse_class = GroupedMoE
     cfg: GroupedRouterConfig
-
-    def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        if layer in self.cfg.sparse_layers:
-            return GroupedMoE(self.cfg, dtype, device, self.kern, self.tp)
-        return MLP(self.cfg, dtype, device, self.kern, self.tp)
 
     def _weight_targets(self) -> WeightMap:
         t = super()._weight_targets()

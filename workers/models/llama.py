@@ -141,6 +141,12 @@ class MLP(nn.Module):
         self.down_proj.weight = _param(cfg.hidden_size, self.i, **kw)
         self.down_proj.bias = _param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial down projection, not yet reduced (a shared expert's joins the routed experts'
+        before their one all-reduce); no biases (shared experts have none)."""
+        gu = self.kern.linear(x, self.gate_up_proj.weight)
+        return self.kern.linear(self.kern.silu_and_mul(gu[:, : self.i], gu[:, self.i :]), self.down_proj.weight)
+
     def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
         """A dense layer routes nothing, so it records nothing in routed_experts."""
         kern = self.kern

@@ -74,6 +74,12 @@ class MoEConfig(DecoderConfig):
         )
 
 
+def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in x's dtype: torch's sigmoid gives an element other bits in a vector loop's scalar
+    tail, so a token's result would depend on the batch's size (exp and an IEEE division do not)."""
+    return torch.exp(-x).add_(1).reciprocal_()
+
+
 class SparseMoE(nn.Module):
     """Router + stacked experts, named like HF's in-memory module (`mlp.gate`, `mlp.experts`). With tensor
     parallelism the router is replicated and every expert holds this rank's intermediate rows; the experts'
@@ -109,26 +115,28 @@ class SparseMoE(nn.Module):
         if routed_experts is not None:
             routed_experts.append(ids)
         out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
-        if self.shared_expert is not None:  # its down projection's partial sum joins the experts' (one reduce)
-            gu = kern.linear(x, self.shared_expert.gate_up_proj.weight)
-            si = self.shared_expert.i
-            shared = kern.linear(kern.silu_and_mul(gu[:, :si], gu[:, si:]), self.shared_expert.down_proj.weight)
-            gate = torch.sigmoid(kern.linear(x, self.shared_expert_gate.weight))
-            if self.tp.size == 1:
-                return out + gate * shared
-            return _reduce(self.tp, out + gate * shared, None)
+        shared = self.shared(x)
+        if shared is not None:  # its partial sum joins the experts' (one reduce)
+            out = out + shared
         return out if self.tp.size == 1 else _reduce(self.tp, out, None)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's partial output (Qwen2-MoE: gated by sigmoid(shared_expert_gate(x))), or None."""
+        if self.shared_expert is None:
+            return None
+        return invariant_sigmoid(self.kern.linear(x, self.shared_expert_gate.weight)) * self.shared_expert.partial(x)
 
 
 class MoEDecoderLM(DecoderLM):
     """Qwen3-MoE / Mixtral causal LM: DecoderLM with SparseMoE feed-forward blocks in cfg.sparse_layers."""
 
     config_class = MoEConfig
+    sparse_class: type[nn.Module] = SparseMoE
     cfg: MoEConfig
 
     def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         if layer in self.cfg.sparse_layers:
-            return SparseMoE(self.cfg, dtype, device, self.kern, self.tp)
+            return self.sparse_class(self.cfg, dtype, device, self.kern, self.tp)
         return MLP(self.cfg, dtype, device, self.kern, self.tp)
 
     @property
