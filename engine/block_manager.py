@@ -30,6 +30,15 @@ def block_hash(parent: int | None, tokens: tuple[int, ...], weight_version: int)
     return hash((parent, tokens, weight_version))
 
 
+def chain_root(seq: Sequence) -> int | None:
+    """The 'parent' of a sequence's first block: its cache_salt and its LoRA adapter (id and version, as vLLM
+    puts the adapter into the block hash), so a block computed with other weights never matches."""
+    lora = seq.sampling.lora
+    if lora is None:
+        return salt_root(seq.sampling.cache_salt)
+    return salt_root(f"{seq.sampling.cache_salt or ''}\0lora:{lora.id}:{lora.version}")
+
+
 def salt_root(salt: str | None) -> int | None:
     """The 'parent' of a salted sequence's first block (vLLM's cache_salt): requests with different salts
     never share a block, because every later hash chains from this one. A stable 64-bit digest, so it
@@ -86,7 +95,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         max_blocks = (seq.num_prompt_tokens - 1) // bs
-        parent: int | None = salt_root(seq.sampling.cache_salt)
+        parent: int | None = chain_root(seq)
         hits = 0
         for i in range(max_blocks):
             h = block_hash(parent, tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs]), weight_version)
@@ -110,7 +119,7 @@ class BlockManager:
         stored: list[int] = []  # indexes of the blocks this call made findable (recorded as events)
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else salt_root(seq.sampling.cache_salt)
+            parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq)
             h = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_version)
             seq.block_hashes.append(h)
             bid = seq.block_table[i]

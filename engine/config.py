@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora import add_lora_args, check_lora_config
 from engine.vllm_flags import VLLM_SERVE_FLAGS, VLLM_VERSION
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -116,6 +117,13 @@ class EngineConfig:
     enable_scale_out: bool = False  # /inference/v1/generate and /inference/v1/abort_requests on
     enable_trace_replay: bool = False  # sampling_params.trace_decode_token_ids allowed
     enable_return_routed_experts: bool = False  # MoE: each choice returns its router top-k (docs/tokens.md)
+    # LoRA adapters (engine.lora, docs/lora.md)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[str] = field(default_factory=list)
+    lora_dtype: str = "auto"
     # one line each for the log: vLLM flags accepted without effect here (not passed on to children)
     notes: tuple[str, ...] = ()
 
@@ -300,7 +308,6 @@ TOOLS = "tool parser plugins and tool servers are not implemented; use a built-i
 # vLLM flags refused with a reason of their own (every other vLLM flag is refused generically).
 REFUSED_FLAGS: dict[str, str] = {
     "tool_parser_plugin": TOOLS, "tool_server": TOOLS,
-    "enable_lora": "LoRA adapters are not implemented", "lora_modules": "LoRA adapters are not implemented",
     "quantization": "quantized checkpoints are not implemented (GGUF files are dequantised on load)",
     "speculative_config": "speculative decoding is not implemented",
     "tokenizer": "the tokenizer is always the model folder's own",
@@ -691,6 +698,7 @@ def add_training_data_args(p: argparse.ArgumentParser) -> None:
 def add_vllm_only_args(p: argparse.ArgumentParser) -> None:
     """Every other `vllm serve` flag: no-ops (shown, with their note), refusals with a reason of their own
     (shown), and the rest (hidden: refused by name; docs/serving.md lists them)."""
+    add_lora_args(p)
     known = set(p._option_string_actions)
     noop = p.add_argument_group(f"vLLM {VLLM_VERSION} flags without effect here (accepted; one note each in the log)")
     refused = p.add_argument_group("vLLM flags refused here, with why")
@@ -860,6 +868,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         cpu_kv_space_bytes(dict(os.environ))
     except ValueError as e:
         problems.append(str(e))
+    problems += check_lora_config(cfg)
     if cfg.distributed_timeout_seconds is not None and cfg.distributed_timeout_seconds <= 0:
         problems.append(f"--distributed-timeout-seconds must be positive, got {cfg.distributed_timeout_seconds}")
     if problems:

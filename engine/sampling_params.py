@@ -55,6 +55,17 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, forbid_unknown_fi
                "structured_outputs.regex must not contain a NUL character ('\\x00')")
 
 
+class LoraRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The LoRA adapter a request runs with (engine/lora.py): set by the gateway from the request's `model`.
+    A sequence keeps its (id, version) for its whole life: an in-place reload gives later requests a new
+    version, and the workers keep the old one while sequences still use it."""
+
+    id: int  # vLLM's lora_int_id: 1, 2, ... in the order adapters were first loaded
+    name: str
+    path: str
+    version: int  # 1 at the first load; +1 per in-place reload
+
+
 class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
@@ -86,6 +97,7 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     cache_salt: str | None = None
     # guaranteed-valid output (vLLM's structured_outputs): the workers mask the logits per step
     structured_outputs: StructuredOutputsParams | None = None
+    lora: LoraRef | None = None  # the adapter (--enable-lora); None: the base model
 
     def validate(self, *, vocab_size: int, max_logprobs: int, max_n: int = 128) -> None:
         _check(1 <= self.n <= max_n, "n", f"n must be between 1 and {max_n}, got {self.n}")

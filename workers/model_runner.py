@@ -56,15 +56,18 @@ class SeqState:
     prompt_lp_next: int = 1  # next prompt token whose logprob is owed (token 0 has none)
     prompt_lp_parts: list | None = None  # computed rows not yet sent: (logprobs, ranks, topk_ids, topk_lps)
     routed_next: int = 0  # routed experts: positions below this were reported
+    lora: tuple[int, int] | None = None  # its adapter version (workers/lora.py), None: the base model
 
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False,
-                 tokenizer_path: Path | None = None, structured_outputs: StructuredOutputsConfig | None = None):
+                 tokenizer_path: Path | None = None, structured_outputs: StructuredOutputsConfig | None = None,
+                 lora=None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
+        self.lora = lora  # workers.lora.LoraSlots with --enable-lora
         self.tp = getattr(model, "tp", SOLO)
         self.rank, self.block_size, self.device = rank, block_size, device
         self.seqs: dict[str, SeqState] = {}
@@ -86,7 +89,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         # Forget first: a finished id may come back at once as a new request with the same id.
         for sid in plan.finished:
-            self.seqs.pop(sid, None)
+            self._forget(self.seqs.pop(sid, None))
             self.grammar.forget(sid)
             self.dropped.discard(sid)
         skipped: list[str] = []
@@ -98,8 +101,10 @@ class ModelRunner:
             toks = list(ns.prompt_token_ids)
             row = RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen,
                            self.grammar.on_new_seq(ns.seq_id, params, ns.eos_token_ids))
+            lora = self.lora.acquire(params.lora) if params.lora is not None and self.lora is not None else None
             self.seqs[ns.seq_id] = SeqState(toks, row, len(toks),
-                                            prompt_lp_parts=[] if params.prompt_logprobs is not None else None)
+                                            prompt_lp_parts=[] if params.prompt_logprobs is not None else None,
+                                            lora=lora)
         if not plan.seq_ids:
             return self._with_skipped(self._result(plan, [], None, t0), skipped)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
@@ -108,6 +113,8 @@ class ModelRunner:
         # (tp rank 0 only: it samples); None when no row is constrained (workers/grammar.py)
         pending = self.grammar.step_masks(row_states) if sample_ids and not self.tp.rank else None
         out = None
+        if self.lora is not None:  # each token row's adapter version, for the grouped LoRA product
+            self.lora.begin_step([self.seqs[sid].lora for sid, n in zip(plan.seq_ids, plan.num_new) for _ in range(n)])
         with torch.inference_mode():
             if routes is None:
                 hidden = self.model(input_ids, positions, meta, self.kv.views, between_layers)
@@ -119,6 +126,8 @@ class ModelRunner:
                 self._prompt_logprobs(self.seqs[sid], hidden, rows, targets)
             if sample_ids:  # else only partial prefill chunks this step: nothing to sample
                 out = self._sample(hidden[sample_rows.to(hidden.device)], row_states, pending)
+        if self.lora is not None:
+            self.lora.end_step()
         toks = out.token_ids.tolist() if out is not None else []
         if self.tp.size > 1 and sample_ids:  # rank 0's draws, on every rank (one broadcast)
             shared = out.token_ids if out is not None else torch.empty(len(sample_ids), dtype=torch.int64)
@@ -145,9 +154,15 @@ class ModelRunner:
     def drop(self, seq_ids: list[str]) -> None:
         """Forget the sequences of a step that raised or was interrupted (see the module's docstring)."""
         for sid in seq_ids:
-            if self.seqs.pop(sid, None) is not None:
+            st = self.seqs.pop(sid, None)
+            if st is not None:
                 self.dropped.add(sid)
+                self._forget(st)
             self.grammar.forget(sid)
+
+    def _forget(self, st: SeqState | None) -> None:
+        if st is not None and st.lora is not None:
+            self.lora.release(st.lora)
 
     def _without_dropped(self, plan: StepPlan) -> tuple[StepPlan, list[str]]:
         keep = [i for i, sid in enumerate(plan.seq_ids) if sid not in self.dropped]

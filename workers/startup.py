@@ -22,6 +22,7 @@ from engine.structured_outputs import parse_structured_outputs_config
 from engine.topology import layout
 from workers.kv_cache import KVCache, cache_dtype, plan_num_blocks
 from workers.loader import load_model
+from workers.lora import slots_for as lora_slots_for
 from workers.model_runner import ModelRunner, warm_up
 
 
@@ -81,7 +82,8 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
                          logprobs_mode=cfg.logprobs_mode, return_routed_experts=cfg.enable_return_routed_experts,
                          tokenizer_path=None if cfg.tokens_only else
                          resolve_model(cfg.model, progress=False) / "tokenizer.json",
-                         structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config))
+                         structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config),
+                         lora=lora_slots_for(cfg, model, device))
     runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before the worker joins the bus
     info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
             "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp_size, "tp_rank": rank,

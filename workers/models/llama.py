@@ -46,6 +46,8 @@ def _full_shard(cfg: DecoderConfig) -> Shard:
 class Attention(nn.Module):
     """Column-parallel q/k/v (this rank's heads), row-parallel o (one all-reduce, bias added once)."""
 
+    lora_qkv = lora_o = None  # set by workers.lora.attach with --enable-lora (tp 1 only)
+
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
                  shard: Shard | None = None, tp: Solo = SOLO, window: int = 0) -> None:
         super().__init__()
@@ -85,6 +87,8 @@ class Attention(nn.Module):
         T = x.shape[0]
         kern = self.kern
         qkv = kern.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hk)*D]
+        if self.lora_qkv is not None:  # LoRA adapters (workers/lora.py): each row's own delta
+            qkv = self.lora_qkv(x, qkv)
         q, k, v = qkv.split([self.hq * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
         if self.qk_norm_full:
             q = self._full_norm(q, self.q_norm.weight, self.q_width)
@@ -104,7 +108,8 @@ class Attention(nn.Module):
             q, k = kern.apply_rope(q, k, cos, sin)
         o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # [T, Hq, D]
         if self.tp.size == 1:
-            return kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
+            out = kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
+            return out if self.lora_o is None else self.lora_o(o.view(T, self.hq * self.d), out)
         return _reduce(self.tp, kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight), self.o_proj.bias)
 
 
@@ -126,6 +131,8 @@ def _reduce(tp: Solo, partial: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 class MLP(nn.Module):
     """Column-parallel gate/up (this rank's intermediate rows), row-parallel down (one all-reduce)."""
+
+    lora_gate_up = lora_down = None  # set by workers.lora.attach with --enable-lora (tp 1 only)
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
                  tp: Solo = SOLO, intermediate_size: int | None = None) -> None:
@@ -151,9 +158,12 @@ class MLP(nn.Module):
         """A dense layer routes nothing, so it records nothing in routed_experts."""
         kern = self.kern
         gu = kern.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
+        if self.lora_gate_up is not None:
+            gu = self.lora_gate_up(x, gu)
         h = kern.silu_and_mul(gu[:, : self.i], gu[:, self.i :])  # [T, I]
         if self.tp.size == 1:
-            return kern.linear(h, self.down_proj.weight, self.down_proj.bias)
+            out = kern.linear(h, self.down_proj.weight, self.down_proj.bias)
+            return out if self.lora_down is None else self.lora_down(h, out)
         return _reduce(self.tp, kern.linear(h, self.down_proj.weight), self.down_proj.bias)
 
 

@@ -1,0 +1,189 @@
+"""LoRA adapters, the pure part: vLLM's LoRA flags, `--lora-modules` parsing, and the inspection of a PEFT
+folder (adapter_config.json + adapter_model.safetensors) against the served model, without torch.
+
+The gateway inspects an adapter before it registers it (a bad one is a 400 and nothing changes); the workers
+load the tensors (workers/lora.py) from the same folder when a sequence first needs that adapter version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The projections an adapter may target on a dense decoder: PEFT's module name -> (in, out) features.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served; the message names the adapter and the cause."""
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--enable-lora", action=_switch(), default=False,
+                   help="Serve LoRA adapters (PEFT folders) on top of the model: a request names one as `model`. "
+                        "Attention (q/k/v/o) and MLP (gate/up/down) projections of dense models; not with -tp > 1.")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="At most this many different adapters in one step; sequences of another adapter wait.")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="Largest adapter rank accepted; a larger one is refused (400) when it is loaded.")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="Adapter versions each worker keeps loaded (least recently used idle ones are dropped "
+                        "beyond it and read again from their folder when needed). Default: --max-loras.")
+    g.add_argument("--lora-modules", nargs="+", default=[],
+                   help="Adapters loaded at start-up: `name=path`, or JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'.")
+    g.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
+                   help="dtype of the adapters' weights on the device; auto: the model's dtype.")
+
+
+def _switch():
+    from engine.config import Switch
+
+    return Switch
+
+
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_modules(items: list[str]) -> list[LoraModule]:
+    """vLLM's two spellings of --lora-modules: `name=path`, or a JSON object with name and path."""
+    out = []
+    for item in items:
+        if "=" in item and "," not in item and not item.lstrip().startswith("{"):
+            name, path = item.split("=", 1)
+            out.append(LoraModule(name, path))
+            continue
+        try:
+            d = json.loads(item)
+            out.append(LoraModule(d["name"], d["path"], d.get("base_model_name")))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"--lora-modules {item!r}: expected name=path or JSON with name and path ({e})") from None
+    return out
+
+
+def check_lora_config(cfg: Any) -> list[str]:
+    """Start-up problems of the LoRA flags (empty when none)."""
+    problems = []
+    if not cfg.enable_lora:
+        if cfg.lora_modules:
+            problems.append("--lora-modules needs --enable-lora")
+        return problems
+    if cfg.tensor_parallel_size > 1:
+        problems.append("--enable-lora with --tensor-parallel-size > 1 is not implemented (adapters are not split)")
+    if cfg.max_loras < 1:
+        problems.append(f"--max-loras must be at least 1, got {cfg.max_loras}")
+    if cfg.max_lora_rank < 1:
+        problems.append(f"--max-lora-rank must be at least 1, got {cfg.max_lora_rank}")
+    if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
+        problems.append(f"--max-cpu-loras ({cfg.max_cpu_loras}) must be >= --max-loras ({cfg.max_loras})")
+    try:
+        parse_lora_modules(cfg.lora_modules)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def runtime_updates_allowed() -> bool:
+    return os.environ.get(RUNTIME_ENV, "").strip().lower() in ("1", "true")
+
+
+# --- a PEFT folder -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """What an adapter folder holds, checked against the model: rank, scale, and every (layer, module)."""
+
+    rank: int
+    scaling: float
+    modules: tuple[tuple[int, str], ...]
+
+
+def module_features(hf: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each target projection of a Llama/Qwen-family decoder."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    d = hf.get("head_dim") or h // heads
+    i = hf["intermediate_size"]
+    return {"q_proj": (h, heads * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d), "o_proj": (heads * d, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 * 1024 * 1024:
+            raise ValueError("header too large")
+        return json.loads(f.read(n))
+
+
+def inspect_adapter(name: str, path: str, hf: dict[str, Any], max_rank: int) -> AdapterSpec:
+    """Check a PEFT folder against the model (LoraError naming `name` and the cause). FileNotFoundError for
+    a folder without adapter_config.json (vLLM's 404)."""
+    folder = Path(path)
+    cfg_file, tensors = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(path)
+
+    def fail(why: str) -> LoraError:
+        return LoraError(f"Loading lora {name} failed: {why}")
+
+    try:
+        conf = json.loads(cfg_file.read_text())
+        header = safetensors_header(tensors)
+    except (OSError, ValueError, struct.error) as e:
+        raise fail(f"cannot read {cfg_file.name} / {tensors.name} in {path}: {e}") from None
+    r = conf.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise fail(f"LoRA rank `r` must be a positive integer, got {r}.")
+    if r > max_rank:
+        raise fail(f"LoRA rank {r} is greater than max_lora_rank {max_rank}.")
+    unsupported = [f for f, bad in (("bias", conf.get("bias", "none") != "none"), ("use_dora", conf.get("use_dora")),
+                                    ("modules_to_save", conf.get("modules_to_save")),
+                                    ("rank_pattern", conf.get("rank_pattern")),
+                                    ("alpha_pattern", conf.get("alpha_pattern")),
+                                    ("fan_in_fan_out", conf.get("fan_in_fan_out"))) if bad]
+    if unsupported:
+        raise fail(f"adapter_config.json sets {', '.join(unsupported)}, which rollbus does not support")
+    alpha = conf.get("lora_alpha", r)
+    scaling = alpha / (r ** 0.5) if conf.get("use_rslora") else alpha / r
+    feats = module_features(hf)
+    layers = hf["num_hidden_layers"]
+    seen: dict[tuple[int, str], set[str]] = {}
+    unexpected = []
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in TARGETS or int(m.group(1)) >= layers:
+            unexpected.append(key)
+            continue
+        layer, mod, ab = int(m.group(1)), m.group(3), m.group(4)
+        fin, fout = feats[mod]
+        want = [r, fin] if ab == "A" else [fout, r]
+        if list(meta.get("shape", [])) != want:
+            raise fail(f"{key} has shape {meta.get('shape')}, expected {want} for this model")
+        seen.setdefault((layer, mod), set()).add(ab)
+    if unexpected:
+        raise fail(f"expected target modules in {list(TARGETS)} of layers 0..{layers - 1} but received "
+                   f"{sorted(unexpected)[:8]}")
+    half = [f"layer {k[0]} {k[1]}" for k, v in seen.items() if v != {"A", "B"}]
+    if half:
+        raise fail(f"lora_A and lora_B must come in pairs; missing one for {half[:8]}")
+    if not seen:
+        raise fail(f"{tensors.name} holds no LoRA weights")
+    return AdapterSpec(r, float(scaling), tuple(sorted(seen)))
