@@ -26,6 +26,7 @@ from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.dp_middleware import DataParallelRankMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
+from gateway.lora_routes import add_lora_routes, lora_registry
 from gateway.limits import Admission, BodyTooLarge, LoadLimitMiddleware, too_large
 from gateway.memory import HeapTrimmer
 from gateway.metrics import Metrics
@@ -166,6 +167,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
                       open_engine_requests=lambda: len(getattr(client, "queues", ())),  # (test fakes have none)
                       num_engines=getattr(client, "num_engines", 1))
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics, admission)
+    ctx.lora = lora_registry(cfg, model_info.names, model_info.root)  # --enable-lora (gateway/lora_routes.py)
+    add_lora_routes(app, ctx.lora)
     health = HealthProbe(client, cfg.control_timeout_s)
     created = int(time.time())
     app.state.serving = ctx
@@ -179,6 +182,8 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
         data = [{"id": name, "object": "model", "created": created, "owned_by": "rollbus",
                  "root": model_info.root, "parent": None, "max_model_len": model_info.max_model_len,
                  "permission": [_permission(created)]} for name in model_info.names]
+        if ctx.lora is not None:
+            data += ctx.lora.cards(created, _permission(created))
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/completions")

@@ -70,6 +70,7 @@ class ServingContext:
         self.admission = admission or Admission(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
         self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids if tokenizer is not None else model.eos_token_ids)
         self._token_strs: dict[int, str] = {}
+        self.lora: Any = None  # gateway.lora_routes.LoraRegistry with --enable-lora
 
     def token_str(self, token_id: int) -> str:
         """The text of one token as logprobs report it (each id decoded alone, like vLLM); without a
@@ -86,7 +87,8 @@ class ServingContext:
 
     def check_ready(self, model: str | None) -> str:
         """404 for a model we do not serve, 503 when the engine is dead; returns the name to report."""
-        if model and model not in self.model.names:
+        adapter = self.lora.ref(model) if self.lora is not None else None
+        if model and model not in self.model.names and adapter is None:
             raise model_not_found(model)
         if not self.client.healthy:
             raise engine_unavailable(self.client.dead_reason)
@@ -97,7 +99,12 @@ class ServingContext:
                                                                                  state.weights_total)  # asleep: queue
         if discarded:
             raise engine_unavailable(discarded)  # 503 until the weights are loaded again
-        return self.model.names[0]
+        return adapter.name if adapter is not None else self.model.names[0]
+
+    def with_lora(self, params: SamplingParams, model: str | None) -> SamplingParams:
+        """The request's sampling parameters with the adapter its `model` names (vLLM: a LoRA by name)."""
+        adapter = self.lora.ref(model) if self.lora is not None else None
+        return params if adapter is None else params.replace(lora=adapter)
 
     def check_prompt_count(self, count: int, param: str) -> None:
         """--max-prompts-per-request, checked before anything is tokenised."""
@@ -346,6 +353,8 @@ class ChoiceState:
         out = []
         for epoch, start, end, stale in self.spans:
             span: dict[str, Any] = {"version": version_label(state, epoch), "start": start, "end": end}
+            if self.params.lora is not None:  # the adapter version that computed them (gateway/lora_routes.py)
+                span["lora_name"], span["lora_version"] = self.params.lora.name, self.params.lora.version
             if stale:
                 span["stale_kv"] = True
             out.append(span)

@@ -96,6 +96,7 @@ def prepare(ctx: ServingContext, body: GenerateRequest, request_id: str) -> list
     default = ctx.max_tokens_for(len(ids), sp.max_tokens, "sampling_params.max_tokens", "token_ids")
     try:
         params = sp.to_sampling_params(default).replace(cache_salt=body.cache_salt)
+        params = ctx.with_lora(params, body.model)
         ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e) from None

@@ -85,7 +85,7 @@ def _need_tokenizer(ctx: ServingContext, what: str) -> None:
 
 
 def _check_model(ctx: ServingContext, model: str | None) -> None:
-    if model and model not in ctx.model.names:
+    if model and model not in ctx.model.names and (ctx.lora is None or ctx.lora.ref(model) is None):
         raise model_not_found(model)
 
 

@@ -1,0 +1,129 @@
+"""LoRA adapters in the gateway: the registry of served adapters (name -> id, folder, version) and vLLM's
+routes for it, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (only with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM; 404 otherwise, since the routes do not exist).
+
+An adapter is checked against the model (engine.lora.inspect_adapter) before it is registered: a bad one is
+a 400 naming the adapter and the cause, and what was registered before keeps serving. A request names an
+adapter as its `model`; its SamplingParams then carry the adapter's LoraRef (id and current version), which
+the scheduler puts into the prefix-cache key and the workers use to pick the weights (workers/lora.py).
+`load_inplace: true` on a registered name makes a new version: requests from then on run on the new
+weights, requests already running finish on the version they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from engine.lora import LoraError, inspect_adapter, parse_lora_modules, runtime_updates_allowed
+from engine.sampling_params import LoraRef
+from gateway.errors import APIError
+
+INVALID, NOT_FOUND = "InvalidUserInput", "NotFoundError"
+log = structlog.get_logger()
+
+
+class LoraRegistry:
+    def __init__(self, cfg: Any, base_names: list[str], model_root: str):
+        self.cfg, self.base_names = cfg, base_names
+        cfg_file = Path(model_root) / "config.json"
+        self.hf_config: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.adapters: dict[str, tuple[LoraRef, str]] = {}  # name -> (ref, parent model name)
+        self.next_id = 1
+        self.lock = asyncio.Lock()
+
+    def ref(self, model: str | None) -> LoraRef | None:
+        entry = self.adapters.get(model or "")
+        return entry[0] if entry else None
+
+    def cards(self, created: int, permission: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"id": name, "object": "model", "created": created, "owned_by": "rollbus", "root": ref.path,
+                 "parent": parent, "max_model_len": None, "permission": [permission]}
+                for name, (ref, parent) in self.adapters.items()]
+
+    def load(self, name: str, path: str, inplace: bool = False, parent: str | None = None) -> str:
+        """Check and register (or, in place, replace) an adapter; APIError with vLLM's status and text."""
+        if not name or not path:
+            raise APIError("Both 'lora_name' and 'lora_path' must be provided.", status=400, type=INVALID)
+        if name in self.base_names:
+            raise APIError(f"The lora adapter '{name}' conflicts with a served base model.", status=400, type=INVALID)
+        if not inplace and name in self.adapters:
+            raise APIError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                           "place, set 'load_inplace' to True.", status=400, type=INVALID)
+        try:
+            if not self.hf_config:
+                raise LoraError(f"Loading lora {name} failed: the model has no config.json to check it against")
+            inspect_adapter(name, path, self.hf_config, self.cfg.max_lora_rank)
+        except FileNotFoundError:
+            raise APIError(f"Loading lora {name} failed: No adapter found for {path}", status=404,
+                           type=NOT_FOUND) from None
+        except LoraError as e:
+            raise APIError(str(e), status=400, param="lora_path") from None
+        old = self.adapters.get(name)
+        if old is None:
+            ref = LoraRef(self.next_id, name, path, 1)
+            self.next_id += 1
+        else:
+            ref = LoraRef(old[0].id, name, path, old[0].version + 1)
+        self.adapters[name] = (ref, parent if parent in self.base_names else self.base_names[0])
+        log.info("gateway.lora_loaded", lora_name=name, lora_path=path, lora_int_id=ref.id, version=ref.version)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload(self, name: str) -> str:
+        if not name:
+            raise APIError("'lora_name' needs to be provided to unload a LoRA adapter.", status=400, type=INVALID)
+        if name not in self.adapters:
+            raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, type=NOT_FOUND)
+        del self.adapters[name]
+        log.info("gateway.lora_unloaded", lora_name=name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def lora_registry(cfg: Any, base_names: list[str], model_root: str) -> LoraRegistry | None:
+    """The registry with --enable-lora (the --lora-modules loaded; a bad one stops the start), else None."""
+    if not cfg.enable_lora:
+        return None
+    reg = LoraRegistry(cfg, base_names, model_root)
+    for m in parse_lora_modules(cfg.lora_modules):
+        try:
+            reg.load(m.name, m.path, parent=m.base_model_name)
+        except APIError as e:
+            raise SystemExit(f"rollbus gateway: --lora-modules {m.name}: {e}") from None
+    return reg
+
+
+def add_lora_routes(app: FastAPI, reg: LoraRegistry | None) -> None:
+    if reg is None or not runtime_updates_allowed():
+        return
+    log.warning("gateway.lora_runtime_updates", message="LoRA dynamic loading & unloading is enabled in the API "
+                "server. This should ONLY be used for local development!")
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise APIError("the body must be a JSON object", status=400) from None
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object", status=400)
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        name, path = str(body.get("lora_name") or ""), str(body.get("lora_path") or "")
+        async with reg.lock:  # the folder check reads files: off the event loop, one load at a time
+            text = await asyncio.to_thread(reg.load, name, path, bool(body.get("load_inplace", False)))
+        return Response(text, status_code=200)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        async with reg.lock:
+            return Response(reg.unload(str(body.get("lora_name") or "")), status_code=200)
+
