@@ -26,8 +26,8 @@ from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.dp_middleware import DataParallelRankMiddleware
 from gateway.engine_client import EngineClient
 from gateway.errors import UNAUTHORIZED, envelope, install_error_handlers
-from gateway.lora_routes import add_lora_routes, lora_registry
 from gateway.limits import Admission, BodyTooLarge, LoadLimitMiddleware, too_large
+from gateway.lora_routes import add_lora_routes, lora_registry
 from gateway.memory import HeapTrimmer
 from gateway.metrics import Metrics
 from gateway.openapi import install_openapi

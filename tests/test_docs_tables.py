@@ -6,6 +6,7 @@ Each table is read from the Markdown as written; a row the test cannot read fail
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -70,6 +71,12 @@ def test_every_endpoint_row_says_what_the_gateway_answers() -> None:
     rl, _ = make_app(additional_config=RL_MODE)
     scale_out, _ = make_app(enable_scale_out=True)
     no_docs, _ = make_app(disable_fastapi_docs=True)
+    lora_off, _ = make_app(enable_lora=True)  # without VLLM_ALLOW_RUNTIME_LORA_UPDATING: vLLM adds no routes
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+    try:
+        lora, _ = make_app(enable_lora=True)
+    finally:
+        del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     generate_body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}}
     for cell, answer in table_rows(SERVING, "### Endpoints"):
         routes = routes_of(cell)
@@ -90,6 +97,9 @@ def test_every_endpoint_row_says_what_the_gateway_answers() -> None:
                 elif answer.startswith("served; 404 with `--disable-fastapi-docs`"):
                     assert status(default, verb, path) == 200, where
                     assert status(no_docs, verb, path) == 404, where
+                elif answer.startswith("served with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`"):
+                    assert status(lora_off, verb, path) == 404 and status(rl, verb, path) == 404, where
+                    assert status(lora, verb, path) == 400, where  # {}: no lora_name
                 elif answer.startswith("served for a stored response"):  # x is not one: 404 naming the id
                     r = default.get(path) if verb == "GET" else default.post(path)
                     assert r.status_code == 404 and r.json()["error"]["param"] == "response_id", where
