@@ -173,7 +173,8 @@ class SchedulerActor:
         blocks = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
                               record_events=self.kv_events is not None)
         self.sched = Scheduler(blocks,
-                               self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
+                               self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len,
+                               max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
         self.sched.weight_version = self.link.state.weight_epoch

@@ -75,11 +75,19 @@ class Scheduler:
     max_num_batched_tokens: int
     max_model_len: int
     weight_version: int = 0
+    max_loras: int = 0  # --max-loras with --enable-lora: different adapters running at once (0: no limit)
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     seqs: dict[str, Sequence] = field(default_factory=dict)
     _finished_ids: list[str] = field(default_factory=list)
     num_preemptions: int = 0
+
+    def _lora_slot_full(self, seq: Sequence) -> bool:
+        lora = seq.sampling.lora
+        if lora is None:
+            return False
+        running = {(s.sampling.lora.id, s.sampling.lora.version) for s in self.running if s.sampling.lora is not None}
+        return (lora.id, lora.version) not in running and len(running) >= self.max_loras
 
     # --- what a quiet (engine.scheduler.step_gate) does to the sequences ------------------------------------
 
@@ -172,6 +180,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.inflight_tokens:
                 break  # preempted while a step of it was computing: it comes back once that step is in
+            if self.max_loras and self._lora_slot_full(seq):
+                break  # vLLM's --max-loras: it waits until a running adapter's sequences are done
             # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
             # never reads the prefix cache (its blocks are still shared with later requests).
             want_prompt_lp = seq.sampling.prompt_logprobs is not None

@@ -1,0 +1,42 @@
+"""LoRA in the scheduler's policy: --max-loras bounds the adapters running at once, and the prefix cache never
+serves a block computed with another adapter or another version of it."""
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Sequence
+from engine.sampling_params import LoraRef, SamplingParams
+from engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.unit
+
+
+def _seq(sid: str, lora: LoraRef | None, prompt=tuple(range(1, 14))) -> Sequence:
+    return Sequence(sid, list(prompt), SamplingParams(max_tokens=1, lora=lora), eos_token_ids=[0])
+
+
+def _finish(s: Scheduler) -> list[str]:
+    step = s.schedule()
+    s.update(step, {q.seq_id: (7, -1.0, None) for q in step.seqs})
+    return [q.seq_id for q in step.seqs]
+
+
+def test_max_loras_holds_a_third_adapter_until_one_is_done():
+    s = Scheduler(BlockManager(64, 4), 8, 256, 128, max_loras=2)
+    a, b, c = (LoraRef(i, n, "/x", 1) for i, n in ((1, "a"), (2, "b"), (3, "c")))
+    for sid, ref in (("1", a), ("2", b), ("3", c)):
+        s.add(_seq(sid, ref, prompt=range(int(sid) * 20, int(sid) * 20 + 5)))
+    assert _finish(s) == ["1", "2"]  # c waits: two adapters run already
+    assert _finish(s) == ["3"]
+
+
+def test_prefix_cache_is_keyed_by_adapter_and_version():
+    s = Scheduler(BlockManager(64, 4), 8, 256, 128)
+    v1, v2, other = LoraRef(1, "a", "/x", 1), LoraRef(1, "a", "/x", 2), LoraRef(2, "b", "/y", 1)
+    s.add(_seq("first", v1))
+    _finish(s)
+    for sid, ref, hit in (("same", v1, True), ("newer", v2, False), ("other", other, False), ("base", None, False)):
+        q = _seq(sid, ref)
+        s.add(q)
+        _finish(s)
+        assert (q.num_cached_tokens > 0) == hit, sid
