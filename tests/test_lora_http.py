@@ -128,4 +128,10 @@ def test_refusals(setup, tmp_path):
         "Success: LoRA adapter 'b' removed successfully."
     assert httpx.post(f"{server.url}/v1/completions", json={"model": "b", "prompt": [1], "max_tokens": 1}
                       ).status_code == 404
+    doomed = root / "doomed"
+    shutil.copytree(ad["b"], doomed)
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "doomed", "lora_path": str(doomed)}).status_code == 200
+    shutil.rmtree(doomed)  # gone before any worker read it: that request fails alone, naming the adapter
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "doomed", "prompt": [1, 2], "max_tokens": 1})
+    assert r.status_code == 400 and "doomed" in r.json()["error"]["message"], r.text
     assert _gen(server, "a", [1, 2, 3], 2)["model"] == "a"  # still serving

@@ -68,6 +68,7 @@ class ModelRunner:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
         self.lora = lora  # workers.lora.LoraSlots with --enable-lora
+        self.lora_failed: dict[str, ErrorInfo] = {}  # new sequences whose adapter failed to load, until reported
         self.tp = getattr(model, "tp", SOLO)
         self.rank, self.block_size, self.device = rank, block_size, device
         self.seqs: dict[str, SeqState] = {}
@@ -90,21 +91,24 @@ class ModelRunner:
         # Forget first: a finished id may come back at once as a new request with the same id.
         for sid in plan.finished:
             self._forget(self.seqs.pop(sid, None))
+            self.lora_failed.pop(sid, None)
             self.grammar.forget(sid)
             self.dropped.discard(sid)
-        skipped: list[str] = []
-        if self.dropped and not self.dropped.isdisjoint(plan.seq_ids):
-            plan, skipped = self._without_dropped(plan)
         for ns in plan.new_seqs:
             params = ns.sampling
+            lora = self._lora_of(ns.seq_id, params)
+            if lora is False:
+                continue  # its adapter could not be loaded: it fails alone, below (skipped)
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
             toks = list(ns.prompt_token_ids)
             row = RowState(params, ns.eos_token_ids, ns.prompt_token_ids, [], gen,
                            self.grammar.on_new_seq(ns.seq_id, params, ns.eos_token_ids))
-            lora = self.lora.acquire(params.lora) if params.lora is not None and self.lora is not None else None
             self.seqs[ns.seq_id] = SeqState(toks, row, len(toks),
                                             prompt_lp_parts=[] if params.prompt_logprobs is not None else None,
                                             lora=lora)
+        skipped: list[str] = []
+        if self.dropped and not self.dropped.isdisjoint(plan.seq_ids):
+            plan, skipped = self._without_dropped(plan)
         if not plan.seq_ids:
             return self._with_skipped(self._result(plan, [], None, t0), skipped)
         input_ids, positions, meta, sample_rows, sample_ids, prompt_rows, routes = self._prepare(plan)
@@ -160,6 +164,20 @@ class ModelRunner:
                 self._forget(st)
             self.grammar.forget(sid)
 
+    def _lora_of(self, sid: str, params: SamplingParams):
+        """The adapter version a new sequence runs with (None: the base model), or False when its folder could
+        not be loaded now (gone or changed since the gateway checked it): the sequence then fails alone with
+        that cause, the rest of the step runs."""
+        if params.lora is None or self.lora is None:
+            return None
+        try:
+            return self.lora.acquire(params.lora)
+        except Exception as e:  # noqa: BLE001 - any unreadable folder: this sequence's error, not the step's
+            self.dropped.add(sid)
+            self.lora_failed[sid] = ErrorInfo(type(e).__name__, f"LoRA adapter {params.lora.name!r}: {e}",
+                                              status=400, param="model")
+            return False
+
     def _forget(self, st: SeqState | None) -> None:
         if st is not None and st.lora is not None:
             self.lora.release(st.lora)
@@ -175,7 +193,7 @@ class ModelRunner:
     def _with_skipped(self, result: StepResult, skipped: list[str]) -> StepResult:
         if skipped and not self.tp.rank:  # rank 0 reports for the engine
             why = ErrorInfo("StepFailed", "an earlier step of this request failed or was interrupted on this worker")
-            result.seq_errors = [*result.seq_errors, *((sid, why) for sid in skipped)]
+            result.seq_errors = [*result.seq_errors, *((sid, self.lora_failed.pop(sid, why)) for sid in skipped)]
         return result
 
     def _sample(self, hidden: torch.Tensor, row_states: list[RowState], pending) -> SampleOutput | None:
