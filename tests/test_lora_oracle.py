@@ -96,3 +96,15 @@ def test_bad_adapters_are_refused_naming_adapter_and_cause(setup, tmp_path):
     emb = make_adapter(base, tmp_path / "emb", targets=["q_proj", "embed_tokens"])
     with pytest.raises(LoraError, match=r"expected target modules"):
         inspect_adapter("e", str(emb), hf, 16)
+
+
+def test_a_replaced_version_is_never_read_from_the_new_folder(setup):
+    base, adapters = setup
+    model, slots = _model_with_slots(base)
+    slots.max_cached = 1
+    v1, v2 = LoraRef(1, "a", str(adapters["a"]), 1), LoraRef(1, "a", str(adapters["b"]), 2)
+    slots.release(slots.acquire(v1))
+    slots.release(slots.acquire(v2))  # v1, idle, is dropped
+    assert list(slots.loaded) == [(1, 2)]
+    with pytest.raises(LoraError, match="version 1 of LoRA adapter 'a' was replaced by version 2"):
+        slots.acquire(v1)

@@ -4,7 +4,9 @@ Each sequence runs with one adapter version for its whole life (engine.sampling_
 version). `LoraSlots` keeps the loaded versions keyed by (id, version) with a count of the sequences using
 each; an idle one is dropped least recently used first beyond `max_cached` (--max-cpu-loras), and read again
 from its folder when a sequence needs it. An in-place reload is a new version: sequences that started on
-the old one keep it to their end, so no sequence ever mixes two versions.
+the old one keep it to their end, so no sequence ever mixes two versions; an old version that was dropped
+cannot be read again (its folder holds the new weights), so a sequence that needs it then (a recompute after
+preemption) fails alone, naming it, rather than mixing.
 
 The product (vLLM's punica kernels do the same on GPUs, segmented by adapter): before a forward,
 `begin_step` groups the step's token rows by adapter; each hooked projection (q/k/v/o, gate/up/down in
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.lora import inspect_adapter
+from engine.lora import LoraError, inspect_adapter
 from engine.sampling_params import LoraRef
 
 Key = tuple[int, int]  # (adapter id, version)
@@ -66,6 +68,7 @@ class LoraSlots:
         self.max_rank, self.max_cached, self.dtype, self.device = max_rank, max_cached, dtype, device
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
+        self.newest: dict[int, int] = {}  # adapter id -> the latest version this worker loaded
         self.groups: list[tuple[torch.Tensor, AdapterWeights]] = []  # this step's (rows, adapter)
 
     def load(self, ref: LoraRef) -> AdapterWeights:
@@ -73,8 +76,13 @@ class LoraSlots:
         key = (ref.id, ref.version)
         w = self.loaded.get(key)
         if w is None:
+            newest = self.newest.get(ref.id, 0)
+            if ref.version < newest:  # its folder holds a later version now: computing with it would mix two
+                raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was replaced by version "
+                                f"{newest} and is no longer loaded on this worker (raise --max-cpu-loras)")
             w = AdapterWeights(ref, self.hf_config, self.max_rank, self.dtype, self.device)
             self.loaded[key] = w
+            self.newest[ref.id] = ref.version
         self.loaded.move_to_end(key)
         self._evict()
         return w
