@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.lora import LoraError, inspect_adapter
+from engine.lora import LoraError, inspect_adapter, module_features
 from engine.sampling_params import LoraRef
 
 Key = tuple[int, int]  # (adapter id, version)
@@ -33,32 +33,37 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
 
 
 class AdapterWeights:
-    """One adapter version on the device: per layer, per fused projection, [(column start, A, B·scaling)]."""
+    """One adapter version on the device: per layer, per fused projection, one (A, B) pair: the targeted parts'
+    A stacked [parts*r, in], their B·scaling placed block-diagonally [fused out, parts*r] (zero rows for
+    untargeted parts), so a group's delta on a fused projection is two GEMMs and one add."""
 
     def __init__(self, ref: LoraRef, hf_config: dict, max_rank: int, dtype: torch.dtype, device: torch.device):
         from safetensors.torch import load_file
 
         spec = inspect_adapter(ref.name, ref.path, hf_config, max_rank)
         tensors = load_file(str(Path(ref.path) / "adapter_model.safetensors"))
-        from engine.lora import module_features
-
         feats = module_features(hf_config)
-        self.layers: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]] = [
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {} for _ in range(hf_config["num_hidden_layers"])]
         targeted = set(spec.modules)
         for layer in range(len(self.layers)):
             for fused, parts in FUSED.items():
-                start, pieces = 0, []
-                for mod in parts:
-                    if (layer, mod) in targeted:
-                        block = "self_attn" if fused in ("qkv", "o") else "mlp"
-                        stem = f"base_model.model.model.layers.{layer}.{block}.{mod}"
-                        a = tensors[f"{stem}.lora_A.weight"].to(device=device, dtype=dtype).contiguous()
-                        b = (tensors[f"{stem}.lora_B.weight"].float() * spec.scaling).to(device=device, dtype=dtype)
-                        pieces.append((start, a, b.contiguous()))
-                    start += feats[mod][1]
-                if pieces:
-                    self.layers[layer][fused] = pieces
+                mine = [m for m in parts if (layer, m) in targeted]
+                if not mine:
+                    continue
+                block = "self_attn" if fused in ("qkv", "o") else "mlp"
+                stems = {m: f"base_model.model.model.layers.{layer}.{block}.{m}" for m in mine}
+                a = torch.cat([tensors[f"{stems[m]}.lora_A.weight"].float() for m in mine])  # [parts*r, in]
+                b = torch.zeros(sum(feats[m][1] for m in parts), len(mine) * spec.rank)
+                row = col = 0
+                for m in parts:
+                    if m in stems:
+                        part = tensors[f"{stems[m]}.lora_B.weight"].float() * spec.scaling  # [out, r]
+                        b[row:row + part.shape[0], col:col + spec.rank] = part
+                        col += spec.rank
+                    row += feats[m][1]
+                self.layers[layer][fused] = (a.to(device=device, dtype=dtype).contiguous(),
+                                             b.to(device=device, dtype=dtype).contiguous())
 
 
 class LoraSlots:
@@ -123,13 +128,9 @@ class LoraSlots:
 
         def add_delta(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             for rows, w in self.groups:
-                pieces = w.layers[layer].get(fused)
-                if not pieces:
-                    continue
-                xa = x.index_select(0, rows)
-                for start, a, b in pieces:
-                    d = self.kern.linear(self.kern.linear(xa, a), b)
-                    out[rows, start:start + d.shape[1]] += d
+                ab = w.layers[layer].get(fused)
+                if ab is not None:  # out[rows] += B·(A·x[rows]): elementwise per row, rows distinct
+                    out.index_add_(0, rows, self.kern.linear(self.kern.linear(x.index_select(0, rows), ab[0]), ab[1]))
             return out
 
         return add_delta
