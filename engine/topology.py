@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from bus.messages import Layout
+
 _SCHEDULER = re.compile(r"scheduler(?:-(\d+))?")
 _WORKER = re.compile(r"worker-(\d+)")
 
@@ -126,22 +128,20 @@ class Topology:
         return 0 if engine == 0 else 3 * engine + 2
 
 
-def layout(cfg) -> dict[str, object]:
-    """What every engine process must agree on, sent in its Hello (`info["layout"]`): the coordinator refuses a
+def layout(cfg) -> Layout:
+    """What every engine process must agree on, sent in its Hello (`info.layout`): the coordinator refuses a
     member whose layout differs from its own (another host started with other flags), naming the value."""
     topo = Topology.from_config(cfg)
-    return {"model": cfg.model_name, "tensor_parallel_size": topo.tp, "data_parallel_size": topo.dp,
-            "max_model_len": cfg.max_model_len, "block_size": cfg.block_size, "dtype": cfg.dtype,
-            "kv_cache_dtype": cfg.kv_cache_dtype}
+    return Layout(cfg.model_name, topo.tp, topo.dp, cfg.max_model_len, cfg.block_size, cfg.dtype, cfg.kv_cache_dtype)
 
 
-def layout_mismatch(own: dict, theirs: object) -> str | None:
+def layout_mismatch(own: Layout, theirs: Layout | None) -> str | None:
     """Why a member's layout (from its Hello) cannot join ours, naming each differing value; None if it fits
     (a member that sends none, e.g. a trainer or a monitor, is not checked)."""
-    if not isinstance(theirs, dict):
+    if theirs is None:
         return None
-    diffs = [f"{key} {theirs.get(key)!r} (coordinator: {value!r})" for key, value in own.items()
-             if key in theirs and theirs[key] != value]
+    diffs = [f"{key} {getattr(theirs, key)!r} (coordinator: {getattr(own, key)!r})" for key in own.__struct_fields__
+             if getattr(theirs, key) != getattr(own, key)]
     return "; ".join(diffs) or None
 
 

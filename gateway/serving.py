@@ -21,13 +21,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from bus.messages import ErrorInfo, PromptLogprobs, RequestOutput
+from bus.messages import ErrorInfo, ErrorKind, PromptLogprobs, RequestOutput
 from engine import routed_experts
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
 from engine.sampling_params import ParamError, SamplingParams, validate_prompt_ids
 from gateway.dp_middleware import requested_engine
-from gateway.engine_client import EngineClient, EngineDead
+from gateway.engine_client import DuplicateRequest, EngineClient, EngineDead
 from gateway.errors import (
     BAD_REQUEST,
     INTERNAL,
@@ -447,14 +447,13 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         if state.finish_reason == "error":
             raise engine_failure(ctx, state.error)
         if not state.finished:
-            raise engine_failure(ctx, ErrorInfo("Unfinished", "the engine ended the request without finishing it"))
+            raise engine_failure(ctx, ErrorInfo(ErrorKind.UNFINISHED,
+                                                "the engine ended the request without finishing it"))
     except asyncio.CancelledError:
         raise
     except EngineDead as e:
         sink.put_nowait(_Failed(engine_unavailable(str(e))))
-    except ValueError as e:
-        if "already running" not in str(e):
-            raise
+    except DuplicateRequest:
         sink.put_nowait(_Failed(bad_request(f"request id {state.request_id!r} is already running", "request_id")))
     except Exception as e:
         if not isinstance(e, APIError):

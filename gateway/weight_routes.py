@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from bus.messages import (
     UPDATE_ACTIVE,
     AbortWeightUpdate,
+    Checksums,
     CommandBody,
     CommitWeightUpdate,
     ControlReply,
@@ -161,7 +162,8 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             results = await call(client, WeightChecker("checksum"), transfer_s)
             merged: dict[str, str] = {}
             for r in results.values():
-                merged.update((r or {}).get("checksums", {}))
+                if isinstance(r, Checksums):
+                    merged.update(r.checksums)
             checksums.clear()
             checksums[seq] = merged
             asked = seq

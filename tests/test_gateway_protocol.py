@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import pytest
 from fastapi.testclient import TestClient
 
-from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, RequestOutput
+from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, HealthReport, RequestOutput
 from engine.config import EngineConfig
 from engine.sampling_params import ParamError, SamplingParams
 from gateway.app import build_app
@@ -106,7 +106,7 @@ class FakeClient:
         pass
 
     async def control(self, command: CommandBody, timeout_s: float = 0.0) -> ControlReply:
-        acks = {"scheduler": {"ok": True}, "worker-0": {"ok": True}} if self.health_ok else {}
+        acks = {"scheduler": HealthReport(True), "worker-0": HealthReport(True)} if self.health_ok else {}
         errors = [] if self.health_ok else [ErrorInfo("RuntimeError", "silent", "worker-0")]
         return ControlReply("x", self.health_ok, 1, acks, errors)
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from bus.messages import ErrorInfo
+from bus.messages import ErrorInfo, ErrorKind
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputsConfig, grammar_text
 
@@ -136,7 +136,8 @@ class GrammarEngine:
         try:
             g = self.start(params.structured_outputs, eos_ids)
         except GrammarError as e:
-            self._errors.append((seq_id, ErrorInfo("GrammarError", str(e), status=400, param="structured_outputs")))
+            self._errors.append((seq_id, ErrorInfo(ErrorKind.GRAMMAR_ERROR, str(e), status=400,
+                                                   param="structured_outputs")))
             return None
         self.live.add(seq_id)
         return g
@@ -164,7 +165,7 @@ class GrammarEngine:
             g = r.grammar
             if g is not None and not g.accept(tok, eos):
                 self._errors.append((sid, ErrorInfo(
-                    "GrammarRejected", f"token {tok} is not allowed by the request's structured output "
+                    ErrorKind.GRAMMAR_REJECTED, f"token {tok} is not allowed by the request's structured output "
                                        f"constraint: {g.rejected}", status=400, param="trace_decode_token_ids")))
 
     def take_errors(self) -> list[tuple[str, ErrorInfo]]:

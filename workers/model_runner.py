@@ -37,7 +37,7 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.tp_group import SOLO
-from bus.messages import ErrorInfo, NewSeq, PromptLogprobs, StepPlan, StepResult
+from bus.messages import ErrorInfo, ErrorKind, NewSeq, PromptLogprobs, StepPlan, StepResult
 from engine.routed_experts import wire_dtype
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsConfig
@@ -159,7 +159,8 @@ class ModelRunner:
 
     def _with_skipped(self, result: StepResult, skipped: list[str]) -> StepResult:
         if skipped and not self.tp.rank:  # rank 0 reports for the engine
-            why = ErrorInfo("StepFailed", "an earlier step of this request failed or was interrupted on this worker")
+            why = ErrorInfo(ErrorKind.STEP_FAILED,
+                            "an earlier step of this request failed or was interrupted on this worker")
             result.seq_errors = [*result.seq_errors, *((sid, why) for sid in skipped)]
         return result
 

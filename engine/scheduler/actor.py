@@ -41,17 +41,24 @@ from bus.messages import (
     CommandBody,
     CommitWeightUpdate,
     ErrorInfo,
+    ErrorKind,
     Health,
+    HealthReport,
     Hello,
     MemberJoined,
     MemberLost,
     NewSeq,
+    NotStarted,
     OutputBatch,
     Pause,
+    PrefixCacheReset,
     PromptLogprobs,
+    Quiesced,
     RequestOutput,
     ResetPrefixCache,
     Resume,
+    SchedulerInfo,
+    SchedulerReady,
     Shutdown,
     Sleep,
     StartWeightUpdate,
@@ -59,6 +66,8 @@ from bus.messages import (
     StepResult,
     UpdateWeightVersion,
     WakeUp,
+    WeightEpoch,
+    WorkerInfo,
 )
 from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
 from engine import control_state
@@ -91,7 +100,7 @@ class SchedulerActor:
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.requests))
         self.plans = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.plans))
         self.results = make_socket(ctx, zmq.PULL, bind=ep.bind_address(ep.results))
-        self.link = MemberLink(ctx, ep, role="scheduler", name=self.name, info={"layout": layout(cfg)}, handlers={
+        self.link = MemberLink(ctx, ep, role="scheduler", name=self.name, info=SchedulerInfo(layout(cfg)), handlers={
             Health: self._health, Shutdown: self._shutdown, MemberLost: self._member_lost,
             MemberJoined: lambda c: None,  # a worker is back only once its Hello reaches us (_on_worker_hello)
             UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
@@ -128,7 +137,7 @@ class SchedulerActor:
 
     # --- start-up -------------------------------------------------------------------------------
 
-    def wait_for_workers(self, timeout_s: float = 600.0) -> dict[str, Any]:
+    def wait_for_workers(self, timeout_s: float = 600.0) -> SchedulerReady:
         """Every worker's Hello (results socket) and plan subscription (XPUB) must both arrive."""
         want = set(self.workers)
         hellos: dict[str, Hello] = {}
@@ -153,18 +162,18 @@ class SchedulerActor:
                     except CodecError as e:
                         log.warning("scheduler.bad_result", error=str(e))
                         continue
-                    if isinstance(msg, Hello):
+                    if isinstance(msg, Hello) and isinstance(msg.info, WorkerInfo):
                         hellos[msg.name] = msg
                         self._on_worker_hello(msg)
                 else:
                     self.link.handle(sock)
             self.link.tick(time.monotonic())
         infos = [hellos[n].info for n in sorted(want)]
-        num_blocks = min(i["num_blocks"] for i in infos)
-        max_len = min(i["max_model_len"] for i in infos)
+        num_blocks = min(i.num_blocks for i in infos)
+        max_len = min(i.max_model_len for i in infos)
         self.max_model_len = max_len
-        self.depth = 2 if async_scheduling_on(self.cfg, str(infos[0].get("device", "cpu"))) else 1
-        self.limits = EngineLimits(min(i["vocab_size"] for i in infos), max_len, self.cfg.max_logprobs,
+        self.depth = 2 if async_scheduling_on(self.cfg, infos[0].device) else 1
+        self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.max_logprobs,
                                    self.cfg.enable_trace_replay)
         self.sched = Scheduler(BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching),
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
@@ -174,7 +183,7 @@ class SchedulerActor:
         self.gate = StepGate.from_state(self.link.state)
         log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len,
                  async_scheduling=self.depth > 1)
-        return {"num_blocks": num_blocks, "max_model_len": max_len, "async_scheduling": self.depth > 1}
+        return SchedulerReady(num_blocks, max_len, self.depth > 1)
 
     # --- main loop ------------------------------------------------------------------------------
 
@@ -243,11 +252,11 @@ class SchedulerActor:
                        client)
         error = None
         if self.workers_waiting and time.monotonic() - self.waiting_since > RECOVERY_WAIT_S:
-            error = ErrorInfo("WorkerLost", self._recovery_message(), status=503)
+            error = ErrorInfo(ErrorKind.WORKER_LOST, self._recovery_message(), status=503)
         if error is None and control_state.rejects_new_requests(self.link.state):
-            error = ErrorInfo("Paused", control_state.PAUSED_MESSAGE, status=503)
+            error = ErrorInfo(ErrorKind.PAUSED, control_state.PAUSED_MESSAGE, status=503)
         if error is None and msg.request_id in self.sched.seqs:
-            error = ErrorInfo("DuplicateRequest", f"request id {msg.request_id!r} is already running",
+            error = ErrorInfo(ErrorKind.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already running",
                               param="request_id")
         if error is None:
             error = admission_error(msg, self.limits)  # nothing a worker cannot run reaches a step
@@ -321,7 +330,7 @@ class SchedulerActor:
         main = results[0]
         # the failing worker's own error first (tp peers that only declined the step say TensorParallelPeer)
         errors = sorted((r.error for r in results.values() if r.error is not None),
-                        key=lambda e: e.kind == "TensorParallelPeer")
+                        key=lambda e: e.kind == ErrorKind.TP_PEER)
         interrupted = any(r.interrupted for r in results.values())
         if errors:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
@@ -440,12 +449,12 @@ class SchedulerActor:
 
     # --- control (handlers of the typed commands; the follower has applied the state already) ------
 
-    def _health(self, cmd: Health) -> dict[str, Any]:
+    def _health(self, cmd: Health) -> HealthReport:
         if self.sched is None:
-            return {"ok": False, "why": "waiting for workers"}
+            return HealthReport(False, "waiting for workers")
         if self.workers_waiting:
-            return {"ok": False, "why": f"waiting for {', '.join(sorted(self.workers_waiting))} to rejoin"}
-        return {"ok": True, "running": len(self.sched.running)}
+            return HealthReport(False, f"waiting for {', '.join(sorted(self.workers_waiting))} to rejoin")
+        return HealthReport(True, running=len(self.sched.running))
 
     def _shutdown(self, cmd: Shutdown) -> None:
         self.stopping = True
@@ -454,13 +463,14 @@ class SchedulerActor:
         seq = self.link.follower.current.seq
         if cmd.role == "worker" and cmd.name in self.workers:  # another engine's worker is its scheduler's business
             self._worker_lost([cmd.name], seq, ErrorInfo(
-                "WorkerLost", f"{cmd.name} was lost ({cmd.why}) while this request ran on it; retry", cmd.name, 503))
+                ErrorKind.WORKER_LOST, f"{cmd.name} was lost ({cmd.why}) while this request ran on it; retry",
+                cmd.name, 503))
         elif cmd.name == self.name:
             # We stalled past the heartbeat timeout: the gateways failed our requests already, and the
             # workers forget their sequences when we rejoin (MemberJoined): start again from nothing.
             log.warning("scheduler.was_lost", why=cmd.why)
             self._worker_lost(list(self.workers), seq, ErrorInfo(
-                "SchedulerLost", f"the scheduler was lost ({cmd.why})", self.name, 503), everything=True)
+                ErrorKind.SCHEDULER_LOST, f"the scheduler was lost ({cmd.why})", self.name, 503), everything=True)
         elif cmd.role == "gateway" and self.sched is not None:
             # Nobody is left to read these outputs: stop computing them.
             orphans = [s for s in self.sched.seqs.values() if s.client == cmd.name.encode()]
@@ -497,8 +507,7 @@ class SchedulerActor:
             self.plan_subs.discard(name)
 
     def _on_worker_hello(self, h: Hello) -> None:
-        joined = h.info.get("joined_seq", 0) if isinstance(h.info, dict) else 0
-        self.worker_hellos[h.name] = joined if isinstance(joined, int) else 0
+        self.worker_hellos[h.name] = h.info.joined_seq if isinstance(h.info, WorkerInfo) else 0
         self._check_rejoined(h.name)
 
     def _check_rejoined(self, name: str) -> None:
@@ -517,25 +526,26 @@ class SchedulerActor:
         """Queued requests do not wait forever for a worker that never comes back."""
         if self.sched is None or time.monotonic() - self.waiting_since <= RECOVERY_WAIT_S or not self.sched.seqs:
             return
-        self._fail_seqs(list(self.sched.seqs.values()), ErrorInfo("WorkerLost", self._recovery_message(), status=503))
+        self._fail_seqs(list(self.sched.seqs.values()),
+                        ErrorInfo(ErrorKind.WORKER_LOST, self._recovery_message(), status=503))
 
-    def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> dict[str, Any]:
+    def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> PrefixCacheReset:
         if self.sched is None:
-            return {"success": False}  # nothing cached before the workers are up; retry then
-        return {"success": self.sched.reset_prefix_cache(cmd.reset_running_requests)}
+            return PrefixCacheReset(False)  # nothing cached before the workers are up; retry then
+        return PrefixCacheReset(self.sched.reset_prefix_cache(cmd.reset_running_requests))
 
-    def _new_epoch(self, cmd: UpdateWeightVersion | CommitWeightUpdate) -> dict[str, Any]:
+    def _new_epoch(self, cmd: UpdateWeightVersion | CommitWeightUpdate) -> WeightEpoch | NotStarted:
         """A new weight epoch: new prefix-cache key space too. A commit also ends the update's window."""
         if self.sched is None:
-            return {"starting": True}  # wait_for_workers starts from the state
+            return NotStarted()  # wait_for_workers starts from the state
         self.sched.weight_version = self.link.state.weight_epoch
         if isinstance(cmd, CommitWeightUpdate):
             self._gate_command(cmd)
-        return {"weight_epoch": self.sched.weight_version}
+        return WeightEpoch(self.sched.weight_version)
 
     def _gate_command(self, cmd: CommandBody) -> Any:
         if self.sched is None:
-            return {"starting": True}  # wait_for_workers builds the gate from the state
+            return NotStarted()  # wait_for_workers builds the gate from the state
         f = self.link.follower
         verdict = self.gate.on_command(cmd, f.before, f.state)
         if not isinstance(verdict, Quiesce):
@@ -547,7 +557,7 @@ class SchedulerActor:
         done = self._complete_quiesce()
         return DEFER if done is None else done
 
-    def _complete_quiesce(self) -> dict[str, Any] | None:
+    def _complete_quiesce(self) -> Quiesced | None:
         """The ack's result once the pending quiesce is complete (no step in flight, and for wait no work
         left), else None."""
         q = self.gate.quiesced(in_flight=bool(self.in_flight), has_work=self.sched.has_work())
@@ -555,7 +565,7 @@ class SchedulerActor:
             return None
         if q.clear_cache:
             self.sched.drop_kv()
-        return {"paused": True, "aborted": q.aborted}
+        return Quiesced(q.aborted)
 
     def _maybe_complete_quiesce(self) -> None:
         if self.gate.pending is None:
@@ -580,7 +590,8 @@ def step_failure(e: ErrorInfo) -> ErrorInfo:
     the exception."""
     if e.status is not None:
         return ErrorInfo(e.kind, e.message, e.member, e.status, e.param, e.tensor)
-    return ErrorInfo("StepFailed", f"worker step failed: {e.kind}: {e.message}", e.member, None, e.param, e.tensor)
+    return ErrorInfo(ErrorKind.STEP_FAILED, f"worker step failed: {e.kind}: {e.message}", e.member, None, e.param,
+                     e.tensor)
 
 
 def freeze_heap() -> None:

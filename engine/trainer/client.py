@@ -393,10 +393,10 @@ class WeightSyncClient:
             raise WeightSyncFailed(err.text(), err.status or 500)
 
     def _bus_world(self) -> int:
-        from bus.messages import Members
+        from bus.messages import MemberEntry, Members
 
         reply = self._bus.request(Members(), 10)
-        return 1 + sum(1 for m in reply.results.values() if m.get("role") == "worker")
+        return 1 + sum(1 for m in reply.results.values() if isinstance(m, MemberEntry) and m.role == "worker")
 
     # --- plumbing -----------------------------------------------------------------------------------
 
