@@ -77,9 +77,6 @@ class ErrorKind(str, enum.Enum):
     # a start_weight_update the coordinator refused without broadcasting it, because an update is active:
     # the one error after which a caller must not abort (the active update is not its own)
     UPDATE_ACTIVE = "UpdateActive"
-    # the weight transfer engine needs /init_weight_transfer_engine (again) before an update: never
-    # initialised, shut down, or its group released by a sleep (sleep_mode_extra_cleanup)
-    TRANSFER_NOT_INITIALIZED = "TransferNotInitialized"
     TP_PEER = "TensorParallelPeer"  # a tp rank that could run a step another rank of its group could not
     ASLEEP = "Asleep"  # a plan reached a worker whose memory a sleep released
     WEIGHT_VERSION_LOST = "WeightVersionLost"  # the worker could not restore the version in service
@@ -180,6 +177,12 @@ class SchedulerReady(RoleInfo):
     num_blocks: int
     max_model_len: int
     async_scheduling: bool
+
+
+class GatewayReady(RoleInfo):
+    """Where a gateway serves HTTP (Ready.info)."""
+
+    url: str
 
 
 # --- command results (what a member's Ack carries back) ---------------------------------------------
@@ -596,7 +599,7 @@ class Ready(Wire):
     role: str
     name: str
     pid: int
-    info: Union[WorkerInfo, SchedulerReady, None] = None
+    info: Union[WorkerInfo, SchedulerReady, GatewayReady, None] = None
 
 
 # --- acknowledged control broadcast --------------------------------------------------------------

@@ -12,7 +12,7 @@ import zmq
 from bus import frame_limits
 from bus.auth import secure_socket
 from bus.codec import decode, encode
-from bus.messages import Ready, SchedulerReady, WorkerInfo
+from bus.messages import GatewayReady, Ready, SchedulerReady, WorkerInfo
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
@@ -78,7 +78,7 @@ def member_name(topic: bytes) -> str | None:
 
 
 def report_ready(ctx: zmq.Context, ready_endpoint: str | None, role: str, name: str,
-                 info: WorkerInfo | SchedulerReady | None = None) -> None:
+                 info: WorkerInfo | SchedulerReady | GatewayReady | None = None) -> None:
     """Tell the launcher (if any) that this process finished start-up."""
     if not ready_endpoint:
         return

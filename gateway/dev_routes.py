@@ -34,16 +34,14 @@ from bus.messages import (
     WeightsReloaded,
     WokeUp,
     WorkerInfo,
-    command_name,
 )
 from engine import control_state
 from engine.config import EngineConfig
 from engine.control_state import PAUSE_MODES, SLEEP_TAGS
-from engine.coordinator.weight_sync_driver import reply_status
 from engine.rl_config import AdditionalConfig, determinism
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.engine_client import EngineClient
-from gateway.errors import BAD_REQUEST, APIError, bad_request, check_timeout
+from gateway.errors import bad_request, check_timeout, control_failure
 from gateway.responses import JSONResponse, dumps, loads
 from gateway.serving import ModelInfo
 from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
@@ -51,7 +49,6 @@ from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
 DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake_up", "/is_sleeping",
              "/collective_rpc", "/abort_requests", "/weight_info", "/update_weight_version", "/reset_prefix_cache")
 RPC_METHODS = ("reload_weights",)
-GATEWAY_TIMEOUT = "GatewayTimeoutError"
 
 
 def _bool(value: str, param: str) -> bool:
@@ -65,12 +62,8 @@ def _bool(value: str, param: str) -> bool:
 
 async def broadcast(client: EngineClient, command: CommandBody, timeout_s: float) -> dict[str, AnyResult]:
     reply = await client.control(command, timeout_s=timeout_s)
-    if not reply.ok:  # a member that knew the HTTP status of its failure (a bad weights_path: 400) gives it
-        status = reply_status(reply.ok, reply.missing, reply.errors)
-        params = [e.param for e in reply.errors if e.param]
-        kind = GATEWAY_TIMEOUT if status == 504 else BAD_REQUEST if status < 500 else "InternalServerError"
-        raise APIError(f"{command_name(command)} failed: {reply.error}", status=status, type=kind,
-                       param=params[0] if params else None)
+    if not reply.ok:
+        raise control_failure(command, reply)
     return reply.results
 
 

@@ -433,7 +433,7 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.max_log_len)
     try:
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids,
-                                  **({"engine": state.engine} if _data_parallel(ctx) else {}))
+                                  engine=state.engine)
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request
             async for out in gen:
                 if state.on_first_output is not None:
@@ -468,14 +468,13 @@ async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIt
     """Run every choice's engine request concurrently; yield their updates as they come. The first
     failure raises (APIError) and, like a client going away, aborts the requests still running."""
     sink: asyncio.Queue = asyncio.Queue()
-    if _data_parallel(ctx):  # one engine for all of a request's choices: they share its prefix cache
-        try:
-            engine = ctx.client.pick_engine(requested_engine.get(), [
-                (s.request_id, len(s.prompt_ids) + (s.params.max_tokens or 0)) for s in states])
-        except EngineDead as e:
-            raise engine_unavailable(str(e)) from None
-        for s in states:
-            s.engine = engine
+    try:  # one engine for all of a request's choices: they share its prefix cache
+        engine = ctx.client.pick_engine(requested_engine.get(), [
+            (s.request_id, len(s.prompt_ids) + (s.params.max_tokens or 0)) for s in states])
+    except EngineDead as e:
+        raise engine_unavailable(str(e)) from None
+    for s in states:
+        s.engine = engine
     tasks = [asyncio.create_task(_run_choice(ctx, s, sink)) for s in states]
     try:
         remaining = len(tasks)
@@ -491,13 +490,7 @@ async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIt
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if _data_parallel(ctx):
-            ctx.client.release([s.request_id for s in states])
-
-
-def _data_parallel(ctx: ServingContext) -> bool:
-    """The client routes over engines (test fakes of the client do not)."""
-    return hasattr(ctx.client, "pick_engine")
+        ctx.client.release([s.request_id for s in states])
 
 
 # --- client disconnects ---------------------------------------------------------------------------

@@ -30,28 +30,24 @@ from bus.messages import (
     Checksums,
     CommandBody,
     CommitWeightUpdate,
-    ControlReply,
     FinishWeightUpdate,
     InitWeightTransferEngine,
     ShutdownWeightTransferEngine,
     StartWeightUpdate,
     UpdateWeights,
     WeightChecker,
-    command_name,
 )
 from engine.config import EngineConfig
-from engine.coordinator.weight_sync_driver import reply_status
 from engine.topology import Topology
 from engine.weight_transfer_config import parse_weight_transfer_config
-from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
+from gateway.dev_routes import _bool, _json_object
 from gateway.engine_client import EngineClient
-from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request, check_timeout
+from gateway.errors import APIError, bad_request, check_timeout, control_failure
 from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                 "/finish_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
-_TYPES = {400: BAD_REQUEST, 409: "ConflictError", 504: GATEWAY_TIMEOUT}
 
 
 async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> dict[str, Any]:
@@ -59,14 +55,7 @@ async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> 
     reply = await client.control(command, timeout_s=timeout_s)
     if reply.ok:
         return reply.results
-    raise failure(command, reply)
-
-
-def failure(command: CommandBody, reply: ControlReply) -> APIError:
-    status = reply_status(reply.ok, reply.missing, reply.errors)
-    params = [e.param for e in reply.errors if e.param]
-    return APIError(f"{command_name(command)} failed: {reply.error}", status=status,
-                    type=_TYPES.get(status, INTERNAL), param=params[0] if params else None)
+    raise control_failure(command, reply)
 
 
 def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
@@ -85,7 +74,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         while another update is active (nothing was broadcast), and a 409 mid-update (none is active)."""
         reply = await client.control(command, timeout_s=timeout_s)
         if not reply.ok:
-            e = failure(command, reply)
+            e = control_failure(command, reply)
             busy = any(err.kind == UPDATE_ACTIVE for err in reply.errors)
             if not busy and (isinstance(command, StartWeightUpdate) or e.status != 409):
                 try:

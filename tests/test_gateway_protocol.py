@@ -110,8 +110,14 @@ class FakeClient:
         errors = [] if self.health_ok else [ErrorInfo("RuntimeError", "silent", "worker-0")]
         return ControlReply("x", self.health_ok, 1, acks, errors)
 
+    def pick_engine(self, requested: int | None, reservations: list[tuple[str, int]]) -> int:
+        return 0  # one engine
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       eos_token_ids: list[int]) -> AsyncIterator[RequestOutput]:
+                       eos_token_ids: list[int], engine: int | None = None) -> AsyncIterator[RequestOutput]:
         self.submitted.append((request_id, prompt_token_ids, params))
         tokens = [ord(ch) for ch in self.script] + [EOS]
         finished = False

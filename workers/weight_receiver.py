@@ -105,7 +105,7 @@ class WeightReceiver:
         cfg = self._require_backend()
         if self.was_shut_down:
             raise WeightSyncError("the weight transfer engine was shut down: call /init_weight_transfer_engine "
-                                  "again first", status=409)
+                                  "again first", status=409, param="init_info")
         if self.state != IDLE:
             raise WeightSyncError("a weight update is already active: finish_weight_update (or its failure) "
                                   "must end it before start_weight_update", status=409)
@@ -113,7 +113,7 @@ class WeightReceiver:
             why = (" (a sleep with sleep_mode_extra_cleanup released the group: initialise it again)"
                    if self.group_released else f" ({self._group_lost})" if self._group_lost else "")
             raise WeightSyncError(f"the hccl backend needs /init_weight_transfer_engine before an update{why}",
-                                  status=409)
+                                  status=409, param="init_info")
         if self.nz_mode:
             raise WeightSyncError("weight updates need the NZ weight format off (RL mode turns it off)", status=409)
         if weights_asleep:

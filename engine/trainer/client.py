@@ -55,9 +55,10 @@ PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class WeightSyncFailed(RuntimeError):
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param  # the field the engine's error names ("init_info": initialise the transfer first)
 
 
 def weight_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
@@ -210,7 +211,7 @@ class WeightSyncClient:
             self._post("/start_weight_update", None)
         except WeightSyncFailed as e:
             # the engine slept with sleep_mode_extra_cleanup and released our group: form it again
-            if not (self.backend == "hccl" and e.status == 409 and "init_weight_transfer_engine" in str(e)):
+            if not (self.backend == "hccl" and e.status == 409 and e.param == "init_info"):
                 raise
             self.group.destroy()
             self.group = None
@@ -458,10 +459,11 @@ class WeightSyncClient:
         except urllib.error.HTTPError as e:
             raw = e.read()
             try:
-                msg = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = raw.decode(errors="replace")
-            raise WeightSyncFailed(f"{method} {path} -> {e.code}: {msg}", e.code) from None
+                err = json.loads(raw)["error"]
+                msg, param = err["message"], err.get("param")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                msg, param = raw.decode(errors="replace"), None
+            raise WeightSyncFailed(f"{method} {path} -> {e.code}: {msg}", e.code, param) from None
         return json.loads(raw) if raw.strip() else {}
 
 
