@@ -12,13 +12,14 @@ Coordinator side, ControlLedger:
 Member side: bus.follower.Follower (sequence order, gaps, Welcome snapshots, reducers, handlers).
 
 The snapshot is the state that commands leave behind (paused? sleeping? weight version?): a
-bus.messages.ControlState, advanced by engine.control_state.reduce when a command is numbered.
+bus.messages.ControlState, advanced by bus.control_state.reduce when a command is numbered.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bus.control_state import reduce
 from bus.messages import (
     Ack,
     AnyResult,
@@ -31,7 +32,6 @@ from bus.messages import (
     WorkerInfo,
     command_name,
 )
-from engine.control_state import reduce
 
 ACKING_ROLES = ("scheduler", "worker")
 

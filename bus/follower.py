@@ -10,7 +10,7 @@ it what arrives and send the acks it returns.
                                seq == position + 1: applied
                                otherwise: SequenceGap -> the transport resyncs (re-Hello, new snapshot)
 
-Applying a command: the follower first advances `state` with engine.control_state.reduce (so every
+Applying a command: the follower first advances `state` with bus.control_state.reduce (so every
 member holds the same ControlState at the same seq; `before` keeps the state it replaced), then calls
 the handler the actor registered for the command's type (`follower.on(Pause, self._pause)`). The
 handler's return value (one of the result structs its command declares in RESULTS, or None) travels back
@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from bus.control_state import reduce
 from bus.messages import (
     Ack,
     AnyResult,
@@ -41,7 +42,6 @@ from bus.messages import (
     Welcome,
     command_name,
 )
-from engine.control_state import reduce
 
 log = structlog.get_logger()
 

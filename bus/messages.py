@@ -12,7 +12,7 @@ annotated `np.ndarray`, and other structs of this module). No behaviour, no sock
 
 Adding a command (the whole change, three places):
   1. here: `class ResetPrefixCache(CommandBody): reset_running_requests: bool = False` (fields typed);
-  2. if it changes the control state: a reducer in engine/control_state.py's REDUCERS;
+  2. if it changes the control state: a reducer in bus/control_state.py's REDUCERS;
   3. a handler in each actor that acts on it: `handlers[ResetPrefixCache] = self._reset_prefix_cache`
      (a member with no handler acks it with an empty result); the sender builds the struct:
      `await client.control(ResetPrefixCache(), timeout_s=...)`.
@@ -36,11 +36,11 @@ from typing import Any, ClassVar, Union
 import msgspec
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "4f0c3e1f76dc"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "6b5625884397"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -518,7 +518,7 @@ class LostMember(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ControlState(msgspec.Struct, forbid_unknown_fields=True):
-    """The engine's control state; engine.control_state holds how each command changes it. A map on the
+    """The engine's control state; bus.control_state holds how each command changes it. A map on the
     wire (a snapshot is rare and small), so /server_info can show it as JSON as it is."""
 
     paused: PauseState | None = None
@@ -696,7 +696,7 @@ class RequestOutput(Wire):
     error: ErrorInfo | None  # with finish_reason "error": why (its status when the engine knows the HTTP one)
     num_prompt_tokens: int
     num_cached_tokens: int
-    weight_version: int  # epoch of the weights that computed these tokens (engine.control_state)
+    weight_version: int  # epoch of the weights that computed these tokens (bus.control_state)
     stale_kv: bool = False  # computed on KV that older weights produced (a keep pause without clear_cache)
     ranks: list[int] | None = None  # per new token, its 1-based rank (with logprobs)
     sampling_mass: list[float] | None = None  # per new token (return_sampling_mass): mass the filters kept

@@ -83,12 +83,30 @@ def _pull_config(argv: list[str], parser: argparse.ArgumentParser | None, has_ro
     return rest[:head] + from_file + rest[head:]
 
 
+def human_int(value: str) -> int:
+    """vLLM's human-readable integers: 25.6k = 25600 (k m g t: powers of 1000), 2K = 2048 (K M G T:
+    powers of 1024, whole numbers only), else a plain int."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if not m:
+        return int(value)
+    number, suffix = m.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; "
+                                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def human_int_or_auto(value: str) -> int | None:
+    """--max-model-len: -1 or auto mean the model's own limit (None here)."""
+    return None if value.strip() in ("-1", "auto") else human_int(value)
+
+
 def _parse_value(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        from engine.config import human_int
-
         try:
             return human_int(text)
         except (ValueError, argparse.ArgumentTypeError):

@@ -18,8 +18,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from bus import control_state
 from bus.messages import Health, HealthReport
-from engine import control_state
 from engine.config import EngineConfig
 from engine.rl_config import dev_endpoints_enabled, parse_additional_config
 from gateway.dev_routes import DEV_PATHS, add_dev_routes

@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Query, Request
 
+from bus import control_state
+from bus.control_state import PAUSE_MODES, SLEEP_TAGS
 from bus.messages import (
     AnyResult,
     CollectiveRpc,
@@ -35,9 +37,7 @@ from bus.messages import (
     WokeUp,
     WorkerInfo,
 )
-from engine import control_state
 from engine.config import EngineConfig
-from engine.control_state import PAUSE_MODES, SLEEP_TAGS
 from engine.rl_config import AdditionalConfig, determinism
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.engine_client import EngineClient

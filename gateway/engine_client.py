@@ -27,6 +27,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from bus import control_state
 from bus.codec import CodecError, decode, encode
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
 from bus.follower import Follower, Refused, SequenceGap
@@ -52,10 +53,9 @@ from bus.messages import (
     RequestOutput,
     Welcome,
 )
+from bus.sampling_params import SamplingParams
 from bus.sockets import make_socket
-from engine import control_state
-from engine.sampling_params import SamplingParams
-from engine.topology import Topology
+from bus.topology import Topology
 from gateway.dp_router import Balancer
 
 log = structlog.get_logger()

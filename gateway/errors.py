@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bus.codec import CodecError
 from bus.messages import CommandBody, ControlReply, command_name
+from bus.sampling_params import ParamError
 from engine.coordinator.weight_sync_driver import reply_status
-from engine.sampling_params import ParamError
 from gateway.responses import JSONResponse
 
 log = structlog.get_logger()

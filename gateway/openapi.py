@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from engine.control_state import PAUSE_MODES, SLEEP_TAGS
+from bus.control_state import PAUSE_MODES, SLEEP_TAGS
 from gateway.errors import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 
 REF = "#/components/schemas/{model}"

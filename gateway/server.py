@@ -20,10 +20,10 @@ import zmq
 from bus.endpoints import Endpoints
 from bus.messages import GatewayReady
 from bus.sockets import report_ready
+from bus.topology import Topology
 from engine.config import EngineConfig
 from engine.generation_defaults import default_sampling_params
 from engine.logs import setup_logging
-from engine.topology import Topology
 from gateway.app import build_app
 from gateway.engine_client import EngineClient
 from gateway.request_log import install_access_filter

@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from bus.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
 from bus.messages import ErrorInfo, ErrorKind, PromptLogprobs, RequestOutput
+from bus.sampling_params import ParamError, SamplingParams, validate_prompt_ids
 from engine import routed_experts
 from engine.config import EngineConfig
-from engine.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
-from engine.sampling_params import ParamError, SamplingParams, validate_prompt_ids
 from gateway.dp_middleware import requested_engine
 from gateway.engine_client import DuplicateRequest, EngineClient, EngineDead
 from gateway.errors import (

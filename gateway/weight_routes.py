@@ -37,8 +37,8 @@ from bus.messages import (
     UpdateWeights,
     WeightChecker,
 )
+from bus.topology import Topology
 from engine.config import EngineConfig
-from engine.topology import Topology
 from engine.weight_transfer_config import parse_weight_transfer_config
 from gateway.dev_routes import _bool, _json_object
 from gateway.engine_client import EngineClient

@@ -1,8 +1,8 @@
 import pytest
 
+from bus.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Sequence
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from bus.codec import CodecError, decode, encode
+from bus.control_state import reduce
 from bus.messages import (
     PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
@@ -28,8 +29,7 @@ from bus.messages import (
     message_kinds,
     protocol_fingerprint,
 )
-from engine.control_state import reduce
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -21,9 +21,10 @@ import zmq
 from bus.control import ControlLedger, Member
 from bus.endpoints import Endpoints
 from bus.messages import Ack, CommitWeightUpdate, Health, Layout, Members, SchedulerInfo
+from bus.topology import Topology
 from engine.config import parse_config
 from engine.launcher import roles
-from engine.topology import Topology, check_devices, layout_mismatch
+from engine.topology import check_devices, layout_mismatch
 from engine.trainer import WeightSyncClient
 from gateway.dp_router import HEADER, Balancer, RankHeaderError, parse_rank_header
 from tests.bus_helpers import ControlClient
@@ -34,7 +35,7 @@ from tests.waits import wait_for
 from workers.models.checkpoint import load_hf_config
 from workers.models.registry import shard_checksums
 
-# --- the layout (engine.topology) --------------------------------------------------------------------
+# --- the layout (bus.topology) --------------------------------------------------------------------
 
 
 def test_one_engine_keeps_todays_names_and_sockets(tmp_path):

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus.messages import ControlState, RequestOutput
+from bus.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
 from gateway.app import build_app
 from gateway.metrics import ITL_BUCKETS, Metrics
 from gateway.serving import ChoiceState, ModelInfo

@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, HealthReport, RequestOutput
+from bus.sampling_params import ParamError, SamplingParams
 from engine.config import EngineConfig
-from engine.sampling_params import ParamError, SamplingParams
 from gateway.app import build_app
 from gateway.limits import TOO_LARGE
 from gateway.metrics import Metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bus.control_state import reduce
 from bus.messages import (
     AbortWeightUpdate,
     AlreadyQuiet,
@@ -17,7 +18,6 @@ from bus.messages import (
     WakeUp,
     WeightEpoch,
 )
-from engine.control_state import reduce
 from engine.scheduler.step_gate import Quiesce, StepGate
 
 

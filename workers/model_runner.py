@@ -38,8 +38,8 @@ import torch
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.tp_group import SOLO
 from bus.messages import ErrorInfo, ErrorKind, NewSeq, PromptLogprobs, StepPlan, StepResult
+from bus.sampling_params import SamplingParams
 from engine.routed_experts import wire_dtype
-from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache

@@ -38,6 +38,7 @@ import zmq
 from ascend_ops import packed_linear
 from ascend_ops.platform import current_platform
 from ascend_ops.tp_group import TPError, init_tp_group
+from bus import control_state
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
 from bus.member import MemberLink
@@ -90,11 +91,10 @@ from bus.messages import (
     WokeUp,
 )
 from bus.sockets import make_socket, recv, report_ready, send
-from engine import control_state
+from bus.topology import Topology
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
-from engine.topology import Topology
 from engine.weight_transfer_config import parse_weight_transfer_config
 from engine.weight_update import WeightSyncError
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
@@ -119,7 +119,7 @@ class StepInterrupted(Exception):
 class WorkerActor:
     def __init__(self, cfg: EngineConfig, rank: int, ctx: zmq.Context, ep: Endpoints):
         self.cfg, self.rank = cfg, rank  # rank: the tensor-parallel rank inside our engine
-        # data parallelism (engine.topology): our engine, global worker index, name, and whose weights we can
+        # data parallelism (bus.topology): our engine, global worker index, name, and whose weights we can
         # take after a restart (the same tp rank in another engine)
         topo = Topology.from_config(cfg)
         self.engine = cfg.data_parallel_rank

@@ -17,6 +17,7 @@ import uuid
 import structlog
 import zmq
 
+from bus import control_state
 from bus.codec import CodecError
 from bus.control import ControlLedger, Member, Pending
 from bus.endpoints import COMMAND_TOPIC, WEIGHTS_TOPIC, Endpoints
@@ -51,7 +52,6 @@ from bus.messages import (
     describe,
 )
 from bus.sockets import make_socket, member_name, recv_from, report_ready, send, subscription_event
-from engine import control_state
 from engine.config import EngineConfig
 from engine.coordinator.weight_sync_driver import StepReply, reply_status, sync_steps
 from engine.logs import setup_logging

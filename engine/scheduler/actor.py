@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 import zmq
 
+from bus import control_state
 from bus.codec import CodecError
 from bus.endpoints import PLAN_TOPIC, Endpoints
 from bus.member import DEFER, MemberLink
@@ -70,7 +71,7 @@ from bus.messages import (
     WorkerInfo,
 )
 from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
-from engine import control_state
+from bus.topology import Topology
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on
 from engine.logs import setup_logging
@@ -80,7 +81,7 @@ from engine.scheduler.admission import EngineLimits, admission_error
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
-from engine.topology import Topology, layout
+from engine.topology import layout
 
 log = structlog.get_logger()
 
@@ -91,7 +92,7 @@ RECOVERY_WAIT_S = 60.0  # how long queued requests wait for a lost worker to com
 class SchedulerActor:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
-        # Which engine we are (data parallelism, engine.topology): our name and our workers' names
+        # Which engine we are (data parallelism, bus.topology): our name and our workers' names
         topo = Topology.from_config(cfg)
         self.engine = cfg.data_parallel_rank
         self.name = topo.scheduler_name(self.engine)

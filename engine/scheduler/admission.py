@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bus.messages import AddRequest, ErrorInfo, ErrorKind
-from engine.sampling_params import ParamError, validate_prompt_ids
+from bus.sampling_params import ParamError, validate_prompt_ids
 from engine.structured_outputs import check_compiles
 
 
