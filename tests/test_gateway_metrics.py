@@ -33,7 +33,7 @@ def labels(model: str = "m", **extra: str) -> tuple[tuple[str, str], ...]:
 def delta(tokens: list[int], finished: bool = False) -> RequestOutput:
     return RequestOutput(request_id="r-0", token_ids=tokens, logprobs=None, top_logprobs=None, finished=finished,
                          finish_reason="length" if finished else None, stop_reason=None, error=None,
-                         num_prompt_tokens=3, num_cached_tokens=0, weight_version=0)
+                         num_prompt_tokens=3, num_cached_tokens=0, weight_epoch=0)
 
 
 def run(metrics: Metrics, arrival: float, deltas: list[tuple[float, list[int]]], end: float) -> ChoiceState:

@@ -185,7 +185,7 @@ class WorkerActor:
 
     def start(self) -> None:
         state = self.link.wait_welcome(timeout_s=120)
-        self.runner.weight_version = state.weight_epoch
+        self.runner.weight_epoch = state.weight_epoch
         self._restore_weights()
         if "weights" in state.sleeping_tags:  # joined a sleeping engine: sleep as well
             self.sleep.sleep(state.sleep_level or 1)
@@ -385,7 +385,7 @@ class WorkerActor:
 
     def _no_result(self, plan: StepPlan, error: ErrorInfo | None = None) -> StepResult:
         """A step that sampled nothing: failed (error) or interrupted (the caller sets it)."""
-        return StepResult(plan.step_id, self.rank, [], None, None, None, None, self.runner.weight_version, error)
+        return StepResult(plan.step_id, self.rank, [], None, None, None, None, self.runner.weight_epoch, error)
 
     def _check_interrupt(self) -> None:
         """Between layers: an abort pause (or abort sleep) that the loop has not applied yet ends the
@@ -462,7 +462,7 @@ class WorkerActor:
         return WokeUp(restored)
 
     def _new_epoch(self, cmd: UpdateWeightVersion) -> None:
-        self.runner.weight_version = self.link.state.weight_epoch
+        self.runner.weight_epoch = self.link.state.weight_epoch
 
     def _start_update(self, cmd: StartWeightUpdate) -> UpdateStarted:
         self.update_started_away = self.away
@@ -485,7 +485,7 @@ class WorkerActor:
         out = UpdateCommitted(**self.weights.commit())
         if out.committed:
             self.sleep.mark_loaded(received)
-        self.runner.weight_version = self.link.state.weight_epoch
+        self.runner.weight_epoch = self.link.state.weight_epoch
         state = self.link.state
         if not out.committed or self.away or started_away:
             # the others finished an update we did not (we were stalled, declared lost, while it ran)

@@ -180,7 +180,7 @@ class SchedulerActor:
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
-        self.sched.weight_version = self.link.state.weight_epoch
+        self.sched.weight_epoch = self.link.state.weight_epoch
         self.gate = StepGate.from_state(self.link.state)
         log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len,
                  async_scheduling=self.depth > 1)
@@ -292,7 +292,7 @@ class SchedulerActor:
             self.step_id,
             [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
             step.seq_ids, step.num_computed, step.num_new,
-            [s.block_table for s in step.seqs], step.finished_ids, step.weight_version)
+            [s.block_table for s in step.seqs], step.finished_ids, step.weight_epoch)
         send(self.plans, plan, topic=PLAN_TOPIC)
 
     def _on_result(self) -> None:
@@ -394,7 +394,7 @@ class SchedulerActor:
         """One sampled token of one sequence, with what the request asked to know about it."""
         seq = u.seq
         sp = seq.sampling
-        version = res.weight_version
+        version = res.weight_epoch
         kv_epoch = u.kv_epoch
         finished = u.finished
         logprobs = top = ranks = mass = None
@@ -411,20 +411,14 @@ class SchedulerActor:
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
                             None, len(seq.prompt_token_ids), seq.num_cached_tokens, version,
                             kv_epoch is not None and kv_epoch != version, ranks, mass, prompt_lp)
-        if seq.routed_pieces:  # every output carries the routes computed since the previous one
-            out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
-            seq.routed_pieces = []
-        return out
+        return _with_routes(seq, out)
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
                 logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
         out = RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
                             error, seq.num_prompt_tokens, seq.num_cached_tokens, version)
-        if seq.routed_pieces:  # every output carries the routes computed since the previous one
-            out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
-            seq.routed_pieces = []
-        return out
+        return _with_routes(seq, out)
 
     def _emit(self, items: list[tuple[Sequence, RequestOutput]]) -> None:
         """Queue outputs for the end of this loop turn (run() flushes them after the turn's plan)."""
@@ -539,10 +533,10 @@ class SchedulerActor:
         """A new weight epoch: new prefix-cache key space too. A commit also ends the update's window."""
         if self.sched is None:
             return NotStarted()  # wait_for_workers starts from the state
-        self.sched.weight_version = self.link.state.weight_epoch
+        self.sched.weight_epoch = self.link.state.weight_epoch
         if isinstance(cmd, CommitWeightUpdate):
             self._gate_command(cmd)
-        return WeightEpoch(self.sched.weight_version)
+        return WeightEpoch(self.sched.weight_epoch)
 
     def _gate_command(self, cmd: CommandBody) -> Any:
         if self.sched is None:
@@ -583,6 +577,14 @@ class SchedulerActor:
             seq.finish_reason = "error"
             outs.append((seq, self._output(seq, [], finished=True, error=reason)))
         self._emit(outs)
+
+
+def _with_routes(seq: Sequence, out: RequestOutput) -> RequestOutput:
+    """Every output carries the routed experts computed since the sequence's previous one."""
+    if seq.routed_pieces:
+        out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
+        seq.routed_pieces = []
+    return out
 
 
 def step_failure(e: ErrorInfo) -> ErrorInfo:
