@@ -1,5 +1,5 @@
-"""The import floors (docs/architecture.md "Layers"): walk every import of rollbus's packages (ast, without
-importing anything; imports inside functions and under TYPE_CHECKING count too) and fail on an import that
+"""The import floors (docs/architecture.md "Import floors"): walk every import of rollbus's packages (ast,
+without importing anything; imports inside functions and under TYPE_CHECKING count too) and fail on an import that
 points up a floor, across a floor's two sides, or round a circle.
 
     python .ci/check_imports.py
@@ -126,7 +126,7 @@ def main() -> int:
     for p in found:
         print(p)
     if found:
-        print(f"{len(found)} import problem(s): see docs/architecture.md \"Layers\"", file=sys.stderr)
+        print(f"{len(found)} import problem(s): see docs/architecture.md \"Import floors\"", file=sys.stderr)
         return 1
     print(f"import floors hold ({len(modules())} modules)")
     return 0

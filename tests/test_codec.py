@@ -246,3 +246,20 @@ def test_array_frames_are_exactly_their_shape_and_never_objects():
     back = decode(frames)
     assert back.topk_ids.shape == (4, 2) and not back.token_ids.flags.writeable  # read-only views of the frames
     np.testing.assert_array_equal(back.token_ids, np.arange(4))
+
+
+def test_the_architecture_doc_lists_every_kind_and_every_command_with_its_results():
+    """docs/architecture.md is drawn from bus/messages.py: the protocol version, each message kind, and a row per
+    command naming each result struct its members may ack it with."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    assert f"`PROTOCOL_VERSION` ({PROTOCOL_VERSION})" in doc
+    kinds = " ".join(f"{k} {name}" for k, name in sorted(message_kinds().items()))  # "1 Hello 2 Welcome ..."
+    assert kinds in " ".join(doc.replace(",", " ").replace(".", " ").split()), kinds
+    rows = {line.split("|")[1].strip(" `"): line for line in doc.splitlines() if line.startswith("  | `")}
+    for body in AnyCommand.__args__:
+        row = rows.get(body.__struct_config__.tag)
+        assert row is not None and f"`{body.__name__}(" in row, body
+        for result in body.RESULTS:
+            assert result.__name__ in row, (body, result)

@@ -1,5 +1,5 @@
-"""The import floors (.ci/check_imports.py, docs/architecture.md "Layers") hold for the code as it is, and
-the check catches what it is for: an import up a floor, one across a floor's two sides, and a circle."""
+"""The import floors (.ci/check_imports.py, docs/architecture.md "Import floors") hold for the code as it is,
+and the check catches what it is for: an import up a floor, one across a floor's two sides, and a circle."""
 
 from __future__ import annotations
 
