@@ -1,6 +1,6 @@
 """The import floors (docs/architecture.md "Import floors"): walk every import of rollbus's packages (ast,
 without importing anything; imports inside functions and under TYPE_CHECKING count too) and fail on an import that
-points up a floor, across a floor's two sides, or round a circle.
+points up a floor, across a floor's two sides, round a circle, or at a module that does not exist.
 
     python .ci/check_imports.py
 
@@ -54,6 +54,9 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, in
         else:
             continue
         for target in targets:
+            if target.split(".")[0] in PACKAGES and target not in known:  # moved or deleted: fails at run time
+                found.append((f"?{target}", node.lineno))
+                continue
             while target and target not in known:  # `import a.b.c` of a package: its deepest known module
                 target = target.rpartition(".")[0]
             if target and target != name and (target, node.lineno) not in found:
@@ -72,6 +75,9 @@ def problems(root: Path = ROOT) -> list[str]:
     for name, path in known.items():
         graph[name] = set()
         for target, line in imports(name, path, known):
+            if target.startswith("?"):
+                out.append(f"{path.relative_to(root)}:{line}: {name} imports {target[1:]}, which is not a module")
+                continue
             graph[name].add(target)
             mine, theirs = floor(name), floor(target)
             side = name.split(".")[0] != target.split(".")[0] and mine == theirs and mine in (0, 2)

@@ -1,5 +1,6 @@
 """The import floors (.ci/check_imports.py, docs/architecture.md "Import floors") hold for the code as it is,
-and the check catches what it is for: an import up a floor, one across a floor's two sides, and a circle."""
+and the check catches what it is for: an import up a floor, one across a floor's two sides, a circle, and an import
+of a module that is not there."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def test_the_check_names_upward_and_sideways_imports_and_circles(tmp_path):
         "workers/run.py": "from gateway import app\n",  # across floor 2
         "gateway/__init__.py": "",
         "gateway/app.py": "from engine import config\nfrom bus.wire import x\n",  # down: fine
+        "gateway/old.py": "from engine.moved import thing\n",  # a module that is not there (any more)
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -47,5 +49,6 @@ def test_the_check_names_upward_and_sideways_imports_and_circles(tmp_path):
     assert any(p.startswith("ascend_ops/ops.py:1: ascend_ops.ops imports bus.wire (across floor 0") for p in found)
     assert any(p.startswith("workers/run.py:1: workers.run imports gateway.app (across floor 2") for p in found)
     assert "import circle: engine.argv -> engine.config -> engine.argv" in found
+    assert "gateway/old.py:1: gateway.old imports engine.moved, which is not a module" in found
     assert not any(p.startswith(("engine/cli.py", "gateway/app.py")) for p in found), found
-    assert len(found) == 4, found
+    assert len(found) == 5, found
