@@ -53,17 +53,6 @@ def cpu_only_host(environ=os.environ) -> bool:
     return targets is not None and not any(targets.values())
 
 
-def launcher_platform() -> tuple[str, int]:
-    """(platform name, device count) as the workers will see them: "cpu" and 1 without importing torch when
-    cpu_only_host(), otherwise ascend_ops.platform.current_platform()'s."""
-    if cpu_only_host():
-        return "cpu", 1
-    from ascend_ops.platform import current_platform
-
-    platform = current_platform()
-    return platform.name, platform.device_count()
-
-
 _PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")
 HUGE_PAGES_ENV = "ROLLBUS_CPU_HUGE_PAGES"  # 0: leave glibc's malloc on 4 KiB pages
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb"

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bus.codec import decode, encode  # noqa: E402
 from bus.endpoints import Endpoints  # noqa: E402
 from bus.messages import AddRequest, NewSeq, OutputBatch, StepPlan  # noqa: E402
+from bus.sampling_params import SamplingParams  # noqa: E402
 from bus.sockets import make_socket, send  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.request import Sequence  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from workers.kv_cache import KVCache  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402

@@ -181,7 +181,7 @@ def codec_cost(reps: int = 2000) -> dict[str, float]:
 
     from bus.codec import decode, encode
     from bus.messages import NewSeq, OutputBatch, RequestOutput, StepPlan, StepResult
-    from engine.sampling_params import SamplingParams
+    from bus.sampling_params import SamplingParams
 
     stats = {"num_running": 256, "num_waiting": 3, "kv_usage": 0.41, "step_time_s": 0.012, "num_preemptions": 0,
              "prefix_cache_queries": 1000, "prefix_cache_hits": 400, "steps": 1234.0, "step_time_total": 15.2,
@@ -222,8 +222,8 @@ def scheduler_turnaround(seqs: int = 64, tokens: int = 64, runs: int = 1) -> dic
 
     from bus.codec import decode
     from bus.messages import AddRequest, OutputBatch
+    from bus.sampling_params import SamplingParams
     from bus.sockets import make_socket, send
-    from engine.sampling_params import SamplingParams
 
     work = Path(tempfile.mkdtemp(prefix="rollbus-turn-"))
     make_model(work / "model")

@@ -71,7 +71,7 @@ def build_bodies(tokens: int, top: int, seed: int) -> tuple[dict[str, Any], list
         last = i == tokens - 1
         out = RequestOutput(request_id=state.request_id, token_ids=[t], logprobs=[lp], top_logprobs=[alts],
                             finished=last, finish_reason="length" if last else None, stop_reason=None, error=None,
-                            num_prompt_tokens=len(prompt), num_cached_tokens=0, weight_version=0)
+                            num_prompt_tokens=len(prompt), num_cached_tokens=0, weight_epoch=0)
         chunks.append(_chunk(ctx, body, head, state.feed(out), state))
     return _response(ctx, body, {**head, "object": "chat.completion"}, [state]), chunks
 

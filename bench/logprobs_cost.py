@@ -106,8 +106,8 @@ def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int,
     import torch
 
     from bus.messages import NewSeq, StepPlan
+    from bus.sampling_params import SamplingParams
     from engine.config import EngineConfig
-    from engine.sampling_params import SamplingParams
     from workers.kv_cache import KVCache
     from workers.loader import load_model
     from workers.model_runner import ModelRunner
@@ -153,7 +153,7 @@ def sampler_ms(rows: int, vocab: int, k: int, reps: int = 20) -> float:
     """Best-of time of workers.sampler.sample on [rows, vocab] fp32 logits, temperature 1, seeded rows."""
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from bus.sampling_params import SamplingParams
     from workers.sampler import RowState, sample
 
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bus.sampling_params import LoraRef  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
-from engine.sampling_params import LoraRef  # noqa: E402
 from tests.lora_helpers import make_adapter  # noqa: E402
 from tests.tiny_models import PagedRunner, load_model, random_prompt  # noqa: E402
 from workers.lora import LoraSlots, attach, model_shape  # noqa: E402

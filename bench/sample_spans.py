@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench.step_profile as step_profile  # noqa: E402
 import workers.sampler as sampler  # noqa: E402
 from bus.messages import NewSeq, StepPlan  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from bus.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 
 import ascend_ops.attention as new_att
 import workers.sampler as new_s
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 BASE = sys.argv[1]
 N, HQ, HK, D, BS, LAYERS, VOCAB = 64, 9, 3, 64, 16, 30, 49152

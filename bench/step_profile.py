@@ -37,9 +37,9 @@ from ascend_ops import attention
 from ascend_ops.batch_invariant import DEFAULT
 from ascend_ops.platform import tune_host_allocator
 from bus.messages import NewSeq, StepPlan
+from bus.sampling_params import SamplingParams
 from engine.config import KV_CACHE_DTYPES
 from engine.model_store import resolve_model
-from engine.sampling_params import SamplingParams
 from workers.kv_cache import KVCache, cache_dtype
 from workers.models.checkpoint import iter_safetensors, load_hf_config
 from workers.models.registry import build_model

@@ -92,7 +92,7 @@ def _in_process_side(model, folder: Path, a, constrained: bool, clock: _Clock) -
     """One round: N seeded sequences prefilled, then max_tokens decode steps; median seconds per step."""
     import workers.model_runner as mr
     from bus.messages import NewSeq, StepPlan
-    from engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from bus.sampling_params import SamplingParams, StructuredOutputsParams
     from engine.structured_outputs import StructuredOutputsConfig
     from workers.kv_cache import KVCache
 

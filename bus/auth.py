@@ -175,10 +175,6 @@ def attach(ctx: zmq.Context, keys: BusKeys | None) -> None:
         _KEYS[ctx] = keys
 
 
-def keys_of(ctx: zmq.Context) -> BusKeys | None:
-    return _KEYS.get(ctx)
-
-
 class _AllowList:
     def __init__(self, keys: BusKeys):
         self.allowed = keys.allowed

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from bus.messages import REGISTRY
+from bus.messages import PROTOCOL_FINGERPRINT, PROTOCOL_VERSION, REGISTRY, Hello, HelloPreamble
 
 _EXT_ARRAY = 1
 
@@ -83,9 +83,23 @@ def decode(frames: list[Any]) -> Any:
     except CodecError:
         raise
     except Exception as e:  # msgspec.DecodeError/ValidationError, or a bad array header
+        if head[0] == Hello.KIND and (old := _other_protocol(memoryview(head)[1:])) is not None:
+            return old
         raise CodecError(f"bad {REGISTRY[head[0]].__name__}: {e}") from e
     finally:
         state.frames = []
+
+
+def _other_protocol(body: memoryview) -> Hello | None:
+    """The Hello of a peer on another protocol version, whose body no longer decodes as ours: its shared
+    leading fields, so that the coordinator can refuse it naming both versions (its own info is dropped)."""
+    try:
+        p = _preamble.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if (p.protocol_version, p.protocol_fingerprint) == (PROTOCOL_VERSION, PROTOCOL_FINGERPRINT):
+        return None  # our own version: the body is simply bad
+    return Hello(p.role, p.name, p.pid, p.protocol_version, None, p.protocol_fingerprint)
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -190,5 +204,6 @@ def _np_dtype(name: str) -> np.dtype:
 
 
 _array_header = msgspec.msgpack.Decoder(tuple[int, str, list[int]])
+_preamble = msgspec.msgpack.Decoder(HelloPreamble)
 _np_dtypes: dict[str, np.dtype] = {}
 _local = _Local()

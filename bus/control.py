@@ -12,16 +12,26 @@ Coordinator side, ControlLedger:
 Member side: bus.follower.Follower (sequence order, gaps, Welcome snapshots, reducers, handlers).
 
 The snapshot is the state that commands leave behind (paused? sleeping? weight version?): a
-bus.messages.ControlState, advanced by engine.control_state.reduce when a command is numbered.
+bus.messages.ControlState, advanced by bus.control_state.reduce when a command is numbered.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from bus.messages import Ack, Command, CommandBody, ControlState, ErrorInfo, command_name
-from engine.control_state import reduce
+from bus.control_state import reduce
+from bus.messages import (
+    Ack,
+    AnyResult,
+    Command,
+    CommandBody,
+    ControlState,
+    ErrorInfo,
+    ErrorKind,
+    SchedulerInfo,
+    WorkerInfo,
+    command_name,
+)
 
 ACKING_ROLES = ("scheduler", "worker")
 
@@ -34,7 +44,7 @@ class Pending:
     command: CommandBody
     deadline: float
     waiting: set[str]
-    results: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, AnyResult] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     errors: list[ErrorInfo] = field(default_factory=list)
 
@@ -53,7 +63,7 @@ class Member:
     role: str
     pid: int
     last_seen: float
-    info: dict[str, Any] = field(default_factory=dict)
+    info: SchedulerInfo | WorkerInfo | None = None
 
     @property
     def acks(self) -> bool:
@@ -89,7 +99,7 @@ class ControlLedger:
             p.waiting.discard(a.name)
             p.results[a.name] = a.result
             if not a.ok:
-                p.errors.append(a.error or ErrorInfo("Error", "failed without saying why", a.name))
+                p.errors.append(a.error or ErrorInfo(ErrorKind.UNKNOWN, "failed without saying why", a.name))
         return self._collect()
 
     def seen(self, name: str, now: float) -> None:

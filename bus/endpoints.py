@@ -55,14 +55,14 @@ class Endpoints:
     ready: str | None = None
     keys: auth.BusKeys | None = None  # tcp: the CURVE keys (None: ipc, or tcp with --bus-insecure)
     max_frames: tuple[tuple[str, int], ...] = ()  # (address, largest frame it accepts): bus.frame_limits
-    # (requests, plans, results) of every engine (data parallelism, engine.topology); the three fields
+    # (requests, plans, results) of every engine (data parallelism, bus.topology); the three fields
     # above are those of the engine named by --data-parallel-rank
     engines: tuple[tuple[str, str, str], ...] = ()
 
     @classmethod
     def from_config(cls, cfg) -> "Endpoints":
         """The engine's own processes: tcp needs --bus-curve-dir (or --bus-insecure on loopback)."""
-        from engine.topology import Topology
+        from bus.topology import Topology
 
         topo = Topology.from_config(cfg)
         keys = auth.check_config(cfg)

@@ -10,10 +10,11 @@ it what arrives and send the acks it returns.
                                seq == position + 1: applied
                                otherwise: SequenceGap -> the transport resyncs (re-Hello, new snapshot)
 
-Applying a command: the follower first advances `state` with engine.control_state.reduce (so every
+Applying a command: the follower first advances `state` with bus.control_state.reduce (so every
 member holds the same ControlState at the same seq; `before` keeps the state it replaced), then calls
 the handler the actor registered for the command's type (`follower.on(Pause, self._pause)`). The
-handler's return value (a dict, or None) travels back in the Ack; an exception becomes a failed Ack
+handler's return value (one of the result structs its command declares in RESULTS, or None) travels back
+in the Ack; an exception becomes a failed Ack
 with a typed ErrorInfo (kind, message, member, and status/param/tensor when the exception has them).
 A command without a handler is acked with an empty result (it did not concern this member).
 
@@ -29,14 +30,24 @@ from typing import Any
 
 import structlog
 
-from bus.messages import Ack, Command, CommandBody, ControlState, ErrorInfo, Welcome, command_name
-from engine.control_state import reduce
+from bus.control_state import reduce
+from bus.messages import (
+    Ack,
+    AnyResult,
+    Command,
+    CommandBody,
+    ControlState,
+    ErrorInfo,
+    ErrorKind,
+    Welcome,
+    command_name,
+)
 
 log = structlog.get_logger()
 
 DEFER = object()  # returned by a handler: the actor acks later through complete()
 
-Handler = Callable[[Any], Any]  # (command body) -> dict | None | DEFER
+Handler = Callable[[Any], Any]  # (command body) -> one of its RESULTS | None | DEFER
 
 
 class SequenceGap(Exception):
@@ -113,12 +124,13 @@ class Follower:
         self.seq = None
         self._early = []
 
-    def complete(self, result: dict[str, Any] | None = None, error: ErrorInfo | None = None) -> list[Ack]:
+    def complete(self, result: AnyResult = None, error: ErrorInfo | None = None) -> list[Ack]:
         """Ack the deferred command, then apply the commands held behind it."""
         cmd, self.deferred = self.deferred, None
         if cmd is None:
             return []
-        acks = [Ack(cmd.seq, self.name, error is None, error, result or {})]
+        acks = [Ack(cmd.seq, self.name, error is None, error, result) if error is not None else
+                self._ack(cmd, result)]
         held, self._held = self._held, []
         return acks + self._run(held)
 
@@ -141,10 +153,16 @@ class Follower:
                 self.current = None
             if result is DEFER:
                 self.deferred = cmd
-            elif result is not None and not isinstance(result, dict):
-                acks.append(Ack(cmd.seq, self.name, False, ErrorInfo(
-                    "TypeError", f"handler of {command_name(cmd.body)} returned {type(result).__name__}, not a dict",
-                    self.name)))
             else:
-                acks.append(Ack(cmd.seq, self.name, True, None, result or {}))
+                acks.append(self._ack(cmd, result))
         return acks
+
+    def _ack(self, cmd: Command, result: Any) -> Ack:
+        """A result the command does not declare is a failed ack, not a lost one."""
+        declared = type(cmd.body).RESULTS
+        if result is None or isinstance(result, declared):
+            return Ack(cmd.seq, self.name, True, None, result)
+        want = ", ".join(t.__name__ for t in declared) or "None"
+        return Ack(cmd.seq, self.name, False, ErrorInfo(
+            ErrorKind.BAD_RESULT, f"handler of {command_name(cmd.body)} returned {type(result).__name__}, "
+            f"not one of its results ({want})", self.name))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import structlog
 import zmq
@@ -30,14 +30,18 @@ from bus.messages import (
     PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
     Ack,
+    AnyResult,
     Command,
     ControlReply,
     ControlState,
     ErrorInfo,
+    ErrorKind,
     Heartbeat,
     Hello,
     MemberLost,
+    SchedulerInfo,
     Welcome,
+    WorkerInfo,
 )
 from bus.sockets import make_socket, send
 
@@ -51,9 +55,9 @@ class BusError(RuntimeError):
 class MemberLink:
     def __init__(self, ctx: zmq.Context, ep: Endpoints, *, role: str, name: str,
                  handlers: dict[type, Handler] | None = None, default: Handler | None = None,
-                 info: dict[str, Any] | None = None,
+                 info: SchedulerInfo | WorkerInfo | None = None,
                  heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0):
-        self.role, self.name, self.info = role, name, info or {}
+        self.role, self.name, self.info = role, name, info
         self.interval, self.timeout = heartbeat_interval_s, heartbeat_timeout_s
         self.follower = Follower(name, handlers, default=default)
         self.acks = role in ACKING_ROLES
@@ -164,9 +168,9 @@ class MemberLink:
                 send(self.dealer, a)
             except CodecError as e:  # a handler returned something the bus cannot carry: fail, not crash
                 log.error("bus.unsendable_ack", member=self.name, seq=a.seq, error=str(e))
-                send(self.dealer, Ack(a.seq, self.name, False, ErrorInfo("CodecError", str(e), self.name)))
+                send(self.dealer, Ack(a.seq, self.name, False, ErrorInfo(ErrorKind.CODEC, str(e), self.name)))
 
-    def complete(self, result: dict[str, Any] | None = None, error: ErrorInfo | None = None) -> None:
+    def complete(self, result: AnyResult = None, error: ErrorInfo | None = None) -> None:
         """Ack the deferred command, then apply the commands held behind it."""
         self._send_acks(self.follower.complete(result, error))
 

@@ -12,7 +12,7 @@ annotated `np.ndarray`, and other structs of this module). No behaviour, no sock
 
 Adding a command (the whole change, three places):
   1. here: `class ResetPrefixCache(CommandBody): reset_running_requests: bool = False` (fields typed);
-  2. if it changes the control state: a reducer in engine/control_state.py's REDUCERS;
+  2. if it changes the control state: a reducer in bus/control_state.py's REDUCERS;
   3. a handler in each actor that acts on it: `handlers[ResetPrefixCache] = self._reset_prefix_cache`
      (a member with no handler acks it with an empty result); the sender builds the struct:
      `await client.control(ResetPrefixCache(), timeout_s=...)`.
@@ -26,20 +26,21 @@ names, types and defaults); tests/test_codec.py fails when the definitions chang
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 import types
 import typing
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
 import numpy as np
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "49ef319597fc"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "fd642a50e606"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -66,10 +67,42 @@ def _snake(name: str) -> str:
 # --- errors ----------------------------------------------------------------------------------------
 
 
+class ErrorKind(str, enum.Enum):
+    """The failures the engine names itself (ErrorInfo.kind); any other failure travels under its exception's
+    class name. Receivers compare kinds, never message text."""
+
+    __str__ = str.__str__  # "Asleep", not "ErrorKind.ASLEEP", in f-strings and logs
+    __format__ = str.__format__
+
+    # a start_weight_update the coordinator refused without broadcasting it, because an update is active:
+    # the one error after which a caller must not abort (the active update is not its own)
+    UPDATE_ACTIVE = "UpdateActive"
+    TP_PEER = "TensorParallelPeer"  # a tp rank that could run a step another rank of its group could not
+    ASLEEP = "Asleep"  # a plan reached a worker whose memory a sleep released
+    WEIGHT_VERSION_LOST = "WeightVersionLost"  # the worker could not restore the version in service
+    WEIGHTS_DISCARDED = "WeightsDiscarded"  # a level-2 sleep discarded weights not loaded again
+    UNKNOWN_SEQUENCE = "UnknownSequence"  # a plan names sequences the worker dropped (a stall, a new scheduler)
+    WORKER_LOST = "WorkerLost"
+    SCHEDULER_LOST = "SchedulerLost"
+    STEP_FAILED = "StepFailed"  # a worker step raised something it did not anticipate
+    DUPLICATE_REQUEST = "DuplicateRequest"  # an AddRequest whose id is running already
+    PAUSED = "Paused"  # an AddRequest while paused (abort mode)
+    PROMPT_TOO_LONG = "PromptTooLong"
+    GRAMMAR_ERROR = "GrammarError"  # a structured-output constraint the worker cannot compile
+    GRAMMAR_REJECTED = "GrammarRejected"  # a forced (trace) token the request's constraint does not allow
+    ENGINE_DEAD = "EngineDead"  # the gateway lost the engine
+    UNFINISHED = "Unfinished"  # the engine ended a request without finishing it
+    SHUTTING_DOWN = "ShuttingDown"
+    TIMEOUT = "Timeout"
+    CODEC = "CodecError"  # a handler returned something the bus cannot carry
+    BAD_RESULT = "TypeError"  # a handler returned something its command does not declare
+    UNKNOWN = "Error"  # a failed ack that said nothing
+
+
 class ErrorInfo(Wire):
     """A failure as it travels: what kind, what it says, who raised it, and what it concerns."""
 
-    kind: str  # the exception class, e.g. "WeightSyncError"
+    kind: str  # an ErrorKind, or the exception class (e.g. "WeightSyncError")
     message: str
     member: str = ""  # the member that failed ("" when the coordinator itself reports it)
     status: int | None = None  # the HTTP status the failure maps to, when the raiser knew it
@@ -83,20 +116,219 @@ class ErrorInfo(Wire):
         return f"{self.member}: {what}" if self.member else what
 
 
-# ErrorInfo.kind of a start_weight_update the coordinator refused without broadcasting it, because an
-# update is active: the one error after which a caller must not abort (the active update is not its own).
-UPDATE_ACTIVE = "UpdateActive"
+UPDATE_ACTIVE = ErrorKind.UPDATE_ACTIVE  # the name the weight-sync routes import
+
+
+# --- what members report about themselves (Hello.info, Ready.info, the Members reply) ------------------
+# Maps on the wire, not arrays (rare and small messages), so /server_info shows them as JSON as they are.
+
+
+class Layout(msgspec.Struct, forbid_unknown_fields=True):
+    """What every engine process must agree on (engine.topology.layout): the coordinator refuses a member
+    whose layout differs from its own (another host started with other flags)."""
+
+    model: str
+    tensor_parallel_size: int
+    data_parallel_size: int
+    max_model_len: int | None
+    block_size: int
+    dtype: str
+    kv_cache_dtype: str
+
+
+class RoleInfo(msgspec.Struct, forbid_unknown_fields=True, tag=_snake):
+    """Base of the per-role reports; the tag (snake_case class name) says which."""
+
+
+class SchedulerInfo(RoleInfo):
+    layout: Layout
+
+
+class WorkerInfo(RoleInfo):
+    """A worker's report of itself (workers.startup): its Hello, /server_info's `workers`."""
+
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    device: str
+    model: str
+    tensor_parallel_size: int
+    tp_rank: int
+    weight_bytes: int
+    dtype: str  # what weight updates must send
+    kv_cache_bytes: int
+    kv_cache_dtype: str
+    kernels: str
+    attention: str
+    batch_invariant_checked: list[str]
+    cpu_linear: str | None
+    host_allocator: str | None
+    warm_up_s: float
+    host_huge_pages: str | None
+    cpu_threads: dict[str, int | None] | None
+    layout: Layout
+    worker_extension_methods: list[str] = []  # --worker-extension-cls (workers.extension)
+    joined_seq: int = 0  # in its Hello to the scheduler: the seq it (re)joined the bus at
+
+
+class SchedulerReady(RoleInfo):
+    """What a scheduler found at start-up (Ready.info): the KV capacity its workers reported."""
+
+    num_blocks: int
+    max_model_len: int
+    async_scheduling: bool
+
+
+class GatewayReady(RoleInfo):
+    """Where a gateway serves HTTP (Ready.info)."""
+
+    url: str
+
+
+# --- command results (what a member's Ack carries back) ---------------------------------------------
+
+
+class CommandResult(Wire, tag=_snake):
+    """Base of every ack result. Each command names the results its members may return (`RESULTS`): the
+    follower fails an ack whose handler returned anything else, and Ack / ControlReply carry the tagged
+    union AnyResult, so a receiver reads fields, never string keys. A member with nothing to say acks None."""
+
+
+class WeightsStatus(Wire):
+    """How many parameters a level-2 sleep left without content (-1: all of them), of how many: the acks
+    of commands that can change it carry it, and the coordinator turns a change into WeightsMissing."""
+
+    missing: int
+    total: int
+
+
+class HealthReport(CommandResult):
+    ok: bool
+    why: str = ""  # when not ok
+    running: int | None = None  # the scheduler's running requests
+
+
+class NotStarted(CommandResult):
+    """The scheduler is still waiting for its workers: it builds its state from the snapshot then."""
+
+
+class Quiesced(CommandResult):
+    """The scheduler stopped stepping for a pause, a sleep or a weight update (no step in flight)."""
+
+    aborted: int = 0  # requests an abort-mode quiesce ended
+
+
+class AlreadyQuiet(CommandResult):
+    """A pause, a sleep or a weight update's window held steps already: nothing to quiesce."""
+
+
+class Resumed(CommandResult):
+    pass
+
+
+class SleepingTags(CommandResult):
+    tags: list[str]  # what still sleeps after a wake_up
+
+
+class WeightEpoch(CommandResult):
+    epoch: int  # the scheduler's weight epoch after the command
+
+
+class MemoryReleased(CommandResult):
+    released_bytes: int
+    released_group: bool  # the weight-transfer group too (sleep_mode_extra_cleanup)
+    weights: WeightsStatus | None = None
+
+
+class WokeUp(CommandResult):
+    restored_bytes: int
+    weights: WeightsStatus | None = None
+
+
+class TransferReady(CommandResult):
+    backend: str
+    packed: bool
+
+
+class UpdateStarted(CommandResult):
+    pass
+
+
+class WeightsReceived(CommandResult):
+    tensors: int
+    bytes: int
+
+
+class UpdateFinished(CommandResult):
+    tensors: int
+
+
+class UpdateCommitted(CommandResult):
+    committed: bool  # False: nothing was staged
+    tensors: int = 0
+    parameters: int = 0
+    weights: WeightsStatus | None = None
+
+
+class UpdateAborted(CommandResult):
+    aborted: bool  # an update was active
+    in_place: bool  # it wrote into the weights in service (stage_updates off)
+
+
+class TransferShutDown(CommandResult):
+    pass
+
+
+class Checksums(CommandResult):
+    checksums: dict[str, str]  # "dp0:pp0:pcp0:tp0:<tensor>" -> sha256 hex
+
+
+class PrefixCacheReset(CommandResult):
+    success: bool
+
+
+class WeightsReloaded(CommandResult):
+    loaded_tensors: int
+    weights: WeightsStatus | None = None
+
+
+class ExtensionReturned(CommandResult):
+    value: Any  # what the --worker-extension-cls method returned (bus-encodable values, host tensors)
+    weights: WeightsStatus | None = None
+
+
+class WeightsShared(CommandResult):
+    path: str
+
+
+class MemberEntry(CommandResult):
+    """One member in the coordinator's answer to Members."""
+
+    role: str
+    pid: int
+    info: Union[SchedulerInfo, WorkerInfo, None] = None
+
+
+AnyResult = Union[HealthReport, NotStarted, Quiesced, AlreadyQuiet, Resumed, SleepingTags, WeightEpoch,
+                  MemoryReleased, WokeUp, TransferReady, UpdateStarted, WeightsReceived, UpdateFinished,
+                  UpdateCommitted, UpdateAborted, TransferShutDown, Checksums, PrefixCacheReset, WeightsReloaded,
+                  ExtensionReturned, WeightsShared, MemberEntry, None]
+
+_QUIET = (Quiesced, AlreadyQuiet, NotStarted)  # the scheduler's answers to a command that quiesces
 
 
 # --- commands (numbered broadcasts; see the module docstring for how to add one) -------------------
 
 
 class CommandBody(Wire, tag=_snake):
-    """Base of every command. The tag (the snake_case class name) is the command's name."""
+    """Base of every command. The tag (the snake_case class name) is the command's name; RESULTS are the
+    result structs its members may ack it with (empty: they ack None)."""
+
+    RESULTS: ClassVar[tuple[type, ...]] = ()
 
 
 class Health(CommandBody):
-    pass
+    RESULTS = (HealthReport,)
 
 
 class Shutdown(CommandBody):
@@ -105,6 +337,8 @@ class Shutdown(CommandBody):
 
 class Members(CommandBody):
     """Read-only: the coordinator answers with its member list, nothing is broadcast."""
+
+    RESULTS = (MemberEntry,)
 
 
 class MemberLost(CommandBody):
@@ -130,6 +364,8 @@ class ShareWeights(CommandBody):
     donor: str = ""
     path: str = ""
 
+    RESULTS = (WeightsShared,)
+
 
 class WeightsLost(CommandBody):
     """A worker cannot hold the weight version in service (it restarted after an update and no copy of
@@ -146,9 +382,11 @@ class Pause(CommandBody):
     mode: str  # abort | wait | keep
     clear_cache: bool = True
 
+    RESULTS = _QUIET
+
 
 class Resume(CommandBody):
-    pass
+    RESULTS = (Resumed, NotStarted)
 
 
 class Sleep(CommandBody):
@@ -157,57 +395,75 @@ class Sleep(CommandBody):
     level: int  # 0: scheduling only; 1: weights offloaded; 2: weights discarded
     mode: str = "abort"
 
+    RESULTS = _QUIET
+
 
 class ReleaseMemory(CommandBody):
     """Second phase of /sleep: the workers release device memory."""
 
     level: int
 
+    RESULTS = (MemoryReleased,)
+
 
 class WakeUp(CommandBody):
     tags: list[str] | None = None  # None: every tag
+
+    RESULTS = (SleepingTags, WokeUp, NotStarted)
 
 
 class UpdateWeightVersion(CommandBody):
     new_version: str
 
+    RESULTS = (WeightEpoch, NotStarted)
+
 
 class InitWeightTransferEngine(CommandBody):
     init_info: dict[str, Any]  # vLLM's init_info (validated by the workers: engine/weights/receiver.py)
 
+    RESULTS = (TransferReady,)
+
 
 class StartWeightUpdate(CommandBody):
-    pass
+    RESULTS = (*_QUIET, UpdateStarted)
 
 
 class UpdateWeights(CommandBody):
     update_info: Union[dict[str, Any], list[dict[str, Any]]]  # one object, or one per worker rank
 
+    RESULTS = (WeightsReceived,)
+
 
 class FinishWeightUpdate(CommandBody):
-    pass
+    RESULTS = (UpdateFinished,)
 
 
 class CommitWeightUpdate(CommandBody):
     new_version: str = ""  # "" keeps the current label
 
+    RESULTS = (WeightEpoch, NotStarted, UpdateCommitted)
+
 
 class AbortWeightUpdate(CommandBody):
-    pass
+    RESULTS = (WeightEpoch, NotStarted, UpdateAborted)
 
 
 class ShutdownWeightTransferEngine(CommandBody):
-    pass
+    RESULTS = (TransferShutDown,)
 
 
 class WeightChecker(CommandBody):
     action: str = "checksum"
 
+    RESULTS = (Checksums,)
+
 
 class ResetPrefixCache(CommandBody):
-    """vLLM's /reset_prefix_cache: the scheduler forgets every cached prefix (acks {"success": bool})."""
+    """vLLM's /reset_prefix_cache: the scheduler forgets every cached prefix (acks PrefixCacheReset)."""
 
     reset_running_requests: bool = False
+
+    RESULTS = (PrefixCacheReset,)
 
 
 class WeightsMissing(CommandBody):
@@ -218,10 +474,23 @@ class WeightsMissing(CommandBody):
     total: int = 0
 
 
+class ReloadWeightsCall(Wire, tag="reload_weights"):
+    weights_path: str | None = None  # a model folder; None: the one the engine started from
+
+
+class ExtensionCall(Wire, tag="extension"):
+    """A --worker-extension-cls method's arguments: JSON values, as the client's /collective_rpc body held
+    them, carried as that JSON text and decoded by the worker (they are the extension's, not the bus's)."""
+
+    args_json: str = "[]"
+    kwargs_json: str = "{}"
+
+
 class CollectiveRpc(CommandBody):
     method: str
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
+    call: Union[ReloadWeightsCall, ExtensionCall] = msgspec.field(default_factory=ReloadWeightsCall)
+
+    RESULTS = (WeightsReloaded, ExtensionReturned)
 
 
 AnyCommand = Union[Health, Shutdown, Members, MemberLost, Pause, Resume, Sleep, ReleaseMemory, WakeUp,
@@ -229,9 +498,6 @@ AnyCommand = Union[Health, Shutdown, Members, MemberLost, Pause, Resume, Sleep, 
                    FinishWeightUpdate, CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine,
                    WeightChecker, CollectiveRpc, ResetPrefixCache, WeightsMissing, MemberJoined, WeightsLost,
                    ShareWeights]
-
-WEIGHT_UPDATE_COMMANDS = (InitWeightTransferEngine, StartWeightUpdate, UpdateWeights, FinishWeightUpdate,
-                          CommitWeightUpdate, AbortWeightUpdate, ShutdownWeightTransferEngine, WeightChecker)
 
 
 def command_name(body: CommandBody) -> str:
@@ -252,7 +518,7 @@ class LostMember(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ControlState(msgspec.Struct, forbid_unknown_fields=True):
-    """The engine's control state; engine.control_state holds how each command changes it. A map on the
+    """The engine's control state; bus.control_state holds how each command changes it. A map on the
     wire (a snapshot is rare and small), so /server_info can show it as JSON as it is."""
 
     paused: PauseState | None = None
@@ -289,8 +555,21 @@ class Hello(Wire):
     name: str  # unique member name, e.g. "worker-0"
     pid: int
     protocol_version: int
-    info: dict[str, Any] = {}  # role-specific, e.g. a worker's KV capacity
+    info: Union[SchedulerInfo, WorkerInfo, None] = None  # per role (gateways and trainers: None)
     protocol_fingerprint: str = ""  # bus.messages.PROTOCOL_FINGERPRINT of the sender
+
+
+class HelloPreamble(msgspec.Struct, array_like=True):
+    """The fields of a Hello that every protocol version shares, in order, and its fingerprint (what follows
+    them is ignored): how the coordinator reads an old or newer peer's Hello whose body no longer decodes, to
+    refuse it naming both versions (bus.codec.decode)."""
+
+    role: str
+    name: str
+    pid: int
+    protocol_version: int
+    info: Any = None
+    protocol_fingerprint: str = ""
 
 
 @message(2)
@@ -320,7 +599,7 @@ class Ready(Wire):
     role: str
     name: str
     pid: int
-    info: dict[str, Any] = {}
+    info: Union[WorkerInfo, SchedulerReady, GatewayReady, None] = None
 
 
 # --- acknowledged control broadcast --------------------------------------------------------------
@@ -340,7 +619,7 @@ class ControlReply(Wire):
     request_id: str
     ok: bool
     seq: int
-    results: dict[str, Any]  # member name -> what its ack returned
+    results: dict[str, AnyResult]  # member name -> what its ack returned
     errors: list[ErrorInfo] = []  # one per failing member
     missing: list[str] = []  # members that did not ack in time
 
@@ -371,7 +650,7 @@ class Ack(Wire):
     name: str
     ok: bool
     error: ErrorInfo | None = None
-    result: dict[str, Any] = {}
+    result: AnyResult = None  # one of the command's RESULTS, or None
 
 
 # --- requests (gateway <-> scheduler) ------------------------------------------------------------
@@ -417,7 +696,7 @@ class RequestOutput(Wire):
     error: ErrorInfo | None  # with finish_reason "error": why (its status when the engine knows the HTTP one)
     num_prompt_tokens: int
     num_cached_tokens: int
-    weight_version: int  # epoch of the weights that computed these tokens (engine.control_state)
+    weight_epoch: int  # the epoch of the weights that computed these tokens (ControlState.weight_epoch)
     stale_kv: bool = False  # computed on KV that older weights produced (a keep pause without clear_cache)
     ranks: list[int] | None = None  # per new token, its 1-based rank (with logprobs)
     sampling_mass: list[float] | None = None  # per new token (return_sampling_mass): mass the filters kept
@@ -463,7 +742,7 @@ class StepPlan(Wire):
     num_new: list[int]
     block_tables: list[list[int]]
     finished: list[str]  # forget these (finished, aborted or preempted-and-dropped)
-    weight_version: int
+    weight_epoch: int  # the epoch of the weights in service (ControlState.weight_epoch; its label: weight_version)
 
 
 @message(32)
@@ -475,7 +754,7 @@ class StepResult(Wire):
     logprobs: np.ndarray | None  # np.float32 [S]
     topk_ids: np.ndarray | None  # np.int64 [S, K] (K = 0 when nobody asked)
     topk_logprobs: np.ndarray | None  # np.float32 [S, K]
-    weight_version: int
+    weight_epoch: int
     error: ErrorInfo | None = None  # the step failed on this rank (nothing sampled)
     step_time_s: float = 0.0
     ranks: np.ndarray | None = None  # np.int64 [S]: rank of each sampled token (1-based; zeros when nobody asked)
@@ -569,15 +848,33 @@ def _default_text(f: msgspec.structs.FieldInfo) -> str:
     return "required"
 
 
+def wire_structs() -> list[type]:
+    """Every struct that can travel: the messages, and every struct their fields reach (commands, results,
+    reports, nested parts), found by walking the field types."""
+    seen: set[type] = set()
+    todo: list[Any] = [*REGISTRY.values(), *AnyCommand.__args__, *AnyResult.__args__, HelloPreamble]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            if t in seen:
+                continue
+            seen.add(t)
+            todo += [f.type for f in msgspec.structs.fields(t)]
+        else:
+            todo += typing.get_args(t)
+    return sorted(seen, key=lambda c: c.__qualname__)
+
+
 def protocol_fingerprint() -> str:
     """A hash of every struct definition on the wire: kinds, names, tags, and each field's name, type and
-    default, in order (array-like structs travel positionally, so the order is part of the format)."""
-    structs = [*REGISTRY.values(), *AnyCommand.__args__, ControlState, PauseState, LostMember, ErrorInfo,
-               SamplingParams, StructuredOutputsParams]
+    default, in order (array-like structs travel positionally, so the order is part of the format), and the
+    results each command declares."""
     desc = []
-    for cls in sorted(set(structs), key=lambda c: c.__qualname__):
+    for cls in wire_structs():
         cfg = cls.__struct_config__
+        results = [r.__qualname__ for r in getattr(cls, "RESULTS", ())]
         desc.append([cls.__qualname__, str(cfg.tag), getattr(cls, "KIND", None), bool(cfg.array_like),
-                     [[f.name, _type_text(f.type), _default_text(f)] for f in msgspec.structs.fields(cls)]])
+                     [[f.name, _type_text(f.type), _default_text(f)] for f in msgspec.structs.fields(cls)],
+                     *([results] if results else [])])
     blob = msgspec.json.encode(desc)
     return hashlib.sha256(blob).hexdigest()[:12]

@@ -12,6 +12,7 @@ import zmq
 from bus import frame_limits
 from bus.auth import secure_socket
 from bus.codec import decode, encode
+from bus.messages import GatewayReady, Ready, SchedulerReady, WorkerInfo
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
@@ -77,12 +78,10 @@ def member_name(topic: bytes) -> str | None:
 
 
 def report_ready(ctx: zmq.Context, ready_endpoint: str | None, role: str, name: str,
-                 info: dict[str, Any] | None = None) -> None:
+                 info: WorkerInfo | SchedulerReady | GatewayReady | None = None) -> None:
     """Tell the launcher (if any) that this process finished start-up."""
     if not ready_endpoint:
         return
-    from bus.messages import Ready
-
     sock = make_socket(ctx, zmq.PUSH, connect=ready_endpoint)
-    send(sock, Ready(role, name, os.getpid(), info or {}))
+    send(sock, Ready(role, name, os.getpid(), info))
     sock.close(linger=2000)  # linger so the message leaves before the socket goes

@@ -83,12 +83,30 @@ def _pull_config(argv: list[str], parser: argparse.ArgumentParser | None, has_ro
     return rest[:head] + from_file + rest[head:]
 
 
+def human_int(value: str) -> int:
+    """vLLM's human-readable integers: 25.6k = 25600 (k m g t: powers of 1000), 2K = 2048 (K M G T:
+    powers of 1024, whole numbers only), else a plain int."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if not m:
+        return int(value)
+    number, suffix = m.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; "
+                                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def human_int_or_auto(value: str) -> int | None:
+    """--max-model-len: -1 or auto mean the model's own limit (None here)."""
+    return None if value.strip() in ("-1", "auto") else human_int(value)
+
+
 def _parse_value(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        from engine.config import human_int
-
         try:
             return human_int(text)
         except (ValueError, argparse.ArgumentTypeError):
@@ -176,3 +194,21 @@ def _move_model_option(argv: list[str], has_role: bool) -> list[str]:
             raise ValueError(f"the model is given twice: {rest[head]!r} and --model {tag!r}")
         return rest[:head] + [tag] + rest[head:]
     return argv
+
+
+class Switch(argparse.Action):
+    """vLLM's boolean flags: `--x` / `--no-x`, and for enable/disable pairs `--enable-x` / `--disable-x`
+    (the `--no-` forms of both are accepted too, hidden from help)."""
+
+    def __init__(self, option_strings, dest, negatives=(), default=False, help=None, **kw):
+        positives = list(option_strings)
+        self.negatives = set(negatives) | {"--no-" + o[2:] for o in positives if o.startswith("--")}
+        self.negatives |= {"--no-" + o[2:] for o in negatives if o.startswith("--")}
+        super().__init__(positives + sorted(self.negatives), dest, nargs=0, default=default, help=help, **kw)
+        self.visible = positives + list(negatives)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.visible)

@@ -24,10 +24,10 @@ from engine.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
 from engine.request import Sequence
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...], weight_version: int) -> int:
+def block_hash(parent: int | None, tokens: tuple[int, ...], weight_epoch: int) -> int:
     # Python's hash of a tuple of ints is deterministic across processes (no hash randomisation for
     # ints), 64-bit; the scheduler is the only process that compares these.
-    return hash((parent, tokens, weight_version))
+    return hash((parent, tokens, weight_epoch))
 
 
 def chain_root(seq: Sequence) -> int | None:
@@ -87,7 +87,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._take_fresh())
 
-    def match_prefix(self, seq: Sequence, weight_version: int) -> int:
+    def match_prefix(self, seq: Sequence, weight_epoch: int) -> int:
         """At admission: reuse cached blocks of the prompt's leading full blocks. Returns tokens reused.
 
         At least one prompt token is always left to compute, since its logits start the output."""
@@ -98,7 +98,7 @@ class BlockManager:
         parent: int | None = chain_root(seq)
         hits = 0
         for i in range(max_blocks):
-            h = block_hash(parent, tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs]), weight_version)
+            h = block_hash(parent, tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs]), weight_epoch)
             bid = self.cached.get(h)
             if bid is None:
                 break
@@ -110,7 +110,7 @@ class BlockManager:
         self.num_prefix_hits += hits
         return hits * bs
 
-    def commit_full_blocks(self, seq: Sequence, weight_version: int) -> None:
+    def commit_full_blocks(self, seq: Sequence, weight_epoch: int) -> None:
         """After a step: hash blocks that just became full so later requests can share them."""
         if not self.caching:
             return
@@ -120,7 +120,7 @@ class BlockManager:
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq)
-            h = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_version)
+            h = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_epoch)
             seq.block_hashes.append(h)
             bid = seq.block_table[i]
             if h not in self.cached and self.hash_of[bid] is None:
@@ -128,16 +128,16 @@ class BlockManager:
                 self.hash_of[bid] = h
                 stored.append(i)
         if self.record_events and stored:
-            self._record_stored(seq, stored, weight_version)
+            self._record_stored(seq, stored, weight_epoch)
 
-    def _record_stored(self, seq: Sequence, stored: list[int], weight_version: int) -> None:
+    def _record_stored(self, seq: Sequence, stored: list[int], weight_epoch: int) -> None:
         """BlockStored events for the blocks at `stored` (indexes into seq's blocks), one per contiguous run,
         each naming the block before it as parent. Blocks of older weights than the newest seen are not
         announced: no new request can match them."""
-        if weight_version > self.events_epoch:
+        if weight_epoch > self.events_epoch:
             self._record_clear()
-            self.events_epoch = weight_version
-        elif weight_version < self.events_epoch:
+            self.events_epoch = weight_epoch
+        elif weight_epoch < self.events_epoch:
             return
         bs, hashes = self.block_size, seq.block_hashes
         start = 0

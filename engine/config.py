@@ -17,10 +17,11 @@ import dataclasses
 import functools
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import flag_owners
+from engine.argv import Switch, human_int, human_int_or_auto, normalize_argv
 from engine.lora import add_lora_args, check_lora_config
 from engine.vllm_flags import VLLM_SERVE_FLAGS, VLLM_VERSION
 
@@ -51,7 +52,7 @@ class EngineConfig:
     kv_events_config: str | None = None  # JSON; vLLM's KVEventsConfig (engine.kv_events, docs/fleet.md)
     max_logprobs: int = 20
     seed: int = 0
-    # data parallelism (engine.topology; docs/serving.md "Scale-out")
+    # data parallelism (bus.topology; docs/serving.md "Scale-out")
     data_parallel_size: int = 1  # engines (a scheduler and its workers each) behind the gateway
     data_parallel_size_local: int | None = None  # engines on this host (None: all of them)
     data_parallel_start_rank: int = 0  # the first engine on this host
@@ -188,26 +189,6 @@ def cpu_kv_space_bytes(environ: dict[str, str]) -> int | None:
     return gib << 30
 
 
-def human_int(value: str) -> int:
-    """vLLM's human-readable integers: 25.6k = 25600 (k m g t: powers of 1000), 2K = 2048 (K M G T:
-    powers of 1024, whole numbers only), else a plain int."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
-    if not m:
-        return int(value)
-    number, suffix = m.groups()
-    if suffix.islower():
-        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-    if "." in number:
-        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; "
-                                         f"did you mean {number}{suffix.lower()}?")
-    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
-
-
-def human_int_or_auto(value: str) -> int | None:
-    """--max-model-len: -1 or auto mean the model's own limit (None here)."""
-    return None if value.strip() in ("-1", "auto") else human_int(value)
-
-
 def _json_object(flag: str):
     def parse(value: str) -> str:
         try:
@@ -218,24 +199,6 @@ def _json_object(flag: str):
             raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(obj).__name__}")
         return value
     return parse
-
-
-class Switch(argparse.Action):
-    """vLLM's boolean flags: `--x` / `--no-x`, and for enable/disable pairs `--enable-x` / `--disable-x`
-    (the `--no-` forms of both are accepted too, hidden from help)."""
-
-    def __init__(self, option_strings, dest, negatives=(), default=False, help=None, **kw):
-        positives = list(option_strings)
-        self.negatives = set(negatives) | {"--no-" + o[2:] for o in positives if o.startswith("--")}
-        self.negatives |= {"--no-" + o[2:] for o in negatives if o.startswith("--")}
-        super().__init__(positives + sorted(self.negatives), dest, nargs=0, default=default, help=help, **kw)
-        self.visible = positives + list(negatives)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, option_string not in self.negatives)
-
-    def format_usage(self) -> str:
-        return " | ".join(self.visible)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -321,31 +284,16 @@ REFUSED_FLAGS: dict[str, str] = {
 }
 
 
-def _tool_parser_names() -> list[str]:
-    from gateway.tool_parsers import TOOL_PARSERS
-
-    return list(TOOL_PARSERS)
-
-
-def _reasoning_parser_names() -> list[str]:
-    from gateway.reasoning_parsers import REASONING_PARSERS
-
-    return list(REASONING_PARSERS)
-
-
 def _check_parsers(cfg: EngineConfig) -> None:
     """vLLM's start-up checks of --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser."""
-    from gateway.reasoning_parsers import reasoning_parser_class
-    from gateway.tool_parsers import tool_parser_class
-
     if cfg.enable_auto_tool_choice and not cfg.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if cfg.tokens_only and (cfg.tool_call_parser or cfg.reasoning_parser):
         raise ValueError("--tool-call-parser and --reasoning-parser read text, and --tokens-only loads no tokenizer")
     if cfg.tool_call_parser:
-        tool_parser_class(cfg.tool_call_parser)
+        flag_owners.check("tool_call_parser", cfg.tool_call_parser)
     if cfg.reasoning_parser:
-        reasoning_parser_class(cfg.reasoning_parser)
+        flag_owners.check("reasoning_parser", cfg.reasoning_parser)
     harmony = (cfg.tool_call_parser == "openai", cfg.reasoning_parser == "openai_gptoss")
     if cfg.tool_call_parser and cfg.reasoning_parser and harmony[0] != harmony[1]:  # vLLM's HarmonyParser refuses it
         raise ValueError("--tool-call-parser openai and --reasoning-parser openai_gptoss (gpt-oss's harmony format) "
@@ -393,7 +341,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d.enable_auto_tool_choice,
                    help='Serve tool_choice "auto" (the default with tools): tool calls are parsed out of the output '
                         "by --tool-call-parser, which it requires (docs/tools.md).")
-    g.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(_tool_parser_names()) + "}",
+    g.add_argument("--tool-call-parser", default=None,
+                   metavar="{" + ",".join(flag_owners.choices("tool_call_parser")) + "}",
                    help="How tool calls are written in the model's output: hermes and qwen3_json (<tool_call> JSON: "
                         "Hermes, Qwen2.5, Qwen3), qwen3_xml and qwen3_coder (Qwen3-Coder's XML calls), llama3_json "
                         "and llama4_json (Llama 3.x / 4 JSON calls), pythonic ([f(x=1)]: Llama 3.2 / 4), deepseek_v3 "
@@ -405,7 +354,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    negatives=["--no-exclude-tools-when-tool-choice-none"], default=False,
                    help='Requests with tool_choice "none" get no tool definitions in the prompt.')
     g.add_argument("--reasoning-parser", default=None, type=lambda v: "" if v.lower() == "none" else v,
-                   metavar="{" + ",".join(_reasoning_parser_names()) + "}",
+                   metavar="{" + ",".join(flag_owners.choices("reasoning_parser")) + "}",
                    help="Split chat outputs into reasoning (message.reasoning, also sent as reasoning_content) "
                         "and content: qwen3, deepseek_r1 (<think>...</think>), deepseek_v3 (DeepSeek-V3.1: thinking "
                         "only with chat_template_kwargs thinking), kimi_k2 (Kimi-K2-Thinking), glm45 (GLM-4.5 / 4.6 / "
@@ -849,7 +798,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"rollbus: --api-key takes one key here; {len(keys)} were given")
         values["api_key"] = keys[0]
     cfg = EngineConfig(**values, notes=tuple(notes))
-    from engine.topology import Topology
+    from bus.topology import Topology
 
     problems = Topology.from_config(cfg).problems()
     problems += _engine_host_problems(cfg)
@@ -885,8 +834,6 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     from engine.rl_config import determinism, parse_additional_config
     from engine.structured_outputs import parse_structured_outputs_config
     from engine.weights.config import parse_weight_transfer_config
-    from gateway.tokenizer import resolve_chat_template
-    from workers.extension import check_qualname
 
     try:
         determinism(parse_additional_config(cfg.additional_config))
@@ -900,8 +847,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         check_generation_config(cfg.generation_config, cfg.override_generation_config)
         _check_parsers(cfg)
         if cfg.chat_template is not None:
-            resolve_chat_template(cfg.chat_template)
-        check_qualname(cfg.worker_extension_cls)
+            flag_owners.check("chat_template", cfg.chat_template)
+        flag_owners.check("worker_extension_cls", cfg.worker_extension_cls)
         check_bus(cfg)
     except (ValueError, OSError) as e:
         raise SystemExit(f"rollbus: {e}") from None
@@ -914,7 +861,5 @@ def _cached_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str]) -> EngineConfig:
-    from engine.argv import normalize_argv
-
     p = _cached_parser()
     return config_from_args(p.parse_args(normalize_argv(argv, p)))

@@ -23,13 +23,14 @@ import time
 
 import zmq
 
-from ascend_ops.host_env import huge_pages_env, launcher_platform
+from ascend_ops.host_env import cpu_only_host, huge_pages_env
 from bus.codec import CodecError, decode
 from bus.endpoints import Endpoints
 from bus.messages import Ready
+from bus.topology import Topology
 from engine.config import EngineConfig
 from engine.restart_policy import WINDOW_S, RestartPolicy
-from engine.topology import Topology, check_devices
+from engine.topology import check_devices
 
 STOP_GRACE_S = 5.0
 
@@ -44,7 +45,7 @@ def _die_with_parent() -> None:
 
 def roles(cfg: EngineConfig) -> list[tuple[str, list[str]]]:
     """(member name, extra argv) of every process on this host, in start order: the coordinator (head
-    host only), each local engine's scheduler and workers (engine.topology), the gateway (head host only)."""
+    host only), each local engine's scheduler and workers (bus.topology), the gateway (head host only)."""
     topo = Topology.from_config(cfg)
     out = [("coordinator", ["coordinator"])] if topo.is_head else []
     for e in topo.local_engines:
@@ -71,6 +72,18 @@ def cpu_thread_share(topo: Topology, env: dict[str, str], platform_name: str) ->
     if platform_name != "cpu" or workers < 2 or "OMP_NUM_THREADS" in env:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+
+
+
+def launcher_platform() -> tuple[str, int]:
+    """(platform name, device count) as the workers will see them: "cpu" and 1 without importing torch when
+    ascend_ops.host_env.cpu_only_host(), otherwise ascend_ops.platform.current_platform()'s."""
+    if cpu_only_host():
+        return "cpu", 1
+    from ascend_ops.platform import current_platform
+
+    platform = current_platform()
+    return platform.name, platform.device_count()
 
 
 class Launcher:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.argv import Switch
+
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The projections an adapter may target on a dense decoder: PEFT's module name -> (in, out) features.
@@ -29,7 +31,7 @@ class LoraError(ValueError):
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
-    g.add_argument("--enable-lora", action=_switch(), default=False,
+    g.add_argument("--enable-lora", action=Switch, default=False,
                    help="Serve LoRA adapters (PEFT folders) on top of the model: a request names one as `model`. "
                         "Attention (q/k/v/o) and MLP (gate/up/down) projections of dense models; not with -tp > 1.")
     g.add_argument("--max-loras", type=int, default=1,
@@ -44,12 +46,6 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'.")
     g.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
                    help="dtype of the adapters' weights on the device; auto: the model's dtype.")
-
-
-def _switch():
-    from engine.config import Switch
-
-    return Switch
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -1,6 +1,6 @@
 """Constraints for guaranteed-valid output: pure policy, no sockets, no devices.
 
-A request's constraint is one `StructuredOutputsParams` (engine/sampling_params.py). This module turns it
+A request's constraint is one `StructuredOutputsParams` (bus/sampling_params.py). This module turns it
 into the grammar the engine enforces (llguidance's serialized form, the same text for every process, so it
 is also the cache key of compiled grammars), checks that it compiles (a 400 naming the field when not),
 and builds vLLM's JSON schema for a forced tool choice (`tool_choice: "required"` or a named function).
@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from engine.sampling_params import ParamError, StructuredOutputsParams
+from bus.sampling_params import ParamError, StructuredOutputsParams
 
 _CACHE = 1024  # distinct constraints remembered (grammar text, compile verdicts)
 

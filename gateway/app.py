@@ -18,8 +18,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from bus.messages import Health
-from engine import control_state
+from bus import control_state
+from bus.messages import Health, HealthReport
 from engine.config import EngineConfig
 from engine.rl_config import dev_endpoints_enabled, parse_additional_config
 from gateway.dev_routes import DEV_PATHS, add_dev_routes
@@ -108,7 +108,7 @@ class HealthProbe:
         if not {"scheduler", "worker"} <= roles:
             log.info("gateway.not_ready", joined=sorted(reply.results))
             return False
-        return all(r.get("ok", True) for r in reply.results.values())
+        return all(r.ok for r in reply.results.values() if isinstance(r, HealthReport))
 
     async def check(self) -> bool:
         if not self.client.healthy or not all(getattr(self.client, "engines_alive", lambda: [True])()):

@@ -10,37 +10,46 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Query, Request
 
+from bus import control_state
+from bus.control_state import SLEEP_TAGS
 from bus.messages import (
+    AnyResult,
     CollectiveRpc,
     CommandBody,
+    ExtensionCall,
+    ExtensionReturned,
+    MemberEntry,
     Members,
+    MemoryReleased,
     Pause,
+    PrefixCacheReset,
     ReleaseMemory,
+    ReloadWeightsCall,
     ResetPrefixCache,
     Resume,
     Sleep,
     UpdateWeightVersion,
     WakeUp,
-    command_name,
+    WeightsReloaded,
+    WokeUp,
+    WorkerInfo,
 )
-from engine import control_state
 from engine.config import EngineConfig
-from engine.control_state import SLEEP_TAGS
 from engine.rl_config import AdditionalConfig, determinism
 from engine.weights.config import parse_weight_transfer_config
-from engine.weights.lifecycle import PAUSE_MODES, pause_deadline, reply_status
+from engine.weights.lifecycle import PAUSE_MODES, pause_deadline
 from gateway.engine_client import EngineClient
-from gateway.errors import BAD_REQUEST, APIError, bad_request, check_timeout
-from gateway.responses import JSONResponse, loads
+from gateway.errors import bad_request, check_timeout, control_failure
+from gateway.responses import JSONResponse, dumps, loads
 from gateway.serving import ModelInfo
 from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
 
 DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake_up", "/is_sleeping",
              "/collective_rpc", "/abort_requests", "/weight_info", "/update_weight_version", "/reset_prefix_cache")
 RPC_METHODS = ("reload_weights",)
-GATEWAY_TIMEOUT = "GatewayTimeoutError"
 
 
 def _bool(value: str, param: str) -> bool:
@@ -52,14 +61,10 @@ def _bool(value: str, param: str) -> bool:
     raise bad_request(f"{param} must be a boolean, got {value!r}", param)
 
 
-async def broadcast(client: EngineClient, command: CommandBody, timeout_s: float) -> dict:
+async def broadcast(client: EngineClient, command: CommandBody, timeout_s: float) -> dict[str, AnyResult]:
     reply = await client.control(command, timeout_s=timeout_s)
-    if not reply.ok:  # a member that knew the HTTP status of its failure (a bad weights_path: 400) gives it
-        status = reply_status(reply.ok, reply.missing, reply.errors)
-        params = [e.param for e in reply.errors if e.param]
-        kind = GATEWAY_TIMEOUT if status == 504 else BAD_REQUEST if status < 500 else "InternalServerError"
-        raise APIError(f"{command_name(command)} failed: {reply.error}", status=status, type=kind,
-                       param=params[0] if params else None)
+    if not reply.ok:
+        raise control_failure(command, reply)
     return reply.results
 
 
@@ -99,7 +104,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         # workers release memory, which is only safe once nothing can touch it.
         await broadcast(client, Sleep(int(level), mode), deadline)
         results = await broadcast(client, ReleaseMemory(int(level)), cfg.control_timeout_s)
-        released = sum(int(r.get("released_bytes", 0)) for r in results.values())
+        released = sum(r.released_bytes for r in results.values() if isinstance(r, MemoryReleased))
         return JSONResponse({"status": "sleeping", "level": int(level), "released_bytes": released})
 
     @app.post("/wake_up")
@@ -108,7 +113,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             if t not in SLEEP_TAGS:
                 raise bad_request(f"tags must be among {', '.join(SLEEP_TAGS)}, got {t!r}", "tags")
         results = await broadcast(client, WakeUp(tags), cfg.control_timeout_s)
-        restored = sum(int(r.get("restored_bytes", 0)) for r in results.values())
+        restored = sum(r.restored_bytes for r in results.values() if isinstance(r, WokeUp))
         status = "sleeping" if client.control_state.sleeping_tags else "awake"
         return JSONResponse({"status": status, "tags": tags, "restored_bytes": restored})
 
@@ -136,17 +141,26 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             raise bad_request("kwargs.weights_path must be a string (a model folder)", "kwargs.weights_path")
         timeout = check_timeout(body["timeout"], "timeout") if body.get("timeout") is not None else \
             cfg.control_timeout_s * 6
-        results = await broadcast(client, CollectiveRpc(method, args, kwargs), timeout)
+        call = ExtensionCall(dumps(args).decode(), dumps(kwargs).decode()) if extension else \
+            ReloadWeightsCall(kwargs.get("weights_path"))
+        results = await broadcast(client, CollectiveRpc(method, call), timeout)
         workers = [r for n, r in sorted(results.items()) if n.startswith("worker")]
-        return JSONResponse({"results": [r.get("extension_result") for r in workers] if extension else workers})
+        if extension:
+            return JSONResponse({"results": [r.value for r in workers if isinstance(r, ExtensionReturned)]})
+        return JSONResponse({"results": [_reloaded_json(r) for r in workers if isinstance(r, WeightsReloaded)]})
 
     async def _extension_method(method: Any) -> bool:
         """Whether every worker has `method` from --worker-extension-cls (the workers report theirs)."""
         if not cfg.worker_extension_cls or not isinstance(method, str):
             return False
+        infos = await _worker_infos()
+        return bool(infos) and all(method in i.worker_extension_methods for i in infos.values())
+
+    async def _worker_infos() -> dict[str, WorkerInfo]:
+        """What every worker that is a member reported of itself in its Hello, by name."""
         reply = await client.control(Members(), timeout_s=cfg.control_timeout_s)
-        infos = [m.get("info", {}) for m in reply.results.values() if m.get("role") == "worker"]
-        return bool(infos) and all(method in i.get("worker_extension_methods", []) for i in infos)
+        return {n: m.info for n, m in sorted(reply.results.items())
+                if isinstance(m, MemberEntry) and isinstance(m.info, WorkerInfo)}
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> JSONResponse:
@@ -190,7 +204,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
                 raise bad_request(f"POST /reset_prefix_cache takes its options as query parameters (as vLLM), "
                                   f"not in the body: got {key}={value!r} in the body", key)
         results = await broadcast(client, ResetPrefixCache(running), cfg.control_timeout_s)
-        ok = [r["success"] for r in results.values() if "success" in r]
+        ok = [r.success for r in results.values() if isinstance(r, PrefixCacheReset)]
         return JSONResponse({"success": bool(ok) and all(ok)})
 
     @app.get("/server_info")
@@ -198,8 +212,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         if config_format not in ("text", "json"):
             raise bad_request(f"config_format must be text or json, got {config_format!r}", "config_format")
         engine = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
-        reply = await client.control(Members(), timeout_s=cfg.control_timeout_s)
-        workers = {n: m.get("info", {}) for n, m in sorted(reply.results.items()) if m.get("role") == "worker"}
+        workers = {n: _worker_json(i) for n, i in (await _worker_infos()).items()}
         wt = parse_weight_transfer_config(cfg.weight_transfer_config)
         vc = vllm_config(cfg, model, workers, None if wt is None else {"backend": wt.name})
         return JSONResponse({
@@ -215,6 +228,22 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             "ascend_config": {"weight_nz_mode": extra.weight_nz_mode},
             "control_state": control_state.as_json(client.control_state),
         })
+
+
+def _reloaded_json(r: WeightsReloaded) -> dict[str, Any]:
+    """A worker's reload_weights result as /collective_rpc returns it."""
+    out: dict[str, Any] = {"loaded_tensors": r.loaded_tensors}
+    if r.weights is not None:
+        out.update(weights_missing=r.weights.missing, weights_total=r.weights.total)
+    return out
+
+
+def _worker_json(info: WorkerInfo) -> dict[str, Any]:
+    """/server_info's entry of a worker: its report as JSON, without the tag and the Hello's bus position."""
+    out = msgspec.to_builtins(info)
+    for key in ("type", "joined_seq"):
+        out.pop(key, None)
+    return out
 
 
 async def _json_object(request: Request, allow_empty: bool = False) -> dict[str, Any]:

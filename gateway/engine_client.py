@@ -27,6 +27,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from bus import control_state
 from bus.codec import CodecError, decode, encode
 from bus.endpoints import COMMAND_TOPIC, Endpoints, presence_topic
 from bus.follower import Follower, Refused, SequenceGap
@@ -42,6 +43,7 @@ from bus.messages import (
     ControlRequest,
     ControlState,
     ErrorInfo,
+    ErrorKind,
     Heartbeat,
     Hello,
     MemberJoined,
@@ -51,10 +53,9 @@ from bus.messages import (
     RequestOutput,
     Welcome,
 )
+from bus.sampling_params import SamplingParams
 from bus.sockets import make_socket
-from engine import control_state
-from engine.sampling_params import SamplingParams
-from engine.topology import Topology
+from bus.topology import Topology
 from gateway.dp_router import Balancer
 
 log = structlog.get_logger()
@@ -62,6 +63,10 @@ log = structlog.get_logger()
 
 class EngineDead(RuntimeError):
     pass
+
+
+class DuplicateRequest(ValueError):
+    """generate() was given the id of a request that is still running."""
 
 
 class EngineClient:
@@ -202,7 +207,7 @@ class EngineClient:
         if self.dead_reason:
             raise EngineDead(self.dead_reason)
         if request_id in self.queues:
-            raise ValueError(f"request id {request_id!r} is already running")
+            raise DuplicateRequest(f"request id {request_id!r} is already running")
         if engine is None or self.balancer.engine_of(request_id) != engine:
             engine = self.pick_engine(engine, [(request_id, len(prompt_token_ids) + (params.max_tokens or 0))])
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -249,7 +254,7 @@ class EngineClient:
         await sock.send_multipart(encode(msg), copy=False)
 
     async def _hello(self) -> None:
-        await self._send(self.control_sock, Hello("gateway", self.name, os.getpid(), PROTOCOL_VERSION, {},
+        await self._send(self.control_sock, Hello("gateway", self.name, os.getpid(), PROTOCOL_VERSION, None,
                                                   PROTOCOL_FINGERPRINT))
 
     async def _read_outputs(self, engine: int) -> None:
@@ -361,5 +366,5 @@ class EngineClient:
         queues = self.queues if request_ids is None else {r: self.queues[r] for r in request_ids if r in self.queues}
         log.error("gateway.requests_failed", reason=reason, count=len(queues))
         for rid, q in queues.items():
-            error = ErrorInfo("EngineDead", reason, status=503)
+            error = ErrorInfo(ErrorKind.ENGINE_DEAD, reason, status=503)
             q.put_nowait(RequestOutput(rid, [], None, None, True, "error", None, error, 0, 0, 0))

@@ -18,7 +18,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bus.codec import CodecError
-from engine.sampling_params import ParamError
+from bus.messages import CommandBody, ControlReply, command_name
+from bus.sampling_params import ParamError
+from engine.weights.lifecycle import reply_status
 from gateway.responses import JSONResponse
 
 log = structlog.get_logger()
@@ -28,6 +30,8 @@ NOT_FOUND = "NotFoundError"
 UNAUTHORIZED = "AuthenticationError"
 INTERNAL = "InternalServerError"
 UNAVAILABLE = "ServiceUnavailableError"
+CONFLICT = "ConflictError"
+GATEWAY_TIMEOUT = "GatewayTimeoutError"
 
 
 class APIError(Exception):
@@ -55,6 +59,16 @@ def check_timeout(value: object, param: str) -> float:
         raise bad_request(f"{param} must be a number of seconds from {MIN_TIMEOUT_S} to {MAX_TIMEOUT_S:.0f}, "
                           f"got {value!r}", param)
     return float(value)
+
+
+def control_failure(command: CommandBody, reply: ControlReply) -> APIError:
+    """A failed acked broadcast (the dev and weight-transfer routes): the status a failing member knew (a bad
+    weights_path: 400, an update out of order: 409), 504 when one did not ack, else 500; the field it named."""
+    status = reply_status(reply.ok, reply.missing, reply.errors)
+    params = [e.param for e in reply.errors if e.param]
+    kind = {409: CONFLICT, 504: GATEWAY_TIMEOUT}.get(status, BAD_REQUEST if status < 500 else INTERNAL)
+    return APIError(f"{command_name(command)} failed: {reply.error}", status=status, type=kind,
+                    param=params[0] if params else None)
 
 
 def model_not_found(model: str) -> APIError:

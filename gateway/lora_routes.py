@@ -21,8 +21,8 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from bus.sampling_params import LoraRef
 from engine.lora import LoraError, inspect_adapter, parse_lora_modules, runtime_updates_allowed
-from engine.sampling_params import LoraRef
 from gateway.errors import APIError
 
 INVALID, NOT_FOUND = "InvalidUserInput", "NotFoundError"

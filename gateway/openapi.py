@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from engine.control_state import SLEEP_TAGS
+from bus.control_state import SLEEP_TAGS
 from engine.weights.lifecycle import PAUSE_MODES
 from gateway.errors import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 

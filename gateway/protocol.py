@@ -21,7 +21,7 @@ from typing import Any, Literal, NamedTuple
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from engine.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from bus.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import check_json_schema, tool_choice_schema
 from gateway.structured import GUIDED_ALIASES, build_constraint, forced_tool_constraint
 

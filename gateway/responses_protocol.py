@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import ParamError
+from bus.sampling_params import ParamError
 from gateway.protocol import (
     _I64,
     _NEUTRAL_BOOL,

@@ -18,11 +18,12 @@ import uvicorn
 import zmq
 
 from bus.endpoints import Endpoints
+from bus.messages import GatewayReady
 from bus.sockets import report_ready
+from bus.topology import Topology
 from engine.config import EngineConfig
 from engine.generation_defaults import default_sampling_params
 from engine.logs import setup_logging
-from engine.topology import Topology
 from gateway.app import build_app
 from gateway.engine_client import EngineClient
 from gateway.request_log import install_access_filter
@@ -137,7 +138,7 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, cfg: EngineConfig,
     if server.started:
         url = f"http://{cfg.host}:{cfg.port}"
         await asyncio.to_thread(report_ready, zmq.Context.instance(), cfg.ready_endpoint, "gateway",
-                                client.name, {"url": url})
+                                client.name, GatewayReady(url))
         log.info("gateway.serving", url=url, http=_http_impl())
     await task
     return server.started

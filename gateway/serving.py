@@ -21,13 +21,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from bus.messages import ErrorInfo, PromptLogprobs, RequestOutput
+from bus.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
+from bus.messages import ErrorInfo, ErrorKind, PromptLogprobs, RequestOutput
+from bus.sampling_params import ParamError, SamplingParams, validate_prompt_ids
 from engine import routed_experts
 from engine.config import EngineConfig
-from engine.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
-from engine.sampling_params import ParamError, SamplingParams, validate_prompt_ids
 from gateway.dp_middleware import requested_engine
-from gateway.engine_client import EngineClient, EngineDead
+from gateway.engine_client import DuplicateRequest, EngineClient, EngineDead
 from gateway.errors import (
     BAD_REQUEST,
     INTERNAL,
@@ -374,10 +374,10 @@ class ChoiceState:
         if new:
             n0 = len(self.token_ids)
             last = self.spans[-1] if self.spans else None
-            if last and last[0] == out.weight_version and last[3] == out.stale_kv and last[2] == n0:
+            if last and last[0] == out.weight_epoch and last[3] == out.stale_kv and last[2] == n0:
                 last[2] += len(new)
             else:
-                self.spans.append([out.weight_version, n0, n0 + len(new), out.stale_kv])
+                self.spans.append([out.weight_epoch, n0, n0 + len(new), out.stale_kv])
         self.token_ids += new
         if out.logprobs is not None:
             self.logprobs += out.logprobs
@@ -442,7 +442,7 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.max_log_len)
     try:
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids,
-                                  **({"engine": state.engine} if _data_parallel(ctx) else {}))
+                                  engine=state.engine)
         async with aclosing(gen):  # leaving early closes it, which aborts the engine request
             async for out in gen:
                 if state.on_first_output is not None:
@@ -456,14 +456,13 @@ async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Que
         if state.finish_reason == "error":
             raise engine_failure(ctx, state.error)
         if not state.finished:
-            raise engine_failure(ctx, ErrorInfo("Unfinished", "the engine ended the request without finishing it"))
+            raise engine_failure(ctx, ErrorInfo(ErrorKind.UNFINISHED,
+                                                "the engine ended the request without finishing it"))
     except asyncio.CancelledError:
         raise
     except EngineDead as e:
         sink.put_nowait(_Failed(engine_unavailable(str(e))))
-    except ValueError as e:
-        if "already running" not in str(e):
-            raise
+    except DuplicateRequest:
         sink.put_nowait(_Failed(bad_request(f"request id {state.request_id!r} is already running", "request_id")))
     except Exception as e:
         if not isinstance(e, APIError):
@@ -478,14 +477,13 @@ async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIt
     """Run every choice's engine request concurrently; yield their updates as they come. The first
     failure raises (APIError) and, like a client going away, aborts the requests still running."""
     sink: asyncio.Queue = asyncio.Queue()
-    if _data_parallel(ctx):  # one engine for all of a request's choices: they share its prefix cache
-        try:
-            engine = ctx.client.pick_engine(requested_engine.get(), [
-                (s.request_id, len(s.prompt_ids) + (s.params.max_tokens or 0)) for s in states])
-        except EngineDead as e:
-            raise engine_unavailable(str(e)) from None
-        for s in states:
-            s.engine = engine
+    try:  # one engine for all of a request's choices: they share its prefix cache
+        engine = ctx.client.pick_engine(requested_engine.get(), [
+            (s.request_id, len(s.prompt_ids) + (s.params.max_tokens or 0)) for s in states])
+    except EngineDead as e:
+        raise engine_unavailable(str(e)) from None
+    for s in states:
+        s.engine = engine
     tasks = [asyncio.create_task(_run_choice(ctx, s, sink)) for s in states]
     try:
         remaining = len(tasks)
@@ -501,13 +499,7 @@ async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIt
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if _data_parallel(ctx):
-            ctx.client.release([s.request_id for s in states])
-
-
-def _data_parallel(ctx: ServingContext) -> bool:
-    """The client routes over engines (test fakes of the client do not)."""
-    return hasattr(ctx.client, "pick_engine")
+        ctx.client.release([s.request_id for s in states])
 
 
 # --- client disconnects ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.sampling_params import ParamError
+from bus.sampling_params import ParamError
 from gateway.chat_parsing import ChatOutputParser, ParserConfig
 from gateway.errors import bad_request
 from gateway.forced_tools import ForcedToolStream, finish_reason, forced_tool_calls

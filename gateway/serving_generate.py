@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.sampling_params import ParamError
+from bus.sampling_params import ParamError
 from gateway.errors import APIError, bad_request
 from gateway.protocol import REFUSED_GENERATE, GenerateRequest
 from gateway.responses import JSONResponse, loads

@@ -24,7 +24,7 @@ import structlog
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.sampling_params import ParamError
+from bus.sampling_params import ParamError
 from gateway.errors import APIError, api_error_from, bad_request
 from gateway.responses import JSONResponse, dumps
 from gateway.responses_events import OutputStream

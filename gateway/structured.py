@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.sampling_params import CONSTRAINT_FIELDS, ParamError, StructuredOutputsParams
+from bus.sampling_params import CONSTRAINT_FIELDS, ParamError, StructuredOutputsParams
 from engine.structured_outputs import check_compiles, constraint_kind
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

@@ -20,8 +20,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from bus.sampling_params import ParamError, SamplingParams
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, async_scheduling_on
-from engine.sampling_params import ParamError, SamplingParams
 from gateway.errors import bad_request, model_not_found
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
 from gateway.responses import JSONResponse

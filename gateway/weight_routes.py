@@ -25,26 +25,24 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from bus.messages import (
+    Checksums,
     CommandBody,
-    ControlReply,
     InitWeightTransferEngine,
     ShutdownWeightTransferEngine,
     WeightChecker,
-    command_name,
 )
+from bus.topology import Topology
 from engine.config import EngineConfig
-from engine.topology import Topology
 from engine.weights.config import parse_weight_transfer_config
-from engine.weights.lifecycle import Deadlines, Step, abort_needed, reply_status
-from gateway.dev_routes import GATEWAY_TIMEOUT, _bool, _json_object
+from engine.weights.lifecycle import Deadlines, Step, abort_needed
+from gateway.dev_routes import _bool, _json_object
 from gateway.engine_client import EngineClient
-from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request, check_timeout
+from gateway.errors import APIError, bad_request, check_timeout, control_failure
 from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                 "/finish_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
-_TYPES = {400: BAD_REQUEST, 409: "ConflictError", 504: GATEWAY_TIMEOUT}
 
 
 async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> dict[str, Any]:
@@ -52,14 +50,7 @@ async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> 
     reply = await client.control(command, timeout_s=timeout_s)
     if reply.ok:
         return reply.results
-    raise failure(command, reply)
-
-
-def failure(command: CommandBody, reply: ControlReply) -> APIError:
-    status = reply_status(reply.ok, reply.missing, reply.errors)
-    params = [e.param for e in reply.errors if e.param]
-    return APIError(f"{command_name(command)} failed: {reply.error}", status=status,
-                    type=_TYPES.get(status, INTERNAL), param=params[0] if params else None)
+    raise control_failure(command, reply)
 
 
 def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
@@ -74,7 +65,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         """One step of the update (engine.weights.lifecycle); on failure, abort when the rule says so."""
         reply = await client.control(step.command, timeout_s=step.timeout_s)
         if not reply.ok:
-            e = failure(step.command, reply)
+            e = control_failure(step.command, reply)
             if abort_needed(step.command, e.status, reply.errors):
                 try:
                     await call(client, steps.abort().command, steps.control_s)
@@ -150,7 +141,8 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             results = await call(client, WeightChecker("checksum"), steps.transfer_s)
             merged: dict[str, str] = {}
             for r in results.values():
-                merged.update((r or {}).get("checksums", {}))
+                if isinstance(r, Checksums):
+                    merged.update(r.checksums)
             checksums.clear()
             checksums[seq] = merged
             asked = seq

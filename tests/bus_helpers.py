@@ -45,9 +45,9 @@ class MemberThread:
         self.thread.start()
 
     def _apply(self, body):
-        """Every command (no typed handlers): record (seq, command name), answer with our name."""
+        """Every command (no typed handlers): record (seq, command name), ack with nothing (or apply's)."""
         self.applied.append((self.link.follower.current.seq, command_name(body)))
-        return self.user_apply(body) if self.user_apply else {"name": self.name}
+        return self.user_apply(body) if self.user_apply else None
 
     def _run(self):
         ctx = zmq.Context()

@@ -76,7 +76,7 @@ class Server:
 
 
 def _member_name(args: list[str], role: str) -> str:
-    """A child's bus name from its argv (engine.topology's names: worker-<dp rank x tp + tp rank>,
+    """A child's bus name from its argv (bus.topology's names: worker-<dp rank x tp + tp rank>,
     scheduler-<dp rank> with more than one engine)."""
     def flag(name: str, default: int) -> int:
         return int(args[args.index(name) + 1]) if name in args else default

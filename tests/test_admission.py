@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bus.messages import AddRequest
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 from engine.scheduler.admission import EngineLimits, admission_error
 
 pytestmark = pytest.mark.unit

@@ -15,9 +15,9 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
+from bus.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
-from engine.sampling_params import SamplingParams
 from engine.scheduler.policy import Scheduler
 from tests.fixtures_models import smollm2_dir  # noqa: F401
 from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer

@@ -1,8 +1,8 @@
 import pytest
 
+from bus.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Sequence
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -11,12 +11,12 @@ def seq(sid, tokens):
     return Sequence(sid, list(tokens), SamplingParams(), [0])
 
 
-def computed(bm, sid, tokens, weight_version=0):
+def computed(bm, sid, tokens, weight_epoch=0):
     """A sequence whose tokens are all in the cache, its full blocks registered for sharing."""
     q = seq(sid, tokens)
     bm.allocate(q, q.num_tokens)
     q.num_computed = q.num_tokens
-    bm.commit_full_blocks(q, weight_version)
+    bm.commit_full_blocks(q, weight_epoch)
     return q
 
 
@@ -36,7 +36,7 @@ def test_prefix_blocks_are_shared_and_refcounted():
     a = computed(bm, "a", range(10))
     assert len(a.block_hashes) == 2
     b = seq("b", list(range(8)) + [99, 98, 97])
-    assert bm.match_prefix(b, weight_version=0) == 8
+    assert bm.match_prefix(b, weight_epoch=0) == 8
     assert b.block_table == a.block_table[:2]
     assert bm.ref[a.block_table[0]] == 2
     bm.free_seq(a)
@@ -45,10 +45,10 @@ def test_prefix_blocks_are_shared_and_refcounted():
 
 def test_prefix_cache_never_crosses_weight_versions():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = computed(bm, "a", range(9), weight_version=1)
+    a = computed(bm, "a", range(9), weight_epoch=1)
     bm.free_seq(a)
-    assert bm.match_prefix(seq("b", range(9)), weight_version=2) == 0
-    assert bm.match_prefix(seq("c", range(9)), weight_version=1) == 8
+    assert bm.match_prefix(seq("b", range(9)), weight_epoch=2) == 0
+    assert bm.match_prefix(seq("c", range(9)), weight_epoch=1) == 8
 
 
 def test_cache_salt_separates_prefixes_and_same_salt_shares():

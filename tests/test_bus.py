@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -15,7 +16,17 @@ from bus.codec import decode
 from bus.endpoints import COMMAND_TOPIC, Endpoints
 from bus.follower import Follower, SequenceGap
 from bus.member import BusError, MemberLink
-from bus.messages import PROTOCOL_VERSION, Command, ControlState, Health, Hello, Pause, Resume, Welcome
+from bus.messages import (
+    PROTOCOL_FINGERPRINT,
+    PROTOCOL_VERSION,
+    Command,
+    ControlState,
+    Health,
+    Hello,
+    Pause,
+    Resume,
+    Welcome,
+)
 from bus.sockets import make_socket, send
 from tests.bus_helpers import ControlClient, MemberThread, bus_config, start_coordinator, wait_for
 
@@ -158,6 +169,14 @@ def test_protocol_version_mismatch_is_refused(bus):
         assert dealer.poll(5000)
         w = decode(dealer.recv_multipart())
         assert isinstance(w, Welcome) and not w.accepted and "0123456789ab" in w.reason
+        # a version-11 peer (its Hello.info was a dict): refused at Hello, the reason naming both versions
+        dealer.send_multipart([bytes([Hello.KIND]) + msgspec.msgpack.encode(
+            ["worker", "old-worker", os.getpid(), 11, {"num_blocks": 4}, "22a06d03303c"])])
+        assert dealer.poll(5000)
+        w = decode(dealer.recv_multipart())
+        assert isinstance(w, Welcome) and not w.accepted
+        assert f"protocol version 11 (22a06d03303c) != coordinator's {PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})" \
+            in w.reason, w.reason
     finally:
         ctx.destroy(linger=0)
 
@@ -245,7 +264,7 @@ def test_a_failing_handler_acks_a_typed_error():
     assert not ack.ok and ack.error.kind == "WeightSyncError" and ack.error.status == 400
     assert ack.error.param == "shapes" and ack.error.member == "worker-3"
     assert ack.error.text() == "worker-3: tensor 'w' has the wrong shape"  # a status: no kind in the text
-    (ack,) = f.command(Command(2, Resume()))  # a result that is not a dict is a failure, not a lost ack
-    assert not ack.ok and "not a dict" in ack.error.message
+    (ack,) = f.command(Command(2, Resume()))  # a result that is not the command's is a failure, not a lost ack
+    assert not ack.ok and "not one of its results" in ack.error.message
     (ack,) = f.command(Command(3, Health()))  # no handler: acked, empty
-    assert ack.ok and ack.result == {}
+    assert ack.ok and ack.result is None

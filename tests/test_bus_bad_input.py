@@ -140,7 +140,7 @@ def test_garbage_on_every_bound_socket_is_dropped(server):
 
 def bad_add_requests(vocab: int) -> dict[str, tuple[AddRequest, str]]:
     """AddRequests that are well-typed but that no worker may see, each with the field its error must name."""
-    from engine.sampling_params import SamplingParams
+    from bus.sampling_params import SamplingParams
 
     def add(rid, prompt=(1, 2, 3), eos=(0,), **sp) -> AddRequest:
         return AddRequest(rid, list(prompt), SamplingParams(**{"max_tokens": 4, **sp}), list(eos), time.time())
@@ -171,7 +171,7 @@ def test_bad_add_requests_on_the_bus_are_refused_before_any_worker_sees_them(ser
     the vocabulary, an empty or too long prompt, out-of-range sampling values: each is answered to its sender
     with a finished output carrying an ErrorInfo that names the field; good requests sent in the same burst,
     before and after them, complete whole; no step fails and nobody dies."""
-    from engine.sampling_params import SamplingParams
+    from bus.sampling_params import SamplingParams
 
     ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
     pids = server.child_pids()
@@ -222,8 +222,8 @@ def test_frames_above_the_limit_are_dropped_on_every_bound_socket(server):
     sender, the process logs the disconnect and nobody dies. Had a frame come through, the AddRequest would
     have run and the ControlRequest been answered: neither is."""
     from bus.frame_limits import limits_for
+    from bus.sampling_params import SamplingParams
     from engine.config import EngineConfig
-    from engine.sampling_params import SamplingParams
 
     ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
     limits = limits_for(EngineConfig(max_model_len=256))  # the module's server
@@ -267,7 +267,7 @@ def wrong_results(plan: StepPlan) -> list[StepResult]:
     def res(seq_ids=ids, rank=0, rows=n, **kw) -> StepResult:
         return StepResult(plan.step_id, rank, list(seq_ids), kw.pop("token_ids", np.arange(rows)),
                           np.zeros(rows, np.float32), kw.pop("topk_ids", np.zeros((rows, 2), np.int64)),
-                          np.zeros((rows, 2), np.float32), plan.weight_version, **kw)
+                          np.zeros((rows, 2), np.float32), plan.weight_epoch, **kw)
 
     lp = PromptLogprobs("nope", np.zeros(2, np.float32), np.ones(2, np.int64), np.zeros((2, 1), np.int64),
                         np.zeros((2, 1), np.float32))
@@ -464,7 +464,7 @@ class FakeScheduler:
 
 
 def plan_of(step_id: int, seq_id: str) -> StepPlan:
-    from engine.sampling_params import SamplingParams
+    from bus.sampling_params import SamplingParams
 
     new = NewSeq(seq_id, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0), [])
     return StepPlan(step_id, [new], [seq_id], [0], [3], [[step_id]], [], 0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from bus.codec import CodecError, decode, encode
+from bus.control_state import reduce
 from bus.messages import (
     PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
@@ -15,6 +16,7 @@ from bus.messages import (
     ControlRequest,
     ControlState,
     ErrorInfo,
+    ExtensionReturned,
     NewSeq,
     OutputBatch,
     Pause,
@@ -27,8 +29,7 @@ from bus.messages import (
     message_kinds,
     protocol_fingerprint,
 )
-from engine.control_state import reduce
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -62,10 +63,10 @@ def test_arrays_travel_out_of_band_with_dtype_and_shape():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
 def test_tensors_keep_dtype_and_values(dtype):
     t = (torch.randn(5, 3) * 10).to(dtype)
-    back = roundtrip(Ack(1, "w", True, None, {"t": t, "empty": torch.empty(0, 4, dtype=dtype)}))
-    assert back.result["t"].dtype == dtype
-    assert torch.equal(back.result["t"], t)
-    assert back.result["empty"].shape == (0, 4)
+    back = roundtrip(Ack(1, "w", True, None, ExtensionReturned({"t": t, "empty": torch.empty(0, 4, dtype=dtype)})))
+    assert back.result.value["t"].dtype == dtype
+    assert torch.equal(back.result.value["t"], t)
+    assert back.result.value["empty"].shape == (0, 4)
 
 
 def test_garbage_is_a_codec_error_not_a_crash():
@@ -83,7 +84,7 @@ def test_unknown_objects_are_refused():
         pass
 
     with pytest.raises(CodecError):
-        encode(Ack(1, "w", True, None, {"x": Thing()}))
+        encode(Ack(1, "w", True, None, ExtensionReturned({"x": Thing()})))
     with pytest.raises(CodecError):
         encode(Thing())
 
@@ -139,7 +140,7 @@ def test_commands_travel_as_typed_structs():
         assert roundtrip(cmd) == cmd
     req = ControlRequest("r", UpdateWeights({"names": ["a"]}), 5.0)
     assert roundtrip(req) == req
-    reply = ControlReply("r", False, 4, {"worker-0": {}}, [ErrorInfo("WeightSyncError", "bad shape", "worker-0", 400,
+    reply = ControlReply("r", False, 4, {"worker-0": None}, [ErrorInfo("WeightSyncError", "bad shape", "worker-0", 400,
                                                                   "shapes", "w.0")], ["worker-1"])
     back = roundtrip(reply)
     assert back.errors[0].status == 400 and back.errors[0].tensor == "w.0"
@@ -176,6 +177,18 @@ def _raw(kind: int, body) -> list[bytes]:
     return [bytes([kind]) + msgspec.msgpack.encode(body)]
 
 
+def test_a_hello_of_another_protocol_version_decodes_enough_to_be_refused():
+    """Version 11 sent Hello.info as a dict: its Hello still decodes (its leading fields), so the coordinator
+    can refuse it naming both versions; a bad Hello of our own version stays a decode error."""
+    from bus.messages import Hello
+
+    old = decode(_raw(Hello.KIND, ["worker", "worker-0", 7, 11, {"num_blocks": 4}, "22a06d03303c"]))
+    assert isinstance(old, Hello) and (old.protocol_version, old.protocol_fingerprint) == (11, "22a06d03303c")
+    assert old.info is None and old.name == "worker-0"
+    with pytest.raises(CodecError):
+        decode(_raw(Hello.KIND, ["worker", "worker-0", 7, PROTOCOL_VERSION, {"num_blocks": 4}, PROTOCOL_FINGERPRINT]))
+
+
 def test_unknown_missing_and_mistyped_fields_are_decode_errors():
     good = encode(Command(1, Pause("abort")))[0]
     assert decode([good]).body.mode == "abort"
@@ -207,7 +220,8 @@ def test_array_frames_must_be_arrays_and_whole():
         decode([bytes([StepResult.KIND]) + msgspec.msgpack.encode([1, 0, [], ext, None, None, None, 0]), b"\0" * 16])
     torch_ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode([1, "torch:no_such_dtype", [2]]))
     with pytest.raises(CodecError):
-        decode([bytes([Ack.KIND]) + msgspec.msgpack.encode([1, "w", True, None, {"t": torch_ext}]), b"\0" * 4])
+        result = ["extension_returned", {"t": torch_ext}, None]
+        decode([bytes([Ack.KIND]) + msgspec.msgpack.encode([1, "w", True, None, result]), b"\0" * 4])
 
 
 def test_array_frames_are_exactly_their_shape_and_never_objects():
@@ -232,3 +246,20 @@ def test_array_frames_are_exactly_their_shape_and_never_objects():
     back = decode(frames)
     assert back.topk_ids.shape == (4, 2) and not back.token_ids.flags.writeable  # read-only views of the frames
     np.testing.assert_array_equal(back.token_ids, np.arange(4))
+
+
+def test_the_architecture_doc_lists_every_kind_and_every_command_with_its_results():
+    """docs/architecture.md is drawn from bus/messages.py: the protocol version, each message kind, and a row per
+    command naming each result struct its members may ack it with."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    assert f"`PROTOCOL_VERSION` ({PROTOCOL_VERSION})" in doc
+    kinds = " ".join(f"{k} {name}" for k, name in sorted(message_kinds().items()))  # "1 Hello 2 Welcome ..."
+    assert kinds in " ".join(doc.replace(",", " ").replace(".", " ").split()), kinds
+    rows = {line.split("|")[1].strip(" `"): line for line in doc.splitlines() if line.startswith("  | `")}
+    for body in AnyCommand.__args__:
+        row = rows.get(body.__struct_config__.tag)
+        assert row is not None and f"`{body.__name__}(" in row, body
+        for result in body.RESULTS:
+            assert result.__name__ in row, (body, result)

@@ -14,15 +14,17 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import msgspec
 import pytest
 import zmq
 
 from bus.control import ControlLedger, Member
 from bus.endpoints import Endpoints
-from bus.messages import Ack, CommitWeightUpdate, Health, Members
+from bus.messages import Ack, CommitWeightUpdate, Health, Layout, Members, SchedulerInfo
+from bus.topology import Topology
 from engine.config import parse_config
 from engine.launcher import roles
-from engine.topology import Topology, check_devices, layout_mismatch
+from engine.topology import check_devices, layout_mismatch
 from engine.trainer import WeightSyncClient
 from gateway.dp_router import HEADER, Balancer, RankHeaderError, parse_rank_header
 from tests.bus_helpers import ControlClient
@@ -33,7 +35,7 @@ from tests.waits import wait_for
 from workers.models.checkpoint import load_hf_config
 from workers.models.registry import shard_checksums
 
-# --- the layout (engine.topology) --------------------------------------------------------------------
+# --- the layout (bus.topology) --------------------------------------------------------------------
 
 
 def test_one_engine_keeps_todays_names_and_sockets(tmp_path):
@@ -114,9 +116,9 @@ def test_more_engines_than_devices_is_refused_on_accelerators_only():
 
 
 def test_a_member_started_with_other_flags_is_named_with_the_value():
-    own = {"model": "m", "tensor_parallel_size": 1, "data_parallel_size": 2}
-    assert layout_mismatch(own, dict(own)) is None and layout_mismatch(own, None) is None
-    why = layout_mismatch(own, {**own, "model": "other", "data_parallel_size": 3})
+    own = Layout("m", 1, 2, None, 16, "auto", "auto")
+    assert layout_mismatch(own, msgspec.structs.replace(own)) is None and layout_mismatch(own, None) is None
+    why = layout_mismatch(own, msgspec.structs.replace(own, model="other", data_parallel_size=3))
     assert "model 'other' (coordinator: 'm')" in why and "data_parallel_size 3 (coordinator: 2)" in why
 
 
@@ -422,12 +424,12 @@ def test_the_coordinator_refuses_an_engine_process_started_with_other_flags(tmp_
     try:
         ep = Endpoints.from_config(cfg)
         other = layout(bus_config(tmp_path, data_parallel_size=3, model="/models/other"))
-        bad = MemberLink(ctx, ep, role="scheduler", name="scheduler-1", info={"layout": other},
+        bad = MemberLink(ctx, ep, role="scheduler", name="scheduler-1", info=SchedulerInfo(other),
                          default=lambda c: None)
         with pytest.raises(BusError, match=r"data_parallel_size 3 \(coordinator: 2\)") as e:
             bad.wait_welcome(10)
         assert "model '/models/other'" in str(e.value)
-        good = MemberLink(ctx, ep, role="scheduler", name="scheduler-0", info={"layout": layout(cfg)},
+        good = MemberLink(ctx, ep, role="scheduler", name="scheduler-0", info=SchedulerInfo(layout(cfg)),
                           default=lambda c: None)
         good.wait_welcome(10)
         assert good.welcomed

@@ -76,7 +76,7 @@ def test_loads_refuses_what_is_not_json() -> None:
 class NaNMassClient(FakeClient):
     """The engine reports a non-finite kept mass (a degenerate filter): the body must stay valid JSON."""
 
-    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids):  # type: ignore[no-untyped-def]
+    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids, engine=None):  # type: ignore[no-untyped-def]
         async for out in super().generate(request_id, prompt_token_ids, params, eos_token_ids):
             if out.token_ids:
                 out.sampling_mass = [float("nan")]

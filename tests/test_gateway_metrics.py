@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus.messages import ControlState, RequestOutput
+from bus.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
 from gateway.app import build_app
 from gateway.metrics import ITL_BUCKETS, Metrics
 from gateway.serving import ChoiceState, ModelInfo
@@ -33,7 +33,7 @@ def labels(model: str = "m", **extra: str) -> tuple[tuple[str, str], ...]:
 def delta(tokens: list[int], finished: bool = False) -> RequestOutput:
     return RequestOutput(request_id="r-0", token_ids=tokens, logprobs=None, top_logprobs=None, finished=finished,
                          finish_reason="length" if finished else None, stop_reason=None, error=None,
-                         num_prompt_tokens=3, num_cached_tokens=0, weight_version=0)
+                         num_prompt_tokens=3, num_cached_tokens=0, weight_epoch=0)
 
 
 def run(metrics: Metrics, arrival: float, deltas: list[tuple[float, list[int]]], end: float) -> ChoiceState:

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 import pytest
 from fastapi.testclient import TestClient
 
-from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, RequestOutput
+from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, HealthReport, RequestOutput
+from bus.sampling_params import ParamError, SamplingParams
 from engine.config import EngineConfig
-from engine.sampling_params import ParamError, SamplingParams
 from gateway.app import build_app
 from gateway.limits import TOO_LARGE
 from gateway.metrics import Metrics
@@ -106,12 +106,18 @@ class FakeClient:
         pass
 
     async def control(self, command: CommandBody, timeout_s: float = 0.0) -> ControlReply:
-        acks = {"scheduler": {"ok": True}, "worker-0": {"ok": True}} if self.health_ok else {}
+        acks = {"scheduler": HealthReport(True), "worker-0": HealthReport(True)} if self.health_ok else {}
         errors = [] if self.health_ok else [ErrorInfo("RuntimeError", "silent", "worker-0")]
         return ControlReply("x", self.health_ok, 1, acks, errors)
 
+    def pick_engine(self, requested: int | None, reservations: list[tuple[str, int]]) -> int:
+        return 0  # one engine
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       eos_token_ids: list[int]) -> AsyncIterator[RequestOutput]:
+                       eos_token_ids: list[int], engine: int | None = None) -> AsyncIterator[RequestOutput]:
         self.submitted.append((request_id, prompt_token_ids, params))
         tokens = [ord(ch) for ch in self.script] + [EOS]
         finished = False

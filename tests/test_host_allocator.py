@@ -83,8 +83,8 @@ def test_workers_get_the_hugetlb_tunable_unless_the_user_chose():
 
 
 def test_the_worker_launcher_env_carries_it_on_cpu_only():
+    from bus.topology import Topology
     from engine.launcher import worker_env
-    from engine.topology import Topology
 
     env = worker_env(Topology(), {"PATH": "/bin"}, "cpu")
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env["PATH"] == "/bin"

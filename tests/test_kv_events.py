@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 
+from bus.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.kv_events import (
     AllBlocksCleared,
@@ -22,7 +23,6 @@ from engine.kv_events import (
     parse_kv_events_config,
 )
 from engine.request import Sequence
-from engine.sampling_params import SamplingParams
 from tests.serve_process import free_port
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
 

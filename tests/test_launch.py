@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from ascend_ops.host_env import cpu_only_host, launcher_platform, torch_build_targets
+from ascend_ops.host_env import cpu_only_host, torch_build_targets
+from engine.launcher import launcher_platform
 from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,7 +92,7 @@ def test_the_launcher_knows_a_cpu_only_host_without_importing_torch():
     assert cpu_only_host({"ROLLBUS_DEVICE": "cpu"}) and not cpu_only_host({"ROLLBUS_DEVICE": "cuda"})
     if not cpu_only_host():
         return  # an accelerator build: only torch can tell, and launcher_platform asked it (above)
-    code = ("import sys; from ascend_ops.host_env import launcher_platform; import engine.launcher; "
+    code = ("import sys; from engine.launcher import launcher_platform; "
             "print(launcher_platform(), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["('cpu',", "1)", "False"], out.stdout + out.stderr

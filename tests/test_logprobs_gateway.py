@@ -23,7 +23,7 @@ class LPClient(FakeClient):
     """FakeClient plus what the engine adds for logprob requests: prompt logprobs on the first output
     (token i gets -i/10, rank i, alternatives 33 and 34), rank 2 per sampled token, a kept mass of 0.75."""
 
-    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids):
+    async def generate(self, request_id, prompt_token_ids, params, eos_token_ids, engine=None):
         first = True
         async for out in super().generate(request_id, prompt_token_ids, params, eos_token_ids):
             if first and params.prompt_logprobs is not None:

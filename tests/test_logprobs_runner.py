@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bus.messages import NewSeq, StepPlan
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 from tests.tiny_models import load_model, make_tiny_checkpoint
 from workers.kv_cache import KVCache
 from workers.model_runner import ModelRunner

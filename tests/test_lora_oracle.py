@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
+from bus.sampling_params import LoraRef
 from engine.lora import LoraError, inspect_adapter
-from engine.sampling_params import LoraRef
 from tests.lora_helpers import make_adapter, peft_oracle
 from tests.tiny_models import PagedRunner, load_model, make_tiny_checkpoint, random_prompt
 from workers.lora import LoraSlots, attach, model_shape

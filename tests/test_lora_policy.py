@@ -3,9 +3,9 @@ serves a block computed with another adapter or another version of it."""
 
 import pytest
 
+from bus.sampling_params import LoraRef, SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Sequence
-from engine.sampling_params import LoraRef, SamplingParams
 from engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit

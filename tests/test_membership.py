@@ -21,7 +21,7 @@ import sys, time, zmq
 from bus.endpoints import Endpoints
 from bus.member import MemberLink
 from bus.messages import AddRequest
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 from bus.sockets import make_socket, send
 from engine.config import parse_config
 ep = Endpoints.from_config(parse_config(sys.argv[1:]))

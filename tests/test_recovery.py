@@ -362,8 +362,8 @@ def test_a_dead_coordinator_stops_everything_saying_why(server):
 
 
 def test_membership_and_lost_versions_in_the_control_state():
+    from bus.control_state import engine_down_message, initial_state, reduce, weights_lost_message
     from bus.messages import CommitWeightUpdate, MemberJoined, MemberLost, WeightsLost
-    from engine.control_state import engine_down_message, initial_state, reduce, weights_lost_message
 
     s = initial_state("run-1")
     s = reduce(s, MemberLost("gateway-9", "gateway", "disconnected"))

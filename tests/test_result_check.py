@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from bus.messages import ErrorInfo, PromptLogprobs, StepResult
+from bus.sampling_params import SamplingParams
 from engine.request import Sequence
-from engine.sampling_params import SamplingParams
 from engine.scheduler.policy import ScheduledStep
 from engine.scheduler.result_check import result_problem
 

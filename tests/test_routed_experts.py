@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from bus.messages import NewSeq, StepPlan
+from bus.sampling_params import SamplingParams
 from engine import routed_experts as rx
-from engine.sampling_params import SamplingParams
 from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer
 from tests.test_moe_oracle import MIN_MARGIN, SENTENCE, hf_reference
 from tests.tiny_models import load_model, make_tiny_checkpoint

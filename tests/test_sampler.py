@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 from workers.grammar import StepMasks
 from workers.sampler import RowState, sample, sample_in_spans, span_rows
 

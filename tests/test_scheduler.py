@@ -2,9 +2,9 @@
 
 import pytest
 
+from bus.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 _PROMPT_SLOT: dict[str, int] = {}  # seq id -> its own 100-token range above 100 (`first` prompts sit below)

@@ -385,8 +385,8 @@ def test_access_log_filter_drops_the_named_paths_only():
 def test_request_log_lines_carry_id_and_params(capsys):
     import structlog
 
+    from bus.sampling_params import SamplingParams
     from engine.logs import setup_logging
-    from engine.sampling_params import SamplingParams
     from gateway.request_log import log_request
 
     setup_logging("debug")

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from bus.control_state import reduce
 from bus.messages import (
     AbortWeightUpdate,
+    AlreadyQuiet,
     CommitWeightUpdate,
     ControlState,
     Health,
     Pause,
     Resume,
+    Resumed,
     Sleep,
+    SleepingTags,
     StartWeightUpdate,
     WakeUp,
+    WeightEpoch,
 )
-from engine.control_state import reduce
 from engine.scheduler.step_gate import Quiesce, StepGate
 
 
@@ -44,9 +48,9 @@ def test_keep_pause_quiesces_and_holds_until_resume():
     assert isinstance(q, Quiesce) and q.clear_cache and not e.may_step()
     assert e.gate.quiesced(in_flight=True, has_work=True) is None  # a step still runs: the ack waits
     assert e.gate.quiesced(in_flight=False, has_work=True) is q and e.gate.pending is None
-    assert e.send(Pause("abort")) == {"paused": True}  # pausing twice: a no-op, the first mode stays
+    assert e.send(Pause("abort")) == AlreadyQuiet()  # pausing twice: a no-op, the first mode stays
     assert e.gate.quiet == "keep"
-    assert e.send(Resume()) == {"paused": False} and e.may_step()
+    assert e.send(Resume()) == Resumed() and e.may_step()
 
 
 def test_wait_pause_steps_until_the_work_is_done():
@@ -68,16 +72,16 @@ def test_sleep_holds_every_mode_and_wake_up_ends_it():
     q = e.send(Sleep(1, "abort"))
     assert isinstance(q, Quiesce) and q.clear_cache  # levels 1 and 2 drop the KV
     assert not e.may_step()  # asleep: no step whatever the mode
-    assert e.send(Sleep(2)) == {"sleeping": True}
-    assert e.send(WakeUp(["kv_cache"])) == {"sleeping_tags": ["weights"]} and not e.may_step()
-    assert e.send(WakeUp(None)) == {"sleeping_tags": []} and e.may_step()
+    assert e.send(Sleep(2)) == AlreadyQuiet()
+    assert e.send(WakeUp(["kv_cache"])) == SleepingTags(["weights"]) and not e.may_step()
+    assert e.send(WakeUp(None)) == SleepingTags([]) and e.may_step()
     assert not Engine().send(Sleep(0, "keep")).clear_cache  # level 0 keeps the KV
 
 
 def test_a_pause_taken_during_a_sleep_outlives_the_wake_up():
     e = Engine()
     e.send(Sleep(1, "keep"))
-    assert e.send(Pause("keep")) == {"paused": True}  # already quiet
+    assert e.send(Pause("keep")) == AlreadyQuiet()  # already quiet
     e.send(WakeUp(None))
     assert not e.may_step()
     e.send(Resume())
@@ -101,14 +105,14 @@ def test_weight_update_window_holds_steps_until_commit_or_abort():
         e = Engine()
         q = e.send(StartWeightUpdate())
         assert q == Quiesce("keep", False) and not e.may_step()
-        assert e.send(end) == {"weight_epoch": 1 if isinstance(end, CommitWeightUpdate) else 0}
+        assert e.send(end) == WeightEpoch(1 if isinstance(end, CommitWeightUpdate) else 0)
         assert e.may_step()
 
 
 def test_a_weight_update_inside_a_pause_keeps_the_pause():
     e = Engine()
     e.send(Pause("keep"))
-    assert e.send(StartWeightUpdate()) == {"held": True}
+    assert e.send(StartWeightUpdate()) == AlreadyQuiet()
     e.send(CommitWeightUpdate(""))
     assert not e.may_step()  # the user's pause still holds
     e.send(Resume())

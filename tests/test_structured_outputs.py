@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from bus.sampling_params import SamplingParams, StructuredOutputsParams
 from gateway.forced_tools import ForcedToolStream, forced_tool_calls
 from tests.fixtures_models import require_qwen3_tokenizer_dir, smollm2_dir  # noqa: F401
 from tests.server_helpers import start_server, tiny_model_with_tokenizer

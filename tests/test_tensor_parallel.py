@@ -217,7 +217,7 @@ def _runner_steps(model, rank: int, span_bytes: int) -> list[tuple]:
     two decodes; the sampler's spans set by `span_bytes`. Rank 0's tokens, logprobs and top-2 per step."""
     import workers.sampler as sampler
     from bus.messages import NewSeq, StepPlan
-    from engine.sampling_params import SamplingParams
+    from bus.sampling_params import SamplingParams
     from workers.kv_cache import KVCache
     from workers.model_runner import ModelRunner
 

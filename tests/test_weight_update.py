@@ -149,7 +149,7 @@ def test_weight_transfer_config():
 def test_weight_transfer_config_defaults_the_backend_by_platform(monkeypatch):
     """'{}' takes the platform's collective, as vLLM's default backend is nccl (issue 32 item 8)."""
     for device, name in (("cpu", "gloo"), ("cuda", "nccl"), ("npu", "hccl")):
-        monkeypatch.setattr("ascend_ops.host_env.launcher_platform", lambda d=device: (d, 1))
+        monkeypatch.setattr("engine.weights.config.platform_name", lambda d=device: d)
         c = parse_weight_transfer_config("{}")
         assert (c.backend, c.name, c.stage_updates) == ("hccl", name, True)
     monkeypatch.undo()

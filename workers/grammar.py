@@ -27,20 +27,24 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from bus.messages import ErrorInfo
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from bus.messages import ErrorInfo, ErrorKind
+from bus.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputsConfig, grammar_text
 
-if TYPE_CHECKING:
-    from workers.sampler import RowState
+
+class Constrained(Protocol):
+    """A row of the sampler (workers.sampler.RowState) as far as grammars care: its matcher, if any."""
+
+    grammar: SeqGrammar | None
 
 COMPILED_CACHE = 256  # compiled matchers kept (one per distinct constraint)
 
@@ -136,7 +140,8 @@ class GrammarEngine:
         try:
             g = self.start(params.structured_outputs, eos_ids)
         except GrammarError as e:
-            self._errors.append((seq_id, ErrorInfo("GrammarError", str(e), status=400, param="structured_outputs")))
+            self._errors.append((seq_id, ErrorInfo(ErrorKind.GRAMMAR_ERROR, str(e), status=400,
+                                                   param="structured_outputs")))
             return None
         self.live.add(seq_id)
         return g
@@ -144,7 +149,7 @@ class GrammarEngine:
     def forget(self, seq_id: str) -> None:
         self.live.discard(seq_id)
 
-    def step_masks(self, rows: list[RowState]) -> PendingMasks | None:
+    def step_masks(self, rows: Sequence[Constrained]) -> PendingMasks | None:
         """Starts filling the bitmask of the step's sampled rows on the grammar thread, to overlap the forward
         pass (None, at no cost, when no row is constrained); the matchers must not move until its result()."""
         if not self.live:
@@ -152,7 +157,7 @@ class GrammarEngine:
         idx = [i for i, r in enumerate(rows) if r.grammar is not None]
         return self._start_fill(idx, [rows[i].grammar for i in idx], background=True) if idx else None
 
-    def advance(self, seq_ids: list[str], rows: list[RowState], tokens: list[int]) -> None:
+    def advance(self, seq_ids: list[str], rows: Sequence[Constrained], tokens: list[int]) -> None:
         """Each sampled (or forced) token advances its sequence's matcher once."""
         if not self.live:
             return
@@ -164,8 +169,8 @@ class GrammarEngine:
             g = r.grammar
             if g is not None and not g.accept(tok, eos):
                 self._errors.append((sid, ErrorInfo(
-                    "GrammarRejected", f"token {tok} is not allowed by the request's structured output "
-                                       f"constraint: {g.rejected}", status=400, param="trace_decode_token_ids")))
+                    ErrorKind.GRAMMAR_REJECTED, f"token {tok} is not allowed by the request's structured output "
+                    f"constraint: {g.rejected}", status=400, param="trace_decode_token_ids")))
 
     def take_errors(self) -> list[tuple[str, ErrorInfo]]:
         errors, self._errors = self._errors, []

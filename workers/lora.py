@@ -1,6 +1,6 @@
 """LoRA on the worker: the adapter versions it holds, and the grouped LoRA product of a mixed step.
 
-Each sequence runs with one adapter version for its whole life (engine.sampling_params.LoraRef: id and
+Each sequence runs with one adapter version for its whole life (bus.sampling_params.LoraRef: id and
 version). `LoraSlots` keeps the loaded versions keyed by (id, version) with a count of the sequences using
 each; an idle one is dropped least recently used first beyond `max_cached` (--max-cpu-loras), and read again
 from its folder when a sequence needs it. An in-place reload is a new version: sequences that started on
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from bus.sampling_params import LoraRef
 from engine.lora import LoraError, inspect_adapter, module_features
-from engine.sampling_params import LoraRef
 
 Key = tuple[int, int]  # (adapter id, version)
 # fused projection of the decoder -> its PEFT parts, in output order

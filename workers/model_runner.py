@@ -37,9 +37,9 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.tp_group import SOLO
-from bus.messages import ErrorInfo, NewSeq, PromptLogprobs, StepPlan, StepResult
+from bus.messages import ErrorInfo, ErrorKind, NewSeq, PromptLogprobs, StepPlan, StepResult
+from bus.sampling_params import SamplingParams
 from engine.routed_experts import wire_dtype
-from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
@@ -74,7 +74,7 @@ class ModelRunner:
         self.seqs: dict[str, SeqState] = {}
         self.dropped: set[str] = set()  # forgotten after a failed step, not yet in a plan's finished list
         self.generator = torch.Generator().manual_seed(seed)
-        self.weight_version = 0
+        self.weight_epoch = 0
         self.logprobs_mode = logprobs_mode
         self.vocab_size = int(model.cfg.vocab_size)
         self.grammar = GrammarEngine(tokenizer_path, self.vocab_size, structured_outputs)  # workers/grammar.py
@@ -188,11 +188,12 @@ class ModelRunner:
         rows = (plan.seq_ids, plan.num_computed, plan.num_new, plan.block_tables)
         ids, computed, new, tables = ([xs[i] for i in keep] for xs in rows)
         return StepPlan(plan.step_id, plan.new_seqs, ids, computed, new, tables, plan.finished,
-                        plan.weight_version), skipped
+                        plan.weight_epoch), skipped
 
     def _with_skipped(self, result: StepResult, skipped: list[str]) -> StepResult:
         if skipped and not self.tp.rank:  # rank 0 reports for the engine
-            why = ErrorInfo("StepFailed", "an earlier step of this request failed or was interrupted on this worker")
+            why = ErrorInfo(ErrorKind.STEP_FAILED,
+                            "an earlier step of this request failed or was interrupted on this worker")
             result.seq_errors = [*result.seq_errors, *((sid, self.lora_failed.pop(sid, why)) for sid in skipped)]
         return result
 
@@ -327,10 +328,10 @@ class ModelRunner:
         if out is None:
             z = np.zeros(0, np.int64)
             return StepResult(plan.step_id, self.rank, [], z, np.zeros(0, np.float32), z.reshape(0, 0),
-                              np.zeros((0, 0), np.float32), self.weight_version, None, time.perf_counter() - t0)
+                              np.zeros((0, 0), np.float32), self.weight_epoch, None, time.perf_counter() - t0)
         return StepResult(plan.step_id, self.rank, sample_ids, out.token_ids.numpy(),
                           out.logprobs.float().numpy(), out.topk_ids.numpy(), out.topk_logprobs.float().numpy(),
-                          self.weight_version, None, time.perf_counter() - t0,
+                          self.weight_epoch, None, time.perf_counter() - t0,
                           None if out.ranks is None else out.ranks.numpy(),
                           None if out.sampling_mass is None else out.sampling_mass.numpy())
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.sampling_params import SamplingParams
+from bus.sampling_params import SamplingParams
 from workers.grammar import SeqGrammar, StepMasks, apply_masks
 
 TOPK_CHUNK = 256  # vocabulary slice of the two-stage top-k

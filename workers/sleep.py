@@ -19,6 +19,7 @@ import torch
 
 from ascend_ops import packed_linear
 from ascend_ops.platform import Platform, release_host_memory
+from bus.messages import WeightsStatus
 from workers.kv_cache import KVCache
 
 TAGS = ("weights", "kv_cache")
@@ -92,10 +93,10 @@ class SleepManager:
         """Parameters whose content a level-2 sleep discarded and nothing has written in full since."""
         return len(self._discarded)
 
-    def weights_status(self) -> dict[str, int]:
+    def weights_status(self) -> WeightsStatus:
         """What the worker reports in its acks (the coordinator turns a change into the control state's
         `weights_missing`, which the gateway refuses requests on)."""
-        return {"weights_missing": self.missing, "weights_total": len(self._params())}
+        return WeightsStatus(self.missing, len(self._params()))
 
     def mark_loaded(self, names: list[str] | set[str]) -> int:
         """Checkpoint tensors `names` now hold real values (a committed update, reload_weights): cross off the

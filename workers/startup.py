@@ -8,13 +8,13 @@ self-check that fails on this device). The socket loop is workers.worker_actor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ascend_ops import attention, cpu_kernels, packed_linear
 from ascend_ops.batch_invariant import BatchInvarianceUnavailable, attention_implementation, kernels, self_check
 from ascend_ops.platform import Platform, host_huge_pages, tune_host_allocator
+from bus.messages import WorkerInfo
 from engine.config import EngineConfig
 from engine.model_store import resolve_model
 from engine.rl_config import Determinism
@@ -31,7 +31,7 @@ class Loaded:
     model: torch.nn.Module
     kv: KVCache
     runner: ModelRunner
-    info: dict[str, Any]  # what the worker reports (its Hello, /server_info's `workers`)
+    info: WorkerInfo  # what the worker reports (its Hello, /server_info's `workers`)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -85,13 +85,12 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
                          structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config),
                          lora=lora_slots_for(cfg, model, device))
     runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before the worker joins the bus
-    info = {"num_blocks": num_blocks, "max_model_len": max_model_len, "vocab_size": model.cfg.vocab_size,
-            "device": str(device), "model": cfg.model_name, "tensor_parallel_size": tp_size, "tp_rank": rank,
-            "weight_bytes": weight_bytes(model),
-            "dtype": str(dtype).removeprefix("torch."), "kv_cache_bytes": kv.nbytes,
-            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
-            "kernels": model.kern.name, "attention": attn, "batch_invariant_checked": checked,
-            "cpu_linear": cpu_linear, "host_allocator": host_allocator, "warm_up_s": round(warm_s, 3),
-            "host_huge_pages": host_huge_pages() if device.type == "cpu" else None,
-            "cpu_threads": cpu_kernels.threads() if device.type == "cpu" else None, "layout": layout(cfg)}
+    info = WorkerInfo(
+        num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=model.cfg.vocab_size, device=str(device),
+        model=cfg.model_name, tensor_parallel_size=tp_size, tp_rank=rank, weight_bytes=weight_bytes(model),
+        dtype=str(dtype).removeprefix("torch."), kv_cache_bytes=kv.nbytes,
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."), kernels=model.kern.name, attention=attn,
+        batch_invariant_checked=checked, cpu_linear=cpu_linear, host_allocator=host_allocator,
+        warm_up_s=round(warm_s, 3), host_huge_pages=host_huge_pages() if device.type == "cpu" else None,
+        cpu_threads=cpu_kernels.threads() if device.type == "cpu" else None, layout=layout(cfg))
     return Loaded(model, kv, runner, info)

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 import zmq
@@ -32,6 +33,7 @@ import zmq
 from ascend_ops import packed_linear
 from ascend_ops.platform import current_platform
 from ascend_ops.tp_group import TPError, init_tp_group
+from bus import control_state
 from bus.codec import CodecError, decode
 from bus.endpoints import COMMAND_TOPIC, PLAN_TOPIC, Endpoints, presence_topic
 from bus.member import MemberLink
@@ -39,18 +41,24 @@ from bus.messages import (
     PROTOCOL_FINGERPRINT,
     PROTOCOL_VERSION,
     AbortWeightUpdate,
+    Checksums,
     CollectiveRpc,
     Command,
     CommandBody,
     CommitWeightUpdate,
     ControlReply,
     ErrorInfo,
+    ErrorKind,
+    ExtensionCall,
+    ExtensionReturned,
     FinishWeightUpdate,
     Health,
+    HealthReport,
     Hello,
     InitWeightTransferEngine,
     MemberJoined,
     MemberLost,
+    MemoryReleased,
     Pause,
     ReleaseMemory,
     ShareWeights,
@@ -60,17 +68,25 @@ from bus.messages import (
     StartWeightUpdate,
     StepPlan,
     StepResult,
+    TransferReady,
+    TransferShutDown,
+    UpdateAborted,
+    UpdateCommitted,
+    UpdateFinished,
+    UpdateStarted,
     UpdateWeights,
     UpdateWeightVersion,
     WakeUp,
     WeightChecker,
+    WeightsReceived,
+    WeightsReloaded,
+    WokeUp,
 )
 from bus.sockets import make_socket, recv, report_ready, send
-from engine import control_state
+from bus.topology import Topology
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
-from engine.topology import Topology
 from engine.weights.config import parse_weight_transfer_config
 from engine.weights.protocol import WeightSyncError
 from engine.weights.receiver import WeightReceiver
@@ -85,7 +101,6 @@ log = structlog.get_logger()
 # Commands that never write parameters; after any other the CPU packed weights are dropped (_repacking).
 WEIGHTS_UNTOUCHED = frozenset({Health, Shutdown, UpdateWeightVersion, InitWeightTransferEngine,
                                ShutdownWeightTransferEngine, WeightChecker, MemberLost, MemberJoined, ShareWeights})
-TP_PEER = "TensorParallelPeer"  # the error kind of ranks that could run a step another rank could not
 TP_ABORT_EVERY = 4  # tp: layers between the (collective) checks for an abort pause
 
 
@@ -96,7 +111,7 @@ class StepInterrupted(Exception):
 class WorkerActor:
     def __init__(self, cfg: EngineConfig, rank: int, ctx: zmq.Context, ep: Endpoints):
         self.cfg, self.rank = cfg, rank  # rank: the tensor-parallel rank inside our engine
-        # data parallelism (engine.topology): our engine, global worker index, name, and whose weights we can
+        # data parallelism (bus.topology): our engine, global worker index, name, and whose weights we can
         # take after a restart (the same tp rank in another engine)
         topo = Topology.from_config(cfg)
         self.engine = cfg.data_parallel_rank
@@ -124,8 +139,8 @@ class WorkerActor:
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
         self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
                                       device=device, nz_mode=extra.weight_nz_mode)
-        self.info = {**loaded.info, "worker_extension_methods": extension_methods(self)}
-        log.info("worker.loaded", **self.info)
+        self.info = msgspec.structs.replace(loaded.info, worker_extension_methods=extension_methods(self))
+        log.info("worker.loaded", **msgspec.structs.asdict(self.info))
         self.plans = make_socket(ctx, zmq.SUB, connect=ep.plans)
         self.plans.setsockopt(zmq.SUBSCRIBE, PLAN_TOPIC)
         self.plans.setsockopt(zmq.SUBSCRIBE, presence_topic(self.name))
@@ -133,18 +148,18 @@ class WorkerActor:
         w = self.weights
         self.runner.grammar.wait_ready()
         self.link = MemberLink(ctx, ep, role="worker", name=self.name, info=self.info, handlers=self._repacking({
-            Health: lambda c: {"ok": True},
+            Health: lambda c: HealthReport(True),
             Shutdown: self._shutdown,
             ReleaseMemory: self._reporting(self._release_memory),
             WakeUp: self._reporting(self._wake_up),
             UpdateWeightVersion: self._new_epoch,
-            InitWeightTransferEngine: lambda c: w.init(c.init_info),
+            InitWeightTransferEngine: lambda c: TransferReady(**w.init(c.init_info)),
             StartWeightUpdate: self._start_update,
             UpdateWeights: self._update_weights,
-            FinishWeightUpdate: lambda c: w.finish(),
+            FinishWeightUpdate: lambda c: UpdateFinished(**w.finish()),
             CommitWeightUpdate: self._reporting(self._commit),
-            AbortWeightUpdate: lambda c: w.abort(),
-            ShutdownWeightTransferEngine: lambda c: w.shutdown(),
+            AbortWeightUpdate: lambda c: UpdateAborted(**w.abort()),
+            ShutdownWeightTransferEngine: self._shutdown_transfer,
             WeightChecker: self._weight_checker,
             CollectiveRpc: self._reporting(self._rpc),
             MemberLost: self._member_lost,
@@ -161,7 +176,7 @@ class WorkerActor:
 
     def start(self) -> None:
         state = self.link.wait_welcome(timeout_s=120)
-        self.runner.weight_version = state.weight_epoch
+        self.runner.weight_epoch = state.weight_epoch
         self.recovery.restore()
         if "weights" in state.sleeping_tags:  # joined a sleeping engine: sleep as well
             self.sleep.sleep(state.sleep_level or 1)
@@ -172,7 +187,7 @@ class WorkerActor:
         last loss) before it plans for us again. Not while a peer's copy of the weights is on its way."""
         if self.recovery.restoring is not None:
             return
-        info = {**self.info, "joined_seq": joined_seq}
+        info = msgspec.structs.replace(self.info, joined_seq=joined_seq)
         send(self.results, Hello("worker", self.name, os.getpid(), PROTOCOL_VERSION, info, PROTOCOL_FINGERPRINT))
 
     def _on_reply(self, reply: ControlReply) -> None:
@@ -216,8 +231,8 @@ class WorkerActor:
                 self._tp_failed(plan, e)
                 return
             if blocked and refusal is None:
-                refusal = ErrorInfo(TP_PEER, f"another tensor-parallel worker of this engine could not run step "
-                                    f"{plan.step_id}", self.name)
+                refusal = ErrorInfo(ErrorKind.TP_PEER, "another tensor-parallel worker of this engine could not run "
+                                    f"step {plan.step_id}", self.name)
         if refusal is not None:
             self.runner.drop(plan.seq_ids)  # the scheduler fails them: a plan sent after this one may name them
             send(self.results, self._no_result(plan, refusal))
@@ -255,22 +270,22 @@ class WorkerActor:
     def _refusal(self, plan: StepPlan) -> ErrorInfo | None:
         """Why this worker must not compute `plan` (None: it can)."""
         if self.sleep.asleep:  # never compute on released memory
-            return ErrorInfo("Asleep", f"{self.name} got step {plan.step_id} while its "
+            return ErrorInfo(ErrorKind.ASLEEP, f"{self.name} got step {plan.step_id} while its "
                              f"{', '.join(sorted(self.sleep.asleep))} sleep: /wake_up first", self.name, 503)
         if self.recovery.weights_lost is not None:  # never compute with a version not in service
             why = (control_state.weights_lost_message(self.link.state)
                    or f"weight version {self.recovery.weights_lost!r} lost")
-            return ErrorInfo("WeightVersionLost", why, self.name, 503)
+            return ErrorInfo(ErrorKind.WEIGHT_VERSION_LOST, why, self.name, 503)
         if self.sleep.missing:  # never compute with weights a level-2 sleep discarded
             st = self.sleep.weights_status()
-            why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"])
-            return ErrorInfo("WeightsDiscarded", why, self.name, 503)
+            why = control_state.weights_discarded_message(st.missing, st.total)
+            return ErrorInfo(ErrorKind.WEIGHTS_DISCARDED, why, self.name, 503)
         known = self.runner.seqs.keys() | self.runner.dropped | {ns.seq_id for ns in plan.new_seqs}
         unknown = [sid for sid in plan.seq_ids if sid not in known]
         if unknown:  # planned before a stall or a scheduler's return made us forget them: nothing to compute
             log.warning("worker.stale_plan", step=plan.step_id, unknown=len(unknown))
-            return ErrorInfo("UnknownSequence", f"{len(unknown)} sequences of step {plan.step_id} are unknown here",
-                             self.name)
+            return ErrorInfo(ErrorKind.UNKNOWN_SEQUENCE,
+                             f"{len(unknown)} sequences of step {plan.step_id} are unknown here", self.name)
         return None
 
     def _tp_failed(self, plan: StepPlan, e: BaseException) -> None:
@@ -283,7 +298,7 @@ class WorkerActor:
 
     def _no_result(self, plan: StepPlan, error: ErrorInfo | None = None) -> StepResult:
         """A step that sampled nothing: failed (error) or interrupted (the caller sets it)."""
-        return StepResult(plan.step_id, self.rank, [], None, None, None, None, self.runner.weight_version, error)
+        return StepResult(plan.step_id, self.rank, [], None, None, None, None, self.runner.weight_epoch, error)
 
     def _check_interrupt(self) -> None:
         """Between layers: an abort pause (or abort sleep) that the loop has not applied yet ends the
@@ -306,7 +321,7 @@ class WorkerActor:
         (ascend_ops.packed_linear), so the next step packs what is in the parameters then; a failed
         handler drops them too, it may have written part of an update."""
         def wrap(handler):
-            def handle(cmd: CommandBody) -> dict[str, Any] | None:
+            def handle(cmd: CommandBody) -> Any:
                 try:
                     return handler(cmd)
                 finally:
@@ -317,8 +332,10 @@ class WorkerActor:
     def _reporting(self, handler):
         """Acks of the commands that can change it carry how many parameters lack content (sleep level 2):
         the coordinator turns a change into a WeightsMissing broadcast."""
-        def handle(cmd: CommandBody) -> dict[str, Any]:
-            return {**(handler(cmd) or {}), **self.sleep.weights_status()}
+        def handle(cmd: CommandBody) -> MemoryReleased | WokeUp | UpdateCommitted | WeightsReloaded | ExtensionReturned:
+            result = handler(cmd)
+            result.weights = self.sleep.weights_status()
+            return result
         return handle
 
     def _shutdown(self, cmd: Shutdown) -> None:
@@ -343,28 +360,29 @@ class WorkerActor:
             return
         self._hello_scheduler(self.link.follower.current.seq)
 
-    def _release_memory(self, cmd: ReleaseMemory) -> dict[str, Any]:
+    def _release_memory(self, cmd: ReleaseMemory) -> MemoryReleased:
         """Second phase of /sleep: the scheduler has quiesced."""
         level = cmd.level
         released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
         group = level >= 1 and self.extra_cleanup and self.weights.release_group()
         log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
-        return {"released_bytes": released, "released_group": group}
+        return MemoryReleased(released, bool(group))
 
-    def _wake_up(self, cmd: WakeUp) -> dict[str, Any]:
+    def _wake_up(self, cmd: WakeUp) -> WokeUp:
         tags = [t for t in (cmd.tags or ["weights", "kv_cache"]) if t != "scheduling"]
         restored = self.sleep.wake(tags) if tags else 0
         log.info("worker.wake_up", tags=tags, restored_bytes=restored)
-        return {"restored_bytes": restored}
+        return WokeUp(restored)
 
     def _new_epoch(self, cmd: UpdateWeightVersion) -> None:
-        self.runner.weight_version = self.link.state.weight_epoch
+        self.runner.weight_epoch = self.link.state.weight_epoch
 
-    def _start_update(self, cmd: StartWeightUpdate) -> dict[str, Any]:
+    def _start_update(self, cmd: StartWeightUpdate) -> UpdateStarted:
         self.recovery.update_started_away = self.away
-        return self.weights.start(weights_asleep="weights" in self.sleep.asleep)
+        self.weights.start(weights_asleep="weights" in self.sleep.asleep)
+        return UpdateStarted()
 
-    def _update_weights(self, cmd: UpdateWeights) -> dict[str, Any] | None:
+    def _update_weights(self, cmd: UpdateWeights) -> WeightsReceived:
         """The weight-transfer lifecycle (engine.weights.receiver); errors carry their HTTP status."""
         info = cmd.update_info
         if isinstance(info, list):  # v0.33: one entry per global worker rank
@@ -372,35 +390,42 @@ class WorkerActor:
                 raise WeightSyncError(f"update_info has {len(info)} entries; worker rank {self.index} has none",
                                       param="update_info")
             info = info[self.index]
-        return self.weights.update(info)
+        return WeightsReceived(**self.weights.update(info))
 
-    def _commit(self, cmd: CommitWeightUpdate) -> dict[str, Any] | None:
+    def _commit(self, cmd: CommitWeightUpdate) -> UpdateCommitted:
         received = list(self.weights.received)
-        out = self.weights.commit()
-        if out.get("committed"):
+        out = UpdateCommitted(**self.weights.commit())
+        if out.committed:
             self.sleep.mark_loaded(received)
-        self.runner.weight_version = self.link.state.weight_epoch
-        self.recovery.committed(bool(out.get("committed")), received, self.away)
+        self.runner.weight_epoch = self.link.state.weight_epoch
+        self.recovery.committed(out.committed, received, self.away)
         return out
 
-    def _weight_checker(self, cmd: WeightChecker) -> dict[str, Any]:
+    def _shutdown_transfer(self, cmd: ShutdownWeightTransferEngine) -> TransferShutDown:
+        self.weights.shutdown()
+        return TransferShutDown()
+
+    def _weight_checker(self, cmd: WeightChecker) -> Checksums:
         if "weights" in self.sleep.asleep:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
-        return {"checksums": self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:")}
+        return Checksums(self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:"))
 
-    def _rpc(self, cmd: CollectiveRpc) -> dict[str, Any]:
+    def _rpc(self, cmd: CollectiveRpc) -> WeightsReloaded | ExtensionReturned:
         """The allow-listed worker methods reachable through POST /collective_rpc."""
-        method, args, kwargs = cmd.method, cmd.args, cmd.kwargs
-        if method in self.info["worker_extension_methods"]:  # --worker-extension-cls (workers.extension)
-            return {"extension_result": call_extension(self, method, args, kwargs)}
+        method, call = cmd.method, cmd.call
+        if isinstance(call, ExtensionCall):  # --worker-extension-cls (workers.extension)
+            if method not in self.info.worker_extension_methods:
+                raise ValueError(f"method {method!r} is not a method of --worker-extension-cls")
+            args, kwargs = msgspec.json.decode(call.args_json), msgspec.json.decode(call.kwargs_json)
+            return ExtensionReturned(call_extension(self, method, args, kwargs))
         if method != "reload_weights":
             raise ValueError(f"method {method!r} is not callable through collective_rpc")
         if "weights" in self.sleep.asleep:
             raise RuntimeError("the weights are asleep: wake_up?tags=weights first")
-        names = reload_weights(self.runner.model, self.cfg, kwargs.get("weights_path"))
+        names = reload_weights(self.runner.model, self.cfg, call.weights_path)
         self.sleep.mark_loaded(names)
         self.recovery.keep()  # a restart must come back with these weights, not the update's
-        return {"loaded_tensors": len(names)}
+        return WeightsReloaded(len(names))
 
 
 def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:

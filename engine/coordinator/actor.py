@@ -17,6 +17,7 @@ import uuid
 import structlog
 import zmq
 
+from bus import control_state
 from bus.codec import CodecError
 from bus.control import ControlLedger, Member, Pending
 from bus.endpoints import COMMAND_TOPIC, WEIGHTS_TOPIC, Endpoints
@@ -31,8 +32,10 @@ from bus.messages import (
     ControlRequest,
     ControlState,
     ErrorInfo,
+    ErrorKind,
     Heartbeat,
     Hello,
+    MemberEntry,
     MemberJoined,
     MemberLost,
     Members,
@@ -40,6 +43,7 @@ from bus.messages import (
     StartWeightUpdate,
     WeightsLost,
     WeightsMissing,
+    WeightsStatus,
     WeightUpdateEvent,
     WeightUpdateResult,
     WeightVersionCommitted,
@@ -48,7 +52,6 @@ from bus.messages import (
     describe,
 )
 from bus.sockets import make_socket, member_name, recv_from, report_ready, send, subscription_event
-from engine import control_state
 from engine.config import EngineConfig
 from engine.logs import setup_logging
 from engine.topology import layout, layout_mismatch
@@ -127,7 +130,7 @@ class Coordinator:
         if (h.protocol_version, h.protocol_fingerprint) != (PROTOCOL_VERSION, PROTOCOL_FINGERPRINT):
             return self._refuse(sender, h, f"protocol version {h.protocol_version} ({h.protocol_fingerprint}) != "
                                 f"coordinator's {PROTOCOL_VERSION} ({PROTOCOL_FINGERPRINT})")
-        mismatch = layout_mismatch(self.layout, h.info.get("layout") if isinstance(h.info, dict) else None)
+        mismatch = layout_mismatch(self.layout, h.info.layout if h.info is not None else None)
         if mismatch:  # started with other flags (another host's command line, say)
             return self._refuse(sender, h, f"{h.name} was started with other flags than the coordinator: {mismatch}")
         if h.name in self.subscribed:
@@ -155,10 +158,10 @@ class Coordinator:
     def _on_request(self, sender: bytes, r: ControlRequest) -> None:
         if self.stopping:
             send(self.router, ControlReply(r.request_id, False, self.ledger.seq, {},
-                                           [ErrorInfo("ShuttingDown", "shutting down")]), to=sender)
+                                           [ErrorInfo(ErrorKind.SHUTTING_DOWN, "shutting down")]), to=sender)
             return
         if isinstance(r.body, Members):  # read-only: answered directly, not broadcast
-            members = {n: {"role": m.role, "pid": m.pid, "info": m.info} for n, m in self.ledger.members.items()}
+            members = {n: MemberEntry(m.role, m.pid, m.info) for n, m in self.ledger.members.items()}
             send(self.router, ControlReply(r.request_id, True, self.ledger.seq, members), to=sender)
             return
         busy = self.sync is not None or self.ledger.snapshot.weight_update_active
@@ -256,8 +259,8 @@ class Coordinator:
         """Workers report how many parameters a level-2 sleep left without content (sleep, wake, commit,
         reload acks); a change is broadcast as `weights_missing`, before the requester hears back, so the
         gateways refuse requests (503) until every worker has its weights again."""
-        counts = [(r["weights_missing"], r.get("weights_total", 0)) for r in p.results.values()
-                  if isinstance(r, dict) and isinstance(r.get("weights_missing"), int)]
+        counts = [(w.missing, w.total) for r in p.results.values()
+                  if isinstance(w := getattr(r, "weights", None), WeightsStatus)]
         if not counts:
             return
         count, total = max(counts)

@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 import zmq
 
+from bus import control_state
 from bus.codec import CodecError
 from bus.endpoints import PLAN_TOPIC, Endpoints
 from bus.member import DEFER, MemberLink
@@ -41,17 +42,24 @@ from bus.messages import (
     CommandBody,
     CommitWeightUpdate,
     ErrorInfo,
+    ErrorKind,
     Health,
+    HealthReport,
     Hello,
     MemberJoined,
     MemberLost,
     NewSeq,
+    NotStarted,
     OutputBatch,
     Pause,
+    PrefixCacheReset,
     PromptLogprobs,
+    Quiesced,
     RequestOutput,
     ResetPrefixCache,
     Resume,
+    SchedulerInfo,
+    SchedulerReady,
     Shutdown,
     Sleep,
     StartWeightUpdate,
@@ -59,9 +67,11 @@ from bus.messages import (
     StepResult,
     UpdateWeightVersion,
     WakeUp,
+    WeightEpoch,
+    WorkerInfo,
 )
 from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
-from engine import control_state
+from bus.topology import Topology
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on
 from engine.kv_events import parse_kv_events_config
@@ -73,7 +83,7 @@ from engine.scheduler.kv_event_publisher import KVEventPublisher
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
-from engine.topology import Topology, layout
+from engine.topology import layout
 
 log = structlog.get_logger()
 
@@ -84,7 +94,7 @@ RECOVERY_WAIT_S = 60.0  # how long queued requests wait for a lost worker to com
 class SchedulerActor:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
-        # Which engine we are (data parallelism, engine.topology): our name and our workers' names
+        # Which engine we are (data parallelism, bus.topology): our name and our workers' names
         topo = Topology.from_config(cfg)
         self.engine = cfg.data_parallel_rank
         self.name = topo.scheduler_name(self.engine)
@@ -93,7 +103,7 @@ class SchedulerActor:
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.requests))
         self.plans = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.plans))
         self.results = make_socket(ctx, zmq.PULL, bind=ep.bind_address(ep.results))
-        self.link = MemberLink(ctx, ep, role="scheduler", name=self.name, info={"layout": layout(cfg)}, handlers={
+        self.link = MemberLink(ctx, ep, role="scheduler", name=self.name, info=SchedulerInfo(layout(cfg)), handlers={
             Health: self._health, Shutdown: self._shutdown, MemberLost: self._member_lost,
             MemberJoined: lambda c: None,  # a worker is back only once its Hello reaches us (_on_worker_hello)
             UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
@@ -132,7 +142,7 @@ class SchedulerActor:
 
     # --- start-up -------------------------------------------------------------------------------
 
-    def wait_for_workers(self, timeout_s: float = 600.0) -> dict[str, Any]:
+    def wait_for_workers(self, timeout_s: float = 600.0) -> SchedulerReady:
         """Every worker's Hello (results socket) and plan subscription (XPUB) must both arrive."""
         want = set(self.workers)
         hellos: dict[str, Hello] = {}
@@ -157,18 +167,18 @@ class SchedulerActor:
                     except CodecError as e:
                         log.warning("scheduler.bad_result", error=str(e))
                         continue
-                    if isinstance(msg, Hello):
+                    if isinstance(msg, Hello) and isinstance(msg.info, WorkerInfo):
                         hellos[msg.name] = msg
                         self._on_worker_hello(msg)
                 else:
                     self.link.handle(sock)
             self.link.tick(time.monotonic())
         infos = [hellos[n].info for n in sorted(want)]
-        num_blocks = min(i["num_blocks"] for i in infos)
-        max_len = min(i["max_model_len"] for i in infos)
+        num_blocks = min(i.num_blocks for i in infos)
+        max_len = min(i.max_model_len for i in infos)
         self.max_model_len = max_len
-        self.depth = 2 if async_scheduling_on(self.cfg, str(infos[0].get("device", "cpu"))) else 1
-        self.limits = EngineLimits(min(i["vocab_size"] for i in infos), max_len, self.cfg.max_logprobs,
+        self.depth = 2 if async_scheduling_on(self.cfg, infos[0].device) else 1
+        self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.max_logprobs,
                                    self.cfg.enable_trace_replay)
         blocks = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
                               record_events=self.kv_events is not None)
@@ -177,11 +187,11 @@ class SchedulerActor:
                                max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
-        self.sched.weight_version = self.link.state.weight_epoch
+        self.sched.weight_epoch = self.link.state.weight_epoch
         self.gate = StepGate.from_state(self.link.state)
         log.info("scheduler.workers_ready", workers=len(want), num_blocks=num_blocks, max_model_len=max_len,
                  async_scheduling=self.depth > 1)
-        return {"num_blocks": num_blocks, "max_model_len": max_len, "async_scheduling": self.depth > 1}
+        return SchedulerReady(num_blocks, max_len, self.depth > 1)
 
     # --- main loop ------------------------------------------------------------------------------
 
@@ -254,11 +264,11 @@ class SchedulerActor:
                        client)
         error = None
         if self.workers_waiting and time.monotonic() - self.waiting_since > RECOVERY_WAIT_S:
-            error = ErrorInfo("WorkerLost", self._recovery_message(), status=503)
+            error = ErrorInfo(ErrorKind.WORKER_LOST, self._recovery_message(), status=503)
         if error is None and control_state.rejects_new_requests(self.link.state):
-            error = ErrorInfo("Paused", control_state.PAUSED_MESSAGE, status=503)
+            error = ErrorInfo(ErrorKind.PAUSED, control_state.PAUSED_MESSAGE, status=503)
         if error is None and msg.request_id in self.sched.seqs:
-            error = ErrorInfo("DuplicateRequest", f"request id {msg.request_id!r} is already running",
+            error = ErrorInfo(ErrorKind.DUPLICATE_REQUEST, f"request id {msg.request_id!r} is already running",
                               param="request_id")
         if error is None:
             error = admission_error(msg, self.limits)  # nothing a worker cannot run reaches a step
@@ -293,7 +303,7 @@ class SchedulerActor:
             self.step_id,
             [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
             step.seq_ids, step.num_computed, step.num_new,
-            [s.block_table for s in step.seqs], step.finished_ids, step.weight_version)
+            [s.block_table for s in step.seqs], step.finished_ids, step.weight_epoch)
         send(self.plans, plan, topic=PLAN_TOPIC)
 
     def _on_result(self) -> None:
@@ -332,7 +342,7 @@ class SchedulerActor:
         main = results[0]
         # the failing worker's own error first (tp peers that only declined the step say TensorParallelPeer)
         errors = sorted((r.error for r in results.values() if r.error is not None),
-                        key=lambda e: e.kind == "TensorParallelPeer")
+                        key=lambda e: e.kind == ErrorKind.TP_PEER)
         interrupted = any(r.interrupted for r in results.values())
         if errors:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
@@ -395,7 +405,7 @@ class SchedulerActor:
         """One sampled token of one sequence, with what the request asked to know about it."""
         seq = u.seq
         sp = seq.sampling
-        version = res.weight_version
+        version = res.weight_epoch
         kv_epoch = u.kv_epoch
         finished = u.finished
         logprobs = top = ranks = mass = None
@@ -412,20 +422,14 @@ class SchedulerActor:
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
                             None, len(seq.prompt_token_ids), seq.num_cached_tokens, version,
                             kv_epoch is not None and kv_epoch != version, ranks, mass, prompt_lp)
-        if seq.routed_pieces:  # every output carries the routes computed since the previous one
-            out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
-            seq.routed_pieces = []
-        return out
+        return _with_routes(seq, out)
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
                 logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
         out = RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
                             error, seq.num_prompt_tokens, seq.num_cached_tokens, version)
-        if seq.routed_pieces:  # every output carries the routes computed since the previous one
-            out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
-            seq.routed_pieces = []
-        return out
+        return _with_routes(seq, out)
 
     def _emit(self, items: list[tuple[Sequence, RequestOutput]]) -> None:
         """Queue outputs for the end of this loop turn (run() flushes them after the turn's plan)."""
@@ -451,12 +455,12 @@ class SchedulerActor:
 
     # --- control (handlers of the typed commands; the follower has applied the state already) ------
 
-    def _health(self, cmd: Health) -> dict[str, Any]:
+    def _health(self, cmd: Health) -> HealthReport:
         if self.sched is None:
-            return {"ok": False, "why": "waiting for workers"}
+            return HealthReport(False, "waiting for workers")
         if self.workers_waiting:
-            return {"ok": False, "why": f"waiting for {', '.join(sorted(self.workers_waiting))} to rejoin"}
-        return {"ok": True, "running": len(self.sched.running)}
+            return HealthReport(False, f"waiting for {', '.join(sorted(self.workers_waiting))} to rejoin")
+        return HealthReport(True, running=len(self.sched.running))
 
     def _shutdown(self, cmd: Shutdown) -> None:
         self.stopping = True
@@ -465,13 +469,14 @@ class SchedulerActor:
         seq = self.link.follower.current.seq
         if cmd.role == "worker" and cmd.name in self.workers:  # another engine's worker is its scheduler's business
             self._worker_lost([cmd.name], seq, ErrorInfo(
-                "WorkerLost", f"{cmd.name} was lost ({cmd.why}) while this request ran on it; retry", cmd.name, 503))
+                ErrorKind.WORKER_LOST, f"{cmd.name} was lost ({cmd.why}) while this request ran on it; retry",
+                cmd.name, 503))
         elif cmd.name == self.name:
             # We stalled past the heartbeat timeout: the gateways failed our requests already, and the
             # workers forget their sequences when we rejoin (MemberJoined): start again from nothing.
             log.warning("scheduler.was_lost", why=cmd.why)
             self._worker_lost(list(self.workers), seq, ErrorInfo(
-                "SchedulerLost", f"the scheduler was lost ({cmd.why})", self.name, 503), everything=True)
+                ErrorKind.SCHEDULER_LOST, f"the scheduler was lost ({cmd.why})", self.name, 503), everything=True)
         elif cmd.role == "gateway" and self.sched is not None:
             # Nobody is left to read these outputs: stop computing them.
             orphans = [s for s in self.sched.seqs.values() if s.client == cmd.name.encode()]
@@ -508,8 +513,7 @@ class SchedulerActor:
             self.plan_subs.discard(name)
 
     def _on_worker_hello(self, h: Hello) -> None:
-        joined = h.info.get("joined_seq", 0) if isinstance(h.info, dict) else 0
-        self.worker_hellos[h.name] = joined if isinstance(joined, int) else 0
+        self.worker_hellos[h.name] = h.info.joined_seq if isinstance(h.info, WorkerInfo) else 0
         self._check_rejoined(h.name)
 
     def _check_rejoined(self, name: str) -> None:
@@ -528,25 +532,26 @@ class SchedulerActor:
         """Queued requests do not wait forever for a worker that never comes back."""
         if self.sched is None or time.monotonic() - self.waiting_since <= RECOVERY_WAIT_S or not self.sched.seqs:
             return
-        self._fail_seqs(list(self.sched.seqs.values()), ErrorInfo("WorkerLost", self._recovery_message(), status=503))
+        self._fail_seqs(list(self.sched.seqs.values()),
+                        ErrorInfo(ErrorKind.WORKER_LOST, self._recovery_message(), status=503))
 
-    def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> dict[str, Any]:
+    def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> PrefixCacheReset:
         if self.sched is None:
-            return {"success": False}  # nothing cached before the workers are up; retry then
-        return {"success": self.sched.reset_prefix_cache(cmd.reset_running_requests)}
+            return PrefixCacheReset(False)  # nothing cached before the workers are up; retry then
+        return PrefixCacheReset(self.sched.reset_prefix_cache(cmd.reset_running_requests))
 
-    def _new_epoch(self, cmd: UpdateWeightVersion | CommitWeightUpdate) -> dict[str, Any]:
+    def _new_epoch(self, cmd: UpdateWeightVersion | CommitWeightUpdate) -> WeightEpoch | NotStarted:
         """A new weight epoch: new prefix-cache key space too. A commit also ends the update's window."""
         if self.sched is None:
-            return {"starting": True}  # wait_for_workers starts from the state
-        self.sched.weight_version = self.link.state.weight_epoch
+            return NotStarted()  # wait_for_workers starts from the state
+        self.sched.weight_epoch = self.link.state.weight_epoch
         if isinstance(cmd, CommitWeightUpdate):
             self._gate_command(cmd)
-        return {"weight_epoch": self.sched.weight_version}
+        return WeightEpoch(self.sched.weight_epoch)
 
     def _gate_command(self, cmd: CommandBody) -> Any:
         if self.sched is None:
-            return {"starting": True}  # wait_for_workers builds the gate from the state
+            return NotStarted()  # wait_for_workers builds the gate from the state
         f = self.link.follower
         verdict = self.gate.on_command(cmd, f.before, f.state)
         if not isinstance(verdict, Quiesce):
@@ -558,7 +563,7 @@ class SchedulerActor:
         done = self._complete_quiesce()
         return DEFER if done is None else done
 
-    def _complete_quiesce(self) -> dict[str, Any] | None:
+    def _complete_quiesce(self) -> Quiesced | None:
         """The ack's result once the pending quiesce is complete (no step in flight, and for wait no work
         left), else None."""
         q = self.gate.quiesced(in_flight=bool(self.in_flight), has_work=self.sched.has_work())
@@ -566,7 +571,7 @@ class SchedulerActor:
             return None
         if q.clear_cache:
             self.sched.drop_kv()
-        return {"paused": True, "aborted": q.aborted}
+        return Quiesced(q.aborted)
 
     def _maybe_complete_quiesce(self) -> None:
         if self.gate.pending is None:
@@ -585,13 +590,22 @@ class SchedulerActor:
         self._emit(outs)
 
 
+def _with_routes(seq: Sequence, out: RequestOutput) -> RequestOutput:
+    """Every output carries the routed experts computed since the sequence's previous one."""
+    if seq.routed_pieces:
+        out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
+        seq.routed_pieces = []
+    return out
+
+
 def step_failure(e: ErrorInfo) -> ErrorInfo:
     """What the requests of a failed step are told: a failure the worker anticipated (it knows the HTTP
     status, e.g. 503 for weights a level-2 sleep discarded) as it is; anything else as a 500 that names
     the exception."""
     if e.status is not None:
         return ErrorInfo(e.kind, e.message, e.member, e.status, e.param, e.tensor)
-    return ErrorInfo("StepFailed", f"worker step failed: {e.kind}: {e.message}", e.member, None, e.param, e.tensor)
+    return ErrorInfo(ErrorKind.STEP_FAILED, f"worker step failed: {e.kind}: {e.message}", e.member, None, e.param,
+                     e.tensor)
 
 
 def freeze_heap() -> None:

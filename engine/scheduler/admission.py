@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus.messages import AddRequest, ErrorInfo
-from engine.sampling_params import ParamError, validate_prompt_ids
+from bus.messages import AddRequest, ErrorInfo, ErrorKind
+from bus.sampling_params import ParamError, validate_prompt_ids
 from engine.structured_outputs import check_compiles
 
 
@@ -32,7 +32,8 @@ def admission_error(req: AddRequest, limits: EngineLimits) -> ErrorInfo | None:
     """None when the request may be queued; else why not, naming the field."""
     n = len(req.prompt_token_ids)
     if n >= limits.max_model_len:
-        return ErrorInfo("PromptTooLong", f"prompt of {n} tokens does not fit max_model_len {limits.max_model_len}",
+        return ErrorInfo(ErrorKind.PROMPT_TOO_LONG,
+                         f"prompt of {n} tokens does not fit max_model_len {limits.max_model_len}",
                          status=400, param="prompt_token_ids")
     try:
         validate_prompt_ids(req.prompt_token_ids, limits.vocab_size, "prompt_token_ids")
@@ -53,5 +54,5 @@ def admission_error(req: AddRequest, limits: EngineLimits) -> ErrorInfo | None:
         except ParamError as e:
             raise ParamError(f"sampling.{e.param}", str(e)) from None
     except ParamError as e:
-        return ErrorInfo("ParamError", str(e), status=400, param=e.param)
+        return ErrorInfo(type(e).__name__, str(e), status=400, param=e.param)
     return None

@@ -38,7 +38,7 @@ class ScheduledStep:
     num_computed: list[int]  # before this step
     new_seqs: list[Sequence]  # first time the workers see these
     finished_ids: list[str]  # workers may forget these
-    weight_version: int
+    weight_epoch: int
     _ids: list[str] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -74,7 +74,7 @@ class Scheduler:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    weight_version: int = 0
+    weight_epoch: int = 0
     max_loras: int = 0  # --max-loras with --enable-lora: different adapters running at once (0: no limit)
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
@@ -185,7 +185,7 @@ class Scheduler:
             # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
             # never reads the prefix cache (its blocks are still shared with later requests).
             want_prompt_lp = seq.sampling.prompt_logprobs is not None
-            seq.num_computed = 0 if want_prompt_lp else self.blocks.match_prefix(seq, self.weight_version)
+            seq.num_computed = 0 if want_prompt_lp else self.blocks.match_prefix(seq, self.weight_epoch)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.can_allocate(seq, seq.num_computed + n):
                 # Give the matched blocks back: a waiting sequence must hold nothing, or two of them
@@ -213,7 +213,7 @@ class Scheduler:
             order = sorted(range(len(seqs)), key=lambda k: num_new[k] != 1)
             seqs, num_new, num_computed = ([xs[k] for k in order] for xs in (seqs, num_new, num_computed))
         finished, self._finished_ids = self._finished_ids, []
-        return ScheduledStep(seqs, num_new, num_computed, new_seqs, finished, self.weight_version)
+        return ScheduledStep(seqs, num_new, num_computed, new_seqs, finished, self.weight_epoch)
 
     def update(self, step: ScheduledStep, sampled: dict[str, tuple[int, float, list[list[float]] | None]]
                ) -> list[SeqUpdate]:
@@ -224,7 +224,7 @@ class Scheduler:
         updates: list[SeqUpdate] = []
         append = updates.append
         get = sampled.get
-        version = step.weight_version
+        version = step.weight_epoch
         blocks = self.blocks
         commit = blocks.commit_full_blocks if blocks.caching else None
         bs = blocks.block_size

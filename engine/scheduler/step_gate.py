@@ -23,14 +23,18 @@ from dataclasses import dataclass
 
 from bus.messages import (
     AbortWeightUpdate,
+    AlreadyQuiet,
     CommandBody,
     CommitWeightUpdate,
     ControlState,
     Pause,
     Resume,
+    Resumed,
     Sleep,
+    SleepingTags,
     StartWeightUpdate,
     WakeUp,
+    WeightEpoch,
 )
 
 
@@ -58,32 +62,33 @@ class StepGate:
             return cls("keep")
         return cls()
 
-    def on_command(self, cmd: CommandBody, before: ControlState, after: ControlState) -> dict | Quiesce | None:
+    def on_command(self, cmd: CommandBody, before: ControlState, after: ControlState
+                   ) -> AlreadyQuiet | Resumed | SleepingTags | WeightEpoch | Quiesce | None:
         """What a command means for stepping, given the control state before and after it: the ack's
-        result now (a dict), a Quiesce to carry out, or None when the command does not concern stepping."""
+        result now, a Quiesce to carry out, or None when the command does not concern stepping."""
         if isinstance(cmd, Pause):
             if before.paused is not None or self.quiet is not None:
-                return {"paused": True}  # pausing twice is a no-op; a quiet in force already holds it
+                return AlreadyQuiet()  # pausing twice is a no-op; a quiet in force already holds it
             return self._quiesce(cmd.mode, cmd.clear_cache)
         if isinstance(cmd, Resume):
             self._end_if_free(after)
-            return {"paused": False}
+            return Resumed()
         if isinstance(cmd, Sleep):
             if before.sleeping_tags or self.quiet is not None:
-                return {"sleeping": True}  # asleep already, or held by a pause: nothing to quiesce
+                return AlreadyQuiet()  # asleep already, or held by a pause: nothing to quiesce
             # levels 1 and 2 drop the KV of kept requests: the workers are about to discard it
             return self._quiesce(cmd.mode, cmd.level >= 1)
         if isinstance(cmd, WakeUp):
             self._end_if_free(after)
-            return {"sleeping_tags": list(after.sleeping_tags)}
+            return SleepingTags(list(after.sleeping_tags))
         if isinstance(cmd, StartWeightUpdate):
             # no token is computed on half-written weights: requests queue, running ones keep their KV
             if self.quiet is not None:
-                return {"held": True}
+                return AlreadyQuiet()
             return self._quiesce("keep", False)
         if isinstance(cmd, (CommitWeightUpdate, AbortWeightUpdate)):
             self._end_if_free(after)
-            return {"weight_epoch": after.weight_epoch}
+            return WeightEpoch(after.weight_epoch)
         return None
 
     def may_step(self, state: ControlState, *, in_flight: bool, has_work: bool) -> bool:

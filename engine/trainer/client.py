@@ -50,9 +50,10 @@ from engine.weights.protocol import (
 
 
 class WeightSyncFailed(RuntimeError):
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param  # the field the engine's error names ("init_info": initialise the transfer first)
 
 
 def weight_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
@@ -157,7 +158,8 @@ class WeightSyncClient:
         try:
             self._post("/start_weight_update", None)
         except WeightSyncFailed as e:
-            if not self.sender.restart(e.status, str(e)):
+            # the engine slept with sleep_mode_extra_cleanup and released our group: the backend forms it again
+            if not self.sender.restart(e.status, e.param):
                 raise
             self._post("/start_weight_update", None)
 
@@ -186,10 +188,10 @@ class WeightSyncClient:
             raise WeightSyncFailed(err.text(), err.status or 500)
 
     def _bus_world(self) -> int:
-        from bus.messages import Members
+        from bus.messages import MemberEntry, Members
 
         reply = self._bus.request(Members(), 10)
-        return 1 + sum(1 for m in reply.results.values() if m.get("role") == "worker")
+        return 1 + sum(1 for m in reply.results.values() if isinstance(m, MemberEntry) and m.role == "worker")
 
     # --- plumbing -----------------------------------------------------------------------------------
 
@@ -251,8 +253,9 @@ class WeightSyncClient:
         except urllib.error.HTTPError as e:
             raw = e.read()
             try:
-                msg = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = raw.decode(errors="replace")
-            raise WeightSyncFailed(f"{method} {path} -> {e.code}: {msg}", e.code) from None
+                err = json.loads(raw)["error"]
+                msg, param = err["message"], err.get("param")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                msg, param = raw.decode(errors="replace"), None
+            raise WeightSyncFailed(f"{method} {path} -> {e.code}: {msg}", e.code, param) from None
         return json.loads(raw) if raw.strip() else {}

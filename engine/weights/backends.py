@@ -34,7 +34,7 @@ class Sender(Protocol):
     def prepare(self, named: Any) -> Any: ...  # the (name, tensor) pairs to send (ipc may share them)
     def ensure_ready(self) -> None: ...  # before a send: form what the backend needs once
     def init_transfer(self) -> None: ...  # /init_weight_transfer_engine
-    def restart(self, status: int, message: str) -> bool: ...  # a refused start this backend can mend
+    def restart(self, status: int, param: str | None) -> bool: ...  # a refused start this backend can mend
     def transfer(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None: ...  # HTTP
     def bus_updates(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> list[dict]: ...
     def after_announce(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None: ...

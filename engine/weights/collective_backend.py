@@ -105,7 +105,7 @@ class Receiver:
             why = (" (a sleep with sleep_mode_extra_cleanup released the group: initialise it again)"
                    if self.group_released else f" ({self._group_lost})" if self._group_lost else "")
             raise WeightSyncError(f"the hccl backend needs /init_weight_transfer_engine before an update{why}",
-                                  status=409)
+                                  status=409, param="init_info")
 
     def update(self, info: dict[str, Any], r: Any) -> dict[str, Any]:
         """Receive one update_weights call's broadcasts; never leave the trainer blocked.
@@ -348,10 +348,11 @@ class Sender:
                 self.group = None
             raise failure[0]
 
-    def restart(self, status: int, message: str) -> bool:
+    def restart(self, status: int, param: str | None) -> bool:
         """A start refused because the engine released our group (a sleep with sleep_mode_extra_cleanup):
-        form it again and say so (the caller retries the start)."""
-        if not (status == 409 and "init_weight_transfer_engine" in message):
+        form it again and say so (the caller retries the start). The engine names the field: a 409 on
+        init_info means "initialise the transfer first"."""
+        if not (status == 409 and param == "init_info"):
             return False
         self.group.destroy()
         self.group = None

@@ -44,9 +44,19 @@ class WeightTransferConfig:
 
 def default_backend() -> str:
     """vLLM's default backend is nccl (its only collective); ours is the platform's collective library."""
-    from ascend_ops.host_env import launcher_platform
+    return {"cuda": "nccl", "npu": "hccl"}.get(platform_name(), "gloo")
 
-    return {"cuda": "nccl", "npu": "hccl"}.get(launcher_platform()[0], "gloo")
+
+def platform_name() -> str:
+    """The workers' platform ("cpu" without importing torch on a CPU-only host). engine.launcher's
+    launcher_platform asks the same, but an entry point sits above this floor (.ci/check_imports.py)."""
+    from ascend_ops.host_env import cpu_only_host
+
+    if cpu_only_host():
+        return "cpu"
+    from ascend_ops.platform import current_platform
+
+    return current_platform().name
 
 
 def parse_weight_transfer_config(text: str | None) -> WeightTransferConfig | None:

@@ -155,7 +155,7 @@ class Sender:
     def init_transfer(self) -> None:
         self.c._post("/init_weight_transfer_engine", {"init_info": {"packed": self.c.packed}})
 
-    def restart(self, status: int, message: str) -> bool:
+    def restart(self, status: int, param: str | None) -> bool:
         return False
 
     def prepare(self, named: Any) -> Any:

@@ -91,7 +91,7 @@ class WeightReceiver:
         backend = self._require_backend()
         if self.was_shut_down:
             raise WeightSyncError("the weight transfer engine was shut down: call /init_weight_transfer_engine "
-                                  "again first", status=409)
+                                  "again first", status=409, param="init_info")
         if self.state != IDLE:
             raise WeightSyncError("a weight update is already active: finish_weight_update (or its failure) "
                                   "must end it before start_weight_update", status=409)

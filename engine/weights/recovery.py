@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bus.messages import ControlReply, ControlRequest, ShareWeights, WeightsLost
+from bus.messages import ControlReply, ControlRequest, ShareWeights, WeightsLost, WeightsShared
 from bus.sockets import send
 from engine.weights.protocol import WeightSyncError
 
@@ -124,7 +124,7 @@ class WeightRecovery:
         result = reply.results.get(donor)
         if self.weight_commits == state.weight_commits:
             why = None  # a complete update reached us meanwhile: we hold the version in service already
-        elif reply.ok and isinstance(result, dict) and result.get("path") == path:
+        elif reply.ok and isinstance(result, WeightsShared) and result.path == path:
             why = load_copy(self.model, path, run_id=state.run_id, commits=state.weight_commits)
         else:
             why = f"{donor} could not share its weights: {reply.error or 'no copy'}"
@@ -136,7 +136,7 @@ class WeightRecovery:
             self.lose(f"{why_own}; {why}")
         return True
 
-    def share(self, cmd: ShareWeights, away: bool) -> dict[str, Any] | None:
+    def share(self, cmd: ShareWeights, away: bool) -> WeightsShared | None:
         """A restarted peer asks for the version in service: write a tagged copy where it said, if that is
         a private folder of this user's made for it (nothing else is written on a bus peer's word)."""
         if cmd.donor != self.name:
@@ -155,7 +155,7 @@ class WeightRecovery:
         save_copy(self.model, cmd.path, run_id=state.run_id, commits=state.weight_commits,
                   version=state.weight_version)
         log.info("worker.weights_shared", member=cmd.member, seconds=round(time.perf_counter() - t0, 3))
-        return {"path": cmd.path}
+        return WeightsShared(cmd.path)
 
     def lose(self, why: str) -> None:
         state = self.link.state

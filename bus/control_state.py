@@ -164,10 +164,6 @@ def reduce(state: ControlState, cmd: CommandBody) -> ControlState:
     return reducer(state, cmd) if reducer is not None else state
 
 
-def is_stateful(cmd: CommandBody) -> bool:
-    return type(cmd) in REDUCERS
-
-
 def version_label(state: ControlState, epoch: int) -> str:
     return state.version_labels.get(str(epoch), f"epoch-{epoch}")
 
