@@ -4,6 +4,7 @@
     POST /start_weight_update                                 the scheduler holds steps until commit/abort
     POST /update_weights {"update_info": {...} | [...]}       validated in full on every worker, then written
     POST /finish_weight_update {"weight_version": "..."}      every worker finished -> commit (new epoch)
+    POST /abort_weight_update                                 rollbus's own: drop the update in progress
     POST /shutdown_weight_transfer_engine
     GET  /get_world_size?include_dp=true
     POST /weight_checker {"action": "checksum"|"compare"|"reset", "baseline": {...}}
@@ -42,7 +43,8 @@ from gateway.errors import BAD_REQUEST, INTERNAL, APIError, bad_request, check_t
 from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                "/finish_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
+                "/finish_weight_update", "/abort_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size",
+                "/weight_checker")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
 _TYPES = {400: BAD_REQUEST, 409: "ConflictError", 504: GATEWAY_TIMEOUT}
 
@@ -120,6 +122,13 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         commit = steps.commit(version or "")
         await call(client, commit.command, commit.timeout_s)
         return JSONResponse({"message": "Weight update finished"})
+
+    @app.post("/abort_weight_update")
+    async def abort_weight_update() -> JSONResponse:
+        # not vLLM's: a fleet trainer (several engines, one update) drops an engine's staged update when
+        # another engine refused its part; the previous weights stay in service. Without an update: a no-op.
+        await call(client, steps.abort().command, steps.control_s)
+        return JSONResponse({"message": "Weight update aborted"})
 
     @app.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> JSONResponse:
