@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -39,12 +40,16 @@ def perturb(model, seed: int) -> None:
 def fleet(tmp_path_factory, smollm2_dir):
     folder = tiny_model_with_tokenizer("qwen2", tmp_path_factory.mktemp("fleet") / "qwen2", smollm2_dir)
     cfg = json.dumps({"backend": "gloo", "timeout_s": 20})
-    servers = []
+    dirs = [tmp_path_factory.mktemp(f"engine{i}") for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:  # both start at once
+        started = [pool.submit(start_server, d, str(folder), "--additional-config", RL, "--weight-transfer-config",
+                               cfg, "--max-model-len", "128", "--block-size", "4", "--enable-sleep-mode")
+                   for d in dirs]
+    servers = [f.result() for f in started if f.exception() is None]
     try:
-        for i in range(2):
-            servers.append(start_server(tmp_path_factory.mktemp(f"engine{i}"), str(folder), "--additional-config", RL,
-                                        "--weight-transfer-config", cfg, "--max-model-len", "128",
-                                        "--block-size", "4", "--enable-sleep-mode"))
+        for f in started:
+            if f.exception() is not None:
+                raise f.exception()
         from transformers import AutoModelForCausalLM
 
         yield servers, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
