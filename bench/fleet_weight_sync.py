@@ -34,8 +34,8 @@ RL = '{"rl_config": {"enabled": true}}'
 BAR = 1.3
 
 
-def send(urls: list[str], model: torch.nn.Module, version: str, other: str) -> dict[str, float]:
-    with WeightSyncClient(urls if len(urls) > 1 else urls[0], backend="hccl") as client:
+def send(urls: list[str], model: torch.nn.Module, version: str, other: str, **opts) -> dict[str, float]:
+    with WeightSyncClient(urls if len(urls) > 1 else urls[0], backend="hccl", **opts) as client:
         client.init_transfer()  # not timed: the group
         t = dict(client.send_weights(model.named_parameters(), version=version))
     if len(urls) == 1:  # the other engine holds the same bytes (the trainer's weights do not change here):
@@ -49,8 +49,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="Checkpoint folder (default: SmolLM2-135M-Instruct).")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--packed-num-buffers", type=int, default=2, help="Chunks in flight (client and engines).")
+    ap.add_argument("--unpacked", action="store_true", help="One broadcast per tensor instead of packed chunks.")
     ap.add_argument("--json", help="Write the numbers to this file.")
     args = ap.parse_args()
+    opts = {"packed": not args.unpacked, "packed_num_buffers": args.packed_num_buffers}
     from transformers import AutoModelForCausalLM
 
     folder = str(args.model or resolve_model(None, progress=True))
@@ -68,13 +71,13 @@ def main() -> None:
         if len(servers) < 2:
             raise next(f.exception() for f in started if f.exception() is not None)
         a, b = (s.url for s in servers)
-        send([a, b], trainer, "warm-2", b)  # warm-up: staging copies, buffers, both engines on one version
-        send([a], trainer, "warm-1", b)
-        send([a, b], trainer, "warm-2b", b)
+        send([a, b], trainer, "warm-2", b, **opts)  # warm-up: staging copies, buffers, both engines on one version
+        send([a], trainer, "warm-1", b, **opts)
+        send([a, b], trainer, "warm-2b", b, **opts)
         rows = []
         for r in range(args.rounds):
             order = [[a], [a, b]] if r % 2 == 0 else [[a, b], [a]]
-            t = {len(urls): send(urls, trainer, f"r{r}-{len(urls)}", b) for urls in order}
+            t = {len(urls): send(urls, trainer, f"r{r}-{len(urls)}", b, **opts) for urls in order}
             rows.append({"one": t[1], "two": t[2], "ratio_total": t[2]["total"] / t[1]["total"],
                          "ratio_transfer": t[2]["transfer"] / t[1]["transfer"]})
             print(f"round {r}: 1 engine {t[1]['total']:.3f} s (transfer {t[1]['transfer']:.3f}), "
