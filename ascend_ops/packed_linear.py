@@ -30,12 +30,12 @@ Measured, SmolLM2-135M's layer GEMMs, GFLOP/s (`python bench/decode_gemm.py`):
   software prefetch (which took it from 69 to 90 GFLOP/s at 32 rows on the Xeon; not measured on Zen 3);
   MKL there ran at two thirds of oneDNN's speed in a decode step.
 bf16 where the CPU has no native bf16 (no AVX512-BF16, AMX or AVX-NE-CONVERT: AMD Zen 2/3, Intel before Cooper
-Lake) multiplies on the widest panel kernel instead: the weights packed as bf16 panels (half the bytes an fp32
-pack streams), widened to fp32 in registers (exact: a bf16 is an fp32's top 16 bits), the activations
-widened once per call, every output summed in fp32 and rounded to bf16 once, as torch's bf16 linear rounds
-its fp32 sums (the summation order is the fp32 panel kernel's, so not bitwise F.linear's; the oracle tests'
-bf16 tolerance holds). torch's own bf16 linear there runs a slow reference loop (the whole decode ~7x
-slower than fp32).
+Lake, where oneDNN has no bf16 path or an emulated one) multiplies on the widest panel kernel instead: the
+weights packed as bf16 panels (half the bytes an fp32 pack streams), widened to fp32 in registers (exact: a
+bf16 is an fp32's top 16 bits), the activations widened once per call, every output summed in fp32 and
+rounded to bf16 once, as torch's bf16 linear rounds its fp32 sums (the summation order is the fp32 panel
+kernel's, so not bitwise F.linear's; the oracle tests' bf16 tolerance holds). torch's own bf16 linear there
+runs a slow reference loop (the whole decode ~7x slower than fp32).
 CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: there, 2 threads, the AVX-512 kernel ran 6-19%
 faster than oneDNN at 16-128 rows but 12% slower at 1,024 (an RL rollout's wide step; docs/serving.md).
 `ROLLBUS_CPU_PACKED_LINEAR` chooses: `1` (the default: as above), `onednn`, `mkl` (fp32 on MKL whatever the
@@ -43,7 +43,8 @@ CPU; refused where this torch has no MKL), `avx2` / `avx512` (fp32 on that panel
 refused where the kernels were built without that instruction set; bf16 too, widened to fp32 as above,
 whatever the CPU), `0` (packing off, plain `F.linear`). Under `1` and `mkl` bf16 takes oneDNN's native path
 where the CPU has one, else a panel kernel; under `onednn` bf16 takes oneDNN's native path or, without one,
-plain `F.linear` (as before the panel kernels read bf16).
+oneDNN's emulated one (AVX-512 without bf16 instructions) or plain `F.linear` (as before the panel kernels
+read bf16).
 
 Default and batch-invariant kernels on CPU (oneDNN's and MKL's packed products were measured row-invariant
 for four rows or more, the panel kernels are for any rows by construction, and the invariant linear pads to
@@ -81,9 +82,16 @@ def _dtypes() -> tuple[torch.dtype, ...]:
     return _DTYPES if supported is not None and supported() else (torch.float32,)
 
 
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # x86 flags of bf16 instructions
+
+
 def native_bf16() -> bool:
-    """Whether oneDNN has a native bf16 path on this CPU."""
-    return torch.bfloat16 in _dtypes()
+    """Whether oneDNN multiplies bf16 natively here: an x86 CPU with bf16 instructions (`NATIVE_BF16`; oneDNN
+    also takes bf16 on AVX-512 CPUs without them, emulated), or oneDNN's word for it on another architecture."""
+    if torch.bfloat16 not in _dtypes():
+        return False
+    flags = cpu_kernels.cpu_flags()
+    return not ({"avx2", "avx512f"} & flags) or bool(set(NATIVE_BF16) & flags)
 
 
 def _choice() -> str:
@@ -154,11 +162,10 @@ def bf16_backend() -> str | None:
     if value in PANEL_WIDTHS:
         fp32_backend()  # refuses, naming why, where that kernel is missing
         return value
-    if native_bf16():
-        return "onednn"
-    if value == "onednn":
-        return None
-    return next((b for b in ("avx512", "avx2") if panel_unavailable(b) is None), None)
+    onednn = "onednn" if torch.bfloat16 in _dtypes() else None
+    if native_bf16() or value == "onednn":
+        return onednn
+    return next((b for b in ("avx512", "avx2") if panel_unavailable(b) is None), onednn)
 
 
 @functools.cache

@@ -379,9 +379,10 @@ def test_the_panel_kernels_refuse_bad_operands_with_an_error(backend):
 
 # --- bf16 on the panel kernels (CPUs without native bf16) ----------------------------------------------------
 
-def test_the_bf16_backend_per_cpu(choose):
-    """Native bf16 (AVX512-BF16 / AMX): oneDNN's; without: the widest panel kernel (F.linear under `onednn`);
-    `avx2` / `avx512` choose that panel kernel for bf16 too, whatever the CPU."""
+def test_the_bf16_backend_per_cpu(choose, monkeypatch):
+    """Native bf16 (AVX512-BF16 / AMX): oneDNN's; without: the widest panel kernel (under `onednn`: oneDNN's
+    emulated bf16 where it has one, else F.linear); `avx2` / `avx512` choose that panel kernel for bf16 too,
+    whatever the CPU."""
     widest = next((b for b in ("avx512", "avx2") if pl.panel_unavailable(b) is None), None)
     choose(None, native=True)
     assert pl.bf16_backend() == "onednn" and pl.describe(torch.bfloat16) == "onednn-prepacked"
@@ -392,10 +393,14 @@ def test_the_bf16_backend_per_cpu(choose):
     choose("mkl" if pl.mkl_unavailable() is None else "1", native=False)
     assert pl.bf16_backend() == widest
     choose("onednn", native=False)
+    assert pl.bf16_backend() == ("onednn" if torch.bfloat16 in pl._dtypes() else None)
+    monkeypatch.setattr(pl, "_dtypes", lambda: (torch.float32,))  # oneDNN without any bf16 path (AMD Zen 3)
+    choose("onednn", native=False)
     assert pl.bf16_backend() is None and pl.describe(torch.bfloat16) == "torch (no packed bf16 product on this CPU)"
     w = param(64, 32, dtype=torch.bfloat16)
     x = torch.randn(3, 32).bfloat16()
     assert torch.equal(pl.linear(x, w), F.linear(x, w)) and getattr(w, "_rollbus_packed", None) is None
+    monkeypatch.undo()
     choose("onednn", native=True)
     assert pl.bf16_backend() == "onednn"
     for b in pl.PANEL_WIDTHS:
@@ -444,3 +449,15 @@ def test_bf16_on_a_panel_kernel_is_row_invariant_and_the_invariant_linear_uses_i
     with torch.inference_mode():
         assert torch.equal(bi.linear(x, w, b), whole)
         assert torch.equal(bi.linear(x[:5], w, b), whole[:5])
+
+
+def test_native_bf16_means_bf16_instructions_on_x86(monkeypatch):
+    """oneDNN takes bf16 on any AVX-512 CPU (emulated without bf16 instructions): native only with them."""
+    from ascend_ops import cpu_kernels
+
+    if torch.bfloat16 not in pl._dtypes():
+        pytest.skip("oneDNN has no bf16 path here")
+    for flags, want in [({"avx2", "avx512f"}, False), ({"avx2", "avx512f", "avx512_bf16"}, True),
+                        ({"avx2", "amx_bf16"}, True), ({"avx2", "avx_ne_convert"}, True), (set(), True)]:
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda f=flags: f)
+        assert pl.native_bf16() is want, flags
