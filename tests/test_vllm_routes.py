@@ -9,8 +9,9 @@ import time
 import httpx
 import pytest
 
+from bus.messages import CommandBody, ControlReply, ResetPrefixCache
 from tests.server_helpers import start_server
-from tests.test_gateway_protocol import make_app
+from tests.test_gateway_protocol import FakeClient, make_app
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
 
@@ -88,6 +89,54 @@ def test_completion_render_gives_one_request_per_prompt() -> None:
         [("cmpl-abc-0", [72, 105], 2), ("cmpl-abc-1", [89, 111], 2)]
 
 
+class ResetRecorder(FakeClient):
+    """Records the control commands; the scheduler answers a reset with success."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commands: list[CommandBody] = []
+
+    async def control(self, command: CommandBody, timeout_s: float = 0.0) -> ControlReply:
+        self.commands.append(command)
+        return ControlReply("x", True, 1, {"scheduler": {"success": True}, "worker-0": {"ok": True}}, [])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("params, body, running", [
+    ({}, None, False),
+    ({"reset_running_requests": "true"}, None, True),
+    ({}, {"reset_running_requests": True}, True),  # SkyRL's call: honoured (vLLM drops it)
+    ({}, {"reset_running_requests": False, "reset_external": True}, False),
+    ({"reset_running_requests": "1"}, {"reset_running_requests": True}, True),  # the same both ways
+    ({"reset_external": "true"}, {"reset_running_requests": True}, True),
+    ({}, {"reset_running_requests": None}, False),
+])
+def test_reset_prefix_cache_options_from_query_or_body(params, body, running) -> None:
+    client = ResetRecorder()
+    http, _ = make_app(client, additional_config='{"rl_config": {"enabled": true}}')
+    r = http.post("/reset_prefix_cache", params=params, json=body)
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
+    assert client.commands == [ResetPrefixCache(running)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("params, body, param", [
+    ({"reset_running_requests": "maybe"}, None, "reset_running_requests"),
+    ({}, {"reset_running_requests": "true"}, "reset_running_requests"),  # the body's type is a JSON boolean
+    ({}, {"reset_external": 1}, "reset_external"),
+    ({"reset_running_requests": "false"}, {"reset_running_requests": True}, "reset_running_requests"),
+    ({"reset_external": "true"}, {"reset_external": False}, "reset_external"),
+    ({}, {"frobnicate": 1}, "frobnicate"),
+    ({}, [True], None),
+])
+def test_reset_prefix_cache_refuses_bad_or_contradicting_options(params, body, param) -> None:
+    client = ResetRecorder()
+    http, _ = make_app(client, additional_config='{"rl_config": {"enabled": true}}')
+    r = http.post("/reset_prefix_cache", params=params, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.commands == []  # nothing reached the engine
+
+
 # --- the real engine -------------------------------------------------------------------------------
 
 RL = '{"rl_config": {"enabled": true}}'
@@ -127,13 +176,18 @@ def test_reset_prefix_cache_as_vllm(server) -> None:
     t.join(280)
     # the preempted request was recomputed and finished whole
     assert got["choices"][0]["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 60
-    for params, body_json, param in (({"reset_running_requests": "maybe"}, None, "reset_running_requests"),
-                                     ({}, {"reset_running_requests": True}, "reset_running_requests"),
-                                     ({}, {"frobnicate": 1}, "frobnicate")):
-        r = httpx.post(url + "/reset_prefix_cache", params=params, json=body_json)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    # SkyRL sends the default in the body: the same as the query, accepted
-    assert httpx.post(url + "/reset_prefix_cache", json={"reset_running_requests": False}).status_code == 200
+    # SkyRL's call (the option in a JSON body) preempts the running request as the query form does
+    got.clear()
+    t = threading.Thread(target=lambda: got.update(httpx.post(url + "/v1/completions", timeout=280, json={
+        "prompt": "Count: 1 2 3", "max_tokens": 60, "ignore_eos": True, "temperature": 0}).json()))
+    t.start()
+    _wait_running(url)
+    r = httpx.post(url + "/reset_prefix_cache", json={"reset_running_requests": True})
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
+    t.join(280)
+    assert got["usage"]["completion_tokens"] == 60
+    r = httpx.post(url + "/reset_prefix_cache", params={"reset_running_requests": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reset_running_requests", r.text
 
 
 def test_cache_salt_isolates_the_prefix_cache(server) -> None:
