@@ -544,7 +544,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ParamError("structured_outputs", "You can only either use constraints for structured outputs or "
                                                    "tools, not both.")
         schema = tool_choice_schema(self.template_tools() or [], self.tool_choice, self.parallel_tool_calls)
-        return forced_tool_constraint(schema)
+        return forced_tool_constraint(schema, self.structured_outputs,
+                                      {"guided_whitespace_pattern": self.guided_whitespace_pattern})
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template sees beyond messages and tools (vLLM's ChatParams)."""
