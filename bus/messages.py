@@ -38,8 +38,8 @@ import numpy as np
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 11
-PROTOCOL_FINGERPRINT = "22a06d03303c"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 12
+PROTOCOL_FINGERPRINT = "a9fb873ed34a"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 

@@ -148,7 +148,7 @@ def _limits(model: dict[str, Any], names: list[str], vocab: int, max_len: int, m
         props["model"]["enum"] = [*names, None]
     token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     ids = {"type": "array", "items": token}
-    for name in ("stop_token_ids", "tokens", "trace_decode_token_ids"):
+    for name in ("stop_token_ids", "tokens", "trace_decode_token_ids", "allowed_token_ids"):
         if name in props:
             props[name]["items"] = token
     if "token_ids" in props:  # generate's prompt

@@ -25,7 +25,7 @@ from bus.messages import ErrorInfo, PromptLogprobs, RequestOutput
 from engine import routed_experts
 from engine.config import EngineConfig
 from engine.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
-from engine.sampling_params import ParamError, SamplingParams, validate_prompt_ids
+from engine.sampling_params import ParamError, SamplingParams, tokenize_bad_words, validate_prompt_ids
 from gateway.dp_middleware import requested_engine
 from gateway.engine_client import EngineClient, EngineDead
 from gateway.errors import (
@@ -153,10 +153,19 @@ class ServingContext:
         rest = max(limit - prompt_len, 1)  # vLLM: generation config's max_new_tokens caps a request's default
         return min(rest, int(self.model.sampling_defaults.get("max_tokens", rest)))
 
-    def validate_params(self, params: SamplingParams, prompt_len: int) -> None:
+    def validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """The request's SamplingParams checked (ParamError naming the field), with its bad_words tokenized."""
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ParamError("bad_words", "bad_words need the tokenizer, which a --tokens-only server does not "
+                                              "load: ban token ids with logit_bias (-100) instead.")
+            params = params.replace(bad_words_token_ids=tokenize_bad_words(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
         params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
         params.validate_routed_experts(prompt_len)
+        params.validate_priority(self.cfg.scheduling_policy)
         params.validate_trace(vocab_size=self.model.vocab_size, enabled=self.cfg.enable_trace_replay)
+        return params
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         """A streaming detokenizer for one choice; None without a tokenizer (the text stays empty)."""

@@ -141,7 +141,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     default = ctx.max_tokens_for(len(ids), body.requested_max_tokens(), body.max_tokens_param(), "messages")
     try:
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
-        ctx.validate_params(params, len(ids))
+        params = ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e, body) from None
     states: list[ChoiceState] = []

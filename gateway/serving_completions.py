@@ -142,7 +142,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
             await asyncio.sleep(0)  # ~75 us a prompt: 4,096 of them would hold the loop for 0.3 s
         default = ctx.max_tokens_for(len(ids), body.max_tokens, "max_tokens", "prompt")
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
-        ctx.validate_params(params, len(ids))
+        params = ctx.validate_params(params, len(ids))
         echo = ""
         if body.echo and not body.return_token_ids:  # vLLM: with return_token_ids the echoed text is ""
             p = prompts[pi]

@@ -75,7 +75,7 @@ def tokens_logprobs(token_ids: list[int], logprobs: list[float] | None, top: lis
 def _remap(e: ParamError) -> ParamError:
     """Engine field names live under sampling_params on this endpoint."""
     if e.param.startswith("sampling_params.") or e.param in ("token_ids", "model", "stream_options", "output_mode",
-                                                             *REFUSED_GENERATE):
+                                                             "priority", *REFUSED_GENERATE):
         return e
     return ParamError(f"sampling_params.{e.param}", str(e))
 
@@ -95,8 +95,8 @@ def prepare(ctx: ServingContext, body: GenerateRequest, request_id: str) -> list
                           "sampling_params.n")
     default = ctx.max_tokens_for(len(ids), sp.max_tokens, "sampling_params.max_tokens", "token_ids")
     try:
-        params = sp.to_sampling_params(default).replace(cache_salt=body.cache_salt)
-        ctx.validate_params(params, len(ids))
+        params = sp.to_sampling_params(default).replace(cache_salt=body.cache_salt, priority=body.priority)
+        params = ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e) from None
     if params.stop and ctx.tokenizer is None:

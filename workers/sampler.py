@@ -1,8 +1,9 @@
 """Token sampling for one step's batch of rows (one row per sampled sequence), and the logprobs the
 engine reports about it.
 
-Order, as vLLM v1: raw logits -> penalties -> min_tokens ban -> temperature -> min_p -> top_k ->
-top_p -> sample. Greedy rows (temperature 0) take the argmax of the penalised, banned logits. A
+Order, as vLLM v1: raw logits -> logit_bias -> penalties -> bans (min_tokens, allowed_token_ids,
+bad_words, the grammar) -> temperature -> min_p -> top_k -> top_p -> sample. (vLLM bans before the bias;
+a ban is -inf, which neither the bias nor a penalty changes, so the values are the same.) Greedy rows (temperature 0) take the argmax of the penalised, banned logits. A
 seeded row draws from its own torch.Generator, so its tokens depend only on its own seed and history,
 never on which other requests share the batch. A trace-replay row takes the next trace token instead
 of drawing one.
@@ -15,8 +16,8 @@ What is reported (`--logprobs-mode`, vLLM's meaning; docs/logprobs.md is the con
   processed_logits    those processed logits
 `rank` counts the vocabulary entries whose value is >= the token's (1 = the most likely). With
 `return_sampling_mass`, `mass` = sum over the tokens the sampler could draw of softmax(z / T), where z
-are the penalised logits before the ban and the filters, so processed_logprob = log_softmax(z / T) -
-log(mass) exactly. Rows whose distribution nothing changes (temperature 1, no penalty, filter or ban)
+are the biased, penalised logits before the bans and the filters, so processed_logprob = log_softmax(z / T) -
+log(mass) exactly. Rows whose distribution nothing changes (temperature 1, no bias, penalty, filter or ban)
 have processed == raw and mass 1 without computing anything.
 
 Structured outputs (workers/grammar.py): a constrained row's grammar mask (-inf outside the tokens the
@@ -150,7 +151,7 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
         t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
         lse_full = torch.logsumexp(z[proc] / t, dim=-1)  # before the ban and the filters
     if masks is None:
-        _mask_until_min_tokens(z, rows)
+        _ban(z, rows)
     else:
         z = _apply_grammar_and_ban(z, masks, rows)
 
@@ -264,16 +265,18 @@ def _plain(r: RowState) -> bool:
 
 def _row_edited(r: RowState) -> bool:
     p = r.params
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
 
 def _banned(r: RowState) -> bool:
     p = r.params
-    return len(r.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or (r.eos_token_ids and not p.ignore_eos))
+    return (len(r.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or (r.eos_token_ids and not p.ignore_eos))
+            or p.allowed_token_ids is not None or bool(p.bad_words_token_ids))
 
 
 def _needs_edit(rows: list[RowState]) -> bool:
-    return any(_row_edited(r) or len(r.output_token_ids) < r.params.min_tokens for r in rows)
+    return any(_row_edited(r) or len(r.output_token_ids) < r.params.min_tokens or r.params.allowed_token_ids
+               is not None or r.params.bad_words_token_ids for r in rows)
 
 
 def _filters(r: RowState) -> bool:
@@ -281,8 +284,12 @@ def _filters(r: RowState) -> bool:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> None:
+    """logit_bias, then the penalties (vLLM's order), in place."""
     for i, r in enumerate(rows):
         p = r.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.int64)
             vals = logits[i, seen]
@@ -294,21 +301,37 @@ def _apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _mask_until_min_tokens(logits: torch.Tensor, rows: list[RowState]) -> None:
+def _ban(logits: torch.Tensor, rows: list[RowState]) -> None:
+    """-inf, in place, where a row may not draw: outside its allowed_token_ids, the last token of a bad word
+    whose other tokens end the output (vLLM: bad words are matched against the output only), and its stop
+    and EOS ids until min_tokens."""
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) < r.params.min_tokens:
-            banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
+        p = r.params
+        if p.allowed_token_ids is not None:
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+            keep = logits[i, ids]
+            logits[i].fill_(float("-inf"))
+            logits[i, ids] = keep
+        if p.bad_words_token_ids:
+            out = r.output_token_ids
+            last = [w[-1] for w in p.bad_words_token_ids if len(w) - 1 <= len(out) and
+                    (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
+            if last:
+                logits[i, last] = float("-inf")
+        if len(r.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if banned:
                 logits[i, banned] = float("-inf")
 
 
 def _apply_grammar_and_ban(z: torch.Tensor, masks: StepMasks, rows: list[RowState]) -> torch.Tensor:
-    """The grammar mask, then the min_tokens ban, as a new tensor; where both together leave nothing (the
-    grammar can only end while EOS is still banned) the grammar wins, so the row always has a token to draw."""
+    """The grammar mask, then the bans, as a new tensor; where both together leave nothing (the grammar can only
+    end while EOS is still banned, or allows none of allowed_token_ids) the grammar wins, so the row always has
+    a token to draw."""
     z = apply_masks(z, masks)
-    banned = [i for i in masks.rows if len(rows[i].output_token_ids) < rows[i].params.min_tokens]
+    banned = [i for i in masks.rows if _banned(rows[i])]
     kept = z[banned].clone() if banned else None
-    _mask_until_min_tokens(z, rows)
+    _ban(z, rows)
     for k, i in enumerate(banned):
         if bool(torch.isneginf(z[i]).all()):
             z[i] = kept[k]
@@ -337,7 +360,10 @@ def _filter(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
         # already reaches top_p (the first token is always kept).
         before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before >= torch.tensor(top_p).unsqueeze(1), float("-inf"))
+        # a row without top-p (1.0) drops nothing, even where the mass before a token rounds to 1.0 in fp32
+        # (a strongly biased token), so it samples the same bits in a batch with top-p rows as alone
+        cut = torch.tensor([p if p < 1.0 else float("inf") for p in top_p]).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(before >= cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 

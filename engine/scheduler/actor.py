@@ -169,11 +169,12 @@ class SchedulerActor:
         self.max_model_len = max_len
         self.depth = 2 if async_scheduling_on(self.cfg, str(infos[0].get("device", "cpu"))) else 1
         self.limits = EngineLimits(min(i["vocab_size"] for i in infos), max_len, self.cfg.max_logprobs,
-                                   self.cfg.enable_trace_replay)
+                                   self.cfg.enable_trace_replay, self.cfg.scheduling_policy)
         blocks = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
                               record_events=self.kv_events is not None)
         self.sched = Scheduler(blocks,
-                               self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len)
+                               self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len,
+                               policy=self.cfg.scheduling_policy)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
         self.sched.weight_version = self.link.state.weight_epoch
