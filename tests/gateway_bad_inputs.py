@@ -310,8 +310,8 @@ def unsupported_generate_cases() -> list[BadInput]:
          for k, v in ASKING_ENGINE_SAMPLING.items()]
     c += [BadInput(f"generate: unsupported {k}", GENERATE, {**base, k: v}, 400, k) for k, v in ASKING_GENERATE.items()]
     c.append(BadInput("generate: logit_bias, allowed_token_ids, bad_words", GENERATE,
-                      {**base, "sampling_params": {"max_tokens": 2, "logit_bias": {"3": -100}, "allowed_token_ids": [3, 4],
-                                                   "bad_words": ["x"]}}, 200, None))
+                      {**base, "sampling_params": {"max_tokens": 2, "logit_bias": {"3": -100},
+                                                   "allowed_token_ids": [3, 4], "bad_words": ["x"]}}, 200, None))
     c.append(BadInput("generate: priority without the priority policy", GENERATE, {**base, "priority": 2}, 400,
                       "priority"))
     c.append(BadInput("generate: allowed_token_ids negative", GENERATE,

@@ -6,16 +6,17 @@ Each step (vLLM v1 style, one token budget for everything):
      latest-arrived running sequence is preempted (blocks freed, recomputed later) until it fits;
   2. then waiting sequences, oldest first, while budget, blocks and --max-num-seqs allow; a prompt
      longer than the budget is chunked over several steps.
-A sequence is sampled in the step that computes its last known token.
+A sequence is sampled in the step that computes its last known token. Outputs are appended by
+`update`, which also applies the stop rules and frees finished sequences' blocks.
 
 --scheduling-policy priority (vLLM's): the waiting queue and the running list are ordered by (priority,
 arrival time), lower first, instead of by arrival alone: the next waiting sequence is the one with the
 lowest value (a trainer resumes its partial rollouts ahead of new ones by giving them a lower value), a
 preempted sequence goes back to its place in that order, and the victim of a preemption is the running
-sequence with the highest (priority, arrival time), as vLLM's priority policy picks it. Keeping `running`
-in that order makes the victim always its last entry, as under fcfs. As in vLLM v1, a waiting sequence
-never preempts a running one: priority decides who is admitted and who is preempted when blocks run out. Outputs are appended by
-`update`, which also applies the stop rules and frees finished sequences' blocks.
+sequence with the highest (priority, arrival time), as vLLM's priority policy picks it. Keeping
+`running` in that order makes the victim always its last entry, as under fcfs. As in vLLM v1, a waiting
+sequence never preempts a running one: priority decides who is admitted, and who is preempted when
+blocks run out.
 
 Async scheduling (--async-scheduling): the next step may be planned while one is still computing. A sequence
 in that step counts its positions and its sample as if they were done (`inflight_tokens`,
