@@ -117,6 +117,7 @@ class EngineConfig:
     enable_scale_out: bool = False  # /inference/v1/generate and /inference/v1/abort_requests on
     enable_trace_replay: bool = False  # sampling_params.trace_decode_token_ids allowed
     enable_return_routed_experts: bool = False  # MoE: each choice returns its router top-k (docs/tokens.md)
+    return_sampling_mask: bool = False  # vLLM's: per generated token, the ids the sampler could draw
     # one line each for the log: vLLM flags accepted without effect here (not passed on to children)
     notes: tuple[str, ...] = ()
 
@@ -693,6 +694,14 @@ def add_training_data_args(p: argparse.ArgumentParser) -> None:
                         "base64 of a .npy array (num_tokens - 1 - routed_experts_prompt_start, num_moe_layers, "
                         "top_k), uint8 with at most 256 experts, else uint16. For router replay in training. "
                         "Dense models (and requests aborted before any forward pass) return null.")
+    g.add_argument("--return-sampling-mask", action=Switch, negatives=["--no-return-sampling-mask"], default=False,
+                   help="vLLM's: every choice of /inference/v1/generate (and each of its stream chunks) returns "
+                        "`sampling_mask`, per generated token the ids the sampler could have drawn (ascending): what "
+                        "top-k, top-p, min-p, allowed_token_ids, bad_words, min_tokens and a grammar kept, the "
+                        "support of the processed distribution, so the sampled token is always in it. For "
+                        "trainers that renormalise their logprobs over the same support (keep sampling mask, "
+                        "truncated importance sampling; pair it with --logprobs-mode processed_logprobs). A token "
+                        "drawn with nothing filtered lists the whole vocabulary. Without the flag it is null.")
 
 
 def add_vllm_only_args(p: argparse.ArgumentParser) -> None:

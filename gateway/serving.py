@@ -308,6 +308,7 @@ class ChoiceUpdate:
     text_offset: int  # where `text` starts in the choice's whole text
     ranks: list[int] | None = None
     sampling_mass: list[float] | None = None
+    sampling_mask: tuple[Any, Any] | None = None  # this update's (ids, counts) (engine/sampling_mask.py)
 
 
 class ChoiceState:
@@ -331,6 +332,7 @@ class ChoiceState:
         self.top_logprobs: list[list[list[float]]] = []
         self.ranks: list[int] = []
         self.sampling_mass: list[float] = []
+        self.mask_pieces: list[tuple[Any, Any]] = []  # --return-sampling-mask: (ids, counts) per output
         self.prompt_logprobs: PromptLogprobs | None = None
         self.routed_pieces: list[routed_experts.Piece] = []  # MoE router capture; see routed_experts_b64
         self.finish_reason: str | None = None
@@ -387,6 +389,10 @@ class ChoiceState:
             self.ranks += out.ranks
         if out.sampling_mass is not None:
             self.sampling_mass += out.sampling_mass
+        mask = None
+        if out.sampling_mask_counts is not None:
+            mask = (out.sampling_mask_ids, out.sampling_mask_counts)
+            self.mask_pieces.append(mask)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.routed_experts is not None:
@@ -407,7 +413,7 @@ class ChoiceState:
         end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.holdback)
         start, self.sent = self.sent, end
         return ChoiceUpdate(self.index, self.text[start:end], new, out.logprobs, out.top_logprobs,
-                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass)
+                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass, mask)
 
 
 # --- many engine requests of one HTTP request ----------------------------------------------------

@@ -228,6 +228,7 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
             "dtype": _dtype_name(workers, cfg.dtype), "max_model_len": model.max_model_len, "seed": cfg.seed,
             "max_logprobs": cfg.max_logprobs, "logprobs_mode": cfg.logprobs_mode,
             "enable_sleep_mode": cfg.enable_sleep_mode, "enable_trace_replay": cfg.enable_trace_replay,
+            "return_sampling_mask": getattr(cfg, "return_sampling_mask", False),
             "generation_config": getattr(cfg, "generation_config", "auto"),
         },
         "cache_config": {"block_size": cfg.block_size, "cache_dtype": getattr(cfg, "kv_cache_dtype", "auto"),

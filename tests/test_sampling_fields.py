@@ -1,9 +1,11 @@
 """vLLM's request-level sampling fields RL uses, through a real server: logit_bias, allowed_token_ids and
-bad_words on the OpenAI routes and /inference/v1/generate, and `priority` under --scheduling-policy priority
-(a tiny random model with SmolLM2's tokenizer: the fields act on whatever the model prefers)."""
+bad_words on the OpenAI routes and /inference/v1/generate, `priority` under --scheduling-policy priority, and
+--return-sampling-mask on generate (a tiny random model with SmolLM2's tokenizer: the fields act on whatever
+the model prefers)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -21,7 +23,8 @@ def server(tmp_path_factory, smollm2_dir):  # noqa: F811
     tmp = tmp_path_factory.mktemp("sampling-fields")
     folder = tiny_model_with_tokenizer("llama", tmp / "llama", smollm2_dir, vocab_size=49152)
     s = start_server(tmp, str(folder), "--served-model-name", "tiny", "--max-model-len", "256",
-                     "--max-num-seqs", "1", "--scheduling-policy", "priority", "--enable-scale-out")
+                     "--max-num-seqs", "1", "--scheduling-policy", "priority", "--enable-scale-out",
+                     "--return-sampling-mask")
     yield s
     s.stop()
 
@@ -66,6 +69,34 @@ def test_the_fields_on_generate(server) -> None:
     bad = httpx.post(server.url + "/inference/v1/generate", timeout=60, json={
         "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "logit_bias": {"49152": 1}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.logit_bias", bad.text
+
+
+def test_sampling_mask_on_generate_whole_and_streamed(server) -> None:
+    """Per generated token the ids the sampler could draw: top_k 5 keeps 5, the sampled token is in its row,
+    allowed_token_ids narrow it further, and the stream's rows are the whole answer's."""
+    sp = {"max_tokens": 6, "temperature": 1.0, "seed": 4, "top_k": 5, "logprobs": 0}
+    body = {"token_ids": [1, 2, 3], "sampling_params": sp}
+    r = httpx.post(server.url + "/inference/v1/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    mask = choice["sampling_mask"]
+    assert len(mask) == len(choice["token_ids"]) == 6
+    for tok, row in zip(choice["token_ids"], mask):
+        assert len(row) == 5 and tok in row and row == sorted(row)
+    rows = []
+    with httpx.stream("POST", server.url + "/inference/v1/generate", json={**body, "stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    rows += c["sampling_mask"] or []
+    assert rows == mask
+    narrow = httpx.post(server.url + "/inference/v1/generate", timeout=120, json={
+        "token_ids": [1, 2, 3], "sampling_params": {**sp, "allowed_token_ids": [HELLO, WORLD]}}).json()["choices"][0]
+    assert all(set(row) == {HELLO, WORLD} for row in narrow["sampling_mask"])
+    # a token nothing filtered lists the whole vocabulary (vLLM's meaning)
+    plain = httpx.post(server.url + "/inference/v1/generate", timeout=120, json={
+        "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "seed": 1}}).json()["choices"][0]
+    assert len(plain["sampling_mask"][0]) == 49152
 
 
 def test_priority_admits_the_lowest_value_first(server) -> None:

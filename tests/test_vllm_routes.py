@@ -80,6 +80,22 @@ def test_rendered_request_generates_what_the_chat_request_generates() -> None:
     assert client.submitted[-1][1] == client.submitted[-2][1]  # the same prompt reached the engine
 
 
+def test_render_carries_the_logits_processors_and_priority_to_generate() -> None:
+    http, client = make_app(enable_scale_out=True, scheduling_policy="priority")
+    body = {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": 1.5}, "allowed_token_ids": [5, 72],
+            "bad_words": ["x"], "priority": -2}
+    g = http.post("/v1/completions/render", json=body).json()[0]
+    sp = g["sampling_params"]
+    assert (sp["logit_bias"], sp["allowed_token_ids"], sp["bad_words"], g["priority"]) == \
+        ({"5": 1.5}, [5, 72], ["x"], -2)
+    assert "priority" not in sp and "bad_words_token_ids" not in sp  # request-level / the engine's own
+    assert http.post("/inference/v1/generate", json=g).status_code == 200
+    direct = http.post("/v1/completions", json=body)
+    assert direct.status_code == 200, direct.text
+    assert client.submitted[-1][2] == client.submitted[-2][2]  # the same SamplingParams reached the engine
+    assert client.submitted[-1][2].bad_words_token_ids == [[ord("x")]] and client.submitted[-1][2].priority == -2
+
+
 def test_completion_render_gives_one_request_per_prompt() -> None:
     http, _ = make_app(enable_scale_out=True)
     r = http.post("/v1/completions/render", json={"prompt": ["Hi", "Yo"], "max_tokens": 2, "n": 2},
