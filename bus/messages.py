@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "49ef319597fc"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "60eac4360b3e"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -422,6 +422,10 @@ class RequestOutput(Wire):
     ranks: list[int] | None = None  # per new token, its 1-based rank (with logprobs)
     sampling_mass: list[float] | None = None  # per new token (return_sampling_mass): mass the filters kept
     prompt_logprobs: PromptLogprobs | None = None  # on the first output only, when the request asked
+    # --return-sampling-mask: per new token the ids the sampler could draw, compact (engine/sampling_mask.py):
+    # np.int32 ids one row after another, and per token a count (c >= 0: c kept ids; -d-1: all but d ids)
+    sampling_mask_ids: np.ndarray | None = None
+    sampling_mask_counts: np.ndarray | None = None
     # MoE router capture (--enable-return-routed-experts): expert ids np.uint8/uint16 [n, num_moe_layers, top_k]
     # of positions routed_experts_start .. +n, computed since the last output. A recompute after preemption
     # sends positions again: later rows replace earlier ones of the same position. None: nothing new.
@@ -491,6 +495,10 @@ class StepResult(Wire):
     # sequences that failed alone (the rest of the step is fine): a structured-output constraint the worker
     # cannot enforce, or a forced token its grammar rejects; the scheduler fails just these requests
     seq_errors: list[tuple[str, ErrorInfo]] = []
+    # --return-sampling-mask (rank 0): each sampled row's support, compact (engine/sampling_mask.py):
+    # np.int32 ids of every row one after another, np.int32 [S] counts
+    sampling_mask_ids: np.ndarray | None = None
+    sampling_mask_counts: np.ndarray | None = None
 
 
 # --- weight sync over the bus (trainer <-> coordinator) -------------------------------------------

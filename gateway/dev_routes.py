@@ -175,21 +175,16 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         return JSONResponse({"success": True, "new_version": version})
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request, reset_running_requests: str = "false",
-                                 reset_external: str = "false") -> JSONResponse:
+    async def reset_prefix_cache(request: Request, reset_running_requests: str | None = None,
+                                 reset_external: str | None = None) -> JSONResponse:
         """vLLM's: forget every cached prefix. {"success": false} while requests hold KV blocks (retry
         later), unless reset_running_requests=true, which first preempts them (they are recomputed).
-        reset_external resets a KV connector's cache: there is none here, so it succeeds (as vLLM)."""
-        running = _bool(reset_running_requests, "reset_running_requests")
-        external = _bool(reset_external, "reset_external")
-        body = await _json_object(request, allow_empty=True)
-        # vLLM reads only the query: a body saying otherwise would be ignored there; here it is refused
-        for key, value in body.items():
-            if key not in ("reset_running_requests", "reset_external") or \
-                    value is not {"reset_running_requests": running, "reset_external": external}[key]:
-                raise bad_request(f"POST /reset_prefix_cache takes its options as query parameters (as vLLM), "
-                                  f"not in the body: got {key}={value!r} in the body", key)
-        results = await broadcast(client, ResetPrefixCache(running), cfg.control_timeout_s)
+        reset_external resets a KV connector's cache: there is none here, so it succeeds (as vLLM).
+        The options come as query parameters (vLLM reads only those) or in a JSON body (SkyRL sends
+        {"reset_running_requests": true}, which vLLM silently drops): both are honoured."""
+        query = {"reset_running_requests": reset_running_requests, "reset_external": reset_external}
+        options = _query_or_body_bools(query, await _json_object(request, allow_empty=True))
+        results = await broadcast(client, ResetPrefixCache(options["reset_running_requests"]), cfg.control_timeout_s)
         ok = [r["success"] for r in results.values() if "success" in r]
         return JSONResponse({"success": bool(ok) and all(ok)})
 
@@ -215,6 +210,25 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             "ascend_config": {"weight_nz_mode": extra.weight_nz_mode},
             "control_state": control_state.as_json(client.control_state),
         })
+
+
+def _query_or_body_bools(query: dict[str, str | None], body: dict[str, Any]) -> dict[str, bool]:
+    """A route's boolean options (default false) from its query parameters or its JSON body, under the same
+    names: the body's values are JSON booleans; an option given both ways must say the same thing."""
+    for key in body:
+        if key not in query:
+            raise bad_request(f"unknown option {key!r}: this route takes {', '.join(query)}", key)
+    options = {}
+    for name, text in query.items():
+        from_query = None if text is None else _bool(text, name)
+        from_body = body.get(name)
+        if from_body is not None and not isinstance(from_body, bool):
+            raise bad_request(f"{name} must be a boolean (true or false), got {from_body!r} in the body", name)
+        if from_query is not None and from_body is not None and from_query != from_body:
+            raise bad_request(f"{name} is {str(from_query).lower()} in the query but {str(from_body).lower()} "
+                              f"in the body: give it once, or the same in both", name)
+        options[name] = bool(from_body if from_query is None else from_query)
+    return options
 
 
 async def _json_object(request: Request, allow_empty: bool = False) -> dict[str, Any]:

@@ -37,6 +37,9 @@ RL_BODIES: dict[str, dict[str, Any]] = {
                              "kwargs": _obj({"weights_path": {"type": "string"}}) | {"additionalProperties": False},
                              "timeout": _TIMEOUT}, ("method",)),
     "/abort_requests": _obj({"request_ids": {"type": "array", "items": {"type": "string"}}}),
+    # its options as query parameters or in this body (gateway/dev_routes.py); the body is optional
+    "/reset_prefix_cache": _obj({"reset_running_requests": {"type": "boolean"}, "reset_external": {"type": "boolean"}})
+    | {"additionalProperties": False},
     "/update_weight_version": _obj({"new_version": _NON_EMPTY}, ("new_version",)),
     "/init_weight_transfer_engine": _obj({"init_info": _obj({"timeout_s": _TIMEOUT})}, ("init_info",)),
     "/update_weights": _obj({"update_info": {"anyOf": [{"type": "object"},
@@ -145,7 +148,7 @@ def _limits(model: dict[str, Any], names: list[str], vocab: int, max_len: int, m
         props["model"]["enum"] = [*names, None]
     token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     ids = {"type": "array", "items": token}
-    for name in ("stop_token_ids", "tokens", "trace_decode_token_ids"):
+    for name in ("stop_token_ids", "tokens", "trace_decode_token_ids", "allowed_token_ids"):
         if name in props:
             props[name]["items"] = token
     if "token_ids" in props:  # generate's prompt
