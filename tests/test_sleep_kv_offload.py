@@ -27,9 +27,9 @@ def test_offloaded_blocks_come_back_bitwise_and_the_rest_is_released(parts):
     held = [3, 7, 8, 3]  # a shared block appears twice in the scheduler's answer: copied once
     before = kv.tensor[:, :, [3, 7, 8]].clone()
     block = kv.bytes_per_block(2, 1, 8, 4, torch.float32)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     released = sm.sleep(2, held)
     assert kv.tensor is None and sm.asleep == {"weights", "kv_cache"}
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert released == 13 * block + weights  # on CPU the host copy of the 3 held blocks is all that stays
     sm.wake(["weights"])
     assert sm.missing == len(dict(model.named_parameters()))  # level 2: the sync must refill every parameter
