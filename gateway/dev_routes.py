@@ -180,15 +180,19 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         """vLLM's: forget every cached prefix. {"success": false} while requests hold KV blocks (retry
         later), unless reset_running_requests=true, which first preempts them (they are recomputed).
         reset_external resets a KV connector's cache: there is none here, so it succeeds (as vLLM)."""
-        running = _bool(reset_running_requests, "reset_running_requests")
-        external = _bool(reset_external, "reset_external")
+        options = {"reset_running_requests": _bool(reset_running_requests, "reset_running_requests"),
+                   "reset_external": _bool(reset_external, "reset_external")}
         body = await _json_object(request, allow_empty=True)
-        # vLLM reads only the query: a body saying otherwise would be ignored there; here it is refused
+        # vLLM reads only the query and drops a body; SkyRL sends its options in the body: honoured here
+        # (booleans), a contradiction with a query parameter given too is a 400
         for key, value in body.items():
-            if key not in ("reset_running_requests", "reset_external") or \
-                    value is not {"reset_running_requests": running, "reset_external": external}[key]:
-                raise bad_request(f"POST /reset_prefix_cache takes its options as query parameters (as vLLM), "
-                                  f"not in the body: got {key}={value!r} in the body", key)
+            if key not in options or not isinstance(value, bool):
+                raise bad_request(f"POST /reset_prefix_cache takes reset_running_requests and reset_external "
+                                  f"(true or false, in the query or the body): got {key}={value!r}", key)
+            if key in request.query_params and value is not options[key]:
+                raise bad_request(f"{key} is {options[key]} in the query and {value} in the body", key)
+            options[key] = value
+        running = options["reset_running_requests"]
         results = await broadcast(client, ResetPrefixCache(running), cfg.control_timeout_s)
         ok = [r["success"] for r in results.values() if "success" in r]
         return JSONResponse({"success": bool(ok) and all(ok)})
