@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 
 import httpx
 import pytest
 import torch
 
 from tests.interop.conftest import HERE, venv_python
-from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer
-from tests.test_vllm_interop import SKYRL_CONTROL_PLANE, VLLM_PY, VllmTrainer
+from tests.server_helpers import metric, start_server
+from tests.test_keep_sleep import tiny_model
+from tests.test_vllm_interop import SKYRL_CONTROL_PLANE, VLLM_PY, VllmTrainer, _readline
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, smollm2_dir):
-    return tiny_model_with_tokenizer("qwen2", tmp_path_factory.mktemp("skyrlsync") / "qwen2", smollm2_dir,
-                                     vocab_size=49152, max_position_embeddings=512)
+    return tiny_model(tmp_path_factory.mktemp("skyrlsync") / "qwen2", smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +52,7 @@ def trainer(server, tmp_path_factory):
 
 
 def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    got: list[str] = []
-    t = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(timeout)
-    if not got or not got[0]:
-        proc.kill()
-        raise AssertionError(f"the SkyRL client gave no answer within {timeout} s (exit {proc.poll()}):\n"
-                             f"{proc.stderr.read()[-4000:]}")
-    return json.loads(got[0])
+    return json.loads(_readline(proc, timeout))
 
 
 def outputs(result: dict) -> list[tuple]:
