@@ -27,7 +27,7 @@ REQUESTS = [  # greedy and seeded, different prompt lengths
     {"prompt": "Once upon a time, in a small village by the sea, there lived", "temperature": 1.0, "seed": 7},
     {"prompt": "def fibonacci(n):", "temperature": 0.8, "top_p": 0.9, "seed": 11},
 ]
-MAX_TOKENS = 120  # a tiny model steps in milliseconds when the machine is idle: the pause lands mid-way
+MAX_TOKENS = 64  # a tiny model steps in milliseconds when the machine is idle: the pause lands mid-way
 
 
 def tiny_model(folder, smollm2_dir):
