@@ -27,8 +27,8 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 )
 
 PROMPTS = ["The three laws of motion are", "Once upon a time, in a small village by the sea, there lived"]
-SAMPLING = [{"max_tokens": 48, "temperature": 0.0, "logprobs": 0, "ignore_eos": True},
-            {"max_tokens": 48, "temperature": 1.0, "seed": 7, "logprobs": 0, "ignore_eos": True}]
+SAMPLING = [{"max_tokens": 200, "temperature": 0.0, "logprobs": 0, "ignore_eos": True},
+            {"max_tokens": 200, "temperature": 1.0, "seed": 7, "logprobs": 0, "ignore_eos": True}]
 
 
 async def attempt(coro):
@@ -39,14 +39,15 @@ async def attempt(coro):
         return {"error": f"{type(e).__name__}: {e}", "s": round(time.monotonic() - t0, 3)}
 
 
-async def generation_tokens(url: str) -> float:
-    """Our own probe (not SkyRL's): tokens the engine has generated so far."""
+async def tokens_streamed(url: str) -> float:
+    """Our own probe (not SkyRL's): tokens the gateway has received so far beyond each request's first (the
+    inter-token latency histogram counts them as they arrive; vllm:generation_tokens counts at the end)."""
     import aiohttp
 
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
         text = await resp.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+               if line.startswith("vllm:inter_token_latency_seconds_count"))
 
 
 async def main(url: str, model: str, offload_kv: bool) -> None:
@@ -57,10 +58,10 @@ async def main(url: str, model: str, offload_kv: bool) -> None:
         return [client.generate({"prompt_token_ids": [p], "sampling_params": sp}) for p, sp in zip(ids, SAMPLING)]
 
     out = {"reference": await attempt(asyncio.gather(*batch()))}
-    before = await generation_tokens(url)
+    before = await tokens_streamed(url)
     tasks = [asyncio.create_task(attempt(c)) for c in batch()]
     deadline = time.monotonic() + 300
-    while await generation_tokens(url) < before + 3 * len(PROMPTS) and time.monotonic() < deadline:
+    while await tokens_streamed(url) < before + 3 * len(PROMPTS) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)  # a probe of engine progress (no event tells a client), not a synchronisation
     out["pause"] = await attempt(client.pause_generation())
     out["done_at_pause"] = [t.done() for t in tasks]

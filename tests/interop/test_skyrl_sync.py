@@ -52,7 +52,10 @@ def trainer(server, tmp_path_factory):
 
 
 def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    return json.loads(_readline(proc, timeout))
+    """The client's next JSON line (SkyRL logs to stdout too)."""
+    while not (line := _readline(proc, timeout)).startswith("{"):
+        print("skyrl:", line.rstrip())
+    return json.loads(line)
 
 
 def outputs(result: dict) -> list[tuple]:
