@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "60eac4360b3e"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "e6ea65ae829f"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -156,12 +156,19 @@ class Sleep(CommandBody):
 
     level: int  # 0: scheduling only; 1: weights offloaded; 2: weights discarded
     mode: str = "abort"
+    # the KV of kept (frozen) requests survives: the workers offload it to the host and restore it on wake
+    # (SkyRL's sleep_for_weight_sync); without it, from level 1 the kept requests drop their KV (recomputed)
+    offload_kv: bool = False
 
 
 class ReleaseMemory(CommandBody):
     """Second phase of /sleep: the workers release device memory."""
 
     level: int
+    offload_kv: bool = False
+    # with offload_kv: per scheduler name, the KV blocks its kept requests hold (the scheduler's Sleep ack),
+    # which its workers copy to the host before releasing the cache
+    kv_blocks: dict[str, list[int]] = {}
 
 
 class WakeUp(CommandBody):

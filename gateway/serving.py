@@ -95,8 +95,8 @@ class ServingContext:
         if self.client.rejecting_new_requests:
             raise engine_unavailable(PAUSED_MESSAGE)  # 503: retry after /resume
         state = self.client.control_state
-        discarded = None if state.sleeping_tags else weights_discarded_message(state.weights_missing,
-                                                                                 state.weights_total)  # asleep: queue
+        discarded = None if state.sleeping_tags else weights_discarded_message(  # asleep: queue
+            state.weights_missing, state.weights_total, state.weight_version)
         if discarded:
             raise engine_unavailable(discarded)  # 503 until the weights are loaded again
         return adapter.name if adapter is not None else self.model.names[0]

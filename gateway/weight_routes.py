@@ -30,10 +30,12 @@ from bus.messages import (
     ControlReply,
     InitWeightTransferEngine,
     ShutdownWeightTransferEngine,
+    UpdateWeightVersion,
     WeightChecker,
     command_name,
 )
 from engine.config import EngineConfig
+from engine.control_state import RESET_VERSION
 from engine.topology import Topology
 from engine.weights.config import parse_weight_transfer_config
 from engine.weights.lifecycle import Deadlines, Step, abort_needed, reply_status
@@ -147,7 +149,10 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         action = body.get("action")
         if action not in CHECKER_ACTIONS:
             raise bad_request(f"action must be one of {', '.join(CHECKER_ACTIONS)}, got {action!r}", "action")
-        if action == "reset":
+        if action == "reset":  # vLLM's zero_weights: every weight zeroed, so reset -> sync -> compare proves
+            # that the sync wrote every tensor; nothing is served (503) until a full update fills them
+            await call(client, WeightChecker("reset"), steps.control_s)
+            await call(client, UpdateWeightVersion(RESET_VERSION), steps.control_s)
             checksums.clear()
             return JSONResponse({"status": "reset"})
         baseline = body.get("baseline")

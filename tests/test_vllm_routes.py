@@ -195,8 +195,15 @@ def test_reset_prefix_cache_as_vllm(server) -> None:
     t.join(280)
     # the preempted request was recomputed and finished whole
     assert got["choices"][0]["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 60
-    r = httpx.post(url + "/reset_prefix_cache", params={"reset_running_requests": "maybe"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "reset_running_requests", r.text
+    for params, body_json, param in (({"reset_running_requests": "maybe"}, None, "reset_running_requests"),
+                                     ({"reset_running_requests": "false"}, {"reset_running_requests": True},
+                                      "reset_running_requests"),  # query and body disagree
+                                     ({}, {"reset_running_requests": "yes"}, "reset_running_requests"),
+                                     ({}, {"frobnicate": 1}, "frobnicate")):
+        r = httpx.post(url + "/reset_prefix_cache", params=params, json=body_json)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # SkyRL sends the default in the body: the same as the query, accepted
+    assert httpx.post(url + "/reset_prefix_cache", json={"reset_running_requests": False}).status_code == 200
 
 
 def test_cache_salt_isolates_the_prefix_cache(server) -> None:

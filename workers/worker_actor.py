@@ -145,7 +145,7 @@ class WorkerActor:
             CommitWeightUpdate: self._reporting(self._commit),
             AbortWeightUpdate: lambda c: w.abort(),
             ShutdownWeightTransferEngine: lambda c: w.shutdown(),
-            WeightChecker: self._weight_checker,
+            WeightChecker: self._reporting(self._weight_checker),
             CollectiveRpc: self._reporting(self._rpc),
             MemberLost: self._member_lost,
             MemberJoined: self._member_joined,
@@ -263,7 +263,8 @@ class WorkerActor:
             return ErrorInfo("WeightVersionLost", why, self.name, 503)
         if self.sleep.missing:  # never compute with weights a level-2 sleep discarded
             st = self.sleep.weights_status()
-            why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"])
+            why = control_state.weights_discarded_message(st["weights_missing"], st["weights_total"],
+                                                          self.link.state.weight_version)
             return ErrorInfo("WeightsDiscarded", why, self.name, 503)
         known = self.runner.seqs.keys() | self.runner.dropped | {ns.seq_id for ns in plan.new_seqs}
         unknown = [sid for sid in plan.seq_ids if sid not in known]
@@ -346,7 +347,8 @@ class WorkerActor:
     def _release_memory(self, cmd: ReleaseMemory) -> dict[str, Any]:
         """Second phase of /sleep: the scheduler has quiesced."""
         level = cmd.level
-        released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
+        blocks = cmd.kv_blocks.get(self.scheduler_name, []) if cmd.offload_kv else None
+        released = self.sleep.sleep(level, blocks) + (self.weights.release() if level >= 1 else 0)
         group = level >= 1 and self.extra_cleanup and self.weights.release_group()
         log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
         return {"released_bytes": released, "released_group": group}
@@ -386,6 +388,8 @@ class WorkerActor:
     def _weight_checker(self, cmd: WeightChecker) -> dict[str, Any]:
         if "weights" in self.sleep.asleep:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
+        if cmd.action == "reset":  # vLLM's: zero every weight (nothing is served until a full update)
+            return {"zeroed": self.sleep.zero_weights()}
         return {"checksums": self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:")}
 
     def _rpc(self, cmd: CollectiveRpc) -> dict[str, Any]:

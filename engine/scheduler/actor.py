@@ -571,6 +571,8 @@ class SchedulerActor:
             return None
         if q.clear_cache:
             self.sched.drop_kv()
+        if q.keep_kv:  # the workers copy these blocks to the host before releasing the KV cache
+            return {"paused": True, "aborted": q.aborted, "kv_blocks": self.sched.keep_kv()}
         return {"paused": True, "aborted": q.aborted}
 
     def _maybe_complete_quiesce(self) -> None:

@@ -117,6 +117,13 @@ class Scheduler:
             self._preempt(seq)
         self.blocks.reset_prefix_cache()
 
+    def keep_kv(self) -> list[int]:
+        """The KV cache is about to be released with the kept requests' blocks offloaded: forget the cached
+        prefixes (free blocks' content is not kept) and return the blocks the requests hold. Call with no
+        step in flight."""
+        self.blocks.reset_prefix_cache()
+        return [b for b, r in enumerate(self.blocks.ref) if r]
+
     def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's: forget every cached prefix, only once no block is held (False otherwise: retry later).
         reset_running first preempts the running requests (recomputed later, FIFO order kept)."""
