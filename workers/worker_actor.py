@@ -80,6 +80,7 @@ from bus.messages import (
     WeightChecker,
     WeightsReceived,
     WeightsReloaded,
+    WeightsZeroed,
     WokeUp,
 )
 from bus.sockets import make_socket, recv, report_ready, send
@@ -278,7 +279,7 @@ class WorkerActor:
             return ErrorInfo(ErrorKind.WEIGHT_VERSION_LOST, why, self.name, 503)
         if self.sleep.missing:  # never compute with weights a level-2 sleep discarded
             st = self.sleep.weights_status()
-            why = control_state.weights_discarded_message(st.missing, st.total)
+            why = control_state.weights_discarded_message(st.missing, st.total, self.link.state.weight_version)
             return ErrorInfo(ErrorKind.WEIGHTS_DISCARDED, why, self.name, 503)
         known = self.runner.seqs.keys() | self.runner.dropped | {ns.seq_id for ns in plan.new_seqs}
         unknown = [sid for sid in plan.seq_ids if sid not in known]
@@ -363,7 +364,8 @@ class WorkerActor:
     def _release_memory(self, cmd: ReleaseMemory) -> MemoryReleased:
         """Second phase of /sleep: the scheduler has quiesced."""
         level = cmd.level
-        released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
+        blocks = cmd.kv_blocks.get(self.scheduler_name, []) if cmd.offload_kv else None
+        released = self.sleep.sleep(level, blocks) + (self.weights.release() if level >= 1 else 0)
         group = level >= 1 and self.extra_cleanup and self.weights.release_group()
         log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
         return MemoryReleased(released, bool(group))
@@ -405,9 +407,12 @@ class WorkerActor:
         self.weights.shutdown()
         return TransferShutDown()
 
-    def _weight_checker(self, cmd: WeightChecker) -> Checksums:
+    def _weight_checker(self, cmd: WeightChecker) -> Checksums | WeightsZeroed:
         if "weights" in self.sleep.asleep:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
+        if cmd.action == "reset":  # vLLM's: zero every weight (nothing is served until a full update)
+            # its ack reports the weights now missing, as _reporting's do (a checksum's has nothing to say)
+            return WeightsZeroed(self.sleep.zero_weights(), self.sleep.weights_status())
         return Checksums(self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:"))
 
     def _rpc(self, cmd: CollectiveRpc) -> WeightsReloaded | ExtensionReturned:
