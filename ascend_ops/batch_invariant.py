@@ -106,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x.shape[0]
     pad = (-m) % ROW_MULTIPLE
     xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    if not (xp.dim() == 2 and _packed.cpu_operands(xp, weight)):
+    if not (xp.dim() == 2 and (_packed.packable(xp, weight) or _packed.cpu_operands(xp, weight))):
         out = F.linear(xp, weight, bias)
     elif torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                       or (bias is not None and bias.requires_grad)):
@@ -117,7 +117,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS:  # bf16: pieces of BF16_ROWS rows (docstring)
+    if x.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS and not (_packed.packable(x, weight)
+                                                                     and _packed.row_invariant(weight)):
+        # bf16 on oneDNN: pieces of BF16_ROWS rows (docstring); a panel kernel is row-invariant at any rows
         return torch.cat([_cpu_product(x[i:i + BF16_ROWS], weight, bias) for i in range(0, x.shape[0], BF16_ROWS)])
     if _packed.packable(x, weight):  # a parameter: on its packed copy, default mode's (MKL's or oneDNN's)
         return _packed.product(x, weight, bias)

@@ -16,8 +16,8 @@ moved: an optimizer step) is repacked on its own.
 Writes through `.data` or another alias move neither, hence `forget`. Tensors that are not `nn.Parameter`s
 (per-expert slices, activations) take plain `F.linear`: packing a temporary costs more than it saves.
 
-Four packed products, one per parameter and process: oneDNN's (bf16 always; fp32 where none of the others
-is chosen), MKL's packed sgemm (fp32 on Intel CPUs without AVX-512, `cblas_sgemm_pack` /
+Four packed products, one per parameter and process: oneDNN's (bf16 where oneDNN has a native bf16 path;
+fp32 where none of the others is chosen), MKL's packed sgemm (fp32 on Intel CPUs without AVX-512, `cblas_sgemm_pack` /
 `cblas_sgemm_compute` through ascend_ops/csrc/cpu_gemm.cpp) and our own kernels over column panels
 (ascend_ops/csrc/cpu_panel_gemm.cpp): AVX-512 on 32-wide panels (fp32 on Intel CPUs with AVX-512) and
 AVX2/FMA on 16-wide panels (fp32 on other x86 CPUs with AVX2 but no AVX-512, such as AMD Zen 2/3).
@@ -29,11 +29,22 @@ Measured, SmolLM2-135M's layer GEMMs, GFLOP/s (`python bench/decode_gemm.py`):
   51.3 / 57.2 / 65.1 (2 threads at 32 / 64 rows: 79.5 / 103.4 against 101.1 / 112.7), measured before its
   software prefetch (which took it from 69 to 90 GFLOP/s at 32 rows on the Xeon; not measured on Zen 3);
   MKL there ran at two thirds of oneDNN's speed in a decode step.
+bf16 where the CPU has no native bf16 (no AVX512-BF16, AMX or AVX-NE-CONVERT: AMD Zen 2/3, Intel before Cooper
+Lake, where oneDNN has no bf16 path or an emulated one) multiplies on the widest panel kernel instead: the
+weights packed as bf16 panels (half the bytes an fp32 pack streams), widened to fp32 in registers (exact: a
+bf16 is an fp32's top 16 bits), the activations widened once per call, every output summed in fp32 and
+rounded to bf16 once, as torch's bf16 linear rounds its fp32 sums (the summation order is the fp32 panel
+kernel's, so not bitwise F.linear's; the oracle tests' bf16 tolerance holds). torch's own bf16 linear there
+runs a slow reference loop (the whole decode ~7x slower than fp32).
 CPUs with AVX-512 other than Intel's (AMD Zen 4) keep oneDNN: there, 2 threads, the AVX-512 kernel ran 6-19%
 faster than oneDNN at 16-128 rows but 12% slower at 1,024 (an RL rollout's wide step; docs/serving.md).
 `ROLLBUS_CPU_PACKED_LINEAR` chooses: `1` (the default: as above), `onednn`, `mkl` (fp32 on MKL whatever the
 CPU; refused where this torch has no MKL), `avx2` / `avx512` (fp32 on that panel kernel whatever the CPU;
-refused where the kernels were built without that instruction set), `0` (packing off, plain `F.linear`).
+refused where the kernels were built without that instruction set; bf16 too, widened to fp32 as above,
+whatever the CPU), `0` (packing off, plain `F.linear`). Under `1` and `mkl` bf16 takes oneDNN's native path
+where the CPU has one, else a panel kernel; under `onednn` bf16 takes oneDNN's native path or, without one,
+oneDNN's emulated one (AVX-512 without bf16 instructions) or plain `F.linear` (as before the panel kernels
+read bf16).
 
 Default and batch-invariant kernels on CPU (oneDNN's and MKL's packed products were measured row-invariant
 for four rows or more, the panel kernels are for any rows by construction, and the invariant linear pads to
@@ -64,11 +75,23 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def _dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes packed here: bf16 only where oneDNN has a bf16 path on this CPU (AVX512-BF16/AMX, or
-    AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 has none: there its reorder raises, so bf16 weights
-    take F.linear)."""
+    """The dtypes oneDNN's primitive takes here: bf16 only where oneDNN has a native bf16 path on this CPU
+    (AVX512-BF16/AMX, or AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 has none: there its reorder
+    raises, and bf16 parameters multiply on a panel kernel, `bf16_backend`)."""
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # absent without oneDNN
     return _DTYPES if supported is not None and supported() else (torch.float32,)
+
+
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # x86 flags of bf16 instructions
+
+
+def native_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively here: an x86 CPU with bf16 instructions (`NATIVE_BF16`; oneDNN
+    also takes bf16 on AVX-512 CPUs without them, emulated), or oneDNN's word for it on another architecture."""
+    if torch.bfloat16 not in _dtypes():
+        return False
+    flags = cpu_kernels.cpu_flags()
+    return not ({"avx2", "avx512f"} & flags) or bool(set(NATIVE_BF16) & flags)
 
 
 def _choice() -> str:
@@ -132,6 +155,20 @@ def fp32_backend() -> str:
 
 
 @functools.cache
+def bf16_backend() -> str | None:
+    """"onednn", "avx512" or "avx2": the packed product bf16 parameters use (module docstring), or None where
+    none does (they take plain F.linear)."""
+    value = _choice()
+    if value in PANEL_WIDTHS:
+        fp32_backend()  # refuses, naming why, where that kernel is missing
+        return value
+    onednn = "onednn" if torch.bfloat16 in _dtypes() else None
+    if native_bf16() or value == "onednn":
+        return onednn
+    return next((b for b in ("avx512", "avx2") if panel_unavailable(b) is None), onednn)
+
+
+@functools.cache
 def available() -> str | None:
     """None when packed linears work here, else why not (checked once per process on a small product)."""
     value = _choice()
@@ -160,24 +197,38 @@ def describe(dtype: torch.dtype = torch.float32) -> str:
     why = available()
     if why is not None:
         return f"torch (packed off: {why})"
-    if dtype not in _dtypes():
-        return "torch (oneDNN has no bf16 path on this CPU)"
-    return f"{backend_for(dtype)}-prepacked"
+    backend = backend_for(dtype)
+    if backend is None:
+        return "torch (no packed bf16 product on this CPU)"
+    if dtype == torch.bfloat16 and backend in PANEL_WIDTHS:
+        return f"{backend}-prepacked (bf16 weights, fp32 sums)"
+    return f"{backend}-prepacked"
 
 
-def backend_for(dtype: torch.dtype) -> str:
-    """The packed product a parameter of this dtype uses: fp32 `fp32_backend()`, bf16 oneDNN's."""
-    return fp32_backend() if dtype == torch.float32 else "onednn"
+def backend_for(dtype: torch.dtype) -> str | None:
+    """The packed product a parameter of this dtype uses: fp32 `fp32_backend()`, bf16 `bf16_backend()`, else
+    None."""
+    if dtype == torch.float32:
+        return fp32_backend()
+    return bf16_backend() if dtype == torch.bfloat16 else None
 
 
 def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` multiplies this on a packed copy (else it is plain F.linear)."""
-    return isinstance(weight, nn.Parameter) and cpu_operands(x, weight)
+    return (isinstance(weight, nn.Parameter) and weight.device.type == "cpu" and weight.dtype in _DTYPES
+            and x.dtype == weight.dtype and weight.dim() == 2 and weight.numel() > 0 and available() is None
+            and backend_for(weight.dtype) is not None)
+
+
+def row_invariant(weight: torch.Tensor) -> bool:
+    """Whether this parameter's packed product gives a row the same bits at any number of rows (the panel
+    kernels, by construction; oneDNN's and MKL's from four rows, batch_invariant pads to that)."""
+    return backend_for(weight.dtype) in PANEL_WIDTHS
 
 
 def cpu_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the CPU GEMM libraries take these operands (a parameter or not): a 2-D CPU weight of a
-    packable dtype, x of the same dtype, packing not turned off."""
+    """Whether oneDNN's primitive takes these operands (a parameter or not): a 2-D CPU weight of a dtype it
+    multiplies here, x of the same dtype, packing not turned off."""
     return (weight.device.type == "cpu" and weight.dtype in _dtypes() and x.dtype == weight.dtype
             and weight.dim() == 2 and weight.numel() > 0 and available() is None)
 
@@ -191,7 +242,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None, *,
             backend: str | None = None) -> torch.Tensor:
     """The product on the packed copy, for a caller that has checked `packable` already; `backend` chooses
-    ("onednn", "mkl", "avx2" or "avx512"), else fp32 takes `fp32_backend()` and bf16 oneDNN's."""
+    ("onednn", "mkl", "avx2" or "avx512"), else `backend_for` the weight's dtype."""
     backend = backend or backend_for(weight.dtype)
     packed = _packed(weight, backend)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

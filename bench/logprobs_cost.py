@@ -9,6 +9,14 @@ tokens.
     python bench/logprobs_cost.py --routed-experts --model ~/.cache/rollbus/test-models/smollm2-moe-v1 \
         --runner-steps 30                                  # + the worker alone, in this process
 
+    python bench/logprobs_cost.py --sampling-mask          # what --return-sampling-mask costs
+
+--sampling-mask: --return-sampling-mask is server-wide, so two servers run side by side, both with
+--enable-scale-out (the mask is returned on /inference/v1/generate only), both sides asking generate for the
+same top-k/top-p sampling (--mask-top-k 50 --mask-top-p 0.95, vLLM's sampling-mask example): "top-k/top-p"
+on the server without the flag, "top-k/top-p + sampling mask" on the one with it (its responses carry one
+row of ids per token, checked). The bar compares the two.
+
 --routed-experts (an MoE --model): --enable-return-routed-experts is server-wide, so two servers run side
 by side (only one is measured at a time): the plain and logprobs sides on one started without the flag,
 a "top-k logprobs + routed experts" side on one started with it. The bar compares that side with plain.
@@ -52,6 +60,14 @@ def say(msg: str) -> None:
 async def _one(h: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, seed: int,
                extra: dict) -> int:
     body = {k: v for k, v in extra.items() if not k.startswith("_")}
+    if extra.get("_generate"):  # the tokens route (the only one that returns the sampling mask)
+        r = await h.post("/inference/v1/generate", json={"model": model, "token_ids": prompt, "sampling_params": {
+            "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, **body}})
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        mask = choice["sampling_mask"]
+        assert (mask is not None and len(mask) == len(choice["token_ids"])) == bool(extra.get("_mask"))
+        return len(choice["token_ids"])
     r = await h.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                               "temperature": 1.0, "seed": seed, **body})
     r.raise_for_status()
@@ -96,12 +112,14 @@ def measure(url: str, model: str, prompts: list[list[int]], max_tokens: int, ext
             "step_ms": 1e3 * (after["wall"] - before["wall"]) / max(steps, 1)}
 
 
-def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int, k: int) -> dict:
+def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int, k: int,
+                 truncated: dict | None = None) -> dict:
     """The worker's side alone, robust to other work on the machine: ModelRunners in this process (one
     model; one runner without routed-experts capture, one with) decode the same prompts as three groups,
     plain / top-k logprobs / top-k logprobs + routed experts, alternating step by step so any disturbance
     hits all three. Median per-step compute (step_time_s, which includes the capture's host copy) and the
-    median paired difference against plain."""
+    median paired difference against plain. With `truncated` (top_k/top_p): two groups sampling with
+    them instead, "plain" on a runner without --return-sampling-mask and "sampling mask" on one with it."""
     import numpy as np
     import torch
 
@@ -118,11 +136,14 @@ def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int,
     bs, n = 16, len(prompts)
     per_seq = (max(map(len, prompts)) + steps + bs) // bs
     groups = {"plain": (False, None), "logprobs": (False, k), "logprobs + routed": (True, k)}
+    if truncated:
+        groups = {"plain": (False, None), "sampling mask": (True, None)}
     runners = {}
     for capture in (False, True):
         blocks = n * per_seq * sum(1 for c, _ in groups.values() if c == capture)
         kv = KVCache(*model.kv_spec, bs, blocks, next(model.parameters()).dtype, cpu)
-        runners[capture] = ModelRunner(model, kv, rank=0, block_size=bs, device=cpu, return_routed_experts=capture)
+        extra = {"return_sampling_mask": capture} if truncated else {"return_routed_experts": capture}
+        runners[capture] = ModelRunner(model, kv, rank=0, block_size=bs, device=cpu, **extra)
     tables, used = {}, {False: 0, True: 0}
     for g, (capture, _) in groups.items():
         tables[g] = [list(range((used[capture] + j) * per_seq, (used[capture] + j + 1) * per_seq)) for j in range(n)]
@@ -131,7 +152,7 @@ def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int,
     step_id = 0
     for g, (capture, lp) in groups.items():
         ids = [f"{g}-{j}" for j in range(n)]
-        new = [NewSeq(i, p, SamplingParams(seed=j, logprobs=lp, ignore_eos=True), [])
+        new = [NewSeq(i, p, SamplingParams(seed=j, logprobs=lp, ignore_eos=True, **(truncated or {})), [])
                for j, (i, p) in enumerate(zip(ids, prompts))]
         step_id += 1
         runners[capture].execute(StepPlan(step_id, new, ids, [0] * n, [len(p) for p in prompts], tables[g], [], 0))
@@ -141,7 +162,7 @@ def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int,
             ids = [f"{g}-{j}" for j in range(n)]
             res = runners[capture].execute(StepPlan(step_id, [], ids, [len(p) + s for p in prompts], [1] * n,
                                                     tables[g], [], 0))
-            assert (res.routed_experts is not None) == capture
+            assert ((res.sampling_mask_counts if truncated else res.routed_experts) is not None) == capture
             times[g].append(res.step_time_s)
     t = {g: np.array(v) for g, v in times.items()}
     return {"steps": steps, "sequences": n,
@@ -149,8 +170,9 @@ def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int,
             **{f"{g} paired +ms": 1e3 * float(np.median(v - t["plain"])) for g, v in t.items() if g != "plain"}}
 
 
-def sampler_ms(rows: int, vocab: int, k: int, reps: int = 20) -> float:
-    """Best-of time of workers.sampler.sample on [rows, vocab] fp32 logits, temperature 1, seeded rows."""
+def sampler_ms(rows: int, vocab: int, k: int, reps: int = 20, mask: bool = False, **sp) -> float:
+    """Best-of time of workers.sampler.sample on [rows, vocab] fp32 logits, temperature 1, seeded rows (`sp`:
+    more sampling parameters; `mask`: with each row's sampling mask)."""
     import torch
 
     from bus.sampling_params import SamplingParams
@@ -159,10 +181,10 @@ def sampler_ms(rows: int, vocab: int, k: int, reps: int = 20) -> float:
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4
     best = float("inf")
     for rep in range(reps):
-        states = [RowState(SamplingParams(seed=rep * rows + i, logprobs=k if k else None), [0], [1], [], None)
+        states = [RowState(SamplingParams(seed=rep * rows + i, logprobs=k if k else None, **sp), [0], [1], [], None)
                   for i in range(rows)]
         t0 = time.perf_counter()
-        sample(logits, states, torch.Generator().manual_seed(rep))
+        sample(logits, states, torch.Generator().manual_seed(rep), sampling_mask=mask)
         best = min(best, time.perf_counter() - t0)
     return 1e3 * best
 
@@ -179,8 +201,13 @@ def main() -> None:
                    help="add a side returning top-k logprobs and routed experts, on a second server started with "
                         "--enable-return-routed-experts (needs an MoE --model)")
     p.add_argument("--runner-steps", type=int, default=0,
-                   help="with --routed-experts: also compare the worker alone in this process (ModelRunner, N "
-                        "interleaved decode steps per group; see runner_steps)")
+                   help="with --routed-experts or --sampling-mask: also compare the worker alone in this process "
+                        "(ModelRunner, N interleaved decode steps per group; see runner_steps)")
+    p.add_argument("--sampling-mask", action="store_true",
+                   help="measure --return-sampling-mask instead: top-k/top-p sampling on /inference/v1/generate, "
+                        "on a server without the flag and on one with it")
+    p.add_argument("--mask-top-k", type=int, default=50, help="with --sampling-mask: top_k of every request")
+    p.add_argument("--mask-top-p", type=float, default=0.95, help="with --sampling-mask: top_p of every request")
     p.add_argument("--json", help="write every number to this file")
     args = p.parse_args()
 
@@ -194,6 +221,12 @@ def main() -> None:
         flags["on"] = [*server_args, "--enable-return-routed-experts"]
     lp_extra = {"logprobs": args.top_logprobs}
     sides = {"plain": ("off", {}), f"top-{args.top_logprobs} logprobs": ("off", lp_extra)}
+    truncated = {"top_k": args.mask_top_k, "top_p": args.mask_top_p}
+    if args.sampling_mask:
+        flags = {"off": [*server_args, "--enable-scale-out"],
+                 "on": [*server_args, "--enable-scale-out", "--return-sampling-mask"]}
+        sides = {"top-k/top-p": ("off", {**truncated, "_generate": True}),
+                 "top-k/top-p + sampling mask": ("on", {**truncated, "_generate": True, "_mask": True})}
     if args.routed_experts:
         sides[f"top-{args.top_logprobs} logprobs + routed experts"] = ("on", {**lp_extra, "_routed": True})
     names = list(sides)
@@ -225,6 +258,9 @@ def main() -> None:
     say("sampler alone ...")
     micro = {"plain_ms": sampler_ms(args.num_prompts, vocab, 0), "topk_ms": sampler_ms(args.num_prompts, vocab,
                                                                                        args.top_logprobs)}
+    if args.sampling_mask:
+        micro["truncated_ms"] = sampler_ms(args.num_prompts, vocab, 0, **truncated)
+        micro["truncated_mask_ms"] = sampler_ms(args.num_prompts, vocab, 0, mask=True, **truncated)
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
@@ -255,7 +291,19 @@ def main() -> None:
               f"compute per step {c['compute_per_step_pct']:+.1f} %")
     print(f"sampler alone, {args.num_prompts} rows x {vocab}: {micro['plain_ms']:.2f} ms plain, "
           f"{micro['topk_ms']:.2f} ms with top-{args.top_logprobs} (+{cost['sampler_ms_added']:.2f} ms per step)")
+    if args.sampling_mask:
+        print(f"sampler alone with top_k {args.mask_top_k}, top_p {args.mask_top_p}: {micro['truncated_ms']:.2f} ms, "
+              f"{micro['truncated_mask_ms']:.2f} ms with the sampling mask "
+              f"(+{micro['truncated_mask_ms'] - micro['truncated_ms']:.2f} ms per step)")
     runner = None
+    if args.sampling_mask and args.runner_steps:
+        say(f"ModelRunner alone: {args.num_prompts} sequences x {args.runner_steps} decode steps per group ...")
+        runner = runner_steps(folder, args.dtype, prompts, args.runner_steps, 0, truncated)
+        plain, added = runner["plain ms"], runner["sampling mask paired +ms"]
+        print(f"ModelRunner alone, {args.num_prompts} decodes per step with top_k {args.mask_top_k}, top_p "
+              f"{args.mask_top_p}, median of {args.runner_steps} interleaved steps: {plain:.1f} ms without the "
+              f"mask; with it {runner['sampling mask ms']:.1f} ms (paired {added:+.2f} ms, "
+              f"{100 * added / plain:+.1f} %)")
     if args.routed_experts and args.runner_steps:
         say(f"ModelRunner alone: {args.num_prompts} sequences x {args.runner_steps} decode steps per group ...")
         runner = runner_steps(folder, args.dtype, prompts, args.runner_steps, args.top_logprobs)

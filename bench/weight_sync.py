@@ -158,8 +158,8 @@ def greedy_outputs(url: str, model: str) -> list[dict]:
 
 def weight_state(url: str) -> tuple[str, dict[str, str]]:
     version = httpx.get(url + "/weight_info", timeout=60).json()["weight_version"]
-    # the gateway caches checksums per weight epoch, and a failed update keeps the epoch: recompute
-    httpx.post(url + "/weight_checker", json={"action": "reset"}, timeout=60).raise_for_status()
+    # (no /weight_checker reset here: it zeroes the weights, as vLLM's; the gateway's cached checksums are
+    # dropped by any command that follows them, a failed update's abort included)
     sums = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=300).json()["checksums"]
     return version, sums
 

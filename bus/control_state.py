@@ -86,18 +86,22 @@ def _weights_missing(state: ControlState, cmd: WeightsMissing) -> ControlState:
 
 
 WEIGHTS_DISCARDED_MESSAGE = "weights were discarded by sleep level 2; load weights first"
+WEIGHTS_ZEROED_MESSAGE = "weights were zeroed by /weight_checker reset; load weights first"
+RESET_VERSION = "reset"  # the weight version after /weight_checker reset (vLLM's zero_weights)
 
 
-def weights_discarded_message(missing: int, total: int) -> str | None:
-    """The 503 for requests while `missing` of `total` parameters a level-2 sleep discarded are not loaded
-    again (-1: all of them; None when nothing is missing)."""
+def weights_discarded_message(missing: int, total: int, version: str = "") -> str | None:
+    """The 503 for requests while `missing` of `total` parameters a level-2 sleep discarded (or a
+    /weight_checker reset zeroed: version RESET_VERSION) are not loaded again (-1: all of them; None when
+    nothing is missing)."""
     n = missing
     if n == 0:
         return None
+    why = WEIGHTS_ZEROED_MESSAGE if version == RESET_VERSION else WEIGHTS_DISCARDED_MESSAGE
     how = "a weight update (/update_weights) or POST /collective_rpc {\"method\": \"reload_weights\"} fills them"
     if n < 0:
-        return f"{WEIGHTS_DISCARDED_MESSAGE} ({how})"
-    return f"{WEIGHTS_DISCARDED_MESSAGE} ({n} of {total} parameters still missing; {how})"
+        return f"{why} ({how})"
+    return f"{why} ({n} of {total} parameters still missing; {how})"
 
 
 def _wake_up(state: ControlState, cmd: WakeUp) -> ControlState:

@@ -7,7 +7,8 @@ they run with, so it only stops a broken or hostile peer from making a process b
   + 9 bytes x --max-prompt-tokens-per-request;
 - results (scheduler PULL; Hello, StepResult arrays): 64 MiB + 8 bytes x (--max-logprobs + 1) x the most
   rows one array can have (max_model_len prompt positions, 1M when the model decides it); none with
-  --max-logprobs -1 or --enable-return-routed-experts (the whole vocabulary, every layer's experts);
+  --max-logprobs -1, --enable-return-routed-experts or --return-sampling-mask (the whole vocabulary, every
+  layer's experts, up to half the vocabulary per sampled row);
 - control (coordinator ROUTER; Hello, Heartbeat, Ack with RPC results and checksums, ControlRequest with
   update metadata and RPC arguments): 128 MiB, or twice --max-request-body-bytes if that is more;
 - plans, commands (XPUBs; subscriptions only): 64 KiB.
@@ -43,7 +44,8 @@ def limits_for(cfg: Any) -> dict[str, int]:
     body = int(getattr(cfg, "max_request_body_bytes", 32 * MIB))
     prompt_tokens = int(getattr(cfg, "max_prompt_tokens_per_request", 2 * MIB))
     max_logprobs = int(getattr(cfg, "max_logprobs", 20))
-    if max_logprobs < 0 or getattr(cfg, "enable_return_routed_experts", False):
+    if max_logprobs < 0 or getattr(cfg, "enable_return_routed_experts", False) or \
+            getattr(cfg, "return_sampling_mask", False):
         results = -1
     else:
         # prompt logprobs: one row per prompt token (max_model_len, or 1M when it comes from the model)

@@ -40,7 +40,7 @@ from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "fd642a50e606"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "45622002e46e"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -216,6 +216,7 @@ class Quiesced(CommandResult):
     """The scheduler stopped stepping for a pause, a sleep or a weight update (no step in flight)."""
 
     aborted: int = 0  # requests an abort-mode quiesce ended
+    kv_blocks: list[int] | None = None  # a sleep with offload_kv: the KV blocks the kept requests hold
 
 
 class AlreadyQuiet(CommandResult):
@@ -281,6 +282,14 @@ class TransferShutDown(CommandResult):
 
 class Checksums(CommandResult):
     checksums: dict[str, str]  # "dp0:pp0:pcp0:tp0:<tensor>" -> sha256 hex
+    weights: WeightsStatus | None = None
+
+
+class WeightsZeroed(CommandResult):
+    """/weight_checker reset (vLLM's zero_weights): every parameter zeroed, none served until an update."""
+
+    zeroed: int  # parameters zeroed on this worker
+    weights: WeightsStatus | None = None
 
 
 class PrefixCacheReset(CommandResult):
@@ -394,6 +403,9 @@ class Sleep(CommandBody):
 
     level: int  # 0: scheduling only; 1: weights offloaded; 2: weights discarded
     mode: str = "abort"
+    # the KV of kept (frozen) requests survives: the workers offload it to the host and restore it on wake
+    # (SkyRL's sleep_for_weight_sync); without it, from level 1 the kept requests drop their KV (recomputed)
+    offload_kv: bool = False
 
     RESULTS = _QUIET
 
@@ -402,6 +414,10 @@ class ReleaseMemory(CommandBody):
     """Second phase of /sleep: the workers release device memory."""
 
     level: int
+    offload_kv: bool = False
+    # with offload_kv: per scheduler name, the KV blocks its kept requests hold (the scheduler's Sleep ack),
+    # which its workers copy to the host before releasing the cache
+    kv_blocks: dict[str, list[int]] = {}
 
     RESULTS = (MemoryReleased,)
 
@@ -455,7 +471,7 @@ class ShutdownWeightTransferEngine(CommandBody):
 class WeightChecker(CommandBody):
     action: str = "checksum"
 
-    RESULTS = (Checksums,)
+    RESULTS = (Checksums, WeightsZeroed)
 
 
 class ResetPrefixCache(CommandBody):
@@ -701,6 +717,10 @@ class RequestOutput(Wire):
     ranks: list[int] | None = None  # per new token, its 1-based rank (with logprobs)
     sampling_mass: list[float] | None = None  # per new token (return_sampling_mass): mass the filters kept
     prompt_logprobs: PromptLogprobs | None = None  # on the first output only, when the request asked
+    # --return-sampling-mask: per new token the ids the sampler could draw, compact (engine/sampling_mask.py):
+    # np.int32 ids one row after another, and per token a count (c >= 0: c kept ids; -d-1: all but d ids)
+    sampling_mask_ids: np.ndarray | None = None
+    sampling_mask_counts: np.ndarray | None = None
     # MoE router capture (--enable-return-routed-experts): expert ids np.uint8/uint16 [n, num_moe_layers, top_k]
     # of positions routed_experts_start .. +n, computed since the last output. A recompute after preemption
     # sends positions again: later rows replace earlier ones of the same position. None: nothing new.
@@ -770,6 +790,10 @@ class StepResult(Wire):
     # sequences that failed alone (the rest of the step is fine): a structured-output constraint the worker
     # cannot enforce, or a forced token its grammar rejects; the scheduler fails just these requests
     seq_errors: list[tuple[str, ErrorInfo]] = []
+    # --return-sampling-mask (rank 0): each sampled row's support, compact (engine/sampling_mask.py):
+    # np.int32 ids of every row one after another, np.int32 [S] counts
+    sampling_mask_ids: np.ndarray | None = None
+    sampling_mask_counts: np.ndarray | None = None
 
 
 # --- weight sync over the bus (trainer <-> coordinator) -------------------------------------------

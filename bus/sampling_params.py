@@ -98,6 +98,17 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # guaranteed-valid output (vLLM's structured_outputs): the workers mask the logits per step
     structured_outputs: StructuredOutputsParams | None = None
     lora: LoraRef | None = None  # the adapter (--enable-lora); None: the base model
+    # vLLM's logits processors of a request (workers/sampler.py applies them, docs/logprobs.md says which
+    # logprobs see them): a bias added to the logits of these token ids (the gateway clamps it to [-100, 100]
+    # as vLLM does), the only token ids that may be drawn, and the token sequences that may not be completed
+    # (the gateway tokenizes `bad_words` into them, as vLLM's update_from_tokenizer)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's request-level priority (here with the sampling parameters, as cache_salt): with
+    # --scheduling-policy priority lower values are admitted first and preempted last (engine/scheduler/policy.py)
+    priority: int = 0
 
     def validate(self, *, vocab_size: int, max_logprobs: int, max_n: int = 128) -> None:
         _check(1 <= self.n <= max_n, "n", f"n must be between 1 and {max_n}, got {self.n}")
@@ -138,8 +149,42 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
                    f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", "seed must fit in 64 bits")
+        _check(-(2**63) <= self.priority < 2**63, "priority", "priority must fit in 64 bits")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        self._validate_logits_processors(vocab_size)
+
+    def _validate_logits_processors(self, vocab_size: int) -> None:
+        """vLLM's checks of logit_bias, allowed_token_ids and bad_words (input_processor and SamplingParams)."""
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            _check(not bad, "logit_bias", f"token_id(s) {bad[:8]} in logit_bias contain out-of-vocab token ids. "
+                                          f"Vocabulary size: {vocab_size}")
+            off = [b for b in self.logit_bias.values() if not -100.0 <= b <= 100.0]  # NaN too
+            _check(not off, "logit_bias", f"logit_bias values must be within [-100, 100], got {off[:1]}")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "allowed_token_ids is not None and empty!")
+            _check(all(0 <= t < vocab_size for t in self.allowed_token_ids), "allowed_token_ids",
+                   f"allowed_token_ids contains out-of-vocab token id! Vocabulary size: {vocab_size}")
+        _check(all(self.bad_words), "bad_words", f"bad_words cannot contain an empty string. Got "
+                                                 f"bad_words={self.bad_words}")
+        for word in self.bad_words_token_ids or []:
+            _check(len(word) > 0, "bad_words", "bad_words entries must tokenize to at least one token.")
+            bad = [t for t in word if not 0 <= t < vocab_size]
+            _check(not bad, "bad_words", f"The model vocabulary size is {vocab_size}, but the following tokens "
+                                         f"were specified as bad: {bad[:8]}. All token id values should be "
+                                         f"integers satisfying: 0 <= token_id < {vocab_size}.")
+
+    @property
+    def processes_logits(self) -> bool:
+        """A logit bias, an allowed-ids list or bad words: the sampler edits this row's logits."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
+
+    def validate_priority(self, policy: str) -> None:
+        """vLLM: a priority other than 0 needs --scheduling-policy priority."""
+        _check(self.priority == 0 or policy == "priority", "priority",
+               f"Got priority {self.priority} but Priority scheduling is not enabled: start the server with "
+               "--scheduling-policy priority.")
 
     def validate_routed_experts(self, prompt_len: int) -> None:
         """vLLM: routed_experts_prompt_start must lie within [0, prompt_len]."""
@@ -161,6 +206,8 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in trace), p,
                "trace_decode_token_ids must contain non-negative integers.")
         _check(self.prompt_logprobs is None, p, "trace_decode_token_ids is not supported with prompt_logprobs.")
+        _check(not self.bad_words and not self.bad_words_token_ids, p,
+               "trace_decode_token_ids is not supported with bad_words.")
         bad = [t for t in trace if t >= vocab_size]
         _check(not bad, p, f"token_id(s) {bad[:8]} in trace_decode_token_ids contain out-of-vocab token ids. "
                            f"Vocabulary size: {vocab_size}")
@@ -199,3 +246,19 @@ def validate_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") 
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise ParamError(param, message)
+
+
+def tokenize_bad_words(words: list[str], encode) -> list[list[int]]:
+    """vLLM's update_from_tokenizer: each bad word's token ids as written (leading spaces stripped), and again
+    with one leading space when that gives a different first token and as many tokens (a word in the middle
+    of text); `encode(text)` is the tokenizer without special tokens. ParamError naming bad_words when a word
+    tokenizes to nothing."""
+    out: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        bare = list(encode(word.lstrip()))
+        _check(len(bare) > 0, "bad_words", "bad_words entries must tokenize to at least one token.")
+        out.append(bare)
+        spaced = list(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out

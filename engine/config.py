@@ -42,6 +42,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"  # vLLM's: fcfs | priority (engine/scheduler/policy.py)
     async_scheduling: bool | None = None  # None: as vLLM, on for accelerators, off on CPU (async_scheduling_on)
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float16 (workers.startup)
@@ -125,6 +126,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: list[str] = field(default_factory=list)
     lora_dtype: str = "auto"
+    return_sampling_mask: bool = False  # vLLM's: per generated token, the ids the sampler could draw
     # one line each for the log: vLLM flags accepted without effect here (not passed on to children)
     notes: tuple[str, ...] = ()
 
@@ -262,7 +264,6 @@ ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "runner": (("auto", "generate"), "rollbus serves generative models only"),
     "convert": (("auto", "none"), "rollbus serves generative models only"),
     "distributed_executor_backend": (("mp",), "workers are always processes on the bus"),
-    "scheduling_policy": (("fcfs",), "the scheduler is first come, first served"),
     "enable_chunked_prefill": (("true",), "prefills longer than --max-num-batched-tokens are always chunked"),
     "config_format": (("auto", "hf"), "rollbus reads Hugging Face config.json"),
     "response_role": (("assistant",), "the response role is always assistant"),
@@ -436,6 +437,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Most sequences in the running batch.")
     g.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                    help="Token budget of one step; longer prefills are chunked across steps (2k, 8K work).")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+                   help="Which waiting request is admitted next and which running one is preempted when KV blocks run "
+                        "out (vLLM's flag). fcfs: arrival order. priority: by each request's `priority` (lower "
+                        "first; ties by arrival), on /v1/completions, /v1/chat/completions and "
+                        "/inference/v1/generate; a preempted request goes back by its priority, and the victim is "
+                        "the running request with the highest (priority, arrival). Without it a priority other than "
+                        "0 is a 400.")
     g.add_argument("--async-scheduling", action=Switch, default=d.async_scheduling,
                    help="Plan step N+1 while step N computes (vLLM's flag): the workers start the next step the "
                         "moment they finish one, instead of waiting for the results' round trip and the planning. "
@@ -642,6 +650,14 @@ def add_training_data_args(p: argparse.ArgumentParser) -> None:
                         "base64 of a .npy array (num_tokens - 1 - routed_experts_prompt_start, num_moe_layers, "
                         "top_k), uint8 with at most 256 experts, else uint16. For router replay in training. "
                         "Dense models (and requests aborted before any forward pass) return null.")
+    g.add_argument("--return-sampling-mask", action=Switch, negatives=["--no-return-sampling-mask"], default=False,
+                   help="vLLM's: every choice of /inference/v1/generate (and each of its stream chunks) returns "
+                        "`sampling_mask`, per generated token the ids the sampler could have drawn (ascending): what "
+                        "top-k, top-p, min-p, allowed_token_ids, bad_words, min_tokens and a grammar kept, the "
+                        "support of the processed distribution, so the sampled token is always in it. For "
+                        "trainers that renormalise their logprobs over the same support (keep sampling mask, "
+                        "truncated importance sampling; pair it with --logprobs-mode processed_logprobs). A token "
+                        "drawn with nothing filtered lists the whole vocabulary. Without the flag it is null.")
 
 
 def add_vllm_only_args(p: argparse.ArgumentParser) -> None:

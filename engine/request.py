@@ -37,6 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0
+    order: int = 0  # how many sequences the scheduler had been given before this one (a tie-break)
     kv_epoch: int | None = None  # weight epoch of the oldest KV this sequence holds (None: holds none)
     # routed experts computed but not yet sent to the gateway: (first position, rows) pieces whose rows are
     # read-only views of a StepResult's array (engine.routed_experts)

@@ -131,7 +131,9 @@ def _closed_objects(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: _closed_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    # an object whose keys come from sub-schemas (anyOf, allOf, $ref...) is closed there, not here
+    combined = any(k in out for k in ("anyOf", "oneOf", "allOf", "$ref", "if"))
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out and not combined:
         out["additionalProperties"] = False
     return out
 

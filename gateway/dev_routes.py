@@ -26,6 +26,7 @@ from bus.messages import (
     MemoryReleased,
     Pause,
     PrefixCacheReset,
+    Quiesced,
     ReleaseMemory,
     ReloadWeightsCall,
     ResetPrefixCache,
@@ -49,7 +50,9 @@ from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
 
 DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake_up", "/is_sleeping",
              "/collective_rpc", "/abort_requests", "/weight_info", "/update_weight_version", "/reset_prefix_cache")
-RPC_METHODS = ("reload_weights",)
+# SkyRL 0.4's worker-extension methods for a sync under a keep pause, answered natively (below)
+SYNC_SLEEP, SYNC_WAKE = "skyrl_sleep_for_weight_sync", "skyrl_wake_for_weight_sync"
+RPC_METHODS = ("reload_weights", SYNC_SLEEP, SYNC_WAKE)
 
 
 def _bool(value: str, param: str) -> bool:
@@ -99,11 +102,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             raise bad_request(f"level must be 0, 1 or 2, got {level!r}", "level")
         if mode not in PAUSE_MODES:
             raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        deadline = pause_deadline(mode, cfg.control_timeout_s)
-        # Two broadcasts: first every member quiesces (the scheduler acks once no step runs), then the
-        # workers release memory, which is only safe once nothing can touch it.
-        await broadcast(client, Sleep(int(level), mode), deadline)
-        results = await broadcast(client, ReleaseMemory(int(level)), cfg.control_timeout_s)
+        results = await sleep_engine(client, cfg, int(level), mode)
         released = sum(r.released_bytes for r in results.values() if isinstance(r, MemoryReleased))
         return JSONResponse({"status": "sleeping", "level": int(level), "released_bytes": released})
 
@@ -127,7 +126,9 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         method = body.get("method")
         if method is None:
             raise bad_request("Missing 'method' in request body", "method")
-        extension = method not in RPC_METHODS and await _extension_method(method)
+        extension = method not in ("reload_weights",) and await _extension_method(method)  # an extension's wins
+        if method in (SYNC_SLEEP, SYNC_WAKE) and not extension:
+            return JSONResponse(await sync_sleep_rpc(client, cfg, method, body))
         if method not in RPC_METHODS and not extension:
             raise bad_request(f"method must be one of {', '.join(RPC_METHODS)} or a public method of "
                               f"--worker-extension-cls, got {method!r}", "method")
@@ -189,21 +190,16 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         return JSONResponse({"success": True, "new_version": version})
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request, reset_running_requests: str = "false",
-                                 reset_external: str = "false") -> JSONResponse:
+    async def reset_prefix_cache(request: Request, reset_running_requests: str | None = None,
+                                 reset_external: str | None = None) -> JSONResponse:
         """vLLM's: forget every cached prefix. {"success": false} while requests hold KV blocks (retry
         later), unless reset_running_requests=true, which first preempts them (they are recomputed).
-        reset_external resets a KV connector's cache: there is none here, so it succeeds (as vLLM)."""
-        running = _bool(reset_running_requests, "reset_running_requests")
-        external = _bool(reset_external, "reset_external")
-        body = await _json_object(request, allow_empty=True)
-        # vLLM reads only the query: a body saying otherwise would be ignored there; here it is refused
-        for key, value in body.items():
-            if key not in ("reset_running_requests", "reset_external") or \
-                    value is not {"reset_running_requests": running, "reset_external": external}[key]:
-                raise bad_request(f"POST /reset_prefix_cache takes its options as query parameters (as vLLM), "
-                                  f"not in the body: got {key}={value!r} in the body", key)
-        results = await broadcast(client, ResetPrefixCache(running), cfg.control_timeout_s)
+        reset_external resets a KV connector's cache: there is none here, so it succeeds (as vLLM).
+        The options come as query parameters (vLLM reads only those) or in a JSON body (SkyRL sends
+        {"reset_running_requests": true}, which vLLM silently drops): both are honoured."""
+        query = {"reset_running_requests": reset_running_requests, "reset_external": reset_external}
+        options = _query_or_body_bools(query, await _json_object(request, allow_empty=True))
+        results = await broadcast(client, ResetPrefixCache(options["reset_running_requests"]), cfg.control_timeout_s)
         ok = [r.success for r in results.values() if isinstance(r, PrefixCacheReset)]
         return JSONResponse({"success": bool(ok) and all(ok)})
 
@@ -244,6 +240,69 @@ def _worker_json(info: WorkerInfo) -> dict[str, Any]:
     for key in ("type", "joined_seq"):
         out.pop(key, None)
     return out
+
+
+def _query_or_body_bools(query: dict[str, str | None], body: dict[str, Any]) -> dict[str, bool]:
+    """A route's boolean options (default false) from its query parameters or its JSON body, under the same
+    names: the body's values are JSON booleans; an option given both ways must say the same thing."""
+    for key in body:
+        if key not in query:
+            raise bad_request(f"unknown option {key!r}: this route takes {', '.join(query)}", key)
+    options = {}
+    for name, text in query.items():
+        from_query = None if text is None else _bool(text, name)
+        from_body = body.get(name)
+        if from_body is not None and not isinstance(from_body, bool):
+            raise bad_request(f"{name} must be a boolean (true or false), got {from_body!r} in the body", name)
+        if from_query is not None and from_body is not None and from_query != from_body:
+            raise bad_request(f"{name} is {str(from_query).lower()} in the query but {str(from_body).lower()} "
+                              f"in the body: give it once, or the same in both", name)
+        options[name] = bool(from_body if from_query is None else from_query)
+    return options
+
+
+async def sleep_engine(client: EngineClient, cfg: EngineConfig, level: int, mode: str, offload_kv: bool = False,
+                       timeout_s: float | None = None) -> dict[str, Any]:
+    """/sleep's two broadcasts: first every member quiesces (the scheduler acks once no step runs; with
+    offload_kv it names the KV blocks its kept requests hold), then the workers release memory, which is only
+    safe once nothing can touch it. Returns the release's results by member."""
+    deadline = timeout_s or pause_deadline(mode, cfg.control_timeout_s)
+    quiet = await broadcast(client, Sleep(level, mode, offload_kv), deadline)
+    blocks = {n: r.kv_blocks for n, r in quiet.items() if isinstance(r, Quiesced) and r.kv_blocks is not None}
+    return await broadcast(client, ReleaseMemory(level, offload_kv, blocks), timeout_s or cfg.control_timeout_s)
+
+
+async def sync_sleep_rpc(client: EngineClient, cfg: EngineConfig, method: str, body: dict[str, Any]) -> dict:
+    """SkyRL 0.4's skyrl_sleep_for_weight_sync(offload_kv=True) and skyrl_wake_for_weight_sync(tags), which on
+    vLLM are methods of SkyRL's worker extension (its RemoteInferenceClient sends them through
+    /collective_rpc): free memory for a weight sync while the requests a keep pause froze stay. The sleep
+    is a level-2 sleep in keep mode (the weights are discarded: every parameter must come back through the
+    sync, else requests are 503) that keeps the frozen requests' KV (offload_kv: copied to the host, put back
+    by the kv_cache wake) or drops it (they recompute it from their tokens). The wake is /wake_up by tags; it
+    does not resume (SkyRL calls /resume). Answers vLLM's shape: one null result per worker."""
+    if not cfg.enable_sleep_mode:
+        raise bad_request(f"{method} needs sleep mode: start the server with --enable-sleep-mode", "method")
+    args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise bad_request("args must be a list and kwargs an object", "args" if not isinstance(args, list)
+                          else "kwargs")
+    name = "offload_kv" if method == SYNC_SLEEP else "tags"
+    if set(kwargs) - {name}:
+        extra = sorted(set(kwargs) - {name})
+        raise bad_request(f"{method} takes only {name}; got kwargs {', '.join(extra)}", f"kwargs.{extra[0]}")
+    if len(args) > 1 or (args and name in kwargs):
+        raise bad_request(f"{method} takes one argument, {name}: got {len(args)} positional args", "args")
+    value = args[0] if args else kwargs.get(name, True if method == SYNC_SLEEP else None)
+    timeout = check_timeout(body["timeout"], "timeout") if body.get("timeout") is not None else None
+    if method == SYNC_SLEEP:
+        if not isinstance(value, bool):
+            raise bad_request(f"kwargs.offload_kv must be true or false, got {value!r}", "kwargs.offload_kv")
+        results = await sleep_engine(client, cfg, 2, "keep", offload_kv=value, timeout_s=timeout)
+    else:
+        if value is not None and (not isinstance(value, list) or not all(t in ("weights", "kv_cache") for t in value)):
+            raise bad_request(f"kwargs.tags must be a list of weights and/or kv_cache, got {value!r}", "kwargs.tags")
+        results = await broadcast(client, WakeUp(value), timeout or cfg.control_timeout_s)
+    return {"results": [None for n in sorted(results) if n.startswith("worker")]}
 
 
 async def _json_object(request: Request, allow_empty: bool = False) -> dict[str, Any]:

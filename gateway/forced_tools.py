@@ -7,6 +7,11 @@ The constraint (engine.structured_outputs.tool_choice_schema) makes the output, 
 Streaming sends each call's id, type and name in its first delta, then its arguments text as it grows
 (never taking any back). finish_reason is vLLM's: "tool_calls" when calls were made and the model stopped,
 except for a named function (OpenAI reports "stop" there); "length" stays "length".
+
+An output cut by max_tokens is returned as far as it goes, as vLLM returns any partial content (and as the
+stream sends it): the calls whose name is complete, the last one with its arguments text cut where the
+output stops (vLLM's "required" path returns no message at all there). An output cut before any call's
+name is complete is returned as `content`, so a finished choice is never an empty message.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ def _named(tool_choice: Any) -> str | None:
 
 
 def forced_tool_calls(tool_choice: Any, text: str) -> list[dict[str, Any]]:
-    """The calls in a whole forced output (none when it is empty, or cut short and unparsable)."""
+    """The calls in a whole forced output; a cut one gives its partial calls (none when it is empty)."""
     name = _named(tool_choice)
     if name is not None:
         if not text.strip():
@@ -32,7 +37,7 @@ def forced_tool_calls(tool_choice: Any, text: str) -> list[dict[str, Any]]:
     try:
         items = json.loads(text)
     except ValueError:
-        return []
+        return _partial_calls(text)
     if not isinstance(items, list):
         return []
     calls = []
@@ -40,6 +45,19 @@ def forced_tool_calls(tool_choice: Any, text: str) -> list[dict[str, Any]]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
             return []
         calls.append(_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    return calls
+
+
+def _partial_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of an unfinished "required" array: every item whose name is complete, with its arguments
+    text as far as the output goes (what the stream sent for it)."""
+    calls = []
+    for span in _scan(text, []):
+        if span.name is None:
+            break
+        args = "" if span.args_start is None else \
+            text[span.args_start:span.args_end if span.args_end is not None else len(text)]
+        calls.append(_call(span.name, args))
     return calls
 
 

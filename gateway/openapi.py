@@ -32,11 +32,21 @@ def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str
 
 # JSON bodies of the RL routes (gateway/dev_routes.py, gateway/weight_routes.py), as their handlers read them
 RL_BODIES: dict[str, dict[str, Any]] = {
-    "/collective_rpc": _obj({"method": {"type": "string", "enum": ["reload_weights"]},
-                             "args": {"type": "array", "maxItems": 0},
-                             "kwargs": _obj({"weights_path": {"type": "string"}}) | {"additionalProperties": False},
-                             "timeout": _TIMEOUT}, ("method",)),
+    "/collective_rpc": {"anyOf": [
+        _obj({"method": {"type": "string", "enum": ["reload_weights"]}, "args": {"type": "array", "maxItems": 0},
+              "kwargs": _obj({"weights_path": {"type": "string"}}) | {"additionalProperties": False},
+              "timeout": _TIMEOUT}, ("method",)),
+        # SkyRL's sync methods, answered natively (gateway/dev_routes.py sync_sleep_rpc)
+        _obj({"method": {"type": "string", "enum": ["skyrl_sleep_for_weight_sync"]},
+              "kwargs": _obj({"offload_kv": {"type": "boolean"}}) | {"additionalProperties": False},
+              "timeout": _TIMEOUT}, ("method",)),
+        _obj({"method": {"type": "string", "enum": ["skyrl_wake_for_weight_sync"]},
+              "kwargs": _obj({"tags": {"type": "array", "items": {"type": "string", "enum": ["weights", "kv_cache"]}}})
+              | {"additionalProperties": False}, "timeout": _TIMEOUT}, ("method",))]},
     "/abort_requests": _obj({"request_ids": {"type": "array", "items": {"type": "string"}}}),
+    # its options as query parameters or in this body (gateway/dev_routes.py); the body is optional
+    "/reset_prefix_cache": _obj({"reset_running_requests": {"type": "boolean"}, "reset_external": {"type": "boolean"}})
+    | {"additionalProperties": False},
     "/update_weight_version": _obj({"new_version": _NON_EMPTY}, ("new_version",)),
     "/init_weight_transfer_engine": _obj({"init_info": _obj({"timeout_s": _TIMEOUT})}, ("init_info",)),
     "/update_weights": _obj({"update_info": {"anyOf": [{"type": "object"},
@@ -126,7 +136,7 @@ def add_bodies(doc: dict[str, Any], *, names: list[str], vocab_size: int, max_mo
     for path, schema in RL_BODIES.items():
         op = paths.get(path, {}).get("post")
         if op is not None:
-            _json_body(op, schema, required=bool(schema["required"]))
+            _json_body(op, schema, required=bool(schema.get("required", True)))  # anyOf: each one requires
     for (path, name), schema in QUERY.items():
         for op in paths.get(path, {}).values():
             for p in op.get("parameters", []):
@@ -145,7 +155,7 @@ def _limits(model: dict[str, Any], names: list[str], vocab: int, max_len: int, m
         props["model"]["enum"] = [*names, None]
     token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     ids = {"type": "array", "items": token}
-    for name in ("stop_token_ids", "tokens", "trace_decode_token_ids"):
+    for name in ("stop_token_ids", "tokens", "trace_decode_token_ids", "allowed_token_ids"):
         if name in props:
             props[name]["items"] = token
     if "token_ids" in props:  # generate's prompt

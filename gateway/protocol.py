@@ -48,6 +48,8 @@ _NEUTRAL_BOOL = {"enum": [None, False]}  # a refused feature's switch: only "off
 _EMPTY_OBJECT = {"maxProperties": 0}
 _EMPTY_ARRAY = {"maxItems": 0}
 _TOKEN_IDS = {"items": {"minimum": 0}}  # the gateway's /openapi.json adds the vocabulary's maximum
+_LOGIT_BIAS = {"propertyNames": {"pattern": "^[0-9]{1,9}$"}}  # token id -> bias (clamped to [-100, 100])
+_BAD_WORDS = {"items": {"minLength": 1, "pattern": "[^ ]"}}  # a word of only spaces tokenizes to nothing
 
 
 # --- fields of vLLM's schemas that rollbus does not implement ----------------------------------
@@ -81,9 +83,6 @@ REFUSED_SAMPLING: dict[str, Refuse] = {
     "use_beam_search": Refuse(_unset, "beam search is not supported"),
     "length_penalty": Refuse(_equals(1.0), "it only applies to beam search, which is not supported"),
     "watermarking": Refuse(_unset, "watermarking is not supported"),
-    "logit_bias": Refuse(_unset, "logit bias is not supported"),
-    "allowed_token_ids": Refuse(_unset, "restricting the vocabulary is not supported"),
-    "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
     "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
     "thinking_token_budget": Refuse(_unset, "thinking token budgets are not supported"),
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
@@ -91,7 +90,6 @@ REFUSED_SAMPLING: dict[str, Refuse] = {
     "ec_transfer_params": Refuse(_unset, _DISAGG),
     "vllm_xargs": Refuse(_trace_only, "custom sampling extensions are not supported; the one key served is "
                                       "trace_decode_token_ids (trace replay, with --enable-trace-replay)"),
-    "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
     "best_of": Refuse(_equals(1), "removed from vLLM; use n"),
 }
 REFUSED_COMPLETION: dict[str, Refuse] = {
@@ -113,21 +111,34 @@ REFUSED_GENERATE: dict[str, Refuse] = {
     "content_parts": Refuse(_unset, _MULTIMODAL),
     "kv_transfer_params": Refuse(_unset, _DISAGG),
     "ec_transfer_params": Refuse(_unset, _DISAGG),
-    "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
 }
 REFUSED_ENGINE_SAMPLING: dict[str, Refuse] = {
     "watermarking": Refuse(_unset, "watermarking is not supported"),
     "prompt_logprob_token_ids": Refuse(_unset, "prompt logprobs of chosen token ids are not supported"),
     "prompt_logprob_start": Refuse(_unset, "prompt logprobs from a start position are not supported"),
     "logprob_token_ids": Refuse(_unset, "logprobs of chosen token ids are not supported; use logprobs"),
-    "logit_bias": Refuse(_unset, "logit bias is not supported"),
-    "allowed_token_ids": Refuse(_unset, "restricting the vocabulary is not supported"),
-    "bad_words": Refuse(_unset, "bad-word filtering is not supported"),
     "extra_args": Refuse(_unset, "custom sampling extensions are not supported"),
     "skip_reading_prefix_cache": Refuse(_unset, "every request may read the prefix cache here"),
     "thinking_token_budget": Refuse(_unset, "thinking token budgets are not supported"),
     "repetition_detection": Refuse(_unset, "repetition detection is not supported"),
 }
+
+
+def logit_bias_ids(bias: dict[str, float] | None, param: str = "logit_bias") -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias) as vLLM reads it: integer ids, each bias clamped to
+    [-100, 100]; a key that is not an integer is a ParamError naming the field."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    bad = []
+    for key, value in bias.items():
+        try:
+            out[int(key)] = min(100.0, max(-100.0, value))
+        except ValueError:
+            bad.append(key)
+    if bad:
+        raise ParamError(param, f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}")
+    return out
 
 
 def refuse_unsupported(model: BaseModel, table: dict[str, Refuse], prefix: str = "") -> None:
@@ -191,7 +202,7 @@ class _SamplingRequest(OpenAIModel):
     top_p: float | None = _schema(exclusiveMinimum=0, maximum=1)
     presence_penalty: float | None = _schema(minimum=-2, maximum=2)
     frequency_penalty: float | None = _schema(minimum=-2, maximum=2)
-    logit_bias: dict[str, float] | None = _schema(**_EMPTY_OBJECT)
+    logit_bias: dict[str, float] | None = _schema(**_LOGIT_BIAS)
     user: str | None = None
     # vLLM extras
     top_k: int | None = _schema(minimum=-1)
@@ -200,6 +211,8 @@ class _SamplingRequest(OpenAIModel):
     min_tokens: int = _schema(0, minimum=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = _schema(**_TOKEN_IDS)
+    allowed_token_ids: list[int] | None = _schema(minItems=1, **_TOKEN_IDS)
+    bad_words: list[str] | None = _schema(**_BAD_WORDS)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     request_id: str | None = None
@@ -222,15 +235,13 @@ class _SamplingRequest(OpenAIModel):
     use_beam_search: bool = _schema(False, **_NEUTRAL_BOOL)
     length_penalty: float = _schema(1.0, enum=[None, 1.0])
     watermarking: bool | None = _schema(**_NEUTRAL_BOOL)
-    allowed_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
-    bad_words: list[str] | None = _schema(**_EMPTY_ARRAY)
     logprob_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
     thinking_token_budget: int | None = _schema(enum=[None])
     repetition_detection: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     kv_transfer_params: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     ec_transfer_params: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
     vllm_xargs: dict[str, Any] | None = _schema(**_EMPTY_OBJECT)
-    priority: int = _schema(0, enum=[None, 0])
+    priority: int = Field(default=0, **_I64)  # --scheduling-policy priority: lower first
     best_of: int | None = _schema(enum=[None, 1])
     # structured outputs (gateway/structured.py; docs/structured-outputs.md)
     structured_outputs: dict[str, Any] | None = None
@@ -282,7 +293,9 @@ class _SamplingRequest(OpenAIModel):
             skip_special_tokens=pick("skip_special_tokens"), prompt_logprobs=prompt_logprobs,
             return_sampling_mass=bool(self.return_sampling_mass), trace_decode_token_ids=self.trace_tokens(),
             routed_experts_prompt_start=self.routed_experts_prompt_start or 0, cache_salt=self.cache_salt,
-            structured_outputs=self.constraint())
+            structured_outputs=self.constraint(), logit_bias=logit_bias_ids(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words or []),
+            priority=self.priority or 0)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured-output constraint the request asks for (gateway/structured.py)."""
@@ -544,7 +557,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ParamError("structured_outputs", "You can only either use constraints for structured outputs or "
                                                    "tools, not both.")
         schema = tool_choice_schema(self.template_tools() or [], self.tool_choice, self.parallel_tool_calls)
-        return forced_tool_constraint(schema)
+        return forced_tool_constraint(schema, self.structured_outputs,
+                                      {"guided_whitespace_pattern": self.guided_whitespace_pattern})
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template sees beyond messages and tools (vLLM's ChatParams)."""
@@ -601,9 +615,9 @@ class GenerateSamplingParams(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = _schema(**_EMPTY_OBJECT)
-    bad_words: list[str] | None = _schema(**_EMPTY_ARRAY)
-    allowed_token_ids: list[int] | None = _schema(**_EMPTY_ARRAY)
+    logit_bias: dict[str, float] | None = _schema(**_LOGIT_BIAS)
+    bad_words: list[str] | None = _schema(**_BAD_WORDS)
+    allowed_token_ids: list[int] | None = _schema(minItems=1, **_TOKEN_IDS)
     trace_decode_token_ids: list[int] | None = _schema(minItems=1, **_TOKEN_IDS)  # --enable-trace-replay only
     return_sampling_mass: bool = False  # beyond vLLM (docs/logprobs.md)
     routed_experts_prompt_start: StrictInt | None = _schema(minimum=0)  # routed experts from this prompt position on
@@ -642,7 +656,9 @@ class GenerateSamplingParams(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
             return_sampling_mass=self.return_sampling_mass, trace_decode_token_ids=self.trace_decode_token_ids,
             routed_experts_prompt_start=self.routed_experts_prompt_start or 0,
-            structured_outputs=build_constraint(self.structured_outputs, None, {}, "sampling_params."))
+            structured_outputs=build_constraint(self.structured_outputs, None, {}, "sampling_params."),
+            logit_bias=logit_bias_ids(self.logit_bias, "sampling_params.logit_bias"),
+            allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words or []))
 
 
 class GenerateRequest(OpenAIModel):
@@ -664,7 +680,7 @@ class GenerateRequest(OpenAIModel):
     return_token_ids: bool | None = None
     output_mode: str = _schema("tokens", enum=["tokens"])  # vLLM's text/derender modes are not offered here
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # see docs/openai-api.md
-    priority: int = _schema(0, enum=[0])
+    priority: int = Field(default=0, **_I64)  # --scheduling-policy priority: lower first
     # what POST /v1/chat/completions/render puts in its output, read only by modes refused here
     token_offsets: list[tuple[int, int]] | None = None
     reasoning_ended: bool | None = None

@@ -17,11 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from bus.sampling_params import ParamError
 from gateway.protocol import (
     _I64,
+    _LOGIT_BIAS,
     _NEUTRAL_BOOL,
     ChatCompletionRequest,
     OpenAIModel,
     Refuse,
-    _equals,
     _schema,
     _unset,
     refuse_unsupported,
@@ -30,11 +30,9 @@ from gateway.protocol import (
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_ONLY = "rollbus serves text-only models"
 REFUSED_RESPONSES: dict[str, Refuse] = {
-    "logit_bias": Refuse(_unset, "logit bias is not supported"),
     "max_tool_calls": Refuse(_unset, "it limits built-in tool calls, and rollbus runs no built-in tools"),
     "prompt": Refuse(_unset, "prompt template is not supported"),  # vLLM's words
     "mm_processor_kwargs": Refuse(_unset, _TEXT_ONLY),
-    "priority": Refuse(_equals(0), "priority scheduling is not enabled: priority must be 0"),
     "enable_response_messages": Refuse(_unset, "returning the raw input and output messages is not supported"),
     "previous_input_messages": Refuse(_unset, "it carries Harmony (gpt-oss) messages, which rollbus does not render"),
     "previous_response": Refuse(_unset, "stateless multi-turn needs encrypted reasoning, which rollbus does not "
@@ -232,7 +230,7 @@ class ResponsesRequest(OpenAIModel):
     max_tool_calls: int | None = _schema(enum=[None])
     metadata: dict[str, str] | None = None
     model: str | None = None
-    logit_bias: dict[str, float] | None = _schema(maxProperties=0)
+    logit_bias: dict[str, float] | None = _schema(**_LOGIT_BIAS)  # as chat's (docs/openai-api.md)
     parallel_tool_calls: bool | None = True
     previous_response_id: str | None = None
     prompt: dict[str, Any] | None = _schema(enum=[None])
@@ -266,10 +264,10 @@ class ResponsesRequest(OpenAIModel):
     seed: int | None = Field(default=None, **_I64)
     stop: str | list[str] | None = _schema(items={"minLength": 1}, minLength=1)
     ignore_eos: bool = False
+    priority: int = Field(default=0, **_I64)  # --scheduling-policy priority: lower first (as chat's)
     vllm_xargs: dict[str, Any] | None = None  # trace_decode_token_ids only (as chat)
     # refused unless they ask for nothing (REFUSED_RESPONSES)
     mm_processor_kwargs: dict[str, Any] | None = _schema(maxProperties=0)
-    priority: int = _schema(0, enum=[0])
     enable_response_messages: bool = _schema(False, **_NEUTRAL_BOOL)
     previous_input_messages: list[Any] | None = _schema(maxItems=0)
     previous_response: dict[str, Any] | None = _schema(enum=[None])
@@ -361,6 +359,7 @@ class ResponsesRequest(OpenAIModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": self.logprobs(), "top_logprobs": self.top_logprobs or 0, "cache_salt": self.cache_salt,
             "vllm_xargs": self.vllm_xargs, "structured_outputs": self.structured_outputs,
+            "logit_bias": self.logit_bias, "priority": self.priority,
             "response_format": self.response_format()}
         if tools:
             body["tool_choice"] = self.chat_tool_choice()

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from bus.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
 from bus.messages import ErrorInfo, ErrorKind, PromptLogprobs, RequestOutput
-from bus.sampling_params import ParamError, SamplingParams, validate_prompt_ids
+from bus.sampling_params import ParamError, SamplingParams, tokenize_bad_words, validate_prompt_ids
 from engine import routed_experts
 from engine.config import EngineConfig
 from gateway.dp_middleware import requested_engine
@@ -95,8 +95,8 @@ class ServingContext:
         if self.client.rejecting_new_requests:
             raise engine_unavailable(PAUSED_MESSAGE)  # 503: retry after /resume
         state = self.client.control_state
-        discarded = None if state.sleeping_tags else weights_discarded_message(state.weights_missing,
-                                                                                 state.weights_total)  # asleep: queue
+        discarded = None if state.sleeping_tags else weights_discarded_message(  # asleep: queue
+            state.weights_missing, state.weights_total, state.weight_version)
         if discarded:
             raise engine_unavailable(discarded)  # 503 until the weights are loaded again
         return adapter.name if adapter is not None else self.model.names[0]
@@ -160,10 +160,19 @@ class ServingContext:
         rest = max(limit - prompt_len, 1)  # vLLM: generation config's max_new_tokens caps a request's default
         return min(rest, int(self.model.sampling_defaults.get("max_tokens", rest)))
 
-    def validate_params(self, params: SamplingParams, prompt_len: int) -> None:
+    def validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """The request's SamplingParams checked (ParamError naming the field), with its bad_words tokenized."""
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ParamError("bad_words", "bad_words need the tokenizer, which a --tokens-only server does not "
+                                              "load: ban token ids with logit_bias (-100) instead.")
+            params = params.replace(bad_words_token_ids=tokenize_bad_words(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
         params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
         params.validate_routed_experts(prompt_len)
+        params.validate_priority(self.cfg.scheduling_policy)
         params.validate_trace(vocab_size=self.model.vocab_size, enabled=self.cfg.enable_trace_replay)
+        return params
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         """A streaming detokenizer for one choice; None without a tokenizer (the text stays empty)."""
@@ -306,6 +315,7 @@ class ChoiceUpdate:
     text_offset: int  # where `text` starts in the choice's whole text
     ranks: list[int] | None = None
     sampling_mass: list[float] | None = None
+    sampling_mask: tuple[Any, Any] | None = None  # this update's (ids, counts) (engine/sampling_mask.py)
 
 
 class ChoiceState:
@@ -329,6 +339,7 @@ class ChoiceState:
         self.top_logprobs: list[list[list[float]]] = []
         self.ranks: list[int] = []
         self.sampling_mass: list[float] = []
+        self.mask_pieces: list[tuple[Any, Any]] = []  # --return-sampling-mask: (ids, counts) per output
         self.prompt_logprobs: PromptLogprobs | None = None
         self.routed_pieces: list[routed_experts.Piece] = []  # MoE router capture; see routed_experts_b64
         self.finish_reason: str | None = None
@@ -387,6 +398,10 @@ class ChoiceState:
             self.ranks += out.ranks
         if out.sampling_mass is not None:
             self.sampling_mass += out.sampling_mass
+        mask = None
+        if out.sampling_mask_counts is not None:
+            mask = (out.sampling_mask_ids, out.sampling_mask_counts)
+            self.mask_pieces.append(mask)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.routed_experts is not None:
@@ -407,7 +422,7 @@ class ChoiceState:
         end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.holdback)
         start, self.sent = self.sent, end
         return ChoiceUpdate(self.index, self.text[start:end], new, out.logprobs, out.top_logprobs,
-                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass)
+                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass, mask)
 
 
 # --- many engine requests of one HTTP request ----------------------------------------------------

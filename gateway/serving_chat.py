@@ -142,7 +142,7 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     try:
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
         params = ctx.with_lora(params, body.model)
-        ctx.validate_params(params, len(ids))
+        params = ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e, body) from None
     states: list[ChoiceState] = []
@@ -189,7 +189,8 @@ def _message(s: ChoiceState) -> tuple[dict[str, Any], str | None]:
     forced = s.forced if isinstance(s, ChatChoice) else None
     if forced is not None:  # the output is the forced calls' JSON (gateway/forced_tools.py)
         json_calls = forced_tool_calls(forced.tool_choice, s.text)
-        message = {"role": "assistant", "content": None, "refusal": None}
+        # cut before any call took shape: the text itself, never an empty message (gateway/forced_tools.py)
+        message = {"role": "assistant", "content": None if json_calls or not s.text else s.text, "refusal": None}
         if json_calls:
             message["tool_calls"] = json_calls
         message["reasoning"] = message["reasoning_content"] = None
@@ -280,8 +281,10 @@ def choice_delta(upd: ChoiceUpdate, state: ChoiceState) -> tuple[dict[str, Any] 
     forced = state.forced if isinstance(state, ChatChoice) else None
     if forced is not None:  # the forced output streams as tool-call deltas (gateway/forced_tools.py)
         calls = forced.push(upd.text or "")
-        return ({"tool_calls": calls} if calls else {}), finish_reason(upd.finish_reason, forced.tool_choice,
-                                                                         forced.made)
+        delta: dict[str, Any] = {"tool_calls": calls} if calls else {}
+        if upd.finish_reason is not None and not forced.made and forced.text:
+            delta["content"] = forced.text  # cut before any call took shape: as the whole response says
+        return delta, finish_reason(upd.finish_reason, forced.tool_choice, forced.made)
     if parser is None:
         return ({"content": upd.text} if upd.text else {}), upd.finish_reason
     got = parser.parse_delta(upd.text, finished=upd.finish_reason is not None)

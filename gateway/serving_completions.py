@@ -143,7 +143,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
         default = ctx.max_tokens_for(len(ids), body.max_tokens, "max_tokens", "prompt")
         params = body.to_sampling_params(default, ctx.model.sampling_defaults)
         params = ctx.with_lora(params, body.model)
-        ctx.validate_params(params, len(ids))
+        params = ctx.validate_params(params, len(ids))
         echo = ""
         if body.echo and not body.return_token_ids:  # vLLM: with return_token_ids the echoed text is ""
             p = prompts[pi]

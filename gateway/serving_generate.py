@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from bus.sampling_params import ParamError
+from engine import sampling_mask
 from gateway.errors import APIError, bad_request
 from gateway.protocol import REFUSED_GENERATE, GenerateRequest
 from gateway.responses import JSONResponse, loads
@@ -75,7 +76,7 @@ def tokens_logprobs(token_ids: list[int], logprobs: list[float] | None, top: lis
 def _remap(e: ParamError) -> ParamError:
     """Engine field names live under sampling_params on this endpoint."""
     if e.param.startswith("sampling_params.") or e.param in ("token_ids", "model", "stream_options", "output_mode",
-                                                             *REFUSED_GENERATE):
+                                                             "priority", *REFUSED_GENERATE):
         return e
     return ParamError(f"sampling_params.{e.param}", str(e))
 
@@ -95,9 +96,9 @@ def prepare(ctx: ServingContext, body: GenerateRequest, request_id: str) -> list
                           "sampling_params.n")
     default = ctx.max_tokens_for(len(ids), sp.max_tokens, "sampling_params.max_tokens", "token_ids")
     try:
-        params = sp.to_sampling_params(default).replace(cache_salt=body.cache_salt)
+        params = sp.to_sampling_params(default).replace(cache_salt=body.cache_salt, priority=body.priority)
         params = ctx.with_lora(params, body.model)
-        ctx.validate_params(params, len(ids))
+        params = ctx.validate_params(params, len(ids))
     except ParamError as e:
         raise _remap(e) from None
     if params.stop and ctx.tokenizer is None:
@@ -146,7 +147,7 @@ def _response(ctx: ServingContext, body: GenerateRequest, request_id: str, model
             "index": s.index,
             "logprobs": _choice_logprobs(s, s.token_ids, s.logprobs, s.top_logprobs, s.ranks),
             "finish_reason": s.finish_reason or "stop", "stop_reason": s.stop_reason, "token_ids": s.token_ids,
-            "routed_experts": routed_experts_b64(s), "sampling_mask": None,
+            "routed_experts": routed_experts_b64(s), "sampling_mask": _mask(ctx, s.mask_pieces),
             "weight_versions": s.weight_versions(ctx.client.control_state)}
         if s.params.return_sampling_mass:
             choice["sampling_mass"] = s.sampling_mass
@@ -187,12 +188,20 @@ def _chunk(ctx: ServingContext, body: GenerateRequest, request_id: str, upd: Cho
         "token_ids": upd.token_ids,
         "logprobs": _choice_logprobs(state, upd.token_ids, upd.logprobs, upd.top_logprobs, upd.ranks),
         "routed_experts": routed_experts_b64(state) if upd.finish_reason else None,
-        "sampling_mask": None,
+        "sampling_mask": _mask(ctx, [upd.sampling_mask] if upd.sampling_mask is not None else []),
         "weight_versions": state.weight_versions(ctx.client.control_state) if upd.finish_reason else None}
     if state.params.return_sampling_mass:
         choice["sampling_mass"] = upd.sampling_mass or []
     u = usage(len(state.prompt_ids), len(state.token_ids)) if body.continuous_usage() else None
     return {"request_id": request_id, "output_mode": "tokens", "choices": [choice], "usage": u}
+
+
+def _mask(ctx: ServingContext, pieces: list[tuple[Any, Any]]) -> list[list[int]] | None:
+    """vLLM's `sampling_mask` (--return-sampling-mask): per generated token, the ids the sampler could draw
+    (ascending); null without the flag."""
+    if not ctx.cfg.return_sampling_mask:
+        return None
+    return [row for ids, counts in pieces for row in sampling_mask.expand(ids, counts, ctx.model.vocab_size)]
 
 
 async def abort_requests(ctx: ServingContext, request: Request) -> Response:

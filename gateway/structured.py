@@ -8,6 +8,16 @@ them), the legacy `guided_json`, `guided_regex`, `guided_choice`, `guided_gramma
 `guided_whitespace_pattern` are accepted as aliases of the structured_outputs fields. Every error is a
 ParamError naming the field the client set; the constraint is compiled here once (cached) so a regex or
 grammar that does not compile is a 400, never a failed step.
+
+A `response_format` json_schema and a forced tool choice promise a parseable object, and a small model at
+temperature 1 spends max_tokens on whatever the grammar leaves open, so for those two:
+  - `disable_any_whitespace` is on by default (beyond vLLM, whose default allows any whitespace between
+    JSON tokens); `structured_outputs.disable_any_whitespace: false` or a `whitespace_pattern` in the
+    request gives back the flexible whitespace;
+  - `disable_additional_properties` is on by default: an object schema without `additionalProperties`
+    allows no other keys, which is what vLLM's default backend (xgrammar, strict mode) enforces and what
+    OpenAI's strict schemas say (llguidance alone reads an absent one as true);
+    `structured_outputs.disable_additional_properties: false` allows them again.
 """
 
 from __future__ import annotations
@@ -100,6 +110,8 @@ def build_constraint(structured_outputs: dict[str, Any] | None, response_format:
                                                 "'json_object', 'json_schema'")
     if not any(f in fields for f in CONSTRAINT_FIELDS):
         return None
+    if source.get("json") == "response_format.json_schema.schema":
+        _compact_by_default(fields)
     so = StructuredOutputsParams(**fields)
     try:
         so.validate()
@@ -114,14 +126,31 @@ def build_constraint(structured_outputs: dict[str, Any] | None, response_format:
     return so
 
 
-def forced_tool_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
-    """The constraint of a forced tool choice (engine.structured_outputs.tool_choice_schema's schema);
-    a tool schema the grammar engine cannot handle is a ParamError naming `tools`."""
-    so = StructuredOutputsParams(json=json.dumps(schema))
+def _compact_by_default(fields: dict[str, Any]) -> None:
+    """No free whitespace between JSON tokens unless the request chose its whitespace itself, and no keys
+    an object schema does not name unless the request allows them."""
+    if "disable_any_whitespace" not in fields and fields.get("whitespace_pattern") is None:
+        fields["disable_any_whitespace"] = True
+    fields.setdefault("disable_additional_properties", True)
+
+
+def forced_tool_constraint(schema: dict[str, Any], structured_outputs: dict[str, Any] | None = None,
+                           guided: dict[str, Any] | None = None) -> StructuredOutputsParams:
+    """The constraint of a forced tool choice (engine.structured_outputs.tool_choice_schema's schema), with the
+    whitespace options of the request's structured_outputs (or guided_whitespace_pattern); a tool schema the
+    grammar engine cannot handle is a ParamError naming `tools`."""
+    options: dict[str, Any] = {}
+    for key in _OPTIONS:
+        value = (structured_outputs or {}).get(key)
+        if value is not None:
+            options[key] = _typed(key, value, f"structured_outputs.{key}")
+    if (guided or {}).get("guided_whitespace_pattern") is not None and "whitespace_pattern" not in options:
+        options["whitespace_pattern"] = _typed("whitespace_pattern", guided["guided_whitespace_pattern"],
+                                               "guided_whitespace_pattern")
+    _compact_by_default(options)
+    so = StructuredOutputsParams(json=json.dumps(schema), **options)
     try:
         check_compiles(so)
     except ParamError as e:
         raise ParamError("tools", f"the tools' parameters cannot be enforced: {e}") from None
     return so
-
-

@@ -102,7 +102,9 @@ def sampling_params_json(params: SamplingParams, n: int, seed: int | None, strea
     d = msgspec.structs.asdict(params)
     if params.structured_outputs is not None:  # vLLM's StructuredOutputsParams as JSON (json as its text)
         d["structured_outputs"] = msgspec.structs.asdict(params.structured_outputs)
-    d.pop("cache_salt")  # a request field in vLLM (GenerateRequest.cache_salt), not a sampling parameter
+    d.pop("cache_salt")  # request fields in vLLM (GenerateRequest.cache_salt, .priority), not sampling parameters
+    d.pop("priority")
+    d.pop("bad_words_token_ids")  # generate tokenizes bad_words again, as vLLM's engine does
     d.update(n=n, seed=seed, output_kind=DELTA if stream else FINAL_ONLY)
     for beyond_vllm in ("return_sampling_mass", "trace_decode_token_ids"):  # only when asked for
         if not d[beyond_vllm]:
@@ -226,6 +228,7 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
             "dtype": _dtype_name(workers, cfg.dtype), "max_model_len": model.max_model_len, "seed": cfg.seed,
             "max_logprobs": cfg.max_logprobs, "logprobs_mode": cfg.logprobs_mode,
             "enable_sleep_mode": cfg.enable_sleep_mode, "enable_trace_replay": cfg.enable_trace_replay,
+            "return_sampling_mask": getattr(cfg, "return_sampling_mask", False),
             "generation_config": getattr(cfg, "generation_config", "auto"),
         },
         "cache_config": {"block_size": cfg.block_size, "cache_dtype": getattr(cfg, "kv_cache_dtype", "auto"),
@@ -240,7 +243,8 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
                             "worker_extension_cls": getattr(cfg, "worker_extension_cls", "")
                             or ""},
         "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                             "enable_chunked_prefill": True, "policy": "fcfs",
+                             "enable_chunked_prefill": True,
+                             "policy": getattr(cfg, "scheduling_policy", "fcfs"),
                              "async_scheduling": async_scheduling_on(cfg, device)},
         "device_config": {"device": device},
         "load_config": {"load_format": getattr(cfg, "load_format", "auto")},

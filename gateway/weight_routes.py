@@ -4,6 +4,7 @@
     POST /start_weight_update                                 the scheduler holds steps until commit/abort
     POST /update_weights {"update_info": {...} | [...]}       validated in full on every worker, then written
     POST /finish_weight_update {"weight_version": "..."}      every worker finished -> commit (new epoch)
+    POST /abort_weight_update                                 rollbus's own: drop the update in progress
     POST /shutdown_weight_transfer_engine
     GET  /get_world_size?include_dp=true
     POST /weight_checker {"action": "checksum"|"compare"|"reset", "baseline": {...}}
@@ -24,11 +25,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from bus.control_state import RESET_VERSION
 from bus.messages import (
     Checksums,
     CommandBody,
     InitWeightTransferEngine,
     ShutdownWeightTransferEngine,
+    UpdateWeightVersion,
     WeightChecker,
 )
 from bus.topology import Topology
@@ -41,7 +44,8 @@ from gateway.errors import APIError, bad_request, check_timeout, control_failure
 from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                "/finish_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
+                "/finish_weight_update", "/abort_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size",
+                "/weight_checker")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
 
 
@@ -112,6 +116,13 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         await call(client, commit.command, commit.timeout_s)
         return JSONResponse({"message": "Weight update finished"})
 
+    @app.post("/abort_weight_update")
+    async def abort_weight_update() -> JSONResponse:
+        # not vLLM's: a fleet trainer (several engines, one update) drops an engine's staged update when
+        # another engine refused its part; the previous weights stay in service. Without an update: a no-op.
+        await call(client, steps.abort().command, steps.control_s)
+        return JSONResponse({"message": "Weight update aborted"})
+
     @app.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> JSONResponse:
         await call(client, ShutdownWeightTransferEngine(), steps.control_s)
@@ -129,7 +140,10 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         action = body.get("action")
         if action not in CHECKER_ACTIONS:
             raise bad_request(f"action must be one of {', '.join(CHECKER_ACTIONS)}, got {action!r}", "action")
-        if action == "reset":
+        if action == "reset":  # vLLM's zero_weights: every weight zeroed, so reset -> sync -> compare proves
+            # that the sync wrote every tensor; nothing is served (503) until a full update fills them
+            await call(client, WeightChecker("reset"), steps.control_s)
+            await call(client, UpdateWeightVersion(RESET_VERSION), steps.control_s)
             checksums.clear()
             return JSONResponse({"status": "reset"})
         baseline = body.get("baseline")

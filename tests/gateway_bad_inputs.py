@@ -195,6 +195,20 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
         {**chat, "prompt_logprobs": 2, "return_sampling_mass": True, "top_p": 0.9}, status=200)
     add("routed_experts_prompt_start = the prompt length", COMPLETIONS,
         {"prompt": [1, 2, 3], "max_tokens": 2, rx: 3}, status=200)
+    # vLLM's logits processors of a request (docs/openai-api.md)
+    add("logit_bias, allowed_token_ids and bad_words", CHAT, {**chat, "logit_bias": {"5": 200, "6": -3.5},
+                                                             "allowed_token_ids": [5, 6, 7], "bad_words": ["Hi"]},
+        status=200)
+    add("logit_bias of a token outside the vocabulary", COMPLETIONS, {**cmp, "logit_bias": {str(V): 1.0}},
+        param="logit_bias")
+    add("logit_bias key that is no integer", CHAT, {**chat, "logit_bias": {"abc": 1.0}}, param="logit_bias")
+    add("allowed_token_ids empty", COMPLETIONS, {**cmp, "allowed_token_ids": []}, param="allowed_token_ids")
+    add("allowed_token_ids outside the vocabulary", CHAT, {**chat, "allowed_token_ids": [1, V]},
+        param="allowed_token_ids")
+    add("bad_words with an empty word", COMPLETIONS, {**cmp, "bad_words": ["ok", ""]}, param="bad_words")
+    # vLLM: a priority other than 0 needs --scheduling-policy priority (these servers run fcfs)
+    add("priority without the priority policy", CHAT, {**chat, "priority": 1}, param="priority")
+    add("priority without the priority policy (completions)", COMPLETIONS, {**cmp, "priority": -3}, param="priority")
     c.extend(unsupported_field_cases())
     if scale_out:
         c.extend(_generate_cases(L, V, M))
@@ -205,11 +219,10 @@ def bad_input_cases(*, max_model_len: int, vocab_size: int, max_logprobs: int = 
 # vLLM v0.33 fields rollbus does not implement, each with a value that asks for something (-> 400 naming
 # the field) and, where the field has one, a value that asks for nothing (-> 200).
 ASKING_SAMPLING: dict[str, Any] = {
-    "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "logit_bias": {"5": 1.0},
-    "allowed_token_ids": [5, 6], "bad_words": ["bad"], "logprob_token_ids": [5],
+    "use_beam_search": True, "length_penalty": 0.5, "watermarking": True, "logprob_token_ids": [5],
     "thinking_token_budget": 10, "repetition_detection": {"max_pattern_size": 3},
     "kv_transfer_params": {"do_remote_prefill": True}, "ec_transfer_params": {"x": 1},
-    "vllm_xargs": {"k": 1}, "priority": 1, "best_of": 3,
+    "vllm_xargs": {"k": 1}, "best_of": 3,
 }
 ASKING_COMPLETION: dict[str, Any] = {**ASKING_SAMPLING, "suffix": "end", "prompt_embeds": "AAAA"}
 ASKING_CHAT: dict[str, Any] = {
@@ -231,13 +244,12 @@ HARMLESS_CHAT: dict[str, Any] = {
 }
 ASKING_ENGINE_SAMPLING: dict[str, Any] = {
     "watermarking": True, "prompt_logprob_token_ids": [5], "prompt_logprob_start": 1, "logprob_token_ids": [5],
-    "logit_bias": {"5": 1.0}, "allowed_token_ids": [5],
-    "bad_words": ["x"], "extra_args": {"k": 1}, "skip_reading_prefix_cache": True, "thinking_token_budget": 3,
+    "extra_args": {"k": 1}, "skip_reading_prefix_cache": True, "thinking_token_budget": 3,
     "repetition_detection": {"max_pattern_size": 2},
 }
 ASKING_GENERATE: dict[str, Any] = {
     "features": {"mm_hashes": {}}, "content_parts": [{"type": "image_url"}], "kv_transfer_params": {"x": 1},
-    "ec_transfer_params": {"x": 1}, "priority": 2, "output_mode": "text",
+    "ec_transfer_params": {"x": 1}, "output_mode": "text",
 }
 
 
@@ -297,6 +309,14 @@ def unsupported_generate_cases() -> list[BadInput]:
                   {**base, "sampling_params": {"max_tokens": 2, k: v}}, 400, f"sampling_params.{k}")
          for k, v in ASKING_ENGINE_SAMPLING.items()]
     c += [BadInput(f"generate: unsupported {k}", GENERATE, {**base, k: v}, 400, k) for k, v in ASKING_GENERATE.items()]
+    c.append(BadInput("generate: logit_bias, allowed_token_ids, bad_words", GENERATE,
+                      {**base, "sampling_params": {"max_tokens": 2, "logit_bias": {"3": -100},
+                                                   "allowed_token_ids": [3, 4], "bad_words": ["x"]}}, 200, None))
+    c.append(BadInput("generate: priority without the priority policy", GENERATE, {**base, "priority": 2}, 400,
+                      "priority"))
+    c.append(BadInput("generate: allowed_token_ids negative", GENERATE,
+                      {**base, "sampling_params": {"max_tokens": 2, "allowed_token_ids": [-1]}}, 400,
+                      "sampling_params.allowed_token_ids"))
     c.append(BadInput("generate: what TRL and SkyRL send (output_kind, cache_salt, neutral values)", GENERATE,
                       {**base, "cache_salt": "v3-policy", "priority": 0, "features": None,
                        "sampling_params": {"max_tokens": 2, "output_kind": 2, "logprobs": 0, "structured_outputs": None,

@@ -83,6 +83,11 @@ def undo(case, response, server) -> None:
             if (case.query or {}).get("level") == "2":  # the weights were discarded: the RL recipe reloads
                 r = h.post("/collective_rpc", json={"method": "reload_weights"})
                 assert r.status_code == 200, r.text
+        elif case.path == "/weight_checker" and (case.body or {}).get("action") == "reset":
+            assert h.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 200  # zeroed
+        elif case.path == "/collective_rpc" and (case.body or {}).get("method") == "skyrl_sleep_for_weight_sync":
+            assert h.post("/wake_up").status_code == 200
+            assert h.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 200
         elif case.path == "/start_weight_update":
             assert h.post("/finish_weight_update", json={}).status_code == 200
 

@@ -26,7 +26,7 @@ def test_fp32_matches_f_linear(rows):
 
 
 def test_bf16_matches_f_linear_and_3d_inputs_keep_their_shape():
-    """Where oneDNN has no bf16 path (an AVX2-only CPU: its reorder raises), bf16 weights take F.linear."""
+    """bf16 on this CPU's default product (oneDNN's native bf16, else a panel kernel summing in fp32)."""
     w = param(320, 64, dtype=torch.bfloat16)
     x = torch.randn(2, 5, 64).bfloat16()
     got = pl.linear(x, w)
@@ -170,7 +170,8 @@ PANELS = [pytest.param(b, marks=pytest.mark.skipif(pl.panel_unavailable(b) is no
 @pytest.fixture
 def choose(monkeypatch):
     """Set ROLLBUS_CPU_PACKED_LINEAR (and the CPU vendor) for one test; the cached decisions are redone after."""
-    def set_(value: str | None = None, vendor: str | None = None, avx512: bool | None = None) -> None:
+    def set_(value: str | None = None, vendor: str | None = None, avx512: bool | None = None,
+             native: bool | None = None) -> None:
         if value is None:
             monkeypatch.delenv(pl.ENV, raising=False)
         else:
@@ -179,13 +180,17 @@ def choose(monkeypatch):
             monkeypatch.setattr(pl, "_cpu_vendor", lambda: vendor)
         if avx512 is not None:
             monkeypatch.setattr(pl, "_has_avx512", lambda: avx512)
+        if native is not None:
+            monkeypatch.setattr(pl, "native_bf16", lambda: native)
         pl.available.cache_clear()
         pl.fp32_backend.cache_clear()
+        pl.bf16_backend.cache_clear()
 
     yield set_
     monkeypatch.undo()
     pl.available.cache_clear()
     pl.fp32_backend.cache_clear()
+    pl.bf16_backend.cache_clear()
 
 
 @needs_mkl
@@ -223,8 +228,6 @@ def test_the_default_backend_per_cpu(choose):
     choose(None, vendor="GenuineIntel", avx512=True)
     want = "avx512" if pl.panel_unavailable("avx512") is None else mkl
     assert pl.fp32_backend() == want and pl.describe(torch.float32) == f"{want}-prepacked"
-    bf16 = "onednn-prepacked" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch (oneDNN has no bf16"
-    assert pl.describe(torch.bfloat16).startswith(bf16)  # bf16 is always oneDNN's, where it has a bf16 path
     choose("0")
     assert pl.describe(torch.float32).startswith("torch (packed off")
 
@@ -352,15 +355,19 @@ def test_the_panel_kernels_refuse_bad_operands_with_an_error(backend):
     from ascend_ops import cpu_kernels
 
     ops, width = cpu_kernels.ops(), pl.PANEL_WIDTHS[backend]
-    with pytest.raises(RuntimeError, match="panel_pack: a 2-D float32"):
-        ops.panel_pack(torch.randn(4, 4).bfloat16(), width)
+    with pytest.raises(RuntimeError, match="panel_pack: a 2-D float32 or bfloat16"):
+        ops.panel_pack(torch.randn(4, 4).half(), width)
     with pytest.raises(RuntimeError, match="panel_pack: a panel width is 16 .AVX2. or 32 .AVX-512., not 8"):
         ops.panel_pack(torch.randn(4, 4), 8)
     packed = ops.panel_pack(torch.randn(16, 8), width)
     with pytest.raises(RuntimeError, match="panel_linear: bias"):
         ops.panel_linear(torch.randn(2, 8), packed, 16, 8, torch.randn(3), width)
-    with pytest.raises(RuntimeError, match="panel_linear: x is a 2-D float32"):
+    with pytest.raises(RuntimeError, match="panel_linear: x is a 2-D CPU tensor .rows, in_features. of the pack's"):
         ops.panel_linear(torch.randn(2, 8).double(), packed, 16, 8, None, width)
+    with pytest.raises(RuntimeError, match="of the pack's dtype"):  # bf16 x on an fp32 pack, and the reverse
+        ops.panel_linear(torch.randn(2, 8).bfloat16(), packed, 16, 8, None, width)
+    with pytest.raises(RuntimeError, match="of the pack's dtype"):
+        ops.panel_linear(torch.randn(2, 8), ops.panel_pack(torch.randn(16, 8).bfloat16(), width), 16, 8, None, width)
     with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
         ops.panel_linear(torch.randn(2, 9), packed, 16, 8, None, width)
     with pytest.raises(RuntimeError, match="the pack is not a .1600, 8. weight's of width"):
@@ -368,3 +375,89 @@ def test_the_panel_kernels_refuse_bad_operands_with_an_error(backend):
     if backend == "avx512":  # a 16-wide pack (3 panels of a [40, 8] weight) is not a 32-wide one (2 panels)
         with pytest.raises(RuntimeError, match="the pack is not a .40, 8. weight's of width 32"):
             ops.panel_linear(torch.randn(2, 8), ops.panel_pack(torch.randn(40, 8), 16), 40, 8, None, 32)
+
+
+# --- bf16 on the panel kernels (CPUs without native bf16) ----------------------------------------------------
+
+def test_the_bf16_backend_per_cpu(choose, monkeypatch):
+    """Native bf16 (AVX512-BF16 / AMX): oneDNN's; without: the widest panel kernel (under `onednn`: oneDNN's
+    emulated bf16 where it has one, else F.linear); `avx2` / `avx512` choose that panel kernel for bf16 too,
+    whatever the CPU."""
+    widest = next((b for b in ("avx512", "avx2") if pl.panel_unavailable(b) is None), None)
+    choose(None, native=True)
+    assert pl.bf16_backend() == "onednn" and pl.describe(torch.bfloat16) == "onednn-prepacked"
+    choose(None, native=False)
+    assert pl.bf16_backend() == widest
+    if widest:
+        assert pl.describe(torch.bfloat16) == f"{widest}-prepacked (bf16 weights, fp32 sums)"
+    choose("mkl" if pl.mkl_unavailable() is None else "1", native=False)
+    assert pl.bf16_backend() == widest
+    choose("onednn", native=False)
+    assert pl.bf16_backend() == ("onednn" if torch.bfloat16 in pl._dtypes() else None)
+    monkeypatch.setattr(pl, "_dtypes", lambda: (torch.float32,))  # oneDNN without any bf16 path (AMD Zen 3)
+    choose("onednn", native=False)
+    assert pl.bf16_backend() is None and pl.describe(torch.bfloat16) == "torch (no packed bf16 product on this CPU)"
+    w = param(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(3, 32).bfloat16()
+    assert torch.equal(pl.linear(x, w), F.linear(x, w)) and getattr(w, "_rollbus_packed", None) is None
+    monkeypatch.undo()
+    choose("onednn", native=True)
+    assert pl.bf16_backend() == "onednn"
+    for b in pl.PANEL_WIDTHS:
+        if pl.panel_unavailable(b) is None:
+            choose(b, native=True)
+            assert pl.bf16_backend() == b and pl.describe(torch.bfloat16) == f"{b}-prepacked (bf16 weights, fp32 sums)"
+
+
+@pytest.mark.parametrize("backend", PANELS)
+@pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (1000, 64), (7, 33)])
+def test_bf16_on_a_panel_kernel_is_the_fp32_kernel_on_the_widened_operands_rounded_once(backend, n, k):
+    """Exact widening, fp32 sums in the fp32 kernel's order, one rounding: bit for bit the fp32 kernel's
+    result rounded to bf16, and within one bf16 rounding of torch's bf16 linear (which also sums in fp32)."""
+    w = param(n, k, dtype=torch.bfloat16, seed=7)
+    w32 = param(n, k, seed=7)
+    w32.data = w.data.float()
+    b = torch.randn(n).bfloat16()
+    x = torch.randn(2, 39, k).bfloat16()
+    got = pl.product(x, w, b, backend=backend)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 39, n)
+    assert torch.equal(got, pl.product(x.float(), w32, b.float(), backend=backend).bfloat16())
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2 ** -7, atol=2 ** -7)
+    assert pl.product(x[0, :0], w, b, backend=backend).shape == (0, n)
+
+
+@pytest.mark.parametrize("backend", PANELS)
+def test_bf16_on_a_panel_kernel_is_row_invariant_and_the_invariant_linear_uses_it(choose, backend):
+    """Any rows, any threads: a row's bits never depend on the batch; the batch-invariant linear multiplies
+    on the same pack (no 32-row pieces: that is oneDNN's bf16 only)."""
+    from ascend_ops import batch_invariant as bi
+
+    choose(backend)
+    w = param(1000, 576, dtype=torch.bfloat16, seed=8)
+    b = torch.randn(1000).bfloat16()
+    x = torch.randn(200, 576).bfloat16()
+    whole = pl.linear(x, w, b)
+    assert w._rollbus_packed[0][2] == backend and w._rollbus_packed[1].dtype == torch.bfloat16
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            for m in (1, 3, 6, 7, 13, 64, 121):
+                assert torch.equal(pl.linear(x[:m], w, b), whole[:m]), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+    with torch.inference_mode():
+        assert torch.equal(bi.linear(x, w, b), whole)
+        assert torch.equal(bi.linear(x[:5], w, b), whole[:5])
+
+
+def test_native_bf16_means_bf16_instructions_on_x86(monkeypatch):
+    """oneDNN takes bf16 on any AVX-512 CPU (emulated without bf16 instructions): native only with them."""
+    from ascend_ops import cpu_kernels
+
+    if torch.bfloat16 not in pl._dtypes():
+        pytest.skip("oneDNN has no bf16 path here")
+    for flags, want in [({"avx2", "avx512f"}, False), ({"avx2", "avx512f", "avx512_bf16"}, True),
+                        ({"avx2", "amx_bf16"}, True), ({"avx2", "avx_ne_convert"}, True), (set(), True)]:
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda f=flags: f)
+        assert pl.native_bf16() is want, flags

@@ -204,7 +204,8 @@ def test_input_items_become_chat_messages() -> None:
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "allowed_tools"}}, 400, "tool_choice.type",
      "'allowed_tools'"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "include.0", "reasoning.encrypted_content"),
-    ({"input": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias", "not supported"),
+    ({"input": "x", "logit_bias": {"x": 1.0}}, 400, "logit_bias", "integer token IDs"),
+    ({"input": "x", "priority": 1}, 400, "priority", "Priority scheduling is not enabled"),
     ({"input": "x", "max_tool_calls": 3}, 400, "max_tool_calls", "not supported"),
     ({"input": "x", "prompt": {"id": "p"}}, 400, "prompt", "prompt template"),
     ({"input": "x", "background": True, "store": False}, 400, "background", "store"),
@@ -226,8 +227,8 @@ def test_bad_input_is_refused_naming_it_and_the_engine_goes_on(body: dict, statu
     assert http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2}).status_code == 200
 
 
-ASKING = {"logit_bias": {"5": 1.0}, "max_tool_calls": 3, "prompt": {"id": "p"}, "mm_processor_kwargs": {"a": 1},
-          "priority": 1, "enable_response_messages": True, "previous_input_messages": [{"role": "user"}],
+ASKING = {"max_tool_calls": 3, "prompt": {"id": "p"}, "mm_processor_kwargs": {"a": 1},
+          "enable_response_messages": True, "previous_input_messages": [{"role": "user"}],
           "previous_response": {"id": "resp_1"}, "conversation": "conv_1", "context_management": [{"type": "x"}]}
 
 
@@ -261,3 +262,12 @@ def test_the_data_parallel_rank_header_is_read_on_responses_too() -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-data-parallel-rank", r.text
     assert not client.submitted
     assert http.post("/v1/responses", json={"input": "x"}, headers={"X-data-parallel-rank": "0"}).status_code == 200
+
+
+def test_logit_bias_and_priority_reach_the_engine_as_on_chat() -> None:
+    http, client = make_app(scheduling_policy="priority")
+    r = http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2, "logit_bias": {"5": 150},
+                                         "priority": -1})
+    assert r.status_code == 200, r.text
+    params = client.submitted[-1][2]
+    assert params.logit_bias == {5: 100.0} and params.priority == -1  # clamped to [-100, 100], as vLLM

@@ -38,6 +38,8 @@ def test_what_a_worker_sends_is_accepted():
     routed = np.zeros((4, 2, 2), np.uint8)
     assert result_problem(result(["a"], routed_experts=routed, routed_spans=[("a", 0, 0, 3), ("b", 0, 3, 1)]),
                           st, 1) is None
+    mask = dict(sampling_mask_ids=np.array([4, 9, 7], np.int32), sampling_mask_counts=np.array([2, -2], np.int32))
+    assert result_problem(result(["a", "b"], **mask), st, 1) is None  # a keeps 4 and 9; b all but 7
     # a failed or interrupted step carries no arrays; other ranks' arrays are not applied
     assert result_problem(StepResult(1, 0, [], None, None, None, None, 0, ErrorInfo("E", "x")), st, 1) is None
     assert result_problem(StepResult(1, 1, ["zz"], None, None, None, None, 0), st, 2) is None
@@ -68,6 +70,13 @@ def test_what_a_worker_sends_is_accepted():
     (result(["a"], routed_experts=np.zeros((2, 1, 1), np.uint8), routed_spans=[("zz", 0, 0, 1)]), "did not run"),
     (result(["a"], routed_experts=np.zeros(2, np.uint8), routed_spans=[]), "routed experts are not"),
     (result(["a"], routed_spans=[("a", 0, 0, 1)]), "without routed experts"),
+    (result(["a"], sampling_mask_ids=np.array([1], np.int32), sampling_mask_counts=np.array([2], np.int32)),
+     "announce 2 ids"),
+    (result(["a", "b"], sampling_mask_ids=np.zeros(0, np.int32), sampling_mask_counts=np.array([0], np.int32)),
+     "sampling_mask_counts"),
+    (result(["a"], sampling_mask_ids=np.array([-1], np.int32), sampling_mask_counts=np.array([1], np.int32)),
+     "outside the vocabulary"),
+    (result(["a"], sampling_mask_counts=np.array([0], np.int32)), "sampling_mask_ids is missing"),
 ])
 def test_a_result_that_does_not_fit_the_step_is_named(res, words):
     why = result_problem(res, step("a", "b"), 1)

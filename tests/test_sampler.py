@@ -285,3 +285,117 @@ def test_sampling_spans_keep_the_large_tensors_under_the_heap_limit_and_skip_non
     seen = []
     assert sample_in_spans(lambda a, b: seen.append(a) or None, rows, torch.Generator(), vocab=100, span=16) is None
     assert seen == [0, 16, 32]  # a tp rank above 0 still takes part in every span's LM-head gather
+
+
+# --- logit_bias, allowed_token_ids, bad_words (vLLM's logits processors of a request) ---------------------
+
+
+def test_logit_bias_moves_the_draw_raw_ignores_it_processed_includes_it():
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
+    bias = {2: 5.0, 0: -100.0}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        out = sample(logits, [row(temperature=0.0, logprobs=2, logit_bias=bias)], torch.Generator(), mode)
+        assert out.token_ids.tolist() == [2]  # 0.0 + 5 beats 3.0 - 100 and 1.0
+        z = logits[0] + torch.tensor([-100.0, 0.0, 5.0, 0.0])
+        ref = torch.log_softmax(z if mode.startswith("processed") else logits[0], -1)
+        assert torch.allclose(out.logprobs, ref[2:3]) and out.topk_ids.tolist()[0][0] == (2 if "proc" in mode else 0)
+    # drawn rows: the processed value and the kept mass obey the contract with the biased logits
+    r = row(seed=3, temperature=0.8, top_k=2, logprobs=0, return_sampling_mass=True, logit_bias={3: 4.0})
+    proc = sample(logits, [r], torch.Generator(), "processed_logprobs")
+    z = (logits[0] + torch.tensor([0.0, 0.0, 0.0, 4.0])) / 0.8
+    tok = proc.token_ids.item()
+    assert tok in (0, 3)  # top-2 of the biased logits
+    contract = torch.log_softmax(z, -1)[tok] - torch.log(proc.sampling_mass)
+    assert abs(contract.item() - proc.logprobs.item()) < 1e-5
+
+
+def test_allowed_token_ids_restrict_the_support_and_renormalise_processed_logprobs():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).repeat(2000, 1)
+    rows = [row(allowed_token_ids=[1, 3], logprobs=0, return_sampling_mass=True) for _ in range(2000)]
+    out = sample(logits, rows, torch.Generator().manual_seed(0), "processed_logprobs")
+    assert set(out.token_ids.tolist()) == {1, 3}
+    assert abs((out.token_ids == 1).float().mean().item() - 0.75) < 0.04
+    assert torch.allclose(out.sampling_mass, torch.full((2000,), 0.4))
+    want = torch.where(out.token_ids == 1, torch.tensor(0.75).log(), torch.tensor(0.25).log())
+    assert torch.allclose(out.logprobs, want, atol=1e-6)
+    raw = sample(logits[:1], [row(temperature=0.0, allowed_token_ids=[2], logprobs=0)], torch.Generator())
+    assert raw.token_ids.tolist() == [2] and abs(raw.logprobs.item() - torch.tensor(0.2).log().item()) < 1e-6
+
+
+def test_bad_words_ban_the_last_token_once_the_rest_ends_the_output():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])
+    words = [[1], [3, 2]]  # token 1 always; token 2 only right after token 3
+    greedy = dict(temperature=0.0, bad_words_token_ids=words)
+    assert sample(logits, [row(**greedy)], torch.Generator()).token_ids.tolist() == [2]
+    assert sample(logits, [row(out=[3], **greedy)], torch.Generator()).token_ids.tolist() == [3]
+    assert sample(logits, [row(out=[3, 0], **greedy)], torch.Generator()).token_ids.tolist() == [2]
+    assert sample(logits, [row(prompt=[3], **greedy)], torch.Generator()).token_ids.tolist() == [2]  # output only
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_processed_rows_sample_the_same_bits_alone_and_in_any_batch(mode):
+    """A row with a bias, an allowed list or bad words gets the same token, logprobs and mass alone as in a
+    batch of other kinds of rows (batch invariance)."""
+    logits = torch.randn(6, 200, generator=torch.Generator().manual_seed(4)) * 2
+    kinds = [dict(seed=1, logit_bias={5: 3.0, 7: -2.0}, top_p=0.9),
+             dict(seed=2, allowed_token_ids=list(range(0, 200, 3))),
+             dict(seed=3, bad_words_token_ids=[[9], [4, 8]], out=[4], temperature=0.7),
+             dict(seed=4), dict(temperature=0.0, logit_bias={11: 1.5}), dict(seed=6, top_k=5)]
+
+    def rows():
+        return [row(logprobs=3, return_sampling_mass=True, **k) for k in kinds]
+
+    together = sample(logits, rows(), torch.Generator().manual_seed(0), mode)
+    for i in range(len(kinds)):
+        alone = sample(logits[i:i + 1], rows()[i:i + 1], torch.Generator().manual_seed(0), mode)
+        for name in ("token_ids", "logprobs", "topk_ids", "topk_logprobs", "sampling_mass", "ranks"):
+            assert torch.equal(getattr(alone, name)[0], getattr(together, name)[i]), (i, name)
+
+
+# --- --return-sampling-mask: each row's support ------------------------------------------------------------
+
+
+def _rows_of_mask(out, vocab):
+    from engine.sampling_mask import expand
+
+    return expand(out.mask_ids.numpy(), out.mask_counts.numpy(), vocab)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_sampling_mask_is_the_support_of_the_processed_distribution(mode):
+    """Per row, exactly the ids whose processed logprob is finite: the sampled token is always in it, and it
+    is the same alone as in any batch."""
+    vocab = 300
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    kinds = [dict(seed=1, top_k=5), dict(seed=2, top_p=0.8, temperature=0.7), dict(seed=3, min_p=0.2),
+             dict(seed=4), dict(temperature=0.0, allowed_token_ids=[3, 9, 11]),
+             dict(seed=6, bad_words_token_ids=[[7]], top_k=50), dict(seed=7, logit_bias={2: 50.0}, top_k=3)]
+
+    def rows():
+        return [row(logprobs=-1, **k) for k in kinds]
+
+    out = sample(logits, rows(), torch.Generator().manual_seed(0), "processed_logprobs", sampling_mask=True,
+                 top=vocab)
+    support = _rows_of_mask(out, vocab)
+    for i, ids in enumerate(support):
+        assert out.token_ids[i].item() in ids, i
+        finite = sorted(out.topk_ids[i][out.topk_logprobs[i] > float("-inf")].tolist())
+        assert ids == finite, i  # processed_logprobs are -inf exactly outside the mask
+    assert len(support[0]) == 5 and support[4] == [3, 9, 11] and 7 not in support[5] and len(support[3]) == vocab
+    assert int(out.mask_counts[3]) == -1 and len(support[6]) == 3 and 2 in support[6]  # nothing filtered: one number
+    together = sample(logits, rows(), torch.Generator().manual_seed(0), mode, sampling_mask=True)
+    for i in range(len(kinds)):
+        alone = sample(logits[i:i + 1], rows()[i:i + 1], torch.Generator().manual_seed(0), mode, sampling_mask=True)
+        assert torch.equal(alone.token_ids[0], together.token_ids[i])
+        assert _rows_of_mask(alone, vocab)[0] == _rows_of_mask(together, vocab)[i] == support[i]
+
+
+def test_sampling_mask_in_spans_is_the_whole_batchs():
+    n, vocab = 21, 120
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(8))
+    rows = lambda: [row(seed=i, top_k=1 + i % 7) if i % 3 else row(seed=i) for i in range(n)]  # noqa: E731
+    whole = sample(logits, rows(), torch.Generator(), sampling_mask=True)
+    spans = sample_in_spans(lambda a, b: logits[a:b], rows(), torch.Generator(), vocab=vocab, span=4,
+                            sampling_mask=True)
+    assert torch.equal(spans.mask_counts, whole.mask_counts) and torch.equal(spans.mask_ids, whole.mask_ids)
+    assert sample(logits, rows(), torch.Generator()).mask_ids is None  # off unless asked

@@ -209,3 +209,52 @@ def test_reset_prefix_cache_when_idle_forgets_finished_prompts():
     s.add(seq("again", n_prompt=9, first=1, max_tokens=1))
     run_step(s)
     assert s.blocks.num_prefix_hits == 0
+
+
+# --- --scheduling-policy priority (vLLM's) -----------------------------------------------------------------
+
+
+def make_priority(**kw):
+    s = make(**kw)
+    s.policy = "priority"
+    return s
+
+
+def test_priority_admits_the_lowest_value_first_ties_by_arrival():
+    s = make_priority(max_seqs=2, budget=64)
+    for sid, prio, t in (("new-1", 5, 1.0), ("new-2", 5, 2.0), ("partial", -1, 3.0), ("mid", 0, 0.5)):
+        q = seq(sid, priority=prio, max_tokens=50)
+        q.arrival_time = t
+        s.add(q)
+    step, _ = run_step(s)
+    assert [q.seq_id for q in step.seqs] == ["partial", "mid"]  # a resumed rollout (-1) ahead of everything
+    assert [q.seq_id for q in s.waiting] == ["new-1", "new-2"]
+
+
+def test_fcfs_ignores_priority():
+    s = make(max_seqs=1)
+    s.add(seq("first", priority=9))
+    s.add(seq("second", priority=-9))
+    step, _ = run_step(s)
+    assert [q.seq_id for q in step.seqs] == ["first"]
+
+
+def test_priority_preempts_the_highest_value_and_it_waits_in_its_place():
+    # 7 blocks of 4 hold one 27-token sequence, not two: the one of lower priority (higher value) is preempted,
+    # though it arrived first (fcfs would preempt the later one)
+    s = make_priority(num_blocks=7, block_size=4, budget=64)
+    low, high = seq("low", n_prompt=7, max_tokens=20, priority=10), seq("high", n_prompt=7, max_tokens=20, priority=1)
+    low.arrival_time, high.arrival_time = 1.0, 2.0
+    s.add(low)
+    s.add(high)
+    late = seq("late", n_prompt=3, max_tokens=1, priority=20)
+    late.arrival_time = 0.5
+    for _ in range(200):
+        if high.status is SeqStatus.FINISHED:
+            break
+        run_step(s)
+        if low.num_preemptions and late.seq_id not in s.seqs:
+            s.add(late)  # waits behind `low` (priority 10 < 20) although it arrived earlier
+            assert [q.seq_id for q in s.waiting][:2] == ["low", "late"] or low.status is SeqStatus.RUNNING
+    assert low.num_preemptions >= 1 and high.num_preemptions == 0
+    assert len(high.output_token_ids) == 20

@@ -129,3 +129,27 @@ def test_a_late_scheduler_starts_quiet_from_the_snapshot():
     assert Engine(reduce(ControlState(), Sleep(1))).gate.quiet == "keep"
     assert Engine(reduce(ControlState(), StartWeightUpdate())).gate.quiet == "keep"
     assert Engine().gate.quiet is None
+
+
+def test_a_sleep_inside_a_keep_pause_drops_or_keeps_the_frozen_requests_kv():
+    """pause(keep) then sleep: the workers are about to release the KV cache, so the frozen requests either
+    drop their KV (recomputed after the quiet) or, with offload_kv (SkyRL's sleep_for_weight_sync), keep it
+    and the ack names their blocks (keep_kv). Before, a sleep inside a pause left their KV tables pointing
+    at a cache the workers had released."""
+    for offload, level in ((False, 1), (False, 2), (True, 2), (True, 1)):
+        e = Engine()
+        e.send(Pause("keep", False))
+        e.gate.quiesced(in_flight=False, has_work=True)  # the pause's quiesce completed
+        q = e.send(Sleep(level, "keep", offload))
+        assert q == Quiesce("keep", not offload, keep_kv=offload) and e.gate.quiet == "keep"
+        assert e.gate.quiesced(in_flight=False, has_work=True) is q and not e.may_step()
+        e.send(WakeUp(["weights"]))
+        e.send(WakeUp(["kv_cache"]))
+        assert not e.may_step()  # the pause holds until /resume
+        e.send(Resume())
+        assert e.may_step()
+    e = Engine()
+    e.send(Pause("keep", False))
+    assert e.send(Sleep(0, "keep", True)) == {"sleeping": True}  # level 0 releases nothing
+    q = Engine().send(Sleep(2, "keep", True))  # not paused: the sleep's own keep quiesce keeps the KV
+    assert q == Quiesce("keep", False, keep_kv=True)

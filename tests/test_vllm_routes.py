@@ -9,8 +9,9 @@ import time
 import httpx
 import pytest
 
+from bus.messages import CommandBody, ControlReply, PrefixCacheReset, ResetPrefixCache
 from tests.server_helpers import start_server
-from tests.test_gateway_protocol import make_app
+from tests.test_gateway_protocol import FakeClient, make_app
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
 
@@ -79,6 +80,22 @@ def test_rendered_request_generates_what_the_chat_request_generates() -> None:
     assert client.submitted[-1][1] == client.submitted[-2][1]  # the same prompt reached the engine
 
 
+def test_render_carries_the_logits_processors_and_priority_to_generate() -> None:
+    http, client = make_app(enable_scale_out=True, scheduling_policy="priority")
+    body = {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": 1.5}, "allowed_token_ids": [5, 72],
+            "bad_words": ["x"], "priority": -2}
+    g = http.post("/v1/completions/render", json=body).json()[0]
+    sp = g["sampling_params"]
+    assert (sp["logit_bias"], sp["allowed_token_ids"], sp["bad_words"], g["priority"]) == \
+        ({"5": 1.5}, [5, 72], ["x"], -2)
+    assert "priority" not in sp and "bad_words_token_ids" not in sp  # request-level / the engine's own
+    assert http.post("/inference/v1/generate", json=g).status_code == 200
+    direct = http.post("/v1/completions", json=body)
+    assert direct.status_code == 200, direct.text
+    assert client.submitted[-1][2] == client.submitted[-2][2]  # the same SamplingParams reached the engine
+    assert client.submitted[-1][2].bad_words_token_ids == [[ord("x")]] and client.submitted[-1][2].priority == -2
+
+
 def test_completion_render_gives_one_request_per_prompt() -> None:
     http, _ = make_app(enable_scale_out=True)
     r = http.post("/v1/completions/render", json={"prompt": ["Hi", "Yo"], "max_tokens": 2, "n": 2},
@@ -86,6 +103,54 @@ def test_completion_render_gives_one_request_per_prompt() -> None:
     assert r.status_code == 200, r.text
     assert [(g["request_id"], g["token_ids"], g["sampling_params"]["n"]) for g in r.json()] == \
         [("cmpl-abc-0", [72, 105], 2), ("cmpl-abc-1", [89, 111], 2)]
+
+
+class ResetRecorder(FakeClient):
+    """Records the control commands; the scheduler answers a reset with success."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commands: list[CommandBody] = []
+
+    async def control(self, command: CommandBody, timeout_s: float = 0.0) -> ControlReply:
+        self.commands.append(command)
+        return ControlReply("x", True, 1, {"scheduler": PrefixCacheReset(True), "worker-0": None}, [])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("params, body, running", [
+    ({}, None, False),
+    ({"reset_running_requests": "true"}, None, True),
+    ({}, {"reset_running_requests": True}, True),  # SkyRL's call: honoured (vLLM drops it)
+    ({}, {"reset_running_requests": False, "reset_external": True}, False),
+    ({"reset_running_requests": "1"}, {"reset_running_requests": True}, True),  # the same both ways
+    ({"reset_external": "true"}, {"reset_running_requests": True}, True),
+    ({}, {"reset_running_requests": None}, False),
+])
+def test_reset_prefix_cache_options_from_query_or_body(params, body, running) -> None:
+    client = ResetRecorder()
+    http, _ = make_app(client, additional_config='{"rl_config": {"enabled": true}}')
+    r = http.post("/reset_prefix_cache", params=params, json=body)
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
+    assert client.commands == [ResetPrefixCache(running)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("params, body, param", [
+    ({"reset_running_requests": "maybe"}, None, "reset_running_requests"),
+    ({}, {"reset_running_requests": "true"}, "reset_running_requests"),  # the body's type is a JSON boolean
+    ({}, {"reset_external": 1}, "reset_external"),
+    ({"reset_running_requests": "false"}, {"reset_running_requests": True}, "reset_running_requests"),
+    ({"reset_external": "true"}, {"reset_external": False}, "reset_external"),
+    ({}, {"frobnicate": 1}, "frobnicate"),
+    ({}, [True], None),
+])
+def test_reset_prefix_cache_refuses_bad_or_contradicting_options(params, body, param) -> None:
+    client = ResetRecorder()
+    http, _ = make_app(client, additional_config='{"rl_config": {"enabled": true}}')
+    r = http.post("/reset_prefix_cache", params=params, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.commands == []  # nothing reached the engine
 
 
 # --- the real engine -------------------------------------------------------------------------------
@@ -122,13 +187,18 @@ def test_reset_prefix_cache_as_vllm(server) -> None:
     t.start()
     _wait_running(url)
     assert httpx.post(url + "/reset_prefix_cache").json() == {"success": False}
-    r = httpx.post(url + "/reset_prefix_cache", params={"reset_running_requests": "true", "reset_external": "true"})
-    assert r.json() == {"success": True}
+    # SkyRL's call (the option in a JSON body) preempts the running request, as the query form does (both
+    # forms, and their contradictions, are unit tests above)
+    r = httpx.post(url + "/reset_prefix_cache", params={"reset_external": "true"},
+                   json={"reset_running_requests": True})
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
     t.join(280)
     # the preempted request was recomputed and finished whole
     assert got["choices"][0]["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 60
     for params, body_json, param in (({"reset_running_requests": "maybe"}, None, "reset_running_requests"),
-                                     ({}, {"reset_running_requests": True}, "reset_running_requests"),
+                                     ({"reset_running_requests": "false"}, {"reset_running_requests": True},
+                                      "reset_running_requests"),  # query and body disagree
+                                     ({}, {"reset_running_requests": "yes"}, "reset_running_requests"),
                                      ({}, {"frobnicate": 1}, "frobnicate")):
         r = httpx.post(url + "/reset_prefix_cache", params=params, json=body_json)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

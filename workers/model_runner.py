@@ -63,7 +63,7 @@ class ModelRunner:
     def __init__(self, model, kv: KVCache, *, rank: int, block_size: int, device: torch.device, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", return_routed_experts: bool = False,
                  tokenizer_path: Path | None = None, structured_outputs: StructuredOutputsConfig | None = None,
-                 lora=None):
+                 lora=None, return_sampling_mask: bool = False):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.model, self.kv = model, kv
@@ -76,6 +76,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_epoch = 0
         self.logprobs_mode = logprobs_mode
+        self.return_sampling_mask = return_sampling_mask  # --return-sampling-mask: each row's support
         self.vocab_size = int(model.cfg.vocab_size)
         self.grammar = GrammarEngine(tokenizer_path, self.vocab_size, structured_outputs)  # workers/grammar.py
         self.route_dtype: torch.dtype | None = None  # routed-experts capture: None = off
@@ -215,7 +216,8 @@ class ModelRunner:
                 return None if host is None else host[a:b]
         # the grammar masks (rank 0 only) fill while the model runs: waited for after the first span's logits
         return sample_in_spans(logits_of, row_states, self.generator, self.logprobs_mode,
-                               pending.result if pending is not None else None, vocab=self.vocab_size)
+                               pending.result if pending is not None else None, vocab=self.vocab_size,
+                               sampling_mask=self.return_sampling_mask)
 
     def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
                      skipped: list[np.ndarray]) -> tuple[np.ndarray, list[list]]:
@@ -333,7 +335,9 @@ class ModelRunner:
                           out.logprobs.float().numpy(), out.topk_ids.numpy(), out.topk_logprobs.float().numpy(),
                           self.weight_epoch, None, time.perf_counter() - t0,
                           None if out.ranks is None else out.ranks.numpy(),
-                          None if out.sampling_mass is None else out.sampling_mass.numpy())
+                          None if out.sampling_mass is None else out.sampling_mass.numpy(),
+                          sampling_mask_ids=None if out.mask_ids is None else out.mask_ids.numpy(),
+                          sampling_mask_counts=None if out.mask_counts is None else out.mask_counts.numpy())
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

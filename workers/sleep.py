@@ -6,6 +6,14 @@
            counts the parameters still `missing` (the worker refuses to step while any is) and
            `mark_loaded` crosses them off as a weight update commits or reload_weights fills them
 
+Offloading the KV cache (SkyRL's sleep_for_weight_sync, `kv_blocks`): the blocks that kept (frozen) requests
+hold are copied to the host (a compact copy of just those blocks, on CPU too, where the rest of the cache
+is then freed) before the cache is released, and written back into the same block ids when `kv_cache`
+wakes, so the frozen requests continue on exactly the KV they had.
+
+/weight_checker reset (`zero_weights`, vLLM's): every parameter is zeroed in place and counted as missing,
+like a level-2 sleep's discard, so nothing is served until an update or reload_weights has filled them.
+
 Parameters keep their identity (the same nn.Parameter objects, only `.data` changes), so in-place
 weight loading and any handle a trainer holds on names keep working after a wake. On CPU the host is
 the device: offloading weights frees nothing, so level 1 releases the KV cache only and leaves the
@@ -33,15 +41,21 @@ class SleepManager:
         self._host: dict[str, torch.Tensor] = {}  # level-1 offload of the weights (accelerators only)
         # After a level-2 sleep: parameter -> flat element ranges written since (until each is whole).
         self._discarded: dict[str, list[tuple[int, int]]] = {}
+        self._kv_kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (block ids, their KV) while released
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())  # shared (tied) parameters appear once
 
-    def sleep(self, level: int) -> int:
-        """Release memory; returns the bytes released on the device."""
+    def sleep(self, level: int, kv_blocks: list[int] | None = None) -> int:
+        """Release memory; returns the bytes released on the device. With kv_blocks, those KV blocks are
+        offloaded to the host and restored when kv_cache wakes."""
         if level == 0 or self.asleep:
             return 0
         released = self.kv.nbytes
+        if kv_blocks:
+            self._kv_kept = self._offload_kv(kv_blocks)
+            if self.platform.name == "cpu":  # the copy stays in the same memory: what is freed is the rest
+                released -= self._kv_kept[1].numel() * self._kv_kept[1].element_size()
         self.kv.release()
         offload = level == 1
         if offload and self.platform.name == "cpu":
@@ -83,8 +97,28 @@ class SleepManager:
             elif tag == "kv_cache":
                 self.kv.allocate()
                 restored += self.kv.nbytes
+                if self._kv_kept is not None:
+                    ids, kept = self._kv_kept
+                    self._kv_kept = None
+                    self.kv.tensor[:, :, ids.to(self.kv.device)] = kept.to(self.kv.device)
             self.asleep.discard(tag)
         return restored
+
+    def _offload_kv(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host copy of these blocks of every layer, K and V: [layers, 2, len(blocks), ...]."""
+        ids = torch.tensor(sorted(set(blocks)), dtype=torch.long)
+        kept = self.kv.tensor[:, :, ids.to(self.kv.device)]  # advanced indexing: a compact copy
+        return ids, kept.cpu()
+
+    def zero_weights(self) -> int:
+        """/weight_checker reset: zero every parameter in place; all of them count as missing until a full
+        update or reload_weights fills them (the packed CPU copies go too). Returns how many."""
+        params = self._params()
+        for p in params.values():
+            p.data.zero_()
+        self._discarded = {name: [] for name in params}
+        packed_linear.forget(self.model)
+        return len(params)
 
     # --- discarded weights (level 2) ---------------------------------------------------------------
 

@@ -83,7 +83,8 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
                          tokenizer_path=None if cfg.tokens_only else
                          resolve_model(cfg.model, progress=False) / "tokenizer.json",
                          structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config),
-                         lora=lora_slots_for(cfg, model, device))
+                         lora=lora_slots_for(cfg, model, device),
+                         return_sampling_mask=cfg.return_sampling_mask)
     runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before the worker joins the bus
     info = WorkerInfo(
         num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=model.cfg.vocab_size, device=str(device),

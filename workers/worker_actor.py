@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Union
 
 import msgspec
 import structlog
@@ -80,6 +81,7 @@ from bus.messages import (
     WeightChecker,
     WeightsReceived,
     WeightsReloaded,
+    WeightsZeroed,
     WokeUp,
 )
 from bus.sockets import make_socket, recv, report_ready, send
@@ -95,6 +97,9 @@ from workers.extension import call_extension, call_hook, extend_worker_class, ex
 from workers.loader import reload_weights
 from workers.sleep import SleepManager
 from workers.startup import load_worker
+
+# the acks that carry the worker's weights status (WorkerActor._reporting)
+Reporting = Union[MemoryReleased, WokeUp, UpdateCommitted, WeightsReloaded, ExtensionReturned, Checksums, WeightsZeroed]
 
 log = structlog.get_logger()
 
@@ -160,7 +165,7 @@ class WorkerActor:
             CommitWeightUpdate: self._reporting(self._commit),
             AbortWeightUpdate: lambda c: UpdateAborted(**w.abort()),
             ShutdownWeightTransferEngine: self._shutdown_transfer,
-            WeightChecker: self._weight_checker,
+            WeightChecker: self._reporting(self._weight_checker),
             CollectiveRpc: self._reporting(self._rpc),
             MemberLost: self._member_lost,
             MemberJoined: self._member_joined,
@@ -278,7 +283,7 @@ class WorkerActor:
             return ErrorInfo(ErrorKind.WEIGHT_VERSION_LOST, why, self.name, 503)
         if self.sleep.missing:  # never compute with weights a level-2 sleep discarded
             st = self.sleep.weights_status()
-            why = control_state.weights_discarded_message(st.missing, st.total)
+            why = control_state.weights_discarded_message(st.missing, st.total, self.link.state.weight_version)
             return ErrorInfo(ErrorKind.WEIGHTS_DISCARDED, why, self.name, 503)
         known = self.runner.seqs.keys() | self.runner.dropped | {ns.seq_id for ns in plan.new_seqs}
         unknown = [sid for sid in plan.seq_ids if sid not in known]
@@ -329,10 +334,10 @@ class WorkerActor:
             return handle
         return {t: h if t in WEIGHTS_UNTOUCHED else wrap(h) for t, h in handlers.items()}
 
-    def _reporting(self, handler):
+    def _reporting(self, handler: Callable[[CommandBody], Reporting]) -> Callable[[CommandBody], Reporting]:
         """Acks of the commands that can change it carry how many parameters lack content (sleep level 2):
         the coordinator turns a change into a WeightsMissing broadcast."""
-        def handle(cmd: CommandBody) -> MemoryReleased | WokeUp | UpdateCommitted | WeightsReloaded | ExtensionReturned:
+        def handle(cmd: CommandBody) -> Reporting:
             result = handler(cmd)
             result.weights = self.sleep.weights_status()
             return result
@@ -363,7 +368,8 @@ class WorkerActor:
     def _release_memory(self, cmd: ReleaseMemory) -> MemoryReleased:
         """Second phase of /sleep: the scheduler has quiesced."""
         level = cmd.level
-        released = self.sleep.sleep(level) + (self.weights.release() if level >= 1 else 0)
+        blocks = cmd.kv_blocks.get(self.scheduler_name, []) if cmd.offload_kv else None
+        released = self.sleep.sleep(level, blocks) + (self.weights.release() if level >= 1 else 0)
         group = level >= 1 and self.extra_cleanup and self.weights.release_group()
         log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
         return MemoryReleased(released, bool(group))
@@ -405,9 +411,11 @@ class WorkerActor:
         self.weights.shutdown()
         return TransferShutDown()
 
-    def _weight_checker(self, cmd: WeightChecker) -> Checksums:
+    def _weight_checker(self, cmd: WeightChecker) -> Checksums | WeightsZeroed:
         if "weights" in self.sleep.asleep:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
+        if cmd.action == "reset":  # vLLM's: zero every weight (nothing is served until a full update)
+            return WeightsZeroed(self.sleep.zero_weights())
         return Checksums(self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:"))
 
     def _rpc(self, cmd: CollectiveRpc) -> WeightsReloaded | ExtensionReturned:

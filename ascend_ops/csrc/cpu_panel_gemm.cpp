@@ -28,6 +28,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
 
 #include <cstring>
 #include <string>
@@ -66,29 +69,45 @@ void check_width(const char* op, int64_t width) {
 
 int64_t panels(int64_t n, int64_t width) { return (n + width - 1) / width; }
 
-// weight [N, K] fp32 -> panels [ceil(N/W)][K][W], flattened
-at::Tensor panel_pack(const at::Tensor& weight, int64_t width) {
-  check_width("panel_pack", width);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-              "panel_pack: a 2-D float32 CPU weight [out_features, in_features]");
-  const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), p = panels(n, width), kPanel = width;
-  at::Tensor out = at::zeros({p * k * kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+// where column j of a W-wide panel sits in its row of k: fp32 panels in order; bf16 panels interleave the two
+// halves (columns j < W/2 at 2j, the others at 2(j - W/2) + 1), so a kernel widens a row's W bf16 weights to
+// two fp32 vectors with one shift (the even 16-bit words) and one mask (the odd ones), no shuffle
+int64_t panel_slot(int64_t j, int64_t width, bool bf16) {
+  return !bf16 ? j : j < width / 2 ? 2 * j : 2 * (j - width / 2) + 1;
+}
+
+template <typename T>
+void pack_into(const T* src, T* dst, int64_t n, int64_t k, int64_t p, int64_t width, bool bf16) {
   at::parallel_for(0, p, 1, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q)
-      for (int64_t j = 0; j < kPanel && q * kPanel + j < n; ++j) {
-        const float* row = src + (q * kPanel + j) * k;
-        float* col = dst + q * k * kPanel + j;
-        for (int64_t i = 0; i < k; ++i) col[i * kPanel] = row[i];
+      for (int64_t j = 0; j < width && q * width + j < n; ++j) {
+        const T* row = src + (q * width + j) * k;
+        T* col = dst + q * k * width + panel_slot(j, width, bf16);
+        for (int64_t i = 0; i < k; ++i) col[i * width] = row[i];
       }
   });
+}
+
+// weight [N, K] fp32 or bf16 -> panels [ceil(N/W)][K][W] of the same dtype, flattened (bf16: panel_slot's order)
+at::Tensor panel_pack(const at::Tensor& weight, int64_t width) {
+  check_width("panel_pack", width);
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || bf16) && weight.device().is_cpu(),
+              "panel_pack: a 2-D float32 or bfloat16 CPU weight [out_features, in_features]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), p = panels(n, width);
+  at::Tensor out = at::zeros({p * k * width}, w.options());
+  if (bf16)
+    pack_into(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, k, p, width, true);
+  else
+    pack_into(w.data_ptr<float>(), out.data_ptr<float>(), n, k, p, width, false);
   return out;
 }
 
-// x rows, ldx, panel, k0, k1, c, ldc, cols, bias, first chunk, prefetch from, prefetch lines
-using PanelTile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t,
+// x rows, ldx, panel (float or bf16 bits), k0, k1, c, ldc, cols, bias, first chunk, prefetch from, prefetch lines
+template <typename W>
+using PanelTile = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t, int64_t,
                            const float*, bool, const char*, int64_t);
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -104,8 +123,20 @@ constexpr int64_t kTileRows = 6; // rows per micro-kernel tile: 12 ymm accumulat
 // rows [0, R) of x (stride ldx) times one panel's k in [k0, k1) into c (stride ldc, `cols` valid outputs of
 // 16); first: start from the bias (or 0), else from what c holds (the previous chunk's sums); prefetches
 // `lines` cache lines from `pf` on, spread evenly over the k loop
-template <int R>
-void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
+// a panel row's 16 weights as two fp32 vectors: fp32 loaded, bf16 widened exactly (its bits are an fp32's top half)
+inline void load_row(const float* b, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(b);
+  w1 = _mm256_loadu_ps(b + 8);
+}
+
+inline void load_row(const uint16_t* b, __m256& w0, __m256& w1) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <int R, typename W>
+void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
                 int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
   const __m256 zero = _mm256_setzero_ps();
 #define PANEL_DECL(r) __m256 lo##r = zero, hi##r = zero;
@@ -136,13 +167,14 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int
   }
     PANEL_ROWS(PANEL_LOAD)
   }
-  const float* b = panel + k0 * kPanel;
+  const W* b = panel + k0 * kPanel;
   const float* a = x + k0;
   const int64_t iters = k1 - k0;
   int64_t due = 0;
   for (int64_t i = k0; i < k1; ++i, b += kPanel, ++a) {
     for (due += lines; due >= iters; due -= iters, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(b), w1 = _mm256_loadu_ps(b + 8);
+    __m256 w0, w1;
+    load_row(b, w0, w1);
 #define PANEL_FMA(r)                                         \
   if (R > r) {                                               \
     const __m256 v = _mm256_broadcast_ss(a + r * ldx);       \
@@ -172,8 +204,10 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int
 
 #undef PANEL_ROWS
 
-constexpr PanelTile kTiles[kTileRows + 1] = {nullptr,        panel_tile<1>, panel_tile<2>, panel_tile<3>,
-                                             panel_tile<4>, panel_tile<5>, panel_tile<6>};
+template <typename W>
+constexpr PanelTile<W> kTiles[kTileRows + 1] = {nullptr,           panel_tile<1, W>, panel_tile<2, W>,
+                                                panel_tile<3, W>, panel_tile<4, W>, panel_tile<5, W>,
+                                                panel_tile<6, W>};
 
 }  // namespace avx2
 
@@ -189,9 +223,20 @@ constexpr int64_t kTileRows = 12; // rows per micro-kernel tile: 24 zmm accumula
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
+inline void load_row(const float* b, __m512& w0, __m512& w1) {
+  w0 = _mm512_loadu_ps(b);
+  w1 = _mm512_loadu_ps(b + 16);
+}
+
+inline void load_row(const uint16_t* b, __m512& w0, __m512& w1) {
+  const __m512i raw = _mm512_loadu_si512(b);
+  w0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // as avx2::panel_tile, on 32-wide panels; the last panel's invalid outputs are masked off
-template <int R>
-void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
+template <int R, typename W>
+void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
                 int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
@@ -207,13 +252,14 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int
     hi##r = _mm512_maskz_loadu_ps(m1, c + r * ldc + 16);                                       \
   }
   PANEL_ROWS(PANEL_DECL)
-  const float* b = panel + k0 * kPanel;
+  const W* b = panel + k0 * kPanel;
   const float* a = x + k0;
   const int64_t iters = k1 - k0;
   int64_t due = 0;
   for (int64_t i = k0; i < k1; ++i, b += kPanel, ++a) {
     for (due += lines; due >= iters; due -= iters, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(b), w1 = _mm512_loadu_ps(b + 16);
+    __m512 w0, w1;
+    load_row(b, w0, w1);
 #define PANEL_FMA(r)                                         \
   if (R > r) {                                               \
     const __m512 v = _mm512_set1_ps(a[r * ldx]);             \
@@ -235,10 +281,11 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k0, int
 
 #undef PANEL_ROWS
 
-constexpr PanelTile kTiles[kTileRows + 1] = {nullptr,         panel_tile<1>,  panel_tile<2>, panel_tile<3>,
-                                             panel_tile<4>,   panel_tile<5>,  panel_tile<6>, panel_tile<7>,
-                                             panel_tile<8>,   panel_tile<9>,  panel_tile<10>, panel_tile<11>,
-                                             panel_tile<12>};
+template <typename W>
+constexpr PanelTile<W> kTiles[kTileRows + 1] = {
+    nullptr,          panel_tile<1, W>, panel_tile<2, W>, panel_tile<3, W>,  panel_tile<4, W>,
+    panel_tile<5, W>, panel_tile<6, W>, panel_tile<7, W>, panel_tile<8, W>,  panel_tile<9, W>,
+    panel_tile<10, W>, panel_tile<11, W>, panel_tile<12, W>};
 
 }  // namespace avx512
 
@@ -246,9 +293,9 @@ constexpr PanelTile kTiles[kTileRows + 1] = {nullptr,         panel_tile<1>,  pa
 
 // rows x @ panels^T on one kernel (avx2 or avx512: its panel width, depth chunk, tile rows and tiles), threads
 // over panels
-template <int64_t kPanel, int64_t kDepth, int64_t kTileRows>
-void run_panels(const float* xs, const float* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
-                const PanelTile* tiles) {
+template <int64_t kPanel, int64_t kDepth, int64_t kTileRows, typename W>
+void run_panels(const float* xs, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
+                const PanelTile<W>* tiles) {
   at::parallel_for(0, panels(n, kPanel), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
       const int64_t rows = std::min(kRowChunk, m - r0);
@@ -257,7 +304,7 @@ void run_panels(const float* xs, const float* ws, float* cs, int64_t m, int64_t 
       const int64_t count = (rows + kTileRows - 1) / kTileRows, base = rows / count, extra = rows % count;
       for (int64_t q = begin; q < end; ++q) {
         const int64_t cols = std::min(kPanel, n - q * kPanel);
-        const float* panel = ws + q * k * kPanel;
+        const W* panel = ws + q * k * kPanel;
         for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
           const int64_t k1 = std::min(k, k0 + kDepth);
           // the weights this thread multiplies next start where this chunk ends (panels are contiguous: the
@@ -266,7 +313,7 @@ void run_panels(const float* xs, const float* ws, float* cs, int64_t m, int64_t 
           int64_t lines = 0;
           if (k1 < k || q + 1 < end) {
             const int64_t depth = k1 < k ? std::min(k, k1 + kDepth) - k1 : std::min(k, kDepth);
-            lines = depth * kPanel * static_cast<int64_t>(sizeof(float)) / 64;
+            lines = depth * kPanel * static_cast<int64_t>(sizeof(W)) / 64;
           }
           int64_t r = r0;
           for (int64_t t = 0; t < count; ++t) {
@@ -281,40 +328,80 @@ void run_panels(const float* xs, const float* ws, float* cs, int64_t m, int64_t 
   });
 }
 
-// x [M, K] @ weight^T (+ bias) on the panels of weight [N, K] (n, k: the weight's shape, checked against x
-// and the pack's size; width: the pack's, 16 or 32)
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_in,
-                        const std::optional<at::Tensor>& bias, int64_t width) {
-  check_width("panel_linear", width);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
-                  packed.scalar_type() == at::kFloat,
-              "panel_linear: x is a 2-D float32 CPU tensor [rows, in_features]");
-  TORCH_CHECK(x.size(1) == k_in, "panel_linear: x has ", x.size(1), " features, the weight ", k_in);
-  TORCH_CHECK(n >= 1 && packed.is_contiguous() && packed.numel() == panels(n, width) * k_in * width,
-              "panel_linear: the pack is not a [", n, ", ", k_in, "] weight's of width ", width);
-  const float* bias_ptr = nullptr;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
-                "panel_linear: bias [out_features] float32");
-    b = bias->contiguous();
-    bias_ptr = b.data_ptr<float>();
-  }
-  const at::Tensor a = x.contiguous();
-  const int64_t m = a.size(0), k = k_in;
-  at::Tensor out = at::empty({m, n}, a.options());
-  if (m == 0) return out;
-  const float* xs = a.data_ptr<float>();
-  const float* ws = packed.data_ptr<float>();
-  float* cs = out.data_ptr<float>();
+// a contiguous bf16 tensor widened to fp32 (exact)
+at::Tensor widen(const at::Tensor& t) {
+  at::Tensor out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
+  const c10::BFloat16* src = t.data_ptr<c10::BFloat16>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, t.numel(), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<float>(src[i]);
+  });
+  return out;
+}
+
+// fp32 sums rounded to bf16 (nearest-even, as torch rounds)
+at::Tensor narrow_bf16(const at::Tensor& t) {
+  at::Tensor out = at::empty(t.sizes(), t.options().dtype(at::kBFloat16));
+  const float* src = t.data_ptr<float>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, t.numel(), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+  });
+  return out;
+}
+
+// run_panels on the kernel of this pack width
+template <typename W>
+void run_width(const float* xs, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
+               int64_t width) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (width == avx2::kPanel)
-    run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows>(xs, ws, cs, m, n, k, bias_ptr, avx2::kTiles);
+    run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows, W>(xs, ws, cs, m, n, k, bias_ptr, avx2::kTiles<W>);
 #endif
 #if defined(__AVX512F__)
   if (width == avx512::kPanel)
-    run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows>(xs, ws, cs, m, n, k, bias_ptr, avx512::kTiles);
+    run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows, W>(xs, ws, cs, m, n, k, bias_ptr,
+                                                                     avx512::kTiles<W>);
 #endif
+}
+
+// x [M, K] @ weight^T (+ bias) on the panels of weight [N, K] (n, k: the weight's shape, checked against x
+// and the pack's size; width: the pack's, 16 or 32). A bf16 pack takes bf16 x (and a bf16 or fp32 bias) and
+// answers bf16: x and the bias are widened to fp32 once (exact), the weights in registers (exact), every
+// output summed in fp32 as above and rounded to bf16 once at the end (nearest-even, c10's rounding), as
+// torch's bf16 linear rounds its fp32 sums; the same bits as the fp32 kernel on the widened operands, rounded.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_in,
+                        const std::optional<at::Tensor>& bias, int64_t width) {
+  check_width("panel_linear", width);
+  const at::ScalarType dtype = packed.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  x.scalar_type() == dtype,
+              "panel_linear: x is a 2-D CPU tensor [rows, in_features] of the pack's dtype (float32 or bfloat16)");
+  TORCH_CHECK(x.size(1) == k_in, "panel_linear: x has ", x.size(1), " features, the weight ", k_in);
+  TORCH_CHECK(n >= 1 && packed.is_contiguous() && packed.numel() == panels(n, width) * k_in * width,
+              "panel_linear: the pack is not a [", n, ", ", k_in, "] weight's of width ", width);
+  const bool bf16 = dtype == at::kBFloat16;
+  const float* bias_ptr = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n &&
+                    (bias->scalar_type() == at::kFloat || (bf16 && bias->scalar_type() == at::kBFloat16)),
+                "panel_linear: bias [out_features] float32 (or bfloat16 on a bfloat16 pack)");
+    b = bias->contiguous();
+    if (b.scalar_type() == at::kBFloat16) b = widen(b);
+    bias_ptr = b.data_ptr<float>();
+  }
+  const at::Tensor a = bf16 ? widen(x.contiguous()) : x.contiguous();
+  const int64_t m = a.size(0), k = k_in;
+  at::Tensor out = at::empty({m, n}, a.options());
+  if (m == 0) return bf16 ? at::empty({m, n}, x.options()) : out;
+  const float* xs = a.data_ptr<float>();
+  float* cs = out.data_ptr<float>();
+  if (bf16) {
+    run_width(xs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), cs, m, n, k, bias_ptr, width);
+    return narrow_bf16(out);
+  }
+  run_width(xs, packed.data_ptr<float>(), cs, m, n, k, bias_ptr, width);
   return out;
 }
 

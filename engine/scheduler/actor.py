@@ -72,6 +72,7 @@ from bus.messages import (
 )
 from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
 from bus.topology import Topology
+from engine import sampling_mask
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on
 from engine.kv_events import parse_kv_events_config
@@ -179,12 +180,13 @@ class SchedulerActor:
         self.max_model_len = max_len
         self.depth = 2 if async_scheduling_on(self.cfg, infos[0].device) else 1
         self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.max_logprobs,
-                                   self.cfg.enable_trace_replay)
+                                   self.cfg.enable_trace_replay, self.cfg.scheduling_policy)
         blocks = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
                               record_events=self.kv_events is not None)
         self.sched = Scheduler(blocks,
                                self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len,
-                               max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0)
+                               max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0,
+                               policy=self.cfg.scheduling_policy)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
         self.sched.weight_epoch = self.link.state.weight_epoch
@@ -386,7 +388,8 @@ class SchedulerActor:
         row = dict(zip(ids, range(len(ids))))
         prompt_lps = {p.seq_id: p for p in res.prompt_logprobs}
         out = self._update_output
-        self._emit([(u.seq, out(u, res, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id))) for u in updates])
+        mask_at = None if res.sampling_mask_counts is None else sampling_mask.starts(res.sampling_mask_counts)
+        self._emit([(u.seq, out(u, res, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id), mask_at)) for u in updates])
 
     def _file_routed(self, step: ScheduledStep, res: StepResult) -> None:
         """Routed experts of this step, filed as numpy views under their sequences until their next output
@@ -400,8 +403,8 @@ class SchedulerActor:
 
     # --- outputs --------------------------------------------------------------------------------
 
-    def _update_output(self, u: SeqUpdate, res: StepResult, i: int, prompt_lp: PromptLogprobs | None
-                       ) -> RequestOutput:
+    def _update_output(self, u: SeqUpdate, res: StepResult, i: int, prompt_lp: PromptLogprobs | None,
+                       mask_at: list[int] | None = None) -> RequestOutput:
         """One sampled token of one sequence, with what the request asked to know about it."""
         seq = u.seq
         sp = seq.sampling
@@ -422,6 +425,9 @@ class SchedulerActor:
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
                             None, len(seq.prompt_token_ids), seq.num_cached_tokens, version,
                             kv_epoch is not None and kv_epoch != version, ranks, mass, prompt_lp)
+        if mask_at is not None:  # --return-sampling-mask: this token's row of the step's mask
+            out.sampling_mask_ids = res.sampling_mask_ids[mask_at[i]:mask_at[i + 1]]
+            out.sampling_mask_counts = res.sampling_mask_counts[i:i + 1]
         return _with_routes(seq, out)
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
@@ -571,6 +577,8 @@ class SchedulerActor:
             return None
         if q.clear_cache:
             self.sched.drop_kv()
+        if q.keep_kv:  # the workers copy these blocks to the host before releasing the KV cache
+            return Quiesced(q.aborted, kv_blocks=self.sched.keep_kv())
         return Quiesced(q.aborted)
 
     def _maybe_complete_quiesce(self) -> None:

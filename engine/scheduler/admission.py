@@ -26,6 +26,7 @@ class EngineLimits:
     max_model_len: int
     max_logprobs: int = 20  # --max-logprobs (-1: the whole vocabulary)
     enable_trace_replay: bool = False  # --enable-trace-replay
+    scheduling_policy: str = "fcfs"  # --scheduling-policy
 
 
 def admission_error(req: AddRequest, limits: EngineLimits) -> ErrorInfo | None:
@@ -45,6 +46,7 @@ def admission_error(req: AddRequest, limits: EngineLimits) -> ErrorInfo | None:
         try:
             sp.validate(vocab_size=limits.vocab_size, max_logprobs=limits.max_logprobs)
             sp.validate_routed_experts(n)
+            sp.validate_priority(limits.scheduling_policy)
             sp.validate_trace(vocab_size=limits.vocab_size, enabled=limits.enable_trace_replay)
             if sp.structured_outputs is not None:  # the shape was checked by validate; now that it compiles
                 check_compiles(sp.structured_outputs)

@@ -9,6 +9,15 @@ Each step (vLLM v1 style, one token budget for everything):
 A sequence is sampled in the step that computes its last known token. Outputs are appended by
 `update`, which also applies the stop rules and frees finished sequences' blocks.
 
+--scheduling-policy priority (vLLM's): the waiting queue and the running list are ordered by (priority,
+arrival time), lower first, instead of by arrival alone: the next waiting sequence is the one with the
+lowest value (a trainer resumes its partial rollouts ahead of new ones by giving them a lower value), a
+preempted sequence goes back to its place in that order, and the victim of a preemption is the running
+sequence with the highest (priority, arrival time), as vLLM's priority policy picks it. Keeping
+`running` in that order makes the victim always its last entry, as under fcfs. As in vLLM v1, a waiting
+sequence never preempts a running one: priority decides who is admitted, and who is preempted when
+blocks run out.
+
 Async scheduling (--async-scheduling): the next step may be planned while one is still computing. A sequence
 in that step counts its positions and its sample as if they were done (`inflight_tokens`,
 `inflight_samples`, vLLM's output placeholders): the next plan decodes the token the workers are sampling
@@ -22,6 +31,7 @@ the prefix cache shares).
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -81,6 +91,8 @@ class Scheduler:
     seqs: dict[str, Sequence] = field(default_factory=dict)
     _finished_ids: list[str] = field(default_factory=list)
     num_preemptions: int = 0
+    policy: str = "fcfs"  # or "priority" (--scheduling-policy)
+    _added: int = 0  # sequences added so far: the last tie-break of the priority order
 
     def _lora_slot_full(self, seq: Sequence) -> bool:
         lora = seq.sampling.lora
@@ -105,6 +117,13 @@ class Scheduler:
             self._preempt(seq)
         self.blocks.reset_prefix_cache()
 
+    def keep_kv(self) -> list[int]:
+        """The KV cache is about to be released with the kept requests' blocks offloaded: forget the cached
+        prefixes (free blocks' content is not kept) and return the blocks the requests hold. Call with no
+        step in flight."""
+        self.blocks.reset_prefix_cache()
+        return [b for b, r in enumerate(self.blocks.ref) if r]
+
     def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's: forget every cached prefix, only once no block is held (False otherwise: retry later).
         reset_running first preempts the running requests (recomputed later, FIFO order kept)."""
@@ -118,7 +137,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        seq.order = self._added
+        self._added += 1
+        if self.policy == "priority":
+            self._insort(self.waiting, seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _insort(queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
+        """Into `queue`, kept in (priority, arrival time, order added) order: after its equals."""
+        queue.insert(bisect.bisect_right(queue, _priority_key(seq), key=_priority_key), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -198,7 +227,10 @@ class Scheduler:
             self.blocks.allocate(seq, seq.num_computed + n)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            if self.policy == "priority":
+                self._insort(self.running, seq)  # the step's plan order is `seqs`', not this list's
+            else:
+                self.running.append(seq)
             if not seq.sent_to_workers:
                 seq.sent_to_workers = True
                 new_seqs.append(seq)
@@ -295,7 +327,10 @@ class Scheduler:
         seq.kv_epoch = None
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._insort(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -311,3 +346,7 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         if seq.sent_to_workers:
             self._finished_ids.append(seq.seq_id)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.sampling.priority, seq.arrival_time, seq.order

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from bus.messages import StepResult
+from engine import sampling_mask
 from engine.scheduler.policy import ScheduledStep
 
 
@@ -35,7 +36,8 @@ def result_problem(res: StepResult, step: ScheduledStep, num_workers: int) -> st
     why = (_vector(res.token_ids, n, "token_ids", "iu") or _vector(res.logprobs, n, "logprobs", "f")
            or _table(res.topk_ids, res.topk_logprobs, n, "topk")
            or (res.ranks is not None and _vector(res.ranks, n, "ranks", "iu"))
-           or (res.sampling_mass is not None and _vector(res.sampling_mass, n, "sampling_mass", "f")))
+           or (res.sampling_mass is not None and _vector(res.sampling_mass, n, "sampling_mass", "f"))
+           or _mask(res, n))
     if why:
         return why
     toks = res.token_ids
@@ -50,6 +52,19 @@ def result_problem(res: StepResult, step: ScheduledStep, num_workers: int) -> st
         if why:
             return why
     return _routes(res, ran)
+
+
+def _mask(res: StepResult, n: int) -> str | None:
+    if res.sampling_mask_counts is None and res.sampling_mask_ids is None:
+        return None
+    ids, counts = res.sampling_mask_ids, res.sampling_mask_counts
+    why = _vector(counts, n, "sampling_mask_counts", "i") or (
+        not isinstance(ids, np.ndarray) and "sampling_mask_ids is missing")
+    if why:
+        return why
+    if ids.dtype.kind != "i":
+        return "sampling_mask_ids are not integers"
+    return sampling_mask.consistent(ids, counts, 1 << 31)  # the vocabulary is the workers'; ids stay in int32
 
 
 def _vector(a: object, n: int, what: str, kinds: str) -> str | None:

@@ -15,6 +15,12 @@ work is left), because whoever paused may then change the weights or free the me
 clear_cache (a pause's flag; sleep levels 1 and 2 always) the kept requests lose their KV when the
 quiesce completes, so nothing computed under the old weights is reused. While the engine sleeps no
 step runs whatever the mode.
+
+A sleep from level 1 inside a quiet (a keep pause first, then /sleep or SkyRL's sleep_for_weight_sync)
+acts on the kept requests as well: the workers are about to release the KV cache, so either the kept
+requests drop their KV (recomputed from their tokens after the quiet) or, with offload_kv, they keep it
+(keep_kv: the workers copy their blocks to the host and put them back on wake) and only the prefix cache
+of blocks nobody holds is forgotten.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class Quiesce:
     mode: str
     clear_cache: bool
     aborted: int = 0
+    keep_kv: bool = False  # the workers offload the kept requests' KV: the ack names the blocks they hold
 
 
 @dataclass(slots=True)
@@ -74,10 +81,15 @@ class StepGate:
             self._end_if_free(after)
             return Resumed()
         if isinstance(cmd, Sleep):
-            if before.sleeping_tags or self.quiet is not None:
+            if before.sleeping_tags or (self.quiet is not None and cmd.level == 0):
                 return AlreadyQuiet()  # asleep already, or held by a pause: nothing to quiesce
-            # levels 1 and 2 drop the KV of kept requests: the workers are about to discard it
-            return self._quiesce(cmd.mode, cmd.level >= 1)
+            # from level 1 the workers release the KV cache: the kept requests drop their KV, or keep it
+            # offloaded (offload_kv); held by a pause already, that is all there is to do (nothing steps)
+            keep = cmd.level >= 1 and cmd.offload_kv
+            if self.quiet is not None:
+                self.pending = Quiesce(self.quiet, clear_cache=cmd.level >= 1 and not keep, keep_kv=keep)
+                return self.pending
+            return self._quiesce(cmd.mode, cmd.level >= 1 and not keep, keep_kv=keep)
         if isinstance(cmd, WakeUp):
             self._end_if_free(after)
             return SleepingTags(list(after.sleeping_tags))
@@ -102,9 +114,9 @@ class StepGate:
         self.pending = None
         return p
 
-    def _quiesce(self, mode: str, clear_cache: bool) -> Quiesce:
+    def _quiesce(self, mode: str, clear_cache: bool, keep_kv: bool = False) -> Quiesce:
         self.quiet = mode
-        self.pending = Quiesce(mode, clear_cache)
+        self.pending = Quiesce(mode, clear_cache, keep_kv=keep_kv)
         return self.pending
 
     def _end_if_free(self, state: ControlState) -> None:

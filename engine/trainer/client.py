@@ -22,6 +22,11 @@ Transfers:
        NCCL/HCCL as vLLM's PyNccl/PyHccl communicators (Gloo on CPU), vLLM's init_info/update_info fields
        and packed chunking (engine/weights/collective.py); a vLLM trainer and this client are interchangeable.
 
+Several engines: WeightSyncClient([url1, url2, ...], backend="hccl") updates them all with one call: one
+collective group spans every engine's workers (vLLM's rank layout, engine.trainer.fleet), so one broadcast
+feeds all of them; pause -> start -> transfer -> finish -> resume run on every engine, finish only once every
+engine took its part, else every engine aborts (POST /abort_weight_update) and the error names the engine.
+
 Importable without a running engine and without the server's modules (only the wire protocol).
 """
 
@@ -37,6 +42,7 @@ from typing import Any
 
 import torch
 
+from engine.trainer.fleet import PREFLIGHT_TIMEOUT_S, FleetError, check_versions, engine_urls, fan_out
 from engine.weights import backends
 from engine.weights.config import BACKENDS
 from engine.weights.lifecycle import PAUSE_MODES
@@ -63,8 +69,8 @@ def weight_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
 
 
 class WeightSyncClient:
-    def __init__(self, base_url: str | None = "http://127.0.0.1:8000", backend: str = "ipc", *, packed: bool = True,
-                 bus: str | None = None, api_key: str | None = None, timeout_s: float = 300.0,
+    def __init__(self, base_url: str | list[str] | None = "http://127.0.0.1:8000", backend: str = "ipc", *,
+                 packed: bool = True, bus: str | None = None, api_key: str | None = None, timeout_s: float = 300.0,
                  packed_buffer_size_bytes: int | None = None, packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
                  master_address: str = "127.0.0.1", master_port: int | None = None, clear_cache: bool = True,
                  device: torch.device | str | None = None, share_memory: bool = False,
@@ -73,8 +79,14 @@ class WeightSyncClient:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if base_url is None and bus is None:
             raise ValueError("give base_url (HTTP) or bus (tcp://HOST:PORT_BASE or ipc:///FOLDER)")
-        self.base_url = base_url.rstrip("/") if base_url else None
+        self.urls = engine_urls(base_url)  # several: one update reaches every engine
+        self.base_url = self.urls[0] if self.urls else None
         self.backend = BACKENDS[backend]
+        if len(self.urls) > 1 and self.backend == "ipc":
+            raise FleetError("backend ipc shares memory with one engine on this device; several engines take a "
+                             "collective backend (hccl, nccl or gloo)")
+        if len(self.urls) > 1 and bus is not None:
+            raise FleetError("bus= announces an update to one engine; give several engines as HTTP URLs")
         self.packed, self.api_key, self.timeout_s = packed, api_key, timeout_s
         self.buffer_size = packed_buffer_size_bytes or CLIENT_PACKED_BUFFER_SIZE_BYTES
         self.num_buffers = max(1, packed_num_buffers)
@@ -102,6 +114,8 @@ class WeightSyncClient:
         if pause is not None and pause not in PAUSE_MODES:
             raise ValueError(f"pause must be one of {PAUSE_MODES} or None, got {pause!r}")
         t0 = time.perf_counter()
+        if self.fleet:
+            self._preflight()
         tensors = self._prepare(self.sender.prepare(named_tensors))
         metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
         self.timings = {"prepare": time.perf_counter() - t0}
@@ -112,6 +126,10 @@ class WeightSyncClient:
             self._send_http(tensors, metas, version, pause)
         self.timings["total"] = time.perf_counter() - t0
         return self.timings
+
+    @property
+    def fleet(self) -> bool:
+        return len(self.urls) > 1
 
     def init_transfer(self) -> None:
         """/init_weight_transfer_engine (hccl: form the group, this process rank 0, while the workers join)."""
@@ -136,32 +154,66 @@ class WeightSyncClient:
                    version: str | None, pause: str | None) -> None:
         t = time.perf_counter()
         if pause:
-            self._post(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
+            self._on_all(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
         self._mark("pause", t)
-        try:  # from here on the engine is resumed whatever happens
+        try:  # from here on the engines are resumed whatever happens
+            try:
+                t = time.perf_counter()
+                for url in self.urls:  # one at a time: a start refused for a released group re-forms it
+                    self._start(url)
+                self._mark("start", t)
+                t = time.perf_counter()
+                self.sender.transfer(tensors, metas)
+                self._mark("transfer", t)
+            except BaseException:
+                if self.fleet:  # all or nothing: an engine that took its part drops it too
+                    self._abort_all()
+                raise
             t = time.perf_counter()
-            self._start()
-            self._mark("start", t)
-            t = time.perf_counter()
-            self.sender.transfer(tensors, metas)
-            self._mark("transfer", t)
-            t = time.perf_counter()
-            self._post("/finish_weight_update", {"weight_version": version} if version else None)
+            self._on_all("/finish_weight_update", {"weight_version": version} if version else None)
             self._mark("finish", t)
         finally:
             if pause:
                 t = time.perf_counter()
-                self._post("/resume", None)
+                self._on_all("/resume", None)
                 self._mark("resume", t)
+        if self.fleet:
+            versions = [v.get("weight_version") for v in self._on_all("/weight_info", None, "GET")]
+            check_versions(self.urls, versions)
 
-    def _start(self) -> None:
+    def _start(self, url: str) -> None:
         try:
-            self._post("/start_weight_update", None)
+            self._post("/start_weight_update", None, url)
         except WeightSyncFailed as e:
             # the engine slept with sleep_mode_extra_cleanup and released our group: the backend forms it again
             if not self.sender.restart(e.status, e.param):
                 raise
-            self._post("/start_weight_update", None)
+            self._post("/start_weight_update", None, url)
+
+    def _on_all(self, path: str, body: dict[str, Any] | None, method: str = "POST") -> list[dict[str, Any]]:
+        """One step on every engine at once (the first failure raised, naming its engine)."""
+        return fan_out(self.urls, lambda url: self._http(method, path, body, url))
+
+    def _abort_all(self) -> None:
+        """Every engine drops the update (a no-op where none is active, e.g. one that aborted itself)."""
+        for url in self.urls:
+            try:
+                self._http("POST", "/abort_weight_update", None, url, timeout_s=PREFLIGHT_TIMEOUT_S)
+            except (WeightSyncFailed, OSError):
+                pass  # the refusal that brought us here is what the trainer needs to hear
+
+    def _preflight(self) -> None:
+        """Refuse a fleet before any transfer: every engine answers, and all are on one weight version."""
+        def info(url: str) -> dict[str, Any]:
+            try:
+                return self._http("GET", "/weight_info", None, url, timeout_s=PREFLIGHT_TIMEOUT_S)
+            except OSError as e:
+                raise FleetError(f"engine {url} does not answer: {getattr(e, 'reason', e)}") from None
+        check_versions(self.urls, [i.get("weight_version") for i in fan_out(self.urls, info)])
+
+    def world_sizes(self) -> list[int]:
+        """Each engine's workers (/get_world_size): its share of the group's ranks."""
+        return [r.get("world_size") for r in self._on_all("/get_world_size", None, "GET")]
 
     # --- bus path -----------------------------------------------------------------------------------
 
@@ -238,17 +290,19 @@ class WeightSyncClient:
     def _get(self, path: str) -> dict[str, Any]:
         return self._http("GET", path, None)
 
-    def _post(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        return self._http("POST", path, body)
+    def _post(self, path: str, body: dict[str, Any] | None, url: str | None = None) -> dict[str, Any]:
+        return self._http("POST", path, body, url)
 
-    def _http(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    def _http(self, method: str, path: str, body: dict[str, Any] | None, url: str | None = None,
+              timeout_s: float | None = None) -> dict[str, Any]:
+        url = url or self.base_url
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req = urllib.request.Request(url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s + 60) as r:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s + 60) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             raw = e.read()
@@ -257,5 +311,6 @@ class WeightSyncClient:
                 msg, param = err["message"], err.get("param")
             except (ValueError, KeyError, TypeError, AttributeError):
                 msg, param = raw.decode(errors="replace"), None
-            raise WeightSyncFailed(f"{method} {path} -> {e.code}: {msg}", e.code, param) from None
+            where = f"engine {url}: " if self.fleet else ""
+            raise WeightSyncFailed(f"{where}{method} {path} -> {e.code}: {msg}", e.code, param) from None
         return json.loads(raw) if raw.strip() else {}

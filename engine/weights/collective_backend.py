@@ -323,25 +323,41 @@ class Sender:
             self.init_transfer()
 
     def init_transfer(self) -> None:
+        from engine.trainer.fleet import rank_offsets
         from engine.weights.collective import WeightGroup
 
         c = self.c
-        world = int(c._get("/get_world_size")["world_size"]) + 1 if c.base_url else c._bus_world()
+        if c.base_url:  # one engine or several: vLLM's layout, engine i's workers from rank_offset_i
+            offsets, world = rank_offsets(c.urls, c.world_sizes())
+        else:
+            offsets, world = [1], c._bus_world()
         port = c.master_port or _free_port()
-        info = {"master_address": c.master_address, "master_port": port, "rank_offset": 1, "world_size": world,
+        info = {"master_address": c.master_address, "master_port": port, "world_size": world,
                 "packed": c.packed, "timeout_s": c.timeout_s}
         if c.buffer_size:
             info["packed_buffer_size_bytes"] = c.buffer_size
         info["packed_num_buffers"] = c.num_buffers
         failure: list[BaseException] = []
-        engine_side = threading.Thread(target=capture(failure, lambda: c._control(
-            "/init_weight_transfer_engine", {"init_info": info}, c.timeout_s)), daemon=True)
-        engine_side.start()
+
+        def join(url: str | None, offset: int):
+            body = {"init_info": {**info, "rank_offset": offset}}
+            if url is None:
+                return lambda: c._control("/init_weight_transfer_engine", body, c.timeout_s)
+            return lambda: c._post("/init_weight_transfer_engine", body, url)
+        engine_side = [threading.Thread(target=capture(failure, join(url, off)), daemon=True)
+                       for url, off in zip(c.urls or [None], offsets)]
+        for th in engine_side:
+            th.start()
         try:
             self.group = WeightGroup.create(c.master_address, port, 0, world, c.timeout_s,
                                             c.device or torch.device("cpu"), op_timeout_s=c.timeout_s)
+        except Exception as e:
+            if c.fleet and failure:  # the group timed out because an engine refused to join: say which
+                raise failure[0] from e
+            raise
         finally:
-            engine_side.join(c.timeout_s + 30)
+            for th in engine_side:
+                th.join(c.timeout_s + 30)
         if failure:
             if self.group is not None:
                 self.group.destroy()
@@ -366,18 +382,23 @@ class Sender:
         c = self.c
         info = self.bus_updates(tensors, metas)[0]  # packing travels with the call: the client may flip it
         failure: list[BaseException] = []
-        engine_side = threading.Thread(target=capture(failure, lambda: c._post(
-            "/update_weights", {"update_info": info})), daemon=True)
-        engine_side.start()
+        engine_side = [threading.Thread(target=capture(failure, lambda u=url: c._post(
+            "/update_weights", {"update_info": info}, u)), daemon=True) for url in c.urls]
+        for th in engine_side:  # several engines: one broadcast feeds them all
+            th.start()
         try:
-            # The engine takes part in every broadcast, even of an update it refuses, and answers after the
+            # An engine takes part in every broadcast, even of an update it refuses, and answers after the
             # last one; an answer before that means it receives nothing (say, a 409), so stop sending.
             self.broadcast(tensors, metas, stop=lambda: bool(failure))
         except Exception as e:
-            engine_side.join(c.timeout_s)
+            for th in engine_side:
+                th.join(c.timeout_s)
             raise WeightSyncFailed(f"broadcast failed: {e}; engine: {failure[0] if failure else 'no error'}") from e
-        engine_side.join(c.timeout_s + 30)
+        for th in engine_side:
+            th.join(c.timeout_s + 30)
         if failure:
+            if len(failure) > 1:
+                raise WeightSyncFailed("; ".join(map(str, failure)), getattr(failure[0], "status", 500))
             raise failure[0]
 
     def bus_updates(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> list[dict]:
@@ -425,10 +446,14 @@ class Sender:
         from engine.trainer.client import WeightSyncFailed
 
         if self.group is not None:
-            try:
-                self.c._control("/shutdown_weight_transfer_engine", {}, 30)
-            except (WeightSyncFailed, OSError):
-                pass
+            for url in self.c.urls or [None]:
+                try:
+                    if url is None:
+                        self.c._control("/shutdown_weight_transfer_engine", {}, 30)
+                    else:
+                        self.c._post("/shutdown_weight_transfer_engine", None, url)
+                except (WeightSyncFailed, OSError):
+                    pass
             self.group.destroy()
             self.group = None
         self._pack_bufs = []
