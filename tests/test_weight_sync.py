@@ -344,6 +344,7 @@ def test_sleep_with_extra_cleanup_releases_the_group_and_the_client_forms_it_aga
         assert post(url, "/wake_up").json()["status"] == "awake"
         r = post(url, "/start_weight_update")
         assert r.status_code == 409 and "sleep_mode_extra_cleanup" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "init_info"  # the field the client re-forms its group on
         perturb(trainer, seed=50)
         client.send_weights(trainer.named_parameters(), version="after-sleep")
     assert version(url) == "after-sleep"
