@@ -40,7 +40,7 @@ from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "20b297757b7f"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "3b1117e126bc"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -216,8 +216,7 @@ class Quiesced(CommandResult):
     """The scheduler stopped stepping for a pause, a sleep or a weight update (no step in flight)."""
 
     aborted: int = 0  # requests an abort-mode quiesce ended
-    # a sleep with offload_kv: the KV blocks the kept requests hold (their workers copy them to the host)
-    kv_blocks: list[int] | None = None
+    kv_blocks: list[int] | None = None  # a sleep with offload_kv: the KV blocks the kept requests hold
 
 
 class AlreadyQuiet(CommandResult):
@@ -283,12 +282,13 @@ class TransferShutDown(CommandResult):
 
 class Checksums(CommandResult):
     checksums: dict[str, str]  # "dp0:pp0:pcp0:tp0:<tensor>" -> sha256 hex
+    weights: WeightsStatus | None = None
 
 
 class WeightsZeroed(CommandResult):
-    """/weight_checker reset (vLLM's zero_weights): every weight zeroed until a full update."""
+    """/weight_checker reset (vLLM's zero_weights): every parameter zeroed, none served until an update."""
 
-    zeroed: int  # parameters zeroed
+    zeroed: int  # parameters zeroed on this worker
     weights: WeightsStatus | None = None
 
 

@@ -212,3 +212,21 @@ class Switch(argparse.Action):
 
     def format_usage(self) -> str:
         return " | ".join(self.visible)
+
+
+def json_object_flag(flag: str, text: str | None, known: set[str] | dict[str, Any],
+                     example: str) -> dict[str, Any] | None:
+    """A JSON-object flag's value (--kv-events-config, --weight-transfer-config): None when absent or blank;
+    ValueError naming the flag for text that is not a JSON object or has keys outside `known`."""
+    if text is None or not text.strip():
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{flag} must be a JSON object such as {example}")
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ValueError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return raw

@@ -20,12 +20,13 @@ for the engine's primary KV cache, whatever the device (vLLM's CPU backend says 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from engine.argv import json_object_flag
 
 MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the primary KV cache tier
 HASH_MASK = (1 << 64) - 1
@@ -135,17 +136,9 @@ def binds(endpoint: str) -> bool:
 
 def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
     """None when the flag is absent; ValueError (a start-up error naming the flag) for anything invalid."""
-    if text is None or not text.strip():
+    raw = json_object_flag("--kv-events-config", text, _DEFAULTS, '{"enable_kv_cache_events": true}')
+    if raw is None:
         return None
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError('--kv-events-config must be a JSON object such as {"enable_kv_cache_events": true}')
-    unknown = set(raw) - set(_DEFAULTS)
-    if unknown:
-        raise ValueError(f"--kv-events-config: unknown keys {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
     v = {**_DEFAULTS, **raw}
     if not isinstance(v["enable_kv_cache_events"], bool):
         raise ValueError("--kv-events-config: enable_kv_cache_events must be true or false")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Union
 
 import msgspec
 import structlog
@@ -97,6 +98,9 @@ from workers.loader import reload_weights
 from workers.sleep import SleepManager
 from workers.startup import load_worker
 
+# the acks that carry the worker's weights status (WorkerActor._reporting)
+Reporting = Union[MemoryReleased, WokeUp, UpdateCommitted, WeightsReloaded, ExtensionReturned, Checksums, WeightsZeroed]
+
 log = structlog.get_logger()
 
 # Commands that never write parameters; after any other the CPU packed weights are dropped (_repacking).
@@ -161,7 +165,7 @@ class WorkerActor:
             CommitWeightUpdate: self._reporting(self._commit),
             AbortWeightUpdate: lambda c: UpdateAborted(**w.abort()),
             ShutdownWeightTransferEngine: self._shutdown_transfer,
-            WeightChecker: self._weight_checker,
+            WeightChecker: self._reporting(self._weight_checker),
             CollectiveRpc: self._reporting(self._rpc),
             MemberLost: self._member_lost,
             MemberJoined: self._member_joined,
@@ -330,10 +334,10 @@ class WorkerActor:
             return handle
         return {t: h if t in WEIGHTS_UNTOUCHED else wrap(h) for t, h in handlers.items()}
 
-    def _reporting(self, handler):
+    def _reporting(self, handler: Callable[[CommandBody], Reporting]) -> Callable[[CommandBody], Reporting]:
         """Acks of the commands that can change it carry how many parameters lack content (sleep level 2):
         the coordinator turns a change into a WeightsMissing broadcast."""
-        def handle(cmd: CommandBody) -> MemoryReleased | WokeUp | UpdateCommitted | WeightsReloaded | ExtensionReturned:
+        def handle(cmd: CommandBody) -> Reporting:
             result = handler(cmd)
             result.weights = self.sleep.weights_status()
             return result
@@ -411,8 +415,7 @@ class WorkerActor:
         if "weights" in self.sleep.asleep:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
         if cmd.action == "reset":  # vLLM's: zero every weight (nothing is served until a full update)
-            # its ack reports the weights now missing, as _reporting's do (a checksum's has nothing to say)
-            return WeightsZeroed(self.sleep.zero_weights(), self.sleep.weights_status())
+            return WeightsZeroed(self.sleep.zero_weights())
         return Checksums(self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:"))
 
     def _rpc(self, cmd: CollectiveRpc) -> WeightsReloaded | ExtensionReturned:

@@ -578,7 +578,7 @@ class SchedulerActor:
         if q.clear_cache:
             self.sched.drop_kv()
         if q.keep_kv:  # the workers copy these blocks to the host before releasing the KV cache
-            return Quiesced(q.aborted, self.sched.keep_kv())
+            return Quiesced(q.aborted, kv_blocks=self.sched.keep_kv())
         return Quiesced(q.aborted)
 
     def _maybe_complete_quiesce(self) -> None:

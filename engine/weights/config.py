@@ -21,9 +21,9 @@ defaults to nccl: nccl on CUDA, hccl on NPU, gloo on CPU. Optional keys beyond v
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
+from engine.argv import json_object_flag
 from engine.weights.lifecycle import DEFAULT_TRANSFER_TIMEOUT_S, UPDATE_PAUSE_MODES
 
 BACKENDS = {"ipc": "ipc", "npu_ipc": "ipc", "hccl": "hccl", "nccl": "hccl", "gloo": "hccl"}
@@ -61,17 +61,9 @@ def platform_name() -> str:
 
 def parse_weight_transfer_config(text: str | None) -> WeightTransferConfig | None:
     """None when the flag is absent; ValueError (a start-up error) for anything invalid."""
-    if text is None or not text.strip():
+    raw = json_object_flag("--weight-transfer-config", text, _KEYS, '{"backend": "ipc"}')
+    if raw is None:
         return None
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--weight-transfer-config is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--weight-transfer-config must be a JSON object such as {\"backend\": \"ipc\"}")
-    unknown = set(raw) - _KEYS
-    if unknown:
-        raise ValueError(f"--weight-transfer-config: unknown keys {sorted(unknown)}; known: {sorted(_KEYS)}")
     name = raw.get("backend", None) if "backend" in raw else default_backend()
     if name not in BACKENDS:
         raise ValueError(f"Invalid weight transfer backend: {name}. Available engines: {sorted(BACKENDS)}")
