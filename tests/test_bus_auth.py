@@ -286,7 +286,7 @@ def test_a_peer_with_the_client_key_gets_the_members_and_updates_the_weights(ser
     finally:
         c.close()
     assert isinstance(reply, ControlReply) and reply.ok
-    roles = {m["role"] for m in reply.results.values()}
+    roles = {m.role for m in reply.results.values()}
     assert {"scheduler", "worker", "gateway"} <= roles and "worker-0" in reply.results, reply.results
     trainer = AutoModelForCausalLM.from_pretrained(server.model).eval()
     with WeightSyncClient(None, backend="ipc", bus=bus_url(server), bus_curve_dir=str(keys)) as client:

@@ -150,6 +150,6 @@ def test_a_sleep_inside_a_keep_pause_drops_or_keeps_the_frozen_requests_kv():
         assert e.may_step()
     e = Engine()
     e.send(Pause("keep", False))
-    assert e.send(Sleep(0, "keep", True)) == {"sleeping": True}  # level 0 releases nothing
+    assert e.send(Sleep(0, "keep", True)) == AlreadyQuiet()  # level 0 releases nothing
     q = Engine().send(Sleep(2, "keep", True))  # not paused: the sleep's own keep quiesce keeps the KV
     assert q == Quiesce("keep", False, keep_kv=True)
