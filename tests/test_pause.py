@@ -128,9 +128,10 @@ def test_keep_with_recompute_gives_the_same_greedy_tokens(server):
     """clear_cache=true drops the kept requests' KV; recomputed after resume, greedy output is unchanged
     (same weights), which shows the recompute path is exact."""
     url = server.url
+    # 800 tokens: on a fast host 200 could all be sampled between wait_running and wait_generated's first read
     ref = httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": "Story number 0:", "max_tokens": 200, "ignore_eos": True, "temperature": 0})
-    ts, out = launch(url, 1, 200)
+        "model": MODEL, "prompt": "Story number 0:", "max_tokens": 800, "ignore_eos": True, "temperature": 0})
+    ts, out = launch(url, 1, 800)
     wait_running(url, 1)
     wait_generated(url, 10)  # the recompute then covers sampled tokens, not only the prompt
     assert post(url, "/pause", mode="keep", clear_cache="true").status_code == 200
@@ -187,9 +188,12 @@ def _metric(url, name):
     return 0.0
 
 
+SPANNED = 900  # tokens of a request a keep pause cuts in two: long enough not to finish before the pause lands
+
+
 def _versions(url, **extra):
     r = httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": "Story number 7:", "max_tokens": LONG, "ignore_eos": True, "temperature": 0,
+        "model": MODEL, "prompt": "Story number 7:", "max_tokens": SPANNED, "ignore_eos": True, "temperature": 0,
         "return_weight_versions": True, **extra})
     assert r.status_code == 200, r.text
     return r.json()
@@ -212,7 +216,7 @@ def test_weight_version_spans_across_a_keep_pause(server, clear_cache):
     t.join(120)
     spans = got["choices"][0]["weight_versions"]
     assert [s["version"] for s in spans] == ["v1", "v2"], spans
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == SPANNED
     # clear_cache=false keeps KV computed under v1: the v2 tokens say so
     assert spans[1].get("stale_kv", False) is (clear_cache == "false")
 
