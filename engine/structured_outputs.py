@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from bus.sampling_params import ParamError, StructuredOutputsParams
+from engine.argv import json_object_flag
 
 _CACHE = 1024  # distinct constraints remembered (grammar text, compile verdicts)
 
@@ -208,20 +209,12 @@ class StructuredOutputsConfig:
 
 def parse_structured_outputs_config(text: str | None) -> StructuredOutputsConfig:
     """--structured-outputs-config (a JSON object); ValueError, a start-up error, for anything invalid."""
-    if text is None or not text.strip():
-        return StructuredOutputsConfig()
     flag = "--structured-outputs-config"
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"{flag} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f'{flag} must be a JSON object such as {{"disable_any_whitespace": true}}')
     known = {"backend", "disable_any_whitespace", "disable_additional_properties", "disable_fallback",
              "reasoning_parser", "reasoning_parser_plugin", "enable_in_reasoning"}
-    unknown = set(raw) - known
-    if unknown:
-        raise ValueError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    raw = json_object_flag(flag, text, known, '{"disable_any_whitespace": true}')
+    if raw is None:
+        return StructuredOutputsConfig()
     backend = raw.get("backend", "auto")
     if backend not in SO_BACKENDS:
         raise ValueError(f"{flag}: backend {backend!r} is not available; rollbus's grammar engine is llguidance: "
