@@ -173,6 +173,36 @@ def test_two_stage_topk_is_exact(shape, k):
     assert i[:, :2].tolist() == [[39999, 5]] * 2 and v[:, 2].tolist() == [float("-inf")] * 2
 
 
+@pytest.mark.parametrize("scale", [0.3, 3.0, 8.0])
+def test_top_k_top_p_on_candidates_keep_what_the_whole_sorted_row_keeps(scale):
+    """The filter looks at each row's largest logits first (workers.sampler.FILTER_CANDIDATES) and sorts a
+    whole row only when its nucleus reaches past them: it keeps the same tokens with the same values as the
+    whole-row sort, except where a token's mass-before sits within float rounding of top_p, and a row keeps
+    the same bits alone and beside rows that take the other paths."""
+    from workers.sampler import _filter, _filter_sorted
+
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    x = torch.randn(9, 20000, generator=gen) * scale
+    x[1, :19000] = float("-inf")  # fewer finite entries than the second candidate tier
+    spec = [(0, 0.9), (50, 1.0), (300, 0.95), (5000, 1.0), (5000, 0.5), (0, 0.999), (0, 1.0), (256, 0.9), (1, 0.3)]
+    rows = [row(top_k=k, top_p=p) for k, p in spec]
+    got = _filter(x, rows)
+    want = _filter_sorted(x, [k for k, _ in spec], [p for _, p in spec])
+    for i, (k, p) in enumerate(spec):
+        kept_got, kept_want = torch.isfinite(got[i]), torch.isfinite(want[i])
+        differ = (kept_got != kept_want).nonzero().flatten()
+        if len(differ):  # only at the top-p boundary: the mass before those tokens rounds to top_p
+            probs = torch.softmax(want[i].masked_fill(~kept_want, float("-inf")) if k else x[i], -1).double()
+            order = x[i].argsort(descending=True)
+            before = probs[order].cumsum(0) - probs[order]
+            rank = {t: r for r, t in enumerate(order.tolist())}
+            assert all(abs(before[rank[t]].item() - p) < 1e-5 for t in differ.tolist()), (k, p)
+        both = kept_got & kept_want
+        assert torch.equal(got[i][both], x[i][both]), (k, p)
+        alone = _filter(x[i:i + 1], [rows[i]])
+        assert torch.equal(alone[0], got[i]), (k, p)
+
+
 # --- the fused CPU draw (ascend_ops/csrc/cpu_sampling.cpp) -----------------------------------------------------
 
 def _draw_kernel_or_skip():
