@@ -219,10 +219,7 @@ class Launcher:
                 print(f"rollbus: not ready after {self.ready_timeout_s:.0f}s: {sorted(waiting)}", file=sys.stderr)
                 return 1
             if sock.poll(200):
-                try:
-                    msg = decode(sock.recv_multipart())
-                except CodecError:
-                    continue
+                msg = self._recv_ready(sock)
                 if isinstance(msg, Ready):
                     waiting.discard("gateway" if msg.role == "gateway" else msg.name)
         topo = Topology.from_config(self.cfg)
@@ -266,12 +263,20 @@ class Launcher:
                 self._on_ready(sock)
         return 0
 
+    @staticmethod
+    def _recv_ready(sock: zmq.Socket):
+        """The next message on the ready socket; one it cannot decode (a child of another rollbus version, a
+        stray sender) is logged, not silently dropped: a start-up that then times out says why."""
+        frames = sock.recv_multipart()
+        try:
+            return decode(frames)
+        except CodecError as e:
+            print(f"rollbus: an undecodable message on the ready socket ({e}); ignored", file=sys.stderr, flush=True)
+            return None
+
     def _on_ready(self, sock: zmq.Socket) -> None:
         """A restarted child finished its start-up."""
-        try:
-            msg = decode(sock.recv_multipart())
-        except CodecError:
-            return
+        msg = self._recv_ready(sock)
         if not isinstance(msg, Ready):
             return
         name = "gateway" if msg.role == "gateway" else msg.name

@@ -142,3 +142,27 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_an_undecodable_message_on_the_ready_socket_is_logged_and_serving_goes_on(smol_server):
+    """The launcher's ready socket (where children report Ready) logs a message it cannot decode, e.g. from a
+    child of another rollbus version, instead of dropping it silently, and keeps supervising."""
+    import zmq
+
+    pid = next(iter(smol_server.child_pids().values()))
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = [a.decode() for a in f.read().split(b"\0")]
+    endpoint = argv[argv.index("--ready-endpoint") + 1]
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    sock.send_multipart([b"not", b"a rollbus message"])
+    sock.close()
+    deadline = time.monotonic() + 30
+    while "undecodable message on the ready socket" not in smol_server.log():
+        assert time.monotonic() < deadline, smol_server.log()[-2000:]
+        time.sleep(0.1)
+    r = httpx.post(smol_server.url + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+    assert r.status_code == 200, r.text
