@@ -325,8 +325,8 @@ def _banned(r: RowState) -> bool:
 
 
 def _needs_edit(rows: list[RowState]) -> bool:
-    return any(_row_edited(r) or len(r.output_token_ids) < r.params.min_tokens or r.params.allowed_token_ids
-               is not None or r.params.bad_words_token_ids for r in rows)
+    """Whether any row's logits get written in place (penalties, bias, bans): then the batch works on a copy."""
+    return any(_row_edited(r) or _banned(r) for r in rows)
 
 
 def _filters(r: RowState) -> bool:
