@@ -147,6 +147,13 @@ def ceiling_tok_s(shape: Shape, prompt_lens: list[int], new_tokens: int, n: int,
     return len(prompt_lens) * n * new_tokens / (shape.rollout_flops(prompt_lens, new_tokens, n) / rate)
 
 
+def prefill_ceiling_tok_s(shape: Shape, prompt_lens: list[int], rate: float) -> float:
+    """Prompt tokens per second at `rate` when prefill alone ran: every prompt token through the layers, one
+    LM head row per prompt (its first sampled token)."""
+    flops = sum(sum(shape.token_flops(k + 1) for k in range(p)) + shape.sample_flops() for p in prompt_lens)
+    return sum(prompt_lens) / (flops / rate)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Model folder with config.json (default: the default model).")
@@ -157,17 +164,22 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("-n", type=int, default=1)
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if args.model:
         folder = Path(args.model)
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from engine.model_store import resolve_model
 
         folder = resolve_model(None, progress=True)
     shape = Shape.from_config(json.loads((folder / "config.json").read_text()))
     rate = gemm_rate(shape, args.dtype, args.threads)
     lens = [args.prompt_len] * args.prompts
-    print(f"large-GEMM rate ({args.dtype}): {rate / 1e9:.1f} GFLOP/s")
+    from bench.fma_peak import fma_peak
+
+    peak = fma_peak(args.threads)
+    print(f"large-GEMM rate ({args.dtype}): {rate / 1e9:.1f} GFLOP/s; fp32 FMA peak {peak['flops'] / 1e9:.1f} GFLOP/s "
+          f"({peak['clock_ghz']:.2f} GHz x 2 FMA pipes x {peak['lanes']} lanes x {peak['threads']} cores): the GEMM "
+          f"rate is {rate / peak['flops']:.0%} of it")
     print(f"per generated token: {shape.token_flops(args.prompt_len) / 1e6:.1f} MFLOP layers + "
           f"{shape.sample_flops() / 1e6:.1f} MFLOP LM head")
     print(f"GEMM ceiling, {args.prompts} x {args.prompt_len}-token prompts, n={args.n}, {args.new_tokens} new tokens: "

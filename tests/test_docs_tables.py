@@ -233,3 +233,28 @@ def test_every_route_of_the_installed_vllm_has_a_row() -> None:
             route.replace("/chat/completions/", "/completions/") in listed
     missing = sorted(r for r in vllm_routes() if not covered(r))
     assert not missing, f"vLLM routes without a row in docs/serving.md's endpoint table: {missing}"
+
+
+def test_the_rollout_bench_option_table_is_its_parser():
+    """docs/benchmarks.md "Running it": one row per option of bench/rollout.py, with its default, and no row for
+    an option it does not have."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from bench.rollout import parser
+
+    actions = {a.option_strings[-1]: a for a in parser()._actions if a.option_strings and a.dest != "help"}
+    documented = {}
+    for row in table_rows(ROOT / "docs" / "benchmarks.md", "## Running it"):
+        flag = re.match(r"`(--[a-z-]+)", row[0])
+        assert flag, f"unreadable row {row}"
+        documented[flag.group(1)] = row[1]
+    assert set(documented) == set(actions), (set(documented) ^ set(actions))
+    for flag, default in documented.items():
+        want = actions[flag].default
+        if isinstance(want, bool) or want is None:
+            assert default in ("off", "none"), (flag, default)
+        elif isinstance(want, list):
+            assert default.strip("`").split() == [str(w) for w in want], (flag, default, want)
+        elif flag != "--vllm-python":
+            assert default.strip("`") == str(want), (flag, default, want)
