@@ -16,7 +16,10 @@ What it does, from the placement SkyRL gives it:
   it by data-parallel rank, so engines on one host do not collide; kv_events_endpoint() says where.
 - Supervision: the engine runs as a child process with PR_SET_PDEATHSIG (a killed actor takes it down;
   its own children follow the launcher the same way), is restarted when it dies (after 1 s, doubling to
-  16 s), and start() returns only once /health is 200.
+  16 s), and start() returns only once /health is 200. Its workers keep a copy of every committed weight
+  update (--weights-recovery-dir: cli_args.weights_recovery_dir, else <log_dir>/weights) and a restarted
+  engine starts on that version (--weights-recovery-resume, engine.fleet.rejoin), never silently on the
+  checkpoint; where a copy is missing, it answers 503 naming the version until the next update.
 
 Only this module imports Ray (`pip install rollbus[ray]`). The engine is started with ROLLBUS_PYTHON (default:
 this process's python) `-m engine.cli serve`; ROLLBUS_PYTHONPATH, when set, is its PYTHONPATH.
@@ -220,6 +223,11 @@ class RollbusServerActor:
             extra.append("--enable-scale-out")
         if self.colocated and "--enable-sleep-mode" not in argv:
             extra.append("--enable-sleep-mode")
+        # a restarted engine rejoins on the version its workers last committed (engine.fleet.rejoin)
+        if "--weights-recovery-dir" not in argv:
+            extra += ["--weights-recovery-dir", str(self.log_dir / "weights")]
+        if "--weights-recovery-resume" not in argv:
+            extra.append("--weights-recovery-resume")
         return [self.python, "-m", "engine.cli", "serve", *argv, *extra]
 
     def _env(self) -> dict[str, str]:
