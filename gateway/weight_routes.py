@@ -98,8 +98,8 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.post("/start_weight_update")
     async def start_weight_update() -> JSONResponse:
-        verified["update"] = False
         await step(steps.start())
+        verified["update"] = False  # (a start refused while a verified update is open leaves it verified)
         return JSONResponse({"message": "Weight update started"})
 
     @app.post("/update_weights")
@@ -115,9 +115,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> JSONResponse:
-        body = await _json_object(request, allow_empty=True)
-        version = body.get("weight_version")
-        _check_version(version)
+        body, version = await _versioned(request)
         commit_now = body.get("commit", True)
         if not isinstance(commit_now, bool):
             raise bad_request("commit must be true or false", "commit")
@@ -131,9 +129,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     @app.post("/commit_weight_update")
     async def commit_weight_update(request: Request) -> JSONResponse:
         # not vLLM's: the second phase of a fleet update, once every engine verified its part
-        body = await _json_object(request, allow_empty=True)
-        version = body.get("weight_version")
-        _check_version(version)
+        _, version = await _versioned(request)
         if not verified["update"] or not client.control_state.weight_update_active:
             raise APIError("no verified weight update to commit: finish_weight_update with {\"commit\": false} "
                            "first", status=409, type=CONFLICT)
@@ -197,9 +193,13 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         return JSONResponse({"match": not mismatches, "mismatches": mismatches})
 
 
-def _check_version(version: Any) -> None:
+async def _versioned(request: Request) -> tuple[dict[str, Any], str | None]:
+    """A finish or commit body (optional) and its weight_version (optional, a non-empty string)."""
+    body = await _json_object(request, allow_empty=True)
+    version = body.get("weight_version")
     if version is not None and (not isinstance(version, str) or not version):
         raise bad_request("weight_version must be a non-empty string", "weight_version")
+    return body, version
 
 
 def _matches(current: dict[str, str], key: str, value: Any) -> bool:

@@ -29,6 +29,15 @@ def version(url: str) -> str:
     return httpx.get(url + "/weight_info", timeout=10).json()["weight_version"]
 
 
+def assert_unchanged(urls: list[str], trainer, before: dict[str, torch.Tensor]) -> None:
+    """After a refused update: every engine still holds `before` (the trainer is put back to it), resumed."""
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            p.copy_(before[n])
+    assert all(checksums_match(u, trainer) for u in urls), "a refused update changed an engine's weights"
+    assert not any(httpx.get(u + "/is_paused", timeout=10).json()["is_paused"] for u in urls)
+
+
 def perturb(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -79,11 +88,7 @@ def test_one_update_reaches_both_engines_and_a_refusal_commits_on_neither(fleet)
         assert b.url in str(e.value) and a.url not in str(e.value) and e.value.status == 409
         assert httpx.post(b.url + "/wake_up", timeout=60).status_code == 200
         assert [version(u) for u in urls] == ["fleet-1", "fleet-1"]
-        with torch.no_grad():
-            for n, p in trainer.named_parameters():
-                p.copy_(before[n])
-        assert all(checksums_match(u, trainer) for u in urls), "a refused update changed an engine's weights"
-        assert not any(httpx.get(u + "/is_paused", timeout=10).json()["is_paused"] for u in urls)
+        assert_unchanged(urls, trainer, before)
 
         perturb(trainer, seed=3)  # the fleet takes the next update as one again
         client.send_weights(trainer.named_parameters(), version="fleet-3")
@@ -116,11 +121,7 @@ def test_an_engine_refusing_at_finish_leaves_every_engine_on_the_old_version(fle
         assert time.monotonic() - t < 5.0 + client.timings.get("transfer", 0.0)
         assert f"engine {b.url}: POST /finish_weight_update -> 409" in str(e.value) and a.url not in str(e.value)
         assert [version(u) for u in urls] == ["two-phase-1", "two-phase-1"]
-        with torch.no_grad():
-            for n, p in trainer.named_parameters():
-                p.copy_(before[n])
-        assert all(checksums_match(u, trainer) for u in urls), "an engine committed the refused update"
-        assert not any(httpx.get(u + "/is_paused", timeout=10).json()["is_paused"] for u in urls)
+        assert_unchanged(urls, trainer, before)
 
         client.sender.transfer = transfer  # the next update goes through on both
         perturb(trainer, seed=6)
