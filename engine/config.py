@@ -91,6 +91,7 @@ class EngineConfig:
     heartbeat_timeout_s: float = 3.0
     control_timeout_s: float = 10.0
     weights_recovery_dir: str | None = None  # workers keep a copy of each committed update here (recovery)
+    weights_recovery_resume: bool = False  # at start, serve the version those copies hold (engine.fleet.rejoin)
     max_restarts: int = 5  # rollbus serve: restarts of one child within RESTART_WINDOW_S before it gives up
     # logs
     log_level: str = "info"
@@ -523,6 +524,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the model per update (use a RAM disk such as /dev/shm for speed). Without it, a "
                         "worker restarted after an update refuses requests (503 naming the version) until "
                         "the trainer sends the weights again.")
+    g.add_argument("--weights-recovery-resume", action=Switch, default=False,
+                   help="At start, serve the weight version whose copies --weights-recovery-dir holds (from an "
+                        "earlier run of this engine) instead of the checkpoint: an engine restarted by its "
+                        "supervisor rejoins its fleet on the fleet's version. A worker whose copy is missing or "
+                        "of another update answers 503 naming that version until the next full update. Without "
+                        "copies: the checkpoint. Needs --weights-recovery-dir.")
     g.add_argument("--max-restarts", type=int, default=d.max_restarts,
                    help="rollbus serve: a child (worker, scheduler, gateway) that dies is restarted, at most "
                         "this many times within 60 s (with a growing delay between tries); one more death "
@@ -866,6 +873,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
             flag_owners.check("chat_template", cfg.chat_template)
         flag_owners.check("worker_extension_cls", cfg.worker_extension_cls)
         check_bus(cfg)
+        if cfg.weights_recovery_resume and not cfg.weights_recovery_dir:
+            raise ValueError("--weights-recovery-resume serves the copies in --weights-recovery-dir: give that too")
     except (ValueError, OSError) as e:
         raise SystemExit(f"rollbus: {e}") from None
     return cfg

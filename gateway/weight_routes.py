@@ -4,11 +4,15 @@
     POST /start_weight_update                                 the scheduler holds steps until commit/abort
     POST /update_weights {"update_info": {...} | [...]}       validated in full on every worker, then written
     POST /finish_weight_update {"weight_version": "..."}      every worker finished -> commit (new epoch)
+        {"commit": false}: rollbus's own, every worker finished (verified), nothing committed yet
+    POST /commit_weight_update {"weight_version": "..."}      rollbus's own: commit what finish verified
     POST /abort_weight_update                                 rollbus's own: drop the update in progress
     POST /shutdown_weight_transfer_engine
     GET  /get_world_size?include_dp=true
     POST /weight_checker {"action": "checksum"|"compare"|"reset", "baseline": {...}}
 
+The two rollbus-only steps make a fleet update two-phase (engine.trainer.fleet): every engine finishes without
+committing, then every engine commits; any refusal before that aborts them all.
 A failed update_weights or finish_weight_update aborts the whole update on every worker (what they staged
 is dropped; the previous weights stay in service) and answers with the worker's message: 400 for bad
 names/shapes/dtypes/handles, 409 for calls out of order, 504 for a rendezvous or transfer that timed out.
@@ -40,12 +44,12 @@ from engine.weights.config import parse_weight_transfer_config
 from engine.weights.lifecycle import Deadlines, Step, abort_needed
 from gateway.dev_routes import _bool, _json_object
 from gateway.engine_client import EngineClient
-from gateway.errors import APIError, bad_request, check_timeout, control_failure
+from gateway.errors import CONFLICT, APIError, bad_request, check_timeout, control_failure
 from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                "/finish_weight_update", "/abort_weight_update", "/shutdown_weight_transfer_engine", "/get_world_size",
-                "/weight_checker")
+                "/finish_weight_update", "/commit_weight_update", "/abort_weight_update",
+                "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
 
 
@@ -64,6 +68,9 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     # WeightChecker itself followed (a reload_weights or a sleep changes weights without a new epoch);
     # /weight_checker reset drops them
     checksums: dict[int, dict[str, str]] = {}
+    # finish_weight_update {"commit": false} verified the update in progress: commit_weight_update may commit it
+    # (and the version it named, which commit_weight_update uses unless it names one itself)
+    verified: dict[str, Any] = {"update": False, "version": None}
 
     async def step(step: Step) -> None:
         """One step of the update (engine.weights.lifecycle); on failure, abort when the rule says so."""
@@ -92,6 +99,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     @app.post("/start_weight_update")
     async def start_weight_update() -> JSONResponse:
         await step(steps.start())
+        verified["update"] = False  # (a start refused while a verified update is open leaves it verified)
         return JSONResponse({"message": "Weight update started"})
 
     @app.post("/update_weights")
@@ -107,19 +115,37 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> JSONResponse:
-        body = await _json_object(request, allow_empty=True)
-        version = body.get("weight_version")
-        if version is not None and (not isinstance(version, str) or not version):
-            raise bad_request("weight_version must be a non-empty string", "weight_version")
+        body, version = await _versioned(request)
+        commit_now = body.get("commit", True)
+        if not isinstance(commit_now, bool):
+            raise bad_request("commit must be true or false", "commit")
         await step(steps.finish())
+        if not commit_now:  # rollbus's own first phase: every worker holds the update, none serves it yet
+            verified.update(update=True, version=version)
+            return JSONResponse({"message": "Weight update verified; commit_weight_update or abort_weight_update"})
+        await _commit(version)
+        return JSONResponse({"message": "Weight update finished"})
+
+    @app.post("/commit_weight_update")
+    async def commit_weight_update(request: Request) -> JSONResponse:
+        # not vLLM's: the second phase of a fleet update, once every engine verified its part
+        _, version = await _versioned(request)
+        if not verified["update"] or not client.control_state.weight_update_active:
+            raise APIError("no verified weight update to commit: finish_weight_update with {\"commit\": false} "
+                           "first", status=409, type=CONFLICT)
+        await _commit(version or verified["version"])
+        return JSONResponse({"message": "Weight update committed"})
+
+    async def _commit(version: str | None) -> None:
+        verified["update"] = False
         commit = steps.commit(version or "")
         await call(client, commit.command, commit.timeout_s)
-        return JSONResponse({"message": "Weight update finished"})
 
     @app.post("/abort_weight_update")
     async def abort_weight_update() -> JSONResponse:
         # not vLLM's: a fleet trainer (several engines, one update) drops an engine's staged update when
         # another engine refused its part; the previous weights stay in service. Without an update: a no-op.
+        verified["update"] = False
         await call(client, steps.abort().command, steps.control_s)
         return JSONResponse({"message": "Weight update aborted"})
 
@@ -165,6 +191,15 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             return JSONResponse({"checksums": current})
         mismatches = sorted(k for k, v in baseline.items() if not _matches(current, k, v))
         return JSONResponse({"match": not mismatches, "mismatches": mismatches})
+
+
+async def _versioned(request: Request) -> tuple[dict[str, Any], str | None]:
+    """A finish or commit body (optional) and its weight_version (optional, a non-empty string)."""
+    body = await _json_object(request, allow_empty=True)
+    version = body.get("weight_version")
+    if version is not None and (not isinstance(version, str) or not version):
+        raise bad_request("weight_version must be a non-empty string", "weight_version")
+    return body, version
 
 
 def _matches(current: dict[str, str], key: str, value: Any) -> bool:

@@ -31,16 +31,18 @@ Router = Server  # a process on a port with a log: the same handle as a `rollbus
 
 def start_router(workdir: Path, worker_urls: list[str], policy: str, *, kv_sources: dict[str, str] | None = None,
                  model: str | None = None, block_size: int = 16, extra: tuple[str, ...] = (),
-                 timeout_s: float = 60.0) -> Router:
+                 timeout_s: float = 60.0, prometheus_port: int | None = None) -> Router:
     """`vllm-router --policy POLICY` over worker_urls on a free port; kv_sources maps a worker URL to its KV
-    event endpoint (kv_aware, which needs the served model's name too). Returns once the router answers
+    event endpoint (kv_aware, which needs the served model's name too); its metrics (vllm_router_worker_health
+    per worker) on prometheus_port, if given. Returns once the router answers
     /health (it waits for its workers first)."""
     exe = router_binary()
     if exe is None:
         raise RuntimeError(f"vllm-router is not installed: {SETUP}")
     port = free_port()
     cmd = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *worker_urls,
-           "--prometheus-port", str(free_port()), "--health-check-interval-secs", "2",
+           "--prometheus-port", str(prometheus_port or free_port()),
+           *(() if "--health-check-interval-secs" in extra else ("--health-check-interval-secs", "2")),
            "--log-level", os.environ.get("ROLLBUS_ROUTER_LOG_LEVEL", "info"), *extra]
     for url, endpoint in (kv_sources or {}).items():
         cmd += ["--kv-event-source", f"{url}={endpoint}"]

@@ -111,16 +111,23 @@ def test_skyrl_generate_route(tmp_path, tiny_qwen3) -> None:
 
 def test_the_actor_starts_supervises_and_stops_its_engine(tmp_path, tiny_qwen3) -> None:
     """RollbusServerActor without Ray (the class Ray would wrap): start() returns once /health is 200,
-    colocated means sleep mode, a killed engine comes back on its port, shutdown leaves nothing; a refused
-    flag fails start() with the command line's message."""
+    colocated means sleep mode, a killed engine comes back on its port and on the weight version it had
+    committed (its recovery copies), shutdown leaves nothing; a refused flag fails start() with the command
+    line's message."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from engine.fleet.skyrl_actor import RollbusServerActor
+    from engine.trainer import WeightSyncClient, weight_checksums
 
     async def run() -> None:
         bad = RollbusServerActor(Namespace(model=str(tiny_qwen3), quantization="fp8"), start_port=free_port())
         with pytest.raises(RuntimeError, match="--quantization fp8: not supported here"):
             await bad.start()
-        cli = Namespace(model=str(tiny_qwen3), max_model_len=256, kv_cache_memory_bytes=8 << 20)
-        actor = RollbusServerActor(cli, start_port=free_port(), colocated_training=True, log_dir=str(tmp_path))
+        cli = Namespace(model=str(tiny_qwen3), max_model_len=256, kv_cache_memory_bytes=8 << 20,
+                        weight_transfer_config={"backend": "ipc"}, weights_recovery_dir=str(tmp_path / "copies"))
+        actor = RollbusServerActor(cli, start_port=free_port(), server_idx=1, colocated_training=True,
+                                   log_dir=str(tmp_path))
         info = await actor.start()
         url = f"http://127.0.0.1:{info.port}"
         try:
@@ -128,12 +135,24 @@ def test_the_actor_starts_supervises_and_stops_its_engine(tmp_path, tiny_qwen3) 
             assert httpx.post(url + "/sleep", params={"level": 1}, timeout=60).status_code == 200
             assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
             assert httpx.post(url + "/wake_up", timeout=60).status_code == 200
+            trainer = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.mul_(0.5)
+            with WeightSyncClient(url, backend="ipc") as client:  # an update, then the engine is lost
+                await asyncio.to_thread(client.send_weights, trainer.named_parameters(), "actor-1")
+            assert actor.weights_recovery_dir() == str(tmp_path / "copies" / "server-1")
             first = actor.child_pid()
             os.kill(first, 9)
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline and not (actor.restart_count() == 1 and _healthy(url)):
                 await asyncio.sleep(0.3)
             assert actor.restart_count() == 1 and _healthy(url) and actor.child_pid() != first
+            # it rejoined on the update it had committed, not the checkpoint
+            assert httpx.get(url + "/weight_info").json()["weight_version"] == "actor-1"
+            r = httpx.post(url + "/weight_checker", timeout=60, json={
+                "action": "compare", "baseline": weight_checksums(trainer.named_parameters())})
+            assert r.json()["match"], r.text
         finally:
             await actor.shutdown()
         assert actor.child_pid() is None and not _healthy(url)

@@ -29,6 +29,15 @@ def version(url: str) -> str:
     return httpx.get(url + "/weight_info", timeout=10).json()["weight_version"]
 
 
+def assert_unchanged(urls: list[str], trainer, before: dict[str, torch.Tensor]) -> None:
+    """After a refused update: every engine still holds `before` (the trainer is put back to it), resumed."""
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            p.copy_(before[n])
+    assert all(checksums_match(u, trainer) for u in urls), "a refused update changed an engine's weights"
+    assert not any(httpx.get(u + "/is_paused", timeout=10).json()["is_paused"] for u in urls)
+
+
 def perturb(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -79,11 +88,7 @@ def test_one_update_reaches_both_engines_and_a_refusal_commits_on_neither(fleet)
         assert b.url in str(e.value) and a.url not in str(e.value) and e.value.status == 409
         assert httpx.post(b.url + "/wake_up", timeout=60).status_code == 200
         assert [version(u) for u in urls] == ["fleet-1", "fleet-1"]
-        with torch.no_grad():
-            for n, p in trainer.named_parameters():
-                p.copy_(before[n])
-        assert all(checksums_match(u, trainer) for u in urls), "a refused update changed an engine's weights"
-        assert not any(httpx.get(u + "/is_paused", timeout=10).json()["is_paused"] for u in urls)
+        assert_unchanged(urls, trainer, before)
 
         perturb(trainer, seed=3)  # the fleet takes the next update as one again
         client.send_weights(trainer.named_parameters(), version="fleet-3")
@@ -91,7 +96,57 @@ def test_one_update_reaches_both_engines_and_a_refusal_commits_on_neither(fleet)
         assert all(checksums_match(u, trainer) for u in urls)
 
 
+@pytest.mark.timeout(300)
+def test_an_engine_refusing_at_finish_leaves_every_engine_on_the_old_version(fleet):
+    """Two-phase finish: engine b refuses the finish (its update was dropped under it, as a lost worker or
+    another controller would) after the transfer; engine a had verified its part but commits nothing, and
+    the trainer hears b's name within 5 s. Before, a committed alone and the fleet split."""
+    (a, b), trainer = fleet
+    urls = [a.url, b.url]
+    with WeightSyncClient(urls, backend="gloo", timeout_s=30) as client:
+        perturb(trainer, seed=4)
+        client.send_weights(trainer.named_parameters(), version="two-phase-1")
+        before = {n: p.clone() for n, p in trainer.named_parameters()}
+        transfer = client.sender.transfer
+
+        def transfer_then_drop_b(*args):
+            transfer(*args)
+            assert httpx.post(b.url + "/abort_weight_update", timeout=30).status_code == 200
+
+        client.sender.transfer = transfer_then_drop_b
+        perturb(trainer, seed=5)
+        t = time.monotonic()
+        with pytest.raises(WeightSyncFailed) as e:
+            client.send_weights(trainer.named_parameters(), version="two-phase-2")
+        assert time.monotonic() - t < 5.0 + client.timings.get("transfer", 0.0)
+        assert f"engine {b.url}: POST /finish_weight_update -> 409" in str(e.value) and a.url not in str(e.value)
+        assert [version(u) for u in urls] == ["two-phase-1", "two-phase-1"]
+        assert_unchanged(urls, trainer, before)
+
+        client.sender.transfer = transfer  # the next update goes through on both
+        perturb(trainer, seed=6)
+        client.send_weights(trainer.named_parameters(), version="two-phase-3")
+        assert [version(u) for u in urls] == ["two-phase-3", "two-phase-3"]
+        assert all(checksums_match(u, trainer) for u in urls)
+
+
+@pytest.mark.timeout(60)
+def test_commit_weight_update_commits_only_a_verified_update(fleet):
+    """The two rollbus-only steps on one engine: commit without a verified update is a 409 and changes
+    nothing; a bad commit field is a 400 naming it."""
+    (a, _), _ = fleet
+    was = version(a.url)
+    r = httpx.post(a.url + "/commit_weight_update", json={"weight_version": "nothing-verified"}, timeout=30)
+    assert r.status_code == 409 and "finish_weight_update" in r.json()["error"]["message"]
+    assert version(a.url) == was
+    r = httpx.post(a.url + "/finish_weight_update", json={"commit": "no"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "commit"
+    r = httpx.post(a.url + "/commit_weight_update", json={"weight_version": 7}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "weight_version"
+
+
 @pytest.mark.slow
+@pytest.mark.fleet
 @pytest.mark.timeout(120)
 def test_a_bad_fleet_is_refused_before_any_transfer_naming_the_engine(fleet):
     (a, b), trainer = fleet

@@ -17,7 +17,6 @@ import uuid
 import structlog
 import zmq
 
-from bus import control_state
 from bus.codec import CodecError
 from bus.control import ControlLedger, Member, Pending
 from bus.endpoints import COMMAND_TOPIC, WEIGHTS_TOPIC, Endpoints
@@ -53,6 +52,7 @@ from bus.messages import (
 )
 from bus.sockets import make_socket, member_name, recv_from, report_ready, send, subscription_event
 from engine.config import EngineConfig
+from engine.fleet.rejoin import starting_state
 from engine.logs import setup_logging
 from engine.topology import layout, layout_mismatch
 from engine.weights.config import parse_weight_transfer_config
@@ -66,7 +66,8 @@ NAME = "coordinator"
 class Coordinator:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
-        self.ledger = ControlLedger(snapshot=control_state.initial_state(uuid.uuid4().hex))
+        self.ledger = ControlLedger(snapshot=starting_state(uuid.uuid4().hex, cfg.weights_recovery_dir,
+                                                           cfg.weights_recovery_resume))
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
         self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))

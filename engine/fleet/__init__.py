@@ -2,6 +2,7 @@
 
 `engine.fleet.serve_args` (pure) turns vLLM's serve Namespace into a `rollbus serve` command line;
 `engine.fleet.skyrl_actor` is the Ray actor SkyRL's ServerGroup places (it alone imports Ray: install with
-`pip install rollbus[ray]`); `engine.fleet.skyrl_compat` works around SkyRL 0.4's bugs. Importing this
+`pip install rollbus[ray]`); `engine.fleet.skyrl_compat` works around SkyRL 0.4's bugs; `engine.fleet.rejoin`
+(the coordinator's) starts a restarted engine on the weight version its recovery copies hold. Importing this
 package imports neither Ray nor SkyRL.
 """

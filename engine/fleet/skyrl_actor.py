@@ -16,7 +16,10 @@ What it does, from the placement SkyRL gives it:
   it by data-parallel rank, so engines on one host do not collide; kv_events_endpoint() says where.
 - Supervision: the engine runs as a child process with PR_SET_PDEATHSIG (a killed actor takes it down;
   its own children follow the launcher the same way), is restarted when it dies (after 1 s, doubling to
-  16 s), and start() returns only once /health is 200.
+  16 s), and start() returns only once /health is 200. Its workers keep a copy of every committed weight
+  update (--weights-recovery-dir: cli_args.weights_recovery_dir/server-<index>, else <log_dir>/weights) and
+  a restarted engine starts on that version (--weights-recovery-resume, engine.fleet.rejoin), never silently on the
+  checkpoint; where a copy is missing, it answers 503 naming the version until the next update.
 
 Only this module imports Ray (`pip install rollbus[ray]`). The engine is started with ROLLBUS_PYTHON (default:
 this process's python) `-m engine.cli serve`; ROLLBUS_PYTHONPATH, when set, is its PYTHONPATH.
@@ -153,6 +156,7 @@ class RollbusServerActor:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"rollbus-fleet-{server_idx}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.kv_endpoint = self._offset_kv_events()
+        self._keep_weights()
         self.proc: subprocess.Popen | None = None
         self.argv: list[str] | None = None
         self.restarts = 0
@@ -212,6 +216,18 @@ class RollbusServerActor:
             cfg["endpoint"] = endpoint
         self.cli_args.kv_events_config = json.dumps(cfg)
         return endpoint.replace("*", self.ip) if endpoint.startswith("tcp://") else endpoint
+
+    def _keep_weights(self) -> None:
+        """A restarted engine rejoins on the version its workers last committed (engine.fleet.rejoin): every
+        engine keeps its copies in a folder of its own (cli_args.weights_recovery_dir/server-<index>, so
+        that a new actor for the same server finds them; else <log_dir>/weights) and resumes them."""
+        base = getattr(self.cli_args, "weights_recovery_dir", None)
+        folder = Path(base) / f"server-{self.server_idx}" if base else self.log_dir / "weights"
+        self.cli_args.weights_recovery_dir = str(folder)
+        self.cli_args.weights_recovery_resume = True
+
+    def weights_recovery_dir(self) -> str:
+        return str(self.cli_args.weights_recovery_dir)
 
     def _argv(self) -> list[str]:
         argv = serve_argv(self.cli_args, self.python)

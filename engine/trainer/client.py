@@ -24,8 +24,10 @@ Transfers:
 
 Several engines: WeightSyncClient([url1, url2, ...], backend="hccl") updates them all with one call: one
 collective group spans every engine's workers (vLLM's rank layout, engine.trainer.fleet), so one broadcast
-feeds all of them; pause -> start -> transfer -> finish -> resume run on every engine, finish only once every
-engine took its part, else every engine aborts (POST /abort_weight_update) and the error names the engine.
+feeds all of them; pause -> start -> transfer -> finish -> resume run on every engine, and the finish is
+two-phase: every engine verifies its part without committing (/finish_weight_update {"commit": false}),
+then every engine commits (/commit_weight_update); a refusal before that aborts every engine
+(POST /abort_weight_update) and the error names the engine.
 
 Importable without a running engine and without the server's modules (only the wire protocol).
 """
@@ -42,7 +44,16 @@ from typing import Any
 
 import torch
 
-from engine.trainer.fleet import PREFLIGHT_TIMEOUT_S, FleetError, check_versions, engine_urls, fan_out
+from engine.trainer.fleet import (
+    PREFLIGHT_TIMEOUT_S,
+    FleetError,
+    check_versions,
+    commit_failure,
+    engine_urls,
+    fan_out,
+    fan_out_settled,
+    verify_body,
+)
 from engine.weights import backends
 from engine.weights.config import BACKENDS
 from engine.weights.lifecycle import PAUSE_MODES
@@ -165,12 +176,17 @@ class WeightSyncClient:
                 t = time.perf_counter()
                 self.sender.transfer(tensors, metas)
                 self._mark("transfer", t)
+                t = time.perf_counter()
+                if self.fleet:  # phase one: every engine verifies its part, none commits yet
+                    self._on_all("/finish_weight_update", verify_body(version))
             except BaseException:
                 if self.fleet:  # all or nothing: an engine that took its part drops it too
                     self._abort_all()
                 raise
-            t = time.perf_counter()
-            self._on_all("/finish_weight_update", {"weight_version": version} if version else None)
+            if self.fleet:  # phase two: every engine verified, every engine commits
+                self._commit_all(version)
+            else:
+                self._post("/finish_weight_update", {"weight_version": version} if version else None)
             self._mark("finish", t)
         finally:
             if pause:
@@ -193,6 +209,16 @@ class WeightSyncClient:
     def _on_all(self, path: str, body: dict[str, Any] | None, method: str = "POST") -> list[dict[str, Any]]:
         """One step on every engine at once (the first failure raised, naming its engine)."""
         return fan_out(self.urls, lambda url: self._http(method, path, body, url))
+
+    def _commit_all(self, version: str | None) -> None:
+        """Every engine verified the update: commit it on each. A commit that fails now (the engine lost a
+        process between the phases, or stopped answering) is named with the engines that did commit."""
+        body = {"weight_version": version} if version else None
+        outcomes = fan_out_settled(self.urls, lambda url: self._http("POST", "/commit_weight_update", body, url))
+        failed = [(u, e) for u, e in zip(self.urls, outcomes, strict=True) if isinstance(e, BaseException)]
+        if failed:
+            done = [u for u, e in zip(self.urls, outcomes, strict=True) if not isinstance(e, BaseException)]
+            raise WeightSyncFailed(commit_failure(failed, done, version), getattr(failed[0][1], "status", 500))
 
     def _abort_all(self) -> None:
         """Every engine drops the update (a no-op where none is active, e.g. one that aborted itself)."""

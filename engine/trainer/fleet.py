@@ -1,8 +1,9 @@
 """Several engines, one update: the rank layout of one collective group across engines (vLLM's: the trainer is
 rank 0, engine i's workers start at rank_offset_i = 1 + the workers of the engines before it), the checks that
-refuse a fleet before any transfer begins, and running one HTTP step on every engine at once.
+refuse a fleet before any transfer begins, the two phases of its finish (every engine verifies, then every
+engine commits), and running one HTTP step on every engine at once.
 
-Pure except `fan_out`, which only runs the caller's calls on threads; the trainer client
+Pure except `fan_out` / `fan_out_settled`, which only run the caller's calls on threads; the trainer client
 (engine.trainer.client.WeightSyncClient) does the HTTP.
 """
 
@@ -60,18 +61,39 @@ def check_versions(urls: Sequence[str], versions: Sequence[Any]) -> None:
                      "(send the same weights to each alone first)")
 
 
+def verify_body(version: str | None) -> dict[str, Any]:
+    """Phase one of a fleet's finish: the engine checks that every worker holds its part, commits nothing."""
+    return {"commit": False, **({"weight_version": version} if version else {})}
+
+
+def commit_failure(failed: Sequence[tuple[str, BaseException]], committed: Sequence[str], version: str | None
+                   ) -> str:
+    """Phase two failed on some engines after every engine verified the update: which, why, and where the
+    fleet stands (the next update is refused until every engine is on one version again)."""
+    why = "; ".join(str(e) if url in str(e) else f"engine {url}: {e}" for url, e in failed)
+    where = (f"engines {', '.join(committed)} committed {version or 'the update'}" if committed
+             else "no engine committed")
+    return (f"commit failed after every engine verified the update: {why}; {where}. The next update is "
+            "refused until every engine reports one weight version")
+
+
+def fan_out_settled(urls: Sequence[str], call: Callable[[str], T]) -> list[T | BaseException]:
+    """call(url) on every engine at once; each engine's result or exception, in order."""
+    with ThreadPoolExecutor(max(1, len(urls))) as pool:
+        futures = [pool.submit(call, u) for u in urls]
+        return [f.exception() or f.result() for f in futures]
+
+
 def fan_out(urls: Sequence[str], call: Callable[[str], T]) -> list[T]:
     """call(url) on every engine at once; all of them run to the end. Raises the first failure, its message
     joined with every other engine's failure (each names its engine)."""
     if len(urls) == 1:
         return [call(urls[0])]
-    with ThreadPoolExecutor(len(urls)) as pool:
-        futures = [pool.submit(call, u) for u in urls]
-        errors = [f.exception() for f in futures]
-    failed = [e for e in errors if e is not None]
+    outcomes = fan_out_settled(urls, call)
+    failed = [e for e in outcomes if isinstance(e, BaseException)]
     if failed:
         first = failed[0]
         if len(failed) > 1 and hasattr(first, "status"):
             raise type(first)("; ".join(str(e) for e in failed), first.status) from first
         raise first
-    return [f.result() for f in futures]
+    return outcomes  # type: ignore[return-value]

@@ -50,6 +50,13 @@ def load_copy(model: torch.nn.Module, path: str, *, run_id: str, commits: int) -
     else why it could not (no copy, another run's or update's copy, tensors missing)."""
     if not os.path.exists(path):
         return f"no recovery copy at {path}"
+    try:
+        return _load_copy(model, path, run_id, commits)
+    except Exception as e:  # noqa: BLE001 - a torn file, another model's shapes: this copy cannot serve
+        return f"the recovery copy at {path} could not be loaded: {e}"
+
+
+def _load_copy(model: torch.nn.Module, path: str, run_id: str, commits: int) -> str | None:
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
         if meta.get("run_id") != run_id or meta.get("weight_commits") != str(commits):
