@@ -99,7 +99,7 @@ def in_process(folder: Path, seqs: int, tokens: int) -> tuple[float, float]:
 
 def start_engine(folder: Path, bus_dir: Path) -> tuple[EngineConfig, list[subprocess.Popen]]:
     """The coordinator, scheduler and one worker (no gateway) on `folder`, their sockets under bus_dir."""
-    cfg = EngineConfig(model=str(folder), bus_dir=str(bus_dir), port=0, max_model_len=2048,
+    cfg = EngineConfig.from_flags(model=str(folder), bus_dir=str(bus_dir), port=0, max_model_len=2048,
                        num_gpu_blocks_override=1024)
     argv = cfg.to_argv()
     procs = [subprocess.Popen([sys.executable, "-m", "engine.cli", *role, *argv])

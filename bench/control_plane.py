@@ -41,7 +41,7 @@ import sys, time, zmq
 from bus.endpoints import Endpoints
 from bus.member import MemberLink
 from engine.config import EngineConfig
-ep = Endpoints.from_config(EngineConfig(bus_dir=sys.argv[1]))
+ep = Endpoints.from_config(EngineConfig.from_flags(bus_dir=sys.argv[1]))
 link = MemberLink(zmq.Context(), ep, role="worker", name=sys.argv[2], default=lambda c: None)
 poller = zmq.Poller()
 for s in link.sockets:
@@ -64,7 +64,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def broadcast_latency(n_workers: int = 4, rounds: int = 500) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix="rollbus-cp-")
-    cfg = EngineConfig(bus_dir=work)
+    cfg = EngineConfig.from_flags(bus_dir=work)
     procs = [subprocess.Popen([sys.executable, "-m", "engine.cli", "coordinator", *cfg.to_argv()])]
     procs += [subprocess.Popen([sys.executable, "-c", MEMBER, work, f"worker-{i}"]) for i in range(n_workers)]
     client = ControlClient(Endpoints.from_config(cfg))

@@ -132,7 +132,7 @@ def runner_steps(folder: Path, dtype: str, prompts: list[list[int]], steps: int,
 
     torch.set_grad_enabled(False)
     cpu = torch.device("cpu")
-    model, _, _ = load_model(EngineConfig(model=str(folder), dtype=dtype), cpu)
+    model, _, _ = load_model(EngineConfig.from_flags(model=str(folder), dtype=dtype), cpu)
     bs, n = 16, len(prompts)
     per_seq = (max(map(len, prompts)) + steps + bs) // bs
     groups = {"plain": (False, None), "logprobs": (False, k), "logprobs + routed": (True, k)}

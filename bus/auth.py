@@ -32,6 +32,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from bus.config_view import setting
+
 log = structlog.get_logger()
 
 ENV_DIR = "ROLLBUS_BUS_CURVE_DIR"
@@ -139,14 +141,14 @@ def env_insecure() -> bool:
 
 def check_config(cfg) -> BusKeys | None:
     """Start-up check of the bus flags (raises ValueError naming the flag or file); the keys, or None."""
-    curve_dir = getattr(cfg, "bus_curve_dir", None)
-    insecure = getattr(cfg, "bus_insecure", False)
-    if cfg.bus_transport != "tcp":
+    curve_dir = setting(cfg, "bus", "bus_curve_dir", None)
+    insecure = setting(cfg, "bus", "bus_insecure", False)
+    if cfg.bus.bus_transport != "tcp":
         if curve_dir or insecure:
             raise ValueError("--bus-curve-dir and --bus-insecure concern --bus-transport tcp only "
                              "(ipc sockets are protected by their folder's permissions)")
         return None
-    if getattr(cfg, "bus_dir", None):
+    if setting(cfg, "bus", "bus_dir", None):
         raise ValueError("--bus-dir (or ROLLBUS_BUS_DIR) sets the folder of ipc sockets and has no effect with "
                          "--bus-transport tcp: drop it")
     if curve_dir and insecure:
@@ -156,8 +158,8 @@ def check_config(cfg) -> BusKeys | None:
     if not insecure:
         raise ValueError("--bus-transport tcp needs keys: create them with `rollbus keys DIR` and pass "
                          "--bus-curve-dir DIR (or, on a loopback --bus-host only, --bus-insecure)")
-    if not is_loopback(cfg.bus_host):
-        raise ValueError(f"--bus-insecure is refused with --bus-host {cfg.bus_host}: an unauthenticated bus "
+    if not is_loopback(cfg.bus.bus_host):
+        raise ValueError(f"--bus-insecure is refused with --bus-host {cfg.bus.bus_host}: an unauthenticated bus "
                          "may only listen on a loopback address; use --bus-curve-dir")
     return None
 

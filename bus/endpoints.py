@@ -31,6 +31,7 @@ import tempfile
 from dataclasses import dataclass
 
 from bus import auth, frame_limits
+from bus.config_view import setting
 
 PLAN_TOPIC = b"P"
 COMMAND_TOPIC = b"C"
@@ -66,26 +67,26 @@ class Endpoints:
 
         topo = Topology.from_config(cfg)
         keys = auth.check_config(cfg)
-        if cfg.bus_transport == "tcp":
-            shared = [f"tcp://{_tcp_host(cfg.bus_host)}:{cfg.bus_port_base + i}" for i in (3, 4)]
-            hosts = [h.strip() for h in (getattr(cfg, "bus_engine_hosts", None) or "").split(",") if h.strip()]
-            hosts = hosts if len(hosts) == topo.dp else [cfg.bus_host] * topo.dp  # (config_from_args checks it)
-            engines = [tuple(f"tcp://{_tcp_host(hosts[e])}:{cfg.bus_port_base + topo.port_offset(e) + i}"
+        if cfg.bus.bus_transport == "tcp":
+            shared = [f"tcp://{_tcp_host(cfg.bus.bus_host)}:{cfg.bus.bus_port_base + i}" for i in (3, 4)]
+            hosts = [h.strip() for h in (setting(cfg, "bus", "bus_engine_hosts", None) or "").split(",") if h.strip()]
+            hosts = hosts if len(hosts) == topo.dp else [cfg.bus.bus_host] * topo.dp  # (config_from_args checks it)
+            engines = [tuple(f"tcp://{_tcp_host(hosts[e])}:{cfg.bus.bus_port_base + topo.port_offset(e) + i}"
                              for i in range(3)) for e in topo.engines]
         else:
-            folder = cfg.bus_dir or os.path.join(tempfile.gettempdir(), f"rollbus-{os.getuid()}-{cfg.port}")
+            folder = cfg.bus.bus_dir or os.path.join(tempfile.gettempdir(), f"rollbus-{os.getuid()}-{cfg.gateway.port}")
             private_folder(folder)
             shared = [f"ipc://{os.path.join(folder, n)}" for n in _SHARED]
             engines = [tuple(f"ipc://{os.path.join(folder, n + topo.endpoint_suffix(e))}" for n in _PER_ENGINE)
                        for e in topo.engines]
-        if cfg.bus_transport == "tcp" and keys is None:
-            auth.log.warning("bus.insecure", host=cfg.bus_host,
+        if cfg.bus.bus_transport == "tcp" and keys is None:
+            auth.log.warning("bus.insecure", host=cfg.bus.bus_host,
                              detail="--bus-insecure: the tcp bus is unauthenticated and unencrypted; any local "
                                     "user can pause, sleep or update the engine. Use --bus-curve-dir.")
         limits = frame_limits.limits_for(cfg)
         named = [(n, a) for e in engines for n, a in zip(_PER_ENGINE, e)] + list(zip(_SHARED, shared))
-        own = engines[min(int(getattr(cfg, "data_parallel_rank", 0) or 0), len(engines) - 1)]
-        return cls(*own, *shared, ready=cfg.ready_endpoint, keys=keys,
+        own = engines[min(int(setting(cfg, "parallel", "data_parallel_rank", 0) or 0), len(engines) - 1)]
+        return cls(*own, *shared, ready=cfg.bus.ready_endpoint, keys=keys,
                    max_frames=tuple((a, limits[n]) for n, a in named), engines=tuple(engines))
 
     def engine(self, index: int) -> "Endpoints":
@@ -122,8 +123,8 @@ class Endpoints:
         if url.startswith("ipc://"):
             from types import SimpleNamespace
 
-            return cls.from_config(SimpleNamespace(bus_transport="ipc", bus_dir=url[len("ipc://"):], port=0,
-                                                   ready_endpoint=None))
+            bus = SimpleNamespace(bus_transport="ipc", bus_dir=url[len("ipc://"):], ready_endpoint=None)
+            return cls.from_config(SimpleNamespace(bus=bus, gateway=SimpleNamespace(port=0)))
         raise ValueError(f"bus url {url!r}: expected tcp://HOST:PORT_BASE or ipc:///FOLDER")
 
     def secure(self, ctx) -> "Endpoints":

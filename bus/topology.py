@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from bus.config_view import setting
+
 _SCHEDULER = re.compile(r"scheduler(?:-(\d+))?")
 _WORKER = re.compile(r"worker-(\d+)")
 
@@ -32,11 +34,11 @@ class Topology:
 
     @classmethod
     def from_config(cls, cfg) -> "Topology":
-        dp = int(getattr(cfg, "data_parallel_size", 1) or 1)
-        local = getattr(cfg, "data_parallel_size_local", None)
-        return cls(dp=dp, tp=int(getattr(cfg, "tensor_parallel_size", 1)),
+        dp = int(setting(cfg, "parallel", "data_parallel_size", 1) or 1)
+        local = setting(cfg, "parallel", "data_parallel_size_local", None)
+        return cls(dp=dp, tp=int(setting(cfg, "parallel", "tensor_parallel_size", 1)),
                    dp_local=dp if local is None else int(local),
-                   dp_start=int(getattr(cfg, "data_parallel_start_rank", 0) or 0))
+                   dp_start=int(setting(cfg, "parallel", "data_parallel_start_rank", 0) or 0))
 
     def problems(self) -> list[str]:
         """Why this layout cannot run (empty: it can); each names the flag and value."""

@@ -230,3 +230,33 @@ def json_object_flag(flag: str, text: str | None, known: set[str] | dict[str, An
     if unknown:
         raise ValueError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
     return raw
+
+
+def json_object_type(flag: str):
+    def parse(value: str) -> str:
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(obj).__name__}")
+        return value
+    return parse
+
+
+def at_least(flag: str, low: int, what: str):
+    """An argparse type: an integer (human_int: 8k works) of at least `low`, else an error naming the flag."""
+    def parse(value: str) -> int:
+        n = human_int(value)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {n}")
+        return n
+    return parse
+
+
+def positive(flag: str):
+    return at_least(flag, 1, "at least 1")
+
+
+def non_negative(flag: str):
+    return at_least(flag, 0, "non-negative")

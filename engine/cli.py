@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from engine.argv import normalize_argv
-from engine.config import _HelpFormatter, add_engine_args, config_from_args, new_parser
+from engine.config import HelpFormatter, add_engine_args, config_from_args, new_parser
 
 ROLES = {
     "serve": "Start the whole engine (coordinator, scheduler, one worker per device, HTTP gateway).",
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         # allow_abbrev=False: vLLM flags are matched whole (`--max-num-seq` is an error, not --max-num-seqs)
         sp = sub.add_parser(role, help=help_text, description=help_text, allow_abbrev=False,
                             usage=f"rollbus {role} [MODEL] [FLAGS]   (vLLM's flag spellings; see below)",
-                            formatter_class=_HelpFormatter, epilog=epilog)
+                            formatter_class=HelpFormatter, epilog=epilog)
         if role == "worker":
             sp.add_argument("--rank", type=int, default=0,
                             help="The worker's tensor-parallel rank inside its engine (--data-parallel-rank); "

@@ -35,18 +35,16 @@ def _read(folder: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def check_generation_config(source: str, override: str | None) -> None:
+def check_generation_config(source: str) -> None:
     """Start-up check of the flags alone (the model folder is not known yet)."""
     if source not in ("auto", "vllm"):
         folder = Path(source).expanduser()
         if not folder.is_dir():
             raise ValueError(f"--generation-config must be auto, vllm or a folder; {source!r} is none of them")
         _read(folder, required=True)
-    if override is not None and not isinstance(json.loads(override), dict):
-        raise ValueError("--override-generation-config must be a JSON object")
 
 
-def default_sampling_params(source: str, model_folder: Path, override: str | None = None) -> dict[str, Any]:
+def default_sampling_params(source: str, model_folder: Path, override: dict[str, Any] | None = None) -> dict[str, Any]:
     """The non-neutral default sampling parameters (vLLM's diff dict): key -> value, max_tokens for
     max_new_tokens."""
     if source == "vllm":
@@ -56,7 +54,7 @@ def default_sampling_params(source: str, model_folder: Path, override: str | Non
     else:
         config = _read(Path(source).expanduser(), required=True)
     if override:
-        config.update(json.loads(override))
+        config.update(override)
     out = {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None}
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")

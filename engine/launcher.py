@@ -92,7 +92,7 @@ class Launcher:
         self.ready_timeout_s = ready_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = False
-        self.policy = RestartPolicy(cfg.max_restarts)
+        self.policy = RestartPolicy(cfg.bus.max_restarts)
         self.restarts: dict[str, float] = {}  # child -> when to start it again
         self.restarted_at: dict[str, float] = {}  # child -> when it was started again (for the "back" line)
         self._platform_name = "cpu"
@@ -102,14 +102,14 @@ class Launcher:
 
         # Prepare the model once here (first run downloads and converts it, with progress), so the
         # children find it cached instead of racing to build it.
-        folder = resolve_model(self.cfg.model, progress=True)
+        folder = resolve_model(self.cfg.model.model, progress=True)
         why = self._layout_problem(folder)
         if why:
             print(f"rollbus: {why}", file=sys.stderr, flush=True)
             return 2
         env = dict(os.environ)
-        if self.cfg.api_key:
-            env["VLLM_API_KEY"] = self.cfg.api_key
+        if self.cfg.gateway.api_key:
+            env["VLLM_API_KEY"] = self.cfg.gateway.api_key
         try:
             self._worker_env = worker_env(Topology.from_config(self.cfg), env, self._platform_name)
         except ValueError as e:
@@ -144,15 +144,15 @@ class Launcher:
     def _layout_problem(self, folder) -> str | None:
         """Why this layout cannot start (None: it can), before any process starts: a -tp the model cannot
         be split by, a single engine's --data-parallel-rank, more workers than devices."""
-        if self.cfg.data_parallel_rank:
-            return (f"--data-parallel-rank {self.cfg.data_parallel_rank} names the engine of one scheduler or worker "
-                    "process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
+        if self.cfg.parallel.data_parallel_rank:
+            return (f"--data-parallel-rank {self.cfg.parallel.data_parallel_rank} names the engine of one scheduler "
+                    "or worker process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
                     "--data-parallel-size-local")
-        if self.cfg.tensor_parallel_size > 1:
+        if self.cfg.parallel.tensor_parallel_size > 1:
             from workers.models.checkpoint import load_hf_config  # imports torch: only where a split is checked
             from workers.models.tp_layout import layout_error
 
-            why = layout_error(load_hf_config(folder), self.cfg.tensor_parallel_size)
+            why = layout_error(load_hf_config(folder), self.cfg.parallel.tensor_parallel_size)
             if why:
                 return why
         self._platform_name, device_count = launcher_platform()  # no torch import on a CPU-only host
@@ -166,7 +166,7 @@ class Launcher:
 
     def _remove_bus_files(self) -> None:
         """The ipc socket files the children bound (a SIGKILLed child cannot remove its own)."""
-        if self.cfg.bus_transport != "ipc":
+        if self.cfg.bus.bus_transport != "ipc":
             return
         try:
             ep = Endpoints.from_config(self.cfg)
@@ -178,7 +178,7 @@ class Launcher:
                 os.unlink(path)
             except OSError:
                 pass
-        if not self.cfg.bus_dir:  # our default per-port folder: remove it too when empty
+        if not self.cfg.bus.bus_dir:  # our default per-port folder: remove it too when empty
             try:
                 os.rmdir(os.path.dirname(paths[0]))
             except OSError:
@@ -228,8 +228,8 @@ class Launcher:
                   f"{topo.dp_start + topo.dp_local - 1} of --data-parallel-size {topo.dp} (the gateway and the "
                   "coordinator run on the host with --data-parallel-start-rank 0; Ctrl-C stops)", flush=True)
             return None
-        url = f"http://{self.cfg.host}:{self.cfg.port}"
-        print(f"rollbus: ready in {time.monotonic() - t0:.1f}s, serving {self.cfg.model_name} at {url}  "
+        url = f"http://{self.cfg.gateway.host}:{self.cfg.gateway.port}"
+        print(f"rollbus: ready in {time.monotonic() - t0:.1f}s, serving {self.cfg.model.model_name} at {url}  "
               f"(OpenAI API at {url}/v1; Ctrl-C stops)", flush=True)
         return None
 
@@ -247,11 +247,11 @@ class Launcher:
                 delay = self.policy.on_exit(name, now)
                 if delay is None:
                     print(f"rollbus: {what}; it died {self.policy.recent(name) + 1} times within {WINDOW_S:.0f}s "
-                          f"(--max-restarts {self.cfg.max_restarts}): giving up, stopping all processes",
+                          f"(--max-restarts {self.cfg.bus.max_restarts}): giving up, stopping all processes",
                           file=sys.stderr, flush=True)
                     return 1
                 print(f"rollbus: {what}; restarting it in {delay:.1f}s (restart {self.policy.recent(name)} of "
-                      f"{self.cfg.max_restarts} within {WINDOW_S:.0f}s); the other processes keep running",
+                      f"{self.cfg.bus.max_restarts} within {WINDOW_S:.0f}s); the other processes keep running",
                       file=sys.stderr, flush=True)
                 self.restarts[name] = now + delay
             for name, at in list(self.restarts.items()):
@@ -290,11 +290,11 @@ class Launcher:
         seconds, then are aborted) and exit; then SIGTERM the rest, SIGKILL stragglers."""
         gateway = self.procs.get("gateway")
         if gateway is not None and gateway.poll() is None and self._stop:
-            print(f"rollbus: stopping; running requests get {self.cfg.shutdown_timeout}s (--shutdown-timeout)",
+            print(f"rollbus: stopping; running requests get {self.cfg.gateway.shutdown_timeout}s (--shutdown-timeout)",
                   file=sys.stderr, flush=True)
             gateway.terminate()
             try:
-                gateway.wait(self.cfg.shutdown_timeout + 2 * STOP_GRACE_S)
+                gateway.wait(self.cfg.gateway.shutdown_timeout + 2 * STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 gateway.kill()
         for name in reversed(list(self.procs)):

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,27 @@ class LoraError(ValueError):
     """An adapter that cannot be served; the message names the adapter and the cause."""
 
 
+@dataclass(slots=True)
+class LoraConfig:
+    """vLLM's LoRA flags (EngineConfig.lora)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[str] = field(default_factory=list)
+    lora_dtype: str = "auto"
+
+
 def add_lora_args(p: argparse.ArgumentParser) -> None:
+    d = LoraConfig()
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
-    g.add_argument("--enable-lora", action=Switch, default=False,
+    g.add_argument("--enable-lora", action=Switch, default=d.enable_lora,
                    help="Serve LoRA adapters (PEFT folders) on top of the model: a request names one as `model`. "
                         "Attention (q/k/v/o) and MLP (gate/up/down) projections of dense models; not with -tp > 1.")
-    g.add_argument("--max-loras", type=int, default=1,
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="At most this many different adapters in one step; sequences of another adapter wait.")
-    g.add_argument("--max-lora-rank", type=int, default=16,
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                    help="Largest adapter rank accepted; a larger one is refused (400) when it is loaded.")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="Adapter versions each worker keeps loaded (least recently used idle ones are dropped "
@@ -44,7 +57,7 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules", nargs="+", default=[],
                    help="Adapters loaded at start-up: `name=path`, or JSON "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'.")
-    g.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
+    g.add_argument("--lora-dtype", default=d.lora_dtype, choices=LORA_DTYPES,
                    help="dtype of the adapters' weights on the device; auto: the model's dtype.")
 
 
@@ -71,14 +84,14 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
     return out
 
 
-def check_lora_config(cfg: Any) -> list[str]:
+def check_lora_config(cfg: LoraConfig, tensor_parallel_size: int) -> list[str]:
     """Start-up problems of the LoRA flags (empty when none)."""
     problems = []
     if not cfg.enable_lora:
         if cfg.lora_modules:
             problems.append("--lora-modules needs --enable-lora")
         return problems
-    if cfg.tensor_parallel_size > 1:
+    if tensor_parallel_size > 1:
         problems.append("--enable-lora with --tensor-parallel-size > 1 is not implemented (adapters are not split)")
     if cfg.max_loras < 1:
         problems.append(f"--max-loras must be at least 1, got {cfg.max_loras}")

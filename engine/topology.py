@@ -13,7 +13,8 @@ def layout(cfg) -> Layout:
     """What every engine process must agree on, sent in its Hello (`info.layout`): the coordinator refuses a
     member whose layout differs from its own (another host started with other flags), naming the value."""
     topo = Topology.from_config(cfg)
-    return Layout(cfg.model_name, topo.tp, topo.dp, cfg.max_model_len, cfg.block_size, cfg.dtype, cfg.kv_cache_dtype)
+    return Layout(cfg.model.model_name, topo.tp, topo.dp, cfg.model.max_model_len, cfg.cache.block_size,
+                  cfg.model.dtype, cfg.cache.kv_cache_dtype)
 
 
 def layout_mismatch(own: Layout, theirs: Layout | None) -> str | None:

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from bus import control_state
 from bus.messages import Health, HealthReport
 from engine.config import EngineConfig
-from engine.rl_config import dev_endpoints_enabled, parse_additional_config
+from engine.rl_config import dev_endpoints_enabled
 from gateway.dev_routes import DEV_PATHS, add_dev_routes
 from gateway.dp_middleware import DataParallelRankMiddleware
 from gateway.engine_client import EngineClient
@@ -132,31 +132,31 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
             if manage_client:
                 await client.close()
 
-    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if cfg.disable_fastapi_docs else {}
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if cfg.gateway.disable_fastapi_docs else {}
     app = FastAPI(title="rollbus", version=rollbus_version(), lifespan=lifespan, default_response_class=JSONResponse,
                   **docs)
     install_error_handlers(app)
-    admission = Admission(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
+    admission = Admission(cfg.gateway.max_num_queued_reqs, cfg.gateway.max_num_queued_tokens)
     app.state.admission = admission
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, __: BodyTooLarge) -> Response:
-        return too_large(cfg.max_request_body_bytes)
+        return too_large(cfg.gateway.max_request_body_bytes)
 
     app.state.trimmer = trimmer = HeapTrimmer(lambda: admission.requests)
-    app.add_middleware(LoadLimitMiddleware, admission=admission, max_body_bytes=cfg.max_request_body_bytes,
+    app.add_middleware(LoadLimitMiddleware, admission=admission, max_body_bytes=cfg.gateway.max_request_body_bytes,
                        trimmer=trimmer)
     # X-data-parallel-rank (test fakes of the client have one engine)
     app.add_middleware(DataParallelRankMiddleware, num_engines=getattr(client, "num_engines", 1))
-    if cfg.api_key:  # added last = outermost: a request without the key is 401 before any limit applies
-        app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
-    extra = parse_additional_config(cfg.additional_config)
+    if cfg.gateway.api_key:  # added last = outermost: a request without the key is 401 before any limit applies
+        app.add_middleware(APIKeyMiddleware, api_key=cfg.gateway.api_key)
+    extra = cfg.rl.additional_config
     if dev_endpoints_enabled(extra):
         log.warning("gateway.dev_endpoints", message="SECURITY WARNING: Development endpoints are enabled!",
                     paths=list(DEV_PATHS + WEIGHT_PATHS))
-        if not cfg.api_key and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        if not cfg.gateway.api_key and cfg.gateway.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("gateway.dev_endpoints_exposed",
-                        message=f"development endpoints listen on {cfg.host} without --api-key: anyone who can "
+                        message=f"development endpoints listen on {cfg.gateway.host} without --api-key: anyone who can "
                                 "reach this port can pause the engine")
         add_dev_routes(app, cfg, client, extra, model_info)
         add_weight_routes(app, cfg, client)
@@ -169,7 +169,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics, admission)
     ctx.lora = lora_registry(cfg, model_info.names, model_info.root)  # --enable-lora (gateway/lora_routes.py)
     add_lora_routes(app, ctx.lora)
-    health = HealthProbe(client, cfg.control_timeout_s)
+    health = HealthProbe(client, cfg.bus.control_timeout_s)
     created = int(time.time())
     app.state.serving = ctx
     add_vllm_routes(app, ctx)  # /tokenize, /detokenize, /v1/chat/completions/render, /v1/completions/render
@@ -197,7 +197,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
         return await create_chat_completion(ctx, body, request)
 
     # The Responses API (docs/openai-api.md): responses kept in this gateway's memory, bounded
-    app.state.responses_store = responses_store = ResponseStore(cfg.max_stored_responses)
+    app.state.responses_store = responses_store = ResponseStore(cfg.gateway.max_stored_responses)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -223,7 +223,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
     async def generate_abort(request: Request) -> Response:
         return await abort_requests(ctx, request)
 
-    if cfg.tokens_only and not dev_endpoints_enabled(extra):
+    if cfg.rl.tokens_only and not dev_endpoints_enabled(extra):
         # vLLM's legacy tokens-only abort route, unless the RL router already owns the path
         app.add_api_route("/abort_requests", generate_abort, methods=["POST"])
 

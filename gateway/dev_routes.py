@@ -40,7 +40,6 @@ from bus.messages import (
 )
 from engine.config import EngineConfig
 from engine.rl_config import AdditionalConfig, determinism
-from engine.weights.config import parse_weight_transfer_config
 from engine.weights.lifecycle import PAUSE_MODES, pause_deadline
 from gateway.engine_client import EngineClient
 from gateway.errors import bad_request, check_timeout, control_failure
@@ -81,13 +80,13 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             timeout = check_timeout(timeout, "timeout")
         command = Pause(mode, _bool(clear_cache, "clear_cache"))
         # wait mode may take as long as the longest running request; the default deadline is generous
-        deadline = timeout if timeout is not None else pause_deadline(mode, cfg.control_timeout_s)
+        deadline = timeout if timeout is not None else pause_deadline(mode, cfg.bus.control_timeout_s)
         await broadcast(client, command, deadline)
         return JSONResponse({"status": "paused"})
 
     @app.post("/resume")
     async def resume() -> JSONResponse:
-        await broadcast(client, Resume(), cfg.control_timeout_s)
+        await broadcast(client, Resume(), cfg.bus.control_timeout_s)
         return JSONResponse({"status": "resumed"})
 
     @app.get("/is_paused")
@@ -96,7 +95,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
 
     @app.post("/sleep")
     async def sleep(level: str = "1", mode: str = "abort") -> JSONResponse:
-        if not cfg.enable_sleep_mode:
+        if not cfg.rl.enable_sleep_mode:
             raise bad_request("sleep mode is not enabled: start the server with --enable-sleep-mode", "level")
         if level not in ("0", "1", "2"):
             raise bad_request(f"level must be 0, 1 or 2, got {level!r}", "level")
@@ -111,7 +110,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         for t in tags or []:
             if t not in SLEEP_TAGS:
                 raise bad_request(f"tags must be among {', '.join(SLEEP_TAGS)}, got {t!r}", "tags")
-        results = await broadcast(client, WakeUp(tags), cfg.control_timeout_s)
+        results = await broadcast(client, WakeUp(tags), cfg.bus.control_timeout_s)
         restored = sum(r.restored_bytes for r in results.values() if isinstance(r, WokeUp))
         status = "sleeping" if client.control_state.sleeping_tags else "awake"
         return JSONResponse({"status": status, "tags": tags, "restored_bytes": restored})
@@ -141,7 +140,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         if not extension and not isinstance(kwargs.get("weights_path", ""), str | None):
             raise bad_request("kwargs.weights_path must be a string (a model folder)", "kwargs.weights_path")
         timeout = check_timeout(body["timeout"], "timeout") if body.get("timeout") is not None else \
-            cfg.control_timeout_s * 6
+            cfg.bus.control_timeout_s * 6
         call = ExtensionCall(dumps(args).decode(), dumps(kwargs).decode()) if extension else \
             ReloadWeightsCall(kwargs.get("weights_path"))
         results = await broadcast(client, CollectiveRpc(method, call), timeout)
@@ -152,14 +151,14 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
 
     async def _extension_method(method: Any) -> bool:
         """Whether every worker has `method` from --worker-extension-cls (the workers report theirs)."""
-        if not cfg.worker_extension_cls or not isinstance(method, str):
+        if not cfg.parallel.worker_extension_cls or not isinstance(method, str):
             return False
         infos = await _worker_infos()
         return bool(infos) and all(method in i.worker_extension_methods for i in infos.values())
 
     async def _worker_infos() -> dict[str, WorkerInfo]:
         """What every worker that is a member reported of itself in its Hello, by name."""
-        reply = await client.control(Members(), timeout_s=cfg.control_timeout_s)
+        reply = await client.control(Members(), timeout_s=cfg.bus.control_timeout_s)
         return {n: m.info for n, m in sorted(reply.results.items())
                 if isinstance(m, MemberEntry) and isinstance(m.info, WorkerInfo)}
 
@@ -186,7 +185,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         version = body.get("new_version")
         if not isinstance(version, str) or not version:
             raise bad_request("new_version must be a non-empty string", "new_version")
-        await broadcast(client, UpdateWeightVersion(version), cfg.control_timeout_s)
+        await broadcast(client, UpdateWeightVersion(version), cfg.bus.control_timeout_s)
         return JSONResponse({"success": True, "new_version": version})
 
     @app.post("/reset_prefix_cache")
@@ -199,7 +198,8 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         {"reset_running_requests": true}, which vLLM silently drops): both are honoured."""
         query = {"reset_running_requests": reset_running_requests, "reset_external": reset_external}
         options = _query_or_body_bools(query, await _json_object(request, allow_empty=True))
-        results = await broadcast(client, ResetPrefixCache(options["reset_running_requests"]), cfg.control_timeout_s)
+        results = await broadcast(client, ResetPrefixCache(options["reset_running_requests"]),
+                                  cfg.bus.control_timeout_s)
         ok = [r.success for r in results.values() if isinstance(r, PrefixCacheReset)]
         return JSONResponse({"success": bool(ok) and all(ok)})
 
@@ -209,7 +209,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             raise bad_request(f"config_format must be text or json, got {config_format!r}", "config_format")
         engine = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
         workers = {n: _worker_json(i) for n, i in (await _worker_infos()).items()}
-        wt = parse_weight_transfer_config(cfg.weight_transfer_config)
+        wt = cfg.rl.weight_transfer_config
         vc = vllm_config(cfg, model, workers, None if wt is None else {"backend": wt.name})
         return JSONResponse({
             # vLLM's keys first: its VllmConfig (text by default, JSON with config_format=json), VLLM_* env
@@ -266,10 +266,10 @@ async def sleep_engine(client: EngineClient, cfg: EngineConfig, level: int, mode
     """/sleep's two broadcasts: first every member quiesces (the scheduler acks once no step runs; with
     offload_kv it names the KV blocks its kept requests hold), then the workers release memory, which is only
     safe once nothing can touch it. Returns the release's results by member."""
-    deadline = timeout_s or pause_deadline(mode, cfg.control_timeout_s)
+    deadline = timeout_s or pause_deadline(mode, cfg.bus.control_timeout_s)
     quiet = await broadcast(client, Sleep(level, mode, offload_kv), deadline)
     blocks = {n: r.kv_blocks for n, r in quiet.items() if isinstance(r, Quiesced) and r.kv_blocks is not None}
-    return await broadcast(client, ReleaseMemory(level, offload_kv, blocks), timeout_s or cfg.control_timeout_s)
+    return await broadcast(client, ReleaseMemory(level, offload_kv, blocks), timeout_s or cfg.bus.control_timeout_s)
 
 
 async def sync_sleep_rpc(client: EngineClient, cfg: EngineConfig, method: str, body: dict[str, Any]) -> dict:
@@ -280,7 +280,7 @@ async def sync_sleep_rpc(client: EngineClient, cfg: EngineConfig, method: str, b
     sync, else requests are 503) that keeps the frozen requests' KV (offload_kv: copied to the host, put back
     by the kv_cache wake) or drops it (they recompute it from their tokens). The wake is /wake_up by tags; it
     does not resume (SkyRL calls /resume). Answers vLLM's shape: one null result per worker."""
-    if not cfg.enable_sleep_mode:
+    if not cfg.rl.enable_sleep_mode:
         raise bad_request(f"{method} needs sleep mode: start the server with --enable-sleep-mode", "method")
     args, kwargs = body.get("args") or [], body.get("kwargs") or {}
     if not isinstance(args, list) or not isinstance(kwargs, dict):
@@ -301,7 +301,7 @@ async def sync_sleep_rpc(client: EngineClient, cfg: EngineConfig, method: str, b
     else:
         if value is not None and (not isinstance(value, list) or not all(t in ("weights", "kv_cache") for t in value)):
             raise bad_request(f"kwargs.tags must be a list of weights and/or kv_cache, got {value!r}", "kwargs.tags")
-        results = await broadcast(client, WakeUp(value), timeout or cfg.control_timeout_s)
+        results = await broadcast(client, WakeUp(value), timeout or cfg.bus.control_timeout_s)
     return {"results": [None for n in sorted(results) if n.startswith("worker")]}
 
 

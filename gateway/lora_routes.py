@@ -59,7 +59,7 @@ class LoraRegistry:
         try:
             if not self.hf_config:
                 raise LoraError(f"Loading lora {name} failed: the model has no config.json to check it against")
-            inspect_adapter(name, path, self.hf_config, self.cfg.max_lora_rank)
+            inspect_adapter(name, path, self.hf_config, self.cfg.lora.max_lora_rank)
         except FileNotFoundError:
             raise APIError(f"Loading lora {name} failed: No adapter found for {path}", status=404,
                            type=NOT_FOUND) from None
@@ -87,10 +87,10 @@ class LoraRegistry:
 
 def lora_registry(cfg: Any, base_names: list[str], model_root: str) -> LoraRegistry | None:
     """The registry with --enable-lora (the --lora-modules loaded; a bad one stops the start), else None."""
-    if not cfg.enable_lora:
+    if not cfg.lora.enable_lora:
         return None
     reg = LoraRegistry(cfg, base_names, model_root)
-    for m in parse_lora_modules(cfg.lora_modules):
+    for m in parse_lora_modules(cfg.lora.lora_modules):
         try:
             reg.load(m.name, m.path, parent=m.base_model_name)
         except APIError as e:

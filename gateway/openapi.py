@@ -98,7 +98,7 @@ def install_openapi(app: FastAPI, cfg: Any, model: Any) -> None:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             add_bodies(doc, names=model.names, vocab_size=model.vocab_size, max_model_len=model.max_model_len,
-                       max_logprobs=cfg.max_logprobs, trust_chat_template=cfg.trust_request_chat_template)
+                       max_logprobs=cfg.model.max_logprobs, trust_chat_template=cfg.model.trust_request_chat_template)
             app.openapi_schema = doc
         return app.openapi_schema
 

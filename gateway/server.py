@@ -57,20 +57,21 @@ def load_model_info(cfg: EngineConfig, folder: Path) -> ModelInfo:
     text_config = config.get("text_config") or {}
     vocab = config.get("vocab_size") or text_config.get("vocab_size")
     derived = config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
-    max_model_len = cfg.max_model_len or derived
+    max_model_len = cfg.model.max_model_len or derived
     if not vocab or not max_model_len:
         raise SystemExit(f"rollbus gateway: {folder}/config.json lacks vocab_size or max_position_embeddings "
                          f"(set --max-model-len)")
-    if derived and cfg.max_model_len and cfg.max_model_len > derived:
-        log.warning("gateway.max_model_len_above_model", max_model_len=cfg.max_model_len, model_limit=derived)
+    if derived and cfg.model.max_model_len and cfg.model.max_model_len > derived:
+        log.warning("gateway.max_model_len_above_model", max_model_len=cfg.model.max_model_len, model_limit=derived)
     gen_path = folder / "generation_config.json"
     gen: dict[str, Any] = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
-    defaults = default_sampling_params(cfg.generation_config, folder, cfg.override_generation_config)
-    if defaults and cfg.generation_config != "vllm":
-        source = "the model's generation_config.json" if cfg.generation_config == "auto" else cfg.generation_config
+    defaults = default_sampling_params(cfg.model.generation_config, folder, cfg.model.override_generation_config)
+    if defaults and cfg.model.generation_config != "vllm":
+        source = cfg.model.generation_config
+        source = "the model's generation_config.json" if source == "auto" else source
         log.info("gateway.generation_defaults", note=f"Default sampling parameters have been overridden by "
                  f"{source}; start with --generation-config vllm if this is not intended.", **defaults)
-    names = list(cfg.served_model_name) or [cfg.model_name]
+    names = list(cfg.model.served_model_name) or [cfg.model.model_name]
     eos: list[int] = []
     for source in (config, text_config, gen):  # what --tokens-only stops at, with no tokenizer to ask
         value = source.get("eos_token_id")
@@ -136,8 +137,8 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, cfg: EngineConfig,
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
-        url = f"http://{cfg.host}:{cfg.port}"
-        await asyncio.to_thread(report_ready, zmq.Context.instance(), cfg.ready_endpoint, "gateway",
+        url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+        await asyncio.to_thread(report_ready, zmq.Context.instance(), cfg.bus.ready_endpoint, "gateway",
                                 client.name, GatewayReady(url))
         log.info("gateway.serving", url=url, http=_http_impl())
     await task
@@ -149,29 +150,30 @@ def run_gateway_process(cfg: EngineConfig) -> None:
     setup_logging(cfg.log_level, process="gateway")
     from engine.model_store import resolve_model
 
-    sock = bind_socket(cfg.host, cfg.port)
-    folder = resolve_model(cfg.model, progress=False)
+    sock = bind_socket(cfg.gateway.host, cfg.gateway.port)
+    folder = resolve_model(cfg.model.model, progress=False)
     tokenizer = None
-    if cfg.tokens_only:  # vLLM: skip tokenizer init entirely; nothing on the request path may need one
+    if cfg.rl.tokens_only:  # vLLM: skip tokenizer init entirely; nothing on the request path may need one
         log.info("gateway.tokens_only", note="Tokens-only mode is enabled: no tokenizer is loaded.")
     else:
         from gateway.tokenizer import Tokenizer, resolve_chat_template
 
         tokenizer = Tokenizer.from_dir(folder)
-        if cfg.chat_template is not None:  # vLLM's --chat-template: a file path or the template itself
-            tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
-    if cfg.enable_trace_replay and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":
+        if cfg.model.chat_template is not None:  # vLLM's --chat-template: a file path or the template itself
+            tokenizer.chat_template = resolve_chat_template(cfg.model.chat_template)
+    if cfg.rl.enable_trace_replay and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() == "0":
         log.info("gateway.model_runner", note="VLLM_USE_V2_MODEL_RUNNER=0 is ignored: rollbus has one model "
                                               "runner, and it supports trace replay.")
     info = load_model_info(cfg, folder)
-    client = EngineClient(Endpoints.from_config(cfg), heartbeat_interval_s=cfg.heartbeat_interval_s,
-                          heartbeat_timeout_s=cfg.heartbeat_timeout_s, topology=Topology.from_config(cfg))
+    client = EngineClient(Endpoints.from_config(cfg), heartbeat_interval_s=cfg.bus.heartbeat_interval_s,
+                          heartbeat_timeout_s=cfg.bus.heartbeat_timeout_s, topology=Topology.from_config(cfg))
     app = build_app(cfg, client, tokenizer, info)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http=_http_impl(),
-                            log_level=cfg.uvicorn_log_level, access_log=not cfg.disable_uvicorn_access_log,
+    config = uvicorn.Config(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http=_http_impl(),
+                            log_level=cfg.gateway.uvicorn_log_level,
+                            access_log=not cfg.gateway.disable_uvicorn_access_log,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)
-    server = DrainingServer(config, app, client, float(cfg.shutdown_timeout))
-    install_access_filter(cfg.disable_access_log_for_endpoints)
+    server = DrainingServer(config, app, client, float(cfg.gateway.shutdown_timeout))
+    install_access_filter(cfg.gateway.disable_access_log_for_endpoints)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,7 +66,7 @@ class ServingContext:
                  metrics: Metrics, admission: Admission | None = None):
         """`tokenizer` is None with --tokens-only: nothing on the request path may touch one."""
         self.cfg, self.client, self.tokenizer, self.model, self.metrics = cfg, client, tokenizer, model, metrics
-        self.admission = admission or Admission(cfg.max_num_queued_reqs, cfg.max_num_queued_tokens)
+        self.admission = admission or Admission(cfg.gateway.max_num_queued_reqs, cfg.gateway.max_num_queued_tokens)
         self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids if tokenizer is not None else model.eos_token_ids)
         self._token_strs: dict[int, str] = {}
         self.lora: Any = None  # gateway.lora_routes.LoraRegistry with --enable-lora
@@ -108,13 +107,14 @@ class ServingContext:
 
     def check_prompt_count(self, count: int, param: str) -> None:
         """--max-prompts-per-request, checked before anything is tokenised."""
-        if count > self.cfg.max_prompts_per_request:
+        if count > self.cfg.gateway.max_prompts_per_request:
             raise bad_request(f"This request has {count} prompts; the server accepts at most "
-                              f"{self.cfg.max_prompts_per_request} per request (--max-prompts-per-request)", param)
+                              f"{self.cfg.gateway.max_prompts_per_request} per request (--max-prompts-per-request)",
+                              param)
 
     def check_prompt_tokens(self, total: int, param: str) -> None:
         """--max-prompt-tokens-per-request over all prompts of one request."""
-        if total > self.cfg.max_prompt_tokens_per_request:
+        if total > self.cfg.gateway.max_prompt_tokens_per_request:
             raise self.too_many_prompt_tokens(param, total)
 
     def admit(self, request: Request, states: list[Any]) -> None:
@@ -138,12 +138,12 @@ class ServingContext:
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """vLLM: a request's return_tokens_as_token_ids, else the server's --return-tokens-as-token-ids."""
-        return self.cfg.return_tokens_as_token_ids if requested is None else requested
+        return self.cfg.gateway.return_tokens_as_token_ids if requested is None else requested
 
     @property
     def default_chat_template_kwargs(self) -> dict[str, Any]:
         """--default-chat-template-kwargs (a request's chat_template_kwargs win key by key)."""
-        return json.loads(self.cfg.default_chat_template_kwargs) if self.cfg.default_chat_template_kwargs else {}
+        return self.cfg.model.default_chat_template_kwargs
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, param: str, prompt_param: str) -> int:
         """vLLM's context-length rule; returns the default max_tokens (the rest of the context)."""
@@ -168,10 +168,10 @@ class ServingContext:
                                               "load: ban token ids with logit_bias (-100) instead.")
             params = params.replace(bad_words_token_ids=tokenize_bad_words(
                 params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
-        params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.max_logprobs)
+        params.validate(vocab_size=self.model.vocab_size, max_logprobs=self.cfg.model.max_logprobs)
         params.validate_routed_experts(prompt_len)
-        params.validate_priority(self.cfg.scheduling_policy)
-        params.validate_trace(vocab_size=self.model.vocab_size, enabled=self.cfg.enable_trace_replay)
+        params.validate_priority(self.cfg.scheduler.scheduling_policy)
+        params.validate_trace(vocab_size=self.model.vocab_size, enabled=self.cfg.rl.enable_trace_replay)
         return params
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
@@ -202,7 +202,7 @@ class ServingContext:
 
     def too_many_prompt_tokens(self, param: str, total: int | None = None) -> APIError:
         """--max-prompt-tokens-per-request's 400; `total` None when tokenising stopped at the limit."""
-        limit = self.cfg.max_prompt_tokens_per_request
+        limit = self.cfg.gateway.max_prompt_tokens_per_request
         held = f"{total} tokens" if total is not None else f"more than {limit} tokens"
         return bad_request(f"This request's prompts hold {held}; the server accepts at most {limit} per request "
                            f"(--max-prompt-tokens-per-request)", param)
@@ -453,8 +453,8 @@ def engine_failure(ctx: ServingContext, error: ErrorInfo | None) -> APIError:
 
 
 async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Queue) -> None:
-    if ctx.cfg.enable_log_requests:
-        log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.max_log_len)
+    if ctx.cfg.gateway.enable_log_requests:
+        log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.gateway.max_log_len)
     try:
         gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids,
                                   engine=state.engine)

@@ -68,14 +68,14 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[floa
 
 def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     """Chat template -> prompt text (jinja holds the GIL, so a thread would not help; 20k chars ~5 ms)."""
-    if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:  # every caller: vLLM's rule
+    if body.chat_template is not None and not ctx.cfg.model.trust_request_chat_template:  # every caller: vLLM's rule
         raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
     given = {**ctx.default_chat_template_kwargs, **body.template_kwargs()}  # vLLM: the request's win
     kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     messages = body.template_messages()
     tools = body.template_tools()
-    if ctx.cfg.exclude_tools_when_tool_choice_none and body.tool_choice_value() == "none":
+    if ctx.cfg.model.exclude_tools_when_tool_choice_none and body.tool_choice_value() == "none":
         tools = None
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
@@ -101,12 +101,12 @@ def _remap(e: ParamError, body: ChatCompletionRequest) -> ParamError:
 def parser_config(ctx: ServingContext, body: ChatCompletionRequest) -> ParserConfig:
     """The output parsing of this request; vLLM's 400 for tool_choice "auto" without the server flags."""
     auto = body.tool_choice_value() == "auto" and bool(body.tools)
-    if auto and not (ctx.cfg.enable_auto_tool_choice and ctx.cfg.tool_call_parser):
+    if auto and not (ctx.cfg.model.enable_auto_tool_choice and ctx.cfg.model.tool_call_parser):
         raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                           "tool_choice")
     kwargs = {**ctx.default_chat_template_kwargs, **body.template_kwargs()}
-    return ParserConfig(tool_parser=ctx.cfg.tool_call_parser if ctx.cfg.enable_auto_tool_choice else None,
-                        reasoning_parser=ctx.cfg.reasoning_parser or None, tool_choice_auto=auto,
+    return ParserConfig(tool_parser=ctx.cfg.model.tool_call_parser if ctx.cfg.model.enable_auto_tool_choice else None,
+                        reasoning_parser=ctx.cfg.model.reasoning_parser or None, tool_choice_auto=auto,
                         parallel_tool_calls=body.parallel_tool_calls is not False,
                         include_reasoning=body.include_reasoning, chat_template_kwargs=kwargs,
                         tools=body.template_tools())
@@ -127,14 +127,15 @@ async def prepare(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
     except ParamError as e:
         raise _remap(e, body) from None
     parsing = parser_config(ctx, body)
-    if body.chat_template is not None and not ctx.cfg.trust_request_chat_template:
+    if body.chat_template is not None and not ctx.cfg.model.trust_request_chat_template:
         raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                           "set. Refused request with untrusted chat template.", "chat_template")
     if ctx.tokenizer is None:
         raise bad_request("this server runs with --tokens-only and loads no tokenizer, so it cannot render a "
                           "chat: render it yourself and send token ids to POST /inference/v1/generate", "messages")
     (ids,) = await ctx.encode_many([render_prompt(ctx, body)], body.add_special_tokens,
-                                   budget=ctx.cfg.max_prompt_tokens_per_request, keep=body.truncate_prompt_tokens,
+                                   budget=ctx.cfg.gateway.max_prompt_tokens_per_request,
+                                   keep=body.truncate_prompt_tokens,
                                    param="messages")
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side)
     ctx.check_prompt(ids, "messages")
@@ -212,7 +213,7 @@ def _usage(ctx: ServingContext, states: list[ChoiceState], prompt_len: int,
            cached: int | None = None) -> dict[str, Any]:
     """vLLM's usage; with --reasoning-parser also completion_tokens_details.reasoning_tokens."""
     out = usage(prompt_len, sum(len(s.token_ids) for s in states), cached)
-    if ctx.cfg.reasoning_parser:
+    if ctx.cfg.model.reasoning_parser:
         count = sum(s.parser.reasoning_tokens(s.token_ids) for s in states if isinstance(s, ChatChoice) and s.parser)
         out["completion_tokens_details"] = {"reasoning_tokens": count}
     return out

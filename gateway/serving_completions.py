@@ -124,7 +124,7 @@ async def prepare(ctx: ServingContext, body: CompletionRequest, request_id: str)
     texts = [p for p in prompts if isinstance(p, str)]
     if ctx.tokenizer is None:
         check_tokens_only(body, bool(texts), ctx.tokens_as_ids(body.return_tokens_as_token_ids))
-    budget = ctx.cfg.max_prompt_tokens_per_request - id_tokens  # tokenising stops once the texts exceed it
+    budget = ctx.cfg.gateway.max_prompt_tokens_per_request - id_tokens  # tokenising stops once the texts exceed it
     tokenized = iter(await ctx.encode_many(texts, body.add_special_tokens, budget=budget,
                                            keep=body.truncate_prompt_tokens) if texts else [])
     encoded: list[list[int]] = []

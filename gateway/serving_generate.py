@@ -45,7 +45,7 @@ FORBIDDEN = "PermissionDeniedError"
 
 
 def check_enabled(ctx: ServingContext) -> None:
-    if not ctx.cfg.scale_out_enabled:
+    if not ctx.cfg.rl.scale_out_enabled:
         raise APIError("Scale-out endpoints are disabled. Start the server with --enable-scale-out (or "
                        "--tokens-only, or set VLLM_ENABLE_SCALE_OUT_ENDPOINTS=1) to enable them.",
                        status=403, type=FORBIDDEN)
@@ -90,7 +90,7 @@ def prepare(ctx: ServingContext, body: GenerateRequest, request_id: str) -> list
     ids = list(body.token_ids)
     ctx.check_prompt(ids, "token_ids")
     sp = body.sampling_params
-    max_seqs = ctx.cfg.max_num_seqs
+    max_seqs = ctx.cfg.scheduler.max_num_seqs
     if sp.n > max_seqs:
         raise bad_request(f"sampling_params.n must be at most the server's max_num_seqs ({max_seqs}), got {sp.n}.",
                           "sampling_params.n")
@@ -199,7 +199,7 @@ def _chunk(ctx: ServingContext, body: GenerateRequest, request_id: str, upd: Cho
 def _mask(ctx: ServingContext, pieces: list[tuple[Any, Any]]) -> list[list[int]] | None:
     """vLLM's `sampling_mask` (--return-sampling-mask): per generated token, the ids the sampler could draw
     (ascending); null without the flag."""
-    if not ctx.cfg.return_sampling_mask:
+    if not ctx.cfg.rl.return_sampling_mask:
         return None
     return [row for ids, counts in pieces for row in sampling_mask.expand(ids, counts, ctx.model.vocab_size)]
 

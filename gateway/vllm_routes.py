@@ -144,10 +144,10 @@ def add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
             req = body.to_chat_request()
             req.check()  # the same refusals as the chat route (media kwargs, ...); render_prompt: chat_template
             (ids,) = await ctx.encode_many([render_prompt(ctx, req)], body.add_special_tokens,
-                                           budget=ctx.cfg.max_prompt_tokens_per_request, param="messages")
+                                           budget=ctx.cfg.gateway.max_prompt_tokens_per_request, param="messages")
         else:
             (ids,) = await ctx.encode_many([body.prompt], body.add_special_tokens,
-                                           budget=ctx.cfg.max_prompt_tokens_per_request)
+                                           budget=ctx.cfg.gateway.max_prompt_tokens_per_request)
         strs = [ctx.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": ctx.model.max_model_len, "tokens": ids,
                              "token_strs": strs})
@@ -216,41 +216,43 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
     """The parts of vLLM's VllmConfig JSON (GET /server_info?config_format=json) that mean something
     here, under vLLM's section and key names: what TRL's and SkyRL's clients read (model, dtype,
     max_model_len, parallel sizes, weight_transfer_config) and the serving limits."""
-    tp = int(getattr(cfg, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(cfg, "pipeline_parallel_size", 1) or 1)
-    dp = int(getattr(cfg, "data_parallel_size", 1) or 1)
+    tp = int(cfg.parallel.tensor_parallel_size or 1)
+    pp = 1  # --pipeline-parallel-size is accepted as 1 only
+    dp = int(cfg.parallel.data_parallel_size or 1)
     num_blocks = next((int(i["num_blocks"]) for i in workers.values() if "num_blocks" in i), None)
     device = next((str(i["device"]).split(":")[0] for i in workers.values() if i.get("device")), "cpu")
     return {
         "model_config": {
-            "model": model.root, "tokenizer": None if cfg.tokens_only else model.root,
-            "skip_tokenizer_init": cfg.tokens_only, "served_model_name": model.names[0],
-            "dtype": _dtype_name(workers, cfg.dtype), "max_model_len": model.max_model_len, "seed": cfg.seed,
-            "max_logprobs": cfg.max_logprobs, "logprobs_mode": cfg.logprobs_mode,
-            "enable_sleep_mode": cfg.enable_sleep_mode, "enable_trace_replay": cfg.enable_trace_replay,
-            "return_sampling_mask": getattr(cfg, "return_sampling_mask", False),
-            "generation_config": getattr(cfg, "generation_config", "auto"),
+            "model": model.root, "tokenizer": None if cfg.rl.tokens_only else model.root,
+            "skip_tokenizer_init": cfg.rl.tokens_only, "served_model_name": model.names[0],
+            "dtype": _dtype_name(workers, cfg.model.dtype), "max_model_len": model.max_model_len,
+            "seed": cfg.model.seed,
+            "max_logprobs": cfg.model.max_logprobs, "logprobs_mode": cfg.rl.logprobs_mode,
+            "enable_sleep_mode": cfg.rl.enable_sleep_mode, "enable_trace_replay": cfg.rl.enable_trace_replay,
+            "return_sampling_mask": cfg.rl.return_sampling_mask,
+            "generation_config": cfg.model.generation_config,
         },
-        "cache_config": {"block_size": cfg.block_size, "cache_dtype": getattr(cfg, "kv_cache_dtype", "auto"),
-                         "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION if cfg.gpu_memory_utilization is None
-                         else cfg.gpu_memory_utilization,
-                         "enable_prefix_caching": cfg.enable_prefix_caching,
-                         "num_gpu_blocks_override": cfg.num_gpu_blocks_override, "num_gpu_blocks": num_blocks,
-                         "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes},
+        "cache_config": {"block_size": cfg.cache.block_size, "cache_dtype": cfg.cache.kv_cache_dtype,
+                         "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION
+                         if cfg.cache.gpu_memory_utilization is None else cfg.cache.gpu_memory_utilization,
+                         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+                         "num_gpu_blocks_override": cfg.cache.num_gpu_blocks_override, "num_gpu_blocks": num_blocks,
+                         "kv_cache_memory_bytes": cfg.cache.kv_cache_memory_bytes},
         "parallel_config": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp,
                             "world_size": tp * pp, "world_size_across_dp": tp * pp * dp,
-                            "data_parallel_size_local": getattr(cfg, "data_parallel_size_local", None) or dp,
-                            "worker_extension_cls": getattr(cfg, "worker_extension_cls", "")
+                            "data_parallel_size_local": cfg.parallel.data_parallel_size_local or dp,
+                            "worker_extension_cls": cfg.parallel.worker_extension_cls
                             or ""},
-        "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "scheduler_config": {"max_num_seqs": cfg.scheduler.max_num_seqs,
+                             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                              "enable_chunked_prefill": True,
-                             "policy": getattr(cfg, "scheduling_policy", "fcfs"),
-                             "async_scheduling": async_scheduling_on(cfg, device)},
+                             "policy": cfg.scheduler.scheduling_policy,
+                             "async_scheduling": async_scheduling_on(cfg.scheduler, device)},
         "device_config": {"device": device},
-        "load_config": {"load_format": getattr(cfg, "load_format", "auto")},
-        "aux_output_config": {"enable_return_routed_experts": cfg.enable_return_routed_experts},
+        "load_config": {"load_format": cfg.model.load_format},
+        "aux_output_config": {"enable_return_routed_experts": cfg.rl.enable_return_routed_experts},
         "weight_transfer_config": weight_transfer,
-        "additional_config": json.loads(cfg.additional_config) if cfg.additional_config else {},
+        "additional_config": cfg.rl.additional_config.raw,
     }
 
 

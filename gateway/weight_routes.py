@@ -40,7 +40,6 @@ from bus.messages import (
 )
 from bus.topology import Topology
 from engine.config import EngineConfig
-from engine.weights.config import parse_weight_transfer_config
 from engine.weights.lifecycle import Deadlines, Step, abort_needed
 from gateway.dev_routes import _bool, _json_object
 from gateway.engine_client import EngineClient
@@ -62,8 +61,8 @@ async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> 
 
 
 def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
-    wt = parse_weight_transfer_config(cfg.weight_transfer_config)
-    steps = Deadlines(cfg.control_timeout_s, *([wt.timeout_s] if wt else []))
+    wt = cfg.rl.weight_transfer_config
+    steps = Deadlines(cfg.bus.control_timeout_s, *([wt.timeout_s] if wt else []))
     # the last checksums and the command seq before they were asked for: valid while no command but that
     # WeightChecker itself followed (a reload_weights or a sleep changes weights without a new epoch);
     # /weight_checker reset drops them

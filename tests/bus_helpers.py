@@ -20,7 +20,7 @@ def bus_config(tmp_path, **kw) -> EngineConfig:
     kw.setdefault("heartbeat_interval_s", 0.2)
     kw.setdefault("heartbeat_timeout_s", 1.5)
     kw.setdefault("control_timeout_s", 3.0)
-    return EngineConfig(bus_dir=str(tmp_path), **kw)
+    return EngineConfig.from_flags(bus_dir=str(tmp_path), **kw)
 
 
 def start_coordinator(cfg: EngineConfig) -> subprocess.Popen:

@@ -114,14 +114,14 @@ def kv_cache_bytes_for_tests(args: tuple[str, ...] | list[str]) -> int | None:
         cfg = parse_config(list(args))
     except (SystemExit, ValueError, OSError):
         return None  # the server itself reports it
-    if any(getattr(cfg, name) is not None for name in _KV_FLAGS):
+    if any(cfg.flags()[name] is not None for name in _KV_FLAGS):
         return None
-    if cfg.model is None:
+    if cfg.model.model is None:
         from engine.model_store import resolve_model
 
         folder = resolve_model(None, progress=False)
     else:
-        folder = Path(cfg.model)
+        folder = Path(cfg.model.model)
     try:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -129,9 +129,9 @@ def kv_cache_bytes_for_tests(args: tuple[str, ...] | list[str]) -> int | None:
     heads = hf["num_attention_heads"]
     bytes_per_token = KVCache.bytes_per_block(hf["num_hidden_layers"], hf.get("num_key_value_heads") or heads,
                                               hf.get("head_dim") or hf["hidden_size"] // heads, 1, torch.float32)
-    max_len = cfg.max_model_len or int(hf.get("max_position_embeddings", 2048))
+    max_len = cfg.model.max_model_len or int(hf.get("max_position_embeddings", 2048))
     tokens = max(4 * max_len, TEST_KV_TOKENS)
-    tokens = -(-tokens // cfg.block_size) * cfg.block_size
+    tokens = -(-tokens // cfg.cache.block_size) * cfg.cache.block_size
     return tokens * bytes_per_token if tokens * bytes_per_token < CPU_DEFAULT_KV_BYTES else None
 
 
@@ -141,7 +141,9 @@ def sized_for_tests(cfg):
     import dataclasses
 
     kv = kv_cache_bytes_for_tests(cfg.to_argv()) if SIZE_KV_FOR_TESTS else None
-    return cfg if kv is None else dataclasses.replace(cfg, kv_cache_memory_bytes=kv)
+    if kv is None:
+        return cfg
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_memory_bytes=kv))
 
 
 def start_server(workdir: Path, *args: str, timeout_s: float = 180.0, env: dict[str, str] | None = None) -> Server:

@@ -106,7 +106,7 @@ import time, zmq
 from bus.endpoints import Endpoints
 from engine.config import EngineConfig
 from bus.member import MemberLink
-cfg = EngineConfig(bus_dir={str(tmp_path)!r})
+cfg = EngineConfig.from_flags(bus_dir={str(tmp_path)!r})
 link = MemberLink(zmq.Context(), Endpoints.from_config(cfg), role="worker", name="worker-9", default=lambda c: None,
                   heartbeat_interval_s=0.2)
 link.wait_welcome(10)

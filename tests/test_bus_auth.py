@@ -11,7 +11,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -35,7 +34,7 @@ from bus.messages import (
     WeightUpdateEvent,
 )
 from bus.sockets import make_socket
-from engine.config import parse_config
+from engine.config import EngineConfig, parse_config
 from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
 from tests.waits import wait_subscribed
 
@@ -145,7 +144,7 @@ def test_bus_dir_with_a_tcp_bus_is_refused_by_name(monkeypatch):
     monkeypatch.delenv("ROLLBUS_BUS_DIR", raising=False)
     with pytest.raises(SystemExit, match="--bus-dir"):
         parse_config(["m", "--bus-transport", "tcp", "--bus-insecure", "--bus-dir", "/tmp/x"])
-    assert parse_config(["m", "--bus-dir", "/tmp/x"]).bus_dir == "/tmp/x"
+    assert parse_config(["m", "--bus-dir", "/tmp/x"]).bus.bus_dir == "/tmp/x"
 
 
 def test_tcp_without_keys_is_refused_unless_insecure_on_loopback(tmp_path):
@@ -153,8 +152,8 @@ def test_tcp_without_keys_is_refused_unless_insecure_on_loopback(tmp_path):
         parse_config(["m", "--bus-transport", "tcp"])
     with pytest.raises(SystemExit, match="--bus-insecure is refused with --bus-host 10.0.0.1"):
         parse_config(["m", "--bus-transport", "tcp", "--bus-host", "10.0.0.1", "--bus-insecure"])
-    assert parse_config(["m", "--bus-transport", "tcp", "--bus-insecure"]).bus_insecure
-    assert parse_config(["m", "--bus-transport", "tcp", "--bus-host", "::1", "--bus-insecure"]).bus_insecure
+    assert parse_config(["m", "--bus-transport", "tcp", "--bus-insecure"]).bus.bus_insecure
+    assert parse_config(["m", "--bus-transport", "tcp", "--bus-host", "::1", "--bus-insecure"]).bus.bus_insecure
     with pytest.raises(SystemExit, match="tcp only"):
         parse_config(["m", "--bus-insecure"])
     auth.generate(str(tmp_path / "k"))
@@ -179,8 +178,7 @@ def test_tcp_without_keys_is_refused_unless_insecure_on_loopback(tmp_path):
 
 @pytest.mark.unit
 def test_ipc_folder_is_0700_and_its_sockets_owner_only(tmp_path):
-    ep = Endpoints.from_config(SimpleNamespace(bus_transport="ipc", bus_dir=str(tmp_path / "bus"), port=0,
-                                               ready_endpoint=None))
+    ep = Endpoints.from_config(EngineConfig.from_flags(bus_transport="ipc", bus_dir=str(tmp_path / "bus"), port=0))
     assert mode(tmp_path / "bus") == 0o700
     ctx = zmq.Context()
     try:

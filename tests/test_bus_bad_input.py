@@ -226,7 +226,7 @@ def test_frames_above_the_limit_are_dropped_on_every_bound_socket(server):
     from engine.config import EngineConfig
 
     ep = Endpoints.from_url(f"ipc://{server.log_path.parent / f'bus-{server.port}'}")
-    limits = limits_for(EngineConfig(max_model_len=256))  # the module's server
+    limits = limits_for(EngineConfig.from_flags(max_model_len=256))  # the module's server
     pids = server.child_pids()
     seen = len(server.log())
     big = {name: limits[name] + (1 << 20) for name in limits}

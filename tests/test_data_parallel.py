@@ -22,7 +22,7 @@ from bus.control import ControlLedger, Member
 from bus.endpoints import Endpoints
 from bus.messages import Ack, CommitWeightUpdate, Health, Layout, Members, SchedulerInfo
 from bus.topology import Topology
-from engine.config import parse_config
+from engine.config import EngineConfig, parse_config
 from engine.launcher import roles
 from engine.topology import check_devices, layout_mismatch
 from engine.trainer import WeightSyncClient
@@ -41,8 +41,7 @@ from workers.models.registry import shard_checksums
 def test_one_engine_keeps_todays_names_and_sockets(tmp_path):
     t = Topology()
     assert t.members(0) == ["scheduler", "worker-0"] and t.world_size == 1
-    ep = Endpoints.from_config(SimpleNamespace(bus_transport="ipc", bus_dir=str(tmp_path / "bus"), port=0,
-                                               ready_endpoint=None))
+    ep = Endpoints.from_config(EngineConfig.from_flags(bus_transport="ipc", bus_dir=str(tmp_path / "bus"), port=0))
     assert [a.rsplit("/", 1)[1] for a in (ep.requests, ep.plans, ep.results, ep.control, ep.commands)] == \
         ["requests", "plans", "results", "control", "commands"]
 

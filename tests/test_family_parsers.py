@@ -239,15 +239,16 @@ def test_harmony_reasoning_token_count() -> None:
 
 
 def test_harmony_refuses_other_parsers_beside_it() -> None:
-    from engine.config import EngineConfig, _check_parsers
+    from engine.config.model import ModelConfig, _check_parsers
 
     with pytest.raises(ValueError, match="--tool-call-parser openai"):
-        _check_parsers(EngineConfig(enable_auto_tool_choice=True, tool_call_parser="openai", reasoning_parser="qwen3"))
+        _check_parsers(ModelConfig(enable_auto_tool_choice=True, tool_call_parser="openai", reasoning_parser="qwen3"),
+                       tokens_only=False)
     with pytest.raises(ValueError, match="--reasoning-parser openai_gptoss"):
-        _check_parsers(EngineConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
-                                    reasoning_parser="openai_gptoss"))
-    _check_parsers(EngineConfig(enable_auto_tool_choice=True, tool_call_parser="openai",
-                                reasoning_parser="openai_gptoss"))
+        _check_parsers(ModelConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                   reasoning_parser="openai_gptoss"), tokens_only=False)
+    _check_parsers(ModelConfig(enable_auto_tool_choice=True, tool_call_parser="openai",
+                               reasoning_parser="openai_gptoss"), tokens_only=False)
 
 
 def test_every_parser_is_in_the_docs_table_and_the_help() -> None:

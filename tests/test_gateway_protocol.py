@@ -151,7 +151,7 @@ class FakeClient:
 
 def make_app(client: FakeClient | None = None, **cfg_kw: Any) -> tuple[TestClient, FakeClient]:
     client = client or FakeClient()
-    cfg = EngineConfig(max_logprobs=5, **cfg_kw)
+    cfg = EngineConfig.from_flags(max_logprobs=5, **cfg_kw)
     info = ModelInfo(names=["tiny", "tiny-alias"], root="/models/tiny", max_model_len=MAX_LEN, vocab_size=VOCAB)
     app = build_app(cfg, client, CharTokenizer(), info, manage_client=False)  # type: ignore[arg-type]
     return TestClient(app, raise_server_exceptions=False), client

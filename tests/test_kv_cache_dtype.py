@@ -110,4 +110,4 @@ def test_other_cache_dtypes_are_refused_naming_the_flag(value) -> None:
     assert isinstance(e.value.code, str)
     assert f"--kv-cache-dtype {value}: not supported here" in e.value.code
     assert "accepted: auto, bfloat16, float16" in e.value.code
-    assert parse_config(["--kv-cache-dtype", "BFloat16"]).kv_cache_dtype == "bfloat16"
+    assert parse_config(["--kv-cache-dtype", "BFloat16"]).cache.kv_cache_dtype == "bfloat16"

@@ -208,7 +208,7 @@ def _serving(tokenizer, **cfg):
     from gateway.metrics import Metrics
     from gateway.serving import ModelInfo, ServingContext
 
-    return ServingContext(EngineConfig(**cfg), None, tokenizer, ModelInfo(["tiny"], "/m", 256, 49152),  # type: ignore[arg-type]
+    return ServingContext(EngineConfig.from_flags(**cfg), None, tokenizer, ModelInfo(["tiny"], "/m", 256, 49152),  # type: ignore[arg-type]
                           Metrics("tiny"))
 
 

@@ -43,7 +43,7 @@ class LPClient(FakeClient):
 
 def app(tokenizer: Any = CharTokenizer(), script: str = "Hi.", **cfg: Any) -> tuple[TestClient, LPClient]:
     client = LPClient(script)
-    config = EngineConfig(**{"max_logprobs": 5, **cfg})
+    config = EngineConfig.from_flags(**{"max_logprobs": 5, **cfg})
     info = ModelInfo(names=["tiny"], root="/m", max_model_len=MAX_LEN, vocab_size=VOCAB, eos_token_ids=[EOS])
     return TestClient(build_app(config, client, tokenizer, info, manage_client=False),
                       raise_server_exceptions=False), client

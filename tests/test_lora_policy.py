@@ -48,8 +48,8 @@ def test_lora_flags_parse_and_refuse_what_is_not_implemented():
 
     cfg = parse_config(["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-dtype", "bfloat16",
                         "--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}'])
-    assert (cfg.max_loras, cfg.max_lora_rank, cfg.lora_dtype) == (2, 32, "bfloat16")
-    assert [(m.name, m.path, m.base_model_name) for m in parse_lora_modules(cfg.lora_modules)] == [
+    assert (cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.lora.lora_dtype) == (2, 32, "bfloat16")
+    assert [(m.name, m.path, m.base_model_name) for m in parse_lora_modules(cfg.lora.lora_modules)] == [
         ("a", "/x", None), ("b", "/y", "m")]
     for argv, why in ((["--enable-lora", "-tp", "2"], "not implemented"), (["--lora-modules", "a=/x"], "--enable-lora"),
                       (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),

@@ -64,10 +64,10 @@ def wait_status(url, want, timeout_s=60):
 def test_health_waits_for_workers_and_a_lost_gateway_only_costs_its_own_requests(tmp_path, smollm2_dir):
     # the real model: its orphan request must still be running when its gateway is declared lost
     folder = smollm2_dir
-    cfg = sized_for_tests(EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
+    cfg = sized_for_tests(EngineConfig.from_flags(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
                                        max_model_len=2048, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5))
     argv = cfg.to_argv()
-    url = f"http://127.0.0.1:{cfg.port}"
+    url = f"http://127.0.0.1:{cfg.gateway.port}"
     sched_log = open(tmp_path / "scheduler.log", "w")
     procs = [role(argv, "coordinator"), role(argv, "scheduler", log=sched_log), role(argv, "gateway")]
     fake = None
@@ -112,10 +112,10 @@ def test_a_late_worker_and_scheduler_start_from_the_current_control_state(tmp_pa
     from tests.server_helpers import tiny_model_with_tokenizer
 
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    cfg = sized_for_tests(EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
+    cfg = sized_for_tests(EngineConfig.from_flags(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
                                        max_model_len=256, additional_config='{"rl_config": {"enabled": true}}'))
     argv = cfg.to_argv()
-    url = f"http://127.0.0.1:{cfg.port}"
+    url = f"http://127.0.0.1:{cfg.gateway.port}"
     procs = [role(argv, "coordinator"), role(argv, "scheduler"), role(argv, "gateway")]
     try:
         wait_status(url, 503)

@@ -429,9 +429,9 @@ def test_under_a_supervisor_a_restarted_coordinator_makes_the_others_start_fresh
     from tests.server_helpers import free_port, sized_for_tests
 
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
-    cfg = sized_for_tests(EngineConfig(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
+    cfg = sized_for_tests(EngineConfig.from_flags(model=str(folder), port=free_port(), bus_dir=str(tmp_path / "bus"),
                                        max_model_len=256))
-    url = f"http://127.0.0.1:{cfg.port}"
+    url = f"http://127.0.0.1:{cfg.gateway.port}"
     logs = {r: open(tmp_path / f"{r}.log", "w") for r in ("coordinator", "scheduler", "worker", "gateway")}
 
     def start(r: str) -> subprocess.Popen:

@@ -43,9 +43,10 @@ def usage_error(argv: list[str], capsys) -> str:
 
 def test_dashes_and_underscores_mix_as_in_vllm():
     cfg = parse_config(["--max-num_batched_tokens", "8k", "--max_num_seqs=5", "--enable_prefix_caching"])
-    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.enable_prefix_caching) == (8000, 5, True)
-    assert parse_config(["--disable_prefix_caching"]).enable_prefix_caching is False
-    assert parse_config(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs,
+            cfg.cache.enable_prefix_caching) == (8000, 5, True)
+    assert parse_config(["--disable_prefix_caching"]).cache.enable_prefix_caching is False
+    assert parse_config(["--no-enable-prefix-caching"]).cache.enable_prefix_caching is False
 
 
 def test_abbreviations_are_errors(capsys):
@@ -58,11 +59,11 @@ def test_an_unknown_flag_is_named(capsys):
 
 
 def test_human_readable_integers():
-    assert parse_config(["--max-num-batched-tokens", "25.6k"]).max_num_batched_tokens == 25600
-    assert parse_config(["--kv-cache-memory-bytes", "2G"]).kv_cache_memory_bytes == 2 * 1024**3
-    assert parse_config(["--max-model-len", "1K"]).max_model_len == 1024
-    assert parse_config(["--max-model-len", "auto"]).max_model_len is None
-    assert parse_config(["--max-model-len", "-1"]).max_model_len is None
+    assert parse_config(["--max-num-batched-tokens", "25.6k"]).scheduler.max_num_batched_tokens == 25600
+    assert parse_config(["--kv-cache-memory-bytes", "2G"]).cache.kv_cache_memory_bytes == 2 * 1024**3
+    assert parse_config(["--max-model-len", "1K"]).model.max_model_len == 1024
+    assert parse_config(["--max-model-len", "auto"]).model.max_model_len is None
+    assert parse_config(["--max-model-len", "-1"]).model.max_model_len is None
 
 
 def test_human_readable_binary_decimals_are_refused(capsys):
@@ -70,8 +71,8 @@ def test_human_readable_binary_decimals_are_refused(capsys):
 
 
 def test_model_option_becomes_the_model():
-    assert parse_config(["--max-num-seqs", "4", "--model", "/m"]).model == "/m"
-    assert parse_config(["--model=/m"]).model == "/m"
+    assert parse_config(["--max-num-seqs", "4", "--model", "/m"]).model.model == "/m"
+    assert parse_config(["--model=/m"]).model.model == "/m"
     with pytest.raises(ValueError, match="given twice"):
         normalize_argv(["/a", "--model", "/b"])
 
@@ -79,9 +80,10 @@ def test_model_option_becomes_the_model():
 def test_dotted_json_parts_merge_into_one_object():
     cfg = parse_config(["--additional-config.rl_config.enabled", "true",
                         "--weight_transfer_config.backend=ipc", "--weight-transfer-config.timeout_s", "30"])
-    assert json.loads(cfg.additional_config) == {"rl_config": {"enabled": True}}
-    assert json.loads(cfg.weight_transfer_config) == {"backend": "ipc", "timeout_s": 30}
-    assert parse_config(["--seed", "-1"]).seed == -1  # a negative number stays a value
+    assert cfg.rl.additional_config.raw == {"rl_config": {"enabled": True}}
+    wt = cfg.rl.weight_transfer_config
+    assert (wt.name, wt.timeout_s) == ("ipc", 30)
+    assert parse_config(["--seed", "-1"]).model.seed == -1  # a negative number stays a value
 
 
 def test_json_flags_refuse_what_is_not_an_object(capsys):
@@ -101,11 +103,12 @@ def test_config_yaml_keys_with_dashes_or_underscores_and_the_cli_wins(tmp_path):
                                           "served_model_name: [a, b]\nadditional-config:\n  rl_config:\n"
                                           "    enabled: true\nenforce-eager: true\nmodel: /from/yaml\n")
     cfg = parse_config(["--config", cfg_file, "--max-num-seqs", "9"])
-    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching) == (9, 4000, False)
-    assert cfg.served_model_name == ["a", "b"] and cfg.model == "/from/yaml"
-    assert json.loads(cfg.additional_config) == {"rl_config": {"enabled": True}}
+    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
+            cfg.cache.enable_prefix_caching) == (9, 4000, False)
+    assert cfg.model.served_model_name == ["a", "b"] and cfg.model.model == "/from/yaml"
+    assert cfg.rl.additional_config.raw == {"rl_config": {"enabled": True}}
     assert any("--enforce-eager" in n for n in cfg.notes)
-    assert parse_config(["/cli/model", "--config", cfg_file]).model == "/cli/model"  # positional wins
+    assert parse_config(["/cli/model", "--config", cfg_file]).model.model == "/cli/model"  # positional wins
 
 
 def test_config_file_errors_name_the_file(tmp_path, capsys):
@@ -154,9 +157,9 @@ def test_parallel_sizes_of_one_are_accepted_and_above_one_refused():
     cfg = parse_config(["-tp", "1", "-dp", "1", "--pipeline-parallel-size", "1"])
     assert cfg.notes == ()
     assert "-pp 2" in refused(["-pp", "2"])
-    assert parse_config(["-tp", "2"]).tensor_parallel_size == 2  # docs/tensor-parallel.md
-    assert parse_config(["--data-parallel-size", "4"]).data_parallel_size == 4  # docs/serving.md "Scale-out"
-    assert parse_config(["-dp=2"]).data_parallel_size == 2
+    assert parse_config(["-tp", "2"]).parallel.tensor_parallel_size == 2  # docs/tensor-parallel.md
+    assert parse_config(["--data-parallel-size", "4"]).parallel.data_parallel_size == 4  # docs/serving.md "Scale-out"
+    assert parse_config(["-dp=2"]).parallel.data_parallel_size == 2
 
 
 def test_no_op_flags_are_accepted_with_one_note_each():
@@ -170,8 +173,9 @@ def test_no_op_flags_are_accepted_with_one_note_each():
 
 def test_tool_calling_and_reasoning_flags():
     cfg = parse_config(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
-    assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser, cfg.reasoning_parser) == (True, "hermes", "qwen3")
-    assert parse_config(["--reasoning-parser", "None"]).reasoning_parser == ""  # vLLM: "none" turns it off
+    assert (cfg.model.enable_auto_tool_choice, cfg.model.tool_call_parser,
+            cfg.model.reasoning_parser) == (True, "hermes", "qwen3")
+    assert parse_config(["--reasoning-parser", "None"]).model.reasoning_parser == ""  # vLLM: "none" turns it off
     for argv, words in ((["--tool-call-parser", "nope"], "invalid tool call parser: nope (choose from { hermes,"),
                         (["--reasoning-parser", "nope"], "invalid reasoning parser: nope (choose from {"),
                         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
@@ -189,7 +193,7 @@ def test_value_flags_accept_only_what_rollbus_does():
 
 def test_load_formats():
     for fmt in ("auto", "safetensors", "dummy", "DUMMY"):
-        assert parse_config(["--load-format", fmt]).load_format == fmt.lower()
+        assert parse_config(["--load-format", fmt]).model.load_format == fmt.lower()
     assert "--load-format pt" in refused(["--load-format", "pt"])
     assert "--load-format bitsandbytes" in refused(["--load-format", "bitsandbytes"])
     assert ".gguf" in refused(["--load-format", "gguf"])
@@ -200,19 +204,22 @@ def test_log_flags():
     cfg = parse_config(["--uvicorn-log-level", "WARNING", "--disable-uvicorn-access-log", "--enable-log-requests",
                         "--max-log-len", "10", "--disable-access-log-for-endpoints", "/health,/metrics",
                         "--log-level", "DEBUG"])
-    assert (cfg.uvicorn_log_level, cfg.disable_uvicorn_access_log, cfg.enable_log_requests) == ("warning", True, True)
-    assert (cfg.max_log_len, cfg.disable_access_log_for_endpoints, cfg.log_level) == (10, "/health,/metrics", "debug")
-    assert parse_config(["--disable-log-requests"]).enable_log_requests is False
+    assert (cfg.gateway.uvicorn_log_level, cfg.gateway.disable_uvicorn_access_log,
+            cfg.gateway.enable_log_requests) == ("warning", True, True)
+    assert (cfg.gateway.max_log_len, cfg.gateway.disable_access_log_for_endpoints,
+            cfg.log_level) == (10, "/health,/metrics", "debug")
+    assert parse_config(["--disable-log-requests"]).gateway.enable_log_requests is False
     assert "--enable-log-outputs" in refused(["--enable-log-outputs"])
 
 
 def test_api_key_takes_one_key():
-    assert parse_config(["--api-key", "k"]).api_key == "k"
+    assert parse_config(["--api-key", "k"]).gateway.api_key == "k"
     assert "one key" in refused(["--api-key", "a", "b"])
 
 
 def test_worker_extension_cls_start_up_checks():
-    assert parse_config(["--worker-extension-cls", "tests.worker_extension.ChecksumExtension"]).worker_extension_cls
+    ext = parse_config(["--worker-extension-cls", "tests.worker_extension.ChecksumExtension"])
+    assert ext.parallel.worker_extension_cls
     assert "module.Class" in refused(["--worker-extension-cls", "NoDots"])
     assert "no_such_module_xyz" in refused(["--worker-extension-cls", "no_such_module_xyz.Ext"])
 
@@ -228,7 +235,7 @@ def test_children_get_the_same_config():
     assert again.notes == ()  # no-op flags are noted once, by the process that was given them
     assert cfg.to_argv()[cfg.to_argv().index("--load-format") + 1] == "dummy"  # test helpers read `--port N`
     dash = parse_config(["--chat-template=-{{ 'x' }}"])
-    assert parse_config(dash.to_argv()).chat_template == "-{{ 'x' }}"
+    assert parse_config(dash.to_argv()).model.chat_template == "-{{ 'x' }}"
 
 
 def dataclasses_equal(a: EngineConfig, b: EngineConfig, ignore: tuple[str, ...]) -> bool:
@@ -304,8 +311,8 @@ def test_generation_config_auto_vllm_folder_and_override(tmp_path):
                                                       "max_tokens": 64}
     assert default_sampling_params("vllm", model) == {}
     assert default_sampling_params(str(other), model) == {"repetition_penalty": 1.1, "presence_penalty": 0.5}
-    assert default_sampling_params("vllm", model, '{"temperature": 0.1}') == {"temperature": 0.1}
-    assert default_sampling_params("auto", model, '{"temperature": 0.0}')["temperature"] == 0.0
+    assert default_sampling_params("vllm", model, {"temperature": 0.1}) == {"temperature": 0.1}
+    assert default_sampling_params("auto", model, {"temperature": 0.0})["temperature"] == 0.0
     assert default_sampling_params("auto", other / "none") == {}  # no generation_config.json: vLLM's defaults
     assert "no generation_config.json" in refused(["--generation-config", str(model.parent)])
     assert "auto, vllm or a folder" in refused(["--generation-config", "greedy"])
@@ -420,7 +427,8 @@ def test_a_request_chat_template_needs_the_trust_flag_and_is_then_rendered(smoll
     info = ModelInfo(names=["tiny"], root=str(smollm2_dir), max_model_len=256, vocab_size=49152)
 
     def chat(trust: bool, **extra):
-        app = build_app(EngineConfig(trust_request_chat_template=trust), FakeClient(), tok, info, manage_client=False)
+        cfg = EngineConfig.from_flags(trust_request_chat_template=trust)
+        app = build_app(cfg, FakeClient(), tok, info, manage_client=False)
         body = {"model": "tiny", "max_tokens": 1, "return_token_ids": True,
                 "messages": [{"role": "user", "content": "hi"}], **extra}
         return TestClient(app, raise_server_exceptions=False).post("/v1/chat/completions", json=body)
@@ -455,6 +463,6 @@ def test_command_lines_mean_what_they_mean_to_vllms_own_parser(tmp_path):
         ours = parse_config(argv)
         for key, value in theirs.items():
             if key == "additional_config":
-                assert json.loads(ours.additional_config or "{}") == value, (argv, key)
+                assert ours.rl.additional_config.raw == value, (argv, key)
             elif value is not None:  # None: vLLM's hardware default, where rollbus has its own
-                assert getattr(ours, key) == value, (argv, key)
+                assert ours.flags()[key] == value, (argv, key)

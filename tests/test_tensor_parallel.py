@@ -125,7 +125,8 @@ def test_layout_errors_name_the_value():
 
 def test_tp_flags_parse_and_bad_values_are_refused():
     cfg = parse_config(["-tp", "2", "--master-port", "30001"])
-    assert (cfg.tensor_parallel_size, cfg.master_port, cfg.workers_per_engine) == (2, 30001, 2)
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.master_port,
+            cfg.parallel.workers_per_engine) == (2, 30001, 2)
     assert cfg.to_argv() == ["--tensor-parallel-size", "2", "--master-port", "30001"]  # what children get
     for argv, text in ((["-tp", "2", "--num-workers", "2"], "--num-workers 2: removed"),
                        (["-tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),

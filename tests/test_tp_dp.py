@@ -47,11 +47,11 @@ PEERS = [("worker-0", "worker-2"), ("worker-1", "worker-3")]  # same tp rank in 
 def test_every_engine_needs_a_rendezvous_port_of_its_own():
     """Engine e's tp group rendezvous on --master-port + e: a last engine beyond port 65535 is refused at
     parsing, naming the values (it would otherwise fail inside its workers' start-up)."""
-    assert parse_config(["-tp", "2", "-dp", "2", "--master-port", "65534"]).master_port == 65534
+    assert parse_config(["-tp", "2", "-dp", "2", "--master-port", "65534"]).parallel.master_port == 65534
     with pytest.raises(SystemExit, match=r"--master-port 65535 with --data-parallel-size 2: engine 1's tp group "
                                          r"would rendezvous on port 65536"):
         parse_config(["-tp", "2", "-dp", "2", "--master-port", "65535"])
-    assert parse_config(["-dp", "2", "--master-port", "65535"]).master_port == 65535  # -tp 1: no group
+    assert parse_config(["-dp", "2", "--master-port", "65535"]).parallel.master_port == 65535  # -tp 1: no group
 
 
 def both_engines(tensors, folder) -> dict[str, str]:

@@ -48,18 +48,18 @@ def initialize_dummy_weights(model: torch.nn.Module) -> int:
 def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAULT, tp: Solo = SOLO):
     """The model on `device`; with a tp group, this rank's shard of it (each checkpoint tensor is read
     whole and sliced)."""
-    folder = resolve_model(cfg.model, progress=cfg.use_tqdm_on_load)
+    folder = resolve_model(cfg.model.model, progress=cfg.model.use_tqdm_on_load)
     hf_config = load_hf_config(folder)
     why = layout_error(hf_config, tp.size)
     if why:
         raise SystemExit(f"rollbus: {why}")
-    dtype = resolve_dtype(cfg.dtype, hf_config)
+    dtype = resolve_dtype(cfg.model.dtype, hf_config)
     model = build_model(hf_config, dtype, device, kernels=kernels, tp=tp)
-    if cfg.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
+    if cfg.model.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
         initialize_dummy_weights(model)
     else:
         try:
-            loaded = model.load_weights(iter_safetensors(folder, progress=cfg.use_tqdm_on_load))
+            loaded = model.load_weights(iter_safetensors(folder, progress=cfg.model.use_tqdm_on_load))
         except (KeyError, ValueError) as e:  # an extra tensor, or one of the wrong shape: named in the message
             raise SystemExit(f"rollbus: checkpoint {folder}: {e.args[0] if e.args else e}") from None
         missing = model.missing_weights(loaded)
@@ -68,11 +68,11 @@ def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAU
             raise SystemExit(f"rollbus: checkpoint {folder} lacks tensor {', '.join(missing[:3])}{more}")
     model.eval()
     max_len = int(hf_config.get("max_position_embeddings", 2048))
-    if cfg.max_model_len:
-        if cfg.max_model_len > max_len:
-            raise SystemExit(f"--max-model-len {cfg.max_model_len} exceeds the model's "
+    if cfg.model.max_model_len:
+        if cfg.model.max_model_len > max_len:
+            raise SystemExit(f"--max-model-len {cfg.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings {max_len}")
-        max_len = cfg.max_model_len
+        max_len = cfg.model.max_model_len
     return model, hf_config, max_len
 
 
@@ -80,7 +80,7 @@ def reload_weights(model, cfg: EngineConfig, weights_path: str | None = None) ->
     """Refill the existing parameters in place from the checkpoint (or another folder of the same
     architecture): the level-2 sleep recipe's `reload_weights`."""
     try:
-        folder = resolve_model(weights_path or cfg.model, progress=False)
+        folder = resolve_model(weights_path or cfg.model.model, progress=False)
     except (FileNotFoundError, ValueError) as e:  # the caller's path: a 400 naming it, not a worker failure
         from engine.weights.protocol import WeightSyncError
 

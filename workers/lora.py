@@ -155,10 +155,10 @@ def model_shape(model) -> dict:
 
 def slots_for(cfg, model, device: torch.device) -> LoraSlots | None:
     """The worker's adapter slots with --enable-lora (hooked into the model), else None."""
-    if not cfg.enable_lora:
+    if not cfg.lora.enable_lora:
         return None
-    dtype = model.dtype if cfg.lora_dtype == "auto" else getattr(torch, cfg.lora_dtype)
-    slots = LoraSlots(model_shape(model), model.kern, max_rank=cfg.max_lora_rank,
-                      max_cached=cfg.max_cpu_loras or cfg.max_loras, dtype=dtype, device=device)
+    dtype = model.dtype if cfg.lora.lora_dtype == "auto" else getattr(torch, cfg.lora.lora_dtype)
+    slots = LoraSlots(model_shape(model), model.kern, max_rank=cfg.lora.max_lora_rank,
+                      max_cached=cfg.lora.max_cpu_loras or cfg.lora.max_loras, dtype=dtype, device=device)
     attach(model, slots)
     return slots

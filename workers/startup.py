@@ -18,7 +18,6 @@ from bus.messages import WorkerInfo
 from engine.config import EngineConfig
 from engine.model_store import resolve_model
 from engine.rl_config import Determinism
-from engine.structured_outputs import parse_structured_outputs_config
 from engine.topology import layout
 from workers.kv_cache import KVCache, cache_dtype, plan_num_blocks
 from workers.loader import load_model
@@ -49,11 +48,11 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
     model, hf_config, max_model_len = load_model(cfg, device, kernels(det.batch_invariant), tp)
     host_allocator = tune_host_allocator() if device.type == "cpu" else None  # the steps' buffers, not the weights
     dtype = next(model.parameters()).dtype
-    kv_dtype = cache_dtype(cfg.kv_cache_dtype, dtype)
+    kv_dtype = cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     checked: list[str] = []
     if det.batch_invariant:  # measured here, on this device, with this model's shapes: never assumed
         try:
-            checked = self_check(model, cfg.block_size, kv_dtype)
+            checked = self_check(model, cfg.cache.block_size, kv_dtype)
         except BatchInvarianceUnavailable as e:
             raise SystemExit(f"rollbus: {det.source}: {e}") from None
     try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
@@ -63,32 +62,32 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
     except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
         raise SystemExit(str(e)) from None
     # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
-    warm_s = warm_up(model, rank=rank, block_size=cfg.block_size, device=device, kv_dtype=kv_dtype)
+    warm_s = warm_up(model, rank=rank, block_size=cfg.cache.block_size, device=device, kv_dtype=kv_dtype)
     nl, nkv, hd = model.kv_spec
-    per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.block_size, kv_dtype)
+    per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.cache.block_size, kv_dtype)
     try:
         num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
-                                     kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                                     num_blocks_override=cfg.num_gpu_blocks_override,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization, device_index=device_index)
+                                     kv_cache_memory_bytes=cfg.cache.kv_cache_memory_bytes,
+                                     num_blocks_override=cfg.cache.num_gpu_blocks_override,
+                                     gpu_memory_utilization=cfg.cache.gpu_memory_utilization, device_index=device_index)
     except ValueError as e:  # no room for a KV cache in what the flags allow
         raise SystemExit(f"rollbus: {name}: {e}") from None
-    if num_blocks * cfg.block_size < max_model_len:
+    if num_blocks * cfg.cache.block_size < max_model_len:
         raise SystemExit(
-            f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
+            f"KV cache of {num_blocks} blocks x {cfg.cache.block_size} tokens cannot hold one sequence of "
             f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
-    kv = KVCache(nl, nkv, hd, cfg.block_size, num_blocks, kv_dtype, device)
-    runner = ModelRunner(model, kv, rank=rank, block_size=cfg.block_size, device=device, seed=cfg.seed,
-                         logprobs_mode=cfg.logprobs_mode, return_routed_experts=cfg.enable_return_routed_experts,
-                         tokenizer_path=None if cfg.tokens_only else
-                         resolve_model(cfg.model, progress=False) / "tokenizer.json",
-                         structured_outputs=parse_structured_outputs_config(cfg.structured_outputs_config),
+    kv = KVCache(nl, nkv, hd, cfg.cache.block_size, num_blocks, kv_dtype, device)
+    runner = ModelRunner(model, kv, rank=rank, block_size=cfg.cache.block_size, device=device, seed=cfg.model.seed,
+                         logprobs_mode=cfg.rl.logprobs_mode, return_routed_experts=cfg.rl.enable_return_routed_experts,
+                         tokenizer_path=None if cfg.rl.tokens_only else
+                         resolve_model(cfg.model.model, progress=False) / "tokenizer.json",
+                         structured_outputs=cfg.model.structured_outputs_config,
                          lora=lora_slots_for(cfg, model, device),
-                         return_sampling_mask=cfg.return_sampling_mask)
+                         return_sampling_mask=cfg.rl.return_sampling_mask)
     runner.grammar.build_in_background()  # structured outputs' tokenizer, joined before the worker joins the bus
     info = WorkerInfo(
         num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=model.cfg.vocab_size, device=str(device),
-        model=cfg.model_name, tensor_parallel_size=tp_size, tp_rank=rank, weight_bytes=weight_bytes(model),
+        model=cfg.model.model_name, tensor_parallel_size=tp_size, tp_rank=rank, weight_bytes=weight_bytes(model),
         dtype=str(dtype).removeprefix("torch."), kv_cache_bytes=kv.nbytes,
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."), kernels=model.kern.name, attention=attn,
         batch_invariant_checked=checked, cpu_linear=cpu_linear, host_allocator=host_allocator,

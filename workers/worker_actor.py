@@ -88,8 +88,7 @@ from bus.sockets import make_socket, recv, report_ready, send
 from bus.topology import Topology
 from engine.config import EngineConfig
 from engine.logs import setup_logging
-from engine.rl_config import determinism, parse_additional_config, worker_env_updates
-from engine.weights.config import parse_weight_transfer_config
+from engine.rl_config import determinism, worker_env_updates
 from engine.weights.protocol import WeightSyncError
 from engine.weights.receiver import WeightReceiver
 from engine.weights.recovery import WeightRecovery
@@ -119,7 +118,7 @@ class WorkerActor:
         # data parallelism (bus.topology): our engine, global worker index, name, and whose weights we can
         # take after a restart (the same tp rank in another engine)
         topo = Topology.from_config(cfg)
-        self.engine = cfg.data_parallel_rank
+        self.engine = cfg.parallel.data_parallel_rank
         self.index = topo.worker_index(self.engine, rank)
         self.name = topo.worker_name(self.engine, rank)
         self.scheduler_name = topo.scheduler_name(self.engine)
@@ -128,11 +127,12 @@ class WorkerActor:
         platform = current_platform()
         device = platform.device(topo.local_device(self.engine, rank))
         self.layers_done = 0  # layers of the step in progress (tp: when to check for an abort together)
-        extra = parse_additional_config(cfg.additional_config)
+        extra = cfg.rl.additional_config
         det = determinism(extra)
         try:
-            self.tp = init_tp_group(rank, tp, device, addr=cfg.master_addr, port=cfg.master_port + dp_rank,
-                                    timeout_s=cfg.distributed_timeout_seconds)
+            self.tp = init_tp_group(rank, tp, device, addr=cfg.parallel.master_addr,
+                                    port=cfg.parallel.master_port + dp_rank,
+                                    timeout_s=cfg.parallel.distributed_timeout_seconds)
         except TPError as e:
             raise SystemExit(f"rollbus: {self.name}: {e}") from None
         self.tp_peers = set(topo.worker_names(self.engine)) - {self.name}
@@ -142,7 +142,7 @@ class WorkerActor:
         model, kv, self.runner = loaded.model, loaded.kv, loaded.runner
         self.sleep = SleepManager(model, kv, platform)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
-        self.weights = WeightReceiver(model, parse_weight_transfer_config(cfg.weight_transfer_config), rank=self.index,
+        self.weights = WeightReceiver(model, cfg.rl.weight_transfer_config, rank=self.index,
                                       device=device, nz_mode=extra.weight_nz_mode)
         self.info = msgspec.structs.replace(loaded.info, worker_extension_methods=extension_methods(self))
         log.info("worker.loaded", **msgspec.structs.asdict(self.info))
@@ -170,13 +170,13 @@ class WorkerActor:
             MemberLost: self._member_lost,
             MemberJoined: self._member_joined,
             ShareWeights: lambda c: self.recovery.share(c, self.away),
-        }), heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        }), heartbeat_interval_s=cfg.bus.heartbeat_interval_s, heartbeat_timeout_s=cfg.bus.heartbeat_timeout_s)
         self.stopping = False
         self.abort_watch = _AbortWatcher(ctx, ep.commands, self.name)
         self.away = False  # declared lost (a stall) and not welcomed back yet: updates then run without us
-        self.recovery = WeightRecovery(model, folder=cfg.weights_recovery_dir, index=self.index, name=self.name,
+        self.recovery = WeightRecovery(model, folder=cfg.rl.weights_recovery_dir, index=self.index, name=self.name,
                                        donor=self.donor, link=self.link, sleep=self.sleep,
-                                       control_timeout_s=cfg.control_timeout_s)
+                                       control_timeout_s=cfg.bus.control_timeout_s)
         self.link.on_reply = self._on_reply
 
     def start(self) -> None:
@@ -203,7 +203,7 @@ class WorkerActor:
         poller = zmq.Poller()
         for s in (self.plans, *self.link.sockets):
             poller.register(s, zmq.POLLIN)
-        idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
+        idle_ms = self.cfg.bus.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
             if self.fatal:
                 raise SystemExit(f"rollbus: {self.name}: {self.fatal}")
@@ -437,9 +437,9 @@ class WorkerActor:
 
 
 def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
-    setup_logging(cfg.log_level, process=Topology.from_config(cfg).worker_name(cfg.data_parallel_rank, rank))
+    setup_logging(cfg.log_level, process=Topology.from_config(cfg).worker_name(cfg.parallel.data_parallel_rank, rank))
     # RL mode: allocator and NZ settings must change before the first device allocation.
-    extra = parse_additional_config(cfg.additional_config)
+    extra = cfg.rl.additional_config
     for var, value in worker_env_updates(extra, dict(os.environ)).items():
         if value is None:
             os.environ.pop(var, None)
@@ -451,7 +451,7 @@ def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
     torch.set_grad_enabled(False)
     ctx = zmq.Context()
     ep = Endpoints.from_config(cfg).secure(ctx)
-    actor = extend_worker_class(WorkerActor, cfg.worker_extension_cls)(cfg, rank, ctx, ep)
+    actor = extend_worker_class(WorkerActor, cfg.parallel.worker_extension_cls)(cfg, rank, ctx, ep)
     call_hook(actor, "init_worker_extension")
     try:
         actor.start()

@@ -55,7 +55,6 @@ from engine.config import EngineConfig
 from engine.fleet.rejoin import starting_state
 from engine.logs import setup_logging
 from engine.topology import layout, layout_mismatch
-from engine.weights.config import parse_weight_transfer_config
 from engine.weights.lifecycle import UPDATE_PAUSE_MODES, StepReply, reply_status, sync_steps
 
 log = structlog.get_logger()
@@ -75,7 +74,7 @@ class Coordinator:
         self.hellos: dict[str, Hello] = {}  # waiting for their presence subscription
         self.stopping = False
         self._next_beat = 0.0
-        self.weight_cfg = parse_weight_transfer_config(cfg.weight_transfer_config)
+        self.weight_cfg = cfg.rl.weight_transfer_config
         self.sync: _Sync | None = None  # the bus-driven weight update in progress
         self.layout = layout(cfg)  # what every engine process must agree on (engine.topology)
 
@@ -83,7 +82,7 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pub, zmq.POLLIN)
-        interval = self.cfg.heartbeat_interval_s
+        interval = self.cfg.bus.heartbeat_interval_s
         while not (self.stopping and not self.ledger.pending):
             for sock, _ in poller.poll(interval * 1000 / 2):
                 if sock is self.pub:
@@ -154,7 +153,7 @@ class Coordinator:
         send(self.router, Welcome(True, "", self.ledger.seq, self.ledger.snapshot), to=h.name.encode())
         log.info("coordinator.joined", member=h.name, role=h.role, pid=h.pid, seq=self.ledger.seq)
         if old is None:
-            self._publish(MemberJoined(h.name, h.role, h.pid), self.cfg.control_timeout_s)
+            self._publish(MemberJoined(h.name, h.role, h.pid), self.cfg.bus.control_timeout_s)
 
     def _on_request(self, sender: bytes, r: ControlRequest) -> None:
         if self.stopping:
@@ -173,7 +172,7 @@ class Coordinator:
                 UPDATE_ACTIVE, "a weight update is already active: finish_weight_update (or its failure) ends it",
                 status=409)]), to=sender)
             return
-        timeout = r.timeout_s if r.timeout_s > 0 else self.cfg.control_timeout_s
+        timeout = r.timeout_s if r.timeout_s > 0 else self.cfg.bus.control_timeout_s
         self._publish(r.body, timeout, r.request_id, sender)
         if isinstance(r.body, Shutdown):
             self.stopping = True
@@ -195,8 +194,8 @@ class Coordinator:
         if not ev.updates or not all(isinstance(u, dict) for u in ev.updates):
             return refuse(400, "updates must be a non-empty list of update_info objects")
         timeout = ev.timeout_s if ev.timeout_s > 0 else self.weight_cfg.timeout_s
-        steps = sync_steps(ev.version, mode, ev.clear_cache, ev.updates, self.cfg.control_timeout_s,
-                           timeout + self.cfg.control_timeout_s)
+        steps = sync_steps(ev.version, mode, ev.clear_cache, ev.updates, self.cfg.bus.control_timeout_s,
+                           timeout + self.cfg.bus.control_timeout_s)
         self.sync = _Sync(ev, sender, steps)
         log.info("coordinator.weight_update", version=ev.version, pause=mode, updates=len(ev.updates))
         self._advance(None)
@@ -268,21 +267,21 @@ class Coordinator:
         snap = self.ledger.snapshot
         if (count, total) != (snap.weights_missing, snap.weights_total) and \
                 not (count == 0 and snap.weights_missing == 0):
-            self._publish(WeightsMissing(count, total), self.cfg.control_timeout_s)
+            self._publish(WeightsMissing(count, total), self.cfg.bus.control_timeout_s)
 
     def _lose(self, name: str, why: str) -> None:
         member = self.ledger.members.get(name)
         role = member.role if member else "?"
         log.error("coordinator.member_lost", member=name, role=role, why=why)
         self._reply(self.ledger.lose(name))
-        self._publish(MemberLost(name, role, why), self.cfg.control_timeout_s)
+        self._publish(MemberLost(name, role, why), self.cfg.bus.control_timeout_s)
 
     def _tick(self, now: float) -> None:
         if now >= self._next_beat:
             send(self.pub, Heartbeat(NAME, self.ledger.seq), topic=COMMAND_TOPIC)
-            self._next_beat = now + self.cfg.heartbeat_interval_s
-        for name in self.ledger.silent(now, self.cfg.heartbeat_timeout_s):
-            self._lose(name, f"no heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s")
+            self._next_beat = now + self.cfg.bus.heartbeat_interval_s
+        for name in self.ledger.silent(now, self.cfg.bus.heartbeat_timeout_s):
+            self._lose(name, f"no heartbeat for {self.cfg.bus.heartbeat_timeout_s:.1f}s")
         self._reply(self.ledger.expire(now))
 
 

@@ -75,7 +75,6 @@ from bus.topology import Topology
 from engine import sampling_mask
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on
-from engine.kv_events import parse_kv_events_config
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
@@ -97,7 +96,7 @@ class SchedulerActor:
         self.cfg = cfg
         # Which engine we are (data parallelism, bus.topology): our name and our workers' names
         topo = Topology.from_config(cfg)
-        self.engine = cfg.data_parallel_rank
+        self.engine = cfg.parallel.data_parallel_rank
         self.name = topo.scheduler_name(self.engine)
         self.workers = topo.worker_names(self.engine)
         self.num_workers = len(self.workers)
@@ -110,8 +109,8 @@ class SchedulerActor:
             UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
             ResetPrefixCache: self._reset_prefix_cache,
             **dict.fromkeys((Pause, Resume, Sleep, WakeUp, StartWeightUpdate, AbortWeightUpdate), self._gate_command),
-        }, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
-        kv_events = parse_kv_events_config(cfg.kv_events_config)
+        }, heartbeat_interval_s=cfg.bus.heartbeat_interval_s, heartbeat_timeout_s=cfg.bus.heartbeat_timeout_s)
+        kv_events = cfg.cache.kv_events_config
         self.kv_events = KVEventPublisher(kv_events, ctx, self.engine) if kv_events and kv_events.publishing else None
         self.gate = StepGate()
         self.sched: Scheduler | None = None  # built once the workers report their KV capacity
@@ -178,15 +177,15 @@ class SchedulerActor:
         num_blocks = min(i.num_blocks for i in infos)
         max_len = min(i.max_model_len for i in infos)
         self.max_model_len = max_len
-        self.depth = 2 if async_scheduling_on(self.cfg, infos[0].device) else 1
-        self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.max_logprobs,
-                                   self.cfg.enable_trace_replay, self.cfg.scheduling_policy)
-        blocks = BlockManager(num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
+        self.depth = 2 if async_scheduling_on(self.cfg.scheduler, infos[0].device) else 1
+        self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.model.max_logprobs,
+                                   self.cfg.rl.enable_trace_replay, self.cfg.scheduler.scheduling_policy)
+        blocks = BlockManager(num_blocks, self.cfg.cache.block_size, self.cfg.cache.enable_prefix_caching,
                               record_events=self.kv_events is not None)
         self.sched = Scheduler(blocks,
-                               self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, max_len,
-                               max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0,
-                               policy=self.cfg.scheduling_policy)
+                               self.cfg.scheduler.max_num_seqs, self.cfg.scheduler.max_num_batched_tokens, max_len,
+                               max_loras=self.cfg.lora.max_loras if self.cfg.lora.enable_lora else 0,
+                               policy=self.cfg.scheduler.scheduling_policy)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
         self.sched.weight_epoch = self.link.state.weight_epoch
@@ -201,7 +200,7 @@ class SchedulerActor:
         poller = zmq.Poller()
         for s in (self.router, self.results, self.plans, *self.link.sockets):
             poller.register(s, zmq.POLLIN)
-        idle_ms = self.cfg.heartbeat_interval_s * 1000 / 2
+        idle_ms = self.cfg.bus.heartbeat_interval_s * 1000 / 2
         while not self.stopping:
             self.turn(poller, idle_ms)
 
@@ -626,7 +625,7 @@ def freeze_heap() -> None:
 
 
 def run_scheduler_process(cfg: EngineConfig) -> None:
-    setup_logging(cfg.log_level, process=Topology.from_config(cfg).scheduler_name(cfg.data_parallel_rank))
+    setup_logging(cfg.log_level, process=Topology.from_config(cfg).scheduler_name(cfg.parallel.data_parallel_rank))
     ctx = zmq.Context()
     ep = Endpoints.from_config(cfg).secure(ctx)
     actor = SchedulerActor(cfg, ep, ctx)

@@ -1,0 +1,80 @@
+"""The KV cache: block size, dtype, how much memory it gets, prefix caching and its event stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from engine.argv import Switch, human_int, json_object_type
+from engine.kv_events import KVEventsConfig, parse_kv_events_config
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float16 (workers.startup)
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float | None = None  # None: 0.9 on accelerators, a 1 GiB KV cache on CPU
+    enable_prefix_caching: bool = True
+    kv_events_config: KVEventsConfig | None = None  # vLLM's (engine.kv_events, docs/fleet.md); None: no flag
+
+
+JSON_FLAGS = {"kv_events_config": (parse_kv_events_config, lambda c: json.dumps(dataclasses.asdict(c)))}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = CacheConfig()
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
+    g.add_argument("--kv-cache-dtype", type=str.lower, default=d.kv_cache_dtype, metavar="{auto,bfloat16,float16}",
+                   help="What the KV cache stores: auto, the model's dtype (the default); bfloat16 or float16, keys "
+                        "and values rounded to 16 bits as they are written, half the bytes of an fp32 model's cache "
+                        "(twice the tokens in the same memory, half the bytes each decode step reads); attention "
+                        "still computes in the model's dtype. vLLM's fp8 and quantized caches are refused.")
+    g.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
+                   help="Bytes of KV cache per worker (4G = 4 GiB, 4g = 4e9). Default on CPU: 1 GiB; on accelerators "
+                        "--gpu-memory-utilization of the free memory after loading weights.")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="Use exactly this many KV blocks (testing and tuning).")
+    g.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float,
+                   default=d.gpu_memory_utilization,
+                   help="Fraction of device memory the engine may use (accelerators: default 0.9 of the memory "
+                        "free after loading weights goes to the KV cache). On CPU, as vLLM's CPU backend, the "
+                        "fraction of the host's total memory one worker may hold: the KV cache gets that less what "
+                        "the worker holds after loading (weights, packed weights); unset on CPU: a 1 GiB cache. "
+                        "--kv-cache-memory-bytes and VLLM_CPU_KVCACHE_SPACE win over it.")
+    g.add_argument("--enable-prefix-caching", action=Switch, negatives=["--disable-prefix-caching"],
+                   default=d.enable_prefix_caching,
+                   help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
+    g.add_argument("--kv-events-config", type=json_object_type("--kv-events-config"), default=None,
+                   help='JSON object, vLLM\'s KVEventsConfig: {"enable_kv_cache_events": true, "endpoint": '
+                        '"tcp://*:5557"} publishes the prefix cache\'s BlockStored / BlockRemoved / '
+                        "AllBlocksCleared events in vLLM's format on that ZeroMQ PUB endpoint (engine N of "
+                        "-dp publishes on port + N), for a KV-aware router (docs/fleet.md). Other keys: "
+                        "publisher (zmq | null), replay_endpoint, buffer_steps, hwm, max_queue_size, topic. "
+                        "Needs the prefix cache on.")
+
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default fraction of device memory
+CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU backend: KV cache GiB, over --kv-cache-memory-bytes
+
+
+def cpu_kv_space_bytes(environ: dict[str, str]) -> int | None:
+    """vLLM's legacy CPU setting: VLLM_CPU_KVCACHE_SPACE=N (GiB) sets the KV bytes of every CPU worker and
+    wins over --kv-cache-memory-bytes, as vLLM's CpuPlatform; unset or empty: None. ValueError names it."""
+    raw = environ.get(CPU_KV_SPACE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = int(raw)
+    except ValueError:
+        raise ValueError(f"{CPU_KV_SPACE_ENV} must be a whole number of GiB, got {raw!r}") from None
+    if gib <= 0:
+        raise ValueError(f"{CPU_KV_SPACE_ENV} must be a positive number of GiB, got {gib}")
+    return gib << 30
