@@ -1,8 +1,8 @@
 """KV-cache block accounting with prefix caching. Pure policy: block ids only, no tensors.
 
 A block is free (ref 0) or used by one or more sequences (ref > 0). A full block may carry a hash of
-(previous block's hash, its tokens, weight version): identical prefixes computed under the same weights
-share blocks, and a block computed under other weights never matches (the version is in the key).
+(previous block's hash, its tokens, weight epoch): identical prefixes computed under the same weights
+share blocks, and a block computed under other weights never matches (the epoch is in the key).
 Freed blocks keep their hash and stay findable until the free list hands them out again (LRU order),
 so a prompt that comes back soon is still cached.
 

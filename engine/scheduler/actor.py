@@ -407,7 +407,7 @@ class SchedulerActor:
         """One sampled token of one sequence, with what the request asked to know about it."""
         seq = u.seq
         sp = seq.sampling
-        version = res.weight_epoch
+        epoch = res.weight_epoch
         kv_epoch = u.kv_epoch
         finished = u.finished
         logprobs = top = ranks = mass = None
@@ -422,18 +422,18 @@ class SchedulerActor:
             mass = [float(res.sampling_mass[i])]
         out = RequestOutput(seq.seq_id, [u.token_id], logprobs, top, finished,
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
-                            None, len(seq.prompt_token_ids), seq.num_cached_tokens, version,
-                            kv_epoch is not None and kv_epoch != version, ranks, mass, prompt_lp)
+                            None, len(seq.prompt_token_ids), seq.num_cached_tokens, epoch,
+                            kv_epoch is not None and kv_epoch != epoch, ranks, mass, prompt_lp)
         if mask_at is not None:  # --return-sampling-mask: this token's row of the step's mask
             out.sampling_mask_ids = res.sampling_mask_ids[mask_at[i]:mask_at[i + 1]]
             out.sampling_mask_counts = res.sampling_mask_counts[i:i + 1]
         return _with_routes(seq, out)
 
     def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
-                logprobs: list[float] | None = None, top: list | None = None, version: int = 0) -> RequestOutput:
+                logprobs: list[float] | None = None, top: list | None = None, weight_epoch: int = 0) -> RequestOutput:
         out = RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
                             seq.finish_reason if finished else None, seq.stop_reason if finished else None,
-                            error, seq.num_prompt_tokens, seq.num_cached_tokens, version)
+                            error, seq.num_prompt_tokens, seq.num_cached_tokens, weight_epoch)
         return _with_routes(seq, out)
 
     def _emit(self, items: list[tuple[Sequence, RequestOutput]]) -> None:

@@ -256,7 +256,7 @@ class Scheduler:
         updates: list[SeqUpdate] = []
         append = updates.append
         get = sampled.get
-        version = step.weight_epoch
+        epoch = step.weight_epoch
         blocks = self.blocks
         commit = blocks.commit_full_blocks if blocks.caching else None
         bs = blocks.block_size
@@ -272,10 +272,10 @@ class Scheduler:
                 seq.inflight_samples -= 1  # the step was to sample it (got or not: a failed sequence has none)
             if status is running:
                 if seq.kv_epoch is None or before == 0:
-                    seq.kv_epoch = version
+                    seq.kv_epoch = epoch
                 computed = seq.num_computed = seq.num_computed + n
                 if commit is not None and computed // bs > len(seq.block_hashes):
-                    commit(seq, version)
+                    commit(seq, epoch)
             # A sequence preempted while the step ran still takes its token: the worker has appended
             # it to its own copy, and the two must agree for the recompute to sample at the right place.
             got = get(seq.seq_id)
