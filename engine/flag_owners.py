@@ -1,5 +1,5 @@
 """Flag values that only a layer above engine can judge: the gateway's tool-call and reasoning parsers and its
-chat templates, the workers' extension classes. engine/config.py imports nothing above engine (the import
+chat templates, the workers' extension classes. engine/config/ imports nothing above engine (the import
 floors, docs/architecture.md), so it asks the owner this table names, by module path, when the flag is given
 (and `rollbus serve --help` lists the parser names the same way): the owning module is imported then, by the
 process that parses the flags, and never by engine's modules themselves.
