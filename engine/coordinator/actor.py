@@ -65,8 +65,8 @@ NAME = "coordinator"
 class Coordinator:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
-        self.ledger = ControlLedger(snapshot=starting_state(uuid.uuid4().hex, cfg.weights_recovery_dir,
-                                                           cfg.weights_recovery_resume))
+        self.ledger = ControlLedger(snapshot=starting_state(uuid.uuid4().hex, cfg.rl.weights_recovery_dir,
+                                                           cfg.rl.weights_recovery_resume))
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
         self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))
