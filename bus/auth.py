@@ -32,8 +32,6 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from bus.config_view import setting
-
 log = structlog.get_logger()
 
 ENV_DIR = "ROLLBUS_BUS_CURVE_DIR"
@@ -141,14 +139,13 @@ def env_insecure() -> bool:
 
 def check_config(cfg) -> BusKeys | None:
     """Start-up check of the bus flags (raises ValueError naming the flag or file); the keys, or None."""
-    curve_dir = setting(cfg, "bus", "bus_curve_dir", None)
-    insecure = setting(cfg, "bus", "bus_insecure", False)
+    curve_dir, insecure = cfg.bus.bus_curve_dir, cfg.bus.bus_insecure
     if cfg.bus.bus_transport != "tcp":
         if curve_dir or insecure:
             raise ValueError("--bus-curve-dir and --bus-insecure concern --bus-transport tcp only "
                              "(ipc sockets are protected by their folder's permissions)")
         return None
-    if setting(cfg, "bus", "bus_dir", None):
+    if cfg.bus.bus_dir:
         raise ValueError("--bus-dir (or ROLLBUS_BUS_DIR) sets the folder of ipc sockets and has no effect with "
                          "--bus-transport tcp: drop it")
     if curve_dir and insecure:

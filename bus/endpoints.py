@@ -31,7 +31,6 @@ import tempfile
 from dataclasses import dataclass
 
 from bus import auth, frame_limits
-from bus.config_view import setting
 
 PLAN_TOPIC = b"P"
 COMMAND_TOPIC = b"C"
@@ -69,23 +68,20 @@ class Endpoints:
         keys = auth.check_config(cfg)
         if cfg.bus.bus_transport == "tcp":
             shared = [f"tcp://{_tcp_host(cfg.bus.bus_host)}:{cfg.bus.bus_port_base + i}" for i in (3, 4)]
-            hosts = [h.strip() for h in (setting(cfg, "bus", "bus_engine_hosts", None) or "").split(",") if h.strip()]
+            hosts = [h.strip() for h in (cfg.bus.bus_engine_hosts or "").split(",") if h.strip()]
             hosts = hosts if len(hosts) == topo.dp else [cfg.bus.bus_host] * topo.dp  # (config_from_args checks it)
             engines = [tuple(f"tcp://{_tcp_host(hosts[e])}:{cfg.bus.bus_port_base + topo.port_offset(e) + i}"
                              for i in range(3)) for e in topo.engines]
         else:
             folder = cfg.bus.bus_dir or os.path.join(tempfile.gettempdir(), f"rollbus-{os.getuid()}-{cfg.gateway.port}")
-            private_folder(folder)
-            shared = [f"ipc://{os.path.join(folder, n)}" for n in _SHARED]
-            engines = [tuple(f"ipc://{os.path.join(folder, n + topo.endpoint_suffix(e))}" for n in _PER_ENGINE)
-                       for e in topo.engines]
+            shared, engines = _ipc_addresses(folder, topo)
         if cfg.bus.bus_transport == "tcp" and keys is None:
             auth.log.warning("bus.insecure", host=cfg.bus.bus_host,
                              detail="--bus-insecure: the tcp bus is unauthenticated and unencrypted; any local "
                                     "user can pause, sleep or update the engine. Use --bus-curve-dir.")
         limits = frame_limits.limits_for(cfg)
         named = [(n, a) for e in engines for n, a in zip(_PER_ENGINE, e)] + list(zip(_SHARED, shared))
-        own = engines[min(int(setting(cfg, "parallel", "data_parallel_rank", 0) or 0), len(engines) - 1)]
+        own = engines[min(cfg.parallel.data_parallel_rank, len(engines) - 1)]
         return cls(*own, *shared, ready=cfg.bus.ready_endpoint, keys=keys,
                    max_frames=tuple((a, limits[n]) for n, a in named), engines=tuple(engines))
 
@@ -120,11 +116,11 @@ class Endpoints:
                                  f"(`rollbus keys DIR`) or set {auth.ENV_DIR}")
             names = ("requests", "plans", "results", "control", "commands")
             return cls(*[f"tcp://{host}:{int(port) + i}" for i in range(len(names))], keys=keys)
-        if url.startswith("ipc://"):
-            from types import SimpleNamespace
+        if url.startswith("ipc://"):  # a client connects only: no keys, no frame limits (those are the binder's)
+            from bus.topology import Topology
 
-            bus = SimpleNamespace(bus_transport="ipc", bus_dir=url[len("ipc://"):], ready_endpoint=None)
-            return cls.from_config(SimpleNamespace(bus=bus, gateway=SimpleNamespace(port=0)))
+            shared, engines = _ipc_addresses(url[len("ipc://"):], Topology())
+            return cls(*engines[0], *shared, engines=tuple(engines))
         raise ValueError(f"bus url {url!r}: expected tcp://HOST:PORT_BASE or ipc:///FOLDER")
 
     def secure(self, ctx) -> "Endpoints":
@@ -151,3 +147,12 @@ def private_folder(folder: str) -> None:
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise PermissionError(f"bus folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}) "
                               "is open to other users: use a folder of your own with mode 0700 (chmod 700)")
+
+
+def _ipc_addresses(folder: str, topo) -> tuple[list[str], list[tuple[str, ...]]]:
+    """The shared and per-engine ipc socket addresses in `folder` (created private if missing)."""
+    private_folder(folder)
+    shared = [f"ipc://{os.path.join(folder, n)}" for n in _SHARED]
+    engines = [tuple(f"ipc://{os.path.join(folder, n + topo.endpoint_suffix(e))}" for n in _PER_ENGINE)
+               for e in topo.engines]
+    return shared, engines

@@ -32,8 +32,6 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from bus.config_view import setting
-
 log = structlog.get_logger()
 
 MIB = 1 << 20
@@ -42,18 +40,16 @@ _LIMITS: weakref.WeakKeyDictionary[zmq.Context, dict[str, int]] = weakref.WeakKe
 
 
 def limits_for(cfg: Any) -> dict[str, int]:
-    """Endpoint name -> largest frame in bytes (-1: no limit)."""
-    body = int(setting(cfg, "gateway", "max_request_body_bytes", 32 * MIB))
-    prompt_tokens = int(setting(cfg, "gateway", "max_prompt_tokens_per_request", 2 * MIB))
-    max_logprobs = int(setting(cfg, "model", "max_logprobs", 20))
-    if max_logprobs < 0 or setting(cfg, "rl", "enable_return_routed_experts", False) or \
-            setting(cfg, "rl", "return_sampling_mask", False):
+    """Endpoint name -> largest frame in bytes (-1: no limit), from an engine.config.EngineConfig (read by
+    attribute: bus/ imports nothing above it)."""
+    body = cfg.gateway.max_request_body_bytes
+    prompt_tokens = cfg.gateway.max_prompt_tokens_per_request
+    max_logprobs = cfg.model.max_logprobs
+    if max_logprobs < 0 or cfg.rl.enable_return_routed_experts or cfg.rl.return_sampling_mask:
         results = -1
     else:
         # prompt logprobs: one row per prompt token (max_model_len, or 1M when it comes from the model)
-        rows = max(int(setting(cfg, "scheduler", "max_num_batched_tokens", 0) or 0),
-                   int(setting(cfg, "scheduler", "max_num_seqs", 0) or 0),
-                   int(setting(cfg, "model", "max_model_len", None) or MIB))
+        rows = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, cfg.model.max_model_len or MIB)
         results = 64 * MIB + 8 * (max_logprobs + 1) * rows
     return {"requests": 16 * MIB + body + 9 * prompt_tokens, "results": results,
             "control": max(128 * MIB, 2 * body), "plans": SUBSCRIPTIONS, "commands": SUBSCRIPTIONS}

@@ -19,8 +19,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from bus.config_view import setting
-
 _SCHEDULER = re.compile(r"scheduler(?:-(\d+))?")
 _WORKER = re.compile(r"worker-(\d+)")
 
@@ -34,11 +32,12 @@ class Topology:
 
     @classmethod
     def from_config(cls, cfg) -> "Topology":
-        dp = int(setting(cfg, "parallel", "data_parallel_size", 1) or 1)
-        local = setting(cfg, "parallel", "data_parallel_size_local", None)
-        return cls(dp=dp, tp=int(setting(cfg, "parallel", "tensor_parallel_size", 1)),
-                   dp_local=dp if local is None else int(local),
-                   dp_start=int(setting(cfg, "parallel", "data_parallel_start_rank", 0) or 0))
+        """From an engine.config.EngineConfig's parallel flags (read by attribute: bus/ imports nothing above it)."""
+        p = cfg.parallel
+        dp = p.data_parallel_size
+        return cls(dp=dp, tp=p.tensor_parallel_size,
+                   dp_local=dp if p.data_parallel_size_local is None else p.data_parallel_size_local,
+                   dp_start=p.data_parallel_start_rank)
 
     def problems(self) -> list[str]:
         """Why this layout cannot run (empty: it can); each names the flag and value."""
