@@ -66,11 +66,15 @@ class ServerInfo:
         return f"http://{host}:{self.port}"
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
+    """This node's address as others reach it: ROLLBUS_FLEET_HOST when set (e.g. 127.0.0.1 for a one-host
+    cluster), else Ray's node address."""
+    if os.environ.get("ROLLBUS_FLEET_HOST"):
+        return os.environ["ROLLBUS_FLEET_HOST"]
     try:
         import ray
 
-        return ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address().strip("[]")
     except Exception:  # outside a Ray worker
         return "127.0.0.1"
 
@@ -150,7 +154,7 @@ class RollbusServerActor:
         self.colocated = colocated_training
         self.gpu_ids = [int(g) for g in gpu_ids] if gpu_ids else None
         self.cpus_per_gpu = max(1, int(cpus_per_gpu))
-        self.ip = _node_ip()
+        self.ip = node_ip()
         self.port = _free_port(start_port)
         self.python = os.environ.get("ROLLBUS_PYTHON", sys.executable)
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"rollbus-fleet-{server_idx}-"))

@@ -29,7 +29,7 @@ from verl.utils.device import get_resource_name
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
 from engine.fleet.skyrl_actor import RollbusServerActor
-from engine.fleet.verl_config import serve_namespace
+from engine.fleet.verl_config import check_rollout, serve_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +244,7 @@ class RollbusReplica(RolloutReplica):
                  is_reward_model: bool = False, is_teacher_model: bool = False, name_suffix: str = ""):
         super().__init__(replica_rank, config, model_config, gpus_per_node, is_reward_model, is_teacher_model,
                          name_suffix)
+        check_rollout(self.config, model_config)  # refused here, naming the field, before anything starts
         if self.nnodes != 1:
             raise ValueError(f"rollbus replica {replica_rank}: {self.world_size} GPUs do not fit one node of "
                              f"{gpus_per_node}; a rollbus replica runs on one node")

@@ -28,6 +28,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.utils import ensure_async_iterator
 
+from engine.fleet.skyrl_actor import node_ip
 from engine.fleet.verl_config import weight_backend
 from engine.fleet.verl_replica import server_name
 from engine.trainer import WeightSyncClient
@@ -152,7 +153,7 @@ class RollbusCheckpointEngine(CheckpointEngine):
         if self.client is None:
             self.urls = list(engine_urls)
             self.client = WeightSyncClient(self.urls, backend=self.backend, packed=self.packed,
-                                           timeout_s=self.timeout_s, master_address=_node_ip(),
+                                           timeout_s=self.timeout_s, master_address=node_ip(),
                                            packed_buffer_size_bytes=self.buffer_size)
 
     def finalize(self) -> None:
@@ -176,9 +177,3 @@ class RollbusCheckpointEngine(CheckpointEngine):
         return
         yield  # an async generator that yields nothing
 
-
-def _node_ip() -> str:
-    try:
-        return ray.util.get_node_ip_address().strip("[]")
-    except Exception:  # outside Ray
-        return "127.0.0.1"
