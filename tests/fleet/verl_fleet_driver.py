@@ -106,7 +106,8 @@ def get(url: str, path: str) -> dict:
 
 async def main() -> dict:
     out: dict = {}
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
     rollout = RolloutConfig(
         name="rollbus", nnodes=1, n_gpus_per_node=2, tensor_model_parallel_size=1, dtype="float32",
         prompt_length=64, response_length=64, max_model_len=256, max_num_seqs=16, load_format="auto",

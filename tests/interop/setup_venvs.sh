@@ -10,7 +10,9 @@
 #                                   bench/fleet_routing.py
 #   ~/.cache/rollbus-fleet/fleet    Ray 2.60 + SkyRL 0.4 (ServerGroup, VLLMRouter, RemoteInferenceClient), the
 #                                   `fleet` tests' driver (docs/fleet.md)
-# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl|vllm|router|fleet ...]   (default: the first three;
+#   ~/.cache/rollbus-fleet/verl     verl 0.9.1 + Ray 2.60 + torch CPU: what verl imports for its rollout and
+#                                   checkpoint-engine layers (requirements-verl.txt), the verl fleet test's driver
+# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl|vllm|router|fleet|verl ...]   (default: the first three;
 # re-running is cheap). ROLLBUS_INTEROP_VENVS and ROLLBUS_FLEET_VENVS override the parent folders (the tests
 # read the same variables).
 set -euo pipefail
@@ -72,6 +74,19 @@ for t in "${targets[@]}"; do
       echo "fleet venv ready in $(( $(date +%s) - start )) s: $fleet/fleet"
       continue
       ;;
+    verl)
+      # verl without its training stack (--no-deps), then what its rollout layer imports. rollbus is not
+      # installed here: the test puts the repo and rollbus's entry points (verl.plugins) on PYTHONPATH.
+      make_venv verl "$fleet"
+      "$fleet/verl/bin/python" -m pip install -q -r "$here/requirements-verl.txt"
+      "$fleet/verl/bin/python" -m pip install -q --no-deps "verl==0.9.1"
+      # transformers 5.x imports the `kernels` package when present, and an unpinned one breaks the import
+      "$fleet/verl/bin/python" -m pip uninstall -q -y kernels 2>/dev/null || true
+      "$fleet/verl/bin/python" -c "import verl, verl.checkpoint_engine, verl.workers.rollout.llm_server; \
+print('verl', verl.__version__)"
+      echo "verl venv ready in $(( $(date +%s) - start )) s: $fleet/verl"
+      continue
+      ;;
     vllm)
       # vLLM's own CPU wheel, in the venv the tests look for (ROLLBUS_VLLM_PYTHON overrides the python);
       # torch 2.13.0+cpu comes with it. The resolver adds torchvision/torchaudio/torchcodec builds that do
@@ -85,7 +100,7 @@ for t in "${targets[@]}"; do
       echo "vllm venv ready in $(( $(date +%s) - start )) s: $vdir"
       continue
       ;;
-    *) echo "unknown target $t (trl, skyrl, vllm, router, fleet)" >&2; exit 2 ;;
+    *) echo "unknown target $t (trl, skyrl, vllm, router, fleet, verl)" >&2; exit 2 ;;
   esac
   echo "$t venv ready in $(( $(date +%s) - start )) s: $root/$t"
 done
