@@ -122,6 +122,12 @@ def test_verl_drives_two_rollbus_replicas(tmp_path, smollm2_dir) -> None:
     assert out["versions"] == ["global_step_1"] * 2 and out["weights_match"] == [True, True]
     assert out["paused_after_update"] == [{"is_paused": False}] * 2 and "rollbus/transfer_s" in out["update_metrics"]
     assert out["after_tokens"][0] == out["after_tokens"][1] != ref and out["after_global_steps"] == [1, 1]
+    # the adapter's ipc path (verl's colocated sync), then a fleet on two versions refused naming the odd one
+    assert out["naive_versions"] == ["global_step_2", "global_step_1"] and out["naive_match"] == [True, False]
+    odd = out["urls"][1]
+    assert f"engine {odd} is on weight version 'global_step_1'" in out["split_versions"], out["split_versions"]
+    assert out["versions_after_split"] == ["global_step_2", "global_step_1"]
+    assert out["versions_realigned"] == ["global_step_2"] * 2
     # bad input, and no engine outlives its actor
     assert "does not answer" in out["dead_engine"] and out["dead_engine_s"] < 5.0
     assert out["versions_after_refusal"] == ["global_step_1"] * 2

@@ -66,6 +66,10 @@ class TinyTrainer(Worker):
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tensors(self) -> list:
+        return [(n, p.detach().clone()) for n, p in self.model.named_parameters()]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def checksums(self) -> dict:
         from engine.trainer import weight_checksums
 
@@ -201,6 +205,27 @@ async def main() -> dict:
         out["after_global_steps"] = [o.extra_fields.get("global_steps") for o in after]
         say("weights updated")
 
+        # the adapter's own path (verl's colocated `naive` sync: tensors handed to the rollout worker go into
+        # its engine over ipc), through the rollout worker's real update_weights: replica 0 only
+        trainer.perturb(seed=2)
+        tensors, baseline2 = trainer.tensors()[0], trainer.checksums()[0]
+        await naive_update(replicas[0], tensors, global_steps=2)
+        out["naive_versions"] = [get(u, "/weight_info")["weight_version"] for u in urls]
+        out["naive_match"] = [httpx.post(u + "/weight_checker", timeout=60, json={
+            "action": "compare", "baseline": baseline2}).json()["match"] for u in urls]
+        # bad input: the replicas are now on two weight versions; verl's next update is refused before any
+        # transfer, naming the odd engine, and nothing commits
+        try:
+            await ce.update_weights(global_steps=3)
+            out["split_versions"] = "accepted"
+        except Exception as e:  # noqa: BLE001 - verl wraps it in a RayTaskError
+            out["split_versions"] = str(e)[-400:]
+        out["versions_after_split"] = [get(u, "/weight_info")["weight_version"] for u in urls]
+        await asyncio.gather(*[r.resume_kv_cache() for r in replicas])  # verl leaves them stopped on an error
+        await asyncio.gather(*[r.resume_generation() for r in replicas])
+        await naive_update(replicas[1], tensors, global_steps=2)
+        out["versions_realigned"] = [get(u, "/weight_info")["weight_version"] for u in urls]
+
         # bad input: an engine that does not answer is refused before any transfer, naming it
         from engine.fleet.verl_weights import RollbusCheckpointEngine
         from engine.trainer.fleet import FleetError
@@ -232,6 +257,27 @@ async def main() -> dict:
     finally:
         ray.shutdown()
     return out
+
+
+async def naive_update(replica, tensors: list, global_steps: int) -> None:
+    """verl's colocated flow on a rollout worker: a `naive` checkpoint engine holding the tensors, then the
+    worker's own update_weights (receive_weights -> RollbusServerAdapter.update_weights)."""
+    [worker] = replica.workers
+
+    def swap(self, tensors):
+        from verl.checkpoint_engine.base import ColocatedCheckpointEngine
+
+        self.saved_engine, self.checkpoint_engine = self.checkpoint_engine, ColocatedCheckpointEngine(1 << 20)
+        self.checkpoint_engine.send_weights(tensors)
+
+    def restore(self):
+        self.checkpoint_engine = self.saved_engine
+
+    await worker.__ray_call__.remote(swap, tensors)
+    try:
+        await worker.update_weights.remote(global_steps=global_steps)
+    finally:
+        await worker.__ray_call__.remote(restore)
 
 
 def _alive(pid: int | None) -> bool:
