@@ -9,7 +9,8 @@ enforce_eager, seed, load_format, disable_log_stats, logprobs_mode, scheduling_p
 cudagraph_capture_sizes, served_model_name, enable_sleep_mode (when free_cache_engine), and
 skip_tokenizer_init -> tokens_only (no tokenizer; verl's server generates tokens in, tokens out).
 `engine_kwargs.rollbus` adds or overrides vLLM serve attributes (refused by name when rollbus refuses them).
-Every engine gets RL mode and the collective weight-transfer backend the checkpoint engine drives.
+Every engine gets RL mode and one weight-transfer backend: the collective one with
+`checkpoint_engine.backend=rollbus`, else ipc (what the server adapter sends).
 
 Refused, naming the field: what a rollbus replica cannot be (data / pipeline / expert parallelism inside
 one replica, prefill-decode disaggregation, MTP speculative decoding, routing replay, LoRA adapters).
@@ -108,7 +109,12 @@ def serve_namespace(rollout: Any, model_path: str, model: Any = None) -> dict[st
         ns["enable_sleep_mode"] = True
     if _get(rollout, "skip_tokenizer_init", False):
         ns["tokens_only"] = True
-    backend = weight_backend(_get(rollout, "checkpoint_engine.engine_kwargs.rollbus.backend"))
+    # an engine takes one transfer backend: the collective one the `rollbus` checkpoint engine drives, else
+    # ipc, for tensors verl hands the server adapter (its colocated `naive` sync, or another checkpoint engine)
+    if _get(rollout, "checkpoint_engine.backend") == "rollbus":
+        backend = weight_backend(_get(rollout, "checkpoint_engine.engine_kwargs.rollbus.backend"))
+    else:
+        backend = "ipc"
     ns["additional_config"] = {"rl_config": {"enabled": True}}
     ns["weight_transfer_config"] = {"backend": backend}
     extra = dict(_get(rollout, "engine_kwargs.rollbus", {}) or {})

@@ -12,8 +12,9 @@ each tensor is collective over the training group) and send nothing.
 
 RollbusServerAdapter is the BaseRollout server adapter verl builds in each rollout worker
 (`get_rollout_class("rollbus")`): resume / release map to the engine's wake_up / sleep, and update_weights
-takes tensors that another path hands it (verl's colocated `naive` sync) to the engine of its replica with
-WeightSyncClient's ipc backend (shared memory on CPU, CUDA / NPU IPC handles on devices).
+takes tensors that another path hands it (verl's colocated `naive` sync, another checkpoint engine) to the
+engine of its replica with WeightSyncClient's ipc backend (shared memory on CPU, CUDA / NPU IPC handles on
+devices); an engine takes one backend, so with `checkpoint_engine.backend=rollbus` that path is refused.
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ class RollbusServerAdapter(BaseRollout):
         tensors = [(n, t) async for n, t in ensure_async_iterator(weights)]
         if not self.is_leader_rank:
             return
-        if tensors:  # tensors handed to this worker: into its engine, in place (ipc)
+        if tensors and self.config.checkpoint_engine.backend == "rollbus":
+            raise ValueError("rollbus: tensors were handed to the rollout worker, but with checkpoint_engine.backend="
+                             "rollbus the engines take their weights from the trainer directly (collective); "
+                             "send them through CheckpointEngineManager.update_weights")
+        if tensors:  # tensors handed to this worker: into its engine, in place (the engine's backend is ipc)
             url = await self.engine_url()
             client = WeightSyncClient(url, backend="ipc", device=tensors[0][1].device)
             try:

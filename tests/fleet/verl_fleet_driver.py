@@ -205,26 +205,28 @@ async def main() -> dict:
         out["after_global_steps"] = [o.extra_fields.get("global_steps") for o in after]
         say("weights updated")
 
-        # the adapter's own path (verl's colocated `naive` sync: tensors handed to the rollout worker go into
-        # its engine over ipc), through the rollout worker's real update_weights: replica 0 only
+        # the adapter refuses tensors handed to a rollout worker: with checkpoint_engine.backend=rollbus the
+        # engines take them from the trainer (verl's colocated `naive` flow, through the worker's update_weights)
         trainer.perturb(seed=2)
-        tensors, baseline2 = trainer.tensors()[0], trainer.checksums()[0]
-        await naive_update(replicas[0], tensors, global_steps=2)
-        out["naive_versions"] = [get(u, "/weight_info")["weight_version"] for u in urls]
-        out["naive_match"] = [httpx.post(u + "/weight_checker", timeout=60, json={
-            "action": "compare", "baseline": baseline2}).json()["match"] for u in urls]
-        # bad input: the replicas are now on two weight versions; verl's next update is refused before any
-        # transfer, naming the odd engine, and nothing commits
+        tensors = trainer.tensors()[0]
+        try:
+            await naive_update(replicas[0], tensors, global_steps=2)
+            out["naive_refused"] = "accepted"
+        except Exception as e:  # noqa: BLE001 - verl wraps it in a RayTaskError
+            out["naive_refused"] = str(e)[-300:]
+        # bad input: an engine on another weight version; verl's next update is refused before any transfer,
+        # naming it, and nothing commits
+        httpx.post(urls[1] + "/update_weight_version", json={"new_version": "elsewhere"}, timeout=30)
         try:
             await ce.update_weights(global_steps=3)
             out["split_versions"] = "accepted"
         except Exception as e:  # noqa: BLE001 - verl wraps it in a RayTaskError
             out["split_versions"] = str(e)[-400:]
         out["versions_after_split"] = [get(u, "/weight_info")["weight_version"] for u in urls]
+        out["weights_after_split"] = [httpx.post(u + "/weight_checker", timeout=60, json={
+            "action": "compare", "baseline": baseline}).json()["match"] for u in urls]
         await asyncio.gather(*[r.resume_kv_cache() for r in replicas])  # verl leaves them stopped on an error
         await asyncio.gather(*[r.resume_generation() for r in replicas])
-        await naive_update(replicas[1], tensors, global_steps=2)
-        out["versions_realigned"] = [get(u, "/weight_info")["weight_version"] for u in urls]
 
         # bad input: an engine that does not answer is refused before any transfer, naming it
         from engine.fleet.verl_weights import RollbusCheckpointEngine
