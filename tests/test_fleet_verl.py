@@ -108,6 +108,7 @@ def test_verl_drives_two_rollbus_replicas(tmp_path, smollm2_dir) -> None:
                        capture_output=True, text=True, timeout=840, env=env, cwd=str(tmp_path))
     assert p.returncode == 0, f"driver failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    print(json.dumps({k: out[k] for k in ("start_s", "update_s", "restarted_s")}))  # with -s: the timings
     assert out["replica_classes"] == ["RollbusReplica"] and out["health"] == [200, 200]
     assert all(u.startswith("http://127.0.0.1:") for u in out["urls"])
     # generation: verl's client and each replica directly agree with the engine's own route, bitwise
@@ -137,4 +138,6 @@ def test_verl_drives_two_rollbus_replicas(tmp_path, smollm2_dir) -> None:
     assert "does not answer" in out["dead_engine"] and out["dead_engine_s"] < 5.0
     assert out["versions_after_refusal"] == ["global_step_1", "elsewhere"]
     assert "rollout.name must be rollbus" in out["foreign_rollout"]
+    assert "rollbus engine http://127.0.0.1:" in out["dead_generate"] and "does not answer" in out["dead_generate"]
+    assert out["restarted_s"] is not None and out["after_restart_stop"] == "completed"
     assert out["engines_left_after_kill"] == 0

@@ -120,7 +120,7 @@ class RollbusHttpServer:
                 await self.gate.wait()
             self.in_flight.add(request_id)
             try:
-                r = await self.http.post(self.url + "/inference/v1/generate", json=body)
+                r = await self._send("/inference/v1/generate", json=body)
             finally:
                 self.in_flight.discard(request_id)
             if r.status_code == 503 and "paused" in r.text and time.monotonic() < deadline:
@@ -223,8 +223,14 @@ class RollbusHttpServer:
     async def stop_profile(self) -> None:
         await self.start_profile()
 
+    async def _send(self, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return await self.http.post(self.url + path, **kw)
+        except httpx.HTTPError as e:  # a dead or restarting engine: say which, and what failed
+            raise EngineError(self.url, 503, f"POST {path}: does not answer ({type(e).__name__}: {e})") from None
+
     async def _post(self, path: str, **params: str) -> dict[str, Any]:
-        r = await self.http.post(self.url + path, params=params or None, timeout=300.0)
+        r = await self._send(path, params=params or None, timeout=300.0)
         if r.status_code != 200:
             raise EngineError(self.url, r.status_code, f"POST {path}: {_message(r)}")
         return r.json() if r.content.strip() else {}

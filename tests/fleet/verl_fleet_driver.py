@@ -249,6 +249,24 @@ async def main() -> dict:
         except ValueError as e:
             out["foreign_rollout"] = str(e)
 
+        # an engine that does not answer: generate() fails naming it; its actor brings it back
+        pid = await servers[1].child_pid.remote()
+        os.kill(pid, 9)
+        end = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        try:
+            await servers[1].generate.remote(prompt, dict(greedy), "to-a-dead-engine")
+            out["dead_generate"] = "answered"
+        except Exception as e:  # noqa: BLE001 - Ray wraps it
+            out["dead_generate"] = str(e)[-300:]
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 180 and not _healthy(urls[1]):
+            await asyncio.sleep(0.5)
+        out["restarted_s"] = round(time.monotonic() - t0, 1) if _healthy(urls[1]) else None
+        back = await servers[1].generate.remote(prompt, dict(greedy), "after-restart")
+        out["after_restart_stop"] = back.stop_reason
+
         pids = [await s.child_pid.remote() for s in servers]
         for s in servers:
             ray.kill(s)
@@ -280,6 +298,13 @@ async def naive_update(replica, tensors: list, global_steps: int) -> None:
         await worker.update_weights.remote(global_steps=global_steps)
     finally:
         await worker.__ray_call__.remote(restore)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _alive(pid: int | None) -> bool:
