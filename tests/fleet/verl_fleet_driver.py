@@ -259,7 +259,7 @@ async def main() -> dict:
             await servers[1].generate.remote(prompt, dict(greedy), "to-a-dead-engine")
             out["dead_generate"] = "answered"
         except Exception as e:  # noqa: BLE001 - Ray wraps it
-            out["dead_generate"] = str(e)[-300:]
+            out["dead_generate"] = str(e).strip().splitlines()[-1]  # Ray's traceback, then our message
         t0 = time.monotonic()
         while time.monotonic() - t0 < 180 and not _healthy(urls[1]):
             await asyncio.sleep(0.5)
