@@ -1,17 +1,11 @@
-"""IPC handles for moving weights from a trainer into the engine's workers on the same host.
+"""IPC handles that move weights from a trainer into the engine's workers on the same host.
 
-rollbus's own handles are plain data (JSON / msgpack; bytes as base64 text), so the receiver unpickles
-nothing. Every handle selects ``nbytes`` bytes at ``offset`` of the exported memory, and
-:meth:`HandleImporter.open` returns exactly that range as a flat uint8 tensor:
-
-- ``{"kind": "shm", "name", "offset", "nbytes", "size"}``: a POSIX shared-memory segment under /dev/shm
-  made by :class:`SharedBuffer` (CPU trainers);
-- ``{"kind": "cuda" | "npu", ...}``: a device tensor's memory (:func:`export_handle`), the fields of torch's
-  IPC rebuild tuple (``reduce_tensor``; torch_npu's has the same layout) without the classes.
-
-A producer with several devices sends ``{device_key: handle}``; each consumer picks its :func:`device_key`.
-vLLM's pickled handles (``ipc_handles_pickled``) are read at the end of this file. Only the CPU paths run in
-this repository's tests; the device paths follow torch's and torch_npu's IPC code.
+rollbus's own handles are plain data (bytes as base64 text): ``{"kind": "shm", "name", "offset", "nbytes",
+"size"}`` for a /dev/shm segment of a :class:`SharedBuffer` (CPU trainers), ``{"kind": "cuda" | "npu", ...}``
+for device memory (:func:`export_handle`: torch's IPC rebuild tuple without the classes). Each selects
+``nbytes`` bytes at ``offset``; :meth:`HandleImporter.open` returns that range as a flat uint8 tensor. A
+mapping ``{device_key: handle}`` serves several devices. vLLM's pickled handles are read at the end of this
+file. Only the CPU paths run in this repository's tests; the device paths follow torch's and torch_npu's.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import struct
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -161,9 +155,6 @@ class SharedBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"SharedBuffer({self.name!r}, size={self.size}{', closed' if self.closed else ''})"
-
 
 def _populate(mm: mmap.mmap, tensor: torch.Tensor) -> str:
     try:
@@ -270,12 +261,6 @@ def _no_handle(mapping: dict, dev: torch.device) -> ValueError:
 # --- consumer side ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _DeviceImport:
-    tensor: torch.Tensor  # flat uint8 over the whole exported tensor
-    counters: set[tuple[bytes | None, int]] = field(default_factory=set)  # producer ref counters already seen
-
-
 class HandleImporter:
     """Opens handles in a consumer process (one per worker) and caches the mappings: a shared-memory segment
     is mapped read-only once per (name, size) while the file under that name is the same, so repeated updates
@@ -284,7 +269,7 @@ class HandleImporter:
 
     def __init__(self) -> None:
         self._shm: dict[tuple[str, int], tuple[tuple[int, int], torch.Tensor]] = {}  # -> ((st_dev, st_ino), view)
-        self._dev: dict[tuple[Any, ...], _DeviceImport] = {}
+        self._dev: dict[tuple[Any, ...], tuple[torch.Tensor, set]] = {}  # -> (flat view, ref counters seen)
         self.maps_created = 0  # shared-memory mmaps made so far (the cache works when this stays put)
         self.imports_created = 0  # device rebuilds made so far
 
@@ -325,12 +310,6 @@ class HandleImporter:
         for key in gone:
             del self._shm[key]
         return len(gone)
-
-    def __enter__(self) -> HandleImporter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _open_shm(self, h: dict[str, Any]) -> torch.Tensor:
         name = h.get("name")
@@ -382,7 +361,7 @@ class HandleImporter:
         ident = (kind, a["handle"], a["storage_offset_bytes"], a["tensor_offset"], a["total"])
         counter = (a["ref_counter_handle"], a["ref_counter_offset"])
         imp = self._dev.get(ident)
-        if imp is None or counter not in imp.counters:
+        if imp is None or counter not in imp[1]:
             # A repeated export of an allocation we hold hits torch's shared_cache inside the rebuild, which then
             # only releases the producer's new ref counter; a handle re-sent as is (same counter) never gets
             # here, so the counter is not released twice (the over-release vllm-ascend warns about).
@@ -391,10 +370,10 @@ class HandleImporter:
                     a["ref_counter_handle"], a["ref_counter_offset"], a["event_handle"], h["event_sync_required"]]
             t = _rebuild(kind)(*args).reshape(-1).view(torch.uint8)  # this worker's device index, as vLLM
             if imp is None:
-                imp = self._dev[ident] = _DeviceImport(t)
+                imp = self._dev[ident] = (t, set())
                 self.imports_created += 1
-            imp.counters.add(counter)
-        return imp.tensor.narrow(0, h["offset"], h["nbytes"])
+            imp[1].add(counter)
+        return imp[0].narrow(0, h["offset"], h["nbytes"])
 
 
 def _inode(path: str) -> tuple[int, int] | None:
