@@ -11,6 +11,7 @@ file. Only the CPU paths run in this repository's tests; the device paths follow
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 import itertools
 import math
@@ -33,7 +34,7 @@ from ascend_ops.platform import current_platform
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "rollbus"
 HANDLE_KINDS = ("shm", "cuda", "npu")
-_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")
+_NAME_RE = re.compile(r"(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")  # a plain file name, no ".." in it
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
 _counter = itertools.count()  # next() on it is atomic under the GIL
 # The 15 arguments of torch's rebuild_cuda_tensor / torch_npu's rebuild_npu_tensor, in order.
@@ -280,15 +281,13 @@ class HandleImporter:
         for malformed, out-of-range or foreign handles."""
         if not isinstance(handle, dict):
             raise ValueError(f"an IPC handle must be a JSON object, got {type(handle).__name__}")
-        def dev() -> torch.device:
-            return torch.device(device) if device is not None else current_platform().device()
-
+        dev = torch.device(device) if device is not None else current_platform().device()
         if "kind" not in handle:
             if not handle:
                 raise ValueError("empty IPC handle mapping (expected {device_key: handle})")
-            key, h = _for_device(handle, dev()) or (None, None)
+            key, h = _for_device(handle, dev) or (None, None)
             if key is None:
-                raise _no_handle(handle, dev())
+                raise _no_handle(handle, dev)
             if not isinstance(h, dict):
                 raise ValueError(f"the handle for device key {key!r} must be a JSON object")
             handle = h
@@ -296,7 +295,7 @@ class HandleImporter:
         if kind == "shm":
             return self._open_shm(handle)
         if kind in ("cuda", "npu"):
-            return self._open_device(handle, dev())
+            return self._open_device(handle, dev)
         raise ValueError(f"unknown handle kind {kind!r}; known kinds: {', '.join(HANDLE_KINDS)}")
 
     def close(self) -> None:
@@ -313,7 +312,7 @@ class HandleImporter:
 
     def _open_shm(self, h: dict[str, Any]) -> torch.Tensor:
         name = h.get("name")
-        if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ValueError(f"bad shared-memory name {name!r}: a plain file name under {SHM_DIR} is expected "
                              "(letters, digits, '_', '-', '.'; not starting with '.'; no '/' or '..')")
         size = _int(h.get("size"), "handle size")
@@ -420,7 +419,7 @@ def check_device_handle(h: dict[str, Any]) -> dict[str, Any]:
                          f"({CUDA_IPC_REF_COUNTER_FILE_SIZE} slots)")
     if kind == "cuda":  # torch_npu keeps its counters its own way; the offset bound is all we know of them
         name = counter.decode("ascii", "replace")
-        if not name.startswith("/") or not _NAME_RE.fullmatch(name[1:]) or ".." in name:
+        if not name.startswith("/") or not _NAME_RE.fullmatch(name[1:]):
             raise ValueError(f"{kind} IPC handle: ref_counter_handle {counter[:64]!r} is not a shared-memory name")
         try:
             st = os.lstat(os.path.join(SHM_DIR, name[1:]))
@@ -433,13 +432,9 @@ def check_device_handle(h: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rebuild(kind: str) -> Any:
-    if kind == "cuda":
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        return rebuild_cuda_tensor
-    from torch_npu.multiprocessing.reductions import rebuild_npu_tensor  # type: ignore[import-not-found]
-
-    return rebuild_npu_tensor
+    """torch's rebuild_cuda_tensor or torch_npu's rebuild_npu_tensor."""
+    package = "torch" if kind == "cuda" else "torch_npu"
+    return getattr(importlib.import_module(f"{package}.multiprocessing.reductions"), f"rebuild_{kind}_tensor")
 
 
 # --- vLLM's pickled handles (update_info.ipc_handles_pickled) -------------------------------------------

@@ -19,6 +19,7 @@ from engine.weights.protocol import (
     WeightSyncError,
     byte_views,
     pack,
+    plan_chunks,
 )
 
 _PICKLED = "ipc_handles_pickled"
@@ -180,7 +181,8 @@ class Sender:
             yield {**UpdateMeta(metas).to_info(), "ipc_handles": handles}
             return
         # a shared buffer must hold the largest tensor (vLLM's examples size it the same way)
-        chunks = _plan(metas, max(c.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES // 4, max(m.nbytes for m in metas)))
+        size = max(c.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES // 4, max(m.nbytes for m in metas))
+        chunks = plan_chunks(metas, size, fit=True)
         nbuf = len(chunks) if reuse is None else min(c.num_buffers, len(chunks))
         for k, chunk in enumerate(chunks):
             slot = k % nbuf
@@ -242,25 +244,6 @@ class Sender:
         if self._arena is not None:
             self._arena.close()  # unlinks the name; the trainer's tensors keep the memory
             self._arena = None
-
-
-def _plan(metas: list[ParamMeta], size: int) -> list[list[int]]:
-    """Chunks of at most `size` bytes, in an order that keeps the first and the last ones small: the trainer's
-    copy into the first buffer and the engine's copy out of the last are the two that overlap nothing. The
-    tensors go small to large to small, and a chunk holds at most the smaller of what is already sent and what
-    is left after it (at least size/16): chunk sizes double up to `size`, then halve towards the end."""
-    by_size = sorted(range(len(metas)), key=lambda i: metas[i].nbytes)
-    order = by_size[::2] + by_size[1::2][::-1]
-    left, sent, chunks, cur, n = sum(m.nbytes for m in metas), 0, [], [], 0
-    for i in order:
-        nb = metas[i].nbytes
-        left -= nb
-        if cur and n + nb > min(size, max(size // 16, min(sent, left))):
-            chunks.append(cur)
-            sent, cur, n = sent + n, [], 0
-        cur.append(i)
-        n += nb
-    return chunks + [cur] if cur else chunks
 
 
 class _DeviceBuffer:
