@@ -464,77 +464,61 @@ def insecure_serialization_allowed(environ: Any = None) -> bool:
                          "set it to 1 to accept pickled handles)") from None
 
 
-class _Frozen:
-    """A stand-in shared across requests, so with no state a pickle could change: slots only, no
-    __setattr__, and BUILD (__setstate__) is refused (a frozen slotted dataclass would accept one)."""
+class _Global:
+    """An inert stand-in for an allowed global, shared across requests and so with no state a pickle could
+    change: slots only, no __setattr__, BUILD (__setstate__) refused (a frozen slotted dataclass would accept
+    one). A class may only be a value; a function's stand-in has `call`, which checks the arguments and
+    returns inert data (torch's rebuild functions: the (function, args) pair, checked like any handle)."""
 
-    __slots__ = ()
-    _fields: tuple[str, ...] = ()
+    __slots__ = ("name", "call")
 
-    def __init__(self, *values: Any) -> None:
-        for k, v in zip(self._fields, values):
-            object.__setattr__(self, k, v)
+    def __init__(self, name: str, call: Any = None) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "call", call)
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise AttributeError("read-only")
 
     def __setstate__(self, state: Any) -> None:
-        raise ValueError(f"{_PICKLED}: the pickle tries to set the state of {self!r}")
+        raise ValueError(f"{_PICKLED}: the pickle tries to set the state of {self.name}")
 
     def __reduce__(self) -> Any:  # never pickled back out
         raise TypeError("not picklable")
 
-
-class _Global(_Frozen):
-    """An allowed class global, usable only as a value (calling it is refused)."""
-
-    __slots__ = _fields = ("name",)
-
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.name == self.name  # type: ignore[attr-defined]
+        return type(other) is _Global and other.name == self.name
 
     def __hash__(self) -> int:
-        return hash((type(self).__name__, self.name))
+        return hash(self.name)
 
     def __repr__(self) -> str:
         return f"<{self.name}>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(f"{_PICKLED}: the pickle calls {self.name}, which is only allowed as a value")
+        if self.call is None:
+            raise ValueError(f"{_PICKLED}: the pickle calls {self.name}, which is only allowed as a value")
+        if kwargs:
+            raise ValueError(f"{_PICKLED}: {self.name} called with keyword arguments")
+        return self.call(self, args)
 
 
-class _RebuildFn(_Global):
-    """One of torch's rebuild functions: a call gives back (function, args), checked like any other handle."""
+class _InlineStorage(bytes):
+    """``torch.storage._load_from_bytes(blob)`` as the pickle asked for it; parsed by _parse_legacy_storage."""
 
     __slots__ = ()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise ValueError(f"{_PICKLED}: {self.name} called with keyword arguments")
-        return (self, args)
+    @property
+    def blob(self) -> bytes:
+        return bytes(self)
 
 
-class _InlineStorage(_Frozen):
-    """``torch.storage._load_from_bytes(blob)`` as the pickle asked for it; parsed by _parse_legacy_storage."""
-
-    __slots__ = _fields = ("blob",)
-
-    def __repr__(self) -> str:
-        return "an inline storage"
-
-
-class _Builder(_Frozen):
-    """A callable stand-in (functions have a __dict__ a pickle could set): fn(*args) checks its arguments."""
-
-    __slots__ = _fields = ("fn", "check", "name")
-
-    def __repr__(self) -> str:
-        return "a stand-in"
-
-    def __call__(self, *args: Any) -> Any:
-        if not self.check(args):
-            raise ValueError(f"{_PICKLED}: {self.name}")
-        return self.fn(*args)
+def _one(test: Any, make: Any, expects: str) -> Any:
+    """A stand-in's `call`: one argument passing `test`, made into `make(argument)`."""
+    def call(g: _Global, args: tuple[Any, ...]) -> Any:
+        if len(args) != 1 or not test(args[0]):
+            raise ValueError(f"{_PICKLED}: {g.name} expects {expects}")
+        return make(args[0])
+    return call
 
 
 def _dims(v: Any) -> bool:
@@ -543,20 +527,18 @@ def _dims(v: Any) -> bool:
 
 TENSOR_DTYPES = {n: getattr(torch, n) for n in (
     "float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
-_CUDA_REBUILD = _RebuildFn("torch.multiprocessing.reductions.rebuild_cuda_tensor")
-_NPU_REBUILD = _RebuildFn("torch_npu.multiprocessing.reductions.rebuild_npu_tensor")
-_CPU_REBUILD = _RebuildFn("torch.multiprocessing.reductions.rebuild_tensor")
+_CUDA_REBUILD, _NPU_REBUILD, _CPU_REBUILD = _REBUILDS = tuple(
+    _Global(f"{package}.multiprocessing.reductions.rebuild_{what}", call=lambda g, args: (g, args))
+    for package, what in (("torch", "cuda_tensor"), ("torch_npu", "npu_tensor"), ("torch", "tensor")))
 _TENSOR_CLASSES = {_Global("torch.Tensor"), _Global("torch.nn.parameter.Parameter")}
 _STORAGE_CLASSES = {f"torch.{p}{n}": n for p, n in (("storage.", "TypedStorage"), ("", "UntypedStorage"))}
 
 # What ipc_handles_pickled may name, each mapped to what the unpickler hands the pickle instead.
 PICKLED_HANDLE_GLOBALS: dict[tuple[str, str], Any] = {
-    **{tuple(g.name.rsplit(".", 1)): g for g in (*_TENSOR_CLASSES, _CUDA_REBUILD, _NPU_REBUILD, _CPU_REBUILD,
-                                                 *map(_Global, _STORAGE_CLASSES))},
-    ("torch", "Size"): _Builder(lambda a: tuple(a), lambda a: len(a) == 1 and _dims(a[0]),
-                                "torch.Size expects one sequence of non-negative ints"),
-    ("torch.storage", "_load_from_bytes"): _Builder(_InlineStorage, lambda a: len(a) == 1 and isinstance(a[0], bytes),
-                                                    "torch.storage._load_from_bytes expects one bytes argument"),
+    **{tuple(g.name.rsplit(".", 1)): g for g in (*_TENSOR_CLASSES, *_REBUILDS, *map(_Global, _STORAGE_CLASSES))},
+    ("torch", "Size"): _Global("torch.Size", _one(_dims, tuple, "one sequence of non-negative ints")),
+    ("torch.storage", "_load_from_bytes"): _Global("torch.storage._load_from_bytes", _one(
+        lambda b: isinstance(b, bytes), _InlineStorage, "one bytes argument")),
     **{("torch", n): dt for n, dt in TENSOR_DTYPES.items()},
 }
 
@@ -619,7 +601,7 @@ def resolve_pickled_handle(entry: Any, expect: Expect, device: torch.device, whe
     if found is None:
         raise ValueError(f"{where}: {_no_handle(entry, device)}")
     args, fn = found[1], None
-    if isinstance(args, tuple) and len(args) == 2 and isinstance(args[0], _RebuildFn):
+    if isinstance(args, tuple) and len(args) == 2 and args[0] in _REBUILDS:
         fn, args = args
     if not isinstance(args, tuple | list):
         raise ValueError(f"{where}: rebuild args must be a tuple, got {type(args).__name__}")
