@@ -107,7 +107,7 @@ class SharedBuffer:
         self.size = nbytes
         while True:  # a stale segment of a dead process with our pid: take the next number
             self.name = f"{SHM_PREFIX}-{os.getpid()}-{next(_counter)}"
-            self.path = os.path.join(SHM_DIR, self.name)
+            self.path = f"{SHM_DIR}/{self.name}"
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 break
@@ -305,7 +305,7 @@ class HandleImporter:
     def prune(self) -> int:
         """Forget mappings of segments the producer has unlinked (or replaced), so a long-lived engine does
         not keep every departed trainer's buffers mapped. Returns how many."""
-        gone = [key for key, (inode, _) in self._shm.items() if _inode(os.path.join(SHM_DIR, key[0])) != inode]
+        gone = [key for key, (inode, _) in self._shm.items() if _inode(f"{SHM_DIR}/{key[0]}") != inode]
         for key in gone:
             del self._shm[key]
         return len(gone)
@@ -319,7 +319,7 @@ class HandleImporter:
         if size <= 0:
             raise ValueError(f"handle size must be positive, got {size}")
         _check_range(h.get("offset"), h.get("nbytes"), size, f"shared-memory segment {name}")
-        path = os.path.join(SHM_DIR, name)
+        path = f"{SHM_DIR}/{name}"
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -422,7 +422,7 @@ def check_device_handle(h: dict[str, Any]) -> dict[str, Any]:
         if not name.startswith("/") or not _NAME_RE.fullmatch(name[1:]):
             raise ValueError(f"{kind} IPC handle: ref_counter_handle {counter[:64]!r} is not a shared-memory name")
         try:
-            st = os.lstat(os.path.join(SHM_DIR, name[1:]))
+            st = os.lstat(f"{SHM_DIR}{name}")
         except OSError:
             raise ValueError(f"{kind} IPC handle: no ref-counter segment {name!r} (the producer is gone, or not on "
                              "this host)") from None
@@ -439,14 +439,10 @@ def _rebuild(kind: str) -> Any:
 
 # --- vLLM's pickled handles (update_info.ipc_handles_pickled) -------------------------------------------
 #
-# vLLM's HTTP client sends base64(pickle.dumps(ipc_handles)): a list (one per tensor) of {device_key: args},
-# or one such dict for a packed buffer, where args is what torch's reduce_tensor returns: 15 fields for a
-# CUDA tensor (torch_npu's rebuild_npu_tensor has the same layout), 3 for a CPU tensor (rebuild_tensor's
-# cls, storage, metadata; plain pickle writes the storage as torch.storage._load_from_bytes(<torch.save
-# bytes>), the data itself). Older examples send (rebuild_fn, args) pairs. engine.weights.safe_pickle reads
-# the pickle with the allow-list below, whose entries are inert stand-ins: nothing the pickle names is called.
-# Each field is then checked against the declared tensor, and a device handle becomes a plain-data one,
-# opened by the same code as rollbus's own.
+# base64(pickle.dumps(handles)): a list (one per tensor) or one dict (packed) of {device_key: args}, args being
+# reduce_tensor's: 15 fields for CUDA/NPU, 3 for CPU (the storage inline, as torch.storage._load_from_bytes of
+# torch.save bytes); older examples send (rebuild_fn, args). Read with the allow-list below (inert stand-ins:
+# nothing the pickle names is called), checked against the declared tensor, then opened as our own handles.
 
 INSECURE_SERIALIZATION_VAR = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 _MAX_HANDLE_BYTES = 1 << 20  # an IPC memory / event handle (64 bytes; expandable segments send more)
@@ -574,8 +570,7 @@ def load_pickled_handles(text: Any) -> Any:
 
 @dataclass(frozen=True)
 class Expect:
-    """What one handle must hold: a tensor of `dtype` and `shape` (unpacked), or at least `nbytes` bytes of
-    a flat uint8 buffer (packed)."""
+    """What one handle must hold: a `dtype` tensor of `shape`, or (packed) a flat uint8 buffer of >= nbytes."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
