@@ -115,16 +115,12 @@ class Receiver:
 def _unpickle(text: Any) -> Any:
     """vLLM's ``ipc_handles_pickled``, behind vLLM's opt-in; read by the restricted unpickler."""
     try:
-        allowed = ipc.insecure_serialization_allowed()
-    except ValueError as e:
-        raise WeightSyncError(str(e), param=_PICKLED) from None
-    if not allowed:
-        raise WeightSyncError(
-            f"Refusing to deserialize `ipc_handles_pickled` without {ipc.INSECURE_SERIALIZATION_VAR}=1: set it "
-            "in the environment of `rollbus serve` (vLLM's opt-in; rollbus then admits only torch's "
-            "tensor-rebuild arguments, see docs/weight-sync.md), or send plain-data `ipc_handles` "
-            "(engine.trainer.WeightSyncClient does)", param=_PICKLED)
-    try:
+        if not ipc.insecure_serialization_allowed():
+            raise WeightSyncError(
+                f"Refusing to deserialize `ipc_handles_pickled` without {ipc.INSECURE_SERIALIZATION_VAR}=1: set it "
+                "in the environment of `rollbus serve` (vLLM's opt-in; rollbus then admits only torch's "
+                "tensor-rebuild arguments, see docs/weight-sync.md), or send plain-data `ipc_handles` "
+                "(engine.trainer.WeightSyncClient does)", param=_PICKLED)
         return ipc.load_pickled_handles(text)
     except ValueError as e:
         raise WeightSyncError(str(e), param=_PICKLED) from None
