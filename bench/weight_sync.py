@@ -106,10 +106,10 @@ def instrument(client: WeightSyncClient) -> dict[str, list[float]]:
     calls: dict[str, list[float]] = {}
     post = client._post
 
-    def timed(path, body):
+    def timed(path, body, url=None):
         t = time.perf_counter()
         try:
-            return post(path, body)
+            return post(path, body, url)
         finally:
             calls.setdefault(path.split("?")[0], []).append(time.perf_counter() - t)
 

@@ -70,7 +70,7 @@ class ParamMeta:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +168,7 @@ def byte_views(buf: torch.Tensor, params: list[ParamMeta]) -> list[torch.Tensor]
     for p in params:
         raw = buf[off:off + p.nbytes]
         off += p.nbytes
-        size = torch.empty(0, dtype=p.dtype).element_size()
+        size = p.dtype.itemsize
         if raw.data_ptr() % size:
             raw = raw.clone()
         out.append(raw.view(p.dtype).view(p.shape))
