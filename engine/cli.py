@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--rank", type=int, default=0,
                             help="The worker's tensor-parallel rank inside its engine (--data-parallel-rank); "
                                  "bus name worker-<engine x tp + rank>.")
+            sp.add_argument("--device-index", type=int, default=None,
+                            help="The device, among those this process sees, that the worker uses. Default: its "
+                                 "place among this host's workers (engine x tp + rank, counted from "
+                                 "--data-parallel-start-rank); a Ray worker actor passes 0 (its bundle's device).")
         add_engine_args(sp)
     sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP, add_help=False)  # listed; parsed by keys_main
     return p
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.role == "worker":
             from workers.worker_actor import run_worker_process
 
-            run_worker_process(cfg, args.rank)
+            run_worker_process(cfg, args.rank, args.device_index)
         elif args.role == "coordinator":
             from engine.coordinator.actor import run_coordinator_process
 

@@ -96,6 +96,7 @@ class Launcher:
         self.restarts: dict[str, float] = {}  # child -> when to start it again
         self.restarted_at: dict[str, float] = {}  # child -> when it was started again (for the "back" line)
         self._platform_name = "cpu"
+        self.ray = None  # engine.fleet.ray_executor.RayWorkers with --distributed-executor-backend ray
 
     def run(self) -> int:
         from engine.model_store import resolve_model
@@ -107,6 +108,11 @@ class Launcher:
         if why:
             print(f"rollbus: {why}", file=sys.stderr, flush=True)
             return 2
+        if self.cfg.parallel.distributed_executor_backend == "ray":
+            why = self._prepare_ray()
+            if why:
+                print(f"rollbus: {why}", file=sys.stderr, flush=True)
+                return 2
         env = dict(os.environ)
         if self.cfg.gateway.api_key:
             env["VLLM_API_KEY"] = self.cfg.gateway.api_key
@@ -126,7 +132,7 @@ class Launcher:
         self._role_argv = dict(roles(self.cfg))
         try:
             for name in self._role_argv:
-                self._spawn(name)
+                self._start(name)
             code = self._wait_ready(ready_sock)
             if code is None:
                 code = self._supervise(ready_sock)
@@ -155,8 +161,36 @@ class Launcher:
             why = layout_error(load_hf_config(folder), self.cfg.parallel.tensor_parallel_size)
             if why:
                 return why
+        if self.cfg.parallel.distributed_executor_backend == "ray":
+            return None  # the workers' devices are their bundles' (engine.fleet.ray_placement)
         self._platform_name, device_count = launcher_platform()  # no torch import on a CPU-only host
         return check_devices(Topology.from_config(self.cfg), self._platform_name, device_count)
+
+    def _prepare_ray(self) -> str | None:
+        """Ray: connect, place the workers on a placement group's bundles, make the bus keys; why not."""
+        try:
+            from engine.fleet.ray_executor import missing_ray_message
+        except ImportError as e:
+            return f"--distributed-executor-backend ray: {e}"
+        why = missing_ray_message()
+        if why:
+            return why
+        from engine.fleet.ray_executor import RayWorkers
+        from engine.fleet.ray_placement import PlacementError
+
+        try:
+            self.ray = RayWorkers.prepare(self.cfg, Topology.from_config(self.cfg))
+        except PlacementError as e:
+            return str(e)
+        self.cfg = self.ray.cfg  # the tcp bus host and key folder every process is started with
+        print(f"rollbus: {self.ray.describe()}", file=sys.stderr, flush=True)
+        return None
+
+    def _start(self, name: str) -> None:
+        if self.ray is not None and self._role_argv[name][0] == "worker":
+            self.ray.start(name, self._role_argv[name], self._argv[:-2])  # the actor has its own ready endpoint
+        else:
+            self._spawn(name)
 
     def _spawn(self, name: str) -> None:
         self.procs[name] = subprocess.Popen(
@@ -207,7 +241,7 @@ class Launcher:
 
     def _wait_ready(self, sock: zmq.Socket) -> int | None:
         t0 = time.monotonic()
-        waiting = set(self.procs)
+        waiting = set(self._role_argv)
         while waiting:
             if self._stop:
                 return 0
@@ -218,6 +252,13 @@ class Launcher:
             if time.monotonic() - t0 > self.ready_timeout_s:
                 print(f"rollbus: not ready after {self.ready_timeout_s:.0f}s: {sorted(waiting)}", file=sys.stderr)
                 return 1
+            if self.ray is not None:
+                ready, dead = self.ray.poll()
+                waiting -= {name for name, _ in ready}
+                if dead:
+                    print(f"rollbus: {dead[0][0]}'s Ray actor died during start-up ({dead[0][1]}); stopping",
+                          file=sys.stderr, flush=True)
+                    return 1
             if sock.poll(200):
                 msg = self._recv_ready(sock)
                 if isinstance(msg, Ready):
@@ -259,6 +300,8 @@ class Launcher:
                     del self.restarts[name]
                     self._spawn(name)
                     self.restarted_at[name] = time.monotonic()
+            if self.ray is not None and self._ray_deaths(now):
+                return 1
             if sock.poll(200):
                 self._on_ready(sock)
         return 0
@@ -274,15 +317,37 @@ class Launcher:
             print(f"rollbus: an undecodable message on the ready socket ({e}); ignored", file=sys.stderr, flush=True)
             return None
 
+    def _ray_deaths(self, now: float) -> bool:
+        """Ray worker actors: a death counts against --max-restarts (Ray restarts the actor on its bundle); true
+        when it is one too many, or the actor cannot come back."""
+        ready, dead = self.ray.poll()
+        for name, info in ready:
+            self._back(name, info["pid"])
+        for name, why in dead:
+            delay = None if name in self.ray.gone else self.policy.on_exit(name, now)
+            if delay is None:
+                print(f"rollbus: {name}'s Ray actor died ({why}); "
+                      + (f"it died {self.policy.recent(name) + 1} times within {WINDOW_S:.0f}s (--max-restarts "
+                         f"{self.cfg.bus.max_restarts})" if name not in self.ray.gone else "Ray will not restart it")
+                      + ": giving up, stopping all processes", file=sys.stderr, flush=True)
+                return True
+            print(f"rollbus: {name}'s Ray actor died ({why}); Ray restarts it on its bundle (restart "
+                  f"{self.policy.recent(name)} of {self.cfg.bus.max_restarts} within {WINDOW_S:.0f}s); the other "
+                  "processes keep running", file=sys.stderr, flush=True)
+            self.restarted_at[name] = time.monotonic()
+        return False
+
     def _on_ready(self, sock: zmq.Socket) -> None:
         """A restarted child finished its start-up."""
         msg = self._recv_ready(sock)
         if not isinstance(msg, Ready):
             return
-        name = "gateway" if msg.role == "gateway" else msg.name
+        self._back("gateway" if msg.role == "gateway" else msg.name, msg.pid)
+
+    def _back(self, name: str, pid: int) -> None:
         started = self.restarted_at.pop(name, None)
         if started is not None:
-            print(f"rollbus: {name} is back (pid {msg.pid}, ready {time.monotonic() - started:.1f}s after its "
+            print(f"rollbus: {name} is back (pid {pid}, ready {time.monotonic() - started:.1f}s after its "
                   "restart)", file=sys.stderr, flush=True)
 
     def _stop_all(self) -> None:
@@ -297,6 +362,8 @@ class Launcher:
                 gateway.wait(self.cfg.gateway.shutdown_timeout + 2 * STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 gateway.kill()
+        if self.ray is not None:  # the workers, then the scheduler and the coordinator
+            self.ray.stop()
         for name in reversed(list(self.procs)):
             p = self.procs[name]
             if p.poll() is None:

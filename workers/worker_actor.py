@@ -113,7 +113,7 @@ class StepInterrupted(Exception):
 
 
 class WorkerActor:
-    def __init__(self, cfg: EngineConfig, rank: int, ctx: zmq.Context, ep: Endpoints):
+    def __init__(self, cfg: EngineConfig, rank: int, ctx: zmq.Context, ep: Endpoints, device_index: int | None = None):
         self.cfg, self.rank = cfg, rank  # rank: the tensor-parallel rank inside our engine
         # data parallelism (bus.topology): our engine, global worker index, name, and whose weights we can
         # take after a restart (the same tp rank in another engine)
@@ -125,7 +125,8 @@ class WorkerActor:
         self.donor = topo.donor(self.engine, rank)
         tp, dp_rank = topo.tp, self.engine
         platform = current_platform()
-        device = platform.device(topo.local_device(self.engine, rank))
+        device_index = topo.local_device(self.engine, rank) if device_index is None else device_index
+        device = platform.device(device_index)
         self.layers_done = 0  # layers of the step in progress (tp: when to check for an abort together)
         extra = cfg.rl.additional_config
         det = determinism(extra)
@@ -138,7 +139,7 @@ class WorkerActor:
         self.tp_peers = set(topo.worker_names(self.engine)) - {self.name}
         self.fatal: str | None = None  # the tp group is out of step: exit (the launcher restarts us)
         loaded = load_worker(cfg, name=self.name, rank=rank, tp_size=tp, device=device,
-                             device_index=topo.local_device(self.engine, rank), platform=platform, det=det, tp=self.tp)
+                             device_index=device_index, platform=platform, det=det, tp=self.tp)
         model, kv, self.runner = loaded.model, loaded.kv, loaded.runner
         self.sleep = SleepManager(model, kv, platform)
         self.extra_cleanup = extra.rl.effective()["sleep_mode_extra_cleanup"]
@@ -436,7 +437,7 @@ class WorkerActor:
         return WeightsReloaded(len(names))
 
 
-def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
+def run_worker_process(cfg: EngineConfig, rank: int = 0, device_index: int | None = None) -> None:
     setup_logging(cfg.log_level, process=Topology.from_config(cfg).worker_name(cfg.parallel.data_parallel_rank, rank))
     # RL mode: allocator and NZ settings must change before the first device allocation.
     extra = cfg.rl.additional_config
@@ -451,7 +452,7 @@ def run_worker_process(cfg: EngineConfig, rank: int = 0) -> None:
     torch.set_grad_enabled(False)
     ctx = zmq.Context()
     ep = Endpoints.from_config(cfg).secure(ctx)
-    actor = extend_worker_class(WorkerActor, cfg.parallel.worker_extension_cls)(cfg, rank, ctx, ep)
+    actor = extend_worker_class(WorkerActor, cfg.parallel.worker_extension_cls)(cfg, rank, ctx, ep, device_index)
     call_hook(actor, "init_worker_extension")
     try:
         actor.start()

@@ -160,6 +160,44 @@ def new_parser(prog: str = "rollbus serve", **kw: Any) -> argparse.ArgumentParse
 # ------------------------------------------------------------------------------------------- checks
 
 
+# vLLM's values of --distributed-executor-backend (vllm.config.parallel.DistributedExecutorBackend) besides a
+# custom Executor's import path; rollbus implements mp and ray.
+VLLM_EXECUTOR_BACKENDS = ("ray", "mp", "uni", "external_launcher")
+
+
+def _executor_problems(cfg: EngineConfig, transport_given: str | None) -> list[str]:
+    """--distributed-executor-backend: vLLM's values rollbus lacks are refused by name, other values with
+    vLLM's message; ray needs a tcp bus and one launcher placing every engine's workers."""
+    backend, par = cfg.parallel.distributed_executor_backend, cfg.parallel
+    if backend in VLLM_EXECUTOR_BACKENDS[2:] or (backend not in VLLM_EXECUTOR_BACKENDS and "." in backend):
+        return [f"--distributed-executor-backend {backend}: not supported here: workers are rollbus's own "
+                "processes on its bus, started by `rollbus serve` (mp) or as Ray actors (ray); accepted: mp, ray"]
+    if backend not in VLLM_EXECUTOR_BACKENDS:
+        return [f"Unrecognized distributed executor backend {backend}. Supported values are 'ray', 'mp' 'uni', "
+                "'external_launcher',  custom Executor subclass or its import path."]
+    if backend != "ray":
+        return []
+    out = []
+    if transport_given == "ipc":
+        out.append("--bus-transport ipc: with --distributed-executor-backend ray the workers may run on other hosts; "
+                   "the bus is tcp (drop --bus-transport)")
+    if cfg.bus.bus_engine_hosts:
+        out.append("--bus-engine-hosts: with --distributed-executor-backend ray every scheduler runs beside "
+                   "`rollbus serve` (only workers are placed by Ray): drop it")
+    if par.data_parallel_size_local is not None or par.data_parallel_start_rank:
+        out.append("--data-parallel-size-local / --data-parallel-start-rank split the engines over several "
+                   "`rollbus serve` launchers; with --distributed-executor-backend ray one launcher places every "
+                   "engine's workers: drop them")
+    return out
+
+
+def launcher_makes_keys(cfg: EngineConfig) -> bool:
+    """`rollbus serve --distributed-executor-backend ray` on tcp without --bus-curve-dir or --bus-insecure: the
+    launcher makes the engine's CURVE keys and hands them to every process (engine.fleet.ray_executor)."""
+    return (cfg.parallel.distributed_executor_backend == "ray" and cfg.bus.bus_transport == "tcp"
+            and not cfg.bus.bus_curve_dir and not cfg.bus.bus_insecure)
+
+
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate the parsed flags (SystemExit with every problem named) and build the config."""
     refusals, notes = refusals_and_notes(ns)
@@ -181,6 +219,9 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         if len(keys) > 1:
             raise SystemExit(f"rollbus: --api-key takes one key here; {len(keys)} were given")
         values["api_key"] = keys[0]
+    transport_given = values.get("bus_transport")
+    values["bus_transport"] = transport_given or ("tcp" if values.get("distributed_executor_backend") == "ray" else
+                                                  "ipc")
     try:
         cfg = EngineConfig.from_flags(notes=tuple(notes), **values)
     except ValueError as e:
@@ -190,6 +231,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
     par, cache_cfg = cfg.parallel, cfg.cache
     problems = Topology.from_config(cfg).problems()
     problems += engine_host_problems(cfg.bus, par.data_parallel_size)
+    problems += _executor_problems(cfg, transport_given)
     if par.data_parallel_rank >= par.data_parallel_size:
         problems.append(f"--data-parallel-rank {par.data_parallel_rank} is not an engine of --data-parallel-size "
                         f"{par.data_parallel_size} (0..{par.data_parallel_size - 1})")
@@ -227,7 +269,8 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
                              "turns that cache off")
         check_model_config(cfg.model, tokens_only=cfg.rl.tokens_only)
         flag_owners.check("worker_extension_cls", cfg.parallel.worker_extension_cls)
-        check_bus(cfg)
+        if not launcher_makes_keys(cfg):
+            check_bus(cfg)
         if cfg.rl.weights_recovery_resume and not cfg.rl.weights_recovery_dir:
             raise ValueError("--weights-recovery-resume serves the copies in --weights-recovery-dir: give that too")
     except (ValueError, OSError) as e:

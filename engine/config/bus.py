@@ -30,9 +30,10 @@ class BusConfig:
 def add_args(p: argparse.ArgumentParser) -> None:
     d = BusConfig()
     g = p.add_argument_group("bus")
-    g.add_argument("--bus-transport", default=os.environ.get("ROLLBUS_BUS_TRANSPORT", d.bus_transport),
+    g.add_argument("--bus-transport", default=os.environ.get("ROLLBUS_BUS_TRANSPORT") or None,
                    choices=["ipc", "tcp"],
-                   help="ipc:// sockets (one host) or tcp:// (processes on several hosts). Env ROLLBUS_BUS_TRANSPORT.")
+                   help="ipc:// sockets (one host) or tcp:// (processes on several hosts). Env ROLLBUS_BUS_TRANSPORT. "
+                        "Default: ipc; tcp with --distributed-executor-backend ray.")
     g.add_argument("--bus-dir", default=os.environ.get("ROLLBUS_BUS_DIR"),
                    help="Folder for ipc:// sockets (refused with --bus-transport tcp). Env ROLLBUS_BUS_DIR. Default: a "
                         "folder per --port in the temp dir.")

@@ -21,6 +21,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"  # vLLM's: where tp rank 0 hosts the group's TCPStore
     master_port: int = 29501  # vLLM's default; an engine's tp group rendezvous port
     distributed_timeout_seconds: int | None = None  # vLLM's: group set-up and collectives (None: 600 s)
+    distributed_executor_backend: str = "mp"  # vLLM's: mp (processes of this host) | ray (engine.fleet.ray_executor)
     worker_extension_cls: str = ""  # module.Class mixed into every worker (workers.extension)
 
     @property
@@ -44,6 +45,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout-seconds", type=int, default=None,
                    help="Seconds the tensor-parallel group set-up and each of its collectives may take "
                         "(default 600); a worker whose peer died fails its step instead of waiting longer.")
+    g.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend, metavar="{mp,ray}",
+                   help="How an engine's worker processes are started (vLLM's flag). mp: by `rollbus serve` on this "
+                        "host. ray: each worker is a Ray actor on a bundle of a placement group (the current one "
+                        "when started inside one, else one created with a bundle per worker), so -tp spans hosts; "
+                        "the bus becomes tcp with CURVE keys the launcher makes and hands to every worker, and Ray "
+                        "restarts a dead worker actor. Needs `pip install rollbus[ray]` (docs/fleet.md).")
     g.add_argument("--data-parallel-size", "-dp", type=positive("--data-parallel-size"),
                    default=d.data_parallel_size, metavar="M",
                    help="Engines (a scheduler with its own workers each) behind the gateway, which routes each "

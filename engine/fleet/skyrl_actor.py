@@ -28,7 +28,6 @@ this process's python) `-m engine.cli serve`; ROLLBUS_PYTHONPATH, when set, is i
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any
 from urllib.error import URLError
 from urllib.request import urlopen
+
+from engine.fleet.ray_placement import die_with_parent, has_accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -88,19 +89,6 @@ def _free_port(start: int) -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in [{start}, {start + 1000})")
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the actor process dies (Linux PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def has_accelerator() -> bool:
-    forced = os.environ.get("ROLLBUS_DEVICE", "").lower()
-    if forced:
-        return forced not in ("cpu",)
-    return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/davinci0", "/dev/davinci_manager"))
 
 
 def serve_argv(cli_args: Namespace | dict[str, Any], python: str) -> list[str]:
@@ -262,7 +250,7 @@ class RollbusServerActor:
         assert self.argv is not None
         log = open(self.log_path(), "ab")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         log.close()
         logger.info("rollbus engine %d: pid %d on port %d", self.server_idx, self.proc.pid, self.port)
 
