@@ -56,6 +56,7 @@ PG_READY_TIMEOUT_S = float(os.environ.get("ROLLBUS_RAY_PG_TIMEOUT_S", "120"))
 NAMESPACE = "rollbus"
 FORWARDED_ENV = ("ROLLBUS_", "VLLM_", "OMP_", "HF_", "TORCH_", "NCCL_", "HCCL_", "GLOO_")
 STOP_GRACE_S = 5.0
+RESTARTING = "actor is restarting"  # Ray's ActorUnavailableError for a call made while the actor restarts
 
 
 def missing_ray_message() -> str | None:
@@ -137,8 +138,12 @@ class WorkerHost:
                 except CodecError:
                     continue
                 if isinstance(msg, Ready):
-                    return {"name": msg.name, "pid": msg.pid, "actor_pid": os.getpid(), "node_ip": _node_ip(),
-                            "accelerators": self.accelerators, "env": self.visible}
+                    return self.describe()
+
+    def describe(self) -> dict[str, Any]:
+        """This worker: its process, its actor's, its node, its bundle's accelerator ids and what its process sees."""
+        return {"name": self.name, "pid": self.proc.pid, "actor_pid": os.getpid(), "node_ip": _node_ip(),
+                "accelerators": self.accelerators, "env": self.visible}
 
     def wait_exit(self) -> int:
         """Returns the worker's exit code after stop(); an unexpected exit ends the actor first (_run), so the
@@ -291,7 +296,8 @@ class RayWorkers:
                 dead.append((name, _short(e)))
                 continue
             except ray.exceptions.RayError as e:
-                dead.append((name, _short(e)))
+                if RESTARTING not in str(e):  # a call made while Ray restarts the actor fails at once: not a death
+                    dead.append((name, _short(e)))
                 self._arm(w)
                 continue
             if ref is w.ready_ref:
