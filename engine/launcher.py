@@ -120,6 +120,8 @@ class Launcher:
             self._worker_env = worker_env(Topology.from_config(self.cfg), env, self._platform_name)
         except ValueError as e:
             print(f"rollbus: {e}", file=sys.stderr, flush=True)
+            if self.ray is not None:
+                self.ray.stop()
             return 2
         ctx = zmq.Context()
         ready_dir = tempfile.mkdtemp(prefix="rollbus-launch-")
@@ -182,6 +184,8 @@ class Launcher:
             self.ray = RayWorkers.prepare(self.cfg, Topology.from_config(self.cfg))
         except PlacementError as e:
             return str(e)
+        except Exception as e:  # noqa: BLE001 - Ray could not be reached or started: say so, with its words
+            return f"--distributed-executor-backend ray: Ray failed: {type(e).__name__}: {e}"
         self.cfg = self.ray.cfg  # the tcp bus host and key folder every process is started with
         print(f"rollbus: {self.ray.describe()}", file=sys.stderr, flush=True)
         return None

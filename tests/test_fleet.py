@@ -47,8 +47,10 @@ def test_refused_attributes_get_the_command_lines_message() -> None:
     with pytest.raises(SystemExit) as ns:
         namespace_argv({"model": "/m", "quantization": "fp8"})
     assert str(ns.value) == str(cli.value) and "--quantization fp8" in str(ns.value)
-    with pytest.raises(SystemExit, match="distributed-executor-backend ray"):
-        namespace_argv({"model": "/m", "distributed_executor_backend": "ray"})
+    with pytest.raises(SystemExit, match="distributed-executor-backend uni: not supported here"):
+        namespace_argv({"model": "/m", "distributed_executor_backend": "uni"})
+    assert namespace_argv({"model": "/m", "distributed_executor_backend": "ray"})[1:] == [
+        "--distributed-executor-backend", "ray"]
     with pytest.raises(SystemExit, match="bogus_flag: not a flag of `vllm serve`"):
         namespace_argv({"model": "/m", "bogus_flag": 1})
 

@@ -144,6 +144,7 @@ def moe(tmp_path_factory, smollm2_dir) -> Path:
 @pytest.mark.timeout(900)
 def test_tp2_on_ray_matches_mp_and_a_killed_worker_actor_comes_back(tmp_path, moe) -> None:
     ray_python()
+    (tmp_path / "mp").mkdir()
     s = start_server(tmp_path / "mp", str(moe), "-tp", "2", "--master-port", str(free_port()), *ARGS, timeout_s=400)
     try:
         ref = [httpx.post(s.url + "/inference/v1/generate", timeout=120, json={
@@ -160,7 +161,8 @@ def test_tp2_on_ray_matches_mp_and_a_killed_worker_actor_comes_back(tmp_path, mo
     assert w["worker-0"]["accelerators"] == {"GPU": ["0"]} and w["worker-1"]["accelerators"] == {"GPU": ["1"]}
     for info in (w["worker-0"], w["worker-1"]):  # a CPU-only cluster: logical GPUs are CPU workers
         assert "CUDA_VISIBLE_DEVICES" not in info["env"] and int(info["env"]["OMP_NUM_THREADS"]) >= 1
-    assert "bus on tcp 127.0.0.1" in text  # one node: the tcp bus (with the launcher's CURVE keys) on loopback
+    assert "bus on tcp 127.0.0.1" in text  # one node: the tcp bus on loopback, with the launcher's CURVE keys
+    assert "bus.insecure" not in text
     assert out["killed_worker_process_gone"], out  # the actor took its worker process down
     assert out["restarted"]["actor_pid_changed"] and out["restarted"]["pid_changed"], out
     assert out["back_s"] is not None and out["back_s"] <= 90, out

@@ -12,7 +12,10 @@
 #                                   `fleet` tests' driver (docs/fleet.md)
 #   ~/.cache/rollbus-fleet/verl     verl 0.9.1 + Ray 2.60 + torch CPU: what verl imports for its rollout and
 #                                   checkpoint-engine layers (requirements-verl.txt), the verl fleet test's driver
-# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl|vllm|router|fleet|verl ...]   (default: the first three;
+#   ~/.cache/rollbus-fleet/ray      this Python's packages (--system-site-packages) + Ray 2.60 only: rollbus itself
+#                                   with its `ray` extra, for `rollbus serve --distributed-executor-backend ray`
+#                                   (tests/test_ray_executor.py)
+# Usage: bash tests/interop/setup_venvs.sh [trl|skyrl|vllm|router|fleet|verl|ray ...]   (default: the first three;
 # re-running is cheap). ROLLBUS_INTEROP_VENVS and ROLLBUS_FLEET_VENVS override the parent folders (the tests
 # read the same variables).
 set -euo pipefail
@@ -87,6 +90,15 @@ print('verl', verl.__version__)"
       echo "verl venv ready in $(( $(date +%s) - start )) s: $fleet/verl"
       continue
       ;;
+    ray)
+      # rollbus's own dependencies come from the Python that runs this script (a pure addition: pip installs
+      # only Ray and what Ray needs that the system lacks, never another version of an installed package)
+      [ -x "$fleet/ray/bin/python" ] || "$py" -m venv --system-site-packages "$fleet/ray"
+      "$fleet/ray/bin/python" -m pip install -q "ray==2.60.0"
+      "$fleet/ray/bin/python" -c "import ray, zmq, torch, msgspec; print('ray', ray.__version__)"
+      echo "ray venv ready in $(( $(date +%s) - start )) s: $fleet/ray"
+      continue
+      ;;
     vllm)
       # vLLM's own CPU wheel, in the venv the tests look for (ROLLBUS_VLLM_PYTHON overrides the python);
       # torch 2.13.0+cpu comes with it. The resolver adds torchvision/torchaudio/torchcodec builds that do
@@ -100,7 +112,7 @@ print('verl', verl.__version__)"
       echo "vllm venv ready in $(( $(date +%s) - start )) s: $vdir"
       continue
       ;;
-    *) echo "unknown target $t (trl, skyrl, vllm, router, fleet, verl)" >&2; exit 2 ;;
+    *) echo "unknown target $t (trl, skyrl, vllm, router, fleet, verl, ray)" >&2; exit 2 ;;
   esac
   echo "$t venv ready in $(( $(date +%s) - start )) s: $root/$t"
 done
