@@ -54,7 +54,8 @@ except ImportError:  # the launcher reports it (missing_ray_message) before anyt
 PG_ENV = "ROLLBUS_RAY_PLACEMENT_GROUP"
 PG_READY_TIMEOUT_S = float(os.environ.get("ROLLBUS_RAY_PG_TIMEOUT_S", "120"))
 NAMESPACE = "rollbus"
-FORWARDED_ENV = ("ROLLBUS_", "VLLM_", "OMP_", "HF_", "TORCH_", "NCCL_", "HCCL_", "GLOO_")
+FORWARDED_ENV = ("ROLLBUS_", "VLLM_", "OMP_", "HF_", "TORCH_", "NCCL_", "HCCL_", "GLOO_")  # to the workers
+NOT_FORWARDED = frozenset({"VLLM_API_KEY"})  # the gateway's; workers never need it
 STOP_GRACE_S = 5.0
 RESTARTING = "actor is restarting"  # Ray's ActorUnavailableError for a call made while the actor restarts
 
@@ -248,7 +249,7 @@ class RayWorkers:
     def start(self, name: str, role_argv: list[str], base_argv: list[str]) -> None:
         s = self.placement.slot(name)
         argv = [*role_argv, *base_argv, "--master-addr", self.placement.master_addrs[s.engine]]
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV) and k not in NOT_FORWARDED}
         options: dict[str, Any] = {
             "name": f"{name}@{self.cfg.gateway.port}-{os.getpid()}", "namespace": NAMESPACE, "max_concurrency": 4,
             "max_restarts": 0 if self.cfg.bus.max_restarts == 0 else -1, "max_task_retries": 0,
@@ -262,7 +263,7 @@ class RayWorkers:
             options.update(num_cpus=1)
         if os.environ.get("PYTHONPATH"):  # rollbus from a source tree: the actor process must import it too
             options["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
-        actor = ray.remote(WorkerHost).options(**options).remote(
+        actor = _remote_worker_host().options(**options).remote(
             name, argv, env, self.keys, self.pg.bundle_specs[s.bundle], self.placement.workers_on(s.node_ip))
         self.workers[name] = w = _Worker(actor)
         self._arm(w)
@@ -326,6 +327,16 @@ class RayWorkers:
                 pass
         if self.key_dir:
             shutil.rmtree(self.key_dir, ignore_errors=True)
+
+
+_REMOTE: list[Any] = []
+
+
+def _remote_worker_host():
+    """WorkerHost as a Ray actor class, made once."""
+    if not _REMOTE:
+        _REMOTE.append(ray.remote(WorkerHost))
+    return _REMOTE[0]
 
 
 def _existing_group():
