@@ -73,12 +73,15 @@ def missing_ray_message() -> str | None:
 class WorkerHost:
     """One worker's Ray actor: starts `python -m engine.cli worker ...` and lives exactly as long as it does."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], keys: dict[str, bytes],
+    def __init__(self, name: str, tag: str, argv: list[str], env: dict[str, str], keys: dict[str, bytes],
                  bundle: dict[str, float], workers_on_node: int):
         import zmq
 
-        self.name, self.stopping, self.code, self.stopped = name, False, None, threading.Event()
-        self.folder = tempfile.mkdtemp(prefix="rollbus-ray-worker-")  # 0700
+        self.name, self.stopping, self.stopped = name, False, threading.Event()
+        # one folder per actor name (0700): a restarted actor removes what its killed incarnation left
+        self.folder = os.path.join(tempfile.gettempdir(), f"rollbus-ray-{os.getuid()}-{tag}")
+        shutil.rmtree(self.folder, ignore_errors=True)
+        os.mkdir(self.folder, 0o700)
         extra = ["--ready-endpoint", f"ipc://{self.folder}/ready", "--device-index", "0"]
         if keys:
             kdir = os.path.join(self.folder, "keys")
@@ -118,13 +121,16 @@ class WorkerHost:
     def _run(self, cmd: list[str], env: dict[str, str], started: threading.Event) -> None:
         try:
             self.proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
-        finally:
-            started.set()
-        self.code = self.proc.wait()
+        except OSError as e:
+            what = f"could not start: {e}"
+        started.set()
+        if self.proc is not None:
+            what = f"(pid {self.proc.pid}) exited with code {self.proc.wait()}"
         if self.stopping:
             return
-        print(f"rollbus: {self.name} (pid {self.proc.pid}) exited with code {self.code}; ending its Ray actor so "
-              "that Ray restarts it", file=sys.stderr, flush=True)
+        print(f"rollbus: {self.name} {what}; ending its Ray actor so that Ray restarts it", file=sys.stderr,
+              flush=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
         os._exit(1)  # a failure, so Ray restarts the actor (an intentional exit would not be)
 
     def ready(self) -> dict[str, Any]:
@@ -248,10 +254,11 @@ class RayWorkers:
 
     def start(self, name: str, role_argv: list[str], base_argv: list[str]) -> None:
         s = self.placement.slot(name)
+        tag = f"{name}@{self.cfg.gateway.port}-{os.getpid()}"  # the actor's name (tests find it by it)
         argv = [*role_argv, *base_argv, "--master-addr", self.placement.master_addrs[s.engine]]
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV) and k not in NOT_FORWARDED}
         options: dict[str, Any] = {
-            "name": f"{name}@{self.cfg.gateway.port}-{os.getpid()}", "namespace": NAMESPACE, "max_concurrency": 4,
+            "name": tag, "namespace": NAMESPACE, "max_concurrency": 4,
             "max_restarts": 0 if self.cfg.bus.max_restarts == 0 else -1, "max_task_retries": 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=s.bundle)}
         key = self.placement.device_key
@@ -264,7 +271,7 @@ class RayWorkers:
         if os.environ.get("PYTHONPATH"):  # rollbus from a source tree: the actor process must import it too
             options["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
         actor = _remote_worker_host().options(**options).remote(
-            name, argv, env, self.keys, self.pg.bundle_specs[s.bundle], self.placement.workers_on(s.node_ip))
+            name, tag, argv, env, self.keys, self.pg.bundle_specs[s.bundle], self.placement.workers_on(s.node_ip))
         self.workers[name] = w = _Worker(actor)
         self._arm(w)
 
