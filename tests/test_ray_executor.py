@@ -178,3 +178,35 @@ def test_a_placement_group_with_too_few_bundles_is_refused_naming_the_counts(tmp
     assert out["exit_code"] == 2, out
     assert "(ROLLBUS_RAY_PLACEMENT_GROUP) has 1 bundle(s) with a GPU (of 1 bundles); --tensor-parallel-size 2 x " \
            "--data-parallel-size 1 needs 2, one per worker" in out["stderr"], out["stderr"]
+
+
+class _FakeRayWorkers:
+    """What engine.launcher reads of engine.fleet.ray_executor.RayWorkers: poll() results, scripted."""
+
+    def __init__(self, polls: list[tuple[list, list]]):
+        self.polls, self.gone = polls, set()
+
+    def poll(self):
+        ready, dead = self.polls.pop(0) if self.polls else ([], [])
+        self.gone |= {name for name, why in dead if why.startswith("ActorDiedError")}
+        return ready, dead
+
+
+@pytest.mark.unit
+def test_the_launcher_counts_ray_restarts_against_max_restarts_and_says_when_a_worker_is_back(capsys) -> None:
+    from engine.launcher import Launcher
+
+    launcher = Launcher(parse_config(["--distributed-executor-backend", "ray", "--max-restarts", "2"]))
+    died = ("worker-1", "ActorUnavailableError: The actor was restarted")
+    launcher.ray = _FakeRayWorkers([([], [died]), ([("worker-1", {"pid": 42})], []), ([], [died]), ([], [died])])
+    assert not launcher._ray_deaths(0.0)  # restart 1 of 2
+    assert not launcher._ray_deaths(1.0)  # back
+    assert not launcher._ray_deaths(2.0)  # restart 2 of 2
+    assert launcher._ray_deaths(3.0)  # a third death within 60 s: give up
+    err = capsys.readouterr().err
+    assert "Ray restarts it on its bundle (restart 1 of 2 within 60s)" in err and "worker-1 is back (pid 42" in err
+    assert "died 3 times within 60s (--max-restarts 2): giving up" in err
+    launcher = Launcher(parse_config(["--distributed-executor-backend", "ray"]))
+    launcher.ray = _FakeRayWorkers([([], [("worker-0", "ActorDiedError: the actor died")])])
+    assert launcher._ray_deaths(0.0)  # Ray will not restart it (--max-restarts 0, or killed for good)
+    assert "Ray will not restart it: giving up" in capsys.readouterr().err
