@@ -173,8 +173,20 @@ def test_tp2_on_ray_matches_mp_and_a_killed_worker_actor_comes_back(tmp_path, mo
 
 @pytest.mark.fleet
 @pytest.mark.timeout(600)
+def test_workers_take_the_device_bundles_of_an_existing_placement_group(tmp_path, moe) -> None:
+    log = tmp_path / "serve.log"
+    out = run_driver(tmp_path, moe, {"prompts": PROMPTS[:1], "max_tokens": 4, "args": ARGS, "log": str(log),
+                                     "pg": [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]})
+    assert len(out["tokens"][0]) == 4 and out["exit_code"] == 0 and out["orphans"] == [], out
+    [said] = out["launcher_said"]
+    assert "worker-0: bundle 1 on" in said and "worker-1: bundle 2 on" in said, said  # the CPU-only bundle is skipped
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(600)
 def test_a_placement_group_with_too_few_bundles_is_refused_naming_the_counts(tmp_path, moe) -> None:
-    out = run_driver(tmp_path, moe, {"prompts": [], "max_tokens": 1, "args": ARGS, "pg_bundles": 1, "refused": True})
+    out = run_driver(tmp_path, moe, {"prompts": [], "max_tokens": 1, "args": ARGS, "pg": [{"GPU": 1}],
+                                     "refused": True})
     assert out["exit_code"] == 2, out
     assert "(ROLLBUS_RAY_PLACEMENT_GROUP) has 1 bundle(s) with a GPU (of 1 bundles); --tensor-parallel-size 2 x " \
            "--data-parallel-size 1 needs 2, one per worker" in out["stderr"], out["stderr"]

@@ -277,7 +277,8 @@ def test_help_explains_the_flags():
                        text=True, timeout=60)
     assert r.returncode == 0
     for flag in ("--load-format", "--chat-template", "--generation-config", "--config", "--worker-extension-cls",
-                 "-tp", "--distributed-executor-backend", "--enforce-eager", "--enable-auto-tool-choice", "--uvicorn-log-level", "coming-from-vllm"):
+                 "-tp", "--distributed-executor-backend",
+                 "--enforce-eager", "--enable-auto-tool-choice", "--uvicorn-log-level", "coming-from-vllm"):
         assert flag in r.stdout, flag
 
 

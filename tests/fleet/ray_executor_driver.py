@@ -63,10 +63,10 @@ def main() -> dict:
     cmd = [sys.executable, "-m", "engine.cli", "serve", model, "-tp", "2", "--distributed-executor-backend", "ray",
            "--port", str(port), "--bus-port-base", str(bus), "--master-port", str(free_port()), *spec.get("args", [])]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    if spec.get("pg_bundles"):  # `rollbus serve` started for an existing placement group (ROLLBUS_RAY_PLACEMENT_GROUP)
+    if spec.get("pg"):  # `rollbus serve` started for an existing placement group (ROLLBUS_RAY_PLACEMENT_GROUP)
         from ray.util.placement_group import placement_group
 
-        pg = placement_group([{"GPU": 1}] * spec["pg_bundles"])
+        pg = placement_group(spec["pg"])
         ray.get(pg.ready(), timeout=60)
         env["ROLLBUS_RAY_PLACEMENT_GROUP"] = pg.id.hex()
     if spec.get("refused"):  # expected to stop before serving: its exit code and what it said
@@ -86,6 +86,8 @@ def main() -> dict:
             time.sleep(0.5)
         out["start_s"] = round(time.monotonic() - t0, 1)
         out["tokens"] = [generate(url, p, spec["max_tokens"]) for p in spec["prompts"]]
+        if spec.get("pg"):
+            out["launcher_said"] = [line for line in open(spec["log"], errors="replace") if "Ray workers" in line]
         actors = {n: ray.get_actor(f"{n}@{port}-{proc.pid}", namespace="rollbus") for n in ("worker-0", "worker-1")}
         out["workers"] = {n: ray.get(a.describe.remote(), timeout=60) for n, a in actors.items()}
         say("serving", out["workers"])
