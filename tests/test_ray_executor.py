@@ -173,6 +173,18 @@ def test_tp2_on_ray_matches_mp_and_a_killed_worker_actor_comes_back(tmp_path, mo
 
 @pytest.mark.fleet
 @pytest.mark.timeout(600)
+def test_dp2_on_ray_a_killed_worker_actor_brings_its_engine_back(tmp_path, moe) -> None:
+    """-tp 1 -dp 2: two engines, one worker actor each; engine 1's actor killed, engine 1 serves again."""
+    log = tmp_path / "serve.log"
+    out = run_driver(tmp_path, moe, {"prompts": PROMPTS[:1], "max_tokens": 8, "kill": "worker-1", "log": str(log),
+                                     "args": [*ARGS, "-tp", "1", "-dp", "2"]})
+    assert out["tokens_after_restart"] == out["tokens"][0] and out["back_s"] <= 90, out
+    assert out["restarted"]["actor_pid_changed"] and out["exit_code"] == 0 and out["orphans"] == [], out
+    assert "worker-1 is back" in log.read_text(errors="replace")
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(600)
 def test_workers_take_the_device_bundles_of_an_existing_placement_group(tmp_path, moe) -> None:
     log = tmp_path / "serve.log"
     out = run_driver(tmp_path, moe, {"prompts": PROMPTS[:1], "max_tokens": 4, "args": ARGS, "log": str(log),

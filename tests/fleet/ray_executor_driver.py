@@ -30,8 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def generate(url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    r = httpx.post(url + "/inference/v1/generate", timeout=120, json={
+def generate(url: str, prompt: list[int], max_tokens: int, engine: int | None = None) -> list[int]:
+    headers = None if engine is None else {"X-data-parallel-rank": str(engine)}  # that engine, or a 503
+    r = httpx.post(url + "/inference/v1/generate", timeout=120, headers=headers, json={
         "token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
@@ -99,17 +100,19 @@ def main() -> dict:
             while alive(before["pid"]) and time.monotonic() - t1 < 30:
                 time.sleep(0.1)
             out["killed_worker_process_gone"] = not alive(before["pid"])
-            back = None
+            tp = int(cmd[len(cmd) - 1 - cmd[::-1].index("-tp") + 1])
+            engine = int(victim.split("-")[1]) // tp
+            back, after = None, None
             while time.monotonic() - t1 < 120:
-                try:
-                    got = generate(url, spec["prompts"][0], spec["max_tokens"])
+                try:  # the restarted actor (a call while Ray restarts it fails at once), then its engine serving
+                    after = after or ray.get(actors[victim].describe.remote(), timeout=60)
+                    out["tokens_after_restart"] = generate(url, spec["prompts"][0], spec["max_tokens"], engine)
                     back = time.monotonic() - t1
-                    out["tokens_after_restart"] = got
                     break
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ray.exceptions.RayError):
                     time.sleep(0.5)
             out["back_s"] = None if back is None else round(back, 1)
-            after = ray.get(actors[victim].describe.remote(), timeout=60)
+            after = after or ray.get(actors[victim].describe.remote(), timeout=60)
             out["restarted"] = {"actor_pid_changed": after["actor_pid"] != before["actor_pid"],
                                 "pid_changed": after["pid"] != before["pid"], "env": after["env"]}
             out["workers"][victim + "_after"] = after
