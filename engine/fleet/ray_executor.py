@@ -33,14 +33,13 @@ import tempfile
 import threading
 from typing import Any
 
+from engine.fleet.child_process import die_with_parent, has_accelerator
 from engine.fleet.ray_placement import (
     Placement,
     PlacementError,
     bundles_for,
     device_env,
     device_key,
-    die_with_parent,
-    has_accelerator,
 )
 from engine.fleet.ray_placement import plan as plan_placement
 

@@ -18,12 +18,7 @@ sees. Pure: no Ray, no sockets (engine.fleet.ray_executor feeds it what Ray says
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from bus.auth import is_loopback
 from bus.topology import Topology
@@ -106,20 +101,6 @@ def plan(topo: Topology, bundles: list[dict[str, float]], bundle_nodes: list[str
 
 
 # ------------------------------------------------------------------------------ the worker process's environment
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def has_accelerator() -> bool:
-    """This node has an accelerator device (ROLLBUS_DEVICE forces the answer: "cpu" means none)."""
-    forced = os.environ.get("ROLLBUS_DEVICE", "").lower()
-    if forced:
-        return forced not in ("cpu",)
-    return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/davinci0", "/dev/davinci_manager"))
 
 
 def device_env(accelerator_ids: dict[str, list[str]], *, accelerator: bool, bundle: dict[str, float],

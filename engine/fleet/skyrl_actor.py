@@ -44,7 +44,7 @@ from typing import Any
 from urllib.error import URLError
 from urllib.request import urlopen
 
-from engine.fleet.ray_placement import die_with_parent, has_accelerator
+from engine.fleet.child_process import die_with_parent, has_accelerator
 
 logger = logging.getLogger(__name__)
 
