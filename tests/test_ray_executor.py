@@ -25,7 +25,8 @@ from tests.server_helpers import start_server, tiny_model_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 17, 99, 250, 31, 8, 77], [3, 1, 4, 1, 5, 9, 2, 6, 11, 400]]
-ARGS = ["--max-model-len", "128", "--block-size", "4", "--num-gpu-blocks-override", "96", "--enable-scale-out"]
+ARGS = ["--max-model-len", "128", "--block-size", "4", "--num-gpu-blocks-override", "96", "--enable-scale-out",
+        "--heartbeat-timeout-s", "20"]  # a loaded 2-core host: a kill is seen at once (the socket closes) anyway
 
 
 def _refusal(argv: list[str]) -> str:
