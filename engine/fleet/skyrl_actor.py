@@ -21,8 +21,9 @@ What it does, from the placement SkyRL gives it:
   a restarted engine starts on that version (--weights-recovery-resume, engine.fleet.rejoin), never silently on the
   checkpoint; where a copy is missing, it answers 503 naming the version until the next update.
 
-Only this module imports Ray (`pip install rollbus[ray]`). The engine is started with ROLLBUS_PYTHON (default:
-this process's python) `-m engine.cli serve`; ROLLBUS_PYTHONPATH, when set, is its PYTHONPATH.
+Only this module and engine.fleet.ray_executor import Ray (`pip install rollbus[ray]`). The engine is started
+with ROLLBUS_PYTHON (default: this process's python) `-m engine.cli serve`; ROLLBUS_PYTHONPATH, when set, is
+its PYTHONPATH.
 """
 
 from __future__ import annotations
