@@ -37,9 +37,10 @@ def _refusal(argv: list[str]) -> str:
 
 @pytest.mark.unit
 def test_the_flag_takes_mp_and_ray_and_refuses_the_rest_as_vllm_does() -> None:
-    assert parse_config([]).distributed_executor_backend == "mp" and parse_config([]).bus_transport == "ipc"
+    default = parse_config([])
+    assert default.parallel.distributed_executor_backend == "mp" and default.bus.bus_transport == "ipc"
     cfg = parse_config(["--distributed-executor-backend", "ray"])
-    assert cfg.bus_transport == "tcp" and launcher_makes_keys(cfg)  # tcp, with keys the launcher makes
+    assert cfg.bus.bus_transport == "tcp" and launcher_makes_keys(cfg)  # tcp, with keys the launcher makes
     assert "--distributed-executor-backend" in cfg.to_argv() and "--bus-transport" in cfg.to_argv()
     assert not launcher_makes_keys(parse_config(["--distributed-executor-backend", "ray", "--bus-insecure"]))
     # not a value of vLLM's: vLLM's own message
