@@ -90,6 +90,13 @@ class Kernels:
     paged_attention: Callable[..., torch.Tensor]
     # (x + h, rms_norm(x + h)) in one pass (default mode); None: the layer adds, then calls rms_norm
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    head_linear: Callable[..., torch.Tensor] = _ops.head_linear  # per-head products (MLA's absorbed projections)
+
+    def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+        """Multi-head latent attention over one cache plane per layer (ascend_ops.attention.latent_attention),
+        through this mode's paged attention."""
+        return _attention.latent_attention(self.paged_attention, q, latent, cache, meta, scale, v_dim)
 
     @property
     def batch_invariant(self) -> bool:
@@ -188,6 +195,12 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
     """ops.moe_experts with the invariant linear and SiLU: each expert's GEMMs see however many tokens chose it."""
     return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear, act=silu_and_mul)
+
+
+def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """ops.head_linear one head at a time through the row-invariant linear (a batched GEMM's reduction order
+    may depend on the row count)."""
+    return torch.stack([linear(x[:, h].contiguous(), w[h]) for h in range(w.shape[0])], dim=1)
 
 
 def _row_tables(meta: AttentionMetadata, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,7 +355,7 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
 DEFAULT = Kernels("default", _packed.linear, _ops.fused_rms_norm, _ops.fused_silu_and_mul, _ops.fused_apply_rope,
                   _ops.moe_route, _ops.moe_experts, _attention.paged_attention, _ops.fused_add_rms_norm)
 INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
-                    moe_experts, paged_attention)
+                    moe_experts, paged_attention, head_linear=head_linear)
 
 
 def kernels(batch_invariant: bool) -> Kernels:

@@ -92,10 +92,23 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                        routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.5})),
+    # DeepSeek-V3 / Kimi-K2: MLA (q through its LoRA rank, a 32-wide latent, decoupled rotary keys of 8 dims,
+    # interleaved), YaRN with mscale != mscale_all_dim, a dense first layer, 8 experts in 4 groups (top-2
+    # groups, top-3 experts) with a correction bias, a shared expert, routed_scaling_factor.
+    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=False,
+                                             num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                                             n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                             n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                              "factor": 4.0, "original_max_position_embeddings": 64,
+                                                              "mscale": 1.0, "mscale_all_dim": 0.8,
+                                                              "beta_fast": 32, "beta_slow": 1})),
 }
 MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
 # issue 34's: test_arch_oracle.py in CI, the exhaustive suites slow
-NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe"]
+NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe", "deepseek_v3"]
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
@@ -247,7 +260,8 @@ class PagedRunner:
         L, hk, d = self.model.kv_spec
         shape = (self.num_blocks, self.block_size, hk, d)
         dt = self.model.dtype
-        self.kv = [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(L)]
+        planes = [[torch.zeros(shape, dtype=dt) for _ in range(self.model.kv_planes)] for _ in range(L)]
+        self.kv = [(p[0], p[-1]) for p in planes]  # latent attention (one plane): (plane, plane)
         # Hand out blocks in a scrambled order so sequences are never physically contiguous.
         g = torch.Generator().manual_seed(self.seed)
         self.free = torch.randperm(self.num_blocks, generator=g).tolist()

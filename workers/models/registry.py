@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from workers.models.deepseek_v3 import DeepseekV3LM
 from workers.models.gemma3 import Gemma3LM
 from workers.models.glm4_moe import Glm4MoeLM
 from workers.models.llama import DecoderLM
@@ -24,13 +25,15 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "OlmoeForCausalLM": MoEDecoderLM,
     "Gemma3ForCausalLM": Gemma3LM,
     "Glm4MoeForCausalLM": Glm4MoeLM,
+    "DeepseekV3ForCausalLM": DeepseekV3LM,  # and Kimi-K2
 }
 
 # Older or hand-made configs sometimes lack `architectures`; model_type then names the family.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                "gemma3_text": "Gemma3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
