@@ -236,3 +236,20 @@ def test_load_format_dummy_builds_and_runs(tiny) -> None:
     model = build_model(load_hf_config(folder), torch.float32, "cpu")
     assert initialize_dummy_weights(model) == len(list(model.parameters()))
     assert torch.isfinite(PagedRunner(model).step(prefills=[(0, [1, 2, 3, 4, 5])])).all()
+
+
+@pytest.mark.unit
+def test_mla_caches_one_latent_row_per_token_and_layer() -> None:
+    """DeepSeek-V3's real shapes (DeepseekV3Config's defaults, built on the meta device): its KV cache holds one
+    plane of kv_lora_rank + qk_rope_head_dim = 576 values per token and layer, 1,152 bytes in bf16, where K
+    and V of its 128 heads (192 + 128 dims) would take 81,920 (docs/serving.md)."""
+    from workers.kv_cache import KVCache
+
+    cfg = {**transformers.DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    model = build_model(cfg, torch.bfloat16, "meta")
+    assert tuple(model.kv_spec) == (61, 1, 576) and model.kv_planes == 1
+    per_token_layer = KVCache.bytes_per_block(*model.kv_spec, 1, torch.bfloat16, model.kv_planes) // 61
+    mha = KVCache.bytes_per_block(61, 128, 192 + 128, 1, torch.bfloat16, planes=1) // 61
+    assert (per_token_layer, mha, mha // per_token_layer) == (1152, 81920, 71)
+    kv = KVCache(*model.kv_spec, 4, 3, torch.float32, torch.device("cpu"), planes=model.kv_planes)
+    assert kv.tensor.shape == (61, 1, 3, 4, 1, 576) and kv.views[0][0].data_ptr() == kv.views[0][1].data_ptr()

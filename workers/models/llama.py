@@ -398,6 +398,12 @@ class DecoderLM(nn.Module):
         tied. A checkpoint may instead carry our own fused names, which load_weights accepts too."""
         return set(self._weights.required)
 
+    def checksum_names(self) -> set[str]:
+        """The names /weight_checker reports a checksum under: the checkpoint's, and stacked expert tensors under
+        their own names too (a checkpoint stores experts one by one, transformers 5 holds them stacked as
+        `mlp.experts.gate_up_proj`, which is what a trainer's named_parameters() baseline names)."""
+        return self.required_weight_names() | {n for n, p in self.named_parameters() if p.dim() == 3}
+
     def skipped_weight(self, name: str) -> bool:
         """Checkpoint tensors this model accepts and ignores (GLM's MTP layers); none here."""
         return False

@@ -69,6 +69,6 @@ def shard_checksums(hf_config: dict[str, Any], named_tensors: Iterable[tuple[str
     for r in range(tp):
         layout = build_model(hf_config, torch.float32, "meta", tp=Layout(r, tp))
         prefix = f"dp{dp_rank}:pp0:pcp0:tp{r}:"
-        for name in sorted(layout.required_weight_names() & named.keys()):
+        for name in sorted(layout.checksum_names() & named.keys()):
             out[prefix + name] = tensor_checksum(layout.weight_source(name, named[name]).contiguous())
     return out
