@@ -435,7 +435,8 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
     with torch.inference_mode():
         for (shape, _), (w, b) in _linear_weights(model).items():
             n, kdim = shape
-            if not _rows_invariant(lambda x: kern.linear(x, w, b), rand(67, kdim), big if n > 8192 else small):
+            x = rand(67, kdim).to(w.dtype)  # a router kept in fp32 (GLM, DeepSeek) multiplies fp32 rows
+            if not _rows_invariant(lambda x: kern.linear(x, w, b), x, big if n > 8192 else small):
                 raise fail(f"linear [{kdim} -> {n}]")
         checked.append("linear")
         cfg = model.cfg
@@ -473,6 +474,12 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
             if not _rows_invariant(experts, rand(67, h), small):
                 raise fail("moe routing / experts")
             checked.append("moe")
+        heads = [w for m in model.modules() if hasattr(m, "head_linear_weights") for w in m.head_linear_weights()]
+        for w in heads[:2]:  # MLA's absorbed projections (every layer's have these two shapes)
+            if not _rows_invariant(lambda x, w=w: kern.head_linear(x, w), rand(67, w.shape[0], w.shape[2]), small):
+                raise fail(f"head_linear [{w.shape[2]} -> {w.shape[1]}]")
+        if heads:
+            checked.append("head_linear")
         if not _attention_invariant(kern, hq, hk, d, block_size, rand, cache_dtype or dtype):
             impl = attention_implementation(dev.type, dtype, cache_dtype) if kern.batch_invariant else kern.name
             raise fail(f"paged attention ({impl})")

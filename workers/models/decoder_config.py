@@ -53,6 +53,8 @@ class DecoderConfig:
         # Transformers 5 nests rope settings under rope_parameters; older configs use rope_theta/rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         scaling = cfg.get("rope_scaling") or rope or None
+        if scaling and cfg.get("original_max_position_embeddings"):  # Phi-3 style: HF gives it priority
+            scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         attn_bias = bool(cfg.get("attention_bias", False))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -160,7 +162,7 @@ def _yarn(cfg: DecoderConfig, sc: dict[str, Any]) -> tuple[torch.Tensor, float]:
     corrections blend interpolated (divided by `factor`) and original ones along a linear ramp; cos/sin are
     scaled by `attention_factor` (default mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
     d, base = cfg.rotary_dim, cfg.rope_theta
-    old_len = sc["original_max_position_embeddings"]
+    old_len = sc.get("original_max_position_embeddings") or cfg.max_positions  # HF's default
     factor = sc.get("factor") or cfg.max_positions / old_len
     att = sc.get("attention_factor")
     if att is None:

@@ -119,6 +119,12 @@ class MLAttention(nn.Module):
         self.deinterleave = (torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]).to(device)
                              if cfg.rope_interleave else None)
 
+    def head_linear_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed projections, views of kv_b_proj in head_linear's [heads, out, in] layout: W_UK^T (q_nope
+        into the latent space) and W_UV (a latent output into the value dims)."""
+        w = self.kv_b_proj.weight.view(self.h, self.nope + self.v, self.latent)
+        return w[:, : self.nope].transpose(1, 2), w[:, self.nope:]
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T, kern = x.shape[0], self.kern
@@ -134,11 +140,11 @@ class MLAttention(nn.Module):
         if self.deinterleave is not None:
             q_pe, k_pe = q_pe[..., self.deinterleave], k_pe[..., self.deinterleave]
         q_pe, k_pe = kern.apply_rope(q_pe.contiguous(), k_pe.contiguous(), cos, sin)
-        w = self.kv_b_proj.weight.view(self.h, self.nope + self.v, self.latent)
-        q_lat = kern.head_linear(q[..., : self.nope], w[:, : self.nope].transpose(1, 2))  # [T, h, latent]
+        w_uk, w_uv = self.head_linear_weights()
+        q_lat = kern.head_linear(q[..., : self.nope], w_uk)  # [T, h, latent]
         latent = torch.cat((c, k_pe.view(T, self.rope)), dim=-1).view(T, 1, -1)
         o = kern.latent_attention(torch.cat((q_lat, q_pe), dim=-1), latent, kv[0], meta, self.scale, self.latent)
-        o = kern.head_linear(o, w[:, self.nope:]).reshape(T, self.h * self.v)  # [T, h * v]
+        o = kern.head_linear(o, w_uv).reshape(T, self.h * self.v)  # [T, h * v]
         if self.tp.size == 1:
             return kern.linear(o, self.o_proj.weight, self.o_proj.bias)
         return _reduce(self.tp, kern.linear(o, self.o_proj.weight), self.o_proj.bias)
