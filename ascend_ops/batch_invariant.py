@@ -299,7 +299,16 @@ def paged_attention(
     return out
 
 
-def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+def sink_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Paged attention with attention sinks (gpt-oss): each query head's softmax has one more logit, sinks[h],
+    in its denominator and nothing in its numerator. The torch path below (each row alone), in both modes."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return _paged_attention_torch(q, k_cache, v_cache, meta, scale, window, sinks)
+
+
+def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The portable path (module docstring): rows in chunks of at most PAIR_BUDGET (row, block) pairs."""
     T = q.shape[0]
     bs = k_cache.shape[1]
@@ -310,11 +319,12 @@ def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     for r0 in range(0, T, rows_per_chunk):
         r1 = min(T, r0 + rows_per_chunk)
         out[r0:r1] = _attend_rows(q[r0:r1], tables[r0:r1], lens[r0:r1], nblk[r0:r1], k_cache, v_cache, scale,
-                                  window)
+                                  window, sinks)
     return out
 
 
-def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0) -> torch.Tensor:
+def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     R, hq, d = q.shape
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     g = hq // hk
@@ -337,6 +347,8 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
     # the row's max over all its keys (a max is exact in any order); softmax numerators against it
     rowmax = torch.full((R, hk * g), float("-inf"), device=dev).scatter_reduce(
         0, row[:, None].expand(P, hk * g), s.detach().amax(dim=-1).view(P, hk * g), "amax")
+    if sinks is not None:  # the sink logit takes part in the max, as HF subtracts it
+        rowmax = torch.maximum(rowmax, sinks.float()[None, :])
     p = torch.exp(s - rowmax[row].view(P, hk, g, 1))  # [P, Hk, G, bs]
     lsum = p.sum(dim=-1).view(P, hq)  # per block: a fixed-length sum
     o = torch.bmm(p.view(P * hk, g, bs), vb).view(P, hq, d)
@@ -349,7 +361,8 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
         L = L[:, 0::2] + L[:, 1::2]
         out = out[:, 0::2] + out[:, 1::2]
         width //= 2
-    return (out[:, 0] / L[:, 0, :, None]).to(q.dtype)
+    denom = L[:, 0] if sinks is None else L[:, 0] + torch.exp(sinks.float()[None, :] - rowmax)
+    return (out[:, 0] / denom[:, :, None]).to(q.dtype)
 
 
 DEFAULT = Kernels("default", _packed.linear, _ops.fused_rms_norm, _ops.fused_silu_and_mul, _ops.fused_apply_rope,

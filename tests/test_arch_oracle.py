@@ -44,7 +44,7 @@ def hf_routes(hf, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(out, tuple) and len(out) == 3 and out[2].dtype == torch.int64:
             picks.append(out[2].reshape(len(ids), -1).sort(-1).values)
 
-    hooks = [m.register_forward_hook(grab) for n, m in hf.named_modules() if n.endswith("mlp.gate")]
+    hooks = [m.register_forward_hook(grab) for n, m in hf.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
     try:
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0].float()

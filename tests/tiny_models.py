@@ -105,10 +105,19 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                                               "factor": 4.0, "original_max_position_embeddings": 64,
                                                               "mscale": 1.0, "mscale_all_dim": 0.8,
                                                               "beta_fast": 32, "beta_slow": 1})),
+    # gpt-oss: a sliding layer (window 6) then a full one, sinks, YaRN (not truncated), 8 experts top-2 with
+    # biases, the SwiGLU clamp low enough to bite (1.0 here, 7.0 in the real models).
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False, head_dim=16,
+                                     intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                     sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                     swiglu_limit=1.0,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False})),
 }
 MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
 # issue 34's: test_arch_oracle.py in CI, the exhaustive suites slow
-NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe", "deepseek_v3"]
+NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe", "deepseek_v3", "gpt_oss"]
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
@@ -132,6 +141,8 @@ def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
             elif "norm" in name:  # Gemma 3 scales by (1 + weight)
                 p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):  # gpt-oss: logits of the size of a row's scores, so they matter
+                p.copy_(2.0 * torch.randn(p.shape, generator=g))
             else:  # bias
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
         for name, b in model.named_buffers():  # GLM / DeepSeek routers' correction bias (a buffer in HF)

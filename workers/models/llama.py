@@ -106,12 +106,17 @@ class Attention(nn.Module):
             q, k = torch.cat((qr, q[..., self.rd :]), -1), torch.cat((kr, k[..., self.rd :]), -1)
         else:
             q, k = kern.apply_rope(q, k, cos, sin)
-        o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # [T, Hq, D]
+        o = self._attend(q, k, v, kv, meta)  # [T, Hq, D]
         if self.tp.size == 1:
             out = kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
             return out if self.lora_o is None else self.lora_o(o.view(T, self.hq * self.d), out)
         return _reduce(self.tp, kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight), self.o_proj.bias)
 
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's k / v into the layer's cache and attend (gpt-oss adds its sinks here)."""
+        return self.kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
 
     def _full_norm(self, x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
         """RMSNorm over a whole projection [T, width] of which this rank holds x [T, width / tp] (the sum of

@@ -10,6 +10,7 @@ import torch
 from workers.models.deepseek_v3 import DeepseekV3LM
 from workers.models.gemma3 import Gemma3LM
 from workers.models.glm4_moe import Glm4MoeLM
+from workers.models.gpt_oss import GptOssLM
 from workers.models.llama import DecoderLM
 from workers.models.moe import MoEDecoderLM
 
@@ -26,6 +27,7 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "Gemma3ForCausalLM": Gemma3LM,
     "Glm4MoeForCausalLM": Glm4MoeLM,
     "DeepseekV3ForCausalLM": DeepseekV3LM,  # and Kimi-K2
+    "GptOssForCausalLM": GptOssLM,
 }
 
 # Older or hand-made configs sometimes lack `architectures`; model_type then names the family.
@@ -33,7 +35,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
+                "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                "gpt_oss": "GptOssForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
