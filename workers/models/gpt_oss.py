@@ -117,14 +117,8 @@ class GptOssLM(MoEDecoderLM):
     config_class = GptOssConfig
     layer_class = SinkLayer
     sparse_class = GptOssMoE
+    no_batch_invariance = "its experts' clamped SwiGLU has no row-invariant kernel here"
     cfg: GptOssConfig
-
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
-                 max_positions: int | None = None, kernels: Kernels = DEFAULT, tp: Solo = SOLO) -> None:
-        if kernels.batch_invariant:
-            raise NotImplementedError("GptOssForCausalLM: --batch-invariant is not supported yet (its experts' "
-                                      "clamped SwiGLU has no row-invariant kernel here)")
-        super().__init__(hf_config, dtype, device, max_positions, kernels, tp)
 
     def _weight_targets(self) -> WeightMap:
         """Every tensor under its HF name but q/k/v (llama.py's fused qkv); under tp, this rank's heads of the

@@ -236,6 +236,7 @@ class DecoderLM(nn.Module):
 
     config_class: type[DecoderConfig] = DecoderConfig
     layer_class: type[nn.Module] = DecoderLayer
+    no_batch_invariance: str | None = None  # why --batch-invariant is refused for this family (None: it runs)
 
     def __init__(
         self,
@@ -247,6 +248,9 @@ class DecoderLM(nn.Module):
         tp: Solo = SOLO,
     ) -> None:
         super().__init__()
+        if kernels.batch_invariant and self.no_batch_invariance:
+            arch = (hf_config.get("architectures") or ["?"])[0]
+            raise NotImplementedError(f"{arch}: --batch-invariant is not supported yet ({self.no_batch_invariance})")
         device = torch.device(device)
         self.cfg = cfg = self.config_class.from_hf(hf_config)
         self.dtype = dtype
