@@ -253,3 +253,20 @@ def test_mla_caches_one_latent_row_per_token_and_layer() -> None:
     assert (per_token_layer, mha, mha // per_token_layer) == (1152, 81920, 71)
     kv = KVCache(*model.kv_spec, 4, 3, torch.float32, torch.device("cpu"), planes=model.kv_planes)
     assert kv.tensor.shape == (61, 1, 3, 4, 1, 576) and kv.views[0][0].data_ptr() == kv.views[0][1].data_ptr()
+
+
+def test_deepseek_v3_variants_equal_hf(tmp_path) -> None:
+    """The DeepSeek-V3 variants the tiny fixture leaves out (DeepSeek-V2-Lite-style q_proj without a q LoRA
+    rank, rotary dims not interleaved, attention biases, one expert group as Kimi-K2, plain rope): one
+    prefill's log-probs equal HF's."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint("deepseek_v3", tmp_path, q_lora_rank=None, rope_interleave=False, n_group=1,
+                                  topk_group=1, attention_bias=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = random_prompt(40, 1000, 5)
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = PagedRunner(load_model(folder)).step(prefills=[(0, prompt)]).log_softmax(-1)
+    assert (got - want).abs().max().item() < LOGPROB_TOL
