@@ -45,7 +45,7 @@ from engine.config import KV_CACHE_DTYPES
 from engine.model_store import resolve_model
 from workers.kv_cache import KVCache, cache_dtype
 from workers.loader import initialize_dummy_weights
-from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.checkpoint import iter_checkpoint, load_hf_config
 from workers.models.registry import build_model
 
 KERNEL_CLASSES = {"linear": "GEMM (layers)", "paged_attention": "attention (paged)", "rms_norm": "rms_norm",
@@ -107,7 +107,7 @@ def build(args, timers: Timers | None):
         initialize_dummy_weights(model)
     else:
         model = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
-        model.load_weights(iter_safetensors(folder))
+        model.load_weights(iter_checkpoint(folder))
     bs = 16
     per_seq = (args.ctx + args.steps + args.warmup + 2 + bs - 1) // bs
     kv = KVCache.for_model(model, bs, args.seqs * per_seq + 1, cache_dtype(args.kv_cache_dtype, dtype),

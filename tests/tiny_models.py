@@ -22,7 +22,7 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from engine.model_store import COMPLETE_MARKER, _locked, cache_dir, is_complete
-from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.checkpoint import iter_checkpoint, iter_safetensors, load_hf_config
 from workers.models.llama import DecoderLM
 from workers.models.registry import build_model
 
@@ -161,6 +161,45 @@ def tiny_with_oracle(arch: str, folder: Path) -> tuple[str, Path, Any]:
     return arch, folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+# gpt-oss as OpenAI publishes it: the experts in MXFP4 (workers/models/mxfp4.py), the rest unquantised.
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [E, rows, cols] tensor (cols a multiple of 32) as MXFP4 (blocks, scales): per 32 values the
+    smallest power of two that brings their largest magnitude within 6, then each value's nearest code."""
+    from workers.models.mxfp4 import FP4_VALUES
+
+    e, rows, cols = w.shape
+    g = w.reshape(e, rows, cols // 32, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0**-100) / 6.0)).clamp(-127, 127)
+    codes = ((g / torch.exp2(exp)[..., None])[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1)
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def make_mxfp4_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The tiny gpt-oss checkpoint (intermediate size 64: MXFP4 groups 32 values) with its experts' weights
+    quantised and saved as HF and OpenAI save gpt-oss: `*_blocks` / `*_scales` of the transposed tensors,
+    `quantization_config` mxfp4 in config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint("gpt_oss", folder, seed, intermediate_size=64)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2).contiguous())
+        else:
+            out[name] = t
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": MXFP4_CONFIG}, indent=2))
+    return folder
+
+
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -248,7 +287,7 @@ def _build_upcycled(src: Path, target: Path, progress: bool) -> None:
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
     model = build_model(load_hf_config(folder), dtype, "cpu")
-    loaded = model.load_weights(iter_safetensors(folder))
+    loaded = model.load_weights(iter_checkpoint(folder))
     missing = model.required_weight_names() - loaded
     assert not missing, f"checkpoint lacks {sorted(missing)}"
     return model

@@ -9,7 +9,7 @@ from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
 from engine.config import EngineConfig
 from engine.model_store import resolve_model
-from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
+from workers.models.checkpoint import iter_checkpoint, load_hf_config, resolve_dtype
 from workers.models.registry import build_model
 from workers.models.tp_layout import layout_error
 
@@ -59,7 +59,7 @@ def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAU
         initialize_dummy_weights(model)
     else:
         try:
-            loaded = model.load_weights(iter_safetensors(folder, progress=cfg.model.use_tqdm_on_load))
+            loaded = model.load_weights(iter_checkpoint(folder, progress=cfg.model.use_tqdm_on_load))
         except (KeyError, ValueError) as e:  # an extra tensor, or one of the wrong shape: named in the message
             raise SystemExit(f"rollbus: checkpoint {folder}: {e.args[0] if e.args else e}") from None
         missing = model.missing_weights(loaded)
@@ -85,4 +85,4 @@ def reload_weights(model, cfg: EngineConfig, weights_path: str | None = None) ->
         from engine.weights.protocol import WeightSyncError
 
         raise WeightSyncError(f"weights_path: {e}", status=400, param="kwargs.weights_path") from None
-    return model.load_weights(iter_safetensors(folder))
+    return model.load_weights(iter_checkpoint(folder))

@@ -1,0 +1,78 @@
+"""gpt-oss's MXFP4 checkpoints (as OpenAI publishes gpt-oss-20b / 120b): the experts dequantised as the
+checkpoint is read (workers/models/mxfp4.py), bitwise what HF transformers dequantises, and the model then
+equal to HF's on the same checkpoint (greedy tokens, every logprob within 1e-4, routed experts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import _COMMON, MXFP4_CONFIG, TINY_CONFIGS, load_model, make_mxfp4_checkpoint, quantize_mxfp4
+from workers.models.mxfp4 import dequantize, dequantized
+from workers.models.registry import build_model
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.unit
+def test_dequantize_is_transformers_dequantisation_bitwise() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=g)  # every code, both nibbles
+    scales = torch.randint(100, 140, (3, 40, 4), dtype=torch.uint8, generator=g)
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = dequantize(blocks, scales, dtype)
+        assert ours.shape == (3, 128, 40) and ours.dtype == dtype
+        assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype))
+
+
+@pytest.mark.unit
+def test_pairs_join_in_either_order_and_half_a_pair_is_refused_naming_it() -> None:
+    w = torch.randn(2, 8, 64)
+    b, s = quantize_mxfp4(w)
+    want = dequantize(b, s)
+    assert (want.float().transpose(1, 2) - w).abs().max() <= w.abs().max() / 4  # a 4-bit round trip
+    bias = torch.randn(8)
+    for order in ([("x.w_blocks", b), ("y.bias", bias), ("x.w_scales", s)],
+                  [("x.w_scales", s), ("x.w_blocks", b), ("y.bias", bias)]):
+        got = dict(dequantized(order))
+        assert set(got) == {"x.w", "y.bias"} and torch.equal(got["x.w"], want) and got["y.bias"] is bias
+    with pytest.raises(ValueError, match="'x.w_blocks' has no 'x.w_scales'"):
+        list(dequantized([("x.w_blocks", b)]))
+    with pytest.raises(ValueError, match="'x.w_scales' appears twice"):
+        list(dequantized([("x.w_scales", s), ("x.w_scales", s)]))
+    with pytest.raises(ValueError, match="tensor 'x.w'.*do not match"):
+        list(dequantized([("x.w_blocks", b[:, :, :1]), ("x.w_scales", s)]))
+
+
+@pytest.mark.unit
+def test_mxfp4_is_accepted_for_gpt_oss_only_and_other_methods_stay_refused() -> None:
+    cfg = {**_COMMON, **TINY_CONFIGS["gpt_oss"][1], "intermediate_size": 64, "architectures": ["GptOssForCausalLM"]}
+    build_model({**cfg, "quantization_config": MXFP4_CONFIG}, torch.float32, "meta")
+    with pytest.raises(NotImplementedError, match="quant_method 'fp8'"):
+        build_model({**cfg, "quantization_config": {"quant_method": "fp8"}}, torch.float32, "meta")
+    mistral = {**_COMMON, **TINY_CONFIGS["mistral"][1], "architectures": ["MistralForCausalLM"]}
+    with pytest.raises(NotImplementedError, match="MistralForCausalLM: quantization_config quant_method 'mxfp4'"):
+        build_model({**mistral, "quantization_config": MXFP4_CONFIG}, torch.float32, "meta")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_tiny(tmp_path_factory):
+    folder = make_mxfp4_checkpoint(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    return "gpt_oss", folder, hf
+
+
+def test_an_mxfp4_checkpoint_loads_as_hf_dequantises_it_and_equals_hf(mxfp4_tiny) -> None:
+    from tests.test_arch_oracle import test_greedy_logprobs_and_routes_equal_hf as equals_hf
+
+    _, folder, hf = mxfp4_tiny
+    model = load_model(folder)
+    theirs = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            assert torch.equal(p, theirs[name].float()), name
+    equals_hf(mxfp4_tiny)
