@@ -10,7 +10,8 @@ gpt-oss differences, and its own MoE block.
   (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit); down_proj [E, I, H]
   plus its bias. Under tp each rank holds its intermediate columns (interleaved pairs: one contiguous
   range) and rank 0 adds the down bias, so the all-reduce adds it once.
-- The MXFP4 checkpoints (`quantization_config` mxfp4) are refused: dequantised checkpoints only.
+- The MXFP4 checkpoints (`quantization_config` mxfp4, as OpenAI publishes gpt-oss) are dequantised as they are
+  read (workers/models/mxfp4.py); the model itself only ever holds bf16 / fp32 experts.
 - `--batch-invariant` is refused (its experts' products and activation have no row-invariant kernels here).
 """
 
