@@ -76,3 +76,63 @@ def test_an_mxfp4_checkpoint_loads_as_hf_dequantises_it_and_equals_hf(mxfp4_tiny
         if ".experts." in name:
             assert torch.equal(p, theirs[name].float()), name
     equals_hf(mxfp4_tiny)
+
+
+@pytest.mark.slow
+def test_served_mxfp4_gpt_oss_equals_hf_and_reloads_from_its_checkpoint(tmp_path, smollm2_dir) -> None:
+    """`rollbus serve` on the MXFP4 folder: 3 concurrent greedy requests equal HF's (dequantising) tokens,
+    prompt and sampled logprobs within 1e-4 and routed experts; after a level-2 sleep (weights discarded)
+    `reload_weights` dequantises the checkpoint again and a request alone equals HF's as well (not bitwise
+    the batched one's: gpt-oss does not run batch invariant)."""
+    import base64
+    import io
+    import shutil
+    import threading
+
+    import httpx
+    import numpy as np
+
+    from tests.server_helpers import start_server
+    from tests.test_arch_oracle import hf_routes
+
+    folder = make_mxfp4_checkpoint(tmp_path / "gpt_oss_mxfp4")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    prompts = [[(19 * i + 5 * j * j) % 900 + 3 for j in range(7 + 6 * i)] for i in range(3)]
+    body = {"model": str(folder), "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+    s = start_server(tmp_path, str(folder), "--block-size", "4", "--max-model-len", "128", "--enable-sleep-mode",
+                     "--enable-return-routed-experts", "--additional-config", '{"rl_config": {"enabled": true}}')
+    got: dict[int, dict] = {}
+
+    def go(i: int) -> None:
+        r = httpx.post(s.url + "/v1/completions", timeout=120, json={**body, "prompt": prompts[i]})
+        assert r.status_code == 200, r.text
+        got[i] = r.json()["choices"][0]
+
+    try:
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for path, payload in [("/sleep?level=2", None), ("/wake_up", None),
+                              ("/collective_rpc", {"method": "reload_weights"})]:
+            r = httpx.post(s.url + path, timeout=120, json=payload)
+            assert r.status_code == 200, (path, r.text)
+        again = httpx.post(s.url + "/v1/completions", timeout=120, json={**body, "prompt": prompts[2]}).json()
+    finally:
+        s.stop()
+    assert again["choices"][0]["logprobs"]["tokens"] == got[2]["logprobs"]["tokens"]
+    for i, c in [*got.items(), (2, again["choices"][0])]:  # the reloaded weights checked against HF too
+        p = prompts[i]
+        ids = [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]
+        lp, routes = hf_routes(hf, p + ids)
+        assert ids == lp[len(p) - 1:-1].argmax(-1).tolist(), f"prompt {i}: greedy tokens differ from HF"
+        want = [lp[k - 1, t].item() for k, t in enumerate(p + ids) if k]
+        served = [next(iter(d.values()))["logprob"] for d in c["prompt_logprobs"][1:]] + c["logprobs"]["token_logprobs"]
+        assert len(served) == len(want) and max(abs(a - b) for a, b in zip(served, want)) < 1e-4
+        rows = np.sort(np.load(io.BytesIO(base64.b64decode(c["routed_experts"])), allow_pickle=False), axis=-1)
+        assert np.array_equal(rows, routes[:-1].numpy()), f"prompt {i}: routed experts differ from HF"
