@@ -54,7 +54,10 @@ def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAU
     if why:
         raise SystemExit(f"rollbus: {why}")
     dtype = resolve_dtype(cfg.model.dtype, hf_config)
-    model = build_model(hf_config, dtype, device, kernels=kernels, tp=tp)
+    try:
+        model = build_model(hf_config, dtype, device, kernels=kernels, tp=tp)
+    except (ValueError, NotImplementedError) as e:  # an architecture or config value not served: named in e
+        raise SystemExit(f"rollbus: {folder}: {e}") from None
     if cfg.model.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
         initialize_dummy_weights(model)
     else:

@@ -30,13 +30,28 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "GptOssForCausalLM": GptOssLM,
 }
 
+# Families HF has and we do not serve yet, each refused with why (not only "unsupported"): their Gated DeltaNet
+# linear-attention layers keep a recurrent and a convolution state per sequence, which needs a state pool beside
+# the paged KV cache (allocated, freed, slept and prefix-cached with the sequence's blocks) that is not built.
+_HYBRID = ("Gated DeltaNet linear-attention layers need a per-sequence recurrent / convolution state pool beside "
+           "the paged KV cache, which rollbus does not have yet")
+REFUSED: dict[str, str] = {
+    "Qwen3NextForCausalLM": f"Qwen3-Next is not supported: its {_HYBRID}",
+    "Qwen3_5ForCausalLM": f"Qwen3.5 is not supported: its {_HYBRID}",
+    "Qwen3_5MoeForCausalLM": f"Qwen3.5-MoE is not supported: its {_HYBRID}",
+    "Qwen3_5ForConditionalGeneration": f"Qwen3.5 is not supported: its {_HYBRID} (and its vision tower is not either)",
+    "Qwen3_5MoeForConditionalGeneration": f"Qwen3.5-MoE is not supported: its {_HYBRID} (and its vision tower is "
+                                          "not either)",
+}
+
 # Older or hand-made configs sometimes lack `architectures`; model_type then names the family.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                 "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
-                "gpt_oss": "GptOssForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
@@ -52,6 +67,8 @@ def build_model(
     """Instantiate (uninitialised weights) the class registered for the config's architecture."""
     arch = architecture_of(hf_config)
     cls = ARCHITECTURES.get(arch)
+    if arch in REFUSED:
+        raise ValueError(f"unsupported architecture {arch}: {REFUSED[arch]}")
     if cls is None:
         raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(sorted(ARCHITECTURES))}")
     if not hf_config.get("architectures"):
