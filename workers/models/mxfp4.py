@@ -43,13 +43,16 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(blocks [E, rows, groups, 16], scales [E, rows, groups])")
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    # every byte's two values (low nibble first), and every scale byte's power of two: one lookup each
+    pairs = torch.tensor(FP4_VALUES, dtype=dtype)[torch.arange(256).view(256, 1) >> torch.tensor([0, 4]) & 0x0F]
+    powers = torch.exp2(torch.arange(-127, 129, dtype=torch.float64)).to(dtype)  # exact: 2**-127 .. 2**128
     e, rows, g, _ = blocks.shape
-    out = torch.empty(e, rows, g, 32, dtype=dtype)
-    out[..., 0::2] = lut[(blocks & 0x0F).long()]
-    out[..., 1::2] = lut[(blocks >> 4).long()]
-    torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1).to(dtype), out=out)
-    return out.view(e, rows, g * 32).transpose(1, 2).contiguous()
+    out = torch.empty(e, g * 32, rows, dtype=dtype)
+    for x in range(e):  # one expert at a time: the int64 codes of a whole tensor would be 8x its bytes
+        dense = pairs.index_select(0, blocks[x].reshape(-1).long()).view(rows, g, 32)
+        dense *= powers.index_select(0, scales[x].reshape(-1).long()).view(rows, g, 1)
+        out[x] = dense.view(rows, g * 32).t()
+    return out
 
 
 def dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16
