@@ -136,3 +136,39 @@ def test_served_mxfp4_gpt_oss_equals_hf_and_reloads_from_its_checkpoint(tmp_path
         assert len(served) == len(want) and max(abs(a - b) for a, b in zip(served, want)) < 1e-4
         rows = np.sort(np.load(io.BytesIO(base64.b64decode(c["routed_experts"])), allow_pickle=False), axis=-1)
         assert np.array_equal(rows, routes[:-1].numpy()), f"prompt {i}: routed experts differ from HF"
+
+
+# openai/gpt-oss-20b's config.json as published (transformers 4.55 keys: rope_scaling, rope_theta at the top)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": MXFP4_CONFIG, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088}
+
+
+@pytest.mark.unit
+def test_gpt_oss_20b_as_published_builds_with_hfs_rope_and_takes_its_mxfp4_experts() -> None:
+    """The real config (on the meta device): MXFP4 accepted, windows of 128 on every other layer, the expert
+    tensors the shapes its *_blocks dequantise to, and YaRN's cos / sin tables equal to HF's rotary embedding."""
+    from workers.models.decoder_config import _rope_tables
+    from workers.models.gpt_oss import GptOssConfig
+
+    model = build_model(GPT_OSS_20B, torch.bfloat16, "meta")
+    assert model.cfg.windows == (128, 0) * 12 and model.num_experts == 32 and model.moe_top_k == 4
+    e, h, i = 32, 2880, 2880
+    # gate_up_proj_blocks [E, 2I, H / 32, 16] -> [E, H, 2I]; down_proj_blocks [E, H, I / 32, 16] -> [E, I, H]
+    assert model.weight_full_shape("model.layers.0.mlp.experts.gate_up_proj") == (e, h, 2 * i)
+    assert model.weight_full_shape("model.layers.0.mlp.experts.down_proj") == (e, i, h)
+    hf_cfg = transformers.GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"})
+    rotary = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(hf_cfg)
+    pos = torch.arange(0, 131072, 61)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos[None])
+    ours_cos, ours_sin = _rope_tables(GptOssConfig.from_hf(GPT_OSS_20B), 131072, torch.device("cpu"), torch.float32)
+    assert torch.equal(ours_cos[pos, :32], cos[0]) and torch.equal(ours_sin[pos, :32], sin[0])
