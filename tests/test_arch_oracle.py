@@ -18,7 +18,7 @@ import torch
 
 from ascend_ops.tp_group import Layout
 from tests.tiny_models import NEW_ARCHS, PagedRunner, load_model, random_prompt, tiny_with_oracle
-from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.checkpoint import iter_checkpoint, iter_safetensors, load_hf_config
 from workers.models.decoder_config import sliding_windows
 from workers.models.registry import ARCHITECTURES, build_model
 from workers.models.tp_layout import layout_error
@@ -181,7 +181,7 @@ def test_two_tensor_parallel_ranks_compute_what_one_does(tiny) -> None:
 
     def rank(r: int) -> None:
         model = build_model(cfg, torch.float32, "cpu", tp=_ThreadGroup(r, 2, shared, barrier))
-        model.load_weights(iter_safetensors(folder))
+        model.load_weights(iter_checkpoint(folder))
         got[r] = PagedRunner(model).step(prefills=[(0, prompt)])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]

@@ -78,6 +78,14 @@ def test_an_mxfp4_checkpoint_loads_as_hf_dequantises_it_and_equals_hf(mxfp4_tiny
     equals_hf(mxfp4_tiny)
 
 
+def test_two_tensor_parallel_ranks_split_the_dequantised_experts(mxfp4_tiny) -> None:
+    """-tp 2 on the MXFP4 folder: each rank dequantises the whole tensors and keeps its interleaved gate / up
+    columns; the logits equal the unsharded model's."""
+    from tests.test_arch_oracle import test_two_tensor_parallel_ranks_compute_what_one_does as sharded_equals_whole
+
+    sharded_equals_whole(mxfp4_tiny)
+
+
 @pytest.mark.slow
 def test_served_mxfp4_gpt_oss_equals_hf_and_reloads_from_its_checkpoint(tmp_path, smollm2_dir) -> None:
     """`rollbus serve` on the MXFP4 folder: 3 concurrent greedy requests equal HF's (dequantising) tokens,
