@@ -1,6 +1,8 @@
 """Paged attention over the block-structured KV cache.
 
-Layout (one pair per layer):  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+Layout (one pair per layer):  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; or, for
+multi-head latent attention (DeepSeek-V3's MLA), one plane per layer [num_blocks, block_size, 1, W] holding
+each token's compressed latent and its rotary key (`latent_attention`).
 A token's KV lives at slot = block_id * block_size + offset. The model runner flattens a step's tokens
 into one [T, ...] batch ordered decodes first (one token each), then prefill chunks; AttentionMetadata
 says where each part starts.
@@ -157,3 +159,19 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[c.q_start : c.q_start + c.q_len] = o.transpose(0, 1)
     return out
+
+
+def latent_attention(
+    attend,  # a paged_attention (this module's, or ascend_ops.batch_invariant's)
+    q: torch.Tensor,  # [T, H, W]: each head's query absorbed into the latent space, then its rotary part
+    latent: torch.Tensor,  # [T, 1, W]: this step's tokens' [compressed kv ; rotary key]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, W]: the layer's one plane
+    meta: AttentionMetadata,
+    scale: float,
+    v_dim: int,  # the values are the first v_dim entries of each cached row (the compressed kv)
+) -> torch.Tensor:
+    """MLA attention, absorbed as vLLM's MLA backends compute it: multi-query attention with one KV head
+    whose keys are the cached rows and whose values are the same rows' leading v_dim entries. Returns [T, H,
+    v_dim]. The plane is passed as both caches, so the kernels that take [T, Hq, D] queries over K and V of
+    one width run unchanged (the W - v_dim trailing outputs, a weighted sum of rotary keys, are dropped)."""
+    return attend(q, latent, latent, cache, cache, meta, scale)[..., :v_dim]

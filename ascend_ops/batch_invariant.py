@@ -90,6 +90,13 @@ class Kernels:
     paged_attention: Callable[..., torch.Tensor]
     # (x + h, rms_norm(x + h)) in one pass (default mode); None: the layer adds, then calls rms_norm
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    head_linear: Callable[..., torch.Tensor] = _ops.head_linear  # per-head products (MLA's absorbed projections)
+
+    def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+        """Multi-head latent attention over one cache plane per layer (ascend_ops.attention.latent_attention),
+        through this mode's paged attention."""
+        return _attention.latent_attention(self.paged_attention, q, latent, cache, meta, scale, v_dim)
 
     @property
     def batch_invariant(self) -> bool:
@@ -190,6 +197,12 @@ def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
     return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear, act=silu_and_mul)
 
 
+def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """ops.head_linear one head at a time through the row-invariant linear (a batched GEMM's reduction order
+    may depend on the row count)."""
+    return torch.stack([linear(x[:, h].contiguous(), w[h]) for h in range(w.shape[0])], dim=1)
+
+
 def _row_tables(meta: AttentionMetadata, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row: its block table [T, W] (0-padded) and its context length [T] (its position + 1)."""
     widths = [c.block_table.shape[0] for c in meta.prefills]
@@ -286,7 +299,16 @@ def paged_attention(
     return out
 
 
-def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+def sink_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Paged attention with attention sinks (gpt-oss): each query head's softmax has one more logit, sinks[h],
+    in its denominator and nothing in its numerator. The torch path below (each row alone), in both modes."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return _paged_attention_torch(q, k_cache, v_cache, meta, scale, window, sinks)
+
+
+def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The portable path (module docstring): rows in chunks of at most PAIR_BUDGET (row, block) pairs."""
     T = q.shape[0]
     bs = k_cache.shape[1]
@@ -297,11 +319,12 @@ def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     for r0 in range(0, T, rows_per_chunk):
         r1 = min(T, r0 + rows_per_chunk)
         out[r0:r1] = _attend_rows(q[r0:r1], tables[r0:r1], lens[r0:r1], nblk[r0:r1], k_cache, v_cache, scale,
-                                  window)
+                                  window, sinks)
     return out
 
 
-def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0) -> torch.Tensor:
+def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     R, hq, d = q.shape
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     g = hq // hk
@@ -324,6 +347,8 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
     # the row's max over all its keys (a max is exact in any order); softmax numerators against it
     rowmax = torch.full((R, hk * g), float("-inf"), device=dev).scatter_reduce(
         0, row[:, None].expand(P, hk * g), s.detach().amax(dim=-1).view(P, hk * g), "amax")
+    if sinks is not None:  # the sink logit takes part in the max, as HF subtracts it
+        rowmax = torch.maximum(rowmax, sinks.float()[None, :])
     p = torch.exp(s - rowmax[row].view(P, hk, g, 1))  # [P, Hk, G, bs]
     lsum = p.sum(dim=-1).view(P, hq)  # per block: a fixed-length sum
     o = torch.bmm(p.view(P * hk, g, bs), vb).view(P, hq, d)
@@ -336,13 +361,14 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
         L = L[:, 0::2] + L[:, 1::2]
         out = out[:, 0::2] + out[:, 1::2]
         width //= 2
-    return (out[:, 0] / L[:, 0, :, None]).to(q.dtype)
+    denom = L[:, 0] if sinks is None else L[:, 0] + torch.exp(sinks.float()[None, :] - rowmax)
+    return (out[:, 0] / denom[:, :, None]).to(q.dtype)
 
 
 DEFAULT = Kernels("default", _packed.linear, _ops.fused_rms_norm, _ops.fused_silu_and_mul, _ops.fused_apply_rope,
                   _ops.moe_route, _ops.moe_experts, _attention.paged_attention, _ops.fused_add_rms_norm)
 INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
-                    moe_experts, paged_attention)
+                    moe_experts, paged_attention, head_linear=head_linear)
 
 
 def kernels(batch_invariant: bool) -> Kernels:
@@ -422,7 +448,8 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
     with torch.inference_mode():
         for (shape, _), (w, b) in _linear_weights(model).items():
             n, kdim = shape
-            if not _rows_invariant(lambda x: kern.linear(x, w, b), rand(67, kdim), big if n > 8192 else small):
+            x = rand(67, kdim).to(w.dtype)  # a router kept in fp32 (GLM, DeepSeek) multiplies fp32 rows
+            if not _rows_invariant(lambda x: kern.linear(x, w, b), x, big if n > 8192 else small):
                 raise fail(f"linear [{kdim} -> {n}]")
         checked.append("linear")
         cfg = model.cfg
@@ -460,6 +487,12 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
             if not _rows_invariant(experts, rand(67, h), small):
                 raise fail("moe routing / experts")
             checked.append("moe")
+        heads = [w for m in model.modules() if hasattr(m, "head_linear_weights") for w in m.head_linear_weights()]
+        for w in heads[:2]:  # MLA's absorbed projections (every layer's have these two shapes)
+            if not _rows_invariant(lambda x, w=w: kern.head_linear(x, w), rand(67, w.shape[0], w.shape[2]), small):
+                raise fail(f"head_linear [{w.shape[2]} -> {w.shape[1]}]")
+        if heads:
+            checked.append("head_linear")
         if not _attention_invariant(kern, hq, hk, d, block_size, rand, cache_dtype or dtype):
             impl = attention_implementation(dev.type, dtype, cache_dtype) if kern.batch_invariant else kern.name
             raise fail(f"paged attention ({impl})")

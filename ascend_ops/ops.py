@@ -101,6 +101,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each head's own linear: x [T, H, K], w [H, N, K] (linear's [out, in] per head) -> [T, H, N] (MLA's
+    absorbed projections: a query into the latent space, a latent output into the value heads)."""
+    return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in fp32 over the experts, then the top_k: (fp32 weights [T, k], int64 ids [T, k]), best first.
 

@@ -206,12 +206,12 @@ def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int 
     from ascend_ops.batch_invariant import INVARIANT
     from engine.trainer import use_engine_kernels
     from tests.tiny_models import PagedRunner
-    from workers.models.checkpoint import iter_safetensors, load_hf_config
+    from workers.models.checkpoint import iter_checkpoint, load_hf_config
     from workers.models.registry import build_model
 
     dt = getattr(torch, dtype)
     engine = build_model(load_hf_config(folder), dt, "cpu", kernels=INVARIANT)
-    engine.load_weights(iter_safetensors(folder))
+    engine.load_weights(iter_checkpoint(folder))
     vocab = engine.cfg.vocab_size
     prompts = [b["token_ids"] for b in make_requests(rollouts, max_tokens, vocab)]
     runner = PagedRunner(engine, num_blocks=rollouts * ((max(map(len, prompts)) + max_tokens) // 16 + 2),

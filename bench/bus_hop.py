@@ -67,10 +67,10 @@ def prompts(n: int) -> list[list[int]]:
 
 def in_process(folder: Path, seqs: int, tokens: int) -> tuple[float, float]:
     """(mean execute ms per step, mean codec ms per step) with no sockets at all."""
-    from workers.models.checkpoint import iter_safetensors
+    from workers.models.checkpoint import iter_checkpoint
 
     model = build_model(CONFIG, torch.float32, torch.device("cpu"))
-    model.load_weights(iter_safetensors(folder))
+    model.load_weights(iter_checkpoint(folder))
     kv = KVCache(*model.kv_spec, 16, 1024, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, kv, rank=0, block_size=16, device=torch.device("cpu"))
     sched = Scheduler(BlockManager(1024, 16), 256, 4096, 2048)

@@ -15,6 +15,9 @@ processes matters less; on a shared machine compare runs by their fractions or r
   python bench/step_profile.py --logprobs 1 --dump /tmp/a.npy   # outputs, to compare two checkouts bitwise
   python bench/step_profile.py --attention both     # CPU attention: the in-place kernel, then torch SDPA,
                                                     # in one process, with the kernel/torch ratios
+  python bench/step_profile.py --mla-vs-mha --seqs 64 --ctx 512 --steps 4 --threads 1
+      # DeepSeek-V3's attention (MLA over its latent cache, absorbed) against MHA on the same model's
+      # shape (MLA_SHAPE, --load-format dummy weights): attention ms per step and KV bytes per token
 
 A/B against another checkout: run it with PYTHONPATH pointing at each tree in turn (the script imports
 whatever `ascend_ops` / `workers` come first on the path).
@@ -41,13 +44,25 @@ from bus.sampling_params import SamplingParams
 from engine.config import KV_CACHE_DTYPES
 from engine.model_store import resolve_model
 from workers.kv_cache import KVCache, cache_dtype
-from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.loader import initialize_dummy_weights
+from workers.models.checkpoint import iter_checkpoint, load_hf_config
 from workers.models.registry import build_model
 
 KERNEL_CLASSES = {"linear": "GEMM (layers)", "paged_attention": "attention (paged)", "rms_norm": "rms_norm",
-                  "add_rms_norm": "rms_norm", "apply_rope": "rotary", "silu_and_mul": "silu*mul"}
-ORDER = ["GEMM (layers)", "LM head", "attention (paged)", "rms_norm", "rotary", "silu*mul", "sampling",
-         "step prep (runner)", "other (embed, adds, Python)"]
+                  "add_rms_norm": "rms_norm", "apply_rope": "rotary", "silu_and_mul": "silu*mul",
+                  "head_linear": "MLA absorb (per head)"}
+ORDER = ["GEMM (layers)", "LM head", "attention (paged)", "MLA absorb (per head)", "rms_norm", "rotary", "silu*mul",
+         "sampling", "step prep (runner)", "other (embed, adds, Python)"]
+# DeepSeek-V3's attention shapes (16 of its 128 heads, 2 small dense layers, a 32k vocabulary) for --mla-vs-mha; its MHA
+# twin keeps hidden size, heads and layers, with K and V heads of the query's qk_head_dim (192)
+MLA_SHAPE = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
+             "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16,
+             "q_lora_rank": 768, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+             "v_head_dim": 128, "first_k_dense_replace": 2, "max_position_embeddings": 4096,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+MHA_TWIN = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 1024,
+            "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 192,
+            "max_position_embeddings": 4096, "rope_theta": 10000.0}
 
 
 class Timers:
@@ -87,12 +102,16 @@ def build(args, timers: Timers | None):
                                                               k == "linear" else None)
                                                for k, c in KERNEL_CLASSES.items() if getattr(DEFAULT, k, None)})
     dtype = getattr(torch, args.dtype)
-    model = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
-    model.load_weights(iter_safetensors(folder))
+    if args.hf_config is not None:  # --mla-vs-mha: a shape, with --load-format dummy's weights
+        model = build_model(args.hf_config, dtype, "cpu", kernels=kern)
+        initialize_dummy_weights(model)
+    else:
+        model = build_model(load_hf_config(folder), dtype, "cpu", kernels=kern)
+        model.load_weights(iter_checkpoint(folder))
     bs = 16
     per_seq = (args.ctx + args.steps + args.warmup + 2 + bs - 1) // bs
-    L, hk, d = model.kv_spec
-    kv = KVCache(L, hk, d, bs, args.seqs * per_seq + 1, cache_dtype(args.kv_cache_dtype, dtype), torch.device("cpu"))
+    kv = KVCache.for_model(model, bs, args.seqs * per_seq + 1, cache_dtype(args.kv_cache_dtype, dtype),
+                           torch.device("cpu"))
     runner = mr.ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"))
     if timers is not None:
         model.compute_logits = timers.wrap("LM head", model.compute_logits)
@@ -109,7 +128,8 @@ def run(args) -> tuple[float, float]:
     sp = SamplingParams(temperature=1.0, max_tokens=10_000, ignore_eos=True, logprobs=args.logprobs)
     ids = [f"s{i}" for i in range(args.seqs)]
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(args.seqs)]
-    prompts = [torch.randint(0, 49152, (args.ctx - i % 8,)).tolist() for i in range(args.seqs)]  # ~ctx, ragged
+    vocab = runner.model.cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (args.ctx - i % 8,)).tolist() for i in range(args.seqs)]  # ~ctx, ragged
     step = 0
     if timers:
         timers.on = False
@@ -140,7 +160,8 @@ def run(args) -> tuple[float, float]:
         np.save(args.dump, np.stack(dumped))
     med = statistics.median(walls)
     ctx = statistics.mean(len(runner.seqs[s].tokens) for s in ids)
-    print(f"SmolLM2-135M {args.dtype} (KV cache {args.kv_cache_dtype}), {args.seqs} sequences decoding at "
+    name = runner.model.cfg.architecture + " (dummy weights)" if args.hf_config else "SmolLM2-135M"
+    print(f"{name} {args.dtype} (KV cache {args.kv_cache_dtype}), {args.seqs} sequences decoding at "
           f"~{ctx:.0f} tokens of context, "
           f"{args.steps} steps (after {args.warmup} warm-up), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, attention {attention.implementation('cpu')}")
@@ -154,7 +175,8 @@ def run(args) -> tuple[float, float]:
         ms = statistics.median(per_class[c]) * 1e3
         frac = statistics.median(v / w for v, w in zip(per_class[c], walls))
         print(f"| {c:<30} | {ms:9.1f} | {frac:15.1%} |")
-    return med, statistics.median(per_class["attention (paged)"])
+    return med, statistics.median(a + b for a, b in zip(per_class["attention (paged)"],
+                                                       per_class["MLA absorb (per head)"]))
 
 
 def main() -> None:
@@ -176,9 +198,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (default: torch's own). 1 gives stable fractions on a loaded machine: "
                         "with 2+ threads every small op waits at a barrier for a thread another process preempted")
+    p.add_argument("--mla-vs-mha", action="store_true",
+                   help="MLA_SHAPE's latent attention, then its MHA twin (dummy weights): attention ms and KV bytes")
     args = p.parse_args()
+    args.hf_config = None
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mla_vs_mha:
+        mla_vs_mha(args)
+        return
     got = {}
     for choice in ("kernel", "torch") if args.attention == "both" else (args.attention,):
         if attention.select(choice) != choice:
@@ -189,6 +217,22 @@ def main() -> None:
         (ks, ka), (ts, ta) = got["kernel"], got["torch"]
         print(f"kernel / torch, same process: step {ks * 1e3:.1f} / {ts * 1e3:.1f} ms = {ks / ts:.2f}; "
               f"attention {ka * 1e3:.1f} / {ta * 1e3:.1f} ms = {ka / ta:.2f}")
+
+
+def mla_vs_mha(args) -> None:
+    """Attention (paged attention plus MLA's per-head absorbed products) per decode step, and KV cache bytes per
+    token, of MLA_SHAPE and of MHA_TWIN, in this process."""
+    got = {}
+    for name, cfg in (("MLA", MLA_SHAPE), ("MHA", MHA_TWIN)):
+        args.hf_config = cfg
+        got[name] = run(args)
+        model = build_model(cfg, getattr(torch, args.dtype), "meta")
+        per_token = KVCache.bytes_per_block(*model.kv_spec, 1, getattr(torch, args.dtype), model.kv_planes)
+        got[name] += (per_token,)
+        print(f"{name}: KV cache {per_token} bytes per token ({model.kv_spec.num_layers} layers)\n")
+    (ms, ma, mb), (hs, ha, hb) = got["MLA"], got["MHA"]
+    print(f"MLA / MHA: attention {ma * 1e3:.1f} / {ha * 1e3:.1f} ms per step = {ma / ha:.2f}; step {ms * 1e3:.1f} / "
+          f"{hs * 1e3:.1f} ms; KV bytes per token {mb} / {hb} = 1/{hb / mb:.1f}")
 
 
 if __name__ == "__main__":

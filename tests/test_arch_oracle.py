@@ -18,7 +18,7 @@ import torch
 
 from ascend_ops.tp_group import Layout
 from tests.tiny_models import NEW_ARCHS, PagedRunner, load_model, random_prompt, tiny_with_oracle
-from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.checkpoint import iter_checkpoint, iter_safetensors, load_hf_config
 from workers.models.decoder_config import sliding_windows
 from workers.models.registry import ARCHITECTURES, build_model
 from workers.models.tp_layout import layout_error
@@ -44,7 +44,7 @@ def hf_routes(hf, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(out, tuple) and len(out) == 3 and out[2].dtype == torch.int64:
             picks.append(out[2].reshape(len(ids), -1).sort(-1).values)
 
-    hooks = [m.register_forward_hook(grab) for n, m in hf.named_modules() if n.endswith("mlp.gate")]
+    hooks = [m.register_forward_hook(grab) for n, m in hf.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
     try:
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0].float()
@@ -181,7 +181,7 @@ def test_two_tensor_parallel_ranks_compute_what_one_does(tiny) -> None:
 
     def rank(r: int) -> None:
         model = build_model(cfg, torch.float32, "cpu", tp=_ThreadGroup(r, 2, shared, barrier))
-        model.load_weights(iter_safetensors(folder))
+        model.load_weights(iter_checkpoint(folder))
         got[r] = PagedRunner(model).step(prefills=[(0, prompt)])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
@@ -236,3 +236,37 @@ def test_load_format_dummy_builds_and_runs(tiny) -> None:
     model = build_model(load_hf_config(folder), torch.float32, "cpu")
     assert initialize_dummy_weights(model) == len(list(model.parameters()))
     assert torch.isfinite(PagedRunner(model).step(prefills=[(0, [1, 2, 3, 4, 5])])).all()
+
+
+@pytest.mark.unit
+def test_mla_caches_one_latent_row_per_token_and_layer() -> None:
+    """DeepSeek-V3's real shapes (DeepseekV3Config's defaults, built on the meta device): its KV cache holds one
+    plane of kv_lora_rank + qk_rope_head_dim = 576 values per token and layer, 1,152 bytes in bf16, where K
+    and V of its 128 heads (192 + 128 dims) would take 81,920 (docs/serving.md)."""
+    from workers.kv_cache import KVCache
+
+    cfg = {**transformers.DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    model = build_model(cfg, torch.bfloat16, "meta")
+    assert tuple(model.kv_spec) == (61, 1, 576) and model.kv_planes == 1
+    per_token_layer = KVCache.bytes_per_block(*model.kv_spec, 1, torch.bfloat16, model.kv_planes) // 61
+    mha = KVCache.bytes_per_block(61, 128, 192 + 128, 1, torch.bfloat16, planes=1) // 61
+    assert (per_token_layer, mha, mha // per_token_layer) == (1152, 81920, 71)
+    kv = KVCache(*model.kv_spec, 4, 3, torch.float32, torch.device("cpu"), planes=model.kv_planes)
+    assert kv.tensor.shape == (61, 1, 3, 4, 1, 576) and kv.views[0][0].data_ptr() == kv.views[0][1].data_ptr()
+
+
+def test_deepseek_v3_variants_equal_hf(tmp_path) -> None:
+    """The DeepSeek-V3 variants the tiny fixture leaves out (DeepSeek-V2-Lite-style q_proj without a q LoRA
+    rank, rotary dims not interleaved, attention biases, one expert group as Kimi-K2, plain rope): one
+    prefill's log-probs equal HF's."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint("deepseek_v3", tmp_path, q_lora_rank=None, rope_interleave=False, n_group=1,
+                                  topk_group=1, attention_bias=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = random_prompt(40, 1000, 5)
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = PagedRunner(load_model(folder)).step(prefills=[(0, prompt)]).log_softmax(-1)
+    assert (got - want).abs().max().item() < LOGPROB_TOL

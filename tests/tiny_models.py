@@ -22,7 +22,7 @@ import torch
 
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from engine.model_store import COMPLETE_MARKER, _locked, cache_dir, is_complete
-from workers.models.checkpoint import iter_safetensors, load_hf_config
+from workers.models.checkpoint import iter_checkpoint, iter_safetensors, load_hf_config
 from workers.models.llama import DecoderLM
 from workers.models.registry import build_model
 
@@ -92,10 +92,32 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                        routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.5})),
+    # DeepSeek-V3 / Kimi-K2: MLA (q through its LoRA rank, a 32-wide latent, decoupled rotary keys of 8 dims,
+    # interleaved), YaRN with mscale != mscale_all_dim, a dense first layer, 8 experts in 4 groups (top-2
+    # groups, top-3 experts) with a correction bias, a shared expert, routed_scaling_factor.
+    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=False,
+                                             num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                                             n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                             n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                              "factor": 4.0, "original_max_position_embeddings": 64,
+                                                              "mscale": 1.0, "mscale_all_dim": 0.8,
+                                                              "beta_fast": 32, "beta_slow": 1})),
+    # gpt-oss: a sliding layer (window 6) then a full one, sinks, YaRN (not truncated), 8 experts top-2 with
+    # biases, the SwiGLU clamp low enough to bite (1.0 here, 7.0 in the real models).
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False, head_dim=16,
+                                     intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                     sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                     swiglu_limit=1.0,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False})),
 }
 MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
 # issue 34's: test_arch_oracle.py in CI, the exhaustive suites slow
-NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe"]
+NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe", "deepseek_v3", "gpt_oss"]
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
@@ -119,6 +141,8 @@ def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
             elif "norm" in name:  # Gemma 3 scales by (1 + weight)
                 p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):  # gpt-oss: logits of the size of a row's scores, so they matter
+                p.copy_(2.0 * torch.randn(p.shape, generator=g))
             else:  # bias
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
         for name, b in model.named_buffers():  # GLM / DeepSeek routers' correction bias (a buffer in HF)
@@ -135,6 +159,45 @@ def tiny_with_oracle(arch: str, folder: Path) -> tuple[str, Path, Any]:
 
     make_tiny_checkpoint(arch, folder)
     return arch, folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+# gpt-oss as OpenAI publishes it: the experts in MXFP4 (workers/models/mxfp4.py), the rest unquantised.
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [E, rows, cols] tensor (cols a multiple of 32) as MXFP4 (blocks, scales): per 32 values the
+    smallest power of two that brings their largest magnitude within 6, then each value's nearest code."""
+    from workers.models.mxfp4 import FP4_VALUES
+
+    e, rows, cols = w.shape
+    g = w.reshape(e, rows, cols // 32, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0**-100) / 6.0)).clamp(-127, 127)
+    codes = ((g / torch.exp2(exp)[..., None])[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1)
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def make_mxfp4_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The tiny gpt-oss checkpoint (intermediate size 64: MXFP4 groups 32 values) with its experts' weights
+    quantised and saved as HF and OpenAI save gpt-oss: `*_blocks` / `*_scales` of the transposed tensors,
+    `quantization_config` mxfp4 in config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint("gpt_oss", folder, seed, intermediate_size=64)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2).contiguous())
+        else:
+            out[name] = t
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": MXFP4_CONFIG}, indent=2))
+    return folder
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -224,7 +287,7 @@ def _build_upcycled(src: Path, target: Path, progress: bool) -> None:
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
     model = build_model(load_hf_config(folder), dtype, "cpu")
-    loaded = model.load_weights(iter_safetensors(folder))
+    loaded = model.load_weights(iter_checkpoint(folder))
     missing = model.required_weight_names() - loaded
     assert not missing, f"checkpoint lacks {sorted(missing)}"
     return model
@@ -247,7 +310,8 @@ class PagedRunner:
         L, hk, d = self.model.kv_spec
         shape = (self.num_blocks, self.block_size, hk, d)
         dt = self.model.dtype
-        self.kv = [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(L)]
+        planes = [[torch.zeros(shape, dtype=dt) for _ in range(self.model.kv_planes)] for _ in range(L)]
+        self.kv = [(p[0], p[-1]) for p in planes]  # latent attention (one plane): (plane, plane)
         # Hand out blocks in a scrambled order so sequences are never physically contiguous.
         g = torch.Generator().manual_seed(self.seed)
         self.free = torch.randperm(self.num_blocks, generator=g).tolist()

@@ -1,8 +1,10 @@
 """The worker's paged KV cache: one allocation, viewed per layer as (k_cache, v_cache).
 
-Layout [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. It is a single tensor so the
-whole cache can later be released and re-created by tag (sleep mode discards it) without touching the
-model; `views` are rebuilt after a re-allocation.
+Layout [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim]: two planes (K and V) for
+attention with KV heads; one for multi-head latent attention (DeepSeek-V3's MLA: per token one row of
+kv_lora_rank + qk_rope_head_dim, a model's `kv_planes` == 1), whose views are (plane, plane). It is a
+single tensor so the whole cache can later be released and re-created by tag (sleep mode discards it)
+without touching the model; `views` are rebuilt after a re-allocation.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+                 dtype: torch.dtype, device: torch.device, planes: int = 2):
+        if planes not in (1, 2):
+            raise ValueError(f"a KV cache has 1 (latent) or 2 (K and V) planes, not {planes}")
+        self.shape = (num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.num_blocks = num_blocks
         self.tensor: torch.Tensor | None = None
@@ -39,8 +43,14 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+                        dtype: torch.dtype, planes: int = 2) -> int:
+        return (num_layers * planes * block_size * num_kv_heads * head_dim
+                * torch.empty(0, dtype=dtype).element_size())
+
+    @classmethod
+    def for_model(cls, model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        """The cache `model` computes over (its kv_spec, and one plane for latent attention)."""
+        return cls(*model.kv_spec, block_size, num_blocks, dtype, device, planes=model.kv_planes)
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +69,8 @@ class KVCache:
             populate_host_tensor(self.tensor)
         else:
             self.tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        self.views = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.shape[0])]
+        last = self.shape[1] - 1  # (K, V), or (plane, plane)
+        self.views = [(self.tensor[i, 0], self.tensor[i, last]) for i in range(self.shape[0])]
 
     def release(self) -> None:
         self.views = []

@@ -9,7 +9,7 @@ from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
 from engine.config import EngineConfig
 from engine.model_store import resolve_model
-from workers.models.checkpoint import iter_safetensors, load_hf_config, resolve_dtype
+from workers.models.checkpoint import iter_checkpoint, load_hf_config, resolve_dtype
 from workers.models.registry import build_model
 from workers.models.tp_layout import layout_error
 
@@ -54,12 +54,15 @@ def load_model(cfg: EngineConfig, device: torch.device, kernels: Kernels = DEFAU
     if why:
         raise SystemExit(f"rollbus: {why}")
     dtype = resolve_dtype(cfg.model.dtype, hf_config)
-    model = build_model(hf_config, dtype, device, kernels=kernels, tp=tp)
+    try:
+        model = build_model(hf_config, dtype, device, kernels=kernels, tp=tp)
+    except (ValueError, NotImplementedError) as e:  # an architecture or config value not served: named in e
+        raise SystemExit(f"rollbus: {folder}: {e}") from None
     if cfg.model.load_format == "dummy":  # no checkpoint is read: the trainer's first weight sync fills it
         initialize_dummy_weights(model)
     else:
         try:
-            loaded = model.load_weights(iter_safetensors(folder, progress=cfg.model.use_tqdm_on_load))
+            loaded = model.load_weights(iter_checkpoint(folder, progress=cfg.model.use_tqdm_on_load))
         except (KeyError, ValueError) as e:  # an extra tensor, or one of the wrong shape: named in the message
             raise SystemExit(f"rollbus: checkpoint {folder}: {e.args[0] if e.args else e}") from None
         missing = model.missing_weights(loaded)
@@ -85,4 +88,4 @@ def reload_weights(model, cfg: EngineConfig, weights_path: str | None = None) ->
         from engine.weights.protocol import WeightSyncError
 
         raise WeightSyncError(f"weights_path: {e}", status=400, param="kwargs.weights_path") from None
-    return model.load_weights(iter_safetensors(folder))
+    return model.load_weights(iter_checkpoint(folder))

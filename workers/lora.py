@@ -140,6 +140,8 @@ def attach(model, slots: LoraSlots) -> None:
     """Give every decoder layer's projections their LoRA hook (workers/models/llama.py calls them)."""
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(attn, "qkv_proj"):
+            raise NotImplementedError("--enable-lora: adapters on multi-head latent attention are not implemented")
         if not hasattr(mlp, "gate_up_proj"):
             raise NotImplementedError("--enable-lora: adapters on mixture-of-experts layers are not implemented")
         attn.lora_qkv, attn.lora_o = slots.hook(i, "qkv"), slots.hook(i, "o")

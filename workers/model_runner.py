@@ -359,8 +359,7 @@ def warm_up(model, *, rank: int, block_size: int, device: torch.device, kv_dtype
     the real runner is touched. Every tp rank runs it at the same point (its forward has collectives).
     Returns the seconds it took."""
     t0 = time.perf_counter()
-    nl, nkv, hd = model.kv_spec
-    kv = KVCache(nl, nkv, hd, block_size, 1, kv_dtype or next(model.parameters()).dtype, device)
+    kv = KVCache.for_model(model, block_size, 1, kv_dtype or next(model.parameters()).dtype, device)
     runner = ModelRunner(model, kv, rank=rank, block_size=block_size, device=device)
     n = max(1, min(8, block_size - 1))
     sid = "warm-up"

@@ -64,7 +64,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
     # once-per-process costs here, not in the first request's step; and resident before the KV cache is sized
     warm_s = warm_up(model, rank=rank, block_size=cfg.cache.block_size, device=device, kv_dtype=kv_dtype)
     nl, nkv, hd = model.kv_spec
-    per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.cache.block_size, kv_dtype)
+    per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.cache.block_size, kv_dtype, model.kv_planes)
     try:
         num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
                                      kv_cache_memory_bytes=cfg.cache.kv_cache_memory_bytes,
@@ -76,7 +76,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
         raise SystemExit(
             f"KV cache of {num_blocks} blocks x {cfg.cache.block_size} tokens cannot hold one sequence of "
             f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
-    kv = KVCache(nl, nkv, hd, cfg.cache.block_size, num_blocks, kv_dtype, device)
+    kv = KVCache.for_model(model, cfg.cache.block_size, num_blocks, kv_dtype, device)
     runner = ModelRunner(model, kv, rank=rank, block_size=cfg.cache.block_size, device=device, seed=cfg.model.seed,
                          logprobs_mode=cfg.rl.logprobs_mode, return_routed_experts=cfg.rl.enable_return_routed_experts,
                          tokenizer_path=None if cfg.rl.tokens_only else

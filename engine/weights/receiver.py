@@ -235,7 +235,7 @@ class WeightReceiver:
     def checksums(self, prefix: str) -> dict[str, str]:
         """sha256 per tensor under the names a trainer sends (HF names), prefixed per worker; with tensor
         parallelism, of this worker's part (as vLLM's per-shard keys)."""
-        names = sorted(self.model.required_weight_names())
+        names = sorted(self.model.checksum_names())
         return {prefix + n: tensor_checksum(self.model.weight_destination(n)) for n in names}
 
 

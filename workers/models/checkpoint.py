@@ -73,6 +73,15 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return found
 
 
+def iter_checkpoint(folder: str | Path, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_safetensors, with an MXFP4 checkpoint's quantised tensors dequantised (to bf16, exactly) as they
+    are read: what a model loads from a checkpoint folder (workers/models/mxfp4.py)."""
+    from workers.models import mxfp4
+
+    weights = iter_safetensors(folder, progress)
+    return mxfp4.dequantized(weights) if mxfp4.is_mxfp4(load_hf_config(folder)) else weights
+
+
 def iter_safetensors(folder: str | Path, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, cpu tensor) for every weight, one at a time, in file order."""
     files = safetensors_files(folder)

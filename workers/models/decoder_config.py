@@ -1,6 +1,6 @@
 """The decoder's configuration, read from an HF config dict: each family's flags and defaults, the checks
 that refuse what is not implemented (naming the key and value), each layer's sliding window, and the
-rotary tables (default, linear and llama3 scaling; partial rotary)."""
+rotary tables (default, linear, llama3 and YaRN scaling; partial rotary)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ascend_ops import ops
+from workers.models import mxfp4
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class DecoderConfig:
         # Transformers 5 nests rope settings under rope_parameters; older configs use rope_theta/rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         scaling = cfg.get("rope_scaling") or rope or None
+        if scaling and cfg.get("original_max_position_embeddings"):  # Phi-3 style: HF gives it priority
+            scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         attn_bias = bool(cfg.get("attention_bias", False))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -84,12 +87,12 @@ class DecoderConfig:
 
 
 def _refuse_quantization(arch: str, cfg: dict[str, Any]) -> None:
-    """A quantised checkpoint would load as a different model: refused, naming what it declares."""
-    q = cfg.get("quantization_config")
-    if q:
-        method = q.get("quant_method", q) if isinstance(q, dict) else q
-        raise NotImplementedError(f"{arch}: quantization_config quant_method {method!r} is not supported "
-                                  f"(unquantised checkpoints only)")
+    """A quantised checkpoint would load as a different model: refused, naming what it declares; except
+    gpt-oss's MXFP4, which the checkpoint reader dequantises (workers/models/mxfp4.py)."""
+    method = mxfp4.quant_method(cfg)
+    if method is not None and not mxfp4.is_mxfp4(cfg):
+        only = " (unquantised checkpoints, and MXFP4 for gpt-oss, only)"
+        raise NotImplementedError(f"{arch}: quantization_config quant_method {method!r} is not supported{only}")
 
 
 def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -124,20 +127,22 @@ def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     return (0,) * n
 
 
-def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
-    """Scaled inverse frequencies for llama3 rope; None for plain rope (ops.rope_cos_sin handles it)."""
+def _inv_freq(cfg: DecoderConfig) -> tuple[torch.Tensor | None, float]:
+    """(scaled inverse frequencies, the factor cos/sin are multiplied by) for a scaled rope; (None, 1.0) for
+    plain rope (ops.rope_cos_sin handles it)."""
     sc = cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "default":
-        return None
-    if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
-        d = cfg.rotary_dim
-        return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)) / sc["factor"]
-    if kind != "llama3":
-        raise NotImplementedError(f"rope_scaling / rope_parameters rope_type {kind!r} is not supported "
-                                  f"(only default, linear and llama3)")
+        return None, 1.0
     d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        return inv / sc["factor"], 1.0
+    if kind == "yarn":
+        return _yarn(cfg, sc)
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_scaling / rope_parameters rope_type {kind!r} is not supported "
+                                  f"(only default, linear, llama3 and yarn)")
     factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
     old_len = sc["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -145,16 +150,52 @@ def _inv_freq(cfg: DecoderConfig) -> torch.Tensor | None:
     smooth = (old_len / wavelen - lo) / (hi - lo)
     mid = (1 - smooth) * out / factor + smooth * out
     medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-    return torch.where(medium, mid, out)
+    return torch.where(medium, mid, out), 1.0
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(cfg: DecoderConfig, sc: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (as HF's _compute_yarn_parameters): the frequencies between the beta_fast and beta_slow
+    corrections blend interpolated (divided by `factor`) and original ones along a linear ramp; cos/sin are
+    scaled by `attention_factor` (default mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
+    d, base = cfg.rotary_dim, cfg.rope_theta
+    old_len = sc.get("original_max_position_embeddings") or cfg.max_positions  # HF's default
+    factor = sc.get("factor") or cfg.max_positions / old_len
+    att = sc.get("attention_factor")
+    if att is None:
+        m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        att = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+
+    def dim_of(rotations: float) -> float:
+        return (d * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(sc.get("beta_fast") or 32), dim_of(sc.get("beta_slow") or 1)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    pos = base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    return 1.0 / (factor * pos) * (1 - keep) + 1.0 / pos * keep, float(att)
 
 
 def _rope_tables(
     cfg: DecoderConfig, n: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [n, head_dim], computed once in fp32 then cast, as HF does per step."""
-    inv = _inv_freq(cfg)
+    """cos/sin [n, rotary_dim], computed once in fp32 (times YaRN's attention factor) then cast, as HF does
+    per step."""
+    inv, att = _inv_freq(cfg)
     if inv is None:
         return ops.rope_cos_sin(cfg.rotary_dim, n, cfg.rope_theta, device, dtype)
     freqs = torch.outer(torch.arange(n, dtype=torch.int64).float(), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if att != 1.0:
+        cos, sin = cos * att, sin * att
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)

@@ -93,13 +93,11 @@ class Gemma3Layer(nn.Module):
 class Gemma3LM(DecoderLM):
     config_class = Gemma3Config
     layer_class = Gemma3Layer
+    no_batch_invariance = "its GELU has no row-invariant kernel here"
     cfg: Gemma3Config
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
                  max_positions: int | None = None, kernels: Kernels = DEFAULT, tp: Solo = SOLO) -> None:
-        if kernels.batch_invariant:
-            raise NotImplementedError("Gemma3ForCausalLM: --batch-invariant is not supported yet (its GELU has "
-                                      "no row-invariant kernel here)")
         super().__init__(hf_config, dtype, device, max_positions, kernels, tp)
         cos, sin = _rope_tables(self.cfg.local_rope, max_positions or self.cfg.max_positions, torch.device(device),
                                 dtype)

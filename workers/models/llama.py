@@ -106,12 +106,17 @@ class Attention(nn.Module):
             q, k = torch.cat((qr, q[..., self.rd :]), -1), torch.cat((kr, k[..., self.rd :]), -1)
         else:
             q, k = kern.apply_rope(q, k, cos, sin)
-        o = kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # [T, Hq, D]
+        o = self._attend(q, k, v, kv, meta)  # [T, Hq, D]
         if self.tp.size == 1:
             out = kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
             return out if self.lora_o is None else self.lora_o(o.view(T, self.hq * self.d), out)
         return _reduce(self.tp, kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight), self.o_proj.bias)
 
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's k / v into the layer's cache and attend (gpt-oss adds its sinks here)."""
+        return self.kern.paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
 
     def _full_norm(self, x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
         """RMSNorm over a whole projection [T, width] of which this rank holds x [T, width / tp] (the sum of
@@ -168,12 +173,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Attention  # DeepSeek-V3's layers: multi-head latent attention
+
     def __init__(self, cfg: DecoderConfig, mlp: nn.Module, dtype: torch.dtype, device: torch.device,
                  kern: Kernels = DEFAULT, shard: Shard | None = None, tp: Solo = SOLO, window: int = 0) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.norm, self.add_norm = kern.rms_norm, kern.add_rms_norm
-        self.self_attn = Attention(cfg, dtype, device, kern, shard, tp, window)
+        self.self_attn = self.attention_class(cfg, dtype, device, kern, shard, tp, window)
         self.mlp = mlp  # MLP, or a sparse MoE block with the same forward(x, routed_experts)
         self.post_norms = cfg.post_norms
         names = (("post_attention_layernorm", "post_feedforward_layernorm") if cfg.post_norms
@@ -229,6 +236,7 @@ class DecoderLM(nn.Module):
 
     config_class: type[DecoderConfig] = DecoderConfig
     layer_class: type[nn.Module] = DecoderLayer
+    no_batch_invariance: str | None = None  # why --batch-invariant is refused for this family (None: it runs)
 
     def __init__(
         self,
@@ -240,6 +248,9 @@ class DecoderLM(nn.Module):
         tp: Solo = SOLO,
     ) -> None:
         super().__init__()
+        if kernels.batch_invariant and self.no_batch_invariance:
+            arch = (hf_config.get("architectures") or ["?"])[0]
+            raise NotImplementedError(f"{arch}: --batch-invariant is not supported yet ({self.no_batch_invariance})")
         device = torch.device(device)
         self.cfg = cfg = self.config_class.from_hf(hf_config)
         self.dtype = dtype
@@ -270,6 +281,11 @@ class DecoderLM(nn.Module):
     def kv_spec(self) -> KVSpec:
         """This worker's KV cache: its own KV heads only."""
         return KVSpec(self.cfg.num_layers, self.shard.hk, self.cfg.head_dim)
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes per layer of its KV cache: K and V (workers.kv_cache)."""
+        return 2
 
     # Router capture: a dense model has no MoE layers, so callers can test `model.num_moe_layers`.
     @property
@@ -339,27 +355,11 @@ class DecoderLM(nn.Module):
         """
         cfg, sh = self.cfg, self.shard
         t = WeightMap(n for n, _ in self.named_parameters())
-        d = cfg.head_dim
-        qd, kd = sh.hq * d, sh.hk * d  # this rank's rows of q and of k (and v)
         sharded = sh.size > 1
-        q_full, k_full = cfg.num_heads * d, cfg.num_kv_heads * d
-        q_part, k_part = (sh.q0 * d, qd), (sh.k0 * d, kd)
         for li, layer in enumerate(self.model.layers):
-            a, m = f"model.layers.{li}.self_attn", f"model.layers.{li}.mlp"
-            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                q_split = Split(0, q_full, (q_part,)) if sharded else None
-                k_split = Split(0, k_full, (k_part,)) if sharded else None
-                t.split(f"{a}.qkv_proj.{kind}", sharded and Split(0, q_full + 2 * k_full, (
-                    q_part, (q_full + k_part[0], kd), (q_full + k_full + k_part[0], kd))) or None)
-                t.add(f"{a}.q_proj.{kind}", f"{a}.qkv_proj.{kind}", 0, qd, split=q_split)
-                t.add(f"{a}.k_proj.{kind}", f"{a}.qkv_proj.{kind}", qd, kd, split=k_split)
-                t.add(f"{a}.v_proj.{kind}", f"{a}.qkv_proj.{kind}", qd + kd, kd, split=k_split)
-            t.split(f"{a}.o_proj.weight", sharded and Split(1, q_full, (q_part,)) or None)
-            if cfg.qk_norm_full and sharded:
-                t.split(f"{a}.q_norm.weight", Split(0, q_full, (q_part,)))
-                t.split(f"{a}.k_norm.weight", Split(0, k_full, (k_part,)))
+            self._attention_targets(t, f"model.layers.{li}.self_attn")
             if isinstance(layer.mlp, MLP):
-                self._mlp_targets(t, m, layer.mlp)
+                self._mlp_targets(t, f"model.layers.{li}.mlp", layer.mlp)
         if sharded:
             vocab = Split(0, cfg.vocab_size, ((sh.v0, sh.vocab_valid),))
             t.split("model.embed_tokens.weight", vocab, rows=sh.vocab_valid)
@@ -368,6 +368,28 @@ class DecoderLM(nn.Module):
         if cfg.tie_word_embeddings:
             t.alias("lm_head.weight", "model.embed_tokens.weight")
         return t
+
+    def _attention_targets(self, t: WeightMap, a: str) -> None:
+        """HF's q_proj / k_proj / v_proj of the attention named `a` as slices of its fused qkv_proj; this
+        rank's heads of them (and of o_proj's columns, of a whole-projection QK-norm) under tp."""
+        cfg, sh = self.cfg, self.shard
+        d = cfg.head_dim
+        qd, kd = sh.hq * d, sh.hk * d  # this rank's rows of q and of k (and v)
+        sharded = sh.size > 1
+        q_full, k_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        q_part, k_part = (sh.q0 * d, qd), (sh.k0 * d, kd)
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            q_split = Split(0, q_full, (q_part,)) if sharded else None
+            k_split = Split(0, k_full, (k_part,)) if sharded else None
+            t.split(f"{a}.qkv_proj.{kind}", sharded and Split(0, q_full + 2 * k_full, (
+                q_part, (q_full + k_part[0], kd), (q_full + k_full + k_part[0], kd))) or None)
+            t.add(f"{a}.q_proj.{kind}", f"{a}.qkv_proj.{kind}", 0, qd, split=q_split)
+            t.add(f"{a}.k_proj.{kind}", f"{a}.qkv_proj.{kind}", qd, kd, split=k_split)
+            t.add(f"{a}.v_proj.{kind}", f"{a}.qkv_proj.{kind}", qd + kd, kd, split=k_split)
+        t.split(f"{a}.o_proj.weight", sharded and Split(1, q_full, (q_part,)) or None)
+        if cfg.qk_norm_full and sharded:
+            t.split(f"{a}.q_norm.weight", Split(0, q_full, (q_part,)))
+            t.split(f"{a}.k_norm.weight", Split(0, k_full, (k_part,)))
 
     def _mlp_targets(self, t: WeightMap, m: str, mlp: MLP) -> None:
         """HF's gate_proj / up_proj of the MLP named `m` as the two halves of its fused gate_up_proj."""
@@ -384,6 +406,12 @@ class DecoderLM(nn.Module):
         """HF names a complete checkpoint (as save_pretrained writes it) provides; lm_head is optional when
         tied. A checkpoint may instead carry our own fused names, which load_weights accepts too."""
         return set(self._weights.required)
+
+    def checksum_names(self) -> set[str]:
+        """The names /weight_checker reports a checksum under: the checkpoint's, and stacked expert tensors under
+        their own names too (a checkpoint stores experts one by one, transformers 5 holds them stacked as
+        `mlp.experts.gate_up_proj`, which is what a trainer's named_parameters() baseline names)."""
+        return self.required_weight_names() | {n for n, p in self.named_parameters() if p.dim() == 3}
 
     def skipped_weight(self, name: str) -> bool:
         """Checkpoint tensors this model accepts and ignores (GLM's MTP layers); none here."""

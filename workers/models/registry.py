@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
+from workers.models.deepseek_v3 import DeepseekV3LM
 from workers.models.gemma3 import Gemma3LM
 from workers.models.glm4_moe import Glm4MoeLM
+from workers.models.gpt_oss import GptOssLM
 from workers.models.llama import DecoderLM
 from workers.models.moe import MoEDecoderLM
 
@@ -24,13 +26,32 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "OlmoeForCausalLM": MoEDecoderLM,
     "Gemma3ForCausalLM": Gemma3LM,
     "Glm4MoeForCausalLM": Glm4MoeLM,
+    "DeepseekV3ForCausalLM": DeepseekV3LM,  # and Kimi-K2
+    "GptOssForCausalLM": GptOssLM,
+}
+
+# Families HF has and we do not serve yet, each refused with why (not only "unsupported"): their Gated DeltaNet
+# linear-attention layers keep a recurrent and a convolution state per sequence, which needs a state pool beside
+# the paged KV cache (allocated, freed, slept and prefix-cached with the sequence's blocks) that is not built.
+_HYBRID = ("Gated DeltaNet linear-attention layers need a per-sequence recurrent / convolution state pool beside "
+           "the paged KV cache, which rollbus does not have yet")
+REFUSED: dict[str, str] = {
+    "Qwen3NextForCausalLM": f"Qwen3-Next is not supported: its {_HYBRID}",
+    "Qwen3_5ForCausalLM": f"Qwen3.5 is not supported: its {_HYBRID}",
+    "Qwen3_5MoeForCausalLM": f"Qwen3.5-MoE is not supported: its {_HYBRID}",
+    "Qwen3_5ForConditionalGeneration": f"Qwen3.5 is not supported: its {_HYBRID} (and its vision tower is not either)",
+    "Qwen3_5MoeForConditionalGeneration": f"Qwen3.5-MoE is not supported: its {_HYBRID} (and its vision tower is "
+                                          "not either)",
 }
 
 # Older or hand-made configs sometimes lack `architectures`; model_type then names the family.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                "gemma3_text": "Gemma3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
@@ -46,6 +67,8 @@ def build_model(
     """Instantiate (uninitialised weights) the class registered for the config's architecture."""
     arch = architecture_of(hf_config)
     cls = ARCHITECTURES.get(arch)
+    if arch in REFUSED:
+        raise ValueError(f"unsupported architecture {arch}: {REFUSED[arch]}")
     if cls is None:
         raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(sorted(ARCHITECTURES))}")
     if not hf_config.get("architectures"):
@@ -66,6 +89,6 @@ def shard_checksums(hf_config: dict[str, Any], named_tensors: Iterable[tuple[str
     for r in range(tp):
         layout = build_model(hf_config, torch.float32, "meta", tp=Layout(r, tp))
         prefix = f"dp{dp_rank}:pp0:pcp0:tp{r}:"
-        for name in sorted(layout.required_weight_names() & named.keys()):
+        for name in sorted(layout.checksum_names() & named.keys()):
             out[prefix + name] = tensor_checksum(layout.weight_source(name, named[name]).contiguous())
     return out
