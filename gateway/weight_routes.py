@@ -40,7 +40,9 @@ from bus.messages import (
 )
 from bus.topology import Topology
 from engine.config import EngineConfig
+from engine.weights import backends
 from engine.weights.lifecycle import Deadlines, Step, abort_needed
+from engine.weights.wire import NOT_CONFIGURED, WeightSyncError, decode_init, decode_update
 from gateway.dev_routes import _bool, _json_object
 from gateway.engine_client import EngineClient
 from gateway.errors import CONFLICT, APIError, bad_request, check_timeout, control_failure
@@ -83,15 +85,25 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
                     pass  # the original failure is what the caller needs to see
             raise e
 
+    def payload(body: dict[str, Any], field: str) -> Any:
+        """The body's init_info / update_info, before the edge decodes it (engine.weights.wire)."""
+        raw = body.get(field)
+        if raw is None:
+            raise bad_request(f"Missing '{field}' in request body", field)
+        if wt is None:
+            raise bad_request(NOT_CONFIGURED)
+        return raw
+
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> JSONResponse:
-        body = await _json_object(request)
-        info = body.get("init_info")
-        if info is None:
-            raise bad_request("Missing 'init_info' in request body", "init_info")
-        if not isinstance(info, dict):
+        raw = payload(await _json_object(request), "init_info")
+        if not isinstance(raw, dict):
             raise bad_request("init_info must be an object", "init_info")
-        timeout = check_timeout(info.get("timeout_s", steps.transfer_timeout_s), "timeout_s")
+        timeout = check_timeout(raw.get("timeout_s", steps.transfer_timeout_s), "timeout_s")
+        try:
+            info = decode_init(raw, backends.init_struct(wt.backend))
+        except WeightSyncError as e:
+            raise bad_request(str(e), e.param) from None
         await call(client, InitWeightTransferEngine(info), timeout + steps.control_s)
         return JSONResponse({"message": "Weight transfer initialized"})
 
@@ -103,12 +115,12 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> JSONResponse:
-        body = await _json_object(request)
-        info = body.get("update_info")
-        if info is None:
-            raise bad_request("Missing 'update_info' in request body", "update_info")
-        if not isinstance(info, dict | list) or (isinstance(info, list) and not all(isinstance(i, dict) for i in info)):
+        raw = payload(await _json_object(request), "update_info")
+        if not isinstance(raw, dict | list) or (isinstance(raw, list) and not all(isinstance(i, dict) for i in raw)):
             raise bad_request("update_info must be an object, or a list of objects (one per worker)", "update_info")
+        # a refusal travels on to the workers (a RefusedUpdate): they drain the trainer's broadcasts, then fail
+        cls = backends.update_struct(wt.backend)
+        info = [decode_update(i, cls) for i in raw] if isinstance(raw, list) else decode_update(raw, cls)
         await step(steps.update(info))
         return JSONResponse({"message": "Weights updated"})
 

@@ -64,6 +64,7 @@ from engine.weights.protocol import (
     ParamMeta,
     tensor_checksum,
 )
+from engine.weights.wire import decode
 
 
 class WeightSyncFailed(RuntimeError):
@@ -250,7 +251,8 @@ class WeightSyncClient:
 
         rid = uuid.uuid4().hex
         t = time.perf_counter()
-        updates = self.sender.bus_updates(tensors, metas)  # ipc: staged here
+        cls = backends.update_struct(self.backend)  # typed as the coordinator checks them
+        updates = [decode(u, cls, "update_info") for u in self.sender.bus_updates(tensors, metas)]  # ipc: staged
         self._mark("stage", t)
         ev = WeightUpdateEvent(rid, version or "", pause or "none", self.clear_cache, updates, self.timeout_s)
         t = time.perf_counter()
@@ -296,16 +298,18 @@ class WeightSyncClient:
             self._engine_dtype = DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
         return self._engine_dtype
 
-    def _control(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
-        """POST path with body, or over the bus the command of that name with body as its fields."""
+    def _control(self, path: str, body: dict[str, Any], url: str | None = None, timeout_s: float | None = None) -> Any:
+        """POST path with body, or over the bus the command of that name (init_info decoded as the edge does)."""
         if self.base_url:
-            return self._post(path, body)
+            return self._post(path, body, url)
         from bus.messages import InitWeightTransferEngine, ShutdownWeightTransferEngine
 
         command = path.removeprefix("/")
-        typ = {"init_weight_transfer_engine": InitWeightTransferEngine,
-               "shutdown_weight_transfer_engine": ShutdownWeightTransferEngine}[command]
-        reply = self._bus.request(typ(**body), timeout_s)
+        if command == "init_weight_transfer_engine":
+            msg = InitWeightTransferEngine(decode(body["init_info"], backends.init_struct(self.backend), "init_info"))
+        else:
+            msg = ShutdownWeightTransferEngine()
+        reply = self._bus.request(msg, timeout_s or self.timeout_s)
         if not reply.ok:
             raise WeightSyncFailed(f"{command} failed: {reply.error}")
         return reply.results
