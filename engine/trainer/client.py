@@ -12,15 +12,9 @@ one WeightUpdateEvent and the coordinator drives the same steps (a tcp bus needs
 keys: bus_curve_dir= or env ROLLBUS_BUS_CURVE_DIR, see bus.auth). Any failure raises WeightSyncFailed with
 the server's message; the engine then keeps the previous weights.
 
-Transfers:
-  ipc  CPU: tensors are copied into shared-memory buffers (reused across versions) and the engine copies
-       them out; CUDA/NPU: handles to the tensors' own device memory (unpacked) or to one staging buffer
-       per chunk (packed). Handles are plain data: no pickle.
-  hccl one broadcast per tensor, or per packed chunk (packed=True), from this process as rank 0 of a group
-       of its own (it does not touch a default process group the trainer may have), run while the engine's
-       update_weights call receives them. The group is vLLM's: a StatelessProcessGroup rendezvous, then
-       NCCL/HCCL as vLLM's PyNccl/PyHccl communicators (Gloo on CPU), vLLM's init_info/update_info fields
-       and packed chunking (engine/weights/collective.py); a vLLM trainer and this client are interchangeable.
+The bytes move through the backend's Sender (engine.weights.backends: ipc_backend shares memory with the
+engine, collective_backend broadcasts from this process as rank 0 of vLLM's group); a vLLM trainer and this
+client are interchangeable (docs/architecture.md, "Weight sync").
 
 Several engines: WeightSyncClient([url1, url2, ...], backend="hccl") updates them all with one call: one
 collective group spans every engine's workers (vLLM's rank layout, engine.trainer.fleet), so one broadcast
@@ -94,10 +88,11 @@ class WeightSyncClient:
         self.urls = engine_urls(base_url)  # several: one update reaches every engine
         self.base_url = self.urls[0] if self.urls else None
         self.backend = BACKENDS[backend]
-        if len(self.urls) > 1 and self.backend == "ipc":
-            raise FleetError("backend ipc shares memory with one engine on this device; several engines take a "
-                             "collective backend (hccl, nccl or gloo)")
-        if len(self.urls) > 1 and bus is not None:
+        self.sender = backends.sender(self.backend, self)  # the backend's trainer half
+        if self.fleet and self.sender.ONE_ENGINE:
+            raise FleetError(f"backend {backend} shares memory with one engine on this device; several engines "
+                             "take a collective backend (hccl, nccl or gloo)")
+        if self.fleet and bus is not None:
             raise FleetError("bus= announces an update to one engine; give several engines as HTTP URLs")
         self.packed, self.api_key, self.timeout_s = packed, api_key, timeout_s
         self.buffer_size = packed_buffer_size_bytes or CLIENT_PACKED_BUFFER_SIZE_BYTES
@@ -107,7 +102,6 @@ class WeightSyncClient:
         self.device = torch.device(device) if device is not None else None
         # ipc on CPU, unpacked: the trainer's tensors moved into one shared segment, sent without a copy
         self.share_memory = share_memory
-        self.sender = backends.sender(self.backend, self)  # the backend's trainer half
         self._engine_dtype: torch.dtype | None = None
         self._bus = None
         if bus is not None:

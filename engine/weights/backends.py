@@ -47,6 +47,8 @@ class Receiver(Protocol):
 class Sender(Protocol):
     """The trainer client's half (engine.trainer.client.WeightSyncClient)."""
 
+    ONE_ENGINE: bool  # shares memory with one engine: no fleet
+
     def prepare(self, named: Any) -> Any: ...  # the (name, tensor) pairs to send (ipc may share them)
     def ensure_ready(self) -> None: ...  # before a send: form what the backend needs once
     def init_transfer(self) -> None: ...  # /init_weight_transfer_engine

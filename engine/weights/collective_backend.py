@@ -251,6 +251,8 @@ class Sender:
     default process group the trainer may have) while the engine's workers join it, then broadcasts while
     the engine's update_weights call receives."""
 
+    ONE_ENGINE = False  # a fleet (several engines, one update) needs a collective
+
     def __init__(self, client: Any) -> None:
         self.c = client
         self.group = None  # engine.weights.collective.WeightGroup

@@ -135,6 +135,8 @@ class Sender:
     tensors move into one shared segment, so nothing is copied on this side. CUDA/NPU: handles to the tensors'
     own device memory (unpacked) or to one staging buffer per chunk (packed). Handles are plain data."""
 
+    ONE_ENGINE = True  # a fleet (several engines, one update) needs a collective
+
     def __init__(self, client: Any) -> None:
         self.c = client
         self._buffers: list[Any] = []  # ipc.SharedBuffer (CPU) or _DeviceBuffer per slot, reused across versions
