@@ -154,64 +154,56 @@ class Receiver:
 
     def _receive(self, params: list[ParamMeta], dests: list[torch.Tensor] | None, packed: bool, size: int,
                  nbuf: int, r: Any) -> BaseException | None:
-        """Take part in every broadcast of one update_weights call, in vLLM's order. ``dests`` None: discard
-        everything. A failure while writing does not stop the receiving: it is returned once every broadcast
-        is done."""
+        """Take part in every broadcast of one update_weights call, in vLLM's order: one per tensor, or one per
+        packed chunk. ``dests`` None: discard everything. A tensor that is ours whole (and a chunk of one such
+        tensor) is received straight into its staging copy; anything else into a receive buffer (num_buffers
+        of them in flight when packed, one otherwise) and copied out. A failure while writing does not stop
+        the receiving: it is returned once every broadcast is done."""
         group, failure, inflight = self.group, None, deque()
-        if not packed:
-            scratch: torch.Tensor | None = None  # for tensors not received in place (allocated once, lazily)
-            for i, p in enumerate(params):
-                target = None
-                if dests is not None and failure is None:
-                    try:
-                        target = r.target(dests[i])
-                    except Exception as e:
-                        failure = e
-                if target is not None and target.is_contiguous() and target.dtype == p.dtype \
-                        and tuple(target.shape) == p.shape:  # the whole tensor is ours: receive in place
-                    if len(inflight) == IN_FLIGHT:
-                        inflight.popleft().wait()
-                    inflight.append(group.broadcast_async(target, 0))
-                    continue
-                while inflight:
-                    inflight.popleft().wait()
-                if scratch is None:
-                    scratch = torch.empty(max(q.nbytes for q in params), dtype=torch.uint8, device=r.device)
-                buf = scratch[:p.nbytes].view(p.dtype).view(p.shape)
-                group.broadcast(buf, 0)
-                if target is not None:
-                    try:
-                        r.copy(target, r.model.weight_source(p.name, buf))  # casts when the dtypes differ
-                        r.copy.flush()  # the scratch buffer takes the next tensor
-                    except Exception as e:
-                        r.copy.discard()
-                        failure = e
-            while inflight:
-                inflight.popleft().wait()
-            return failure
-        chunks = plan_chunks(params, size)
-        bufs = self._recv_buffers(min(nbuf, len(chunks)), max(sum(params[i].nbytes for i in c) for c in chunks),
-                                  r.device)
+        units = plan_chunks(params, size) if packed else [[i] for i in range(len(params))]
+        bufs: list[torch.Tensor] = []
 
         def consume() -> None:
             nonlocal failure
-            chunk, buf, work = inflight.popleft()
+            unit, slot, buf, work = inflight.popleft()
             work.wait()
-            if dests is None or failure is not None:
+            if buf is None or dests is None or failure is not None:
                 return
             try:
-                for i, src in zip(chunk, byte_views(buf, [params[i] for i in chunk])):
+                for i, src in zip(unit, byte_views(buf, [params[i] for i in unit])):
                     r.write(params[i].name, src, dests[i])
-                r.copy.flush()  # the buffer takes another chunk next
+                r.copy.flush()  # the buffer takes the next one
             except Exception as e:
                 r.copy.discard()
                 failure = e
 
-        for ci, chunk in enumerate(chunks):
-            if len(inflight) == len(bufs):
+        def busy() -> set[int]:  # the receive buffers that broadcasts in flight still fill
+            return {e[1] for e in inflight if e[1] is not None}
+
+        for unit in units:
+            p, target = params[unit[0]], None
+            if len(unit) == 1 and dests is not None and failure is None:
+                try:
+                    target = r.target(dests[unit[0]])
+                except Exception as e:
+                    failure = e
+            if target is not None and target.is_contiguous() and target.dtype == p.dtype \
+                    and tuple(target.shape) == p.shape:  # the whole tensor is ours: receive in place
+                while len(inflight) >= IN_FLIGHT:
+                    consume()
+                inflight.append((unit, None, None, group.broadcast_async(target.view(-1).view(torch.uint8)
+                                                                         if packed else target, 0)))
+                continue
+            if not bufs:
+                widest = max(sum(params[i].nbytes for i in u) for u in units)
+                bufs = self._recv_buffers(min(nbuf, len(units)), widest, r.device) if packed \
+                    else [torch.empty(widest, dtype=torch.uint8, device=r.device)]
+            while len(inflight) >= IN_FLIGHT or len(busy()) == len(bufs):
                 consume()
-            buf = bufs[ci % len(bufs)][: sum(params[i].nbytes for i in chunk)]
-            inflight.append((chunk, buf, group.broadcast_async(buf, 0)))
+            slot = min(set(range(len(bufs))) - busy())
+            buf = bufs[slot][:sum(params[i].nbytes for i in unit)]
+            inflight.append((unit, slot, buf, group.broadcast_async(buf if packed else buf.view(p.dtype).view(p.shape),
+                                                                    0)))
         while inflight:
             consume()
         return failure
@@ -333,9 +325,9 @@ class Sender:
         c, pending = self.c, deque()
         if c.packed:
             chunks = plan_chunks(metas, c.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES)
-            widest = max(sum(metas[i].nbytes for i in ch) for ch in chunks)
+            widest = max((sum(metas[i].nbytes for i in ch) for ch in chunks if len(ch) > 1), default=0)
             n = min(c.num_buffers, len(chunks))
-            if len(self._pack_bufs) < n or any(b.numel() < widest for b in self._pack_bufs[:n]):
+            if widest and (len(self._pack_bufs) < n or any(b.numel() < widest for b in self._pack_bufs[:n])):
                 self._pack_bufs = [torch.empty(widest, dtype=torch.uint8, device=tensors[0][1].device)
                                    for _ in range(n)]
         else:
@@ -345,11 +337,12 @@ class Sender:
                 break
             if len(pending) >= n:
                 pending.popleft().wait()  # its buffer is free again
-            if c.packed:
+            if len(chunk) == 1:  # a chunk of one tensor is its bytes: nothing to pack
+                t = tensors[chunk[0]][1]
+                buf = t.view(-1).view(torch.uint8) if c.packed else t
+            else:
                 buf = self._pack_bufs[k % n][:sum(metas[i].nbytes for i in chunk)]
                 pack(buf, [tensors[i][1] for i in chunk])
-            else:
-                buf = tensors[chunk[0]][1]
             pending.append(self.group.broadcast_async(buf, 0))
         for w in pending:
             w.wait()
