@@ -2,7 +2,7 @@
 
     POST /init_weight_transfer_engine {"init_info": {...}}   rendezvous (collectives) or set packing (ipc)
     POST /start_weight_update                                 the scheduler holds steps until commit/abort
-    POST /update_weights {"update_info": {...} | [...]}       validated in full on every worker, then written
+    POST /update_weights {"update_info": {...} | [...]}       checked here and on every worker, then written
     POST /finish_weight_update {"weight_version": "..."}      every worker finished -> commit (new epoch)
         {"commit": false}: rollbus's own, every worker finished (verified), nothing committed yet
     POST /commit_weight_update {"weight_version": "..."}      rollbus's own: commit what finish verified
@@ -13,13 +13,10 @@
 
 The two rollbus-only steps make a fleet update two-phase (engine.trainer.fleet): every engine finishes without
 committing, then every engine commits; any refusal before that aborts them all.
-A failed update_weights or finish_weight_update aborts the whole update on every worker (what they staged
-is dropped; the previous weights stay in service) and answers with the worker's message: 400 for bad
-names/shapes/dtypes/handles, 409 for calls out of order, 504 for a rendezvous or transfer that timed out.
-Collective backend (vLLM's StatelessProcessGroup + PyNccl/PyHccl protocol, engine/weights/collective.py): the
-workers answer a refused update_weights only after taking part in (and discarding) every broadcast the
-trainer issues for it, so the trainer is never left blocked; /init_weight_transfer_engine answers 409 for a
-store key collision (rank taken, group already formed) and 400 for a store object naming a refused global.
+init_info / update_info are decoded here, once, into the backend's typed structs (engine.weights.wire: a
+400 naming the field; a refused update_info still reaches the workers as a RefusedUpdate, so a collective
+trainer's broadcasts are drained). Each step follows engine.weights.lifecycle: a failed step aborts the
+update on every worker when `abort_needed` says so, and answers with the worker's status and message.
 Registered with the other development endpoints (RL mode or VLLM_SERVER_DEV_MODE=1).
 """
 

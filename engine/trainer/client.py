@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -158,20 +159,17 @@ class WeightSyncClient:
 
     def _send_http(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
                    version: str | None, pause: str | None) -> None:
-        t = time.perf_counter()
-        if pause:
-            self._on_all(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
-        self._mark("pause", t)
+        with self._phase("pause"):
+            if pause:
+                self._on_all(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
         try:  # from here on the engines are resumed whatever happens
             try:
-                t = time.perf_counter()
-                for url in self.urls:  # one at a time: a start refused for a released group re-forms it
-                    self._start(url)
-                self._mark("start", t)
-                t = time.perf_counter()
-                self.sender.transfer(tensors, metas)
-                self._mark("transfer", t)
-                t = time.perf_counter()
+                with self._phase("start"):
+                    for url in self.urls:  # one at a time: a start refused for a released group re-forms it
+                        self._start(url)
+                with self._phase("transfer"):
+                    self.sender.transfer(tensors, metas)
+                t = time.perf_counter()  # "finish" from here
                 if self.fleet:  # phase one: every engine verifies its part, none commits yet
                     self._on_all("/finish_weight_update", verify_body(version))
             except BaseException:
@@ -182,12 +180,11 @@ class WeightSyncClient:
                 self._commit_all(version)
             else:
                 self._post("/finish_weight_update", {"weight_version": version} if version else None)
-            self._mark("finish", t)
+            self.timings["finish"] = time.perf_counter() - t  # a fleet's two phases together
         finally:
             if pause:
-                t = time.perf_counter()
-                self._on_all("/resume", None)
-                self._mark("resume", t)
+                with self._phase("resume"):
+                    self._on_all("/resume", None)
         if self.fleet:
             versions = [v.get("weight_version") for v in self._on_all("/weight_info", None, "GET")]
             check_versions(self.urls, versions)
@@ -244,16 +241,14 @@ class WeightSyncClient:
         from bus.sockets import send
 
         rid = uuid.uuid4().hex
-        t = time.perf_counter()
-        cls = backends.update_struct(self.backend)  # typed as the coordinator checks them
-        updates = [decode(u, cls, "update_info") for u in self.sender.bus_updates(tensors, metas)]  # ipc: staged
-        self._mark("stage", t)
+        with self._phase("stage"):  # ipc: the bytes are staged here; typed as the coordinator checks them
+            cls = backends.update_struct(self.backend)
+            updates = [decode(u, cls, "update_info") for u in self.sender.bus_updates(tensors, metas)]
         ev = WeightUpdateEvent(rid, version or "", pause or "none", self.clear_cache, updates, self.timeout_s)
-        t = time.perf_counter()
-        send(self._bus.sock, ev)  # the coordinator pauses and starts; the workers then receive
-        self.sender.after_announce(tensors, metas)  # hccl: the broadcasts
-        reply = self._bus.wait(rid, WeightUpdateResult, self.timeout_s + 60, "weight update")
-        self._mark("sync", t)
+        with self._phase("sync"):
+            send(self._bus.sock, ev)  # the coordinator pauses and starts; the workers then receive
+            self.sender.after_announce(tensors, metas)  # hccl: the broadcasts
+            reply = self._bus.wait(rid, WeightUpdateResult, self.timeout_s + 60, "weight update")
         self.timings.update({f"engine_{k}": v for k, v in reply.timings_s.items()})
         if not reply.ok:
             err = reply.error
@@ -308,8 +303,12 @@ class WeightSyncClient:
             raise WeightSyncFailed(f"{command} failed: {reply.error}")
         return reply.results
 
-    def _mark(self, phase: str, t: float) -> None:
-        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t
+    @contextmanager
+    def _phase(self, name: str):
+        """Adds the block's time to timings[name] (when it succeeds)."""
+        t = time.perf_counter()
+        yield
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t
 
     def _get(self, path: str) -> dict[str, Any]:
         return self._http("GET", path, None)
