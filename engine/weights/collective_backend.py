@@ -277,7 +277,7 @@ class Sender:
                     self.group = WeightGroup.create(c.master_address, port, 0, world, c.timeout_s,
                                                     c.device or torch.device("cpu"), op_timeout_s=c.timeout_s)
                 except Exception as e:
-                    if c.fleet and failure:  # the group timed out because an engine refused to join: say which
+                    if failure:  # the group timed out because an engine refused to join: say why (and which)
                         raise failure[0] from e
                     raise
         except BaseException:
