@@ -31,7 +31,7 @@ import hashlib
 import re
 import types
 import typing
-from typing import Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 import numpy as np
@@ -39,8 +39,8 @@ import numpy as np
 from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "3b1117e126bc"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 13
+PROTOCOL_FINGERPRINT = "fd8e2ccb621d"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -117,6 +117,93 @@ class ErrorInfo(Wire):
 
 
 UPDATE_ACTIVE = ErrorKind.UPDATE_ACTIVE  # the name the weight-sync routes import
+
+
+# --- weight-transfer payloads: vLLM's init_info / update_info, one struct per backend ------------------
+# Maps on the wire (vLLM's field names), tagged with the backend ("backend" is never a field of vLLM's). The
+# edges decode a trainer's JSON into them and refuse what does not fit (engine/weights/wire.py): the
+# gateway's routes and, for WeightUpdateEvent, the coordinator; a worker checks them only against its model.
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's defaults
+DEFAULT_PACKED_NUM_BUFFERS = 2
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+_HandleValue = Union[str, int, bool, None, list[int]]
+# A plain-data IPC handle (engine/weights/ipc.py: its fields, or {device_key: handle}); the codec reads it.
+IpcHandle = dict[str, Union[_HandleValue, dict[str, _HandleValue]]]
+
+
+class TransferPayload(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, tag_field="backend"):
+    """Base of init_info / update_info: the tag names the backend (engine.weights.backends' canonical names)."""
+
+    REUSES_LAST: ClassVar[bool] = False  # update_info: all three lists empty means "the last call's tensors"
+
+
+class IpcInitInfo(TransferPayload, tag="ipc"):
+    """vLLM's IPCWeightTransferInitInfo (packed), with rollbus's timeout_s; no rendezvous."""
+
+    packed: bool = False
+    packed_buffer_size_bytes: Positive = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: Positive = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: Seconds | None = None  # rollbus's: the deadline of this call
+
+
+class CollectiveInitInfo(TransferPayload, tag="hccl"):
+    """vLLM's NCCLWeightTransferInitInfo: master_address + master_port (a StatelessProcessGroup rendezvous) or
+    nccl_unique_id_b64 (a torch-free trainer's NCCL id), with rollbus's timeout_s."""
+
+    world_size: NonNegative
+    rank_offset: NonNegative = 1
+    master_address: str | None = None
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    nccl_unique_id_b64: str | None = None
+    packed: bool = False
+    packed_buffer_size_bytes: Positive = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: Positive = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: Seconds | None = None
+
+
+class IpcUpdateInfo(TransferPayload, tag="ipc"):
+    """vLLM's IPCWeightTransferUpdateInfo: the tensors, and handles to their bytes (rollbus's plain-data
+    handles, or vLLM's pickled ones behind VLLM_ALLOW_INSECURE_SERIALIZATION)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[NonNegative]]
+    ipc_handles: Union[list[IpcHandle], IpcHandle, None] = None  # one per tensor, or one (packed)
+    ipc_handles_pickled: str | None = None
+    tensor_sizes: list[NonNegative] | None = None  # packed: bytes of each tensor
+
+
+class CollectiveUpdateInfo(TransferPayload, tag="hccl"):
+    """vLLM's NCCLWeightTransferUpdateInfo; the packing fields (vLLM before 0.33 sent them here; TRL still
+    does) override init_info's for this call. All three lists empty: vLLM 0.33's "the same tensors as the
+    last call"."""
+
+    REUSES_LAST: ClassVar[bool] = True
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[NonNegative]]
+    packed: bool | None = None
+    packed_buffer_size_bytes: Positive | None = None
+    packed_num_buffers: Positive | None = None
+
+
+class RefusedUpdate(TransferPayload, tag="refused"):
+    """An update_info the edge refused, sent on so each worker ends the call as it would have: with the
+    collective backend the trainer is broadcasting its tensors meanwhile, so a worker takes part in them and
+    drops the bytes (`wire`: what could be read of their sizes), or tears the group down when nothing could
+    (None); then it fails the call with `message`, a 400 naming `param`."""
+
+    message: str
+    param: str
+    wire: CollectiveUpdateInfo | None = None
+
+
+InitInfo = Union[IpcInitInfo, CollectiveInitInfo]
+UpdateInfo = Union[IpcUpdateInfo, CollectiveUpdateInfo, RefusedUpdate]
 
 
 # --- what members report about themselves (Hello.info, Ready.info, the Members reply) ------------------
@@ -435,7 +522,7 @@ class UpdateWeightVersion(CommandBody):
 
 
 class InitWeightTransferEngine(CommandBody):
-    init_info: dict[str, Any]  # vLLM's init_info (validated by the workers: engine/weights/receiver.py)
+    init_info: InitInfo
 
     RESULTS = (TransferReady,)
 
@@ -445,7 +532,7 @@ class StartWeightUpdate(CommandBody):
 
 
 class UpdateWeights(CommandBody):
-    update_info: Union[dict[str, Any], list[dict[str, Any]]]  # one object, or one per worker rank
+    update_info: Union[UpdateInfo, list[UpdateInfo]]  # one for every worker, or one per worker rank
 
     RESULTS = (WeightsReceived,)
 
@@ -811,7 +898,7 @@ class WeightUpdateEvent(Wire):
     version: str  # the label the committed weights get ("" keeps the current label)
     pause_mode: str  # abort | wait | keep | none; "" takes the server's weight-transfer-config pause_mode
     clear_cache: bool
-    updates: list[dict[str, Any]]  # update_info of each update_weights call (vLLM's fields)
+    updates: list[UpdateInfo]  # update_info of each update_weights call
     timeout_s: float
 
 

@@ -2,7 +2,7 @@
 
     POST /init_weight_transfer_engine {"init_info": {...}}   rendezvous (collectives) or set packing (ipc)
     POST /start_weight_update                                 the scheduler holds steps until commit/abort
-    POST /update_weights {"update_info": {...} | [...]}       validated in full on every worker, then written
+    POST /update_weights {"update_info": {...} | [...]}       checked here and on every worker, then written
     POST /finish_weight_update {"weight_version": "..."}      every worker finished -> commit (new epoch)
         {"commit": false}: rollbus's own, every worker finished (verified), nothing committed yet
     POST /commit_weight_update {"weight_version": "..."}      rollbus's own: commit what finish verified
@@ -13,13 +13,10 @@
 
 The two rollbus-only steps make a fleet update two-phase (engine.trainer.fleet): every engine finishes without
 committing, then every engine commits; any refusal before that aborts them all.
-A failed update_weights or finish_weight_update aborts the whole update on every worker (what they staged
-is dropped; the previous weights stay in service) and answers with the worker's message: 400 for bad
-names/shapes/dtypes/handles, 409 for calls out of order, 504 for a rendezvous or transfer that timed out.
-Collective backend (vLLM's StatelessProcessGroup + PyNccl/PyHccl protocol, engine/weights/collective.py): the
-workers answer a refused update_weights only after taking part in (and discarding) every broadcast the
-trainer issues for it, so the trainer is never left blocked; /init_weight_transfer_engine answers 409 for a
-store key collision (rank taken, group already formed) and 400 for a store object naming a refused global.
+init_info / update_info are decoded here, once, into the backend's typed structs (engine.weights.wire: a
+400 naming the field; a refused update_info still reaches the workers as a RefusedUpdate, so a collective
+trainer's broadcasts are drained). Each step follows engine.weights.lifecycle: a failed step aborts the
+update on every worker when `abort_needed` says so, and answers with the worker's status and message.
 Registered with the other development endpoints (RL mode or VLLM_SERVER_DEV_MODE=1).
 """
 
@@ -31,17 +28,24 @@ from fastapi import FastAPI, Request
 
 from bus.control_state import RESET_VERSION
 from bus.messages import (
+    AbortWeightUpdate,
     Checksums,
     CommandBody,
+    CommitWeightUpdate,
+    FinishWeightUpdate,
     InitWeightTransferEngine,
     ShutdownWeightTransferEngine,
+    StartWeightUpdate,
+    UpdateWeights,
     UpdateWeightVersion,
     WeightChecker,
 )
 from bus.topology import Topology
 from engine.config import EngineConfig
-from engine.weights.lifecycle import Deadlines, Step, abort_needed
-from gateway.dev_routes import _bool, _json_object
+from engine.weights import backends
+from engine.weights.lifecycle import Deadlines, abort_needed
+from engine.weights.wire import NOT_CONFIGURED, WeightSyncError, decode_init, decode_update
+from gateway.dev_routes import _bool, _json_object, broadcast
 from gateway.engine_client import EngineClient
 from gateway.errors import CONFLICT, APIError, bad_request, check_timeout, control_failure
 from gateway.responses import JSONResponse
@@ -50,14 +54,6 @@ WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update
                 "/finish_weight_update", "/commit_weight_update", "/abort_weight_update",
                 "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
-
-
-async def call(client: EngineClient, command: CommandBody, timeout_s: float) -> dict[str, Any]:
-    """One acked broadcast; a failure becomes the status, message and field the failing worker gave."""
-    reply = await client.control(command, timeout_s=timeout_s)
-    if reply.ok:
-        return reply.results
-    raise control_failure(command, reply)
 
 
 def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
@@ -71,45 +67,56 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     # (and the version it named, which commit_weight_update uses unless it names one itself)
     verified: dict[str, Any] = {"update": False, "version": None}
 
-    async def step(step: Step) -> None:
-        """One step of the update (engine.weights.lifecycle); on failure, abort when the rule says so."""
-        reply = await client.control(step.command, timeout_s=step.timeout_s)
+    async def step(command: CommandBody) -> None:
+        """One step of the update with its deadline (engine.weights.lifecycle); on failure, abort when the rule
+        says so."""
+        reply = await client.control(command, timeout_s=steps(command).timeout_s)
         if not reply.ok:
-            e = control_failure(step.command, reply)
-            if abort_needed(step.command, e.status, reply.errors):
+            e = control_failure(command, reply)
+            if abort_needed(command, e.status, reply.errors):
                 try:
-                    await call(client, steps.abort().command, steps.control_s)
+                    await broadcast(client, AbortWeightUpdate(), steps.control_s)
                 except APIError:
                     pass  # the original failure is what the caller needs to see
             raise e
 
+    def payload(body: dict[str, Any], field: str) -> Any:
+        """The body's init_info / update_info, before the edge decodes it (engine.weights.wire)."""
+        raw = body.get(field)
+        if raw is None:
+            raise bad_request(f"Missing '{field}' in request body", field)
+        if wt is None:
+            raise bad_request(NOT_CONFIGURED)
+        return raw
+
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> JSONResponse:
-        body = await _json_object(request)
-        info = body.get("init_info")
-        if info is None:
-            raise bad_request("Missing 'init_info' in request body", "init_info")
-        if not isinstance(info, dict):
+        raw = payload(await _json_object(request), "init_info")
+        if not isinstance(raw, dict):
             raise bad_request("init_info must be an object", "init_info")
-        timeout = check_timeout(info.get("timeout_s", steps.transfer_timeout_s), "timeout_s")
-        await call(client, InitWeightTransferEngine(info), timeout + steps.control_s)
+        timeout = check_timeout(raw.get("timeout_s", steps.transfer_timeout_s), "timeout_s")
+        try:
+            info = decode_init(raw, backends.init_struct(wt.backend))
+        except WeightSyncError as e:
+            raise bad_request(str(e), e.param) from None
+        await broadcast(client, InitWeightTransferEngine(info), timeout + steps.control_s)
         return JSONResponse({"message": "Weight transfer initialized"})
 
     @app.post("/start_weight_update")
     async def start_weight_update() -> JSONResponse:
-        await step(steps.start())
+        await step(StartWeightUpdate())
         verified["update"] = False  # (a start refused while a verified update is open leaves it verified)
         return JSONResponse({"message": "Weight update started"})
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> JSONResponse:
-        body = await _json_object(request)
-        info = body.get("update_info")
-        if info is None:
-            raise bad_request("Missing 'update_info' in request body", "update_info")
-        if not isinstance(info, dict | list) or (isinstance(info, list) and not all(isinstance(i, dict) for i in info)):
+        raw = payload(await _json_object(request), "update_info")
+        if not isinstance(raw, dict | list) or (isinstance(raw, list) and not all(isinstance(i, dict) for i in raw)):
             raise bad_request("update_info must be an object, or a list of objects (one per worker)", "update_info")
-        await step(steps.update(info))
+        # a refusal travels on to the workers (a RefusedUpdate): they drain the trainer's broadcasts, then fail
+        cls = backends.update_struct(wt.backend)
+        info = [decode_update(i, cls) for i in raw] if isinstance(raw, list) else decode_update(raw, cls)
+        await step(UpdateWeights(info))
         return JSONResponse({"message": "Weights updated"})
 
     @app.post("/finish_weight_update")
@@ -118,7 +125,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         commit_now = body.get("commit", True)
         if not isinstance(commit_now, bool):
             raise bad_request("commit must be true or false", "commit")
-        await step(steps.finish())
+        await step(FinishWeightUpdate())
         if not commit_now:  # rollbus's own first phase: every worker holds the update, none serves it yet
             verified.update(update=True, version=version)
             return JSONResponse({"message": "Weight update verified; commit_weight_update or abort_weight_update"})
@@ -137,20 +144,19 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     async def _commit(version: str | None) -> None:
         verified["update"] = False
-        commit = steps.commit(version or "")
-        await call(client, commit.command, commit.timeout_s)
+        await broadcast(client, CommitWeightUpdate(version or ""), steps.control_s)
 
     @app.post("/abort_weight_update")
     async def abort_weight_update() -> JSONResponse:
         # not vLLM's: a fleet trainer (several engines, one update) drops an engine's staged update when
         # another engine refused its part; the previous weights stay in service. Without an update: a no-op.
         verified["update"] = False
-        await call(client, steps.abort().command, steps.control_s)
+        await broadcast(client, AbortWeightUpdate(), steps.control_s)
         return JSONResponse({"message": "Weight update aborted"})
 
     @app.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> JSONResponse:
-        await call(client, ShutdownWeightTransferEngine(), steps.control_s)
+        await broadcast(client, ShutdownWeightTransferEngine(), steps.control_s)
         return JSONResponse({"message": "Weight transfer shut down"})
 
     @app.get("/get_world_size")
@@ -167,8 +173,8 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             raise bad_request(f"action must be one of {', '.join(CHECKER_ACTIONS)}, got {action!r}", "action")
         if action == "reset":  # vLLM's zero_weights: every weight zeroed, so reset -> sync -> compare proves
             # that the sync wrote every tensor; nothing is served (503) until a full update fills them
-            await call(client, WeightChecker("reset"), steps.control_s)
-            await call(client, UpdateWeightVersion(RESET_VERSION), steps.control_s)
+            await broadcast(client, WeightChecker("reset"), steps.control_s)
+            await broadcast(client, UpdateWeightVersion(RESET_VERSION), steps.control_s)
             checksums.clear()
             return JSONResponse({"status": "reset"})
         baseline = body.get("baseline")
@@ -177,7 +183,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         seq = client.follower.seq or 0
         asked = next(iter(checksums), None)
         if asked is None or seq > asked + 1:
-            results = await call(client, WeightChecker("checksum"), steps.transfer_s)
+            results = await broadcast(client, WeightChecker("checksum"), steps.transfer_s)
             merged: dict[str, str] = {}
             for r in results.values():
                 if isinstance(r, Checksums):

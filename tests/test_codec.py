@@ -12,12 +12,15 @@ from bus.messages import (
     AddRequest,
     AnyCommand,
     AnyResult,
+    CollectiveUpdateInfo,
     Command,
     ControlReply,
     ControlRequest,
     ControlState,
     ErrorInfo,
     ExtensionReturned,
+    IpcInitInfo,
+    IpcUpdateInfo,
     NewSeq,
     OutputBatch,
     Pause,
@@ -136,11 +139,12 @@ def test_the_fingerprint_sees_a_field_change(monkeypatch):
 def test_commands_travel_as_typed_structs():
     for body in AnyCommand.__args__:
         fields = {f: v for f, v in {"mode": "keep", "level": 1, "name": "w", "role": "worker", "why": "x",
-                                    "new_version": "v", "init_info": {}, "update_info": [{"names": []}],
+                                    "new_version": "v", "init_info": IpcInitInfo(),
+                                    "update_info": [CollectiveUpdateInfo([], [], [])],
                                     "method": "m", "count": 3}.items() if f in body.__struct_fields__}
         cmd = Command(3, body(**fields))
         assert roundtrip(cmd) == cmd
-    req = ControlRequest("r", UpdateWeights({"names": ["a"]}), 5.0)
+    req = ControlRequest("r", UpdateWeights(IpcUpdateInfo(["a"], ["float32"], [[2]])), 5.0)
     assert roundtrip(req) == req
     reply = ControlReply("r", False, 4, {"worker-0": None}, [ErrorInfo("WeightSyncError", "bad shape", "worker-0", 400,
                                                                   "shapes", "w.0")], ["worker-1"])

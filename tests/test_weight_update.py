@@ -155,3 +155,40 @@ def test_weight_transfer_config_defaults_the_backend_by_platform(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("ROLLBUS_DEVICE", "cpu")
     assert parse_weight_transfer_config('{"timeout_s": 30}').name == "gloo"
+
+
+def test_the_edge_decodes_payloads_into_the_backends_structs():
+    """engine.weights.wire: init_info / update_info become the backend's typed struct where they enter the
+    engine, or a 400 naming the field; a refused update_info becomes a RefusedUpdate that still says how to
+    size the trainer's broadcasts, so the workers can drain them."""
+    from bus.codec import CodecError
+    from bus.messages import CollectiveInitInfo, CollectiveUpdateInfo, IpcUpdateInfo, RefusedUpdate
+    from engine.weights.wire import decode_init, decode_update
+
+    init = decode_init({"master_address": "h", "master_port": 5, "world_size": 2}, CollectiveInitInfo)
+    assert (init.rank_offset, init.packed, init.timeout_s) == (1, False, None)
+    for raw, param, words in [({"master_address": "h", "master_port": 5, "world_size": 2, "backend": "x"}, "backend",
+                               "unknown field(s) ['backend']"),
+                              ({"master_address": "h", "world_size": 2}, "master_port", "must be a port number"),
+                              ({"master_address": "h", "master_port": 5, "world_size": -1}, "world_size",
+                               "non-negative integer"),
+                              ({"nccl_unique_id_b64": "AAAA", "master_port": 5, "world_size": 2},
+                               "nccl_unique_id_b64", "not both")]:
+        with pytest.raises(WeightSyncError) as e:
+            decode_init(raw, CollectiveInitInfo)
+        assert e.value.status == 400 and e.value.param == param and words in str(e.value), (raw, str(e.value))
+    with pytest.raises(CodecError):
+        decode_init({"x": 2**70}, CollectiveInitInfo)
+
+    assert decode_update(info(["a"]), CollectiveUpdateInfo) == CollectiveUpdateInfo(["a"], ["float32"], [[2]])
+    assert decode_update(info([]), CollectiveUpdateInfo) == CollectiveUpdateInfo([], [], [])  # vLLM 0.33's reuse
+    assert isinstance(decode_update(info([]), IpcUpdateInfo), RefusedUpdate)  # nothing to reuse over ipc
+    dup = decode_update({**info(["a", "a"]), "packed": True}, CollectiveUpdateInfo)
+    assert isinstance(dup, RefusedUpdate) and dup.param == "names" and "duplicate tensor name 'a'" in dup.message
+    assert dup.wire == CollectiveUpdateInfo(["a", "a"], ["float32"] * 2, [[2]] * 2, True)  # drained, not torn down
+    odd = decode_update(info(["a"], ["float32", "float32"]), CollectiveUpdateInfo)
+    assert odd.param == "names" and "differ in length" in odd.message and odd.wire is None  # cannot be sized
+    other = decode_update(IpcUpdateInfo(["a"], ["float32"], [[2]]), CollectiveUpdateInfo)  # off the bus
+    assert isinstance(other, RefusedUpdate) and other.param == "update_info"
+    bad = decode_update({**info(["a"]), "ipc_handles": [{"k": 1.5}]}, IpcUpdateInfo)
+    assert bad.param == "ipc_handles" and "must be a list of handles" in bad.message

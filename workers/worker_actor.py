@@ -69,11 +69,8 @@ from bus.messages import (
     StartWeightUpdate,
     StepPlan,
     StepResult,
-    TransferReady,
     TransferShutDown,
-    UpdateAborted,
     UpdateCommitted,
-    UpdateFinished,
     UpdateStarted,
     UpdateWeights,
     UpdateWeightVersion,
@@ -159,12 +156,12 @@ class WorkerActor:
             ReleaseMemory: self._reporting(self._release_memory),
             WakeUp: self._reporting(self._wake_up),
             UpdateWeightVersion: self._new_epoch,
-            InitWeightTransferEngine: lambda c: TransferReady(**w.init(c.init_info)),
+            InitWeightTransferEngine: lambda c: w.init(c.init_info),
             StartWeightUpdate: self._start_update,
             UpdateWeights: self._update_weights,
-            FinishWeightUpdate: lambda c: UpdateFinished(**w.finish()),
+            FinishWeightUpdate: lambda c: w.finish(),
             CommitWeightUpdate: self._reporting(self._commit),
-            AbortWeightUpdate: lambda c: UpdateAborted(**w.abort()),
+            AbortWeightUpdate: lambda c: w.abort(),
             ShutdownWeightTransferEngine: self._shutdown_transfer,
             WeightChecker: self._reporting(self._weight_checker),
             CollectiveRpc: self._reporting(self._rpc),
@@ -397,11 +394,11 @@ class WorkerActor:
                 raise WeightSyncError(f"update_info has {len(info)} entries; worker rank {self.index} has none",
                                       param="update_info")
             info = info[self.index]
-        return WeightsReceived(**self.weights.update(info))
+        return self.weights.update(info)
 
     def _commit(self, cmd: CommitWeightUpdate) -> UpdateCommitted:
         received = list(self.weights.received)
-        out = UpdateCommitted(**self.weights.commit())
+        out = self.weights.commit()
         if out.committed:
             self.sleep.mark_loaded(received)
         self.runner.weight_epoch = self.link.state.weight_epoch

@@ -55,7 +55,9 @@ from engine.config import EngineConfig
 from engine.fleet.rejoin import starting_state
 from engine.logs import setup_logging
 from engine.topology import layout, layout_mismatch
+from engine.weights.backends import update_struct
 from engine.weights.lifecycle import UPDATE_PAUSE_MODES, StepReply, reply_status, sync_steps
+from engine.weights.wire import decode_update
 
 log = structlog.get_logger()
 
@@ -191,10 +193,14 @@ class Coordinator:
         mode = ev.pause_mode or self.weight_cfg.pause_mode
         if mode not in UPDATE_PAUSE_MODES:
             return refuse(400, f"pause_mode must be one of {', '.join(UPDATE_PAUSE_MODES)}, got {mode!r}")
-        if not ev.updates or not all(isinstance(u, dict) for u in ev.updates):
+        if not ev.updates:
             return refuse(400, "updates must be a non-empty list of update_info objects")
+        # the edge's check: a refused update_info travels on as a RefusedUpdate, which its update_weights step
+        # fails with (the workers drain the trainer's broadcasts first), so the lifecycle aborts and resumes
+        cls = update_struct(self.weight_cfg.backend)
+        updates = [decode_update(u, cls) for u in ev.updates]
         timeout = ev.timeout_s if ev.timeout_s > 0 else self.weight_cfg.timeout_s
-        steps = sync_steps(ev.version, mode, ev.clear_cache, ev.updates, self.cfg.bus.control_timeout_s,
+        steps = sync_steps(ev.version, mode, ev.clear_cache, updates, self.cfg.bus.control_timeout_s,
                            timeout + self.cfg.bus.control_timeout_s)
         self.sync = _Sync(ev, sender, steps)
         log.info("coordinator.weight_update", version=ev.version, pause=mode, updates=len(ev.updates))

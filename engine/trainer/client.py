@@ -12,15 +12,9 @@ one WeightUpdateEvent and the coordinator drives the same steps (a tcp bus needs
 keys: bus_curve_dir= or env ROLLBUS_BUS_CURVE_DIR, see bus.auth). Any failure raises WeightSyncFailed with
 the server's message; the engine then keeps the previous weights.
 
-Transfers:
-  ipc  CPU: tensors are copied into shared-memory buffers (reused across versions) and the engine copies
-       them out; CUDA/NPU: handles to the tensors' own device memory (unpacked) or to one staging buffer
-       per chunk (packed). Handles are plain data: no pickle.
-  hccl one broadcast per tensor, or per packed chunk (packed=True), from this process as rank 0 of a group
-       of its own (it does not touch a default process group the trainer may have), run while the engine's
-       update_weights call receives them. The group is vLLM's: a StatelessProcessGroup rendezvous, then
-       NCCL/HCCL as vLLM's PyNccl/PyHccl communicators (Gloo on CPU), vLLM's init_info/update_info fields
-       and packed chunking (engine/weights/collective.py); a vLLM trainer and this client are interchangeable.
+The bytes move through the backend's Sender (engine.weights.backends: ipc_backend shares memory with the
+engine, collective_backend broadcasts from this process as rank 0 of vLLM's group); a vLLM trainer and this
+client are interchangeable (docs/architecture.md, "Weight sync").
 
 Several engines: WeightSyncClient([url1, url2, ...], backend="hccl") updates them all with one call: one
 collective group spans every engine's workers (vLLM's rank layout, engine.trainer.fleet), so one broadcast
@@ -40,6 +34,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -64,6 +59,7 @@ from engine.weights.protocol import (
     ParamMeta,
     tensor_checksum,
 )
+from engine.weights.wire import decode
 
 
 class WeightSyncFailed(RuntimeError):
@@ -93,10 +89,11 @@ class WeightSyncClient:
         self.urls = engine_urls(base_url)  # several: one update reaches every engine
         self.base_url = self.urls[0] if self.urls else None
         self.backend = BACKENDS[backend]
-        if len(self.urls) > 1 and self.backend == "ipc":
-            raise FleetError("backend ipc shares memory with one engine on this device; several engines take a "
-                             "collective backend (hccl, nccl or gloo)")
-        if len(self.urls) > 1 and bus is not None:
+        self.sender = backends.sender(self.backend, self)  # the backend's trainer half
+        if self.fleet and self.sender.ONE_ENGINE:
+            raise FleetError(f"backend {backend} shares memory with one engine on this device; several engines "
+                             "take a collective backend (hccl, nccl or gloo)")
+        if self.fleet and bus is not None:
             raise FleetError("bus= announces an update to one engine; give several engines as HTTP URLs")
         self.packed, self.api_key, self.timeout_s = packed, api_key, timeout_s
         self.buffer_size = packed_buffer_size_bytes or CLIENT_PACKED_BUFFER_SIZE_BYTES
@@ -106,7 +103,6 @@ class WeightSyncClient:
         self.device = torch.device(device) if device is not None else None
         # ipc on CPU, unpacked: the trainer's tensors moved into one shared segment, sent without a copy
         self.share_memory = share_memory
-        self.sender = backends.sender(self.backend, self)  # the backend's trainer half
         self._engine_dtype: torch.dtype | None = None
         self._bus = None
         if bus is not None:
@@ -163,20 +159,17 @@ class WeightSyncClient:
 
     def _send_http(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
                    version: str | None, pause: str | None) -> None:
-        t = time.perf_counter()
-        if pause:
-            self._on_all(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
-        self._mark("pause", t)
+        with self._phase("pause"):
+            if pause:
+                self._on_all(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
         try:  # from here on the engines are resumed whatever happens
             try:
-                t = time.perf_counter()
-                for url in self.urls:  # one at a time: a start refused for a released group re-forms it
-                    self._start(url)
-                self._mark("start", t)
-                t = time.perf_counter()
-                self.sender.transfer(tensors, metas)
-                self._mark("transfer", t)
-                t = time.perf_counter()
+                with self._phase("start"):
+                    for url in self.urls:  # one at a time: a start refused for a released group re-forms it
+                        self._start(url)
+                with self._phase("transfer"):
+                    self.sender.transfer(tensors, metas)
+                t = time.perf_counter()  # "finish" from here
                 if self.fleet:  # phase one: every engine verifies its part, none commits yet
                     self._on_all("/finish_weight_update", verify_body(version))
             except BaseException:
@@ -187,12 +180,11 @@ class WeightSyncClient:
                 self._commit_all(version)
             else:
                 self._post("/finish_weight_update", {"weight_version": version} if version else None)
-            self._mark("finish", t)
+            self.timings["finish"] = time.perf_counter() - t  # a fleet's two phases together
         finally:
             if pause:
-                t = time.perf_counter()
-                self._on_all("/resume", None)
-                self._mark("resume", t)
+                with self._phase("resume"):
+                    self._on_all("/resume", None)
         if self.fleet:
             versions = [v.get("weight_version") for v in self._on_all("/weight_info", None, "GET")]
             check_versions(self.urls, versions)
@@ -249,15 +241,14 @@ class WeightSyncClient:
         from bus.sockets import send
 
         rid = uuid.uuid4().hex
-        t = time.perf_counter()
-        updates = self.sender.bus_updates(tensors, metas)  # ipc: staged here
-        self._mark("stage", t)
+        with self._phase("stage"):  # ipc: the bytes are staged here; typed as the coordinator checks them
+            cls = backends.update_struct(self.backend)
+            updates = [decode(u, cls, "update_info") for u in self.sender.bus_updates(tensors, metas)]
         ev = WeightUpdateEvent(rid, version or "", pause or "none", self.clear_cache, updates, self.timeout_s)
-        t = time.perf_counter()
-        send(self._bus.sock, ev)  # the coordinator pauses and starts; the workers then receive
-        self.sender.after_announce(tensors, metas)  # hccl: the broadcasts
-        reply = self._bus.wait(rid, WeightUpdateResult, self.timeout_s + 60, "weight update")
-        self._mark("sync", t)
+        with self._phase("sync"):
+            send(self._bus.sock, ev)  # the coordinator pauses and starts; the workers then receive
+            self.sender.after_announce(tensors, metas)  # hccl: the broadcasts
+            reply = self._bus.wait(rid, WeightUpdateResult, self.timeout_s + 60, "weight update")
         self.timings.update({f"engine_{k}": v for k, v in reply.timings_s.items()})
         if not reply.ok:
             err = reply.error
@@ -296,22 +287,28 @@ class WeightSyncClient:
             self._engine_dtype = DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
         return self._engine_dtype
 
-    def _control(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
-        """POST path with body, or over the bus the command of that name with body as its fields."""
+    def _control(self, path: str, body: dict[str, Any], url: str | None = None, timeout_s: float | None = None) -> Any:
+        """POST path with body, or over the bus the command of that name (init_info decoded as the edge does)."""
         if self.base_url:
-            return self._post(path, body)
+            return self._post(path, body, url)
         from bus.messages import InitWeightTransferEngine, ShutdownWeightTransferEngine
 
         command = path.removeprefix("/")
-        typ = {"init_weight_transfer_engine": InitWeightTransferEngine,
-               "shutdown_weight_transfer_engine": ShutdownWeightTransferEngine}[command]
-        reply = self._bus.request(typ(**body), timeout_s)
+        if command == "init_weight_transfer_engine":
+            msg = InitWeightTransferEngine(decode(body["init_info"], backends.init_struct(self.backend), "init_info"))
+        else:
+            msg = ShutdownWeightTransferEngine()
+        reply = self._bus.request(msg, timeout_s or self.timeout_s)
         if not reply.ok:
             raise WeightSyncFailed(f"{command} failed: {reply.error}")
         return reply.results
 
-    def _mark(self, phase: str, t: float) -> None:
-        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t
+    @contextmanager
+    def _phase(self, name: str):
+        """Adds the block's time to timings[name] (when it succeeds)."""
+        t = time.perf_counter()
+        yield
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t
 
     def _get(self, path: str) -> dict[str, Any]:
         return self._http("GET", path, None)

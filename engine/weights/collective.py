@@ -154,17 +154,10 @@ class PendingBroadcast:
         self._work, self._group = work, group
 
     def wait(self) -> None:
-        work = self._work
-        if work is None:
-            return
-        try:
+        work, self._work = self._work, None
+        self._group._pending.discard(self)
+        if work is not None:
             work.wait()
-        finally:
-            self._work = None
-            self._group._pending.discard(self)
-
-    def is_completed(self) -> bool:
-        return self._work is None or bool(self._work.is_completed())
 
 
 class WeightGroup:
@@ -177,8 +170,6 @@ class WeightGroup:
         self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
         self.master_address, self.master_port = address, port
         self._pending: set[PendingBroadcast] = set()
-
-    # --- construction ---------------------------------------------------------------------------
 
     @classmethod
     def create(cls, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float,
@@ -240,8 +231,6 @@ class WeightGroup:
         return cls(comm=_Ccl(comm), group=None, rank=rank, world_size=world_size, device=dev, backend="nccl",
                    address="(unique id)", port=0)
 
-    # --- collectives ------------------------------------------------------------------------------
-
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``t`` in place from rank ``src``: its bytes on ``src`` end up in ``t`` on every rank."""
         self.broadcast_async(t, src).wait()
@@ -288,17 +277,6 @@ class WeightGroup:
         if self._comm is None:
             raise RuntimeError("the weight group was destroyed")
         return self._comm
-
-    def __enter__(self) -> WeightGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.destroy()
-
-    def __repr__(self) -> str:
-        state = "destroyed" if self._comm is None else self.backend
-        return (f"WeightGroup(rank={self.rank}, world_size={self.world_size}, "
-                f"{self.master_address}:{self.master_port}, {state})")
 
 
 # --- the communicator handshake ------------------------------------------------------------------------
@@ -375,18 +353,6 @@ class _Gloo:
             pass  # dropping the last reference destroys it
 
 
-class _Done:
-    """The work object of a stream-ordered collective: complete once issued."""
-
-    @staticmethod
-    def wait() -> None:
-        return None
-
-    @staticmethod
-    def is_completed() -> bool:
-        return True
-
-
 class _Ccl:
     """NCCL / HCCL through engine.weights.pyccl, the unique id exchanged as vLLM's PyNccl/PyHccl communicators do."""
 
@@ -409,9 +375,8 @@ class _Ccl:
         comm.init_rank(group.world_size, uid, group.rank)
         return cls(comm)
 
-    def broadcast(self, t: torch.Tensor, src: int) -> Any:
-        self.comm.broadcast(t, src)
-        return _Done()
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        self.comm.broadcast(t, src)  # stream-ordered: nothing to wait for
 
     def all_reduce(self, t: torch.Tensor) -> None:
         self.comm.all_reduce(t)

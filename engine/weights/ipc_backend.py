@@ -32,16 +32,16 @@ class Receiver:
     def __init__(self) -> None:
         self.importer = ipc.HandleImporter()
 
-    def init(self, info: dict[str, Any], r: Any) -> None:
+    def init(self, info: Any, r: Any) -> None:
         pass
 
     def check_start(self) -> None:
         self.importer.prune()  # drop mappings of buffers their trainer has closed
 
-    def update(self, info: dict[str, Any], r: Any) -> dict[str, Any]:
+    def update(self, info: Any, r: Any) -> tuple[int, int]:
         r.require_active()
         meta = UpdateMeta.parse(info)
-        dests = r.validate(meta)
+        dests = r.validate(meta.params)
         try:
             with r.copying():
                 sources = self._sources(info, meta, r.device)  # every handle mapped and checked: now write
@@ -54,17 +54,20 @@ class Receiver:
         except Exception as e:
             raise WeightSyncError(f"weight transfer failed: {type(e).__name__}: {e}", status=500) from None
         r.received += [p.name for p in meta.params]
-        return {"tensors": len(meta.params), "bytes": meta.nbytes}
+        return len(meta.params), meta.nbytes
 
-    def _sources(self, info: dict[str, Any], meta: UpdateMeta, device: torch.device) -> list[torch.Tensor]:
-        handles, param, pickled = info.get("ipc_handles"), "ipc_handles", info.get(_PICKLED) is not None
+    def drain(self, wire: Any, r: Any) -> str:
+        return ""  # nothing is in flight: the trainer waits for the answer before it reuses its buffers
+
+    def _sources(self, info: Any, meta: UpdateMeta, device: torch.device) -> list[torch.Tensor]:
+        handles, param, pickled = info.ipc_handles, "ipc_handles", info.ipc_handles_pickled is not None
         if pickled:
             if handles is not None:
                 raise WeightSyncError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`",
                                       param="ipc_handles")
-            handles, param = _unpickle(info[_PICKLED]), _PICKLED
+            handles, param = _unpickle(info.ipc_handles_pickled), _PICKLED
         if isinstance(handles, dict):  # packed: one buffer holding every tensor back to back
-            sizes = info.get("tensor_sizes")
+            sizes = info.tensor_sizes
             if sizes is not None and sizes != [p.nbytes for p in meta.params]:
                 raise WeightSyncError("update_info.tensor_sizes does not match names/dtype_names/shapes",
                                       param="tensor_sizes")
@@ -131,6 +134,8 @@ class Sender:
     chunk at a time, while the engine copies the previous chunk out; with share_memory the trainer's own
     tensors move into one shared segment, so nothing is copied on this side. CUDA/NPU: handles to the tensors'
     own device memory (unpacked) or to one staging buffer per chunk (packed). Handles are plain data."""
+
+    ONE_ENGINE = True  # a fleet (several engines, one update) needs a collective
 
     def __init__(self, client: Any) -> None:
         self.c = client

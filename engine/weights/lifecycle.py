@@ -43,8 +43,8 @@ def pause_deadline(mode: str, control_timeout_s: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Deadlines:
-    """Each step of an update with its deadline: control steps take control_timeout_s, a transfer (and a
-    rendezvous) its own timeout on top."""
+    """Each step of an update with its deadline: control steps take control_s, a pause in "wait" mode
+    WAIT_DEADLINE_S, a transfer (and a rendezvous) its own timeout on top of control_s."""
 
     control_s: float
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
@@ -53,26 +53,10 @@ class Deadlines:
     def transfer_s(self) -> float:
         return self.transfer_timeout_s + self.control_s
 
-    def pause(self, mode: str, clear_cache: bool) -> Step:
-        return Step(Pause(mode, clear_cache), pause_deadline(mode, self.control_s))
-
-    def start(self) -> Step:
-        return Step(StartWeightUpdate(), self.control_s)
-
-    def update(self, info: Any) -> Step:
-        return Step(UpdateWeights(info), self.transfer_s)
-
-    def finish(self) -> Step:
-        return Step(FinishWeightUpdate(), self.control_s)
-
-    def commit(self, version: str) -> Step:
-        return Step(CommitWeightUpdate(version), self.control_s)
-
-    def abort(self) -> Step:
-        return Step(AbortWeightUpdate(), self.control_s)
-
-    def resume(self) -> Step:
-        return Step(Resume(), self.control_s)
+    def __call__(self, command: CommandBody) -> Step:
+        if isinstance(command, Pause):
+            return Step(command, pause_deadline(command.mode, self.control_s))
+        return Step(command, self.transfer_s if isinstance(command, UpdateWeights) else self.control_s)
 
 
 def abort_needed(command: CommandBody, status: int, errors: list[ErrorInfo]) -> bool:
@@ -132,32 +116,20 @@ def sync_steps(version: str, pause_mode: str, clear_cache: bool, updates: list[d
     d = Deadlines(control_timeout_s, transfer_timeout_s - control_timeout_s)
     paused = pause_mode != "none"
     if paused:
-        r = yield d.pause(pause_mode, clear_cache)
+        r = yield d(Pause(pause_mode, clear_cache))
         if not r.ok:
             return SyncOutcome(False, r.error, r.status, "pause", r.errors)
-    failed: tuple[str, StepReply] | None = None
-    r = yield d.start()
-    if not r.ok:
-        failed = ("start_weight_update", r)
-    else:
-        for info in updates:
-            r = yield d.update(info)
-            if not r.ok:
-                failed = ("update_weights", r)
-                break
-        else:
-            r = yield d.finish()
-            if not r.ok:
-                failed = ("finish_weight_update", r)
+    steps = [StartWeightUpdate(), *map(UpdateWeights, updates), FinishWeightUpdate()]
+    for command in steps:
+        r = yield d(command)
+        if not r.ok:
+            break
     # a failed start is aborted too: it reached the workers and opened the window (the coordinator refuses
     # a start while another update is active before this generator runs)
-    yield d.commit(version) if failed is None else d.abort()
+    yield d(CommitWeightUpdate(version) if r.ok else AbortWeightUpdate())
     if paused:
-        yield d.resume()
-    if failed is not None:
-        step, r = failed
-        return SyncOutcome(False, r.error, r.status, step, r.errors)
-    return SyncOutcome(True)
+        yield d(Resume())
+    return SyncOutcome(True) if r.ok else SyncOutcome(False, r.error, r.status, command_name(command), r.errors)
 
 
 def reply_status(ok: bool, missing: list[str], errors: list[ErrorInfo]) -> int:

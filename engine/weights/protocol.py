@@ -1,8 +1,8 @@
 """The weight-update protocol shared by the trainer client and the workers. Pure: no sockets, no devices.
 
 One update of the engine's weights is a list of tensors described by `UpdateMeta` (names, dtype names,
-shapes: vLLM's update_info fields). This module parses and validates that metadata, computes the packed
-chunk boundaries both sides must agree on, and defines the errors every layer turns into HTTP statuses.
+shapes: vLLM's update_info fields, decoded and checked at the edge by engine.weights.wire). This module
+computes the packed chunk boundaries both sides must agree on, and views and packs their bytes.
 
 Packing follows vLLM's packed_tensor.py rule, so a vLLM trainer's packed broadcast lines up with ours:
 tensors are flattened to bytes and appended to the current chunk in order; a chunk is closed as soon as
@@ -19,47 +19,24 @@ from typing import Any
 
 import torch
 
-DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3  # vLLM's default
-DEFAULT_PACKED_NUM_BUFFERS = 2
+from bus.messages import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, CollectiveUpdateInfo  # noqa: F401
+from engine.weights.wire import DTYPE_NAMES, WeightSyncError, check_update, decode  # noqa: F401 (WeightSyncError: here too)
+
 # What rollbus's trainer client packs by when not told (it sends the size, so both sides agree): chunks of
 # a few tens of MiB keep num_buffers in flight, so packing, moving and unpacking overlap. One chunk of
 # vLLM's 1 GiB holds a whole small model: SmolLM2 over Gloo then packed, broadcast and unpacked in turn.
 CLIENT_PACKED_BUFFER_SIZE_BYTES = 64 << 20
-
-# torch dtype names a trainer may send (vLLM sends str(dtype) without the "torch." prefix).
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16,
-    "float64": torch.float64, "double": torch.float64,
-    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-    "bool": torch.bool,
-}
-
-
-class WeightSyncError(Exception):
-    """A weight-transfer failure with the HTTP status the gateway answers with.
-
-    400: bad metadata (names, shapes, dtypes, lengths, handles), 409: wrong state (update without
-    start, start twice, anything after shutdown), 504: a rendezvous or transfer that timed out,
-    500: anything else.
-    """
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in DTYPE_NAMES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: Any, where: str) -> torch.dtype:
-    if not isinstance(name, str) or name.removeprefix("torch.") not in DTYPES:
-        raise WeightSyncError(f"{where}: unknown dtype {name!r}; expected one of {', '.join(sorted(DTYPES))}",
-                              param="dtype_names")
-    return DTYPES[name.removeprefix("torch.")]
+def torch_dtype(name: str) -> torch.dtype | None:
+    """Any torch dtype by name (vLLM's, or with the "torch." prefix): None when there is none."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,34 +55,14 @@ class UpdateMeta:
     params: list[ParamMeta]
 
     @classmethod
-    def parse(cls, info: dict[str, Any]) -> UpdateMeta:
-        """Validate vLLM's names / dtype_names / shapes triple; every problem is a 400 naming the field."""
-        if not isinstance(info, dict):
-            raise WeightSyncError("update_info must be an object", param="update_info")
-        names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
-        for field, value in (("names", names), ("dtype_names", dtypes), ("shapes", shapes)):
-            if not isinstance(value, list):
-                raise WeightSyncError(f"update_info.{field} must be a list", param=field)
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise WeightSyncError(
-                f"update_info lists differ in length: names {len(names)}, dtype_names {len(dtypes)}, "
-                f"shapes {len(shapes)}", param="names")
-        if not names:
-            raise WeightSyncError("update_info.names is empty", param="names")
-        seen: set[str] = set()
-        params = []
-        for name, dt, shape in zip(names, dtypes, shapes):
-            if not isinstance(name, str) or not name:
-                raise WeightSyncError(f"update_info.names holds a non-string or empty name: {name!r}", param="names")
-            if name in seen:
-                raise WeightSyncError(f"duplicate tensor name {name!r} in update_info.names", param="names")
-            seen.add(name)
-            if (not isinstance(shape, list | tuple)
-                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-                raise WeightSyncError(f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r}",
-                                      param="shapes")
-            params.append(ParamMeta(name, parse_dtype(dt, f"tensor {name!r}"), tuple(shape)))
-        return cls(params)
+    def parse(cls, info: Any) -> UpdateMeta:
+        """The tensors an update_info declares. A dict (a test's, a tool's) is decoded and checked as the edge
+        does (engine.weights.wire: a 400 naming the field); a struct off the bus was checked there already."""
+        if isinstance(info, dict):
+            info = decode(info, CollectiveUpdateInfo, "update_info")
+            check_update(info)
+        return cls([ParamMeta(n, torch_dtype(d), tuple(s)) for n, d, s in zip(info.names, info.dtype_names,
+                                                                                info.shapes)])
 
     def to_info(self) -> dict[str, Any]:
         return {"names": [p.name for p in self.params], "dtype_names": [dtype_name(p.dtype) for p in self.params],
@@ -131,25 +88,18 @@ def plan_chunks(params: list[ParamMeta], buffer_size: int, fit: bool = False) ->
     total = 0
     for i, p in enumerate(params):
         n = p.nbytes
-        if fit:
-            if n > buffer_size:
-                raise WeightSyncError(
-                    f"tensor {p.name!r} ({n} bytes) is larger than packed_buffer_size_bytes={buffer_size}",
-                    param="packed_buffer_size_bytes")
-            if cur and total + n > buffer_size:
-                chunks.append(cur)
-                cur, total = [], 0
-            cur.append(i)
-            total += n
-        else:
-            cur.append(i)
-            total += n
-            if total > buffer_size:
-                chunks.append(cur)
-                cur, total = [], 0
-    if cur:
-        chunks.append(cur)
-    return chunks
+        if fit and n > buffer_size:
+            raise WeightSyncError(f"tensor {p.name!r} ({n} bytes) is larger than packed_buffer_size_bytes="
+                                  f"{buffer_size}", param="packed_buffer_size_bytes")
+        if fit and cur and total + n > buffer_size:
+            chunks.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+        if not fit and total > buffer_size:
+            chunks.append(cur)
+            cur, total = [], 0
+    return chunks + [cur] if cur else chunks
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -168,8 +118,7 @@ def byte_views(buf: torch.Tensor, params: list[ParamMeta]) -> list[torch.Tensor]
     for p in params:
         raw = buf[off:off + p.nbytes]
         off += p.nbytes
-        size = p.dtype.itemsize
-        if raw.data_ptr() % size:
+        if raw.data_ptr() % p.dtype.itemsize:
             raw = raw.clone()
         out.append(raw.view(p.dtype).view(p.shape))
     return out

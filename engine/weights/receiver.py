@@ -17,24 +17,26 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-import structlog
 import torch
 
 from ascend_ops.platform import bulk_copy_threads
-from engine.weights import backends
-from engine.weights.collective_backend import opt_bool, opt_int
-from engine.weights.config import WeightTransferConfig
-from engine.weights.protocol import (
+from bus.messages import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
-    UpdateMeta,
-    WeightSyncError,
-    tensor_checksum,
+    InitInfo,
+    RefusedUpdate,
+    TransferReady,
+    UpdateAborted,
+    UpdateCommitted,
+    UpdateFinished,
+    UpdateInfo,
+    WeightsReceived,
 )
-
-log = structlog.get_logger()
+from engine.weights import backends
+from engine.weights.config import WeightTransferConfig
+from engine.weights.protocol import ParamMeta, tensor_checksum
+from engine.weights.wire import NOT_CONFIGURED, WeightSyncError
 
 IDLE, ACTIVE, FINISHED = "idle", "active", "finished"
 
@@ -52,42 +54,36 @@ class _Touched:
 class WeightReceiver:
     def __init__(self, model: torch.nn.Module, cfg: WeightTransferConfig | None, *, rank: int,
                  device: torch.device, nz_mode: int = 0):
-        self.model, self.cfg, self.rank, self.device = model, cfg, rank, device
-        self.nz_mode = nz_mode
+        self.model, self.cfg, self.rank, self.device, self.nz_mode = model, cfg, rank, device, nz_mode
         self.backend = backends.receiver(cfg.backend) if cfg is not None else None
-        self.state = IDLE
-        self.initialized = False
-        self.was_shut_down = False
-        self.packed = False
-        self.buffer_size = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-        self.num_buffers = DEFAULT_PACKED_NUM_BUFFERS
+        self.state, self.was_shut_down = IDLE, False
+        self.packed, self.buffer_size, self.num_buffers = False, DEFAULT_PACKED_BUFFER_SIZE_BYTES, \
+            DEFAULT_PACKED_NUM_BUFFERS
         self.touched: dict[str, _Touched] = {}
         self.pool: dict[str, torch.Tensor] = {}  # staging storage kept between updates
-        self._params: dict[str, torch.nn.Parameter] = {}
         self.copy = None  # bulk_copy_threads' copy(dst, src) during an update
         self.received: list[str] = []  # names of the update in progress, in order
-        self._owner = self._storage_owners()
+        self.refresh()
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     def _require_backend(self) -> backends.Receiver:
         if self.backend is None:
-            raise WeightSyncError("weight transfer is not configured: start the server with "
-                                  "--weight-transfer-config '{\"backend\": \"ipc\"}' (or hccl)", status=400)
+            raise WeightSyncError(NOT_CONFIGURED, status=400)
         return self.backend
 
-    def init(self, info: dict[str, Any]) -> dict[str, Any]:
+    def init(self, info: InitInfo) -> TransferReady:
+        """init_info, decoded and checked at the edge (engine.weights.wire)."""
         backend = self._require_backend()
         if self.state != IDLE:
             raise WeightSyncError("cannot initialise the weight transfer engine during an update", status=409)
-        self.packed = opt_bool(info, "packed", False)
-        self.buffer_size = opt_int(info, "packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
-        self.num_buffers = opt_int(info, "packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)
+        self.packed, self.buffer_size, self.num_buffers = info.packed, info.packed_buffer_size_bytes, \
+            info.packed_num_buffers
         backend.init(info, self)
-        self.initialized, self.was_shut_down = True, False
-        return {"backend": self.cfg.backend, "packed": self.packed}
+        self.was_shut_down = False
+        return TransferReady(self.cfg.backend, self.packed)
 
-    def start(self, weights_asleep: bool) -> dict[str, Any]:
+    def start(self, weights_asleep: bool) -> None:
         backend = self._require_backend()
         if self.was_shut_down:
             raise WeightSyncError("the weight transfer engine was shut down: call /init_weight_transfer_engine "
@@ -102,53 +98,44 @@ class WeightReceiver:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights before updating them", status=409)
         self.refresh()  # parameter storage may have moved since the last update (commit, sleep)
         self.state, self.touched, self.received = ACTIVE, {}, []
-        return {"started": True}
 
-    def require_active(self) -> None:
+    def require_active(self, step: str = "update_weights.") -> None:
         if self.state != ACTIVE:
-            raise WeightSyncError("start_weight_update must be called before update_weights.", status=409)
+            raise WeightSyncError(f"start_weight_update must be called before {step}", status=409)
 
-    def finish(self) -> dict[str, Any]:
-        if self.state != ACTIVE:
-            raise WeightSyncError("start_weight_update must be called before finish_weight_update", status=409)
+    def finish(self) -> UpdateFinished:
+        self.require_active("finish_weight_update")
         self.state = FINISHED
-        return {"tensors": len(self.received)}
+        return UpdateFinished(len(self.received))
 
-    def commit(self) -> dict[str, Any]:
-        """Swap the staged copies in (every worker finished). Returns what changed."""
+    def commit(self) -> UpdateCommitted:
+        """Swap the staged copies in (every worker finished)."""
         if self.state != FINISHED:
-            return {"committed": False}
-        n = 0
-        for pname, t in self.touched.items():
-            if t.stage is None:
-                continue
-            if not t.full:
-                with bulk_copy_threads() as copy:
+            return UpdateCommitted(False)
+        staged = {n: t for n, t in self.touched.items() if t.stage is not None}
+        with bulk_copy_threads() as copy:
+            for pname, t in staged.items():
+                if not t.full:
                     _fill_gaps(t, copy)
-            live = t.param.data
-            t.param.data = t.stage
-            self.pool[pname] = live
-            n += 1
+        for pname, t in staged.items():
+            self.pool[pname], t.param.data = t.param.data, t.stage
         self.state, self.touched = IDLE, {}
-        return {"committed": True, "tensors": len(self.received), "parameters": n}
+        return UpdateCommitted(True, len(self.received), len(staged))
 
-    def abort(self) -> dict[str, Any]:
+    def abort(self) -> UpdateAborted:
         """Drop the update in progress; with staging the weights in service never changed."""
         was = self.state
-        for pname, t in self.touched.items():
-            if t.stage is not None:
-                self.pool[pname] = t.stage
+        self.pool.update((n, t.stage) for n, t in self.touched.items() if t.stage is not None)
         self.state, self.touched = IDLE, {}
-        return {"aborted": was != IDLE, "in_place": self.cfg is not None and not self.cfg.stage_updates}
+        return UpdateAborted(was != IDLE, self.cfg is not None and not self.cfg.stage_updates)
 
-    def shutdown(self) -> dict[str, Any]:
+    def shutdown(self) -> None:
         if self.state != IDLE:
             raise WeightSyncError("cannot shut down the weight transfer engine during an update", status=409)
         self.release()
         if self.backend is not None:
             self.backend.shutdown()
-        self.initialized, self.was_shut_down = False, True
-        return {"shutdown": True}
+        self.was_shut_down = True
 
     def release_group(self) -> bool:
         """sleep_mode_extra_cleanup: tear the collective group down (its communicator buffers go with it).
@@ -163,12 +150,17 @@ class WeightReceiver:
 
     # --- update_weights -------------------------------------------------------------------------
 
-    def update(self, info: dict[str, Any]) -> dict[str, Any]:
+    def update(self, info: UpdateInfo) -> WeightsReceived:
+        """One update_weights call: an edge-checked update_info, or the edge's RefusedUpdate (the backend ends
+        the call as the trainer needs, then it fails with the edge's 400)."""
         backend = self._require_backend()
         if self.was_shut_down:
             raise WeightSyncError("the weight transfer engine was shut down: no update is possible until "
                                   "/init_weight_transfer_engine", status=409)
-        return backend.update(info, self)
+        if isinstance(info, RefusedUpdate):
+            self.require_active()
+            raise WeightSyncError(info.message + backend.drain(info.wire, self), param=info.param)
+        return WeightsReceived(*backend.update(info, self))
 
     @contextmanager
     def copying(self):
@@ -176,10 +168,10 @@ class WeightReceiver:
         with bulk_copy_threads() as self.copy:
             yield
 
-    def validate(self, meta: UpdateMeta) -> list[torch.Tensor]:
+    def validate(self, params: list[ParamMeta]) -> list[torch.Tensor]:
         """Every name known, every shape and dtype equal to the engine's, before anything is written."""
         dests = []
-        for p in meta.params:
+        for p in params:
             try:
                 dst = self.model.weight_destination(p.name)
             except KeyError:
@@ -222,13 +214,10 @@ class WeightReceiver:
             t.ranges.append((off, off + dst.numel()))
         return t.stage.as_strided(dst.shape, dst.stride(), t.stage.storage_offset() + off)
 
-    def _storage_owners(self) -> dict[int, str]:
-        self._params = dict(self.model.named_parameters())
-        return {p.untyped_storage().data_ptr(): n for n, p in self._params.items()}
-
     def refresh(self) -> None:
         """Parameter storage moved (wake from sleep, commit): re-learn which storage is which parameter."""
-        self._owner = self._storage_owners()
+        self._params = dict(self.model.named_parameters())
+        self._owner = {p.untyped_storage().data_ptr(): n for n, p in self._params.items()}
 
     # --- /weight_checker ------------------------------------------------------------------------
 
