@@ -268,7 +268,6 @@ def bench_rollbus(dtype: str, folder: Path, prompts: list[list[int]], args, dp: 
     server = start_server(work, str(folder), "--dtype", dtype, *server_flags(args),
                           "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout,
                           *(("--async-scheduling",) if args.async_scheduling else ()),
-                          "--heartbeat-timeout-s", "30",  # a busy host must not make a slow step a lost worker
                           env={"VLLM_SERVER_DEV_MODE": "1"}, timeout_s=900)  # dev mode: POST /reset_prefix_cache
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:

@@ -156,8 +156,10 @@ def start_server(workdir: Path, *args: str, timeout_s: float = 180.0, env: dict[
     log_path = workdir / f"serve-{port}.log"
     bus_dir = workdir / f"bus-{port}"
     ipc = ["--bus-dir", str(bus_dir)] if "tcp" not in args else []  # --bus-dir is for ipc sockets only
-    # a short heartbeat timeout finds killed processes fast in tests; a caller (a bench under load) may set its own
-    beat = [] if any(a.startswith("--heartbeat-timeout-s") for a in args) else ["--heartbeat-timeout-s", "3"]
+    # tests: a short heartbeat timeout finds killed processes fast; benches (not under pytest): a busy host's slow
+    # step must not become a lost worker. A caller's own --heartbeat-timeout-s wins either way.
+    beat = [] if any(a.startswith("--heartbeat-timeout-s") for a in args) else \
+        ["--heartbeat-timeout-s", "3" if SIZE_KV_FOR_TESTS else "30"]
     cmd = [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), *ipc, *beat]
     f = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env})
