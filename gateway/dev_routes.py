@@ -43,6 +43,7 @@ from engine.rl_config import AdditionalConfig, determinism
 from engine.weights.lifecycle import PAUSE_MODES, pause_deadline
 from gateway.engine_client import EngineClient
 from gateway.errors import bad_request, check_timeout, control_failure
+from gateway.lora_routes import LORA_RPC
 from gateway.responses import JSONResponse, dumps, loads
 from gateway.serving import ModelInfo
 from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
@@ -128,8 +129,16 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
         extension = method not in ("reload_weights",) and await _extension_method(method)  # an extension's wins
         if method in (SYNC_SLEEP, SYNC_WAKE) and not extension:
             return JSONResponse(await sync_sleep_rpc(client, cfg, method, body))
+        if method in LORA_RPC and not extension:  # SkyRL's in-memory LoRA (gateway/lora_routes.py)
+            lora_rpc = getattr(request.app.state, "lora_rpc", None)
+            if lora_rpc is None:
+                raise bad_request(f"{method}: this engine was started without --enable-lora", "method")
+            kwargs = body.get("kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise bad_request("kwargs must be an object", "kwargs")
+            return JSONResponse(await lora_rpc(method, kwargs))
         if method not in RPC_METHODS and not extension:
-            raise bad_request(f"method must be one of {', '.join(RPC_METHODS)} or a public method of "
+            raise bad_request(f"method must be one of {', '.join(RPC_METHODS + LORA_RPC)} or a public method of "
                               f"--worker-extension-cls, got {method!r}", "method")
         args, kwargs = body.get("args") or [], body.get("kwargs") or {}
         if not isinstance(args, list) or not isinstance(kwargs, dict):

@@ -71,12 +71,19 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     # (and the version it named, which commit_weight_update uses unless it names one itself)
     verified: dict[str, Any] = {"update": False, "version": None}
 
+    def lora_update(ended: bool) -> None:
+        """An update that built a LoRA adapter version (gateway/lora_routes.py) registers it when it commits."""
+        lora = getattr(app.state, "lora", None)
+        if lora is not None:
+            lora.committed() if ended else lora.aborted()
+
     async def step(step: Step) -> None:
         """One step of the update (engine.weights.lifecycle); on failure, abort when the rule says so."""
         reply = await client.control(step.command, timeout_s=step.timeout_s)
         if not reply.ok:
             e = control_failure(step.command, reply)
             if abort_needed(step.command, e.status, reply.errors):
+                lora_update(False)
                 try:
                     await call(client, steps.abort().command, steps.control_s)
                 except APIError:
@@ -138,7 +145,12 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     async def _commit(version: str | None) -> None:
         verified["update"] = False
         commit = steps.commit(version or "")
-        await call(client, commit.command, commit.timeout_s)
+        try:
+            await call(client, commit.command, commit.timeout_s)
+        except APIError:
+            lora_update(False)
+            raise
+        lora_update(True)
 
     @app.post("/abort_weight_update")
     async def abort_weight_update() -> JSONResponse:
@@ -146,6 +158,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         # another engine refused its part; the previous weights stay in service. Without an update: a no-op.
         verified["update"] = False
         await call(client, steps.abort().command, steps.control_s)
+        lora_update(False)
         return JSONResponse({"message": "Weight update aborted"})
 
     @app.post("/shutdown_weight_transfer_engine")

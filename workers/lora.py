@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from bus.sampling_params import LoraRef
 from ascend_ops import cpu_kernels
-from engine.lora import AdapterSpec, LoraError, inspect_adapter, module_features
+from bus.sampling_params import LoraRef
+from engine.lora import MEMORY_PREFIX, AdapterSpec, LoraError, inspect_adapter, module_features
 
 Key = tuple[int, int]  # (adapter id, version)
 # fused projection of the decoder -> its PEFT parts, in output order
@@ -130,6 +130,9 @@ class LoraSlots:
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
         self.newest: dict[int, int] = {}  # adapter id -> the latest version this worker loaded
+        # adapter id -> (version, tensors, spec) of the last version a trainer pushed (workers/lora_stage.py),
+        # kept to rebuild it after an eviction until discarded (SkyRL's skyrl_discard_in_memory_lora)
+        self.memory: dict[int, tuple[int, dict[str, torch.Tensor], AdapterSpec]] = {}
         self.spans: list[tuple[int, int, AdapterWeights]] = []  # this step's adapters: (lo, hi) of perm's rows
         self.perm: torch.Tensor | None = None  # this step's adapter rows, grouped by adapter
         self.in_order = False
@@ -148,13 +151,30 @@ class LoraSlots:
             if ref.version < newest:  # its folder holds a later version now: computing with it would mix two
                 raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was replaced by version "
                                 f"{newest} and is no longer loaded on this worker (raise --max-cpu-loras)")
-            w = AdapterWeights.from_folder(ref, self.hf_config, self.max_rank, self.dtype, self.device,
-                                           self.kernel)
+            if ref.path.startswith(MEMORY_PREFIX):
+                version, tensors, spec = self.memory.get(ref.id, (0, {}, None))
+                if version != ref.version:
+                    raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was pushed by a trainer and "
+                                    "is no longer held on this worker (discarded or replaced)")
+                w = AdapterWeights(tensors, spec, self.hf_config, self.dtype, self.device, self.kernel)
+            else:
+                w = AdapterWeights.from_folder(ref, self.hf_config, self.max_rank, self.dtype, self.device,
+                                               self.kernel)
             self.loaded[key] = w
             self.newest[ref.id] = ref.version
         self.loaded.move_to_end(key)
         self._evict()
         return w
+
+    def put_memory(self, lora_id: int, version: int, name: str, tensors: dict[str, torch.Tensor],
+                   spec: AdapterSpec) -> None:
+        """A version a trainer pushed (committed by every worker): built now, so the first request after the
+        update pays nothing; its tensors kept to rebuild it after an eviction."""
+        self.memory[lora_id] = (version, tensors, spec)
+        self.load(LoraRef(lora_id, name, MEMORY_PREFIX + name, version))
+
+    def discard_memory(self, lora_id: int) -> bool:
+        return self.memory.pop(lora_id, None) is not None
 
     def acquire(self, ref: LoraRef) -> Key:
         self.load(ref)

@@ -238,7 +238,7 @@ class Receiver:
                 group.broadcast(buf, 0)
                 if target is not None:
                     try:
-                        r.copy(target, r.model.weight_source(p.name, buf))  # casts when the dtypes differ
+                        r.copy(target, r.source(p.name, buf))  # casts when the dtypes differ
                         r.copy.flush()  # the scratch buffer takes the next tensor
                     except Exception as e:
                         r.copy.discard()
