@@ -40,7 +40,7 @@ from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 12
-PROTOCOL_FINGERPRINT = "c96d6393e0b2"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "48d8e0e813e6"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -239,6 +239,7 @@ class MemoryReleased(CommandResult):
     released_bytes: int
     released_group: bool  # the weight-transfer group too (sleep_mode_extra_cleanup)
     weights: WeightsStatus | None = None
+    lora_dropped: list[str] = []  # level 2: adapters a trainer pushed, whose tensors went (push them again)
 
 
 class WokeUp(CommandResult):

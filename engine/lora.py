@@ -108,6 +108,21 @@ def check_lora_config(cfg: LoraConfig, tensor_parallel_size: int) -> list[str]:
     return problems
 
 
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def model_problem(folder: str | Path) -> str | None:
+    """Why --enable-lora cannot serve this model (None: it can), from its config.json, before anything starts."""
+    try:
+        hf = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the workers' own load says what is wrong with the folder
+    if any(isinstance(hf.get(k), int) and hf[k] > 0 for k in MOE_KEYS):
+        return ("--enable-lora: adapters on a mixture-of-experts model (LoRA on its experts' projections) are not "
+                "implemented; serve this model without --enable-lora")
+    return None
+
+
 def runtime_updates_allowed() -> bool:
     return os.environ.get(RUNTIME_ENV, "").strip().lower() in ("1", "true")
 

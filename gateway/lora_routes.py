@@ -54,8 +54,13 @@ class LoraRegistry:
         self.lock = asyncio.Lock()
         self.armed: dict[str, LoraRef] = {}  # name -> the version the next weight update builds
         self.memory_ids: dict[str, int] = {}  # pushed adapters' ids, kept after an unload (discard needs them)
+        self.to_push: set[str] = set()  # pushed adapters a level-2 sleep dropped, until pushed again
 
     def ref(self, model: str | None) -> LoraRef | None:
+        if model in self.to_push:
+            raise APIError(f"LoRA adapter '{model}' was dropped by a level-2 sleep with the weights (a trainer pushed "
+                           "it; it has no folder to be read again from): push it again", status=400, type=INVALID,
+                           param="model")
         entry = self.adapters.get(model or "")
         return entry[0] if entry else None
 
@@ -124,7 +129,12 @@ class LoraRegistry:
             old = self.adapters.get(name)
             self.adapters[name] = (ref, old[1] if old else self.base_names[0])
             log.info("gateway.lora_pushed", lora_name=name, lora_int_id=ref.id, version=ref.version)
+            self.to_push.discard(name)
         self.armed.clear()
+
+    def dropped(self, names: set[str]) -> None:
+        """A level-2 sleep dropped these pushed adapters on the workers."""
+        self.to_push |= {n for n in names if n in self.adapters and self.adapters[n][0].path.startswith(MEMORY_PREFIX)}
 
     def aborted(self) -> None:
         self.armed.clear()
@@ -135,6 +145,7 @@ class LoraRegistry:
         if name not in self.adapters:
             raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, type=NOT_FOUND)
         del self.adapters[name]
+        self.to_push.discard(name)
         log.info("gateway.lora_unloaded", lora_name=name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 

@@ -130,9 +130,10 @@ class LoraSlots:
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
         self.newest: dict[int, int] = {}  # adapter id -> the latest version this worker loaded
-        # adapter id -> (version, tensors, spec) of the last version a trainer pushed (workers/lora_stage.py),
-        # kept to rebuild it after an eviction until discarded (SkyRL's skyrl_discard_in_memory_lora)
-        self.memory: dict[int, tuple[int, dict[str, torch.Tensor], AdapterSpec]] = {}
+        # adapter id -> (version, name, tensors, spec) of the last version a trainer pushed
+        # (workers/lora_stage.py), kept to rebuild it after an eviction until discarded (SkyRL's
+        # skyrl_discard_in_memory_lora) or a level-2 sleep
+        self.memory: dict[int, tuple[int, str, dict[str, torch.Tensor], AdapterSpec]] = {}
         self.spans: list[tuple[int, int, AdapterWeights]] = []  # this step's adapters: (lo, hi) of perm's rows
         self.perm: torch.Tensor | None = None  # this step's adapter rows, grouped by adapter
         self.in_order = False
@@ -152,7 +153,7 @@ class LoraSlots:
                 raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was replaced by version "
                                 f"{newest} and is no longer loaded on this worker (raise --max-cpu-loras)")
             if ref.path.startswith(MEMORY_PREFIX):
-                version, tensors, spec = self.memory.get(ref.id, (0, {}, None))
+                version, _, tensors, spec = self.memory.get(ref.id, (0, "", {}, None))
                 if version != ref.version:
                     raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was pushed by a trainer and "
                                     "is no longer held on this worker (discarded or replaced)")
@@ -170,11 +171,27 @@ class LoraSlots:
                    spec: AdapterSpec) -> None:
         """A version a trainer pushed (committed by every worker): built now, so the first request after the
         update pays nothing; its tensors kept to rebuild it after an eviction."""
-        self.memory[lora_id] = (version, tensors, spec)
+        self.memory[lora_id] = (version, name, tensors, spec)
         self.load(LoraRef(lora_id, name, MEMORY_PREFIX + name, version))
 
     def discard_memory(self, lora_id: int) -> bool:
         return self.memory.pop(lora_id, None) is not None
+
+    def sleep_drop(self) -> tuple[int, list[str]]:
+        """A level-2 sleep (vLLM's drops the adapters with the weights): every idle version on this worker and
+        every pushed adapter's tensors go; versions a (frozen) sequence still uses stay until it ends. Adapters
+        from folders are read again when next needed; pushed ones must be pushed again: their names are
+        returned, with the bytes freed."""
+        def nbytes(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        freed = 0
+        for key in [k for k in self.loaded if k not in self.users]:
+            freed += sum(nbytes(p) for layer in self.loaded.pop(key).layers for p in layer.values())
+        names = sorted(name for _, name, _, _ in self.memory.values())
+        freed += sum(nbytes(ts.values()) for _, _, ts, _ in self.memory.values())
+        self.memory.clear()
+        return freed, names
 
     def acquire(self, ref: LoraRef) -> Key:
         self.load(ref)
@@ -251,7 +268,8 @@ def attach(model, slots: LoraSlots) -> None:
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(mlp, "gate_up_proj"):
-            raise NotImplementedError("--enable-lora: adapters on mixture-of-experts layers are not implemented")
+            raise NotImplementedError("--enable-lora: adapters on mixture-of-experts layers are not implemented; "
+                                      "serve this model without --enable-lora")
         attn.lora_qkv, attn.lora_o = slots.hook(i, "qkv"), slots.hook(i, "o")
         mlp.lora_gate_up, mlp.lora_down = slots.hook(i, "gate_up"), slots.hook(i, "down")
 

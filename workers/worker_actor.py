@@ -373,8 +373,12 @@ class WorkerActor:
         blocks = cmd.kv_blocks.get(self.scheduler_name, []) if cmd.offload_kv else None
         released = self.sleep.sleep(level, blocks) + (self.weights.release() if level >= 1 else 0)
         group = level >= 1 and self.extra_cleanup and self.weights.release_group()
-        log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
-        return MemoryReleased(released, bool(group))
+        dropped: list[str] = []
+        if level == 2 and self.runner.lora is not None:  # adapters go with the base weights (vLLM's level 2)
+            freed, dropped = self.runner.lora.sleep_drop()
+            released += freed
+        log.info("worker.sleep", level=level, released_bytes=released, released_group=group, lora_dropped=dropped)
+        return MemoryReleased(released, bool(group), lora_dropped=dropped)
 
     def _wake_up(self, cmd: WakeUp) -> WokeUp:
         tags = [t for t in (cmd.tags or ["weights", "kv_cache"]) if t != "scheduling"]
