@@ -2,7 +2,9 @@
 and SkyRL's in-memory calls (/collective_rpc skyrl_set_lora_receive_target, the ordinary update, then
 /skyrl/v1/load_lora_adapter {"in_memory": true}, skyrl_discard_in_memory_lora) give an adapter version whose
 logprobs equal HF + PEFT; a second push is the next version; a bad push (rank, names, shapes, a missing B) is a
-400 naming the adapter and the cause, and the version that served keeps serving."""
+400 naming the adapter and the cause, and the version that served keeps serving. Sleep: level 1 keeps every
+adapter; level 2 drops them with the weights: adapters from folders are read again when next used, pushed ones
+are named in /sleep's answer and refused until pushed again."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def setup(tmp_path_factory):
           "a2": make_adapter(base, root / "a2", rank=4, seed=3, targets=["q_proj", "v_proj", "gate_proj"]),
           "big": make_adapter(base, root / "big", rank=16, seed=4)}
     server = start_server(root, str(base), "--tokens-only", "--enable-lora", "--max-lora-rank", "8",
+                          "--enable-sleep-mode", "--lora-modules", f"fromfile={ad['a']}",
                           "--block-size", "4", "--additional-config", RL,
                           "--weight-transfer-config", '{"backend": "ipc", "timeout_s": 30}')
     client = WeightSyncClient(server.url, backend="ipc")
@@ -120,3 +123,36 @@ def test_skyrl_in_memory_calls(setup):
     r = httpx.post(f"{server.url}/collective_rpc",
                    json={"method": "skyrl_set_lora_receive_target", "kwargs": {"receive_target": {"kind": "full"}}})
     assert r.status_code == 400 and "Not a LoRA receive target" in r.json()["error"]["message"]
+
+
+
+def test_sleep_level_1_keeps_adapters_level_2_drops_them(setup):
+    server, client, base, ad = setup
+    tensors, conf = _adapter(ad["a2"])
+    client.send_lora("slept", tensors.items(), conf)
+    before = {m: _check_peft(server, base, ad[k], m, 1) for m, k in (("fromfile", "a"), ("slept", "a2"))}
+    r = httpx.post(f"{server.url}/sleep?level=1", timeout=60)
+    assert r.status_code == 200 and "lora_dropped" not in r.json(), r.text
+    assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
+    assert {m: _check_peft(server, base, ad[k], m, 1) for m, k in (("fromfile", "a"), ("slept", "a2"))} == before
+    r = httpx.post(f"{server.url}/sleep?level=2", timeout=60)
+    assert r.status_code == 200 and r.json()["lora_dropped"] == ["kept", "pushed", "slept"], r.text
+    assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
+    r = httpx.post(f"{server.url}/collective_rpc", json={"method": "reload_weights"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert _check_peft(server, base, ad["a"], "fromfile", 1) == before["fromfile"]  # read again from its folder
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "slept", "prompt": [1, 2], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "LoRA adapter 'slept' was dropped by a level-2 sleep"), r.text
+    client.send_lora("slept", tensors.items(), conf)
+    assert _check_peft(server, base, ad["a2"], "slept", 2) == before["slept"]
+
+
+def test_enable_lora_on_a_moe_model_is_refused_before_any_process_starts(tmp_path):
+    import subprocess
+    import sys
+
+    make_tiny_checkpoint("qwen3_moe", tmp_path / "moe")
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "moe"),
+                          "--enable-lora", "--tokens-only", "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "rollbus: --enable-lora: adapters on a mixture-of-experts model" in out.stderr
