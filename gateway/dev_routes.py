@@ -140,7 +140,8 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             kwargs = body.get("kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise bad_request("kwargs must be an object", "kwargs")
-            return JSONResponse(await lora_rpc(method, kwargs))
+            timeout = check_timeout(body["timeout"], "timeout") if body.get("timeout") is not None else None
+            return JSONResponse(await lora_rpc(method, kwargs, timeout))
         if method not in RPC_METHODS and not extension:
             raise bad_request(f"method must be one of {', '.join(RPC_METHODS + LORA_RPC)} or a public method of "
                               f"--worker-extension-cls, got {method!r}", "method")

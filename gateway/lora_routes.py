@@ -171,7 +171,7 @@ def add_lora_routes(app: FastAPI, reg: LoraRegistry | None, client: Any, timeout
     if reg is None:
         return
 
-    async def lora_rpc(method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    async def lora_rpc(method: str, kwargs: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """/collective_rpc's SkyRL LoRA methods (gateway/dev_routes.py hands them here)."""
         if method == LORA_RPC[0]:
             call = reg.arm(kwargs.get("receive_target"))
@@ -183,7 +183,7 @@ def add_lora_routes(app: FastAPI, reg: LoraRegistry | None, client: Any, timeout
                 return {"results": [False]}
             call = LoraTargetCall(name, reg.memory_ids[name])
         command = CollectiveRpc(method, call)
-        reply = await client.control(command, timeout_s=timeout_s)
+        reply = await client.control(command, timeout_s=timeout or timeout_s)
         if not reply.ok:
             reg.aborted()
             raise control_failure(command, reply)
