@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "rollbus_cpu"
 # one compile unit, in this order
-SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp", "cpu_panel_gemm.cpp")
+SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp", "cpu_panel_gemm.cpp",
+           "cpu_lora.cpp")
 CACHE_ENV = "ROLLBUS_KERNEL_CACHE"
 ENABLE_ENV = "ROLLBUS_CPU_KERNELS"
 CHOICES = ("0", "1", "avx2", "portable")

@@ -40,7 +40,7 @@ from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 13
-PROTOCOL_FINGERPRINT = "fd8e2ccb621d"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "58d13acb3b1b"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -326,6 +326,7 @@ class MemoryReleased(CommandResult):
     released_bytes: int
     released_group: bool  # the weight-transfer group too (sleep_mode_extra_cleanup)
     weights: WeightsStatus | None = None
+    lora_dropped: list[str] = []  # level 2: adapters a trainer pushed, whose tensors went (push them again)
 
 
 class WokeUp(CommandResult):
@@ -589,9 +590,22 @@ class ExtensionCall(Wire, tag="extension"):
     kwargs_json: str = "{}"
 
 
+class LoraTargetCall(Wire, tag="lora_target"):
+    """SkyRL's skyrl_set_lora_receive_target (version > 0: the next weight update builds this adapter version
+    from its tensors instead of writing the model; checked by the gateway, engine.lora) and
+    skyrl_discard_in_memory_lora (version 0: drop the pushed tensors kept for that adapter id)."""
+
+    lora_name: str
+    lora_id: int
+    version: int = 0
+    rank: int = 0
+    scaling: float = 0.0
+    aliases: dict[str, str] = msgspec.field(default_factory=dict)  # public PEFT name -> the sent name it shares
+
+
 class CollectiveRpc(CommandBody):
     method: str
-    call: Union[ReloadWeightsCall, ExtensionCall] = msgspec.field(default_factory=ReloadWeightsCall)
+    call: Union[ReloadWeightsCall, ExtensionCall, LoraTargetCall] = msgspec.field(default_factory=ReloadWeightsCall)
 
     RESULTS = (WeightsReloaded, ExtensionReturned)
 

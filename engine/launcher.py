@@ -29,6 +29,7 @@ from bus.endpoints import Endpoints
 from bus.messages import Ready
 from bus.topology import Topology
 from engine.config import EngineConfig
+from engine.lora import model_problem as lora_model_problem
 from engine.restart_policy import WINDOW_S, RestartPolicy
 from engine.topology import check_devices
 
@@ -156,6 +157,8 @@ class Launcher:
             return (f"--data-parallel-rank {self.cfg.parallel.data_parallel_rank} names the engine of one scheduler "
                     "or worker process; `rollbus serve` starts whole engines: use --data-parallel-start-rank and "
                     "--data-parallel-size-local")
+        if self.cfg.lora.enable_lora and (why := lora_model_problem(folder)):
+            return why
         if self.cfg.parallel.tensor_parallel_size > 1:
             from workers.models.checkpoint import load_hf_config  # imports torch: only where a split is checked
             from workers.models.tp_layout import layout_error

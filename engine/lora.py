@@ -19,6 +19,8 @@ from typing import Any
 from engine.argv import Switch
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# the lora_path of an adapter a trainer pushed through the weight-transfer path (no folder)
+MEMORY_PREFIX = "rollbus-memory://"
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The projections an adapter may target on a dense decoder: PEFT's module name -> (in, out) features.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -106,6 +108,21 @@ def check_lora_config(cfg: LoraConfig, tensor_parallel_size: int) -> list[str]:
     return problems
 
 
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def model_problem(folder: str | Path) -> str | None:
+    """Why --enable-lora cannot serve this model (None: it can), from its config.json, before anything starts."""
+    try:
+        hf = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the workers' own load says what is wrong with the folder
+    if any(isinstance(hf.get(k), int) and hf[k] > 0 for k in MOE_KEYS):
+        return ("--enable-lora: adapters on a mixture-of-experts model (LoRA on its experts' projections) are not "
+                "implemented; serve this model without --enable-lora")
+    return None
+
+
 def runtime_updates_allowed() -> bool:
     return os.environ.get(RUNTIME_ENV, "").strip().lower() in ("1", "true")
 
@@ -140,6 +157,44 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         return json.loads(f.read(n))
 
 
+def config_rank_scaling(name: str, conf: Any, max_rank: int) -> tuple[int, float]:
+    """An adapter_config.json's rank and scaling (LoraError naming the adapter for what rollbus refuses)."""
+    def fail(why: str) -> LoraError:
+        return LoraError(f"Loading lora {name} failed: {why}")
+
+    if not isinstance(conf, dict):
+        raise fail("adapter_config must be a JSON object")
+    r = conf.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise fail(f"LoRA rank `r` must be a positive integer, got {r}.")
+    if r > max_rank:
+        raise fail(f"LoRA rank {r} is greater than max_lora_rank {max_rank}.")
+    unsupported = [f for f, bad in (("bias", conf.get("bias", "none") != "none"), ("use_dora", conf.get("use_dora")),
+                                    ("modules_to_save", conf.get("modules_to_save")),
+                                    ("rank_pattern", conf.get("rank_pattern")),
+                                    ("alpha_pattern", conf.get("alpha_pattern")),
+                                    ("fan_in_fan_out", conf.get("fan_in_fan_out"))) if bad]
+    if unsupported:
+        raise fail(f"adapter_config.json sets {', '.join(unsupported)}, which rollbus does not support")
+    alpha = conf.get("lora_alpha", r)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise fail(f"lora_alpha must be a number, got {alpha!r}")
+    return r, float(alpha / (r ** 0.5) if conf.get("use_rslora") else alpha / r)
+
+
+def lora_key(key: str, hf: dict[str, Any]) -> tuple[int, str, str] | None:
+    """(layer, module, "A" or "B") of a PEFT LoRA tensor name of a target projection of an existing layer."""
+    m = _KEY.match(key)
+    if m is None or m.group(3) not in TARGETS or int(m.group(1)) >= hf["num_hidden_layers"]:
+        return None
+    return int(m.group(1)), m.group(3), m.group(4)
+
+
+def lora_shape(rank: int, module: str, ab: str, hf: dict[str, Any]) -> list[int]:
+    fin, fout = module_features(hf)[module]
+    return [rank, fin] if ab == "A" else [fout, rank]
+
+
 def inspect_adapter(name: str, path: str, hf: dict[str, Any], max_rank: int) -> AdapterSpec:
     """Check a PEFT folder against the model (LoraError naming `name` and the cause). FileNotFoundError for
     a folder without adapter_config.json (vLLM's 404)."""
@@ -156,36 +211,31 @@ def inspect_adapter(name: str, path: str, hf: dict[str, Any], max_rank: int) -> 
         header = safetensors_header(tensors)
     except (OSError, ValueError, struct.error) as e:
         raise fail(f"cannot read {cfg_file.name} / {tensors.name} in {path}: {e}") from None
-    r = conf.get("r")
-    if not isinstance(r, int) or r < 1:
-        raise fail(f"LoRA rank `r` must be a positive integer, got {r}.")
-    if r > max_rank:
-        raise fail(f"LoRA rank {r} is greater than max_lora_rank {max_rank}.")
-    unsupported = [f for f, bad in (("bias", conf.get("bias", "none") != "none"), ("use_dora", conf.get("use_dora")),
-                                    ("modules_to_save", conf.get("modules_to_save")),
-                                    ("rank_pattern", conf.get("rank_pattern")),
-                                    ("alpha_pattern", conf.get("alpha_pattern")),
-                                    ("fan_in_fan_out", conf.get("fan_in_fan_out"))) if bad]
-    if unsupported:
-        raise fail(f"adapter_config.json sets {', '.join(unsupported)}, which rollbus does not support")
-    alpha = conf.get("lora_alpha", r)
-    scaling = alpha / (r ** 0.5) if conf.get("use_rslora") else alpha / r
-    feats = module_features(hf)
+    rank, scaling = config_rank_scaling(name, conf, max_rank)
+    shapes = {k: list(v.get("shape", [])) for k, v in header.items() if k != "__metadata__"}
+    return adapter_spec(name, rank, scaling, shapes, hf, tensors.name)
+
+
+def adapter_spec(name: str, rank: int, scaling: float, shapes: dict[str, list[int]], hf: dict[str, Any],
+                 source: str) -> AdapterSpec:
+    """Check an adapter's tensors (PEFT names -> shapes, from a file or pushed by a trainer) against the model:
+    every one a LoRA A/B of a target projection of an existing layer, of this rank and the model's features,
+    A and B in pairs (LoraError naming the adapter and the cause)."""
+    def fail(why: str) -> LoraError:
+        return LoraError(f"Loading lora {name} failed: {why}")
+
     layers = hf["num_hidden_layers"]
     seen: dict[tuple[int, str], set[str]] = {}
     unexpected = []
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        m = _KEY.match(key)
-        if m is None or m.group(3) not in TARGETS or int(m.group(1)) >= layers:
+    for key, shape in shapes.items():
+        parsed = lora_key(key, hf)
+        if parsed is None:
             unexpected.append(key)
             continue
-        layer, mod, ab = int(m.group(1)), m.group(3), m.group(4)
-        fin, fout = feats[mod]
-        want = [r, fin] if ab == "A" else [fout, r]
-        if list(meta.get("shape", [])) != want:
-            raise fail(f"{key} has shape {meta.get('shape')}, expected {want} for this model")
+        layer, mod, ab = parsed
+        want = lora_shape(rank, mod, ab, hf)
+        if list(shape) != want:
+            raise fail(f"{key} has shape {list(shape)}, expected {want} for this model")
         seen.setdefault((layer, mod), set()).add(ab)
     if unexpected:
         raise fail(f"expected target modules in {list(TARGETS)} of layers 0..{layers - 1} but received "
@@ -194,5 +244,5 @@ def inspect_adapter(name: str, path: str, hf: dict[str, Any], max_rank: int) -> 
     if half:
         raise fail(f"lora_A and lora_B must come in pairs; missing one for {half[:8]}")
     if not seen:
-        raise fail(f"{tensors.name} holds no LoRA weights")
-    return AdapterSpec(r, float(scaling), tuple(sorted(seen)))
+        raise fail(f"{source} holds no LoRA weights")
+    return AdapterSpec(rank, scaling, tuple(sorted(seen)))

@@ -168,7 +168,7 @@ def build_app(cfg: EngineConfig, client: EngineClient, tokenizer: Any, model_inf
                       num_engines=getattr(client, "num_engines", 1))
     ctx = ServingContext(cfg, client, tokenizer, model_info, metrics, admission)
     ctx.lora = lora_registry(cfg, model_info.names, model_info.root)  # --enable-lora (gateway/lora_routes.py)
-    add_lora_routes(app, ctx.lora)
+    add_lora_routes(app, ctx.lora, client, cfg.bus.control_timeout_s)
     health = HealthProbe(client, cfg.bus.control_timeout_s)
     created = int(time.time())
     app.state.serving = ctx

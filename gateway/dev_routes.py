@@ -43,6 +43,7 @@ from engine.rl_config import AdditionalConfig, determinism
 from engine.weights.lifecycle import PAUSE_MODES, pause_deadline
 from gateway.engine_client import EngineClient
 from gateway.errors import bad_request, check_timeout, control_failure
+from gateway.lora_routes import LORA_RPC
 from gateway.responses import JSONResponse, dumps, loads
 from gateway.serving import ModelInfo
 from gateway.vllm_routes import vllm_config, vllm_config_text, vllm_env
@@ -101,9 +102,13 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             raise bad_request(f"level must be 0, 1 or 2, got {level!r}", "level")
         if mode not in PAUSE_MODES:
             raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        results = await sleep_engine(client, cfg, int(level), mode)
+        results = await sleep_engine(client, cfg, int(level), mode, lora=getattr(app.state, "lora", None))
         released = sum(r.released_bytes for r in results.values() if isinstance(r, MemoryReleased))
-        return JSONResponse({"status": "sleeping", "level": int(level), "released_bytes": released})
+        body = {"status": "sleeping", "level": int(level), "released_bytes": released}
+        dropped = sorted({n for r in results.values() if isinstance(r, MemoryReleased) for n in r.lora_dropped})
+        if dropped:  # pushed LoRA adapters a level-2 sleep dropped: push them again (docs/lora.md)
+            body["lora_dropped"] = dropped
+        return JSONResponse(body)
 
     @app.post("/wake_up")
     async def wake_up(tags: list[str] | None = Query(default=None)) -> JSONResponse:
@@ -127,9 +132,18 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
             raise bad_request("Missing 'method' in request body", "method")
         extension = method not in ("reload_weights",) and await _extension_method(method)  # an extension's wins
         if method in (SYNC_SLEEP, SYNC_WAKE) and not extension:
-            return JSONResponse(await sync_sleep_rpc(client, cfg, method, body))
+            return JSONResponse(await sync_sleep_rpc(client, cfg, method, body, getattr(app.state, "lora", None)))
+        if method in LORA_RPC and not extension:  # SkyRL's in-memory LoRA (gateway/lora_routes.py)
+            lora_rpc = getattr(request.app.state, "lora_rpc", None)
+            if lora_rpc is None:
+                raise bad_request(f"{method}: this engine was started without --enable-lora", "method")
+            kwargs = body.get("kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise bad_request("kwargs must be an object", "kwargs")
+            timeout = check_timeout(body["timeout"], "timeout") if body.get("timeout") is not None else None
+            return JSONResponse(await lora_rpc(method, kwargs, timeout))
         if method not in RPC_METHODS and not extension:
-            raise bad_request(f"method must be one of {', '.join(RPC_METHODS)} or a public method of "
+            raise bad_request(f"method must be one of {', '.join(RPC_METHODS + LORA_RPC)} or a public method of "
                               f"--worker-extension-cls, got {method!r}", "method")
         args, kwargs = body.get("args") or [], body.get("kwargs") or {}
         if not isinstance(args, list) or not isinstance(kwargs, dict):
@@ -262,17 +276,21 @@ def _query_or_body_bools(query: dict[str, str | None], body: dict[str, Any]) -> 
 
 
 async def sleep_engine(client: EngineClient, cfg: EngineConfig, level: int, mode: str, offload_kv: bool = False,
-                       timeout_s: float | None = None) -> dict[str, Any]:
+                       timeout_s: float | None = None, lora: Any = None) -> dict[str, Any]:
     """/sleep's two broadcasts: first every member quiesces (the scheduler acks once no step runs; with
     offload_kv it names the KV blocks its kept requests hold), then the workers release memory, which is only
     safe once nothing can touch it. Returns the release's results by member."""
     deadline = timeout_s or pause_deadline(mode, cfg.bus.control_timeout_s)
     quiet = await broadcast(client, Sleep(level, mode, offload_kv), deadline)
     blocks = {n: r.kv_blocks for n, r in quiet.items() if isinstance(r, Quiesced) and r.kv_blocks is not None}
-    return await broadcast(client, ReleaseMemory(level, offload_kv, blocks), timeout_s or cfg.bus.control_timeout_s)
+    results = await broadcast(client, ReleaseMemory(level, offload_kv, blocks), timeout_s or cfg.bus.control_timeout_s)
+    if lora is not None:  # level 2: pushed adapters must be pushed again (gateway/lora_routes.py)
+        lora.dropped({n for r in results.values() if isinstance(r, MemoryReleased) for n in r.lora_dropped})
+    return results
 
 
-async def sync_sleep_rpc(client: EngineClient, cfg: EngineConfig, method: str, body: dict[str, Any]) -> dict:
+async def sync_sleep_rpc(client: EngineClient, cfg: EngineConfig, method: str, body: dict[str, Any],
+                         lora: Any = None) -> dict:
     """SkyRL 0.4's skyrl_sleep_for_weight_sync(offload_kv=True) and skyrl_wake_for_weight_sync(tags), which on
     vLLM are methods of SkyRL's worker extension (its RemoteInferenceClient sends them through
     /collective_rpc): free memory for a weight sync while the requests a keep pause froze stay. The sleep
@@ -297,7 +315,7 @@ async def sync_sleep_rpc(client: EngineClient, cfg: EngineConfig, method: str, b
     if method == SYNC_SLEEP:
         if not isinstance(value, bool):
             raise bad_request(f"kwargs.offload_kv must be true or false, got {value!r}", "kwargs.offload_kv")
-        results = await sleep_engine(client, cfg, 2, "keep", offload_kv=value, timeout_s=timeout)
+        results = await sleep_engine(client, cfg, 2, "keep", offload_kv=value, timeout_s=timeout, lora=lora)
     else:
         if value is not None and (not isinstance(value, list) or not all(t in ("weights", "kv_cache") for t in value)):
             raise bad_request(f"kwargs.tags must be a list of weights and/or kv_cache, got {value!r}", "kwargs.tags")

@@ -42,7 +42,17 @@ RL_BODIES: dict[str, dict[str, Any]] = {
               "timeout": _TIMEOUT}, ("method",)),
         _obj({"method": {"type": "string", "enum": ["skyrl_wake_for_weight_sync"]},
               "kwargs": _obj({"tags": {"type": "array", "items": {"type": "string", "enum": ["weights", "kv_cache"]}}})
-              | {"additionalProperties": False}, "timeout": _TIMEOUT}, ("method",))]},
+              | {"additionalProperties": False}, "timeout": _TIMEOUT}, ("method",)),
+        # SkyRL's in-memory LoRA calls, with --enable-lora (gateway/lora_routes.py)
+        _obj({"method": {"type": "string", "enum": ["skyrl_set_lora_receive_target"]},
+              "kwargs": _obj({"receive_target": _obj({
+                  "kind": {"type": "string", "enum": ["lora"]}, "lora_name": _NON_EMPTY, "adapter_config": _obj(
+                      {"r": {"type": "integer", "minimum": 1}, "lora_alpha": {"type": "number"}}, ("r",)),
+                  "aliases": {"type": "object", "additionalProperties": {"type": "string"}}},
+                  ("kind", "lora_name", "adapter_config"))}, ("receive_target",)), "timeout": _TIMEOUT},
+             ("method", "kwargs")),
+        _obj({"method": {"type": "string", "enum": ["skyrl_discard_in_memory_lora"]},
+              "kwargs": _obj({"lora_name": _NON_EMPTY}, ("lora_name",)), "timeout": _TIMEOUT}, ("method", "kwargs"))]},
     "/abort_requests": _obj({"request_ids": {"type": "array", "items": {"type": "string"}}}),
     # its options as query parameters or in this body (gateway/dev_routes.py); the body is optional
     "/reset_prefix_cache": _obj({"reset_running_requests": {"type": "boolean"}, "reset_external": {"type": "boolean"}})

@@ -67,6 +67,12 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     # (and the version it named, which commit_weight_update uses unless it names one itself)
     verified: dict[str, Any] = {"update": False, "version": None}
 
+    def lora_update(ended: bool) -> None:
+        """An update that built a LoRA adapter version (gateway/lora_routes.py) registers it when it commits."""
+        lora = getattr(app.state, "lora", None)
+        if lora is not None:
+            lora.committed() if ended else lora.aborted()
+
     async def step(command: CommandBody) -> None:
         """One step of the update with its deadline (engine.weights.lifecycle); on failure, abort when the rule
         says so."""
@@ -74,6 +80,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         if not reply.ok:
             e = control_failure(command, reply)
             if abort_needed(command, e.status, reply.errors):
+                lora_update(False)
                 try:
                     await broadcast(client, AbortWeightUpdate(), steps.control_s)
                 except APIError:
@@ -144,7 +151,12 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     async def _commit(version: str | None) -> None:
         verified["update"] = False
-        await broadcast(client, CommitWeightUpdate(version or ""), steps.control_s)
+        try:
+            await broadcast(client, CommitWeightUpdate(version or ""), steps.control_s)
+        except APIError:
+            lora_update(False)
+            raise
+        lora_update(True)
 
     @app.post("/abort_weight_update")
     async def abort_weight_update() -> JSONResponse:
@@ -152,6 +164,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         # another engine refused its part; the previous weights stay in service. Without an update: a no-op.
         verified["update"] = False
         await broadcast(client, AbortWeightUpdate(), steps.control_s)
+        lora_update(False)
         return JSONResponse({"message": "Weight update aborted"})
 
     @app.post("/shutdown_weight_transfer_engine")

@@ -28,10 +28,10 @@ def setup(tmp_path_factory):
     return base, {"a": a, "b": b}
 
 
-def _model_with_slots(base):
+def _model_with_slots(base, kernel: bool = True):
     model = load_model(base)
     slots = LoraSlots(model_shape(model), model.kern, max_rank=16, max_cached=4, dtype=torch.float32,
-                      device=torch.device("cpu"))
+                      device=torch.device("cpu"), kernel=kernel)
     attach(model, slots)
     return model, slots
 
@@ -52,9 +52,12 @@ def _prefill_logits(model, slots, prompts: list[tuple[list[int], LoraRef | None]
     return out
 
 
-def test_each_adapter_matches_hf_peft_and_mixed_rows_are_their_own(setup):
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_each_adapter_matches_hf_peft_and_mixed_rows_are_their_own(setup, kernel):
     base, adapters = setup
-    model, slots = _model_with_slots(base)
+    model, slots = _model_with_slots(base, kernel)
+    if kernel and not slots.kernel:
+        pytest.skip("the CPU kernels are unavailable here")
     vocab = model.cfg.vocab_size
     refs = {n: LoraRef(i + 1, n, str(p), 1) for i, (n, p) in enumerate(adapters.items())}
     prompts = [random_prompt(n, vocab, seed) for n, seed in ((9, 1), (13, 2), (6, 3))]

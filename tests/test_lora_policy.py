@@ -56,3 +56,16 @@ def test_lora_flags_parse_and_refuse_what_is_not_implemented():
                       (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras")):
         with pytest.raises(SystemExit, match=why):
             parse_config(argv)
+
+
+def test_enable_lora_refuses_a_moe_model(tmp_path):
+    import json
+
+    from engine.lora import model_problem
+
+    dense = {"model_type": "qwen3", "num_hidden_layers": 2}
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        (tmp_path / "config.json").write_text(json.dumps({**dense, key: 8}))
+        assert "--enable-lora: adapters on a mixture-of-experts model" in model_problem(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dense))
+    assert model_problem(tmp_path) is None

@@ -9,22 +9,28 @@ cannot be read again (its folder holds the new weights), so a sequence that need
 preemption) fails alone, naming it, rather than mixing.
 
 The product (vLLM's punica kernels do the same on GPUs, segmented by adapter): before a forward,
-`begin_step` groups the step's token rows by adapter; each hooked projection (q/k/v/o, gate/up/down in
-workers/models/llama.py) then adds, per group, B·(A·x)·scaling to that group's rows only. Base rows
-cost nothing. A row's delta depends on its own input and its adapter's weights only, through the model's
-`kern.linear`, so a row's bits do not depend on its batch-mates whenever the base product's do not
-(docs/batch-invariance.md).
+`begin_step` lays the step's adapter rows out grouped by adapter (one index tensor, each adapter a span of
+it); each hooked projection (q/k/v, o, gate/up, down in workers/models/llama.py: one fused A/B per fused
+base weight) then adds every adapter row's B·(A·x)·scaling. On CPU that is one call of ascend_ops's
+`lora_add` kernel per projection for all adapters (rows gathered, shrunk, expanded and added inside it;
+B packed in panels, the zero blocks of q/k/v and gate/up never read); elsewhere (or ROLLBUS_CPU_KERNELS=0)
+one gather, per adapter two of the model's `kern.linear` on its contiguous span, one scatter-add. Base rows
+and steps without adapters cost nothing. Either way a row's delta depends on its own input and its
+adapter's weights only, so a row's bits do not depend on its batch-mates whenever the base product's do not
+(docs/batch-invariance.md). Measured: bench/lora_decode.py (docs/lora.md).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from ascend_ops import cpu_kernels
 from bus.sampling_params import LoraRef
-from engine.lora import LoraError, inspect_adapter, module_features
+from engine.lora import MEMORY_PREFIX, AdapterSpec, LoraError, inspect_adapter, module_features
 
 Key = tuple[int, int]  # (adapter id, version)
 # fused projection of the decoder -> its PEFT parts, in output order
@@ -32,19 +38,25 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
          "down": ("down_proj",)}
 
 
+class Pair(NamedTuple):
+    """One adapter's product on one fused projection: the targeted parts' A stacked [K*r, in]; their B·scaling
+    placed block-diagonally, as B [fused out, K*r] for the model's linear (the torch path) or as B^T
+    [K*r, fused out] with each block's columns `ranges` [K, 2] for the CPU kernel (which skips the zeros)."""
+
+    a: torch.Tensor
+    b: torch.Tensor | None
+    bt: torch.Tensor | None
+    ranges: torch.Tensor | None
+
+
 class AdapterWeights:
-    """One adapter version on the device: per layer, per fused projection, one (A, B) pair: the targeted parts'
-    A stacked [parts*r, in], their B·scaling placed block-diagonally [fused out, parts*r] (zero rows for
-    untargeted parts), so a group's delta on a fused projection is two GEMMs and one add."""
+    """One adapter version on the device: per layer, per fused projection (qkv, o, gate_up, down), one Pair, so
+    a group's delta on a fused projection is two GEMMs and one add, or one kernel call for all groups."""
 
-    def __init__(self, ref: LoraRef, hf_config: dict, max_rank: int, dtype: torch.dtype, device: torch.device):
-        from safetensors.torch import load_file
-
-        spec = inspect_adapter(ref.name, ref.path, hf_config, max_rank)
-        tensors = load_file(str(Path(ref.path) / "adapter_model.safetensors"))
+    def __init__(self, tensors: dict[str, torch.Tensor], spec: AdapterSpec, hf_config: dict, dtype: torch.dtype,
+                 device: torch.device, kernel: bool):
         feats = module_features(hf_config)
-        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
-            {} for _ in range(hf_config["num_hidden_layers"])]
+        self.layers: list[dict[str, Pair]] = [{} for _ in range(hf_config["num_hidden_layers"])]
         targeted = set(spec.modules)
         for layer in range(len(self.layers)):
             for fused, parts in FUSED.items():
@@ -53,28 +65,83 @@ class AdapterWeights:
                     continue
                 block = "self_attn" if fused in ("qkv", "o") else "mlp"
                 stems = {m: f"base_model.model.model.layers.{layer}.{block}.{m}" for m in mine}
-                a = torch.cat([tensors[f"{stems[m]}.lora_A.weight"].float() for m in mine])  # [parts*r, in]
+                a = torch.cat([tensors[f"{stems[m]}.lora_A.weight"].float() for m in mine])  # [K*r, in]
                 b = torch.zeros(sum(feats[m][1] for m in parts), len(mine) * spec.rank)
                 row = col = 0
+                ranges = []
                 for m in parts:
                     if m in stems:
                         part = tensors[f"{stems[m]}.lora_B.weight"].float() * spec.scaling  # [out, r]
                         b[row:row + part.shape[0], col:col + spec.rank] = part
+                        ranges.append((row, row + part.shape[0]))
                         col += spec.rank
                     row += feats[m][1]
-                self.layers[layer][fused] = (a.to(device=device, dtype=dtype).contiguous(),
-                                             b.to(device=device, dtype=dtype).contiguous())
+                if kernel:
+                    self.layers[layer][fused] = Pair(_on(a, device, dtype), None,
+                                                     _on(_panels(b, ranges, spec.rank), device, dtype),
+                                                     torch.tensor(ranges, dtype=torch.long))
+                else:
+                    self.layers[layer][fused] = Pair(_param(a, device, dtype), _param(b, device, dtype), None, None)
+
+    @classmethod
+    def from_folder(cls, ref: LoraRef, hf_config: dict, max_rank: int, dtype: torch.dtype, device: torch.device,
+                    kernel: bool) -> AdapterWeights:
+        from safetensors.torch import load_file
+
+        spec = inspect_adapter(ref.name, ref.path, hf_config, max_rank)
+        tensors = load_file(str(Path(ref.path) / "adapter_model.safetensors"))
+        return cls(tensors, spec, hf_config, dtype, device, kernel)
+
+
+PANEL = 32  # ascend_ops/csrc/cpu_lora.cpp's kPanel
+
+
+def _panels(b: torch.Tensor, ranges: list[tuple[int, int]], rank: int) -> torch.Tensor:
+    """B^T of each targeted part (its columns `ranges` of the block-diagonal B [out, K*r]) in the kernel's
+    layout: part after part, [panels][rank][PANEL] (the last panel zero-padded), flattened."""
+    out = []
+    for k, (c0, c1) in enumerate(ranges):
+        bt = b[c0:c1, k * rank:(k + 1) * rank].t()  # [r, width]
+        pad = (-bt.shape[1]) % PANEL
+        bt = torch.nn.functional.pad(bt, (0, pad))
+        out.append(bt.reshape(rank, -1, PANEL).transpose(0, 1).reshape(-1))
+    return torch.cat(out)
+
+
+def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype).contiguous()
+
+
+def _param(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.nn.Parameter:
+    """A parameter, so the model's linear multiplies on a packed copy made once (ascend_ops.packed_linear:
+    plain tensors are repacked by F.linear on every call, which measured as most of the LoRA product's cost)."""
+    return torch.nn.Parameter(_on(t, device, dtype), requires_grad=False)
+
+
+_NONE = torch.empty(0)  # the kernel's placeholder for an adapter that does not target a projection
+_NO_RANGES = torch.empty(0, 2, dtype=torch.long)
 
 
 class LoraSlots:
     def __init__(self, hf_config: dict, kern, *, max_rank: int, max_cached: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, kernel: bool = True):
         self.hf_config, self.kern = hf_config, kern
         self.max_rank, self.max_cached, self.dtype, self.device = max_rank, max_cached, dtype, device
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
         self.newest: dict[int, int] = {}  # adapter id -> the latest version this worker loaded
-        self.groups: list[tuple[torch.Tensor, AdapterWeights]] = []  # this step's (rows, adapter)
+        # adapter id -> (version, name, tensors, spec) of the last version a trainer pushed
+        # (workers/lora_stage.py), kept to rebuild it after an eviction until discarded (SkyRL's
+        # skyrl_discard_in_memory_lora) or a level-2 sleep
+        self.memory: dict[int, tuple[int, str, dict[str, torch.Tensor], AdapterSpec]] = {}
+        self.spans: list[tuple[int, int, AdapterWeights]] = []  # this step's adapters: (lo, hi) of perm's rows
+        self.perm: torch.Tensor | None = None  # this step's adapter rows, grouped by adapter
+        self.in_order = False
+        # the CPU kernel (ascend_ops/csrc/cpu_lora.cpp): one call per projection for all of a step's adapters
+        cpu = kernel and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.ops = cpu_kernels.ops() if cpu else None
+        self.kernel = self.ops is not None
+        self.bounds: torch.Tensor | None = None
 
     def load(self, ref: LoraRef) -> AdapterWeights:
         """The weights of this version, read from its folder if not held (raises what the folder's check does)."""
@@ -85,12 +152,46 @@ class LoraSlots:
             if ref.version < newest:  # its folder holds a later version now: computing with it would mix two
                 raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was replaced by version "
                                 f"{newest} and is no longer loaded on this worker (raise --max-cpu-loras)")
-            w = AdapterWeights(ref, self.hf_config, self.max_rank, self.dtype, self.device)
+            if ref.path.startswith(MEMORY_PREFIX):
+                version, _, tensors, spec = self.memory.get(ref.id, (0, "", {}, None))
+                if version != ref.version:
+                    raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was pushed by a trainer and "
+                                    "is no longer held on this worker (discarded or replaced)")
+                w = AdapterWeights(tensors, spec, self.hf_config, self.dtype, self.device, self.kernel)
+            else:
+                w = AdapterWeights.from_folder(ref, self.hf_config, self.max_rank, self.dtype, self.device,
+                                               self.kernel)
             self.loaded[key] = w
             self.newest[ref.id] = ref.version
         self.loaded.move_to_end(key)
         self._evict()
         return w
+
+    def put_memory(self, lora_id: int, version: int, name: str, tensors: dict[str, torch.Tensor],
+                   spec: AdapterSpec) -> None:
+        """A version a trainer pushed (committed by every worker): built now, so the first request after the
+        update pays nothing; its tensors kept to rebuild it after an eviction."""
+        self.memory[lora_id] = (version, name, tensors, spec)
+        self.load(LoraRef(lora_id, name, MEMORY_PREFIX + name, version))
+
+    def discard_memory(self, lora_id: int) -> bool:
+        return self.memory.pop(lora_id, None) is not None
+
+    def sleep_drop(self) -> tuple[int, list[str]]:
+        """A level-2 sleep (vLLM's drops the adapters with the weights): every idle version on this worker and
+        every pushed adapter's tensors go; versions a (frozen) sequence still uses stay until it ends. Adapters
+        from folders are read again when next needed; pushed ones must be pushed again: their names are
+        returned, with the bytes freed."""
+        def nbytes(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        freed = 0
+        for key in [k for k in self.loaded if k not in self.users]:
+            freed += sum(nbytes(p) for layer in self.loaded.pop(key).layers for p in layer.values())
+        names = sorted(name for _, name, _, _ in self.memory.values())
+        freed += sum(nbytes(ts.values()) for _, _, ts, _ in self.memory.values())
+        self.memory.clear()
+        return freed, names
 
     def acquire(self, ref: LoraRef) -> Key:
         self.load(ref)
@@ -112,26 +213,52 @@ class LoraSlots:
             del self.loaded[idle.pop(0)]
 
     def begin_step(self, row_keys: list[Key | None]) -> None:
-        """Group this step's token rows by adapter (None: the base model)."""
+        """Lay out this step's token rows by adapter (None: the base model): the adapter rows in one order that
+        puts each adapter's rows together (`perm`, the one gather every hooked projection makes), and each
+        adapter's span of it. A step without adapter rows costs the projections nothing."""
         by_key: dict[Key, list[int]] = {}
         for i, k in enumerate(row_keys):
             if k is not None:
                 by_key.setdefault(k, []).append(i)
-        self.groups = [(torch.tensor(rows, dtype=torch.long, device=self.device), self.loaded[k])
-                       for k, rows in by_key.items()]
+        order = [i for rows in by_key.values() for i in rows]
+        self.spans, lo = [], 0
+        for k, rows in by_key.items():
+            self.spans.append((lo, lo + len(rows), self.loaded[k]))
+            lo += len(rows)
+        # all rows, already grouped: no gather and no scatter (a plain add)
+        self.in_order = len(order) == len(row_keys) and order == list(range(len(order)))
+        self.perm = torch.tensor(order, dtype=torch.long, device=self.device) if order else None
+        self.bounds = torch.tensor([0, *(hi for _, hi, _ in self.spans)], dtype=torch.long)
 
     def end_step(self) -> None:
-        self.groups = []
+        self.spans, self.perm = [], None
 
     def hook(self, layer: int, fused: str):
-        """The function a projection calls after its base product: (x, out) -> out with each group's delta."""
+        """The function a projection calls after its base product: (x, out) -> out with each row's delta."""
+        linear = self.kern.linear
 
         def add_delta(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            for rows, w in self.groups:
-                ab = w.layers[layer].get(fused)
-                if ab is not None:  # out[rows] += B·(A·x[rows]): elementwise per row, rows distinct
-                    out.index_add_(0, rows, self.kern.linear(self.kern.linear(x.index_select(0, rows), ab[0]), ab[1]))
-            return out
+            perm = self.perm
+            if perm is None:
+                return out
+            if self.kernel:
+                pairs = [w.layers[layer].get(fused) for _, _, w in self.spans]
+                args = (perm, self.bounds, [p.a if p else _NONE for p in pairs], [p.bt if p else _NONE for p in pairs],
+                        [p.ranges if p else _NO_RANGES for p in pairs])
+                if x.dtype == out.dtype == self.dtype and x.is_contiguous() and out.is_contiguous():
+                    self.ops.lora_add(out, x, *args)
+                    return out
+                delta = torch.zeros(out.shape, dtype=self.dtype)  # --lora-dtype other than the model's
+                self.ops.lora_add(delta, x.to(self.dtype).contiguous(), *args)
+                return out.add_(delta.to(out.dtype))
+            xs = (x if self.in_order else x.index_select(0, perm)).to(self.dtype)  # adapter rows, grouped
+            deltas = []
+            for lo, hi, w in self.spans:  # per adapter: B·(A·x) on its rows, a contiguous slice
+                p = w.layers[layer].get(fused)
+                deltas.append(xs.new_zeros(hi - lo, out.shape[1]) if p is None else linear(linear(xs[lo:hi], p.a), p.b))
+            delta = (deltas[0] if len(deltas) == 1 else torch.cat(deltas)).to(out.dtype)
+            # each row gets its own delta once (rows distinct): out[r] + delta[r], whatever the batch
+            return out.add_(delta) if self.in_order else out.index_add_(0, perm, delta)
 
         return add_delta
 
@@ -143,7 +270,8 @@ def attach(model, slots: LoraSlots) -> None:
         if not hasattr(attn, "qkv_proj"):
             raise NotImplementedError("--enable-lora: adapters on multi-head latent attention are not implemented")
         if not hasattr(mlp, "gate_up_proj"):
-            raise NotImplementedError("--enable-lora: adapters on mixture-of-experts layers are not implemented")
+            raise NotImplementedError("--enable-lora: adapters on mixture-of-experts layers are not implemented; "
+                                      "serve this model without --enable-lora")
         attn.lora_qkv, attn.lora_o = slots.hook(i, "qkv"), slots.hook(i, "o")
         mlp.lora_gate_up, mlp.lora_down = slots.hook(i, "gate_up"), slots.hook(i, "down")
 

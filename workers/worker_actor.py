@@ -57,6 +57,7 @@ from bus.messages import (
     HealthReport,
     Hello,
     InitWeightTransferEngine,
+    LoraTargetCall,
     MemberJoined,
     MemberLost,
     MemoryReleased,
@@ -91,6 +92,7 @@ from engine.weights.receiver import WeightReceiver
 from engine.weights.recovery import WeightRecovery
 from workers.extension import call_extension, call_hook, extend_worker_class, extension_methods
 from workers.loader import reload_weights
+from workers.lora_stage import LoraStage
 from workers.sleep import SleepManager
 from workers.startup import load_worker
 
@@ -369,8 +371,12 @@ class WorkerActor:
         blocks = cmd.kv_blocks.get(self.scheduler_name, []) if cmd.offload_kv else None
         released = self.sleep.sleep(level, blocks) + (self.weights.release() if level >= 1 else 0)
         group = level >= 1 and self.extra_cleanup and self.weights.release_group()
-        log.info("worker.sleep", level=level, released_bytes=released, released_group=group)
-        return MemoryReleased(released, bool(group))
+        dropped: list[str] = []
+        if level == 2 and self.runner.lora is not None:  # adapters go with the base weights (vLLM's level 2)
+            freed, dropped = self.runner.lora.sleep_drop()
+            released += freed
+        log.info("worker.sleep", level=level, released_bytes=released, released_group=group, lora_dropped=dropped)
+        return MemoryReleased(released, bool(group), lora_dropped=dropped)
 
     def _wake_up(self, cmd: WakeUp) -> WokeUp:
         tags = [t for t in (cmd.tags or ["weights", "kv_cache"]) if t != "scheduling"]
@@ -398,12 +404,24 @@ class WorkerActor:
 
     def _commit(self, cmd: CommitWeightUpdate) -> UpdateCommitted:
         received = list(self.weights.received)
+        lora = self.weights.lora is not None  # an adapter's tensors: the model's weights did not change
         out = self.weights.commit()
-        if out.committed:
+        if out.committed and not lora:
             self.sleep.mark_loaded(received)
         self.runner.weight_epoch = self.link.state.weight_epoch
-        self.recovery.committed(out.committed, received, self.away)
+        # an adapter's commit counts as the engine's commit too (the base weights held stay held)
+        self.recovery.committed(out.committed, [] if lora else received, self.away)
         return out
+
+    def _lora_target(self, call: LoraTargetCall) -> bool | None:
+        slots = self.runner.lora
+        if slots is None:
+            raise WeightSyncError("Received a LoRA weight update but this engine was started without --enable-lora",
+                                  param="method")
+        if not call.version:
+            return slots.discard_memory(call.lora_id)
+        self.weights.arm_lora(LoraStage(call, slots.hf_config, slots))
+        return None
 
     def _shutdown_transfer(self, cmd: ShutdownWeightTransferEngine) -> TransferShutDown:
         self.weights.shutdown()
@@ -424,6 +442,8 @@ class WorkerActor:
                 raise ValueError(f"method {method!r} is not a method of --worker-extension-cls")
             args, kwargs = msgspec.json.decode(call.args_json), msgspec.json.decode(call.kwargs_json)
             return ExtensionReturned(call_extension(self, method, args, kwargs))
+        if isinstance(call, LoraTargetCall):  # SkyRL's in-memory LoRA (workers/lora_stage.py)
+            return ExtensionReturned(self._lora_target(call))
         if method != "reload_weights":
             raise ValueError(f"method {method!r} is not callable through collective_rpc")
         if "weights" in self.sleep.asleep:

@@ -4,6 +4,7 @@
 
     client = WeightSyncClient("http://127.0.0.1:8000", backend="ipc")      # or backend="hccl"
     client.send_weights(model.named_parameters(), version="step-7", pause="keep")
+    client.send_lora("policy", get_peft_model_state_dict(peft_model), adapter_config)   # a LoRA adapter
     client.close()
 
 send_weights does pause -> start -> transfer -> finish (with the version) -> resume over the engine's
@@ -133,6 +134,25 @@ class WeightSyncClient:
             self._send_http(tensors, metas, version, pause)
         self.timings["total"] = time.perf_counter() - t0
         return self.timings
+
+    def send_lora(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  adapter_config: dict[str, Any], version: str | None = None,
+                  pause: str | None = None) -> dict[str, float]:
+        """Push a LoRA adapter (its PEFT tensors: `get_peft_model_state_dict(model)`, and its adapter_config
+        as a dict) as the next version of `lora_name`, through the same transfer as send_weights: every
+        engine's workers are armed for it first (SkyRL's skyrl_set_lora_receive_target), then the update runs
+        (all or nothing); requests naming `lora_name` run on the new version once it commits, requests already
+        running finish on theirs (no pause needed: pause=None). Raises WeightSyncFailed."""
+        if self._bus is not None:
+            raise ValueError("send_lora runs over HTTP; bus= drives full-model updates only")
+        target = {"kind": "lora", "lora_name": lora_name, "adapter_config": dict(adapter_config), "aliases": {}}
+        self._on_all("/collective_rpc", {"method": "skyrl_set_lora_receive_target",
+                                         "kwargs": {"receive_target": target}})
+        try:
+            return self.send_weights(named_tensors, version, pause)
+        except BaseException:
+            self._abort_all()  # disarm: the next update must not build this adapter
+            raise
 
     @property
     def fleet(self) -> bool:

@@ -64,6 +64,17 @@ class WeightReceiver:
         self.copy = None  # bulk_copy_threads' copy(dst, src) during an update
         self.received: list[str] = []  # names of the update in progress, in order
         self.refresh()
+        # an adapter as the next update's target instead of the model (workers/lora_stage.py): it names the
+        # destinations, checks at finish, keeps the tensors at commit; never staged over live weights
+        self.lora = None
+
+    def arm_lora(self, stage) -> None:
+        if self.state != IDLE:
+            raise WeightSyncError("a LoRA receive target must be set before start_weight_update", status=409)
+        if self.lora is not None:
+            raise WeightSyncError(f"a LoRA receive target is already armed for {self.lora.target.lora_name!r}; "
+                                  "finish that update first", status=409)
+        self.lora = stage
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -105,6 +116,8 @@ class WeightReceiver:
 
     def finish(self) -> UpdateFinished:
         self.require_active("finish_weight_update")
+        if self.lora is not None:
+            self.lora.finish()
         self.state = FINISHED
         return UpdateFinished(len(self.received))
 
@@ -112,6 +125,10 @@ class WeightReceiver:
         """Swap the staged copies in (every worker finished)."""
         if self.state != FINISHED:
             return UpdateCommitted(False)
+        if self.lora is not None:
+            stage, self.lora, self.state = self.lora, None, IDLE
+            stage.commit()
+            return UpdateCommitted(True, len(self.received), 0)
         staged = {n: t for n, t in self.touched.items() if t.stage is not None}
         with bulk_copy_threads() as copy:
             for pname, t in staged.items():
@@ -124,7 +141,7 @@ class WeightReceiver:
 
     def abort(self) -> UpdateAborted:
         """Drop the update in progress; with staging the weights in service never changed."""
-        was = self.state
+        was, self.lora = self.state, None
         self.pool.update((n, t.stage) for n, t in self.touched.items() if t.stage is not None)
         self.state, self.touched = IDLE, {}
         return UpdateAborted(was != IDLE, self.cfg is not None and not self.cfg.stage_updates)
@@ -171,12 +188,13 @@ class WeightReceiver:
     def validate(self, params: list[ParamMeta]) -> list[torch.Tensor]:
         """Every name known, every shape and dtype equal to the engine's, before anything is written."""
         dests = []
+        model = self.lora or self.model
         for p in params:
             try:
-                dst = self.model.weight_destination(p.name)
+                dst = model.weight_destination(p.name)
             except KeyError:
                 raise WeightSyncError(f"unknown parameter name {p.name!r}", param="names") from None
-            full = self.model.weight_full_shape(p.name)
+            full = model.weight_full_shape(p.name)
             if full != p.shape:
                 raise WeightSyncError(f"tensor {p.name!r}: shape {list(p.shape)} does not match the engine's "
                                       f"{list(full)}", param="shapes")
@@ -187,10 +205,16 @@ class WeightReceiver:
     def write(self, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """One received tensor (whole, as the trainer sent it) into our part of it, cast to the engine's dtype
         on the way (torch's copy_: round to nearest even, as vLLM's load)."""
-        self.copy(self.target(dst), self.model.weight_source(name, src))
+        self.copy(self.target(dst), self.source(name, src))
+
+    def source(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """Our part of a received tensor (tensor parallelism: model.weight_source)."""
+        return (self.lora or self.model).weight_source(name, src)
 
     def target(self, dst: torch.Tensor) -> torch.Tensor:
         """Where bytes for the live view `dst` go: the same view of the staging copy (or dst in place)."""
+        if self.lora is not None:
+            return dst  # a fresh buffer of the adapter's, not a weight in service
         pname = self._owner[dst.untyped_storage().data_ptr()]
         t = self.touched.get(pname)
         param = self._params[pname]

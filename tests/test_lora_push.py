@@ -1,0 +1,158 @@
+"""LoRA adapters over the weight-transfer path, through `rollbus serve` (ipc backend): engine.trainer's send_lora
+and SkyRL's in-memory calls (/collective_rpc skyrl_set_lora_receive_target, the ordinary update, then
+/skyrl/v1/load_lora_adapter {"in_memory": true}, skyrl_discard_in_memory_lora) give an adapter version whose
+logprobs equal HF + PEFT; a second push is the next version; a bad push (rank, names, shapes, a missing B) is a
+400 naming the adapter and the cause, and the version that served keeps serving. Sleep: level 1 keeps every
+adapter; level 2 drops them with the weights: adapters from folders are read again when next used, pushed ones
+are named in /sleep's answer and refused until pushed again."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.trainer import WeightSyncClient, WeightSyncFailed
+from tests.lora_helpers import make_adapter, peft_oracle
+from tests.serve_process import start_server
+from tests.tiny_models import make_tiny_checkpoint, random_prompt
+
+pytest.importorskip("peft")
+TOL = 1e-4
+RL = '{"rl_config": {"enabled": true, "enable_batch_invariant": true}}'
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_push")
+    base = make_tiny_checkpoint("qwen3", root / "base")
+    ad = {"a": make_adapter(base, root / "a", rank=4, seed=1),
+          "a2": make_adapter(base, root / "a2", rank=4, seed=3, targets=["q_proj", "v_proj", "gate_proj"]),
+          "big": make_adapter(base, root / "big", rank=16, seed=4)}
+    server = start_server(root, str(base), "--tokens-only", "--enable-lora", "--max-lora-rank", "8",
+                          "--enable-sleep-mode", "--lora-modules", f"fromfile={ad['a']}",
+                          "--block-size", "4", "--additional-config", RL,
+                          "--weight-transfer-config", '{"backend": "ipc", "timeout_s": 30}')
+    client = WeightSyncClient(server.url, backend="ipc")
+    yield server, client, base, ad
+    client.close()
+    server.stop()
+
+
+def _adapter(folder) -> tuple[dict[str, torch.Tensor], dict]:
+    conf = json.loads((folder / "adapter_config.json").read_text())
+    return load_file(str(folder / "adapter_model.safetensors")), conf
+
+
+def _check_peft(server, base, folder, model: str, version: int) -> list[float]:
+    prompt = random_prompt(7, 1000, 5)
+    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0,
+        "return_tokens_as_token_ids": True, "return_token_ids": True, "return_weight_versions": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    toks, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    with torch.no_grad():
+        ref = torch.log_softmax(peft_oracle(base, folder)(torch.tensor([prompt + toks])).logits[0].float(), -1)
+    for i, (t, lp) in enumerate(zip(toks, lps)):
+        assert abs(float(ref[len(prompt) - 1 + i, t]) - lp) < TOL
+    assert choice["weight_versions"][0]["lora_name"] == model
+    assert choice["weight_versions"][0]["lora_version"] == version
+    return lps
+
+
+def test_send_lora_pushes_versions_equal_to_peft(setup):
+    server, client, base, ad = setup
+    tensors, conf = _adapter(ad["a"])
+    client.send_lora("pushed", tensors.items(), conf)
+    cards = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert cards["pushed"]["root"] == "rollbus-memory://pushed"
+    _check_peft(server, base, ad["a"], "pushed", 1)
+    tensors2, conf2 = _adapter(ad["a2"])  # other targets: what a2 does not target is zero, not a's
+    t0 = time.perf_counter()
+    client.send_lora("pushed", tensors2.items(), conf2)
+    print(f"in-place push of a rank-4 adapter: {1e3 * (time.perf_counter() - t0):.0f} ms")
+    _check_peft(server, base, ad["a2"], "pushed", 2)
+
+
+def test_bad_pushes_are_refused_and_the_old_version_keeps_serving(setup):
+    server, client, base, ad = setup
+    tensors, conf = _adapter(ad["a"])
+    client.send_lora("kept", tensors.items(), conf)
+    before = _check_peft(server, base, ad["a"], "kept", 1)
+    big, big_conf = _adapter(ad["big"])
+    with pytest.raises(WeightSyncFailed, match="lora kept failed: LoRA rank 16 is greater than max_lora_rank 8"):
+        client.send_lora("kept", big.items(), big_conf)
+    name = next(iter(tensors))
+    wrong = {**tensors, name: torch.zeros(3, 3)}
+    with pytest.raises(WeightSyncFailed, match=r"shape \[3, 3\] does not match"):
+        client.send_lora("kept", wrong.items(), conf)
+    with pytest.raises(WeightSyncFailed, match="LoRA adapter 'kept': 'model.embed_tokens.weight' is not a LoRA A/B"):
+        client.send_lora("kept", [*tensors.items(), ("model.embed_tokens.weight", torch.zeros(2, 2))], conf)
+    half = {k: v for k, v in tensors.items() if "layers.0.self_attn.q_proj.lora_B" not in k}
+    with pytest.raises(WeightSyncFailed, match="lora_A and lora_B must come in pairs; missing one for.*layer 0 q_proj"):
+        client.send_lora("kept", half.items(), conf)
+    assert _check_peft(server, base, ad["a"], "kept", 1) == before  # nothing changed
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 200, r.text  # and the next full-model request is served by the model
+
+
+def test_skyrl_in_memory_calls(setup):
+    server, client, base, ad = setup
+    tensors, conf = _adapter(ad["a2"])
+    target = {"kind": "lora", "lora_name": "sky", "adapter_config": conf, "aliases": {}}
+    r = httpx.post(f"{server.url}/collective_rpc", timeout=60,
+                   json={"method": "skyrl_set_lora_receive_target", "kwargs": {"receive_target": target}})
+    assert r.status_code == 200 and r.json() == {"results": [None]}, r.text
+    client.send_weights(tensors.items(), pause=None)
+    r = httpx.post(f"{server.url}/skyrl/v1/load_lora_adapter", json={"lora_name": "sky", "in_memory": True})
+    assert r.status_code == 200, r.text
+    _check_peft(server, base, ad["a2"], "sky", 1)
+    r = httpx.post(f"{server.url}/skyrl/v1/load_lora_adapter", json={"lora_name": "never", "in_memory": True})
+    assert r.status_code == 400 and "no weight update pushed it" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/skyrl/v1/load_lora_adapter", json={"lora_name": "sky2", "lora_path": str(ad["a"])})
+    assert r.status_code == 200, r.text
+    _check_peft(server, base, ad["a"], "sky2", 1)
+    rpc = {"method": "skyrl_discard_in_memory_lora", "kwargs": {"lora_name": "sky"}}
+    assert httpx.post(f"{server.url}/collective_rpc", json=rpc).json() == {"results": [True]}
+    assert httpx.post(f"{server.url}/collective_rpc", json=rpc).json() == {"results": [False]}
+    r = httpx.post(f"{server.url}/collective_rpc",
+                   json={"method": "skyrl_set_lora_receive_target", "kwargs": {"receive_target": {"kind": "full"}}})
+    assert r.status_code == 400 and "Not a LoRA receive target" in r.json()["error"]["message"]
+
+
+
+def test_sleep_level_1_keeps_adapters_level_2_drops_them(setup):
+    server, client, base, ad = setup
+    tensors, conf = _adapter(ad["a2"])
+    client.send_lora("slept", tensors.items(), conf)
+    before = {m: _check_peft(server, base, ad[k], m, 1) for m, k in (("fromfile", "a"), ("slept", "a2"))}
+    r = httpx.post(f"{server.url}/sleep?level=1", timeout=60)
+    assert r.status_code == 200 and "lora_dropped" not in r.json(), r.text
+    assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
+    assert {m: _check_peft(server, base, ad[k], m, 1) for m, k in (("fromfile", "a"), ("slept", "a2"))} == before
+    r = httpx.post(f"{server.url}/sleep?level=2", timeout=60)
+    assert r.status_code == 200 and r.json()["lora_dropped"] == ["kept", "pushed", "slept"], r.text
+    assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
+    r = httpx.post(f"{server.url}/collective_rpc", json={"method": "reload_weights"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert _check_peft(server, base, ad["a"], "fromfile", 1) == before["fromfile"]  # read again from its folder
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "slept", "prompt": [1, 2], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "LoRA adapter 'slept' was dropped by a level-2 sleep"), r.text
+    client.send_lora("slept", tensors.items(), conf)
+    assert _check_peft(server, base, ad["a2"], "slept", 2) == before["slept"]
+
+
+def test_enable_lora_on_a_moe_model_is_refused_before_any_process_starts(tmp_path):
+    import subprocess
+    import sys
+
+    make_tiny_checkpoint("qwen3_moe", tmp_path / "moe")
+    out = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "moe"),
+                          "--enable-lora", "--tokens-only", "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "rollbus: --enable-lora: adapters on a mixture-of-experts model" in out.stderr
