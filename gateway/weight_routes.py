@@ -62,7 +62,7 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     # the last checksums and the command seq before they were asked for: valid while no command but that
     # WeightChecker itself followed (a reload_weights or a sleep changes weights without a new epoch);
     # /weight_checker reset drops them
-    checksums: dict[int, dict[str, str]] = {}
+    checksums: dict[int, tuple[dict[str, str], dict[str, str]]] = {}  # seq -> (listed, stacked experts)
     # finish_weight_update {"commit": false} verified the update in progress: commit_weight_update may commit it
     # (and the version it named, which commit_weight_update uses unless it names one itself)
     verified: dict[str, Any] = {"update": False, "version": None}
@@ -198,16 +198,19 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         if asked is None or seq > asked + 1:
             results = await broadcast(client, WeightChecker("checksum"), steps.transfer_s)
             merged: dict[str, str] = {}
+            stacked: dict[str, str] = {}
             for r in results.values():
                 if isinstance(r, Checksums):
                     merged.update(r.checksums)
+                    stacked.update(r.stacked)
             checksums.clear()
-            checksums[seq] = merged
+            checksums[seq] = (merged, stacked)
             asked = seq
-        current = checksums[asked]
+        current, stacked = checksums[asked]
         if action == "checksum":
             return JSONResponse({"checksums": current})
-        mismatches = sorted(k for k, v in baseline.items() if not _matches(current, k, v))
+        every = {**current, **stacked}  # a baseline from named_parameters() names MoE experts stacked
+        mismatches = sorted(k for k, v in baseline.items() if not _matches(every, k, v))
         return JSONResponse({"match": not mismatches, "mismatches": mismatches})
 
 

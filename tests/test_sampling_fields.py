@@ -111,7 +111,7 @@ def test_priority_admits_the_lowest_value_first(server) -> None:
         assert r.status_code == 200, r.text
         done[name] = time.monotonic()
 
-    threads = [threading.Thread(target=run, args=("long", 0, 60))]
+    threads = [threading.Thread(target=run, args=("long", 0, 240))]  # outlasts the two waits on a fast host
     threads[0].start()
     _wait_for(server, "vllm:num_requests_running", 1)
     for name, priority in (("new", 5), ("resumed", -1)):

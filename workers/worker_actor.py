@@ -432,7 +432,8 @@ class WorkerActor:
             raise WeightSyncError("the weights are asleep: /wake_up?tags=weights first", status=409)
         if cmd.action == "reset":  # vLLM's: zero every weight (nothing is served until a full update)
             return WeightsZeroed(self.sleep.zero_weights())
-        return Checksums(self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:"))
+        listed, stacked = self.weights.checksums(f"dp{self.engine}:pp0:pcp0:tp{self.rank}:")
+        return Checksums(listed, stacked=stacked)
 
     def _rpc(self, cmd: CollectiveRpc) -> WeightsReloaded | ExtensionReturned:
         """The allow-listed worker methods reachable through POST /collective_rpc."""

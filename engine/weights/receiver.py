@@ -245,11 +245,14 @@ class WeightReceiver:
 
     # --- /weight_checker ------------------------------------------------------------------------
 
-    def checksums(self, prefix: str) -> dict[str, str]:
+    def checksums(self, prefix: str) -> tuple[dict[str, str], dict[str, str]]:
         """sha256 per tensor under the names a trainer sends (HF names), prefixed per worker; with tensor
-        parallelism, of this worker's part (as vLLM's per-shard keys)."""
-        names = sorted(self.model.checksum_names())
-        return {prefix + n: tensor_checksum(self.model.weight_destination(n)) for n in names}
+        parallelism, of this worker's part (as vLLM's per-shard keys). Second: the stacked expert tensors under
+        their transformers-5 in-memory names (model.checksum_names), which a compare also accepts."""
+        listed = self.model.required_weight_names()
+        sums = {n: tensor_checksum(self.model.weight_destination(n)) for n in sorted(self.model.checksum_names())}
+        return ({prefix + n: v for n, v in sums.items() if n in listed},
+                {prefix + n: v for n, v in sums.items() if n not in listed})
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
