@@ -15,20 +15,35 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, outside the kernel's ephemeral range (see free_port_range)."""
+    return free_port_range(1)
+
+
+def _ephemeral_ports() -> range:
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # Linux's default
+    return range(lo, hi + 1)
 
 
 def free_port_range(n: int, avoid: range = range(0)) -> int:
     """A base port whose n consecutive ports are all free now and outside `avoid` (a tcp bus binds base + i
-    for each socket: one free port says nothing of the others)."""
+    for each socket: one free port says nothing of the others). The range lies below the kernel's ephemeral
+    ports: every outgoing connection takes one of those, so a port picked there can be taken between this
+    check and the engine's bind (CI saw it: 'Address already in use' on base + 4)."""
+    import random
+
+    eph = _ephemeral_ports()
+    low, high = 10000, max(10000 + n + 1, eph.start - n)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
     while True:
-        base = free_port()
-        if base + n > 65535 or any(p in avoid for p in range(base, base + n)):
+        base = rng.randrange(low, high)
+        ports = range(base, base + n)
+        if any(p in avoid or p in eph for p in ports):
             continue
         try:
-            for p in range(base, base + n):
+            for p in ports:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
         except OSError:

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from tests.serve_process import Server, free_port, sized_for_tests, start_server  # noqa: F401  (re-exported for tests)
+from tests.serve_process import Server, free_port, free_port_range, sized_for_tests, start_server  # noqa: F401  (re-exported for tests)
 
 
 def tiny_model_with_tokenizer(arch: str, folder: Path, tokenizer_dir: Path, **overrides) -> Path:

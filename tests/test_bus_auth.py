@@ -35,7 +35,7 @@ from bus.messages import (
 )
 from bus.sockets import make_socket
 from engine.config import EngineConfig, parse_config
-from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
+from tests.server_helpers import free_port, free_port_range, start_server, tiny_model_with_tokenizer
 from tests.waits import wait_subscribed
 
 pytestmark = pytest.mark.timeout(240)
@@ -65,7 +65,7 @@ def keys(tmp_path_factory) -> Path:
 def server(tmp_path_factory, smollm2_dir, keys):
     work = tmp_path_factory.mktemp("tcpbus")
     model = tiny_model_with_tokenizer("qwen2", work / "qwen2", smollm2_dir)
-    base = free_port()
+    base = free_port_range(8)  # base .. base + 4: the bus sockets (bus.topology); outside the ephemeral ports
     s = start_server(work, str(model), "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
                      "--bus-port-base", str(base), "--bus-curve-dir", str(keys), "--max-model-len", "128",
                      "--enable-sleep-mode", "--additional-config", '{"rl_config": {"enabled": true}}',

@@ -15,7 +15,7 @@ import pytest
 
 from ascend_ops.host_env import cpu_only_host, torch_build_targets
 from engine.launcher import launcher_platform
-from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
+from tests.server_helpers import free_port, free_port_range, start_server, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,7 +67,7 @@ def test_honcho_runs_the_procfile(tmp_path, smollm2_dir):
 
 def test_tcp_endpoints(tmp_path, smollm2_dir):
     folder = tiny_model_with_tokenizer("qwen2", tmp_path / "qwen2", smollm2_dir)
-    base = free_port()
+    base = free_port_range(8)  # base .. base + 4: the bus sockets (bus.topology); outside the ephemeral ports
     # without keys (tests/test_bus_auth.py runs the keyed bus): allowed on loopback only, and said loudly
     s = start_server(tmp_path, str(folder), "--bus-transport", "tcp", "--bus-host", "127.0.0.1",
                      "--bus-port-base", str(base), "--bus-insecure", "--max-model-len", "256")

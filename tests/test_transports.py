@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,10 +34,7 @@ MIB = 1 << 20
 # --- shared helpers ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import free_port as _free_port  # noqa: E402  (outside the ephemeral ports)
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:

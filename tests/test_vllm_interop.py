@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -47,10 +46,7 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import free_port as _free_port  # noqa: E402  (outside the ephemeral ports)
 
 
 def _vllm(code: str, *args: str, timeout: float = 120) -> subprocess.Popen:

@@ -450,12 +450,7 @@ def _store(port: int):
                          wait_for_workers=False, use_libuv=False)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import free_port as _free_port  # noqa: E402  (outside the ephemeral ports)
 
 
 def test_a_store_object_naming_another_global_is_refused_by_name(gloo_server):
