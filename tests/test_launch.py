@@ -15,6 +15,7 @@ import pytest
 
 from ascend_ops.host_env import cpu_only_host, torch_build_targets
 from engine.launcher import launcher_platform
+from tests.serve_process import kv_cache_bytes_for_tests
 from tests.server_helpers import free_port, free_port_range, start_server, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,7 +48,9 @@ def complete(url: str, model: str) -> dict:
 def test_honcho_runs_the_procfile(tmp_path, smollm2_dir):
     folder = tiny_model_with_tokenizer("llama", tmp_path / "llama", smollm2_dir)
     port = free_port()
-    env = dict(os.environ, ROLLBUS_ARGS=f"{folder} --port {port} --bus-dir {tmp_path / 'bus'} --max-model-len 256")
+    args = f"{folder} --port {port} --bus-dir {tmp_path / 'bus'} --max-model-len 256"
+    kv = kv_cache_bytes_for_tests(args.split())  # as start_server sizes a test's cache: not the CPU default's GiBs
+    env = dict(os.environ, ROLLBUS_ARGS=args + ("" if kv is None else f" --kv-cache-memory-bytes {kv}"))
     proc = subprocess.Popen(["honcho", "start"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
