@@ -148,7 +148,8 @@ def weights_lost_message(state: ControlState) -> str | None:
     """The 503 while a restarted worker lacks the weight version in service, None when none does."""
     if state.weights_lost is None:
         return None
-    return (f"weight version {state.weights_lost!r} was lost: a worker restarted after that update and no copy "
+    return (f"weight version {state.weights_lost!r} was lost: a worker restarted after that update (or its "
+            "engine was down while the fleet took it) and no copy "
             "of it was left to load (--weights-recovery-dir keeps one); send the weights again (a full update "
             "through /update_weights or the trainer client) to serve again")
 

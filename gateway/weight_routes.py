@@ -22,6 +22,7 @@ Registered with the other development endpoints (RL mode or VLLM_SERVER_DEV_MODE
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +43,7 @@ from bus.messages import (
 )
 from bus.topology import Topology
 from engine.config import EngineConfig
+from engine.fleet.rejoin import FleetRecord, write_fleet_record
 from engine.weights import backends
 from engine.weights.lifecycle import Deadlines, abort_needed
 from engine.weights.wire import NOT_CONFIGURED, WeightSyncError, decode_init, decode_update
@@ -141,15 +143,20 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
 
     @app.post("/commit_weight_update")
     async def commit_weight_update(request: Request) -> JSONResponse:
-        # not vLLM's: the second phase of a fleet update, once every engine verified its part
-        _, version = await _versioned(request)
+        # not vLLM's: the second phase of a fleet update, once every engine verified its part. "fleet": the
+        # other engines' URLs, kept beside the recovery copies for a restart (engine.fleet.rejoin)
+        body, version = await _versioned(request)
+        peers = body.get("fleet", [])
+        if not isinstance(peers, list) or not all(isinstance(p, str) and p.startswith(("http://", "https://"))
+                                                  for p in peers):
+            raise bad_request("fleet must be a list of the other engines' URLs (http:// or https://)", "fleet")
         if not verified["update"] or not client.control_state.weight_update_active:
             raise APIError("no verified weight update to commit: finish_weight_update with {\"commit\": false} "
                            "first", status=409, type=CONFLICT)
-        await _commit(version or verified["version"])
+        await _commit(version or verified["version"], tuple(peers))
         return JSONResponse({"message": "Weight update committed"})
 
-    async def _commit(version: str | None) -> None:
+    async def _commit(version: str | None, peers: tuple[str, ...] = ()) -> None:
         verified["update"] = False
         try:
             await broadcast(client, CommitWeightUpdate(version or ""), steps.control_s)
@@ -157,6 +164,10 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
             lora_update(False)
             raise
         lora_update(True)
+        committed = (version or client.control_state.weight_version, time.time())
+        app.state.weights_committed = committed
+        if cfg.rl.weights_recovery_dir and peers:
+            write_fleet_record(cfg.rl.weights_recovery_dir, FleetRecord(*committed, peers))
 
     @app.post("/abort_weight_update")
     async def abort_weight_update() -> JSONResponse:

@@ -85,6 +85,40 @@ def test_the_skyrl_compat_shim(monkeypatch) -> None:
     assert args.pd_disaggregation is True
     assert not skyrl_compat.router_args_pd_disaggregation()  # once only
 
+    # gap 3: ServerGroup's `ray.remote(cls).options(...)` gets the class's RAY_ACTOR_OPTIONS underneath
+    made = []
+
+    class FakeRay:
+        @staticmethod
+        def remote(*args, **options):
+            if args:  # ray.remote(cls): SkyRL's own call
+                return FakeRay.remote()(args[0])
+            return lambda cls: types.SimpleNamespace(options=lambda **o: made.append((cls, options, o)))
+
+    group_module = types.ModuleType(skyrl_compat.SERVER_GROUP)
+    group_module.ray = FakeRay
+
+    class ServerGroup:  # SkyRL 0.4's shape
+        def __init__(self, cls):
+            self._server_actor_cls = cls
+
+        def _create_actor_class(self, pg, start_bundle_idx):
+            return group_module.ray.remote(self._server_actor_cls).options(num_gpus=0, bundle=start_bundle_idx)
+
+    group_module.ServerGroup = ServerGroup
+    monkeypatch.setitem(sys.modules, skyrl_compat.SERVER_GROUP, group_module)
+    assert skyrl_compat.server_group_actor_options()
+    assert not skyrl_compat.server_group_actor_options()  # once only
+
+    class Restartable:
+        RAY_ACTOR_OPTIONS = {"max_restarts": -1}
+
+    ServerGroup(Restartable)._create_actor_class(None, 3)
+    ServerGroup(object)._create_actor_class(None, 4)
+    assert made == [(Restartable, {"max_restarts": -1}, {"num_gpus": 0, "bundle": 3}),
+                    (object, {}, {"num_gpus": 0, "bundle": 4})]
+    assert group_module.ray is FakeRay
+
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory, smollm2_dir) -> Path:
@@ -109,6 +143,17 @@ def test_skyrl_generate_route(tmp_path, tiny_qwen3) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "return_sample_support"
     finally:
         s.stop()
+
+
+@pytest.mark.unit
+def test_the_actor_refuses_what_it_cannot_place_and_asks_ray_to_restart_it() -> None:
+    from engine.fleet.skyrl_actor import RollbusServerActor
+
+    with pytest.raises(ValueError, match="'ray' is not supported.*rollbus serve --distributed-executor-backend ray"):
+        RollbusServerActor(Namespace(model="/m"), distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="enable_dp"):
+        RollbusServerActor(Namespace(model="/m"), dp_size=2)
+    assert RollbusServerActor.RAY_ACTOR_OPTIONS["max_restarts"] == -1  # skyrl_compat hands it to ServerGroup
 
 
 def test_the_actor_starts_supervises_and_stops_its_engine(tmp_path, tiny_qwen3) -> None:
@@ -228,4 +273,14 @@ def test_skyrl_server_group_places_two_engines_on_ray(tmp_path, tiny_qwen3) -> N
     assert out["sleeping"] == [{"is_sleeping": True}] * 2 and out["awake"] == [{"is_sleeping": False}] * 2
     assert out["generate_after_wake"] == out["generate"][0]
     assert out["restarted"], out
+    # the actor's process SIGKILLed after a fleet update: Ray restarts it, its engine is back on the same URL
+    # within 90 s on the fleet's version (or a 503 naming it); the other engine served throughout
+    assert out["update"]["version"] == "fleet-1" and out["versions_before"] == ["fleet-1"] * 2, out
+    assert out["actor_restarted"] and not out["old_child_alive"], out
+    assert out["actor_back_as"] is not None and out["actor_back_s"] <= 90, out
+    if out["actor_back_as"] == "serving":
+        assert out["versions_after"] == ["fleet-1"] * 2 and out["same_tokens_as_the_other"], out
+    assert out["other_engine_served"] > 0 and out["other_engine_failed"] == [], out
     assert out["engine_pids_before"] >= 2 and out["engine_pids_after_kill"] == 0, out
+    print("actor killed after a fleet update:", {k: out[k] for k in (  # pytest -s shows the timings
+        "actor_back_s", "actor_back_as", "other_engine_served", "update", "restart_s")})

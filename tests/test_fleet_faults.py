@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from bus.control_state import initial_state
-from engine.fleet.rejoin import copy_tag, resume_point, starting_state
+from engine.fleet import rejoin
+from engine.fleet.rejoin import FleetRecord, copy_tag, fleet_version, resume_point, starting_state, write_fleet_record
 from engine.trainer import WeightSyncClient
 from engine.trainer.fleet import commit_failure, verify_body
 from tests.router_process import SETUP, router_binary, start_router
@@ -51,6 +52,38 @@ def test_the_starting_state_is_the_newest_update_the_copies_hold(tmp_path):
     empty.mkdir()
     _copy(empty / "worker-0.safetensors", "run-c", 0, "default")  # only the checkpoint's: a fresh start
     assert starting_state("fresh", str(empty), resume=True) == initial_state("fresh")
+
+
+@pytest.mark.unit
+def test_an_engine_that_missed_fleet_updates_starts_lost_on_the_fleets_version(tmp_path, monkeypatch):
+    """Its copies hold fleet-1, its record says it committed fleet-1 at t=100 with peer b; b committed fleet-2
+    since: the engine starts on fleet-2 as one update past its copies (its workers' restore refuses them and
+    report the version lost: 503 naming fleet-2). b silent, or b on fleet-1, or b's update older: it resumes."""
+    record = FleetRecord("fleet-1", 100.0, ("http://b:1",))
+    assert fleet_version("fleet-1", record, [{"weight_version": "fleet-2", "committed_at": 150.0}]) == "fleet-2"
+    assert fleet_version("fleet-1", record, [None, {"weight_version": "fleet-2", "committed_at": 150.0},
+                                             {"weight_version": "fleet-3", "committed_at": 160}]) == "fleet-3"
+    assert fleet_version("fleet-1", record, [None]) is None
+    assert fleet_version("fleet-1", record, [{"weight_version": "fleet-1", "committed_at": 150.0}]) is None
+    assert fleet_version("fleet-1", record, [{"weight_version": "old", "committed_at": 90.0}]) is None
+    assert fleet_version("fleet-1", record, [{"weight_version": "fleet-2", "committed_at": None}]) is None
+    assert fleet_version("solo-2", record, [{"weight_version": "fleet-2", "committed_at": 150.0}]) is None
+    assert fleet_version("fleet-1", None, [{"weight_version": "fleet-2", "committed_at": 150.0}]) is None
+
+    _copy(tmp_path / "worker-0.safetensors", "run-a", 3, "fleet-1")
+    write_fleet_record(str(tmp_path), record)
+    assert rejoin.read_fleet_record(str(tmp_path)) == record
+    asked = []
+    monkeypatch.setattr(rejoin, "ask_peers", lambda peers: asked.append(peers) or [
+        {"weight_version": "fleet-2", "committed_at": 150.0}])
+    s = starting_state("fresh", str(tmp_path), resume=True)
+    assert asked == [("http://b:1",)]
+    assert (s.run_id, s.weight_commits, s.weight_version, s.version_labels) == ("run-a", 4, "fleet-2", {"0": "fleet-2"})
+    monkeypatch.setattr(rejoin, "ask_peers", lambda peers: [None])  # nobody answers: its own copies
+    assert starting_state("fresh", str(tmp_path), resume=True).weight_version == "fleet-1"
+    monkeypatch.undo()
+    # a peer that refuses the connection answers None, within the timeout
+    assert rejoin.ask_peers((f"http://127.0.0.1:{free_port()}",), timeout_s=2) == [None]
 
 
 @pytest.mark.unit
@@ -135,6 +168,61 @@ def test_a_restarted_engine_rejoins_on_the_committed_version_never_the_checkpoin
         assert checksums_match(s.url, trainer)
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_engine_down_while_the_fleet_updated_answers_503_naming_the_fleets_version(tmp_path, smollm2_dir):
+    """Engines a and b take fleet-1 together; a is killed; the trainer updates b alone to fleet-2; a, started
+    again with its copies (fleet-1), asks b (its fleet record) and answers 503 naming fleet-2, /health 503,
+    /weight_info fleet-2: never fleet-1's weights behind the fleet. The trainer's next update of both
+    (preflight: both on fleet-2) serves again, bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
+    cfg = json.dumps({"backend": "gloo", "timeout_s": 30})
+
+    def engine(name: str):
+        return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
+                            cfg, "--weights-recovery-dir", str(tmp_path / name / "copies"),
+                            "--weights-recovery-resume", "--max-model-len", "128", "--block-size", "4")
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    a, b = engine("a"), engine("b")
+    try:
+        perturb(trainer, seed=1)
+        with WeightSyncClient([a.url, b.url], backend="gloo") as client:
+            client.send_weights(trainer.named_parameters(), version="fleet-1")
+        assert rejoin.read_fleet_record(str(tmp_path / "a" / "copies")).peers == (b.url,)
+        _kill_engine(a)
+        perturb(trainer, seed=2)
+        with WeightSyncClient([b.url], backend="gloo") as client:  # the trainer dropped a from its list
+            client.send_weights(trainer.named_parameters(), version="fleet-2")
+        assert version(b.url) == "fleet-2"
+
+        a = engine("a")  # what its supervisor does: the same flags
+        assert version(a.url) == "fleet-2"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and httpx.get(a.url + "/health", timeout=10).status_code == 200:
+            time.sleep(0.2)
+        health = httpx.get(a.url + "/health", timeout=10)
+        assert health.status_code == 503, health.text
+        r = _completion(a.url, str(folder))
+        assert r.status_code == 503 and "weight version 'fleet-2'" in r.json()["error"]["message"], r.text
+        assert _completion(b.url, str(folder)).status_code == 200
+
+        perturb(trainer, seed=3)
+        with WeightSyncClient([a.url, b.url], backend="gloo") as client:
+            client.send_weights(trainer.named_parameters(), version="fleet-3")
+        assert version(a.url) == version(b.url) == "fleet-3"
+        assert checksums_match(a.url, trainer) and checksums_match(b.url, trainer)
+        ra, rb = _completion(a.url, str(folder)), _completion(b.url, str(folder))
+        assert ra.status_code == 200 and ra.json()["choices"][0]["text"] == rb.json()["choices"][0]["text"]
+    finally:
+        a.stop()
+        b.stop()
 
 
 # ------------------------------------------------------------------------------------- the fleet lane

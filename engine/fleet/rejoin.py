@@ -5,6 +5,16 @@ many updates had committed, the version's label), so every worker restores its c
 restarted worker takes (engine.weights.recovery.WeightRecovery.restore), and a worker whose copy is missing,
 torn or of another update reports the version lost: 503 naming it until the next full update.
 
+An engine can also miss updates while it is down: the trainer drops it from its list (a fleet update is
+refused while an engine does not answer) and updates the others. Its copies then hold an older version than
+the fleet serves, and resuming them would put stale weights behind the fleet's router. So every commit of a
+fleet update (`/commit_weight_update` with the other engines' URLs, which WeightSyncClient([urls]) sends)
+leaves a fleet record beside the copies (FLEET_RECORD: the version, when it committed, the peers), and a
+resuming engine first asks those peers (/weight_info): when a peer committed a different version after ours,
+the fleet moved on, and the engine starts on that version as lost (503 naming it, /health 503, until the
+trainer's next full update), never on its own older one. No peer answering: it resumes its copies (nothing
+says the fleet moved on; the trainer's next update still refuses an engine on another version, naming it).
+
 Reads only the copies' safetensors headers (no torch): the coordinator calls it before anything runs.
 """
 
@@ -14,6 +24,11 @@ import json
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.error import URLError
+from urllib.request import urlopen
 
 import structlog
 
@@ -24,6 +39,8 @@ log = structlog.get_logger()
 
 COPY_NAME = re.compile(r"worker-\d+\.safetensors")  # engine.weights.recovery.copy_path's names
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+FLEET_RECORD = "fleet.json"  # beside the copies: the last fleet update this engine committed
+PEER_TIMEOUT_S = 3.0
 
 
 def copy_tag(path: str) -> dict[str, str] | None:
@@ -73,13 +90,80 @@ def resume_point(folder: str) -> tuple[str, int, str] | None:
     return run_id, commits, version
 
 
+@dataclass(frozen=True, slots=True)
+class FleetRecord:
+    """The last fleet update an engine committed: its version, when (epoch seconds), the other engines."""
+
+    weight_version: str
+    committed_at: float
+    peers: tuple[str, ...]
+
+
+def write_fleet_record(folder: str, record: FleetRecord) -> None:
+    """After a commit (the gateway): replaces the record atomically."""
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, FLEET_RECORD + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"weight_version": record.weight_version, "committed_at": record.committed_at,
+                   "peers": list(record.peers)}, f)
+    os.replace(tmp, os.path.join(folder, FLEET_RECORD))
+
+
+def read_fleet_record(folder: str) -> FleetRecord | None:
+    try:
+        with open(os.path.join(folder, FLEET_RECORD)) as f:
+            raw = json.load(f)
+        return FleetRecord(str(raw["weight_version"]), float(raw["committed_at"]),
+                           tuple(str(p) for p in raw["peers"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def fleet_version(own_version: str, record: FleetRecord | None, answers: list[dict[str, Any] | None]) -> str | None:
+    """The version the fleet moved on to while this engine was down, or None (it may resume its own):
+    the newest version a peer committed after this engine's last fleet commit, when it is not this engine's.
+    `answers` are the peers' /weight_info bodies (None: no answer)."""
+    if record is None or record.weight_version != own_version:
+        return None  # the copies hold something newer than the record says (a single-engine update since)
+    newer = [(a["committed_at"], a["weight_version"]) for a in answers
+             if a and isinstance(a.get("weight_version"), str) and isinstance(a.get("committed_at"), int | float)
+             and a["committed_at"] > record.committed_at and a["weight_version"] != own_version]
+    return max(newer)[1] if newer else None
+
+
+def ask_peers(peers: tuple[str, ...], timeout_s: float = PEER_TIMEOUT_S) -> list[dict[str, Any] | None]:
+    """Each peer's /weight_info, at once; None for a peer that does not answer (or answers nonsense)."""
+    def ask(url: str) -> dict[str, Any] | None:
+        try:
+            with urlopen(url.rstrip("/") + "/weight_info", timeout=timeout_s) as r:
+                body = json.loads(r.read())
+            return body if isinstance(body, dict) else None
+        except (URLError, OSError, ValueError):
+            return None
+
+    if not peers:
+        return []
+    with ThreadPoolExecutor(len(peers)) as pool:
+        return list(pool.map(ask, peers))
+
+
 def starting_state(run_id: str, folder: str | None, resume: bool) -> ControlState:
     """The coordinator's first control state: a fresh run on the checkpoint, or (resume) the update the
-    recovery copies hold, under that run's id so the workers' restore accepts them."""
+    recovery copies hold, under that run's id so the workers' restore accepts them; or, when the fleet
+    moved on meanwhile, the fleet's version as one update past the copies, which every worker's restore
+    then refuses (the version is lost: 503 naming it until a full update)."""
     point = resume_point(folder) if resume and folder else None
     if point is None:
         return initial_state(run_id)
     old_run, commits, version = point
+    record = read_fleet_record(folder)
+    moved_on = fleet_version(version, record, ask_peers(record.peers)) if record else None
+    if moved_on is not None:
+        log.error("coordinator.fleet_moved_on", own_version=version, fleet_version=moved_on,
+                  peers=list(record.peers), why="this engine missed fleet updates while it was down; it serves "
+                  "nothing until the trainer sends the weights again")
+        return ControlState(run_id=old_run, weight_commits=commits + 1, weight_version=moved_on,
+                            version_labels={"0": moved_on})
     log.info("coordinator.resuming_weights", folder=folder, version=version, weight_commits=commits, run_id=old_run)
     return ControlState(run_id=old_run, weight_commits=commits, weight_version=version,
                         version_labels={"0": version})

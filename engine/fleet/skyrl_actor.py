@@ -16,10 +16,14 @@ What it does, from the placement SkyRL gives it:
   it by data-parallel rank, so engines on one host do not collide; kv_events_endpoint() says where.
 - Supervision: the engine runs as a child process with PR_SET_PDEATHSIG (a killed actor takes it down;
   its own children follow the launcher the same way), is restarted when it dies (after 1 s, doubling to
-  16 s), and start() returns only once /health is 200. Its workers keep a copy of every committed weight
-  update (--weights-recovery-dir: cli_args.weights_recovery_dir/server-<index>, else <log_dir>/weights) and
-  a restarted engine starts on that version (--weights-recovery-resume, engine.fleet.rejoin), never silently on the
-  checkpoint; where a copy is missing, it answers 503 naming the version until the next update.
+  16 s), and start() returns only once /health is 200. The actor itself is restartable: its class asks Ray
+  for `RAY_ACTOR_OPTIONS` (max_restarts; SkyRL's ServerGroup creates actors without it, and
+  engine.fleet.skyrl_compat applies these options), and an actor that Ray reconstructs after its process
+  died starts its engine again by itself (SkyRL calls start() once), on the same port, from its copies.
+  Its workers keep a copy of every committed weight update (--weights-recovery-dir:
+  cli_args.weights_recovery_dir/server-<index>, else <log_dir>/weights) and a restarted engine starts on that
+  version (--weights-recovery-resume, engine.fleet.rejoin), never silently on the checkpoint; where a copy is
+  missing, it answers 503 naming the version until the next update.
 
 Only this module and engine.fleet.ray_executor import Ray (`pip install rollbus[ray]`). The engine is started
 with ROLLBUS_PYTHON (default: this process's python) `-m engine.cli serve`; ROLLBUS_PYTHONPATH, when set, is
@@ -37,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from argparse import Namespace
 from dataclasses import dataclass
@@ -51,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = float(os.environ.get("ROLLBUS_FLEET_HEALTH_TIMEOUT_S", "600"))
 RESTART_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+PORT_WAIT_S = 60.0  # a reconstructed actor waits this long for its engine's old port to be free again
 
 
 @dataclass
@@ -81,15 +87,35 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
+def _port_free(port: int) -> bool:
+    """The engine's server could listen on port (probed as it binds: SO_REUSEADDR, so that connections of
+    an engine that just died, in TIME_WAIT, do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
 def _free_port(start: int) -> int:
     for port in range(start, min(start + 1000, 65536)):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
+        if _port_free(port):
             return port
     raise RuntimeError(f"no free port in [{start}, {start + 1000})")
+
+
+def _ray_actor() -> tuple[str | None, bool]:
+    """(this Ray actor's id, whether Ray reconstructed it after its process died); (None, False) outside."""
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        actor_id = ctx.get_actor_id()
+        return actor_id, bool(actor_id) and ctx.was_current_actor_reconstructed
+    except Exception:  # no Ray, or not in an actor
+        return None, False
 
 
 def serve_argv(cli_args: Namespace | dict[str, Any], python: str) -> list[str]:
@@ -108,6 +134,11 @@ def serve_argv(cli_args: Namespace | dict[str, Any], python: str) -> list[str]:
 
 class RollbusServerActor:
     """SkyRL's ServerActorProtocol, for `rollbus serve`."""
+
+    # What Ray should create this actor with (engine.fleet.skyrl_compat gives them to SkyRL's ServerGroup):
+    # restart it whenever its process dies (a node's OOM killer, a SIGKILL); ray.kill() and shutdown stay
+    # final. Calls in flight when it died fail (max_task_retries 0): a generation is not idempotent.
+    RAY_ACTOR_OPTIONS = {"max_restarts": -1, "max_task_retries": 0}
 
     @staticmethod
     def compute_num_gpus_per_server(cli_args: Namespace) -> int:
@@ -136,7 +167,11 @@ class RollbusServerActor:
                              "(docs/fleet.md)")
         if distributed_executor_backend != "mp":
             raise ValueError(f"RollbusServerActor: distributed_executor_backend {distributed_executor_backend!r} "
-                             "is not supported: rollbus's workers are processes on its bus (mp)")
+                             "is not supported: this actor starts its engine's workers as its own processes on "
+                             "its node (mp), one engine per SkyRL server; to spread one engine's tensor-parallel "
+                             "workers over Ray bundles (across hosts), run `rollbus serve "
+                             "--distributed-executor-backend ray` yourself and give SkyRL its URL "
+                             "(external_server_urls; docs/fleet.md)")
         self.cli_args = Namespace(**vars(cli_args)) if isinstance(cli_args, Namespace) else Namespace(**cli_args)
         self.server_idx = server_idx
         self.bundle_indices = bundle_indices
@@ -144,9 +179,14 @@ class RollbusServerActor:
         self.gpu_ids = [int(g) for g in gpu_ids] if gpu_ids else None
         self.cpus_per_gpu = max(1, int(cpus_per_gpu))
         self.ip = node_ip()
-        self.port = _free_port(start_port)
         self.python = os.environ.get("ROLLBUS_PYTHON", sys.executable)
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"rollbus-fleet-{server_idx}-"))
+        actor_id, reconstructed = _ray_actor()
+        if log_dir:
+            self.log_dir = Path(log_dir)
+        elif actor_id:  # a Ray actor's folder outlives its process (the same id after a restart): port, copies
+            self.log_dir = Path(tempfile.gettempdir()) / f"rollbus-fleet-{server_idx}-{actor_id[:16]}"
+        else:
+            self.log_dir = Path(tempfile.mkdtemp(prefix=f"rollbus-fleet-{server_idx}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.kv_endpoint = self._offset_kv_events()
         self._keep_weights()
@@ -155,6 +195,16 @@ class RollbusServerActor:
         self.restarts = 0
         self.stopping = False
         self.monitor: asyncio.Task | None = None
+        port_file = self.log_dir / f"port-{server_idx}"
+        if reconstructed and port_file.is_file():
+            self.port = int(port_file.read_text())
+            self.reviver: threading.Thread | None = threading.Thread(
+                target=asyncio.run, args=(self._revive(),), name=f"rollbus-engine-{server_idx}", daemon=True)
+            self.reviver.start()
+        else:
+            self.port = _free_port(start_port)
+            port_file.write_text(str(self.port))
+            self.reviver = None
 
     # --- SkyRL's protocol --------------------------------------------------------------------------
 
@@ -172,6 +222,27 @@ class RollbusServerActor:
         self.monitor = asyncio.get_running_loop().create_task(self._supervise())
         return self.get_server_info()
 
+    async def _revive(self) -> None:
+        """Ray reconstructed this actor (its process died, and its engine with it): the engine comes back as
+        start() would have started it, on the same port (the URL the router and the trainer know), then is
+        supervised. Runs on a thread of its own, which must outlive the child (PR_SET_PDEATHSIG)."""
+        logger.warning("rollbus engine %d: actor restarted by Ray; starting the engine again on port %d",
+                       self.server_idx, self.port)
+        deadline = time.monotonic() + PORT_WAIT_S
+        while not _port_free(self.port) and time.monotonic() < deadline and not self.stopping:
+            await asyncio.sleep(0.5)
+        try:
+            self.argv = await asyncio.to_thread(self._argv)
+            self._launch()
+            await self._wait_healthy()
+        except RuntimeError as e:
+            logger.error("rollbus engine %d: not back after the actor restart: %s", self.server_idx, e)
+        await self._supervise()
+
+    def actor_restarted(self) -> bool:
+        """Ray reconstructed this actor (and it started its engine again by itself)."""
+        return self.reviver is not None
+
     async def shutdown(self) -> None:
         self.stopping = True
         if self.monitor is not None:
@@ -183,6 +254,9 @@ class RollbusServerActor:
     def kv_events_endpoint(self) -> str | None:
         """Where a router subscribes to this engine's KV events (tcp://IP:PORT), when cli_args asked for them."""
         return self.kv_endpoint
+
+    def actor_pid(self) -> int:
+        return os.getpid()
 
     def child_pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None

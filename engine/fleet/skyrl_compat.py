@@ -1,5 +1,5 @@
-"""Compatibility shim for two SkyRL 0.4 bugs that every rollbus user of SkyRL's inference-server layer hits
-(SkyRL's bugs, not rollbus's; remove once a SkyRL release fixes them). Call `apply()` once in the driver,
+"""Compatibility shim for SkyRL 0.4 gaps that every rollbus user of SkyRL's inference-server layer hits
+(SkyRL's, not rollbus's; remove once a SkyRL release fixes them). Call `apply()` once in the driver,
 before importing SkyRL's ServerGroup or VLLMRouter:
 
 1. `ServerGroup.__init__` imports `vllm_server_actor` (and so all of vLLM) even when another
@@ -9,6 +9,10 @@ before importing SkyRL's ServerGroup or VLLMRouter:
 2. SkyRL's `VLLMRouter.start()` reads `RouterArgs.pd_disaggregation`, which vllm-router 0.1.17 lacks (it has
    `vllm_pd_disaggregation`): AttributeError after the router started. The shim gives RouterArgs that
    attribute, reading `vllm_pd_disaggregation`.
+3. `ServerGroup` creates its server actors without `max_restarts`, so Ray never restarts one whose process
+   died, and the engine behind that URL stays gone. The shim makes ServerGroup create an actor class with
+   the options the class asks for (`RAY_ACTOR_OPTIONS`: RollbusServerActor's restart it, and the actor
+   starts its engine again by itself); a class without them is created exactly as SkyRL does.
 
 Two more gaps need no shim: SkyRL's trainer path (`create_inference_servers`) hard-codes VLLMServerActor, so a
 trainer uses rollbus through `external_server_urls` or its `_get_new_inference_client` hook (docs/fleet.md);
@@ -17,6 +21,7 @@ and its client's `/skyrl/v1/generate` (routed experts) is served by rollbus's ga
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import types
@@ -57,7 +62,54 @@ def router_args_pd_disaggregation() -> bool:
     return True
 
 
+SERVER_GROUP = "skyrl.backends.skyrl_train.inference_servers.server_group"
+
+
+class _RayWithActorOptions:
+    """The `ray` module as ServerGroup._create_actor_class sees it while the shim calls it: `ray.remote(cls)`
+    becomes `ray.remote(**options)(cls)`, so SkyRL's own `.options(...)` (placement, runtime env) still
+    apply on top; everything else is Ray's."""
+
+    def __init__(self, ray: types.ModuleType, options: dict):
+        self._ray, self._options = ray, options
+
+    def remote(self, cls):
+        return self._ray.remote(**self._options)(cls)
+
+    def __getattr__(self, name: str):
+        return getattr(self._ray, name)
+
+
+def server_group_actor_options() -> bool:
+    """Gap 3. True when ServerGroup was patched (SkyRL importable, and not patched before)."""
+    try:
+        server_group = importlib.import_module(SERVER_GROUP)
+    except ImportError:
+        return False
+    group_cls = server_group.ServerGroup
+    original = group_cls._create_actor_class
+    if getattr(original, "_rollbus_actor_options", False):
+        return False
+
+    def _create_actor_class(self, pg, start_bundle_idx):
+        options = getattr(self._server_actor_cls, "RAY_ACTOR_OPTIONS", None)
+        if not options:
+            return original(self, pg, start_bundle_idx)
+        ray = server_group.ray
+        server_group.ray = _RayWithActorOptions(ray, dict(options))
+        try:
+            return original(self, pg, start_bundle_idx)
+        finally:
+            server_group.ray = ray
+
+    _create_actor_class._rollbus_actor_options = True
+    group_cls._create_actor_class = _create_actor_class
+    return True
+
+
 def apply() -> dict[str, bool]:
-    """Both workarounds; says which were needed."""
+    """Every workaround; says which were needed. Gap 3 imports SkyRL's ServerGroup module, after gap 1's
+    stand-in is in place."""
     return {"vllm_server_actor_stub": stub_vllm_server_actor(),
-            "router_args_pd_disaggregation": router_args_pd_disaggregation()}
+            "router_args_pd_disaggregation": router_args_pd_disaggregation(),
+            "server_group_actor_options": server_group_actor_options()}

@@ -225,8 +225,11 @@ class WeightSyncClient:
     def _commit_all(self, version: str | None) -> None:
         """Every engine verified the update: commit it on each. A commit that fails now (the engine lost a
         process between the phases, or stopped answering) is named with the engines that did commit."""
-        body = {"weight_version": version} if version else None
-        outcomes = fan_out_settled(self.urls, lambda url: self._http("POST", "/commit_weight_update", body, url))
+        def commit(url: str) -> dict[str, Any]:  # each engine keeps the others' URLs for its restart
+            body = {"fleet": [u for u in self.urls if u != url], **({"weight_version": version} if version else {})}
+            return self._http("POST", "/commit_weight_update", body, url)
+
+        outcomes = fan_out_settled(self.urls, commit)
         failed = [(u, e) for u, e in zip(self.urls, outcomes, strict=True) if isinstance(e, BaseException)]
         if failed:
             done = [u for u, e in zip(self.urls, outcomes, strict=True) if not isinstance(e, BaseException)]

@@ -2,7 +2,10 @@
 SkyRL's own ServerGroup places two rollbus engines (engine.fleet.skyrl_actor.RollbusServerActor) on a CPU-only
 Ray cluster with logical GPUs, SkyRL's VLLMRouter fronts them, SkyRL's RemoteInferenceClient generates through
 the router with session ids and fans pause / resume / sleep / wake out to both. Then an engine is killed and
-its actor brings it back; the Ray actors are killed and no engine process survives them. Prints one JSON line.
+its actor brings it back; after a fleet weight update an actor's process is SIGKILLed: Ray restarts it (the
+options engine.fleet.skyrl_compat applies), it starts its engine again on the same URL and the fleet's
+version while the other engine keeps serving; the Ray actors are killed and no engine process survives them.
+Prints one JSON line.
 
 Usage (the test sets the environment): ROLLBUS_PYTHON=<rollbus's python> ROLLBUS_PYTHONPATH=<repo>
     python tests/fleet/skyrl_fleet_driver.py MODEL_DIR [PYTHONPATH entry for engine.fleet]
@@ -11,7 +14,10 @@ Usage (the test sets the environment): ROLLBUS_PYTHON=<rollbus's python> ROLLBUS
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 import typing
 from argparse import Namespace
@@ -59,7 +65,9 @@ async def main() -> dict:
     out: dict = {"compat": compat}
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     cli_args = Namespace(model=MODEL, max_model_len=256, enable_sleep_mode=True, kv_cache_memory_bytes=16 << 20,
-                         tensor_parallel_size=1, pipeline_parallel_size=1)
+                         tensor_parallel_size=1, pipeline_parallel_size=1,
+                         additional_config={"rl_config": {"enabled": True}},
+                         weight_transfer_config={"backend": "gloo", "timeout_s": 60})
     group = ServerGroup(cli_args, num_servers=2, start_port=int(os.environ.get("FLEET_START_PORT", "18400")),
                         server_actor_cls=RollbusServerActor)
     router = None
@@ -115,6 +123,8 @@ async def main() -> dict:
         out["restarted"] = back
         out["restart_s"] = round(time.monotonic() - t0, 1)
 
+        out.update(await actor_killed_after_an_update(actors, urls))
+
         # a killed actor leaves no engine behind
         port_markers = [f"--port\x00{u.rsplit(':', 1)[1]}" for u in urls]
         out["engine_pids_before"] = sum(len(pids_of(m)) for m in port_markers)
@@ -132,6 +142,83 @@ async def main() -> dict:
         except Exception as e:  # noqa: BLE001 - actors killed above
             out["shutdown_error"] = type(e).__name__
         ray.shutdown()
+    return out
+
+
+def complete(url: str, max_tokens: int = 6) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [11, 12, 13, 14, 15, 16, 17, 18], "max_tokens": max_tokens, "temperature": 0})
+
+
+def weight_version(url: str) -> str | None:
+    try:
+        return httpx.get(url + "/weight_info", timeout=5).json()["weight_version"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+async def actor_killed_after_an_update(actors: list, urls: list[str]) -> dict:
+    """A fleet update to both engines, then engine 0's actor process is SIGKILLed while engine 1 serves a
+    steady stream of requests: Ray restarts the actor (same handle), which starts its engine on the same URL
+    on the fleet's version (or a 503 naming it); engine 1 loses nothing."""
+    out: dict = {}
+    push = subprocess.run([os.environ["ROLLBUS_PYTHON"], os.path.join(sys.argv[2], "tests", "fleet", "push_update.py"),
+                           MODEL, "fleet-1", "1", *urls], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.environ.get("ROLLBUS_PYTHONPATH", "")})
+    if push.returncode != 0:
+        raise RuntimeError(f"the fleet update failed:\n{push.stderr[-3000:]}")
+    out["update"] = json.loads(push.stdout.strip().splitlines()[-1])
+    out["versions_before"] = [weight_version(u) for u in urls]
+    reference = complete(urls[1]).json()["choices"][0]["text"]
+
+    served, failed, stop = [0], [], threading.Event()
+
+    def other_engine() -> None:  # engine 1, directly, throughout
+        while not stop.is_set():
+            try:
+                r = complete(urls[1], max_tokens=4)
+                if r.status_code == 200:
+                    served[0] += 1
+                else:
+                    failed.append(r.status_code)
+            except httpx.HTTPError as e:
+                failed.append(type(e).__name__)
+
+    load = threading.Thread(target=other_engine, daemon=True)
+    load.start()
+    old_child = ray.get(actors[0].child_pid.remote())
+    os.kill(ray.get(actors[0].actor_pid.remote()), signal.SIGKILL)
+    t0 = time.monotonic()
+    state = None
+    while time.monotonic() - t0 < 120:
+        await asyncio.sleep(0.3)
+        try:  # the actor back (Ray restarted it) with a new engine, not the old one still shutting down
+            child = ray.get(actors[0].child_pid.remote(), timeout=5)
+        except (ray.exceptions.RayError, TimeoutError):
+            continue
+        if child is None or child == old_child:
+            continue
+        try:
+            h = httpx.get(urls[0] + "/health", timeout=2)
+            if h.status_code == 200 and weight_version(urls[0]) is not None:
+                state = "serving"
+                break
+            if h.status_code == 503 and "'fleet-1'" in complete(urls[0]).text:
+                state = "503 naming the version"
+                break
+        except httpx.HTTPError:
+            pass
+    out["actor_back_s"] = round(time.monotonic() - t0, 1)
+    out["actor_back_as"] = state
+    stop.set()
+    load.join(70)
+    out["other_engine_served"], out["other_engine_failed"] = served[0], failed[:5]
+    out["actor_restarted"] = ray.get(actors[0].actor_restarted.remote())  # the handle SkyRL's pool holds
+    out["old_child_alive"] = os.path.exists(f"/proc/{old_child}") and \
+        open(f"/proc/{old_child}/stat").read().split()[2] != "Z"
+    out["versions_after"] = [weight_version(u) for u in urls]
+    r = complete(urls[0])
+    out["same_tokens_as_the_other"] = r.status_code == 200 and r.json()["choices"][0]["text"] == reference
     return out
 
 
