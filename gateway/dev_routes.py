@@ -39,7 +39,6 @@ from bus.messages import (
     WorkerInfo,
 )
 from engine.config import EngineConfig
-from engine.fleet.rejoin import read_fleet_record
 from engine.rl_config import AdditionalConfig, determinism
 from engine.weights.lifecycle import PAUSE_MODES, pause_deadline
 from gateway.engine_client import EngineClient
@@ -54,16 +53,6 @@ DEV_PATHS = ("/pause", "/resume", "/is_paused", "/server_info", "/sleep", "/wake
 # SkyRL 0.4's worker-extension methods for a sync under a keep pause, answered natively (below)
 SYNC_SLEEP, SYNC_WAKE = "skyrl_sleep_for_weight_sync", "skyrl_wake_for_weight_sync"
 RPC_METHODS = ("reload_weights", SYNC_SLEEP, SYNC_WAKE)
-
-
-def committed_at(app: FastAPI, cfg: EngineConfig, state: Any) -> float | None:
-    """When the version in service committed: this gateway's last commit, else (after a restart) the fleet
-    record beside the recovery copies when it names that version."""
-    at = getattr(app.state, "weights_committed", None)
-    if at is not None and at[0] == state.weight_version:
-        return at[1]
-    record = read_fleet_record(cfg.rl.weights_recovery_dir) if cfg.rl.weights_recovery_dir else None
-    return record.committed_at if record is not None and record.weight_version == state.weight_version else None
 
 
 def _bool(value: str, param: str) -> bool:
@@ -202,11 +191,7 @@ def add_dev_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient, extra:
 
     @app.get("/weight_info")
     async def weight_info() -> JSONResponse:
-        # committed_at (not vLLM's): when this engine committed the version it serves (epoch seconds; None:
-        # unknown, e.g. the checkpoint), which a restarted peer compares with its own (engine.fleet.rejoin)
-        state = client.control_state
-        return JSONResponse({"weight_version": state.weight_version,
-                             "committed_at": None if state.weights_lost else committed_at(app, cfg, state)})
+        return JSONResponse({"weight_version": client.control_state.weight_version})
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:

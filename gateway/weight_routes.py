@@ -43,7 +43,7 @@ from bus.messages import (
 )
 from bus.topology import Topology
 from engine.config import EngineConfig
-from engine.fleet.rejoin import FleetRecord, write_fleet_record
+from engine.fleet.rejoin import FleetRecord, read_fleet_record, write_fleet_record
 from engine.weights import backends
 from engine.weights.lifecycle import Deadlines, abort_needed
 from engine.weights.wire import NOT_CONFIGURED, WeightSyncError, decode_init, decode_update
@@ -54,7 +54,7 @@ from gateway.responses import JSONResponse
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                 "/finish_weight_update", "/commit_weight_update", "/abort_weight_update",
-                "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker")
+                "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker", "/weight_commit_info")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
 
 
@@ -182,6 +182,24 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
     async def shutdown_weight_transfer_engine() -> JSONResponse:
         await broadcast(client, ShutdownWeightTransferEngine(), steps.control_s)
         return JSONResponse({"message": "Weight transfer shut down"})
+
+    @app.get("/weight_commit_info")
+    async def weight_commit_info() -> JSONResponse:
+        # rollbus's own (vLLM's /weight_info says only the label): the version in service and when this engine
+        # committed it (epoch seconds; None: unknown, e.g. the checkpoint, or lost), which a restarted peer
+        # compares with its own last fleet commit (engine.fleet.rejoin)
+        state = client.control_state
+        at = None if state.weights_lost else committed_at(state.weight_version)
+        return JSONResponse({"weight_version": state.weight_version, "committed_at": at})
+
+    def committed_at(version: str) -> float | None:
+        """This gateway's last commit, else (after a restart) the fleet record beside the copies."""
+        last = getattr(app.state, "weights_committed", None)
+        if last is not None and last[0] == version:
+            return last[1]
+        folder = cfg.rl.weights_recovery_dir
+        record = read_fleet_record(folder) if folder else None
+        return record.committed_at if record is not None and record.weight_version == version else None
 
     @app.get("/get_world_size")
     async def get_world_size(include_dp: str = "true") -> JSONResponse:

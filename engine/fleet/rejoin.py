@@ -10,7 +10,7 @@ refused while an engine does not answer) and updates the others. Its copies then
 the fleet serves, and resuming them would put stale weights behind the fleet's router. So every commit of a
 fleet update (`/commit_weight_update` with the other engines' URLs, which WeightSyncClient([urls]) sends)
 leaves a fleet record beside the copies (FLEET_RECORD: the version, when it committed, the peers), and a
-resuming engine first asks those peers (/weight_info): when a peer committed a different version after ours,
+resuming engine first asks those peers (/weight_commit_info): when a peer committed a different version after ours,
 the fleet moved on, and the engine starts on that version as lost (503 naming it, /health 503, until the
 trainer's next full update), never on its own older one. No peer answering: it resumes its copies (nothing
 says the fleet moved on; the trainer's next update still refuses an engine on another version, naming it).
@@ -122,7 +122,7 @@ def read_fleet_record(folder: str) -> FleetRecord | None:
 def fleet_version(own_version: str, record: FleetRecord | None, answers: list[dict[str, Any] | None]) -> str | None:
     """The version the fleet moved on to while this engine was down, or None (it may resume its own):
     the newest version a peer committed after this engine's last fleet commit, when it is not this engine's.
-    `answers` are the peers' /weight_info bodies (None: no answer)."""
+    `answers` are the peers' /weight_commit_info bodies (None: no answer)."""
     if record is None or record.weight_version != own_version:
         return None  # the copies hold something newer than the record says (a single-engine update since)
     newer = [(a["committed_at"], a["weight_version"]) for a in answers
@@ -132,10 +132,10 @@ def fleet_version(own_version: str, record: FleetRecord | None, answers: list[di
 
 
 def ask_peers(peers: tuple[str, ...], timeout_s: float = PEER_TIMEOUT_S) -> list[dict[str, Any] | None]:
-    """Each peer's /weight_info, at once; None for a peer that does not answer (or answers nonsense)."""
+    """Each peer's /weight_commit_info, at once; None for a peer that does not answer (or answers nonsense)."""
     def ask(url: str) -> dict[str, Any] | None:
         try:
-            with urlopen(url.rstrip("/") + "/weight_info", timeout=timeout_s) as r:
+            with urlopen(url.rstrip("/") + "/weight_commit_info", timeout=timeout_s) as r:
                 body = json.loads(r.read())
             return body if isinstance(body, dict) else None
         except (URLError, OSError, ValueError):
