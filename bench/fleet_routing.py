@@ -225,8 +225,8 @@ def main() -> None:
     if view.unanchored:
         print(f"{view.unanchored} BlockStored event(s) named a parent block never announced")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                        indent=1))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                         "unanchored_events": view.unanchored}, indent=1))
 
 
 if __name__ == "__main__":
