@@ -166,8 +166,9 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         lora_update(True)
         committed = (version or client.control_state.weight_version, time.time())
         app.state.weights_committed = committed
-        if cfg.rl.weights_recovery_dir and peers:
-            write_fleet_record(cfg.rl.weights_recovery_dir, FleetRecord(*committed, peers))
+        if folder := cfg.rl.weights_recovery_dir:  # beside the copies: when, and the fleet it was last part of
+            last = read_fleet_record(folder)
+            write_fleet_record(folder, FleetRecord(*committed, peers or (last.peers if last else ())))
 
     @app.post("/abort_weight_update")
     async def abort_weight_update() -> JSONResponse:

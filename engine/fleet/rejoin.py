@@ -9,7 +9,8 @@ An engine can also miss updates while it is down: the trainer drops it from its 
 refused while an engine does not answer) and updates the others. Its copies then hold an older version than
 the fleet serves, and resuming them would put stale weights behind the fleet's router. So every commit of a
 fleet update (`/commit_weight_update` with the other engines' URLs, which WeightSyncClient([urls]) sends)
-leaves a fleet record beside the copies (FLEET_RECORD: the version, when it committed, the peers), and a
+leaves a fleet record beside the copies (FLEET_RECORD: the version, when it committed, the peers; a commit
+without peers keeps the last ones), and a
 resuming engine first asks those peers (/weight_commit_info): when a peer committed a different version after ours,
 the fleet moved on, and the engine starts on that version as lost (503 naming it, /health 503, until the
 trainer's next full update), never on its own older one. No peer answering: it resumes its copies (nothing

@@ -196,15 +196,16 @@ class RollbusServerActor:
         self.stopping = False
         self.monitor: asyncio.Task | None = None
         port_file = self.log_dir / f"port-{server_idx}"
-        if reconstructed and port_file.is_file():
+        if reconstructed and port_file.is_file():  # the URL the router and the trainer know
             self.port = int(port_file.read_text())
-            self.reviver: threading.Thread | None = threading.Thread(
-                target=asyncio.run, args=(self._revive(),), name=f"rollbus-engine-{server_idx}", daemon=True)
-            self.reviver.start()
-        else:
+        else:  # (a reconstructed actor without its folder gets a new URL: logged by _revive)
             self.port = _free_port(start_port)
             port_file.write_text(str(self.port))
-            self.reviver = None
+        self.reviver: threading.Thread | None = None
+        if reconstructed:
+            self.reviver = threading.Thread(target=asyncio.run, args=(self._revive(),),
+                                            name=f"rollbus-engine-{server_idx}", daemon=True)
+            self.reviver.start()
 
     # --- SkyRL's protocol --------------------------------------------------------------------------
 
