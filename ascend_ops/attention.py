@@ -55,6 +55,9 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int64, context incl. the new token
     decode_max_ctx: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # hybrid models (workers/models/qwen3_next.py): each sequence's recurrent-state slot, decodes then prefill
+    # chunks in their order ([num_decodes + len(prefills)] int64); None for attention-only models
+    state_slots: torch.Tensor | None = None
 
 
 def write_kv(

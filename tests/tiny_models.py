@@ -114,10 +114,39 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                       "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                                       "beta_slow": 1.0, "truncate": False})),
+    # Qwen3-Next: Gated DeltaNet layers around a gated full-attention one (2 key heads, 4 value heads), partial
+    # rotary, 8 experts top-2 with a gated shared expert, a dense layer (mlp_only_layers).
+    "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=False,
+                                           head_dim=16, layer_types=["linear_attention", "full_attention",
+                                                                     "linear_attention"],
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                           linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=48,
+                                           shared_expert_intermediate_size=64, mlp_only_layers=[1],
+                                           norm_topk_prob=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.5})),
+    # Qwen3.5 text, dense and MoE: the same layers with split linear-attention projections.
+    "qwen3_5": ("Qwen3_5TextConfig", dict(num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=False,
+                                          head_dim=16, layer_types=["linear_attention", "full_attention",
+                                                                    "linear_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                          linear_value_head_dim=16,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5})),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=2, vocab_size=1000, tie_word_embeddings=False,
+                                                 head_dim=16, layer_types=["linear_attention", "full_attention"],
+                                                 linear_num_key_heads=2, linear_num_value_heads=4,
+                                                 linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+                                                 num_experts_per_tok=2, moe_intermediate_size=48,
+                                                 shared_expert_intermediate_size=64,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "partial_rotary_factor": 0.5})),
 }
+HYBRID = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}  # zero-centred norms (1 + weight), as Gemma 3's
 MOE = {"qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe", "olmoe"}
 # issue 34's: test_arch_oracle.py in CI, the exhaustive suites slow
-NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe", "deepseek_v3", "gpt_oss"]
+NEW_ARCHS = ["mistral", "olmo2", "qwen2_moe", "olmoe", "gemma3", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next"]
 SHARDED = {"qwen2"}  # saved with a tiny max_shard_size so the index path is exercised
 
 
@@ -139,8 +168,9 @@ def make_tiny_checkpoint(arch: str, folder: Path, seed: int = 0, init_std: float
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
-            elif "norm" in name:  # Gemma 3 scales by (1 + weight)
-                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:  # Gemma 3 and the hybrids scale by (1 + weight) (not their gated linear_attn.norm)
+                centred = (arch == "gemma3" or arch in HYBRID) and "linear_attn.norm" not in name
+                p.copy_((0.0 if centred else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
             elif name.endswith("sinks"):  # gpt-oss: logits of the size of a row's scores, so they matter
                 p.copy_(2.0 * torch.randn(p.shape, generator=g))
             else:  # bias
@@ -293,6 +323,9 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32) -> DecoderLM:
     return model
 
 
+STATE_SLOTS = 8  # hybrid models in PagedRunner: sequence ids 0..7 are their own state slots
+
+
 @dataclass
 class PagedRunner:
     """Owns small paged k/v caches and turns (seq, tokens) work into one flattened step."""
@@ -312,6 +345,12 @@ class PagedRunner:
         dt = self.model.dtype
         planes = [[torch.zeros(shape, dtype=dt) for _ in range(self.model.kv_planes)] for _ in range(L)]
         self.kv = [(p[0], p[-1]) for p in planes]  # latent attention (one plane): (plane, plane)
+        state = getattr(self.model, "state_spec", None)
+        if state is not None:  # hybrid: linear layers get (conv, recurrent) state of STATE_SLOTS slots (slot = seq)
+            attn = iter(self.kv)
+            self.kv = [(torch.zeros(STATE_SLOTS, *state.conv, dtype=dt),
+                        torch.zeros(STATE_SLOTS, *state.recurrent, dtype=torch.float32))
+                       if i in self.model.linear_layers else next(attn) for i in range(self.model.cfg.num_layers)]
         # Hand out blocks in a scrambled order so sequences are never physically contiguous.
         g = torch.Generator().manual_seed(self.seed)
         self.free = torch.randperm(self.num_blocks, generator=g).tolist()
@@ -353,6 +392,13 @@ class PagedRunner:
             chunks.append(PrefillChunk(q_start=len(ids), q_len=len(toks), ctx_len=ctx, block_table=table))
             ids.extend(toks), pos.extend(p), slots.extend(s)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), prefills=chunks)
+        if getattr(self.model, "state_spec", None) is not None:
+            order = [seq for seq, _ in decodes] + [seq for seq, _ in prefills]
+            for seq, toks in prefills:  # a sequence's first chunk starts from a zero state
+                if self.lens[seq] == len(toks):
+                    for i in self.model.linear_layers:
+                        self.kv[i][0][seq].zero_(), self.kv[i][1][seq].zero_()
+            meta.state_slots = torch.tensor(order, dtype=torch.int64)
         if decodes:
             width = max(len(self.tables[seq]) for seq, _ in decodes)
             tables = torch.zeros(len(decodes), width, dtype=torch.int64)

@@ -213,15 +213,12 @@ class DecoderLayer(nn.Module):
 class _Body(nn.Module):
     """Named `model` inside DecoderLM so parameter names line up with HF's `model.` prefix."""
 
-    def __init__(
-        self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, make_mlp: Callable[[int], nn.Module],
-        kern: Kernels, shard: Shard, tp: Solo, layer_class: type[nn.Module],
-    ) -> None:
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device,
+                 make_layer: Callable[[int], nn.Module], shard: Shard) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()  # vocabulary-parallel: this rank's rows (padded to ceil(V / tp))
         self.embed_tokens.weight = _param(shard.vp, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(layer_class(cfg, make_mlp(i), dtype, device, kern, shard, tp, cfg.windows[i])
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
         self.norm = nn.Module()
         self.norm.weight = _param(cfg.hidden_size, ones=True, dtype=dtype, device=device)
 
@@ -257,8 +254,7 @@ class DecoderLM(nn.Module):
         self.kern = kernels
         self.tp = tp
         self.shard = shard_of(cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, tp.rank, tp.size)
-        self.model = _Body(cfg, dtype, device, lambda layer: self._make_mlp(layer, dtype, device), kernels,
-                           self.shard, tp, self.layer_class)
+        self.model = _Body(cfg, dtype, device, lambda i: self._make_layer(i, dtype, device), self.shard)
         self.lm_head = nn.Module()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one shared tensor
@@ -272,6 +268,11 @@ class DecoderLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin, persistent=False)
         self._weights = self._weight_targets()
+
+    def _make_layer(self, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """Decoder layer `i` (a hybrid model chooses its mixer per layer: workers/models/qwen3_next.py)."""
+        return self.layer_class(self.cfg, self._make_mlp(i, dtype, device), dtype, device, self.kern, self.shard,
+                                self.tp, self.cfg.windows[i])
 
     def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The feed-forward block of decoder layer `layer` (dense here; MoE subclasses choose per layer)."""

@@ -13,6 +13,7 @@ from workers.models.glm4_moe import Glm4MoeLM
 from workers.models.gpt_oss import GptOssLM
 from workers.models.llama import DecoderLM
 from workers.models.moe import MoEDecoderLM
+from workers.models.qwen3_next import HybridLM
 
 ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "LlamaForCausalLM": DecoderLM,
@@ -28,20 +29,16 @@ ARCHITECTURES: dict[str, type[DecoderLM]] = {
     "Glm4MoeForCausalLM": Glm4MoeLM,
     "DeepseekV3ForCausalLM": DeepseekV3LM,  # and Kimi-K2
     "GptOssForCausalLM": GptOssLM,
+    "Qwen3NextForCausalLM": HybridLM,
+    "Qwen3_5ForCausalLM": HybridLM,
+    "Qwen3_5MoeForCausalLM": HybridLM,
 }
 
-# Families HF has and we do not serve yet, each refused with why (not only "unsupported"): their Gated DeltaNet
-# linear-attention layers keep a recurrent and a convolution state per sequence, which needs a state pool beside
-# the paged KV cache (allocated, freed, slept and prefix-cached with the sequence's blocks) that is not built.
-_HYBRID = ("Gated DeltaNet linear-attention layers need a per-sequence recurrent / convolution state pool beside "
-           "the paged KV cache, which rollbus does not have yet")
+# Families HF has and we do not serve yet, each refused with why (not only "unsupported").
+_VISION = "its vision tower is not supported; serve the text model (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM)"
 REFUSED: dict[str, str] = {
-    "Qwen3NextForCausalLM": f"Qwen3-Next is not supported: its {_HYBRID}",
-    "Qwen3_5ForCausalLM": f"Qwen3.5 is not supported: its {_HYBRID}",
-    "Qwen3_5MoeForCausalLM": f"Qwen3.5-MoE is not supported: its {_HYBRID}",
-    "Qwen3_5ForConditionalGeneration": f"Qwen3.5 is not supported: its {_HYBRID} (and its vision tower is not either)",
-    "Qwen3_5MoeForConditionalGeneration": f"Qwen3.5-MoE is not supported: its {_HYBRID} (and its vision tower is "
-                                          "not either)",
+    "Qwen3_5ForConditionalGeneration": f"Qwen3.5 with images: {_VISION}",
+    "Qwen3_5MoeForConditionalGeneration": f"Qwen3.5-MoE with images: {_VISION}",
 }
 
 # Older or hand-made configs sometimes lack `architectures`; model_type then names the family.

@@ -1,0 +1,377 @@
+"""Qwen3NextForCausalLM and Qwen3.5 text (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): hybrid decoders whose
+layers are either Gated DeltaNet linear attention (`layer_types` "linear_attention") or gated full attention.
+
+- Gated DeltaNet (`linear_attn`): projections to q, k, v (Hk key heads of dk, Hv value heads of dv), an output
+  gate z and per-value-head b, a; a causal depthwise convolution (kernel K, silu) over [q | k | v]; q and k
+  L2-normalised, q scaled by dk^-1/2; decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); the
+  gated delta rule over a recurrent state S [Hv, dk, dv] per sequence:
+      S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q
+  then an RMSNorm of o per head gated by silu(z), and out_proj. Qwen3-Next packs q/k/v/z per key head in one
+  `in_proj_qkvz` (and b/a in `in_proj_ba`); Qwen3.5 has `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+  Both are held under their HF names. Prefill uses the chunked form (chunks of 64 tokens), a decode the
+  recurrent step; both read and write the sequence's state slot.
+- Per sequence state (workers/kv_cache.py's state pool, one slot per running sequence, `meta.state_slots`):
+  the last K-1 inputs of the convolution and S in fp32. A layer's cache view is (conv [slots, C, K-1],
+  recurrent [slots, Hv, dk, dv]); a fresh sequence's slot is zeroed by the runner before its first chunk.
+- Gated attention (`self_attn`): q_proj gives q and an output gate per head ([q_h | gate_h] for each head h),
+  per-head QK-norm, rope over the leading partial_rotary_factor of each head, o * sigmoid(gate) before o_proj.
+- RMSNorms scale by (1 + weight) (the gated one by weight). MoE (Qwen3-Next, Qwen3.5-MoE): softmax top-k
+  renormalised, plus a shared expert gated by sigmoid(shared_expert_gate(x)).
+
+Not supported (refused at start-up by name): -tp > 1, --batch-invariant (the recurrences have no row-invariant
+kernels here), and prefix caching (no state checkpoints at block boundaries; the scheduler turns it off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascend_ops.attention import AttentionMetadata
+from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.tp_group import SOLO, Solo
+from workers.models.decoder_config import DecoderConfig
+from workers.models.llama import MLP, Attention, DecoderLM, KVSpec, _param
+from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE
+from workers.models.tp_layout import Shard
+from workers.models.weight_map import WeightMap
+
+CHUNK = 64  # tokens per chunk of the chunked gated delta rule (prefill)
+
+
+class StateSpec(NamedTuple):
+    """One sequence's recurrent state in every linear-attention layer (workers/kv_cache.py's state pool)."""
+
+    num_layers: int
+    conv: tuple[int, int]  # [C, K-1]: the convolution's last K-1 inputs, model dtype
+    recurrent: tuple[int, int, int]  # [Hv, dk, dv], fp32
+
+
+@dataclass(frozen=True, slots=True)
+class HybridConfig(MoEConfig):
+    linear_layers: tuple[int, ...]  # the Gated DeltaNet layers; the others are gated full attention
+    lin_k_heads: int
+    lin_v_heads: int
+    lin_k_dim: int
+    lin_v_dim: int
+    conv_kernel: int
+    split_proj: bool  # Qwen3.5: in_proj_qkv / z / b / a (Qwen3-Next: in_proj_qkvz / ba)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> HybridConfig:
+        arch = (cfg.get("architectures") or ["?"])[0]
+        n = int(cfg["num_hidden_layers"])
+        types = list(cfg.get("layer_types") or [])
+        if not types:  # HF's default: every full_attention_interval-th layer is full attention
+            every = int(cfg.get("full_attention_interval", 4))
+            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+        if len(types) != n:
+            raise ValueError(f"{arch}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
+        bad = sorted(set(types) - {"full_attention", "linear_attention"})
+        if bad:
+            raise NotImplementedError(f"{arch}: layer_types {bad[0]!r} is not supported "
+                                      f"(only linear_attention and full_attention)")
+        rope = dict(cfg.get("rope_parameters") or {})
+        if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in cfg:
+            rope["partial_rotary_factor"] = 0.25  # HF's default for the family
+        rope.pop("mrope_section", None), rope.pop("mrope_interleaved", None)  # text positions: plain rope
+        plain = {k: v for k, v in cfg.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
+        moe = arch.startswith(("Qwen3Next", "Qwen3_5Moe"))
+        experts = int(cfg.get("num_experts") or 0) if moe else 0
+        if moe:
+            base = MoEConfig.from_hf({**plain, "rope_parameters": rope, "mlp_only_layers": cfg.get("mlp_only_layers"),
+                                      "num_experts": experts})
+        else:
+            d = DecoderConfig.from_hf({**plain, "rope_parameters": rope})
+            base = MoEConfig(**{f.name: getattr(d, f.name) for f in fields(DecoderConfig)}, num_experts=0, top_k=0,
+                             moe_intermediate_size=0, norm_topk_prob=False, fp32_expert_scale=False,
+                             sparse_layers=(), shared_expert_size=0)
+        if arch.startswith("Qwen3_5Moe"):  # every layer sparse (no decoder_sparse_step / mlp_only_layers)
+            base = type(base)(**{**{f.name: getattr(base, f.name) for f in fields(MoEConfig)},
+                                 "sparse_layers": tuple(range(n)), "norm_topk_prob": True})
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0) if moe else 0
+        return cls(**{**{f.name: getattr(base, f.name) for f in fields(MoEConfig)}, "shared_expert_size": shared},
+                   linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                   lin_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+                   lin_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+                   lin_k_dim=int(cfg.get("linear_key_head_dim", 128)),
+                   lin_v_dim=int(cfg.get("linear_value_head_dim", 128)),
+                   conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+                   split_proj=arch.startswith("Qwen3_5"))
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens [L, H, d] (fp32; q, k normalised and q scaled; g, beta [L, H]) from `state`
+    [H, dk, dv]: (outputs [L, H, dv], the state after the last token). Within a chunk the delta rule's
+    triangular system is solved at once (WY form); across chunks the state carries."""
+    L = q.shape[0]
+    pad = (-L) % CHUNK
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, L', d]
+    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))  # [H, L']
+    H, n = q.shape[0], (L + pad) // CHUNK
+    q, k, v = (x.reshape(H, n, CHUNK, -1) for x in (q, k, v))
+    g, beta = g.reshape(H, n, CHUNK), beta.reshape(H, n, CHUNK)
+    kb, vb = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    cum = g.cumsum(-1)  # [H, n, C]
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [.., i, j]
+    system = (kb @ k.transpose(-1, -2)) * decay  # its diagonal is taken as 1 (unitriangular)
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * decay
+    qd = q * cum.exp().unsqueeze(-1)
+    kd = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    last = cum[..., -1].exp()  # [H, n]
+    out = torch.empty_like(u)
+    s = state
+    for c in range(n):
+        fresh = u[:, c] - w[:, c] @ s
+        out[:, c] = qd[:, c] @ s + inner[:, c] @ fresh
+        s = s * last[:, c, None, None] + kd[:, c].transpose(-1, -2) @ fresh
+    return out.reshape(H, -1, out.shape[-1])[:, :L].transpose(0, 1), s
+
+
+def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of N sequences ([N, H, d], fp32) from their states [N, H, dk, dv]: (o [N, H, dv], S)."""
+    s = state * g.exp()[..., None, None]
+    delta = (v - (s * k.unsqueeze(-1)).sum(-2)) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (s * q.unsqueeze(-1)).sum(-2), s
+
+
+class GatedDeltaNet(nn.Module):
+    """HF's `linear_attn` (module docstring), for a flattened batch of decodes and prefill chunks."""
+
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
+        super().__init__()
+        self.kern, self.cfg = kern, cfg
+        hk, hv, dk, dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+        self.key_dim, self.value_dim = hk * dk, hv * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kw = dict(dtype=dtype, device=device)
+        h = cfg.hidden_size
+        if cfg.split_proj:
+            for name, rows in (("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim), ("in_proj_b", hv),
+                               ("in_proj_a", hv)):
+                setattr(self, name, nn.Module())
+                getattr(self, name).weight = _param(rows, h, **kw)
+        else:
+            self.in_proj_qkvz = nn.Module()
+            self.in_proj_qkvz.weight = _param(2 * self.key_dim + 2 * self.value_dim, h, **kw)
+            self.in_proj_ba = nn.Module()
+            self.in_proj_ba.weight = _param(2 * hv, h, **kw)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _param(self.conv_dim, 1, cfg.conv_kernel, **kw)
+        self.dt_bias = _param(hv, ones=True, **kw)
+        self.A_log = _param(hv, **kw)
+        self.norm = nn.Module()
+        self.norm.weight = _param(dv, ones=True, **kw)
+        self.out_proj = nn.Module()
+        self.out_proj.weight = _param(h, self.value_dim, **kw)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mixed q|k|v [T, C], z [T, Hv, dv], b, a [T, Hv])."""
+        c, lin = self.cfg, self.kern.linear
+        T, hk, hv, dk, dv = x.shape[0], c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
+        if c.split_proj:
+            z = lin(x, self.in_proj_z.weight).view(T, hv, dv)
+            return lin(x, self.in_proj_qkv.weight), z, lin(x, self.in_proj_b.weight), lin(x, self.in_proj_a.weight)
+        r = hv // hk  # value heads per key head: Qwen3-Next packs [q_h, k_h, v_h.., z_h..] for each key head h
+        qkvz = lin(x, self.in_proj_qkvz.weight).view(T, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = lin(x, self.in_proj_ba.weight).view(T, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+        return mixed, z.reshape(T, hv, dv), b.reshape(T, hv), a.reshape(T, hv)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        c = self.cfg
+        T = x.shape[0]
+        conv_state, rec_state = state
+        mixed, z, b, a = self._project(x)
+        beta = torch.sigmoid(b).float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        w = self.conv1d.weight[:, 0, :]  # [C, K]
+        slots = meta.state_slots
+        out = torch.empty(T, c.lin_v_heads, c.lin_v_dim, dtype=torch.float32, device=x.device)
+        nd = meta.num_decodes
+        if nd:
+            sl = slots[:nd]
+            window = torch.cat((conv_state[sl], mixed[:nd].unsqueeze(-1).to(conv_state.dtype)), dim=-1)  # [N, C, K]
+            conv_state[sl] = window[..., 1:]
+            qkv = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)
+            q, k, v = self._heads(qkv)
+            o, rec_state[sl] = recurrent_delta_step(q, k, v, g[:nd], beta[:nd], rec_state[sl])
+            out[:nd] = o
+        for i, ch in enumerate(meta.prefills):
+            slot, rows = int(slots[nd + i]), slice(ch.q_start, ch.q_start + ch.q_len)
+            seq = torch.cat((conv_state[slot], mixed[rows].t().to(conv_state.dtype)), dim=-1)  # [C, K-1+L]
+            conv_state[slot] = seq[:, ch.q_len:]
+            qkv = F.silu(F.conv1d(seq.unsqueeze(0).to(w.dtype), w.unsqueeze(1), groups=self.conv_dim)[0]).t()
+            q, k, v = self._heads(qkv.to(x.dtype))
+            out[rows], rec_state[slot] = chunked_delta_rule(q, k, v, g[rows], beta[rows], rec_state[slot])
+        o = out.to(x.dtype)
+        # the gated RMSNorm per value head: weight * norm(o) * silu(z), computed in fp32
+        of = o.float()
+        normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+        gated = (self.norm.weight * normed).float() * F.silu(z.float())
+        return self.kern.linear(gated.to(x.dtype).reshape(T, -1), self.out_proj.weight)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normalised, q scaled, repeated to the value heads) and v, fp32 [N, Hv, d], from conv outputs."""
+        c = self.cfg
+        n = qkv.shape[0]
+        q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = _l2norm(q.reshape(n, c.lin_k_heads, c.lin_k_dim)), _l2norm(k.reshape(n, c.lin_k_heads, c.lin_k_dim))
+        if c.lin_v_heads != c.lin_k_heads:
+            r = c.lin_v_heads // c.lin_k_heads
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+        return q * c.lin_k_dim ** -0.5, k, v.reshape(n, c.lin_v_heads, c.lin_v_dim)
+
+
+class GatedAttention(Attention):
+    """llama.py's attention with q_proj giving [q_h | gate_h] per head and o scaled by sigmoid(gate): the fused
+    qkv_proj holds 2 * Hq * D rows of q (and gate), then k, then v."""
+
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
+                 shard: Shard | None = None, tp: Solo = SOLO, window: int = 0) -> None:
+        super().__init__(cfg, dtype, device, kern, shard, tp, window)
+        self.qkv_proj.weight = _param((2 * self.hq + 2 * self.hk) * self.d, cfg.hidden_size, dtype=dtype,
+                                      device=device)
+        self.norm_offset = 1.0
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T, kern, d = x.shape[0], self.kern, self.d
+        qg, k, v = kern.linear(x, self.qkv_proj.weight).split([2 * self.hq * d, self.hk * d, self.hk * d], dim=-1)
+        q, gate = qg.view(T, self.hq, 2 * d).split([d, d], dim=-1)
+        q = kern.rms_norm(q.contiguous(), self.q_norm.weight + 1.0, self.eps)
+        k = kern.rms_norm(k.reshape(T, self.hk, d), self.k_norm.weight + 1.0, self.eps)
+        qr, kr = kern.apply_rope(q[..., : self.rd].contiguous(), k[..., : self.rd].contiguous(), cos, sin)
+        q, k = torch.cat((qr, q[..., self.rd:]), -1), torch.cat((kr, k[..., self.rd:]), -1)
+        o = self._attend(q, k, v.reshape(T, self.hk, d).contiguous(), kv, meta)
+        o = o.reshape(T, self.hq * d) * torch.sigmoid(gate.reshape(T, self.hq * d))
+        return kern.linear(o, self.o_proj.weight)
+
+
+class HybridLayer(nn.Module):
+    """A decoder layer whose mixer is `linear_attn` (GatedDeltaNet) or `self_attn` (GatedAttention)."""
+
+    def __init__(self, cfg: HybridConfig, mlp: nn.Module, mixer: nn.Module, linear: bool, dtype: torch.dtype,
+                 device: torch.device, kern: Kernels) -> None:
+        super().__init__()
+        self.eps, self.norm, self.linear = cfg.rms_norm_eps, kern.rms_norm, linear
+        setattr(self, "linear_attn" if linear else "self_attn", mixer)
+        self.mlp = mlp
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(self, name, nn.Module())
+            getattr(self, name).weight = _param(cfg.hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: tuple[torch.Tensor, torch.Tensor], routed_experts: list[torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        n = self.norm(x, self.input_layernorm.weight + 1.0, self.eps)
+        h = self.linear_attn(n, meta, cache) if self.linear else self.self_attn(n, cos, sin, meta, cache)
+        x = x + h
+        return x + self.mlp(self.norm(x, self.post_attention_layernorm.weight + 1.0, self.eps), routed_experts)
+
+
+class HybridLM(MoEDecoderLM):
+    """Qwen3-Next / Qwen3.5 causal LM. Its cache per layer (`kv_caches[i]`): attention layers' (k, v) blocks,
+    linear layers' (conv, recurrent) state pool views (workers/kv_cache.py)."""
+
+    config_class = HybridConfig
+    cfg: HybridConfig
+    no_batch_invariance = "its Gated DeltaNet recurrences have no row-invariant kernels here"
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
+                 max_positions: int | None = None, kernels: Kernels = DEFAULT, tp: Solo = SOLO) -> None:
+        if tp.size > 1:
+            arch = (hf_config.get("architectures") or ["?"])[0]
+            raise NotImplementedError(f"{arch}: --tensor-parallel-size {tp.size} is not supported for this hybrid "
+                                      f"model yet (its Gated DeltaNet layers are not sharded); use 1")
+        super().__init__(hf_config, dtype, device, max_positions, kernels, tp)
+
+    def _make_layer(self, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        cfg, linear = self.cfg, i in self.cfg.linear_layers
+        mixer = (GatedDeltaNet(cfg, dtype, device, self.kern) if linear
+                 else GatedAttention(cfg, dtype, device, self.kern, self.shard, self.tp))
+        return HybridLayer(cfg, self._make_mlp(i, dtype, device), mixer, linear, dtype, device, self.kern)
+
+    def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        if layer in self.cfg.sparse_layers:
+            return SparseMoE(self.cfg, dtype, device, self.kern, self.tp)
+        return MLP(self.cfg, dtype, device, self.kern, self.tp)
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        """KV blocks for the full-attention layers only."""
+        return KVSpec(self.cfg.num_layers - len(self.cfg.linear_layers), self.shard.hk, self.cfg.head_dim)
+
+    @property
+    def state_spec(self) -> StateSpec:
+        c = self.cfg
+        conv = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim
+        return StateSpec(len(c.linear_layers), (conv, c.conv_kernel - 1), (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return self.cfg.linear_layers
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], between_layers=None, *,
+                routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        x = self._embed(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, cache, routed_experts)
+            if between_layers is not None:
+                between_layers()
+        return self.kern.rms_norm(x, self.model.norm.weight + 1.0, self.cfg.rms_norm_eps)
+
+    def _weight_targets(self) -> WeightMap:
+        """Our own names are HF's, but q/k/v (fused qkv_proj: 2 * Hq * D rows of q_proj, then k, then v) and the
+        dense MLPs' gate/up."""
+        t = WeightMap(n for n, _ in self.named_parameters())
+        c, d = self.cfg, self.cfg.head_dim
+        qd, kd = 2 * c.num_heads * d, c.num_kv_heads * d
+        for li, layer in enumerate(self.model.layers):
+            if not layer.linear:
+                a = f"model.layers.{li}.self_attn"
+                t.add(f"{a}.q_proj.weight", f"{a}.qkv_proj.weight", 0, qd)
+                t.add(f"{a}.k_proj.weight", f"{a}.qkv_proj.weight", qd, kd)
+                t.add(f"{a}.v_proj.weight", f"{a}.qkv_proj.weight", qd + kd, kd)
+            if isinstance(layer.mlp, MLP):
+                self._mlp_targets(t, f"model.layers.{li}.mlp", layer.mlp)
+        for li in c.sparse_layers:
+            m = f"model.layers.{li}.mlp"
+            i = c.moe_intermediate_size
+            for e in range(c.num_experts):
+                x = f"{m}.experts.{e}"
+                t.add(f"{x}.gate_proj.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e)
+                t.add(f"{x}.up_proj.weight", f"{m}.experts.gate_up_proj", i, i, expert=e)
+                t.add(f"{x}.down_proj.weight", f"{m}.experts.down_proj", expert=e)
+            shared = self.model.layers[li].mlp.shared_expert
+            if shared is not None:
+                self._mlp_targets(t, f"{m}.shared_expert", shared)
+        if c.tie_word_embeddings:
+            t.alias("lm_head.weight", "model.embed_tokens.weight")
+        return t
+
+    def skipped_weight(self, name: str) -> bool:
+        """The checkpoint's multi-token-prediction head (`mtp.*`), which HF does not load either."""
+        return name.startswith("mtp.")
+
+
+__all__ = ["HybridLM", "StateSpec", "DecoderLM"]
