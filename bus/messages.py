@@ -39,8 +39,8 @@ import numpy as np
 from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 13
-PROTOCOL_FINGERPRINT = "744f821d4bbb"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 14
+PROTOCOL_FINGERPRINT = "a58e5b2e2291"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -256,6 +256,7 @@ class WorkerInfo(RoleInfo):
     layout: Layout
     worker_extension_methods: list[str] = []  # --worker-extension-cls (workers.extension)
     joined_seq: int = 0  # in its Hello to the scheduler: the seq it (re)joined the bus at
+    state_slots: int = 0  # a hybrid model's recurrent-state slots (workers.kv_cache); 0: attention only
 
 
 class SchedulerReady(RoleInfo):
@@ -865,6 +866,7 @@ class StepPlan(Wire):
     block_tables: list[list[int]]
     finished: list[str]  # forget these (finished, aborted or preempted-and-dropped)
     weight_epoch: int  # the epoch of the weights in service (ControlState.weight_epoch; its label: weight_version)
+    state_slots: list[int] = []  # hybrid models: each sequence's recurrent-state slot, as seq_ids (else empty)
 
 
 @message(32)

@@ -39,6 +39,7 @@ class Sequence:
     num_preemptions: int = 0
     order: int = 0  # how many sequences the scheduler had been given before this one (a tie-break)
     kv_epoch: int | None = None  # weight epoch of the oldest KV this sequence holds (None: holds none)
+    state_slot: int = -1  # hybrid models: its recurrent-state slot while running (engine.scheduler.policy)
     # routed experts computed but not yet sent to the gateway: (first position, rows) pieces whose rows are
     # read-only views of a StepResult's array (engine.routed_experts)
     routed_pieces: list = field(default_factory=list)

@@ -20,6 +20,12 @@ A step that raised or was interrupted leaves its sequences' state behind what th
 with async scheduling the plan after that step was sent already and still names them; such a plan runs
 without them and reports each as failed (`seq_errors`), until a plan's `finished` list names it.
 
+Hybrid models (Qwen3-Next / Qwen3.5): each plan row names the sequence's recurrent-state slot
+(StepPlan.state_slots, workers.kv_cache). A row from position 0 zeroes its slot first; any other row must
+resume exactly where the slot's state stopped (`state_pos`), else the step fails naming the sequence rather
+than computing from another position's state (a prefix-cache hit, which the scheduler never plans for
+these models, would be one).
+
 Tensor parallelism (model.tp of size N > 1): every tp worker runs the same plan; the LM head's logits
 reach tp rank 0 only (the model gathers them), which samples and computes every reported number, then
 broadcasts the sampled token ids so every rank's sequences stay the same. Only rank 0's StepResult carries
@@ -72,6 +78,7 @@ class ModelRunner:
         self.tp = getattr(model, "tp", SOLO)
         self.rank, self.block_size, self.device = rank, block_size, device
         self.seqs: dict[str, SeqState] = {}
+        self.state_pos: dict[int, int] = {}  # hybrid models: state slot -> the position its state has reached
         self.dropped: set[str] = set()  # forgotten after a failed step, not yet in a plan's finished list
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_epoch = 0
@@ -188,8 +195,9 @@ class ModelRunner:
         skipped = [sid for sid in plan.seq_ids if sid in self.dropped]
         rows = (plan.seq_ids, plan.num_computed, plan.num_new, plan.block_tables)
         ids, computed, new, tables = ([xs[i] for i in keep] for xs in rows)
+        slots = [plan.state_slots[i] for i in keep] if plan.state_slots else []
         return StepPlan(plan.step_id, plan.new_seqs, ids, computed, new, tables, plan.finished,
-                        plan.weight_epoch), skipped
+                        plan.weight_epoch, slots), skipped
 
     def _with_skipped(self, result: StepResult, skipped: list[str]) -> StepResult:
         if skipped and not self.tp.rank:  # rank 0 reports for the engine
@@ -319,12 +327,33 @@ class ModelRunner:
         meta.prefills = prefills
         input_ids = torch.tensor(tokens, dtype=torch.int64)
         positions = torch.from_numpy(np.concatenate(pos_parts))
+        if self.kv.state_slots:
+            meta.state_slots = self._state_slots(plan)
         if self.device.type != "cpu":
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
             meta = _to_device(meta, self.device)
         routes = (slots, spans, skipped) if capture else None
         return (input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.int64), sample_ids, prompt_rows,
                 routes)
+
+    def _state_slots(self, plan: StepPlan) -> torch.Tensor:
+        """The rows' state slots (plan order = decodes, then prefill chunks): fresh ones zeroed, the others
+        checked to resume where their state stopped."""
+        if len(plan.state_slots) != len(plan.seq_ids):
+            raise RuntimeError(f"a hybrid model's plan names {len(plan.state_slots)} state slots for "
+                               f"{len(plan.seq_ids)} sequences")
+        fresh = []
+        for sid, slot, start, n in zip(plan.seq_ids, plan.state_slots, plan.num_computed, plan.num_new):
+            if not 0 <= slot < self.kv.state_slots:
+                raise RuntimeError(f"sequence {sid}: state slot {slot} is not one of the {self.kv.state_slots}")
+            if start == 0:
+                fresh.append(slot)
+            elif self.state_pos.get(slot) != start:
+                raise RuntimeError(f"sequence {sid} resumes at position {start} but its state slot {slot} holds "
+                                   f"position {self.state_pos.get(slot)}: a hybrid model cannot skip positions")
+            self.state_pos[slot] = start + n
+        self.kv.reset_state(fresh)
+        return torch.tensor(plan.state_slots, dtype=torch.int64)
 
     def _result(self, plan: StepPlan, sample_ids: list[str], out, t0: float) -> StepResult:
         if out is None:
@@ -342,6 +371,8 @@ class ModelRunner:
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     meta.slot_mapping = meta.slot_mapping.to(device)
+    if meta.state_slots is not None:
+        meta.state_slots = meta.state_slots.to(device)
     if meta.decode_block_tables is not None:
         meta.decode_block_tables = meta.decode_block_tables.to(device)
         meta.decode_ctx_lens = meta.decode_ctx_lens.to(device)  # type: ignore[union-attr]
@@ -364,6 +395,7 @@ def warm_up(model, *, rank: int, block_size: int, device: torch.device, kv_dtype
     n = max(1, min(8, block_size - 1))
     sid = "warm-up"
     params = SamplingParams(temperature=0.0, max_tokens=2)
-    runner.execute(StepPlan(1, [NewSeq(sid, [0] * n, params, [])], [sid], [0], [n], [[0, 0]], [], 0))
-    runner.execute(StepPlan(2, [], [sid], [n], [1], [[0, 0]], [], 0))
+    slots = [0] if kv.state_slots else []  # a hybrid model's one state slot
+    runner.execute(StepPlan(1, [NewSeq(sid, [0] * n, params, [])], [sid], [0], [n], [[0, 0]], [], 0, slots))
+    runner.execute(StepPlan(2, [], [sid], [n], [1], [[0, 0]], [], 0, slots))
     return time.perf_counter() - t0

@@ -9,7 +9,9 @@
 Offloading the KV cache (SkyRL's sleep_for_weight_sync, `kv_blocks`): the blocks that kept (frozen) requests
 hold are copied to the host (a compact copy of just those blocks, on CPU too, where the rest of the cache
 is then freed) before the cache is released, and written back into the same block ids when `kv_cache`
-wakes, so the frozen requests continue on exactly the KV they had.
+wakes, so the frozen requests continue on exactly the KV they had. A hybrid model's recurrent-state pool
+(workers.kv_cache) is kept whole beside them, so they continue on their states too; without kv_blocks it is
+discarded with the blocks, at either level.
 
 /weight_checker reset (`zero_weights`, vLLM's): every parameter is zeroed in place and counted as missing,
 like a level-2 sleep's discard, so nothing is served until an update or reload_weights has filled them.
@@ -42,6 +44,8 @@ class SleepManager:
         # After a level-2 sleep: parameter -> flat element ranges written since (until each is whole).
         self._discarded: dict[str, list[tuple[int, int]]] = {}
         self._kv_kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (block ids, their KV) while released
+        # a hybrid model's state pool (conv, recurrent) kept with the blocks: the kept requests' states in it
+        self._state_kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())  # shared (tied) parameters appear once
@@ -56,6 +60,8 @@ class SleepManager:
             self._kv_kept = self._offload_kv(kv_blocks)
             if self.platform.name == "cpu":  # the copy stays in the same memory: what is freed is the rest
                 released -= self._kv_kept[1].numel() * self._kv_kept[1].element_size()
+            if self.kv.conv_state is not None:  # the whole pool (a few slots): the kept requests' states are in it
+                self._state_kept = (self.kv.conv_state.cpu(), self.kv.rec_state.cpu())
         self.kv.release()
         offload = level == 1
         if offload and self.platform.name == "cpu":
@@ -101,6 +107,11 @@ class SleepManager:
                     ids, kept = self._kv_kept
                     self._kv_kept = None
                     self.kv.tensor[:, :, ids.to(self.kv.device)] = kept.to(self.kv.device)
+                if self._state_kept is not None:
+                    conv, rec = self._state_kept
+                    self._state_kept = None
+                    self.kv.conv_state.copy_(conv)
+                    self.kv.rec_state.copy_(rec)
             self.asleep.discard(tag)
         return restored
 

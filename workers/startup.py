@@ -65,18 +65,25 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
     warm_s = warm_up(model, rank=rank, block_size=cfg.cache.block_size, device=device, kv_dtype=kv_dtype)
     nl, nkv, hd = model.kv_spec
     per_block = KVCache.bytes_per_block(nl, nkv, hd, cfg.cache.block_size, kv_dtype, model.kv_planes)
+    # a hybrid model's recurrent-state pool: one slot per sequence that can run, out of the same budget
+    state_slots = cfg.scheduler.max_num_seqs if getattr(model, "state_spec", None) is not None else 0
+    reserved = state_slots * KVCache.bytes_per_state_slot(getattr(model, "state_spec", None), kv_dtype)
     try:
         num_blocks = plan_num_blocks(platform, bytes_per_block=per_block,
                                      kv_cache_memory_bytes=cfg.cache.kv_cache_memory_bytes,
                                      num_blocks_override=cfg.cache.num_gpu_blocks_override,
-                                     gpu_memory_utilization=cfg.cache.gpu_memory_utilization, device_index=device_index)
+                                     gpu_memory_utilization=cfg.cache.gpu_memory_utilization, device_index=device_index,
+                                     reserved_bytes=reserved)
     except ValueError as e:  # no room for a KV cache in what the flags allow
         raise SystemExit(f"rollbus: {name}: {e}") from None
     if num_blocks * cfg.cache.block_size < max_model_len:
+        pool = (f" after its recurrent-state pool ({state_slots} slots for --max-num-seqs, {reserved} bytes)"
+                if state_slots else "")
         raise SystemExit(
-            f"KV cache of {num_blocks} blocks x {cfg.cache.block_size} tokens cannot hold one sequence of "
-            f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len")
-    kv = KVCache.for_model(model, cfg.cache.block_size, num_blocks, kv_dtype, device)
+            f"KV cache of {num_blocks} blocks x {cfg.cache.block_size} tokens{pool} cannot hold one sequence of "
+            f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
+            + (" or --max-num-seqs" if state_slots else ""))
+    kv = KVCache.for_model(model, cfg.cache.block_size, num_blocks, kv_dtype, device, state_slots=state_slots)
     runner = ModelRunner(model, kv, rank=rank, block_size=cfg.cache.block_size, device=device, seed=cfg.model.seed,
                          logprobs_mode=cfg.rl.logprobs_mode, return_routed_experts=cfg.rl.enable_return_routed_experts,
                          tokenizer_path=None if cfg.rl.tokens_only else
@@ -92,5 +99,6 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."), kernels=model.kern.name, attention=attn,
         batch_invariant_checked=checked, cpu_linear=cpu_linear, host_allocator=host_allocator,
         warm_up_s=round(warm_s, 3), host_huge_pages=host_huge_pages() if device.type == "cpu" else None,
-        cpu_threads=cpu_kernels.threads() if device.type == "cpu" else None, layout=layout(cfg))
+        cpu_threads=cpu_kernels.threads() if device.type == "cpu" else None, layout=layout(cfg),
+        state_slots=state_slots)
     return Loaded(model, kv, runner, info)

@@ -180,12 +180,20 @@ class SchedulerActor:
         self.depth = 2 if async_scheduling_on(self.cfg.scheduler, infos[0].device) else 1
         self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.model.max_logprobs,
                                    self.cfg.rl.enable_trace_replay, self.cfg.scheduler.scheduling_policy)
-        blocks = BlockManager(num_blocks, self.cfg.cache.block_size, self.cfg.cache.enable_prefix_caching,
+        state_slots = min(i.state_slots for i in infos)
+        caching = self.cfg.cache.enable_prefix_caching
+        if state_slots and caching:
+            # as vLLM does for a hybrid model without state checkpoints: a prefix hit would skip the recurrent
+            # state of the positions it did not compute, so the cache is off, not silently wrong
+            caching = False
+            log.info("scheduler.prefix_caching_off", reason="hybrid model: its Gated DeltaNet layers' recurrent "
+                     "state is not checkpointed at block boundaries, so a prefix hit cannot be resumed")
+        blocks = BlockManager(num_blocks, self.cfg.cache.block_size, caching,
                               record_events=self.kv_events is not None)
         self.sched = Scheduler(blocks,
                                self.cfg.scheduler.max_num_seqs, self.cfg.scheduler.max_num_batched_tokens, max_len,
                                max_loras=self.cfg.lora.max_loras if self.cfg.lora.enable_lora else 0,
-                               policy=self.cfg.scheduler.scheduling_policy)
+                               policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
         self.sched.weight_epoch = self.link.state.weight_epoch
@@ -304,7 +312,8 @@ class SchedulerActor:
             self.step_id,
             [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
             step.seq_ids, step.num_computed, step.num_new,
-            [s.block_table for s in step.seqs], step.finished_ids, step.weight_epoch)
+            [s.block_table for s in step.seqs], step.finished_ids, step.weight_epoch,
+            [s.state_slot for s in step.seqs] if self.sched.state_slots else [])
         send(self.plans, plan, topic=PLAN_TOPIC)
 
     def _on_result(self) -> None:

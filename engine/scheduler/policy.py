@@ -18,6 +18,12 @@ sequence with the highest (priority, arrival time), as vLLM's priority policy pi
 sequence never preempts a running one: priority decides who is admitted, and who is preempted when
 blocks run out.
 
+Hybrid models (Qwen3-Next / Qwen3.5, `state_slots` > 0): every running sequence also holds one of the workers'
+recurrent-state slots (workers.kv_cache), taken at admission and given back when it is preempted or
+finishes; there is one per --max-num-seqs sequence, so admission never waits for one. Like blocks, a slot
+freed may go to another sequence in the next plan: that sequence starts at position 0, and the workers zero
+the slot before they compute it (after the step in flight, which may still write the old sequence's state).
+
 Async scheduling (--async-scheduling): the next step may be planned while one is still computing. A sequence
 in that step counts its positions and its sample as if they were done (`inflight_tokens`,
 `inflight_samples`, vLLM's output placeholders): the next plan decodes the token the workers are sampling
@@ -93,6 +99,11 @@ class Scheduler:
     num_preemptions: int = 0
     policy: str = "fcfs"  # or "priority" (--scheduling-policy)
     _added: int = 0  # sequences added so far: the last tie-break of the priority order
+    state_slots: int = 0  # hybrid models: the workers' recurrent-state slots (0: none, attention only)
+    free_slots: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free_slots = list(range(self.state_slots - 1, -1, -1))  # popped from the end: slot 0 first
 
     def _lora_slot_full(self, seq: Sequence) -> bool:
         lora = seq.sampling.lora
@@ -206,6 +217,8 @@ class Scheduler:
             i += 1
         new_seqs: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            if self.state_slots and not self.free_slots:
+                break  # (not reached: one slot per --max-num-seqs sequence)
             seq = self.waiting[0]
             if seq.inflight_tokens:
                 break  # preempted while a step of it was computing: it comes back once that step is in
@@ -226,6 +239,8 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed
             self.blocks.allocate(seq, seq.num_computed + n)
             self.waiting.popleft()
+            if self.state_slots:
+                seq.state_slot = self.free_slots.pop()
             seq.status = SeqStatus.RUNNING
             if self.policy == "priority":
                 self._insort(self.running, seq)  # the step's plan order is `seqs`', not this list's
@@ -320,9 +335,15 @@ class Scheduler:
             return "length"
         return None
 
+    def _free_slot(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free_seq(seq)
+        self._free_slot(seq)
         seq.num_computed = 0
         seq.kv_epoch = None
         seq.num_preemptions += 1
@@ -341,6 +362,7 @@ class Scheduler:
         else:
             return
         self.blocks.free_seq(seq)
+        self._free_slot(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
