@@ -24,6 +24,10 @@ def layout_error(hf: dict[str, Any], tp: int) -> str | None:
         return f"--tensor-parallel-size must be at least 1, got {tp}"
     if tp == 1:
         return None
+    arch = (hf.get("architectures") or [""])[0]
+    if arch in HYBRID or hf.get("model_type") in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        return (f"--tensor-parallel-size {tp}: {arch or hf.get('model_type')} (hybrid Gated DeltaNet) is served "
+                f"with tensor-parallel size 1 only; its linear-attention layers are not sharded")
     hq, hk = _heads(hf)
     if hq % tp:
         return (f"--tensor-parallel-size {tp} does not divide the model's {hq} attention heads "
@@ -34,7 +38,6 @@ def layout_error(hf: dict[str, Any], tp: int) -> str | None:
     if hk < tp and tp % hk:
         return (f"--tensor-parallel-size {tp} is not a multiple of the model's {hk} KV heads (num_key_value_heads), "
                 f"so they cannot be replicated evenly")
-    arch = (hf.get("architectures") or [""])[0]
     if hk < tp and arch in FULL_QK_NORM:
         return (f"--tensor-parallel-size {tp} exceeds the model's {hk} KV heads (num_key_value_heads): {arch} "
                 f"normalises the whole k projection, so each rank must hold distinct KV heads")
@@ -44,6 +47,9 @@ def layout_error(hf: dict[str, Any], tp: int) -> str | None:
             return f"--tensor-parallel-size {tp} does not divide the model's {key} {size}"
     return None
 
+
+# hybrid linear-attention models: not sharded (workers/models/qwen3_next.py)
+HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 # QK-norm over the whole q / k projections: a rank's sum of squares is all-reduced, which needs unreplicated KV heads
 FULL_QK_NORM = ("Olmo2ForCausalLM", "OlmoeForCausalLM")
