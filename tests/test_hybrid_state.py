@@ -114,3 +114,20 @@ def test_qwen3_5_text_models_equal_hf_across_chunks_and_decodes(arch, tmp_path) 
     rows = [r.step(prefills=[(0, ids[:1])]), r.step(prefills=[(0, ids[1:64])]), r.step(prefills=[(0, ids[64:94])])]
     rows += [r.step(decodes=[(0, t)]) for t in ids[94:]]
     assert (torch.cat(rows).log_softmax(-1) - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.unit
+def test_sleep_discards_the_pool_or_keeps_it_with_offloaded_blocks() -> None:
+    from workers.sleep import SleepManager
+
+    model = build_model(_cfg(), torch.float32, "cpu")
+    kv = KVCache.for_model(model, 4, 8, torch.float32, torch.device("cpu"), state_slots=2)
+    sleep = SleepManager(model, kv, current_platform())
+    kv.rec_state.fill_(2.0), kv.conv_state.fill_(3.0)
+    sleep.sleep(1, kv_blocks=[1, 2])  # SkyRL's offloaded sleep: the kept requests' states come back
+    assert kv.conv_state is None
+    sleep.wake(None)
+    assert kv.rec_state.eq(2.0).all() and kv.conv_state.eq(3.0).all()
+    sleep.sleep(2)  # a plain sleep: discarded with the blocks
+    sleep.wake(None)
+    assert kv.rec_state.abs().sum() == 0 and kv.conv_state.abs().sum() == 0
