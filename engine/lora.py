@@ -111,12 +111,18 @@ def check_lora_config(cfg: LoraConfig, tensor_parallel_size: int) -> list[str]:
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def model_problem(folder: str | Path) -> str | None:
     """Why --enable-lora cannot serve this model (None: it can), from its config.json, before anything starts."""
     try:
         hf = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return None  # the workers' own load says what is wrong with the folder
+    if "linear_attention" in (hf.get("layer_types") or []) or hf.get("model_type") in HYBRID_TYPES:
+        return ("--enable-lora: adapters on a hybrid linear-attention model (Qwen3-Next / Qwen3.5: Gated DeltaNet "
+                "layers) are not implemented; serve this model without --enable-lora")
     if any(isinstance(hf.get(k), int) and hf[k] > 0 for k in MOE_KEYS):
         return ("--enable-lora: adapters on a mixture-of-experts model (LoRA on its experts' projections) are not "
                 "implemented; serve this model without --enable-lora")

@@ -131,3 +131,17 @@ def test_sleep_discards_the_pool_or_keeps_it_with_offloaded_blocks() -> None:
     sleep.sleep(2)  # a plain sleep: discarded with the blocks
     sleep.wake(None)
     assert kv.rec_state.abs().sum() == 0 and kv.conv_state.abs().sum() == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_lora_is_refused_before_start_naming_the_hybrid_layers(arch, tmp_path) -> None:
+    import json
+
+    from engine.lora import model_problem
+    from workers.lora import attach
+
+    (tmp_path / "config.json").write_text(json.dumps(_cfg(arch)))
+    assert "hybrid linear-attention model" in (model_problem(tmp_path) or "")
+    with pytest.raises(NotImplementedError, match="hybrid linear-attention model"):
+        attach(build_model(_cfg(arch), torch.float32, "meta"), None)

@@ -265,6 +265,9 @@ class LoraSlots:
 
 def attach(model, slots: LoraSlots) -> None:
     """Give every decoder layer's projections their LoRA hook (workers/models/llama.py calls them)."""
+    if getattr(model, "state_spec", None) is not None:
+        raise NotImplementedError("--enable-lora: adapters on a hybrid linear-attention model (Gated DeltaNet) are "
+                                  "not implemented; serve this model without --enable-lora")
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(attn, "qkv_proj"):
