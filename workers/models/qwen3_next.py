@@ -141,12 +141,20 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of N sequences ([N, H, d], fp32) from their states [N, H, dk, dv]: (o [N, H, dv], S)."""
-    s = state * g.exp()[..., None, None]
-    delta = (v - (s * k.unsqueeze(-1)).sum(-2)) * beta.unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (s * q.unsqueeze(-1)).sum(-2), s
+                         state: torch.Tensor) -> torch.Tensor:
+    """One token of each of N sequences ([N, H, d], fp32) from their states [N, H, dk, dv], which are
+    updated in place: returns o [N, H, dv]. The state is read once for both k^T S and q^T S (o = q^T S_new =
+    decay q^T S + (q . k) delta), then scaled and updated in place: no temporaries of its size."""
+    n, h, dk = k.shape
+    dv = v.shape[-1]
+    s = state.view(n * h, dk, dv)
+    decay = g.exp().reshape(n * h, 1)
+    kq = torch.bmm(torch.stack((k, q), dim=2).view(n * h, 2, dk), s)  # [NH, 2, dv]
+    delta = (v.reshape(n * h, dv) - decay * kq[:, 0]) * beta.reshape(n * h, 1)
+    o = decay * kq[:, 1] + (q * k).sum(-1).reshape(n * h, 1) * delta
+    s.mul_(decay.unsqueeze(-1))
+    s.baddbmm_(k.reshape(n * h, dk, 1), delta.unsqueeze(1))
+    return o.view(n, h, dv)
 
 
 class GatedDeltaNet(nn.Module):
@@ -211,8 +219,14 @@ class GatedDeltaNet(nn.Module):
             conv_state[sl] = window[..., 1:]
             qkv = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)
             q, k, v = self._heads(qkv)
-            o, rec_state[sl] = recurrent_delta_step(q, k, v, g[:nd], beta[:nd], rec_state[sl])
-            out[:nd] = o
+            first = int(sl[0])
+            if bool((sl == torch.arange(first, first + nd, device=sl.device)).all()):
+                states = rec_state.narrow(0, first, nd)  # consecutive slots: updated where they are
+            else:
+                states = rec_state.index_select(0, sl)  # else gathered, updated, and put back
+            out[:nd] = recurrent_delta_step(q, k, v, g[:nd], beta[:nd], states)
+            if states.data_ptr() != rec_state[first].data_ptr():
+                rec_state.index_copy_(0, sl, states)
         for i, ch in enumerate(meta.prefills):
             slot, rows = int(slots[nd + i]), slice(ch.q_start, ch.q_start + ch.q_len)
             seq = torch.cat((conv_state[slot], mixed[rows].t().to(conv_state.dtype)), dim=-1)  # [C, K-1+L]
