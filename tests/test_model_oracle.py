@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.tiny_models import (
+    HYBRID,
     NEW_ARCHS,
     SHARDED,
     TINY_CONFIGS,
@@ -25,7 +26,7 @@ from workers.models.registry import ARCHITECTURES, build_model
 transformers = pytest.importorskip("transformers")
 
 # issue 34's archs: their CI check is test_arch_oracle.py; this exhaustive suite runs them in the slow lane
-ARCHS = [pytest.param(a, marks=pytest.mark.slow) if a in NEW_ARCHS else a for a in TINY_CONFIGS]
+ARCHS = [pytest.param(a, marks=pytest.mark.slow) if a in NEW_ARCHS or a in HYBRID else a for a in TINY_CONFIGS]
 LOGIT_TOL = 1e-4
 
 
@@ -146,7 +147,8 @@ def test_load_weights_in_place(tiny) -> None:
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
     assert torch.equal(PagedRunner(model).step(prefills=[(0, ids)]), before)
     # Our own fused names are accepted too (a trainer may send them).
-    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    first = next(i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn"))
+    qkv = f"model.layers.{first}.self_attn.qkv_proj.weight"
     model.load_weights([(qkv, dict(model.named_parameters())[qkv].detach().clone())])
     if TINY_CONFIGS[arch][1]["tie_word_embeddings"]:
         assert model.lm_head.weight is model.model.embed_tokens.weight
