@@ -106,12 +106,7 @@ def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if arch.startswith(("Qwen2", "Qwen3")) and not cfg.get("use_sliding_window"):
         w = 0
     if types:
-        if len(types) != n:
-            raise ValueError(f"{arch}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
-        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if bad:
-            raise NotImplementedError(f"{arch}: layer_types {bad[0]!r} is not supported "
-                                      f"(only full_attention and sliding_attention)")
+        check_layer_types(arch, types, n, ("full_attention", "sliding_attention"))
         if "sliding_attention" in types and w <= 0:
             raise ValueError(f"{arch}: layer_types has sliding_attention layers but sliding_window is {w}")
         return tuple(w if t == "sliding_attention" else 0 for t in types)
@@ -125,6 +120,15 @@ def sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if w:
         raise NotImplementedError(f"{arch}: sliding_window {w} is not supported for this architecture")
     return (0,) * n
+
+
+def check_layer_types(arch: str, types: list[str], n: int, allowed: tuple[str, str]) -> None:
+    """`layer_types` lists one of `allowed` per layer, or the config is refused naming what is wrong."""
+    if len(types) != n:
+        raise ValueError(f"{arch}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
+    bad = sorted(set(types) - set(allowed))
+    if bad:
+        raise NotImplementedError(f"{arch}: layer_types {bad[0]!r} is not supported (only {' and '.join(allowed)})")
 
 
 def _inv_freq(cfg: DecoderConfig) -> tuple[torch.Tensor | None, float]:

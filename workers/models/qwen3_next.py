@@ -34,7 +34,7 @@ from torch import nn
 from ascend_ops.attention import AttentionMetadata
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
-from workers.models.decoder_config import DecoderConfig
+from workers.models.decoder_config import DecoderConfig, check_layer_types
 from workers.models.llama import MLP, Attention, DecoderLM, KVSpec, _param
 from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE
 from workers.models.tp_layout import Shard
@@ -69,12 +69,7 @@ class HybridConfig(MoEConfig):
         if not types:  # HF's default: every full_attention_interval-th layer is full attention
             every = int(cfg.get("full_attention_interval", 4))
             types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-        if len(types) != n:
-            raise ValueError(f"{arch}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
-        bad = sorted(set(types) - {"full_attention", "linear_attention"})
-        if bad:
-            raise NotImplementedError(f"{arch}: layer_types {bad[0]!r} is not supported "
-                                      f"(only linear_attention and full_attention)")
+        check_layer_types(arch, types, n, ("linear_attention", "full_attention"))
         rope = dict(cfg.get("rope_parameters") or {})
         if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in cfg:
             rope["partial_rotary_factor"] = 0.25  # HF's default for the family
