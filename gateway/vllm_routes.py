@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bus.sampling_params import ParamError, SamplingParams
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, async_scheduling_on
+from engine.config.cache import prefix_caching_on
 from gateway.errors import bad_request, model_not_found
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
 from gateway.responses import JSONResponse
@@ -235,7 +236,8 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
         "cache_config": {"block_size": cfg.cache.block_size, "cache_dtype": cfg.cache.kv_cache_dtype,
                          "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION
                          if cfg.cache.gpu_memory_utilization is None else cfg.cache.gpu_memory_utilization,
-                         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+                         "enable_prefix_caching": prefix_caching_on(  # off for a hybrid model, as its scheduler has it
+                             cfg.cache, max((int(i.get("state_slots") or 0) for i in workers.values()), default=0)),
                          "num_gpu_blocks_override": cfg.cache.num_gpu_blocks_override, "num_gpu_blocks": num_blocks,
                          "kv_cache_memory_bytes": cfg.cache.kv_cache_memory_bytes},
         "parallel_config": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp,

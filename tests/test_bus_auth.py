@@ -35,7 +35,7 @@ from bus.messages import (
 )
 from bus.sockets import make_socket
 from engine.config import EngineConfig, parse_config
-from tests.server_helpers import free_port, free_port_range, start_server, tiny_model_with_tokenizer
+from tests.server_helpers import free_port_range, start_server, tiny_model_with_tokenizer
 from tests.waits import wait_subscribed
 
 pytestmark = pytest.mark.timeout(240)

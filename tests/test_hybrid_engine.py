@@ -54,7 +54,7 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
     s = start_server(tmp_path, str(folder), "--block-size", "4", "--max-num-batched-tokens", "16",
                      "--max-model-len", "256", "--max-num-seqs", "8", "--enable-return-routed-experts",
                      "--enable-sleep-mode", "--additional-config", '{"rl_config": {"enabled": true}}',
-                     "--weight-transfer-config", cfg)
+                     "--weight-transfer-config", cfg, env={"VLLM_SERVER_DEV_MODE": "1"})
 
     def served(prompt: list[int]) -> dict:
         r = httpx.post(s.url + "/v1/completions", timeout=120, json={**body, "prompt": prompt})
@@ -76,6 +76,9 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
         again = served(prompts[3])
         hits = metric(s, "vllm:prefix_cache_hits_total")
         queries = metric(s, "vllm:prefix_cache_queries_total")
+        # /server_info says what the scheduler does (off for this model), not what the flag asked
+        info = httpx.get(s.url + "/server_info?config_format=json", timeout=10).json()
+        cache_config = info["vllm_config"]["cache_config"]
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for _, p in hf.named_parameters():
@@ -94,6 +97,7 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
     finally:
         s.stop()
     assert queries > 0 and hits == 0, "a hybrid model must never serve a prefix-cache hit"
+    assert cache_config["enable_prefix_caching"] is False, cache_config
     assert again["logprobs"]["tokens"] == got[3]["logprobs"]["tokens"]
     assert check.json() == {"match": True, "mismatches": []}
     assert again_after["logprobs"] == after["logprobs"]

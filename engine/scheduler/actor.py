@@ -75,6 +75,7 @@ from bus.topology import Topology
 from engine import sampling_mask
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on
+from engine.config.cache import prefix_caching_on
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
 from engine.routed_experts import merge as merge_routed
@@ -181,11 +182,8 @@ class SchedulerActor:
         self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.model.max_logprobs,
                                    self.cfg.rl.enable_trace_replay, self.cfg.scheduler.scheduling_policy)
         state_slots = min(i.state_slots for i in infos)
-        caching = self.cfg.cache.enable_prefix_caching
-        if state_slots and caching:
-            # as vLLM does for a hybrid model without state checkpoints: a prefix hit would skip the recurrent
-            # state of the positions it did not compute, so the cache is off, not silently wrong
-            caching = False
+        caching = prefix_caching_on(self.cfg.cache, state_slots)
+        if caching != self.cfg.cache.enable_prefix_caching:
             log.info("scheduler.prefix_caching_off", reason="hybrid model: its Gated DeltaNet layers' recurrent "
                      "state is not checkpointed at block boundaries, so a prefix hit cannot be resumed")
         blocks = BlockManager(num_blocks, self.cfg.cache.block_size, caching,
