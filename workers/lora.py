@@ -64,23 +64,22 @@ class AdapterWeights:
                 if not mine:
                     continue
                 block = "self_attn" if fused in ("qkv", "o") else "mlp"
-                stems = {m: f"base_model.model.model.layers.{layer}.{block}.{m}" for m in mine}
-                a = torch.cat([tensors[f"{stems[m]}.lora_A.weight"].float() for m in mine])  # [K*r, in]
-                b = torch.zeros(sum(feats[m][1] for m in parts), len(mine) * spec.rank)
-                row = col = 0
-                ranges = []
+                stem = f"base_model.model.model.layers.{layer}.{block}"
+                a = torch.cat([tensors[f"{stem}.{m}.lora_A.weight"] for m in mine])  # [K*r, in]
+                bs, ranges, row = [], [], 0  # each targeted part's B [out, r] and its rows of the fused output
                 for m in parts:
-                    if m in stems:
-                        part = tensors[f"{stems[m]}.lora_B.weight"].float() * spec.scaling  # [out, r]
-                        b[row:row + part.shape[0], col:col + spec.rank] = part
-                        ranges.append((row, row + part.shape[0]))
-                        col += spec.rank
+                    if m in mine:
+                        bs.append(tensors[f"{stem}.{m}.lora_B.weight"])
+                        ranges.append((row, row + feats[m][1]))
                     row += feats[m][1]
                 if kernel:
                     self.layers[layer][fused] = Pair(_on(a, device, dtype), None,
-                                                     _on(_panels(b, ranges, spec.rank), device, dtype),
+                                                     _on(_panels(bs, spec.scaling), device, dtype),
                                                      torch.tensor(ranges, dtype=torch.long))
                 else:
+                    b = torch.zeros(row, len(mine) * spec.rank)  # block-diagonal: part k's B on its rows only
+                    for k, (part, (r0, r1)) in enumerate(zip(bs, ranges)):
+                        b[r0:r1, k * spec.rank:(k + 1) * spec.rank] = part * spec.scaling
                     self.layers[layer][fused] = Pair(_param(a, device, dtype), _param(b, device, dtype), None, None)
 
     @classmethod
@@ -96,16 +95,23 @@ class AdapterWeights:
 PANEL = 32  # ascend_ops/csrc/cpu_lora.cpp's kPanel
 
 
-def _panels(b: torch.Tensor, ranges: list[tuple[int, int]], rank: int) -> torch.Tensor:
-    """B^T of each targeted part (its columns `ranges` of the block-diagonal B [out, K*r]) in the kernel's
-    layout: part after part, [panels][rank][PANEL] (the last panel zero-padded), flattened."""
-    out = []
-    for k, (c0, c1) in enumerate(ranges):
-        bt = b[c0:c1, k * rank:(k + 1) * rank].t()  # [r, width]
-        pad = (-bt.shape[1]) % PANEL
-        bt = torch.nn.functional.pad(bt, (0, pad))
-        out.append(bt.reshape(rank, -1, PANEL).transpose(0, 1).reshape(-1))
-    return torch.cat(out)
+def _panels(bs: list[torch.Tensor], scaling: float) -> torch.Tensor:
+    """B^T·scaling of each targeted part (its B [out, r]) in the kernel's layout: part after part,
+    [panels][rank][PANEL] (the last panel zero-padded), flattened. One strided multiply per part into the
+    packed buffer: no dense block-diagonal B, no temporary (an in-place reload builds this on its path)."""
+    rank = bs[0].shape[1]
+    sizes = [-(-b.shape[0] // PANEL) * PANEL * rank for b in bs]
+    out = torch.empty(sum(sizes), dtype=torch.float32)
+    for b, chunk in zip(bs, out.split(sizes)):
+        b, width = b.float(), b.shape[0]
+        panels = chunk.view(-1, rank, PANEL)  # [P, r, PANEL]
+        if width % PANEL:
+            panels[-1].zero_()
+        full = width // PANEL * PANEL
+        torch.mul(b[:full].view(-1, PANEL, rank).transpose(1, 2), scaling, out=panels[:full // PANEL])
+        if full < width:
+            torch.mul(b[full:].t(), scaling, out=panels[-1, :, :width - full])
+    return out
 
 
 def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
