@@ -48,7 +48,7 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
     g.add_argument("--enable-lora", action=Switch, default=d.enable_lora,
                    help="Serve LoRA adapters (PEFT folders) on top of the model: a request names one as `model`. "
-                        "Attention (q/k/v/o) and MLP (gate/up/down) projections of dense models; not with -tp > 1.")
+                        "Attention (q/k/v/o) and MLP (gate/up/down) projections; split across -tp ranks as vLLM does.")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="At most this many different adapters in one step; sequences of another adapter wait.")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
@@ -86,15 +86,13 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
     return out
 
 
-def check_lora_config(cfg: LoraConfig, tensor_parallel_size: int) -> list[str]:
+def check_lora_config(cfg: LoraConfig) -> list[str]:
     """Start-up problems of the LoRA flags (empty when none)."""
     problems = []
     if not cfg.enable_lora:
         if cfg.lora_modules:
             problems.append("--lora-modules needs --enable-lora")
         return problems
-    if tensor_parallel_size > 1:
-        problems.append("--enable-lora with --tensor-parallel-size > 1 is not implemented (adapters are not split)")
     if cfg.max_loras < 1:
         problems.append(f"--max-loras must be at least 1, got {cfg.max_loras}")
     if cfg.max_lora_rank < 1:

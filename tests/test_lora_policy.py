@@ -51,7 +51,8 @@ def test_lora_flags_parse_and_refuse_what_is_not_implemented():
     assert (cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.lora.lora_dtype) == (2, 32, "bfloat16")
     assert [(m.name, m.path, m.base_model_name) for m in parse_lora_modules(cfg.lora.lora_modules)] == [
         ("a", "/x", None), ("b", "/y", "m")]
-    for argv, why in ((["--enable-lora", "-tp", "2"], "not implemented"), (["--lora-modules", "a=/x"], "--enable-lora"),
+    assert parse_config(["--enable-lora", "-tp", "2"]).parallel.tensor_parallel_size == 2  # split as vLLM does
+    for argv, why in ((["--lora-modules", "a=/x"], "--enable-lora"),
                       (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),
                       (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras")):
         with pytest.raises(SystemExit, match=why):

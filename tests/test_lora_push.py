@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine.trainer import WeightSyncClient, WeightSyncFailed
-from tests.lora_helpers import make_adapter, peft_oracle
+from tests.lora_helpers import check_peft, make_adapter
 from tests.serve_process import start_server
-from tests.tiny_models import make_tiny_checkpoint, random_prompt
+from tests.tiny_models import make_tiny_checkpoint
 
 pytest.importorskip("peft")
 TOL = 1e-4
@@ -49,20 +49,7 @@ def _adapter(folder) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _check_peft(server, base, folder, model: str, version: int) -> list[float]:
-    prompt = random_prompt(7, 1000, 5)
-    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0,
-        "return_tokens_as_token_ids": True, "return_token_ids": True, "return_weight_versions": True})
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    toks, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-    with torch.no_grad():
-        ref = torch.log_softmax(peft_oracle(base, folder)(torch.tensor([prompt + toks])).logits[0].float(), -1)
-    for i, (t, lp) in enumerate(zip(toks, lps)):
-        assert abs(float(ref[len(prompt) - 1 + i, t]) - lp) < TOL
-    assert choice["weight_versions"][0]["lora_name"] == model
-    assert choice["weight_versions"][0]["lora_version"] == version
-    return lps
+    return check_peft(server.url, base, folder, model, version)
 
 
 def test_send_lora_pushes_versions_equal_to_peft(setup):

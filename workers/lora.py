@@ -54,8 +54,10 @@ class AdapterWeights:
     a group's delta on a fused projection is two GEMMs and one add, or one kernel call for all groups."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], spec: AdapterSpec, hf_config: dict, dtype: torch.dtype,
-                 device: torch.device, kernel: bool):
-        feats = module_features(hf_config)
+                 device: torch.device, kernel: bool, cuts: Cuts | None = None):
+        cuts = cuts or {}
+        # this rank's out features of each part (column-parallel parts are cut by output)
+        feats = {m: cuts.get((m, "B"), (0, out))[1] for m, (_, out) in module_features(hf_config).items()}
         self.layers: list[dict[str, Pair]] = [{} for _ in range(hf_config["num_hidden_layers"])]
         targeted = set(spec.modules)
         for layer in range(len(self.layers)):
@@ -65,13 +67,13 @@ class AdapterWeights:
                     continue
                 block = "self_attn" if fused in ("qkv", "o") else "mlp"
                 stem = f"base_model.model.model.layers.{layer}.{block}"
-                a = torch.cat([tensors[f"{stem}.{m}.lora_A.weight"] for m in mine])  # [K*r, in]
+                a = torch.cat([_cut(tensors[f"{stem}.{m}.lora_A.weight"], (m, "A"), cuts) for m in mine])  # [K*r, in]
                 bs, ranges, row = [], [], 0  # each targeted part's B [out, r] and its rows of the fused output
                 for m in parts:
                     if m in mine:
-                        bs.append(tensors[f"{stem}.{m}.lora_B.weight"])
-                        ranges.append((row, row + feats[m][1]))
-                    row += feats[m][1]
+                        bs.append(_cut(tensors[f"{stem}.{m}.lora_B.weight"], (m, "B"), cuts))
+                        ranges.append((row, row + feats[m]))
+                    row += feats[m]
                 if kernel:
                     self.layers[layer][fused] = Pair(_on(a, device, dtype), None,
                                                      _on(_panels(bs, spec.scaling), device, dtype),
@@ -84,12 +86,36 @@ class AdapterWeights:
 
     @classmethod
     def from_folder(cls, ref: LoraRef, hf_config: dict, max_rank: int, dtype: torch.dtype, device: torch.device,
-                    kernel: bool) -> AdapterWeights:
+                    kernel: bool, cuts: Cuts | None = None) -> AdapterWeights:
         from safetensors.torch import load_file
 
         spec = inspect_adapter(ref.name, ref.path, hf_config, max_rank)
         tensors = load_file(str(Path(ref.path) / "adapter_model.safetensors"))
-        return cls(tensors, spec, hf_config, dtype, device, kernel)
+        return cls(tensors, spec, hf_config, dtype, device, kernel, cuts)
+
+
+# (PEFT module, "A" or "B") -> (first, count): this tensor-parallel rank's slice of it, as vLLM splits LoRA:
+# column-parallel projections (q/k/v, gate/up) keep B's rows of this rank's outputs (A whole); row-parallel
+# ones (o, down) keep A's columns of this rank's inputs (B whole), and their partial delta joins the partial
+# product before its all-reduce, so the sum over ranks is B·(A·x). Empty with one rank.
+Cuts = dict[tuple[str, str], tuple[int, int]]
+
+
+def tp_cuts(model) -> Cuts:
+    """The slices of this worker's part of the model (workers.models.tp_layout's Shard)."""
+    sh, d = model.shard, model.cfg.head_dim
+    if sh.size == 1:
+        return {}
+    q, kv, i = (sh.q0 * d, sh.hq * d), (sh.k0 * d, sh.hk * d), sh.rows(model.cfg.intermediate_size)
+    return {("q_proj", "B"): q, ("k_proj", "B"): kv, ("v_proj", "B"): kv, ("o_proj", "A"): q,
+            ("gate_proj", "B"): i, ("up_proj", "B"): i, ("down_proj", "A"): i}
+
+
+def _cut(t: torch.Tensor, key: tuple[str, str], cuts: Cuts) -> torch.Tensor:
+    if key not in cuts:
+        return t
+    lo, n = cuts[key]
+    return t[lo:lo + n] if key[1] == "B" else t[:, lo:lo + n]
 
 
 PANEL = 32  # ascend_ops/csrc/cpu_lora.cpp's kPanel
@@ -130,8 +156,8 @@ _NO_RANGES = torch.empty(0, 2, dtype=torch.long)
 
 class LoraSlots:
     def __init__(self, hf_config: dict, kern, *, max_rank: int, max_cached: int, dtype: torch.dtype,
-                 device: torch.device, kernel: bool = True):
-        self.hf_config, self.kern = hf_config, kern
+                 device: torch.device, kernel: bool = True, cuts: Cuts | None = None):
+        self.hf_config, self.kern, self.cuts = hf_config, kern, cuts or {}
         self.max_rank, self.max_cached, self.dtype, self.device = max_rank, max_cached, dtype, device
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
@@ -163,10 +189,10 @@ class LoraSlots:
                 if version != ref.version:
                     raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was pushed by a trainer and "
                                     "is no longer held on this worker (discarded or replaced)")
-                w = AdapterWeights(tensors, spec, self.hf_config, self.dtype, self.device, self.kernel)
+                w = AdapterWeights(tensors, spec, self.hf_config, self.dtype, self.device, self.kernel, self.cuts)
             else:
                 w = AdapterWeights.from_folder(ref, self.hf_config, self.max_rank, self.dtype, self.device,
-                                               self.kernel)
+                                               self.kernel, self.cuts)
             self.loaded[key] = w
             self.newest[ref.id] = ref.version
         self.loaded.move_to_end(key)
@@ -298,6 +324,7 @@ def slots_for(cfg, model, device: torch.device) -> LoraSlots | None:
         return None
     dtype = model.dtype if cfg.lora.lora_dtype == "auto" else getattr(torch, cfg.lora.lora_dtype)
     slots = LoraSlots(model_shape(model), model.kern, max_rank=cfg.lora.max_lora_rank,
-                      max_cached=cfg.lora.max_cpu_loras or cfg.lora.max_loras, dtype=dtype, device=device)
+                      max_cached=cfg.lora.max_cpu_loras or cfg.lora.max_loras, dtype=dtype, device=device,
+                      cuts=tp_cuts(model))
     attach(model, slots)
     return slots

@@ -48,7 +48,7 @@ class LoraStage:
         return self._shape(name)
 
     def weight_source(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        return src  # adapters are not split across tensor-parallel ranks (--enable-lora refuses -tp > 1)
+        return src  # kept whole: each rank takes its slice when it builds the version (workers.lora.tp_cuts)
 
     def finish(self) -> None:
         """Every A with its B, aliases resolved: the checks of a folder's adapter (400 naming the cause)."""
