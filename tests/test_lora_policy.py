@@ -59,14 +59,16 @@ def test_lora_flags_parse_and_refuse_what_is_not_implemented():
             parse_config(argv)
 
 
-def test_enable_lora_refuses_a_moe_model(tmp_path):
+def test_enable_lora_refuses_multi_head_latent_attention_and_serves_moe(tmp_path):
     import json
 
-    from engine.lora import model_problem
+    from engine.lora import model_problem, targets
 
     dense = {"model_type": "qwen3", "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**dense, "kv_lora_rank": 512}))
+    assert "multi-head latent attention (kv_lora_rank)" in model_problem(tmp_path)
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         (tmp_path / "config.json").write_text(json.dumps({**dense, key: 8}))
-        assert "--enable-lora: adapters on a mixture-of-experts model" in model_problem(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(dense))
-    assert model_problem(tmp_path) is None
+        assert model_problem(tmp_path) is None
+        assert targets({**dense, key: 8}) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert "down_proj" in targets(dense)

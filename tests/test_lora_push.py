@@ -133,13 +133,3 @@ def test_sleep_level_1_keeps_adapters_level_2_drops_them(setup):
         "LoRA adapter 'slept' was dropped by a level-2 sleep"), r.text
     client.send_lora("slept", tensors.items(), conf)
     assert _check_peft(server, base, ad["a2"], "slept", 2) == before["slept"]
-
-
-def test_enable_lora_on_a_moe_model_is_refused_before_any_process_starts(tmp_path):
-    import subprocess
-    import sys
-
-    make_tiny_checkpoint("qwen3_moe", tmp_path / "moe")
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "moe"),
-                          "--enable-lora", "--tokens-only", "--port", "1"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "rollbus: --enable-lora: adapters on a mixture-of-experts model" in out.stderr

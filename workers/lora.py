@@ -30,7 +30,7 @@ import torch
 
 from ascend_ops import cpu_kernels
 from bus.sampling_params import LoraRef
-from engine.lora import MEMORY_PREFIX, AdapterSpec, LoraError, inspect_adapter, module_features
+from engine.lora import MEMORY_PREFIX, AdapterSpec, LoraError, inspect_adapter, is_moe, module_features
 
 Key = tuple[int, int]  # (adapter id, version)
 # fused projection of the decoder -> its PEFT parts, in output order
@@ -158,6 +158,7 @@ class LoraSlots:
     def __init__(self, hf_config: dict, kern, *, max_rank: int, max_cached: int, dtype: torch.dtype,
                  device: torch.device, kernel: bool = True, cuts: Cuts | None = None):
         self.hf_config, self.kern, self.cuts = hf_config, kern, cuts or {}
+        self.moe = is_moe(hf_config)
         self.max_rank, self.max_cached, self.dtype, self.device = max_rank, max_cached, dtype, device
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
@@ -304,18 +305,19 @@ def attach(model, slots: LoraSlots) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(attn, "qkv_proj"):
             raise NotImplementedError("--enable-lora: adapters on multi-head latent attention are not implemented")
-        if not hasattr(mlp, "gate_up_proj"):
-            raise NotImplementedError("--enable-lora: adapters on mixture-of-experts layers are not implemented; "
-                                      "serve this model without --enable-lora")
         attn.lora_qkv, attn.lora_o = slots.hook(i, "qkv"), slots.hook(i, "o")
-        mlp.lora_gate_up, mlp.lora_down = slots.hook(i, "gate_up"), slots.hook(i, "down")
+        if hasattr(mlp, "gate_up_proj") and not slots.moe:  # an MoE model's adapters target attention only
+            mlp.lora_gate_up, mlp.lora_down = slots.hook(i, "gate_up"), slots.hook(i, "down")
 
 
 def model_shape(model) -> dict:
     """The config keys engine.lora's checks read, from the built decoder."""
     c = model.cfg
-    return {"hidden_size": c.hidden_size, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers}
+    shape = {"hidden_size": c.hidden_size, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+             "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers}
+    if getattr(c, "sparse_layers", ()):  # engine.lora.targets: attention only
+        shape["num_local_experts"] = c.num_experts
+    return shape
 
 
 def slots_for(cfg, model, device: torch.device) -> LoraSlots | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from bus.messages import LoraTargetCall
-from engine.lora import LoraError, adapter_spec, lora_key, lora_shape
+from engine.lora import LoraError, adapter_spec, lora_key, lora_shape, targets
 from engine.weights.protocol import WeightSyncError
 
 
@@ -30,7 +30,7 @@ class LoraStage:
     def _shape(self, name: str) -> torch.Size:
         parsed = lora_key(name, self.hf)
         if parsed is None:
-            raise self._fail(f"{name!r} is not a LoRA A/B of q/k/v/o_proj or gate/up/down_proj of layers "
+            raise self._fail(f"{name!r} is not a LoRA A/B of {'/'.join(targets(self.hf))} of layers "
                              f"0..{self.hf['num_hidden_layers'] - 1} (PEFT names: base_model.model.model.layers."
                              "N.self_attn.q_proj.lora_A.weight)")
         if name in self.target.aliases:
