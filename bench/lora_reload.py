@@ -6,7 +6,9 @@ every projection, rank 16 by default): the two ways an RL trainer refreshes its 
 - **file**: `POST /v1/load_lora_adapter {"load_inplace": true}`; the answer comes once the gateway checked
   the folder, and each worker reads the new version when the first request needs it, so the reload is that
   call plus what the first request on the new version costs beyond a request on a version already built
-  (a 1-token completion, timed right after, on the same version).
+  (a 1-token completion, timed right after, on the same version). On a loaded host that difference drowns in
+  the requests' own noise, so the table also gives the worker's read + build of a version measured in this
+  process on CPU time, and the call plus that.
 
     python bench/lora_reload.py                     # 12 reloads each way, medians
     python bench/lora_reload.py --reloads 20 --rank 16
@@ -61,6 +63,25 @@ def server_cpu_s(pids: list[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def worker_build_ms(base: Path, folder: Path, rank: int, n: int) -> list[float]:
+    """What the first request on a new version pays on a worker beyond an ordinary request: reading the folder
+    and building the version (workers/lora.py), in this process on one thread's CPU time (a loaded host's
+    wall time buries it in the request's own noise)."""
+    import torch
+
+    from bus.sampling_params import LoraRef
+    from workers.lora import AdapterWeights
+
+    hf = json.loads((base / "config.json").read_text())
+    out = []
+    for i in range(n):
+        t0 = time.thread_time()
+        AdapterWeights.from_folder(LoraRef(1, "x", str(folder), i + 1), hf, rank, torch.float32,
+                                   torch.device("cpu"), True)
+        out.append(ms(time.thread_time() - t0))
+    return out
 
 
 def ms(seconds: float) -> float:
@@ -140,6 +161,7 @@ def main() -> None:
                     warm.append(ms(t3 - t2))
                     file_e2e.append(ms((t1 - t0) + max(0.0, (t2 - t1) - (t3 - t2))))
                     file_cpu.append(ms(max(0.0, (c2 - c0) - (c3 - c2))))
+            build = worker_build_ms(base, folders[0], args.rank, args.warmup + args.reloads)[args.warmup:]
         finally:
             http.close()
             sync.close()
@@ -159,6 +181,8 @@ def main() -> None:
     print(row("push: server CPU (all its processes)", [c for c, _ in push_cpu]))
     print(row("push: trainer's CPU (send_lora's process)", [c for _, c in push_cpu]))
     print(row("file: server CPU (call + first - next)", file_cpu))
+    print(row("file: a worker's read + build of the version (CPU)", build))
+    print(row("file: call + worker's build", [c + b for c, b in zip(load, build)], 200))
 
 
 if __name__ == "__main__":
