@@ -22,8 +22,10 @@ RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # the lora_path of an adapter a trainer pushed through the weight-transfer path (no folder)
 MEMORY_PREFIX = "rollbus-memory://"
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The projections an adapter may target on a dense decoder: PEFT's module name -> (in, out) features.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target: PEFT's module names. A mixture-of-experts model: the attention's only
+# (LoRA on its experts' projections, PEFT's `target_parameters` on mlp.experts, is not implemented).
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -48,7 +50,7 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
     g.add_argument("--enable-lora", action=Switch, default=d.enable_lora,
                    help="Serve LoRA adapters (PEFT folders) on top of the model: a request names one as `model`. "
-                        "Attention (q/k/v/o) and MLP (gate/up/down) projections of dense models; not with -tp > 1.")
+                        "Attention (q/k/v/o) and MLP (gate/up/down) projections; split across -tp ranks as vLLM does.")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="At most this many different adapters in one step; sequences of another adapter wait.")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
@@ -86,15 +88,13 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
     return out
 
 
-def check_lora_config(cfg: LoraConfig, tensor_parallel_size: int) -> list[str]:
+def check_lora_config(cfg: LoraConfig) -> list[str]:
     """Start-up problems of the LoRA flags (empty when none)."""
     problems = []
     if not cfg.enable_lora:
         if cfg.lora_modules:
             problems.append("--lora-modules needs --enable-lora")
         return problems
-    if tensor_parallel_size > 1:
-        problems.append("--enable-lora with --tensor-parallel-size > 1 is not implemented (adapters are not split)")
     if cfg.max_loras < 1:
         problems.append(f"--max-loras must be at least 1, got {cfg.max_loras}")
     if cfg.max_lora_rank < 1:
@@ -114,6 +114,15 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
+def is_moe(hf: dict[str, Any]) -> bool:
+    return any(isinstance(hf.get(k), int) and hf[k] > 0 for k in MOE_KEYS)
+
+
+def targets(hf: dict[str, Any]) -> tuple[str, ...]:
+    """The PEFT modules an adapter of this model may target."""
+    return ATTENTION if is_moe(hf) else TARGETS
+
+
 def model_problem(folder: str | Path) -> str | None:
     """Why --enable-lora cannot serve this model (None: it can), from its config.json, before anything starts."""
     try:
@@ -123,8 +132,8 @@ def model_problem(folder: str | Path) -> str | None:
     if "linear_attention" in (hf.get("layer_types") or []) or hf.get("model_type") in HYBRID_TYPES:
         return ("--enable-lora: adapters on a hybrid linear-attention model (Qwen3-Next / Qwen3.5: Gated DeltaNet "
                 "layers) are not implemented; serve this model without --enable-lora")
-    if any(isinstance(hf.get(k), int) and hf[k] > 0 for k in MOE_KEYS):
-        return ("--enable-lora: adapters on a mixture-of-experts model (LoRA on its experts' projections) are not "
+    if hf.get("kv_lora_rank"):
+        return ("--enable-lora: adapters on a model with multi-head latent attention (kv_lora_rank) are not "
                 "implemented; serve this model without --enable-lora")
     return None
 
@@ -179,7 +188,9 @@ def config_rank_scaling(name: str, conf: Any, max_rank: int) -> tuple[int, float
                                     ("modules_to_save", conf.get("modules_to_save")),
                                     ("rank_pattern", conf.get("rank_pattern")),
                                     ("alpha_pattern", conf.get("alpha_pattern")),
-                                    ("fan_in_fan_out", conf.get("fan_in_fan_out"))) if bad]
+                                    ("fan_in_fan_out", conf.get("fan_in_fan_out")),
+                                    ("target_parameters (LoRA on the experts' projections)",
+                                     conf.get("target_parameters"))) if bad]
     if unsupported:
         raise fail(f"adapter_config.json sets {', '.join(unsupported)}, which rollbus does not support")
     alpha = conf.get("lora_alpha", r)
@@ -191,7 +202,7 @@ def config_rank_scaling(name: str, conf: Any, max_rank: int) -> tuple[int, float
 def lora_key(key: str, hf: dict[str, Any]) -> tuple[int, str, str] | None:
     """(layer, module, "A" or "B") of a PEFT LoRA tensor name of a target projection of an existing layer."""
     m = _KEY.match(key)
-    if m is None or m.group(3) not in TARGETS or int(m.group(1)) >= hf["num_hidden_layers"]:
+    if m is None or m.group(3) not in targets(hf) or int(m.group(1)) >= hf["num_hidden_layers"]:
         return None
     return int(m.group(1)), m.group(3), m.group(4)
 
@@ -244,7 +255,9 @@ def adapter_spec(name: str, rank: int, scaling: float, shapes: dict[str, list[in
             raise fail(f"{key} has shape {list(shape)}, expected {want} for this model")
         seen.setdefault((layer, mod), set()).add(ab)
     if unexpected:
-        raise fail(f"expected target modules in {list(TARGETS)} of layers 0..{layers - 1} but received "
+        moe = (" (a mixture-of-experts model: LoRA on its MLP and experts' projections is not implemented, "
+               "only on the attention's)") if is_moe(hf) else ""
+        raise fail(f"expected target modules in {list(targets(hf))} of layers 0..{layers - 1}{moe} but received "
                    f"{sorted(unexpected)[:8]}")
     half = [f"layer {k[0]} {k[1]}" for k, v in seen.items() if v != {"A", "B"}]
     if half:

@@ -36,3 +36,26 @@ def peft_oracle(base: Path, adapter: Path):
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     return peft.PeftModel.from_pretrained(hf, adapter).eval()
+
+
+def check_peft(url: str, base: Path, folder: Path, model: str, version: int, tol: float = 1e-4) -> list[float]:
+    """A 5-token greedy completion of adapter `model` (fp32 server) against HF + PEFT of `folder`: every
+    logprob within tol, weight_versions naming the adapter's version. Returns the logprobs."""
+    import httpx
+
+    from tests.tiny_models import random_prompt
+
+    prompt = random_prompt(7, 1000, 5)
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0,
+        "return_tokens_as_token_ids": True, "return_token_ids": True, "return_weight_versions": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    toks, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    with torch.no_grad():
+        ref = torch.log_softmax(peft_oracle(base, folder)(torch.tensor([prompt + toks])).logits[0].float(), -1)
+    for i, (t, lp) in enumerate(zip(toks, lps)):
+        assert abs(float(ref[len(prompt) - 1 + i, t]) - lp) < tol, (i, float(ref[len(prompt) - 1 + i, t]), lp)
+    assert choice["weight_versions"][0]["lora_name"] == model
+    assert choice["weight_versions"][0]["lora_version"] == version
+    return lps

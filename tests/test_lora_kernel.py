@@ -15,21 +15,19 @@ pytestmark = pytest.mark.unit
 
 def _pair(rng: torch.Generator, widths: list[int], targeted: list[bool], rank: int, fin: int, dtype):
     """A fused projection's Pair for the kernel, and its dense delta matrix [out, in] for the reference."""
-    a_parts, ranges, dense = [], [], torch.zeros(sum(widths), fin, dtype=torch.float64)
-    b = torch.zeros(sum(widths), rank * sum(targeted))
-    row = col = 0
+    a_parts, b_parts, ranges, dense = [], [], [], torch.zeros(sum(widths), fin, dtype=torch.float64)
+    row = 0
     for w, on in zip(widths, targeted):
         if on:
             a = torch.randn(rank, fin, generator=rng) * 0.3
             bp = torch.randn(w, rank, generator=rng) * 0.3
             a_parts.append(a)
-            b[row:row + w, col:col + rank] = bp
+            b_parts.append(bp)
             dense[row:row + w] = bp.double() @ a.double()
             ranges.append((row, row + w))
-            col += rank
         row += w
     a = torch.cat(a_parts).to(dtype)
-    return Pair(a, None, _panels(b, ranges, rank).to(dtype), torch.tensor(ranges, dtype=torch.long)), dense
+    return Pair(a, None, _panels(b_parts, 1.0).to(dtype), torch.tensor(ranges, dtype=torch.long)), dense
 
 
 class _Adapter(AdapterWeights):

@@ -51,21 +51,24 @@ def test_lora_flags_parse_and_refuse_what_is_not_implemented():
     assert (cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.lora.lora_dtype) == (2, 32, "bfloat16")
     assert [(m.name, m.path, m.base_model_name) for m in parse_lora_modules(cfg.lora.lora_modules)] == [
         ("a", "/x", None), ("b", "/y", "m")]
-    for argv, why in ((["--enable-lora", "-tp", "2"], "not implemented"), (["--lora-modules", "a=/x"], "--enable-lora"),
+    assert parse_config(["--enable-lora", "-tp", "2"]).parallel.tensor_parallel_size == 2  # split as vLLM does
+    for argv, why in ((["--lora-modules", "a=/x"], "--enable-lora"),
                       (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),
                       (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras")):
         with pytest.raises(SystemExit, match=why):
             parse_config(argv)
 
 
-def test_enable_lora_refuses_a_moe_model(tmp_path):
+def test_enable_lora_refuses_multi_head_latent_attention_and_serves_moe(tmp_path):
     import json
 
-    from engine.lora import model_problem
+    from engine.lora import model_problem, targets
 
     dense = {"model_type": "qwen3", "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**dense, "kv_lora_rank": 512}))
+    assert "multi-head latent attention (kv_lora_rank)" in model_problem(tmp_path)
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         (tmp_path / "config.json").write_text(json.dumps({**dense, key: 8}))
-        assert "--enable-lora: adapters on a mixture-of-experts model" in model_problem(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(dense))
-    assert model_problem(tmp_path) is None
+        assert model_problem(tmp_path) is None
+        assert targets({**dense, key: 8}) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert "down_proj" in targets(dense)

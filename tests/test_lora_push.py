@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine.trainer import WeightSyncClient, WeightSyncFailed
-from tests.lora_helpers import make_adapter, peft_oracle
+from tests.lora_helpers import check_peft, make_adapter
 from tests.serve_process import start_server
-from tests.tiny_models import make_tiny_checkpoint, random_prompt
+from tests.tiny_models import make_tiny_checkpoint
 
 pytest.importorskip("peft")
 TOL = 1e-4
@@ -49,20 +49,7 @@ def _adapter(folder) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _check_peft(server, base, folder, model: str, version: int) -> list[float]:
-    prompt = random_prompt(7, 1000, 5)
-    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0,
-        "return_tokens_as_token_ids": True, "return_token_ids": True, "return_weight_versions": True})
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    toks, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-    with torch.no_grad():
-        ref = torch.log_softmax(peft_oracle(base, folder)(torch.tensor([prompt + toks])).logits[0].float(), -1)
-    for i, (t, lp) in enumerate(zip(toks, lps)):
-        assert abs(float(ref[len(prompt) - 1 + i, t]) - lp) < TOL
-    assert choice["weight_versions"][0]["lora_name"] == model
-    assert choice["weight_versions"][0]["lora_version"] == version
-    return lps
+    return check_peft(server.url, base, folder, model, version)
 
 
 def test_send_lora_pushes_versions_equal_to_peft(setup):
@@ -146,13 +133,3 @@ def test_sleep_level_1_keeps_adapters_level_2_drops_them(setup):
         "LoRA adapter 'slept' was dropped by a level-2 sleep"), r.text
     client.send_lora("slept", tensors.items(), conf)
     assert _check_peft(server, base, ad["a2"], "slept", 2) == before["slept"]
-
-
-def test_enable_lora_on_a_moe_model_is_refused_before_any_process_starts(tmp_path):
-    import subprocess
-    import sys
-
-    make_tiny_checkpoint("qwen3_moe", tmp_path / "moe")
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "moe"),
-                          "--enable-lora", "--tokens-only", "--port", "1"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "rollbus: --enable-lora: adapters on a mixture-of-experts model" in out.stderr

@@ -30,7 +30,7 @@ import torch
 
 from ascend_ops import cpu_kernels
 from bus.sampling_params import LoraRef
-from engine.lora import MEMORY_PREFIX, AdapterSpec, LoraError, inspect_adapter, module_features
+from engine.lora import MEMORY_PREFIX, AdapterSpec, LoraError, inspect_adapter, is_moe, module_features
 
 Key = tuple[int, int]  # (adapter id, version)
 # fused projection of the decoder -> its PEFT parts, in output order
@@ -54,8 +54,10 @@ class AdapterWeights:
     a group's delta on a fused projection is two GEMMs and one add, or one kernel call for all groups."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], spec: AdapterSpec, hf_config: dict, dtype: torch.dtype,
-                 device: torch.device, kernel: bool):
-        feats = module_features(hf_config)
+                 device: torch.device, kernel: bool, cuts: Cuts | None = None):
+        cuts = cuts or {}
+        # this rank's out features of each part (column-parallel parts are cut by output)
+        feats = {m: cuts.get((m, "B"), (0, out))[1] for m, (_, out) in module_features(hf_config).items()}
         self.layers: list[dict[str, Pair]] = [{} for _ in range(hf_config["num_hidden_layers"])]
         targeted = set(spec.modules)
         for layer in range(len(self.layers)):
@@ -64,48 +66,78 @@ class AdapterWeights:
                 if not mine:
                     continue
                 block = "self_attn" if fused in ("qkv", "o") else "mlp"
-                stems = {m: f"base_model.model.model.layers.{layer}.{block}.{m}" for m in mine}
-                a = torch.cat([tensors[f"{stems[m]}.lora_A.weight"].float() for m in mine])  # [K*r, in]
-                b = torch.zeros(sum(feats[m][1] for m in parts), len(mine) * spec.rank)
-                row = col = 0
-                ranges = []
+                stem = f"base_model.model.model.layers.{layer}.{block}"
+                a = torch.cat([_cut(tensors[f"{stem}.{m}.lora_A.weight"], (m, "A"), cuts) for m in mine])  # [K*r, in]
+                bs, ranges, row = [], [], 0  # each targeted part's B [out, r] and its rows of the fused output
                 for m in parts:
-                    if m in stems:
-                        part = tensors[f"{stems[m]}.lora_B.weight"].float() * spec.scaling  # [out, r]
-                        b[row:row + part.shape[0], col:col + spec.rank] = part
-                        ranges.append((row, row + part.shape[0]))
-                        col += spec.rank
-                    row += feats[m][1]
+                    if m in mine:
+                        bs.append(_cut(tensors[f"{stem}.{m}.lora_B.weight"], (m, "B"), cuts))
+                        ranges.append((row, row + feats[m]))
+                    row += feats[m]
                 if kernel:
                     self.layers[layer][fused] = Pair(_on(a, device, dtype), None,
-                                                     _on(_panels(b, ranges, spec.rank), device, dtype),
+                                                     _on(_panels(bs, spec.scaling), device, dtype),
                                                      torch.tensor(ranges, dtype=torch.long))
                 else:
+                    b = torch.zeros(row, len(mine) * spec.rank)  # block-diagonal: part k's B on its rows only
+                    for k, (part, (r0, r1)) in enumerate(zip(bs, ranges)):
+                        b[r0:r1, k * spec.rank:(k + 1) * spec.rank] = part * spec.scaling
                     self.layers[layer][fused] = Pair(_param(a, device, dtype), _param(b, device, dtype), None, None)
 
     @classmethod
     def from_folder(cls, ref: LoraRef, hf_config: dict, max_rank: int, dtype: torch.dtype, device: torch.device,
-                    kernel: bool) -> AdapterWeights:
+                    kernel: bool, cuts: Cuts | None = None) -> AdapterWeights:
         from safetensors.torch import load_file
 
         spec = inspect_adapter(ref.name, ref.path, hf_config, max_rank)
         tensors = load_file(str(Path(ref.path) / "adapter_model.safetensors"))
-        return cls(tensors, spec, hf_config, dtype, device, kernel)
+        return cls(tensors, spec, hf_config, dtype, device, kernel, cuts)
+
+
+# (PEFT module, "A" or "B") -> (first, count): this tensor-parallel rank's slice of it, as vLLM splits LoRA:
+# column-parallel projections (q/k/v, gate/up) keep B's rows of this rank's outputs (A whole); row-parallel
+# ones (o, down) keep A's columns of this rank's inputs (B whole), and their partial delta joins the partial
+# product before its all-reduce, so the sum over ranks is B·(A·x). Empty with one rank.
+Cuts = dict[tuple[str, str], tuple[int, int]]
+
+
+def tp_cuts(model) -> Cuts:
+    """The slices of this worker's part of the model (workers.models.tp_layout's Shard)."""
+    sh, d = model.shard, model.cfg.head_dim
+    if sh.size == 1:
+        return {}
+    q, kv, i = (sh.q0 * d, sh.hq * d), (sh.k0 * d, sh.hk * d), sh.rows(model.cfg.intermediate_size)
+    return {("q_proj", "B"): q, ("k_proj", "B"): kv, ("v_proj", "B"): kv, ("o_proj", "A"): q,
+            ("gate_proj", "B"): i, ("up_proj", "B"): i, ("down_proj", "A"): i}
+
+
+def _cut(t: torch.Tensor, key: tuple[str, str], cuts: Cuts) -> torch.Tensor:
+    if key not in cuts:
+        return t
+    lo, n = cuts[key]
+    return t[lo:lo + n] if key[1] == "B" else t[:, lo:lo + n]
 
 
 PANEL = 32  # ascend_ops/csrc/cpu_lora.cpp's kPanel
 
 
-def _panels(b: torch.Tensor, ranges: list[tuple[int, int]], rank: int) -> torch.Tensor:
-    """B^T of each targeted part (its columns `ranges` of the block-diagonal B [out, K*r]) in the kernel's
-    layout: part after part, [panels][rank][PANEL] (the last panel zero-padded), flattened."""
-    out = []
-    for k, (c0, c1) in enumerate(ranges):
-        bt = b[c0:c1, k * rank:(k + 1) * rank].t()  # [r, width]
-        pad = (-bt.shape[1]) % PANEL
-        bt = torch.nn.functional.pad(bt, (0, pad))
-        out.append(bt.reshape(rank, -1, PANEL).transpose(0, 1).reshape(-1))
-    return torch.cat(out)
+def _panels(bs: list[torch.Tensor], scaling: float) -> torch.Tensor:
+    """B^T·scaling of each targeted part (its B [out, r]) in the kernel's layout: part after part,
+    [panels][rank][PANEL] (the last panel zero-padded), flattened. One strided multiply per part into the
+    packed buffer: no dense block-diagonal B, no temporary (an in-place reload builds this on its path)."""
+    rank = bs[0].shape[1]
+    sizes = [-(-b.shape[0] // PANEL) * PANEL * rank for b in bs]
+    out = torch.empty(sum(sizes), dtype=torch.float32)
+    for b, chunk in zip(bs, out.split(sizes)):
+        b, width = b.float(), b.shape[0]
+        panels = chunk.view(-1, rank, PANEL)  # [P, r, PANEL]
+        if width % PANEL:
+            panels[-1].zero_()
+        full = width // PANEL * PANEL
+        torch.mul(b[:full].view(-1, PANEL, rank).transpose(1, 2), scaling, out=panels[:full // PANEL])
+        if full < width:
+            torch.mul(b[full:].t(), scaling, out=panels[-1, :, :width - full])
+    return out
 
 
 def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -124,8 +156,9 @@ _NO_RANGES = torch.empty(0, 2, dtype=torch.long)
 
 class LoraSlots:
     def __init__(self, hf_config: dict, kern, *, max_rank: int, max_cached: int, dtype: torch.dtype,
-                 device: torch.device, kernel: bool = True):
-        self.hf_config, self.kern = hf_config, kern
+                 device: torch.device, kernel: bool = True, cuts: Cuts | None = None):
+        self.hf_config, self.kern, self.cuts = hf_config, kern, cuts or {}
+        self.moe = is_moe(hf_config)
         self.max_rank, self.max_cached, self.dtype, self.device = max_rank, max_cached, dtype, device
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
@@ -157,10 +190,10 @@ class LoraSlots:
                 if version != ref.version:
                     raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was pushed by a trainer and "
                                     "is no longer held on this worker (discarded or replaced)")
-                w = AdapterWeights(tensors, spec, self.hf_config, self.dtype, self.device, self.kernel)
+                w = AdapterWeights(tensors, spec, self.hf_config, self.dtype, self.device, self.kernel, self.cuts)
             else:
                 w = AdapterWeights.from_folder(ref, self.hf_config, self.max_rank, self.dtype, self.device,
-                                               self.kernel)
+                                               self.kernel, self.cuts)
             self.loaded[key] = w
             self.newest[ref.id] = ref.version
         self.loaded.move_to_end(key)
@@ -272,18 +305,19 @@ def attach(model, slots: LoraSlots) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(attn, "qkv_proj"):
             raise NotImplementedError("--enable-lora: adapters on multi-head latent attention are not implemented")
-        if not hasattr(mlp, "gate_up_proj"):
-            raise NotImplementedError("--enable-lora: adapters on mixture-of-experts layers are not implemented; "
-                                      "serve this model without --enable-lora")
         attn.lora_qkv, attn.lora_o = slots.hook(i, "qkv"), slots.hook(i, "o")
-        mlp.lora_gate_up, mlp.lora_down = slots.hook(i, "gate_up"), slots.hook(i, "down")
+        if hasattr(mlp, "gate_up_proj") and not slots.moe:  # an MoE model's adapters target attention only
+            mlp.lora_gate_up, mlp.lora_down = slots.hook(i, "gate_up"), slots.hook(i, "down")
 
 
 def model_shape(model) -> dict:
     """The config keys engine.lora's checks read, from the built decoder."""
     c = model.cfg
-    return {"hidden_size": c.hidden_size, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers}
+    shape = {"hidden_size": c.hidden_size, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+             "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers}
+    if getattr(c, "sparse_layers", ()):  # engine.lora.targets: attention only
+        shape["num_local_experts"] = c.num_experts
+    return shape
 
 
 def slots_for(cfg, model, device: torch.device) -> LoraSlots | None:
@@ -292,6 +326,7 @@ def slots_for(cfg, model, device: torch.device) -> LoraSlots | None:
         return None
     dtype = model.dtype if cfg.lora.lora_dtype == "auto" else getattr(torch, cfg.lora.lora_dtype)
     slots = LoraSlots(model_shape(model), model.kern, max_rank=cfg.lora.max_lora_rank,
-                      max_cached=cfg.lora.max_cpu_loras or cfg.lora.max_loras, dtype=dtype, device=device)
+                      max_cached=cfg.lora.max_cpu_loras or cfg.lora.max_loras, dtype=dtype, device=device,
+                      cuts=tp_cuts(model))
     attach(model, slots)
     return slots

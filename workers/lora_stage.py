@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from bus.messages import LoraTargetCall
-from engine.lora import LoraError, adapter_spec, lora_key, lora_shape
+from engine.lora import LoraError, adapter_spec, lora_key, lora_shape, targets
 from engine.weights.protocol import WeightSyncError
 
 
@@ -30,7 +30,7 @@ class LoraStage:
     def _shape(self, name: str) -> torch.Size:
         parsed = lora_key(name, self.hf)
         if parsed is None:
-            raise self._fail(f"{name!r} is not a LoRA A/B of q/k/v/o_proj or gate/up/down_proj of layers "
+            raise self._fail(f"{name!r} is not a LoRA A/B of {'/'.join(targets(self.hf))} of layers "
                              f"0..{self.hf['num_hidden_layers'] - 1} (PEFT names: base_model.model.model.layers."
                              "N.self_attn.q_proj.lora_A.weight)")
         if name in self.target.aliases:
@@ -48,7 +48,7 @@ class LoraStage:
         return self._shape(name)
 
     def weight_source(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        return src  # adapters are not split across tensor-parallel ranks (--enable-lora refuses -tp > 1)
+        return src  # kept whole: each rank takes its slice when it builds the version (workers.lora.tp_cuts)
 
     def finish(self) -> None:
         """Every A with its B, aliases resolved: the checks of a folder's adapter (400 naming the cause)."""

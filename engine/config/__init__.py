@@ -247,7 +247,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
         cpu_kv_space_bytes(dict(os.environ))
     except ValueError as e:
         problems.append(str(e))
-    problems += check_lora_config(cfg.lora, par.tensor_parallel_size)
+    problems += check_lora_config(cfg.lora)
     if par.distributed_timeout_seconds is not None and par.distributed_timeout_seconds <= 0:
         problems.append(f"--distributed-timeout-seconds must be positive, got {par.distributed_timeout_seconds}")
     if problems:

@@ -46,7 +46,7 @@ def _full_shard(cfg: DecoderConfig) -> Shard:
 class Attention(nn.Module):
     """Column-parallel q/k/v (this rank's heads), row-parallel o (one all-reduce, bias added once)."""
 
-    lora_qkv = lora_o = None  # set by workers.lora.attach with --enable-lora (tp 1 only)
+    lora_qkv = lora_o = None  # set by workers.lora.attach with --enable-lora
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
                  shard: Shard | None = None, tp: Solo = SOLO, window: int = 0) -> None:
@@ -110,7 +110,10 @@ class Attention(nn.Module):
         if self.tp.size == 1:
             out = kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
             return out if self.lora_o is None else self.lora_o(o.view(T, self.hq * self.d), out)
-        return _reduce(self.tp, kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight), self.o_proj.bias)
+        partial = kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight)
+        if self.lora_o is not None:  # this rank's input columns of A: a partial delta, reduced with the product
+            partial = self.lora_o(o.view(T, self.hq * self.d), partial)
+        return _reduce(self.tp, partial, self.o_proj.bias)
 
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
@@ -137,7 +140,7 @@ def _reduce(tp: Solo, partial: torch.Tensor, bias: torch.Tensor | None) -> torch
 class MLP(nn.Module):
     """Column-parallel gate/up (this rank's intermediate rows), row-parallel down (one all-reduce)."""
 
-    lora_gate_up = lora_down = None  # set by workers.lora.attach with --enable-lora (tp 1 only)
+    lora_gate_up = lora_down = None  # set by workers.lora.attach with --enable-lora
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
                  tp: Solo = SOLO, intermediate_size: int | None = None) -> None:
@@ -169,7 +172,10 @@ class MLP(nn.Module):
         if self.tp.size == 1:
             out = kern.linear(h, self.down_proj.weight, self.down_proj.bias)
             return out if self.lora_down is None else self.lora_down(h, out)
-        return _reduce(self.tp, kern.linear(h, self.down_proj.weight), self.down_proj.bias)
+        partial = kern.linear(h, self.down_proj.weight)
+        if self.lora_down is not None:  # this rank's input columns of A: a partial delta, reduced with the product
+            partial = self.lora_down(h, partial)
+        return _reduce(self.tp, partial, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
