@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 import socket
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
@@ -37,6 +38,7 @@ class Receiver:
         self.group = None  # engine.weights.collective.WeightGroup
         self.gone = ""  # why there is no group: " (a sleep released it)", " (<TORN_DOWN>: ...)"
         self._recv: list[torch.Tensor] = []  # packed receive buffers, kept between updates (host only)
+        self._blocks = _Blocks()  # host, staging on: packed chunks land here and become the staging copies
         self._last: CollectiveUpdateInfo | None = None  # the tensors vLLM 0.33's empty lists stand for
 
     def init(self, info: CollectiveInitInfo, r: Any) -> None:
@@ -170,15 +172,16 @@ class Receiver:
             if buf is None or dests is None or failure is not None:
                 return
             try:
-                for i, src in zip(unit, byte_views(buf, [params[i] for i in unit])):
-                    r.write(params[i].name, src, dests[i])
+                views = byte_views(buf, [params[i] for i in unit])
+                r.place([(params[i].name, src, dests[i]) for i, src in zip(unit, views)],
+                        {buf.untyped_storage().data_ptr()} if slot == -1 else set())
                 r.copy.flush()  # the buffer takes the next one
             except Exception as e:
                 r.copy.discard()
                 failure = e
 
         def busy() -> set[int]:  # the receive buffers that broadcasts in flight still fill
-            return {e[1] for e in inflight if e[1] is not None}
+            return {e[1] for e in inflight if e[1] is not None and e[1] >= 0}
 
         for unit in units:
             p, target = params[unit[0]], None
@@ -194,6 +197,14 @@ class Receiver:
                 inflight.append((unit, None, None, group.broadcast_async(target.view(-1).view(torch.uint8)
                                                                          if packed else target, 0)))
                 continue
+            nbytes = sum(params[i].nbytes for i in unit)
+            if packed and dests is not None and failure is None and r.adopts() and r.device.type == "cpu":
+                # a block of its own, whose whole parameters become their staging copies (no copy out)
+                while len(inflight) >= IN_FLIGHT:
+                    consume()
+                buf = self._blocks.take(nbytes)
+                inflight.append((unit, -1, buf, group.broadcast_async(buf, 0)))
+                continue
             if not bufs:
                 widest = max(sum(params[i].nbytes for i in u) for u in units)
                 bufs = self._recv_buffers(min(nbuf, len(units)), widest, r.device) if packed \
@@ -201,7 +212,7 @@ class Receiver:
             while len(inflight) >= IN_FLIGHT or len(busy()) == len(bufs):
                 consume()
             slot = min(set(range(len(bufs))) - busy())
-            buf = bufs[slot][:sum(params[i].nbytes for i in unit)]
+            buf = bufs[slot][:nbytes]
             inflight.append((unit, slot, buf, group.broadcast_async(buf if packed else buf.view(p.dtype).view(p.shape),
                                                                     0)))
         while inflight:
@@ -219,7 +230,7 @@ class Receiver:
         return self._recv[:n]
 
     def release(self) -> int:
-        freed = sum(t.numel() * t.element_size() for t in self._recv)
+        freed = sum(t.numel() * t.element_size() for t in self._recv) + self._blocks.release()
         self._recv = []
         return freed
 
@@ -363,6 +374,28 @@ class Sender:
                     pass
         self.close_group()
         self._pack_bufs = []
+
+
+class _Blocks:
+    """Host receive blocks that come back once no tensor views them: a block whose parameters became staging
+    copies (then the weights in service) returns when a later update has replaced every one of them, so at
+    steady state one update's blocks serve while the next is received into the other's."""
+
+    def __init__(self) -> None:
+        self.free: list[bytearray] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        fits = [b for b in self.free if len(b) >= nbytes]
+        block = min(fits, key=len) if fits else bytearray(nbytes)
+        if fits:
+            self.free.remove(block)
+        view = memoryview(block)
+        weakref.finalize(view, self.free.append, block)  # every tensor over it holds `view`
+        return torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
+
+    def release(self) -> int:
+        freed, self.free = sum(map(len, self.free)), []
+        return freed
 
 
 class _beside:
