@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bus.messages import CollectiveInitInfo, CollectiveUpdateInfo
+from engine.weights import backends
 from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     ParamMeta,
@@ -31,7 +32,7 @@ IN_FLIGHT = 16  # unpacked: broadcasts issued before the oldest is waited for (o
 TORN_DOWN = "the weight-transfer group was torn down"
 
 
-class Receiver:
+class Receiver(backends.Receiver):
     """A worker's half: joins the trainer's group at init, takes part in every broadcast of an update."""
 
     def __init__(self) -> None:
@@ -249,7 +250,7 @@ class Receiver:
             self.group = None
 
 
-class Sender:
+class Sender(backends.Sender):
     """The trainer's half: forms the group (this process is rank 0, a group of its own that does not touch a
     default process group the trainer may have) while the engine's workers join it, then broadcasts while
     the engine's update_weights call receives."""
@@ -257,12 +258,9 @@ class Sender:
     ONE_ENGINE = False  # a fleet (several engines, one update) needs a collective
 
     def __init__(self, client: Any) -> None:
-        self.c = client
+        super().__init__(client)
         self.group = None  # engine.weights.collective.WeightGroup
         self._pack_bufs: list[torch.Tensor] = []  # packed broadcast chunks, reused across versions
-
-    def prepare(self, named: Any) -> Any:
-        return named
 
     def ensure_ready(self) -> None:
         if self.group is None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.weights import ipc
+from engine.weights import backends, ipc
 from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     ParamMeta,
@@ -25,15 +25,12 @@ from engine.weights.protocol import (
 _PICKLED = "ipc_handles_pickled"
 
 
-class Receiver:
+class Receiver(backends.Receiver):
     """A worker's half: opens the handles of an update (mappings cached across updates), checks every one
     against the declared tensors, then copies out of them."""
 
     def __init__(self) -> None:
         self.importer = ipc.HandleImporter()
-
-    def init(self, info: Any, r: Any) -> None:
-        pass
 
     def check_start(self) -> None:
         self.importer.prune()  # drop mappings of buffers their trainer has closed
@@ -56,9 +53,6 @@ class Receiver:
             raise WeightSyncError(f"weight transfer failed: {type(e).__name__}: {e}", status=500) from None
         r.received += [p.name for p in meta.params]
         return len(meta.params), meta.nbytes
-
-    def drain(self, wire: Any, r: Any) -> str:
-        return ""  # nothing is in flight: the trainer waits for the answer before it reuses its buffers
 
     def _sources(self, info: Any, meta: UpdateMeta, device: torch.device, rank: int | None) -> list[torch.Tensor]:
         handles, param, pickled = info.ipc_handles, "ipc_handles", info.ipc_handles_pickled is not None
@@ -106,12 +100,6 @@ class Receiver:
                                   f"{expect.nbytes}", param="ipc_handles")
         return buf
 
-    def release(self) -> int:
-        return 0
-
-    def release_group(self) -> bool:
-        return False
-
     def shutdown(self) -> None:
         self.importer.close()
 
@@ -130,7 +118,7 @@ def _unpickle(text: Any) -> Any:
         raise WeightSyncError(str(e), param=_PICKLED) from None
 
 
-class Sender:
+class Sender(backends.Sender):
     """The trainer's half. CPU: tensors are copied into lent shared-memory segments (engine.weights.ipc), a
     chunk each, while the engine takes the previous chunk: a worker keeps lent bytes as its staging copies,
     so each byte is copied once; a segment is written again once no worker holds it (at steady state the
@@ -142,19 +130,13 @@ class Sender:
     ONE_ENGINE = True  # a fleet (several engines, one update) needs a collective
 
     def __init__(self, client: Any) -> None:
-        self.c = client
+        super().__init__(client)
         self._buffers: list[Any] = []  # _DeviceBuffer per slot, reused across versions
         self._lent: list[ipc.SharedBuffer] = []  # CPU: lent segments, written again once no worker holds them
         self._arena: ipc.SharedBuffer | None = None  # share_memory: the segment holding the trainer's tensors
 
-    def ensure_ready(self) -> None:
-        pass
-
     def init_transfer(self) -> None:
         self.c._post("/init_weight_transfer_engine", {"init_info": {"packed": self.c.packed}})
-
-    def restart(self, status: int, param: str | None) -> bool:
-        return False
 
     def prepare(self, named: Any) -> Any:
         return self._share(list(named)) if self.c.share_memory and not self.c.packed else named
@@ -171,9 +153,6 @@ class Sender:
 
     def bus_updates(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> list[dict]:
         return list(self.updates(tensors, metas, reuse=None))
-
-    def after_announce(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None:
-        pass  # the workers read the staged buffers while the coordinator drives the update
 
     def updates(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
                 reuse: list[Future | None] | None):
