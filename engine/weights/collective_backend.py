@@ -218,6 +218,7 @@ class Receiver(backends.Receiver):
                                                                     0)))
         while inflight:
             consume()
+        self._blocks.twins()
         return failure
 
     def _recv_buffers(self, n: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
@@ -381,12 +382,22 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.free: list[bytearray] = []
+        self.made: list[int] = []  # sizes of the blocks made during this update
+
+    def twins(self) -> None:
+        """A second set of the blocks this update made, for the next update (made now, with the first
+        update's cold cost)."""
+        self.free += [bytearray(n) for n in self.made]
+        self.made = []
 
     def take(self, nbytes: int) -> torch.Tensor:
         fits = [b for b in self.free if len(b) >= nbytes]
-        block = min(fits, key=len) if fits else bytearray(nbytes)
         if fits:
+            block = min(fits, key=len)
             self.free.remove(block)
+        else:
+            block = bytearray(nbytes)
+            self.made.append(nbytes)
         view = memoryview(block)
         weakref.finalize(view, self.free.append, block)  # every tensor over it holds `view`
         return torch.frombuffer(view, dtype=torch.uint8)[:nbytes]

@@ -182,18 +182,25 @@ class Sender(backends.Sender):
                 yield {**sub, "ipc_handles": buf.handle(0, nbytes), "tensor_sizes": [n for _, n in offsets]}
             else:
                 yield {**sub, "ipc_handles": [buf.handle(o, n) for o, n in offsets]}
-        for b in [b for b in self._lent if b not in used and not b.held()]:  # left over: another plan, an abort
+        # beyond two updates' worth (one the engine serves from, one to write next), free segments left over
+        # from another plan go
+        spare = sum(b.size for b in self._lent) - 2 * sum(b.size for b in used)
+        for b in [b for b in self._lent if b not in used and not b.held()]:
+            if spare < b.size:
+                continue
+            spare -= b.size
             self._lent.remove(b)
             b.close()
 
     def _segment(self, nbytes: int, used: list[ipc.SharedBuffer]) -> ipc.SharedBuffer:
         """The smallest lent segment of >= nbytes that no worker holds and this update has not taken, else a
-        new one."""
+        new one and its twin, for the next update (made now, with the first update's cold cost)."""
         free = [b for b in self._lent if b.size >= nbytes and b not in used and not b.held()]
         b = min(free, key=lambda b: b.size) if free else None
         if b is None:
-            b = ipc.SharedBuffer(nbytes, lend=True)
-            self._lent.append(b)
+            b, twin = ipc.SharedBuffer(nbytes, lend=True), ipc.SharedBuffer(nbytes, lend=True)
+            self._lent += [b, twin]
+            used.append(twin)  # not for this update
         used.append(b)
         return b
 
