@@ -386,6 +386,36 @@ def test_ipc_share_memory_sends_the_trainers_own_memory(ipc_server, trainer):
         assert torch.isfinite(first.add_(0.0)).all()
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_ipc_lent_segments_become_the_engines_weights_and_come_back(ipc_server, trainer, packed):
+    """A CPU trainer lends its staging segments: the worker serves from them (no copy out) and lets go of
+    one update's segments when a later update replaces them, so the trainer writes two sets in turn; a
+    failed update's segments come back at once; the engine's weights outlive the client's names."""
+    url = ipc_server.url
+    client = WeightSyncClient(url, backend="ipc", packed=packed, packed_buffer_size_bytes=96 << 10)
+    try:
+        sets = []
+        for k in range(3):
+            perturb(trainer, seed=80 + k)
+            client.send_weights(trainer.named_parameters(), version=f"lent-{k}", pause="keep")
+            held = {b.name for b in client.sender._lent if b.held()}
+            assert held, "the worker copied instead of taking the lent segments"
+            sets.append(held)
+        assert sets[0].isdisjoint(sets[1]) and sets[2] == sets[0]  # two sets in turn, none allocated anew
+        assert {b.name for b in client.sender._lent} == sets[0] | sets[1]
+        assert_engine_matches(url, trainer)
+        named, _ = _wrong_shape_mid_list(trainer)
+        with pytest.raises(WeightSyncFailed):
+            client.send_weights(named, version="lent-bad", pause="keep")
+        assert {b.name for b in client.sender._lent if b.held()} == sets[2]  # the failed update's came back
+        assert version(url) == "lent-2"
+    finally:
+        client.close()  # unlinks every name; the worker keeps what it serves from
+    assert_engine_matches(url, trainer)
+    sums = weight_checksums(trainer.named_parameters())
+    assert httpx.post(url + "/weight_checker", json={"action": "compare", "baseline": sums}).json()["match"]
+
+
 # --- collective refusals: the trainer is never left blocked ----------------------------------------------
 
 

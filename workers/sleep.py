@@ -30,6 +30,7 @@ import torch
 from ascend_ops import packed_linear
 from ascend_ops.platform import Platform, release_host_memory
 from bus.messages import WeightsStatus
+from engine.weights.protocol import owner_lookup
 from workers.kv_cache import KVCache
 
 TAGS = ("weights", "kv_cache")
@@ -150,13 +151,13 @@ class SleepManager:
         if not self._discarded or "weights" in self.asleep:
             return self.missing
         params = self._params()
-        owner = {p.untyped_storage().data_ptr(): n for n, p in params.items()}
+        owner = owner_lookup(params)
         for name in names:
             try:
                 dst = self.model.weight_destination(name)
             except KeyError:
                 continue
-            pname = owner.get(dst.untyped_storage().data_ptr())
+            pname = owner(dst)
             if pname not in self._discarded or not dst.is_contiguous():
                 continue  # (a strided destination is not tracked: it keeps counting as missing)
             start = dst.storage_offset() - params[pname].storage_offset()

@@ -2,13 +2,13 @@
 a `Sender` (the trainer client's) and a `Receiver` (a worker's), and one pair of payload structs (vLLM's
 init_info / update_info, bus.messages): ipc (engine.weights.ipc_backend) and collective over NCCL / HCCL /
 Gloo (engine.weights.collective_backend). This registry is the only place that maps a backend name to its
-code; everything else goes through these two protocols. Torch-free: the gateway reads PAYLOADS.
+code; everything else goes through these two base classes. Torch-free: the gateway reads PAYLOADS.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from bus.messages import CollectiveInitInfo, CollectiveUpdateInfo, IpcInitInfo, IpcUpdateInfo
 
@@ -29,34 +29,64 @@ def update_struct(backend: str) -> type:
     return REGISTRY[backend][2]
 
 
-class Receiver(Protocol):
+class Receiver:
     """A worker's half; engine.weights.receiver.WeightReceiver (`r`) owns the state machine, validation
-    against the model and staging, and calls these with decoded, edge-checked payloads."""
+    against the model and staging, and calls these with decoded, edge-checked payloads. The defaults suit a
+    backend with nothing to join, hold or drain."""
 
-    def init(self, info: Any, r: Any) -> None: ...  # init_info: join / prepare
-    def check_start(self) -> None: ...  # WeightSyncError (409) when an update cannot start
-    def update(self, info: Any, r: Any) -> tuple[int, int]: ...  # one update_weights call: (tensors, bytes)
-    def drain(self, wire: CollectiveUpdateInfo | None, r: Any) -> str: ...  # a refused call: a note for its error
-    def release(self) -> int: ...  # sleep: bytes of receive buffers freed
-    def release_group(self) -> bool: ...  # sleep_mode_extra_cleanup
-    def shutdown(self) -> None: ...
+    def init(self, info: Any, r: Any) -> None:  # init_info: join / prepare
+        pass
+
+    def check_start(self) -> None:  # WeightSyncError (409) when an update cannot start
+        pass
+
+    def update(self, info: Any, r: Any) -> tuple[int, int]:  # one update_weights call: (tensors, bytes)
+        raise NotImplementedError
+
+    def drain(self, wire: CollectiveUpdateInfo | None, r: Any) -> str:  # a refused call: a note for its error
+        return ""
+
+    def release(self) -> int:  # sleep: bytes of receive buffers freed
+        return 0
+
+    def release_group(self) -> bool:  # sleep_mode_extra_cleanup: whether a group was torn down
+        return False
+
+    def shutdown(self) -> None:
+        pass
 
 
-
-
-class Sender(Protocol):
-    """The trainer client's half (engine.trainer.client.WeightSyncClient)."""
+class Sender:
+    """The trainer client's half (engine.trainer.client.WeightSyncClient, `self.c`)."""
 
     ONE_ENGINE: bool  # shares memory with one engine: no fleet
 
-    def prepare(self, named: Any) -> Any: ...  # the (name, tensor) pairs to send (ipc may share them)
-    def ensure_ready(self) -> None: ...  # before a send: form what the backend needs once
-    def init_transfer(self) -> None: ...  # /init_weight_transfer_engine
-    def restart(self, status: int, param: str | None) -> bool: ...  # a refused start this backend can mend
-    def transfer(self, tensors: Any, metas: list[ParamMeta]) -> None: ...  # the HTTP path's update_weights calls
-    def bus_updates(self, tensors: Any, metas: list[ParamMeta]) -> list[Any]: ...  # WeightUpdateEvent.updates
-    def after_announce(self, tensors: Any, metas: list[ParamMeta]) -> None: ...  # the bus path, once announced
-    def close(self) -> None: ...
+    def __init__(self, client: Any) -> None:
+        self.c = client
+
+    def prepare(self, named: Any) -> Any:  # the (name, tensor) pairs to send (ipc may share them)
+        return named
+
+    def ensure_ready(self) -> None:  # before a send: form what the backend needs once
+        pass
+
+    def init_transfer(self) -> None:  # /init_weight_transfer_engine
+        raise NotImplementedError
+
+    def restart(self, status: int, param: str | None) -> bool:  # a refused start this backend can mend
+        return False
+
+    def transfer(self, tensors: Any, metas: list[ParamMeta]) -> None:  # the HTTP path's update_weights calls
+        raise NotImplementedError
+
+    def bus_updates(self, tensors: Any, metas: list[ParamMeta]) -> list[Any]:  # WeightUpdateEvent.updates
+        raise NotImplementedError
+
+    def after_announce(self, tensors: Any, metas: list[ParamMeta]) -> None:  # the bus path, once announced
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def receiver(backend: str) -> Receiver:

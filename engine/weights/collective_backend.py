@@ -9,12 +9,14 @@ from __future__ import annotations
 import pickle
 import socket
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
 import torch
 
 from bus.messages import CollectiveInitInfo, CollectiveUpdateInfo
+from engine.weights import backends
 from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     ParamMeta,
@@ -30,13 +32,14 @@ IN_FLIGHT = 16  # unpacked: broadcasts issued before the oldest is waited for (o
 TORN_DOWN = "the weight-transfer group was torn down"
 
 
-class Receiver:
+class Receiver(backends.Receiver):
     """A worker's half: joins the trainer's group at init, takes part in every broadcast of an update."""
 
     def __init__(self) -> None:
         self.group = None  # engine.weights.collective.WeightGroup
         self.gone = ""  # why there is no group: " (a sleep released it)", " (<TORN_DOWN>: ...)"
         self._recv: list[torch.Tensor] = []  # packed receive buffers, kept between updates (host only)
+        self._blocks = _Blocks()  # host, staging on: packed chunks land here and become the staging copies
         self._last: CollectiveUpdateInfo | None = None  # the tensors vLLM 0.33's empty lists stand for
 
     def init(self, info: CollectiveInitInfo, r: Any) -> None:
@@ -170,15 +173,16 @@ class Receiver:
             if buf is None or dests is None or failure is not None:
                 return
             try:
-                for i, src in zip(unit, byte_views(buf, [params[i] for i in unit])):
-                    r.write(params[i].name, src, dests[i])
+                views = byte_views(buf, [params[i] for i in unit])
+                r.place([(params[i].name, src, dests[i]) for i, src in zip(unit, views)],
+                        {buf.untyped_storage().data_ptr()} if slot == -1 else set())
                 r.copy.flush()  # the buffer takes the next one
             except Exception as e:
                 r.copy.discard()
                 failure = e
 
         def busy() -> set[int]:  # the receive buffers that broadcasts in flight still fill
-            return {e[1] for e in inflight if e[1] is not None}
+            return {e[1] for e in inflight if e[1] is not None and e[1] >= 0}
 
         for unit in units:
             p, target = params[unit[0]], None
@@ -194,6 +198,14 @@ class Receiver:
                 inflight.append((unit, None, None, group.broadcast_async(target.view(-1).view(torch.uint8)
                                                                          if packed else target, 0)))
                 continue
+            nbytes = sum(params[i].nbytes for i in unit)
+            if packed and dests is not None and failure is None and r.adopts() and r.device.type == "cpu":
+                # a block of its own, whose whole parameters become their staging copies (no copy out)
+                while len(inflight) >= IN_FLIGHT:
+                    consume()
+                buf = self._blocks.take(nbytes)
+                inflight.append((unit, -1, buf, group.broadcast_async(buf, 0)))
+                continue
             if not bufs:
                 widest = max(sum(params[i].nbytes for i in u) for u in units)
                 bufs = self._recv_buffers(min(nbuf, len(units)), widest, r.device) if packed \
@@ -201,11 +213,12 @@ class Receiver:
             while len(inflight) >= IN_FLIGHT or len(busy()) == len(bufs):
                 consume()
             slot = min(set(range(len(bufs))) - busy())
-            buf = bufs[slot][:sum(params[i].nbytes for i in unit)]
+            buf = bufs[slot][:nbytes]
             inflight.append((unit, slot, buf, group.broadcast_async(buf if packed else buf.view(p.dtype).view(p.shape),
                                                                     0)))
         while inflight:
             consume()
+        self._blocks.twins()
         return failure
 
     def _recv_buffers(self, n: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
@@ -219,7 +232,7 @@ class Receiver:
         return self._recv[:n]
 
     def release(self) -> int:
-        freed = sum(t.numel() * t.element_size() for t in self._recv)
+        freed = sum(t.numel() * t.element_size() for t in self._recv) + self._blocks.release()
         self._recv = []
         return freed
 
@@ -238,7 +251,7 @@ class Receiver:
             self.group = None
 
 
-class Sender:
+class Sender(backends.Sender):
     """The trainer's half: forms the group (this process is rank 0, a group of its own that does not touch a
     default process group the trainer may have) while the engine's workers join it, then broadcasts while
     the engine's update_weights call receives."""
@@ -246,12 +259,9 @@ class Sender:
     ONE_ENGINE = False  # a fleet (several engines, one update) needs a collective
 
     def __init__(self, client: Any) -> None:
-        self.c = client
+        super().__init__(client)
         self.group = None  # engine.weights.collective.WeightGroup
         self._pack_bufs: list[torch.Tensor] = []  # packed broadcast chunks, reused across versions
-
-    def prepare(self, named: Any) -> Any:
-        return named
 
     def ensure_ready(self) -> None:
         if self.group is None:
@@ -363,6 +373,38 @@ class Sender:
                     pass
         self.close_group()
         self._pack_bufs = []
+
+
+class _Blocks:
+    """Host receive blocks that come back once no tensor views them: a block whose parameters became staging
+    copies (then the weights in service) returns when a later update has replaced every one of them, so at
+    steady state one update's blocks serve while the next is received into the other's."""
+
+    def __init__(self) -> None:
+        self.free: list[bytearray] = []
+        self.made: list[int] = []  # sizes of the blocks made during this update
+
+    def twins(self) -> None:
+        """A second set of the blocks this update made, for the next update (made now, with the first
+        update's cold cost)."""
+        self.free += [bytearray(n) for n in self.made]
+        self.made = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        fits = [b for b in self.free if len(b) >= nbytes]
+        if fits:
+            block = min(fits, key=len)
+            self.free.remove(block)
+        else:
+            block = bytearray(nbytes)
+            self.made.append(nbytes)
+        view = memoryview(block)
+        weakref.finalize(view, self.free.append, block)  # every tensor over it holds `view`
+        return torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
+
+    def release(self) -> int:
+        freed, self.free = sum(map(len, self.free)), []
+        return freed
 
 
 class _beside:

@@ -6,6 +6,15 @@ for device memory (:func:`export_handle`: torch's IPC rebuild tuple without the 
 ``nbytes`` bytes at ``offset``; :meth:`HandleImporter.open` returns that range as a flat uint8 tensor. A
 mapping ``{device_key: handle}`` serves several devices. vLLM's pickled handles are read at the end of this
 file. Only the CPU paths run in this repository's tests; the device paths follow torch's and torch_npu's.
+
+Lent segments (``SharedBuffer(n, lend=True)``, handles with ``"lend": true``): the trainer hands the bytes
+over, so a worker may keep them as a parameter's memory instead of copying them (engine.weights.receiver).
+Lifetime: the trainer creates and unlinks every segment (``close()``, at exit); a worker never unlinks, it
+maps a lent segment read-write and sets byte ``rank`` of the segment's first page (LEND_HEADER) while any
+tensor of that worker views it, clearing it when the last one goes (a commit that replaces the parameter,
+an abort dropping its staging copy, a sleep, shutdown). The trainer writes into a lent segment again only
+while every byte of that page is 0 (``held()`` False), else it takes another; a worker that died holding
+one leaves it marked, so it is never reused. Unlinking does not take memory a worker still maps.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from ascend_ops.platform import current_platform
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "rollbus"
+LEND_HEADER = 4096  # a lent segment's first page: one "held" byte per worker rank; the data follows
 HANDLE_KINDS = ("shm", "cuda", "npu")
 _NAME_RE = re.compile(r"(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")  # a plain file name, no ".." in it
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
@@ -101,10 +111,10 @@ class SharedBuffer:
     tables populated, so the first copy in runs at memcpy speed; ``prefault_s`` is what that cost.
     """
 
-    def __init__(self, nbytes: int, *, prefault: bool = True) -> None:
+    def __init__(self, nbytes: int, *, prefault: bool = True, lend: bool = False) -> None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise ValueError(f"SharedBuffer size must be a positive number of bytes, got {nbytes!r}")
-        self.size = nbytes
+        self.size, self._base = nbytes, LEND_HEADER if lend else 0
         while True:  # a stale segment of a dead process with our pid: take the next number
             self.name = f"{SHM_PREFIX}-{os.getpid()}-{next(_counter)}"
             self.path = f"{SHM_DIR}/{self.name}"
@@ -116,17 +126,23 @@ class SharedBuffer:
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.path, os.getpid())
         t0 = time.perf_counter()
         try:
-            (os.posix_fallocate if prefault else lambda fd, _, n: os.ftruncate(fd, n))(fd, 0, nbytes)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            total = self._base + nbytes
+            (os.posix_fallocate if prefault else lambda fd, _, n: os.ftruncate(fd, n))(fd, 0, total)
+            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             self._finalizer()
             raise
         finally:
             os.close(fd)
         # The tensor holds the mmap object; the mapping goes when both are gone.
-        self._tensor: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8)
-        self.prefault_method = _populate(mm, self._tensor) if prefault else "none"
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
+        self.prefault_method = _populate(mm, whole) if prefault else "none"
         self.prefault_s = time.perf_counter() - t0
+        self._header, self._tensor = whole[:self._base], whole[self._base:]
+
+    def held(self) -> bool:
+        """A lent segment some worker still views (module docstring): not to be written."""
+        return bool(self._header.any())
 
     @property
     def closed(self) -> bool:
@@ -143,12 +159,14 @@ class SharedBuffer:
         self.tensor  # noqa: B018  (raises when closed)
         nbytes = self.size - offset if nbytes is None else nbytes
         _check_range(offset, nbytes, self.size, f"shared buffer {self.name}")
-        return {"kind": "shm", "name": self.name, "offset": offset, "nbytes": nbytes, "size": self.size}
+        h = {"kind": "shm", "name": self.name, "offset": self._base + offset, "nbytes": nbytes,
+             "size": self._base + self.size}
+        return {**h, "lend": True} if self._base else h
 
     def close(self) -> None:
         """Unlink the name and drop this object's mapping. Idempotent."""
         self._finalizer()
-        self._tensor = None
+        self._tensor = self._header = None
 
     def __enter__(self) -> SharedBuffer:
         return self
@@ -269,14 +287,17 @@ class HandleImporter:
     once. ``close()`` forgets every mapping (the memory goes when the last returned view goes)."""
 
     def __init__(self) -> None:
-        self._shm: dict[tuple[str, int], tuple[tuple[int, int], torch.Tensor]] = {}  # -> ((st_dev, st_ino), view)
+        # (name, size, lent) -> ((st_dev, st_ino), flat view, mmap); lent segments are mapped read-write
+        self._shm: dict[tuple[str, int, bool], tuple[tuple[int, int], torch.Tensor, mmap.mmap]] = {}
+        self._held: dict[tuple[str, int, bool], weakref.ref] = {}  # lent -> the memoryview our views hold
         self._dev: dict[tuple[Any, ...], tuple[torch.Tensor, set]] = {}  # -> (flat view, ref counters seen)
         self.maps_created = 0  # shared-memory mmaps made so far (the cache works when this stays put)
         self.imports_created = 0  # device rebuilds made so far
 
-    def open(self, handle: Any, device: torch.device | str | None = None) -> torch.Tensor:
+    def open(self, handle: Any, device: torch.device | str | None = None, rank: int | None = None) -> torch.Tensor:
         """A flat uint8 tensor over exactly the handle's ``nbytes`` bytes at ``offset``: a read-only host view
-        for shared memory (whatever ``device``), a view on ``device`` (default: the platform's) for CUDA/NPU.
+        for shared memory (whatever ``device``; with ``rank``, a lent segment's view is writable and marks
+        the segment held by ``rank`` while it lives), a view on ``device`` (default: the platform's) for CUDA/NPU.
         A mapping ``{device_key: handle}`` is resolved by ``device``'s key, then the host's. Raises ValueError
         for malformed, out-of-range or foreign handles."""
         if not isinstance(handle, dict):
@@ -293,24 +314,26 @@ class HandleImporter:
             handle = h
         kind = handle.get("kind")
         if kind == "shm":
-            return self._open_shm(handle)
+            return self._open_shm(handle, rank)
         if kind in ("cuda", "npu"):
             return self._open_device(handle, dev)
         raise ValueError(f"unknown handle kind {kind!r}; known kinds: {', '.join(HANDLE_KINDS)}")
 
     def close(self) -> None:
         self._shm.clear()
+        self._held.clear()
         self._dev.clear()
 
     def prune(self) -> int:
         """Forget mappings of segments the producer has unlinked (or replaced), so a long-lived engine does
         not keep every departed trainer's buffers mapped. Returns how many."""
-        gone = [key for key, (inode, _) in self._shm.items() if _inode(f"{SHM_DIR}/{key[0]}") != inode]
+        gone = [key for key, (inode, *_) in self._shm.items() if _inode(f"{SHM_DIR}/{key[0]}") != inode]
         for key in gone:
             del self._shm[key]
+            self._held.pop(key, None)
         return len(gone)
 
-    def _open_shm(self, h: dict[str, Any]) -> torch.Tensor:
+    def _open_shm(self, h: dict[str, Any], rank: int | None) -> torch.Tensor:
         name = h.get("name")
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ValueError(f"bad shared-memory name {name!r}: a plain file name under {SHM_DIR} is expected "
@@ -327,14 +350,34 @@ class HandleImporter:
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} is not a shared-memory segment (not a regular file)")
         _check_size(st, size, name)
-        cached = self._shm.get((name, size))
+        if h.get("lend") is True and h["offset"] < LEND_HEADER:
+            raise ValueError(f"a lent segment's bytes start after its first {LEND_HEADER} (the holders' page)")
+        lent = h.get("lend") is True and rank is not None and 0 <= rank < LEND_HEADER
+        key = (name, size, lent)
+        cached = self._shm.get(key)
         if cached is None or cached[0] != (st.st_dev, st.st_ino):
-            cached = self._shm[(name, size)] = self._map(path, name, size)
-        return cached[1].narrow(0, h["offset"], h["nbytes"])
+            cached = self._shm[key] = self._map(path, name, size, lent)
+            self._held.pop(key, None)
+        return (self._hold(key, cached[2], rank) if lent else cached[1]).narrow(0, h["offset"], h["nbytes"])
 
-    def _map(self, path: str, name: str, size: int) -> tuple[tuple[int, int], torch.Tensor]:
+    def lent(self) -> set[int]:
+        """Addresses of the lent segments our views hold (a view's untyped_storage().data_ptr())."""
+        return {self._shm[k][1].data_ptr() for k, ref in self._held.items() if ref() is not None and k in self._shm}
+
+    def _hold(self, key: tuple[str, int, bool], mm: mmap.mmap, rank: int) -> torch.Tensor:
+        """The whole lent segment through one memoryview per holding: every view of it keeps the memoryview,
+        whose end clears our byte of the header (module docstring)."""
+        mv = self._held[key]() if key in self._held else None
+        if mv is None:
+            mv = memoryview(mm)
+            mm[rank] = 1
+            weakref.finalize(mv, mm.__setitem__, rank, 0)
+            self._held[key] = weakref.ref(mv)
+        return torch.frombuffer(mv, dtype=torch.uint8)
+
+    def _map(self, path: str, name: str, size: int, rw: bool) -> tuple[tuple[int, int], torch.Tensor, mmap.mmap]:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, (os.O_RDWR if rw else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as e:  # gone since the stat, another user's segment (mode 0600), ...
             raise ValueError(f"cannot open shared-memory segment {name!r}: {e.strerror} (trainer and engine must "
                              "run as the same user on the same host)") from None
@@ -342,14 +385,15 @@ class HandleImporter:
             st = os.fstat(fd)  # the file we actually map (the name may have been replaced since the stat)
             _check_size(st, size, name)
             # MAP_POPULATE: the page tables are filled now, not one fault per page in the first copy out
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | (mmap.PROT_WRITE if rw else 0))
         finally:
             os.close(fd)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable.*")
-            t = torch.frombuffer(mm, dtype=torch.uint8)  # read-only memory: never write to these views
+            t = torch.frombuffer(mm, dtype=torch.uint8)  # read-only memory unless lent: never write to these
         self.maps_created += 1
-        return (st.st_dev, st.st_ino), t
+        return (st.st_dev, st.st_ino), t, mm
 
     def _open_device(self, h: dict[str, Any], dev: torch.device) -> torch.Tensor:
         kind = h["kind"]

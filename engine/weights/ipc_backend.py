@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.weights import ipc
+from engine.weights import backends, ipc
 from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     ParamMeta,
@@ -25,15 +25,12 @@ from engine.weights.protocol import (
 _PICKLED = "ipc_handles_pickled"
 
 
-class Receiver:
+class Receiver(backends.Receiver):
     """A worker's half: opens the handles of an update (mappings cached across updates), checks every one
     against the declared tensors, then copies out of them."""
 
     def __init__(self) -> None:
         self.importer = ipc.HandleImporter()
-
-    def init(self, info: Any, r: Any) -> None:
-        pass
 
     def check_start(self) -> None:
         self.importer.prune()  # drop mappings of buffers their trainer has closed
@@ -42,11 +39,12 @@ class Receiver:
         r.require_active()
         meta = UpdateMeta.parse(info)
         dests = r.validate(meta.params)
+        rank = r.rank if r.adopts() else None  # lent bytes may become the staging copies as they are
         try:
             with r.copying():
-                sources = self._sources(info, meta, r.device)  # every handle mapped and checked: now write
-                for p, src, dst in zip(meta.params, sources, dests):
-                    r.write(p.name, src, dst)
+                sources = self._sources(info, meta, r.device, rank)  # every handle mapped and checked: now write
+                r.place([(p.name, src, dst) for p, src, dst in zip(meta.params, sources, dests)],
+                        self.importer.lent() if rank is not None else set())
         except WeightSyncError:
             raise
         except TimeoutError as e:
@@ -56,10 +54,7 @@ class Receiver:
         r.received += [p.name for p in meta.params]
         return len(meta.params), meta.nbytes
 
-    def drain(self, wire: Any, r: Any) -> str:
-        return ""  # nothing is in flight: the trainer waits for the answer before it reuses its buffers
-
-    def _sources(self, info: Any, meta: UpdateMeta, device: torch.device) -> list[torch.Tensor]:
+    def _sources(self, info: Any, meta: UpdateMeta, device: torch.device, rank: int | None) -> list[torch.Tensor]:
         handles, param, pickled = info.ipc_handles, "ipc_handles", info.ipc_handles_pickled is not None
         if pickled:
             if handles is not None:
@@ -84,10 +79,10 @@ class Receiver:
                                   f"(packed), got {type(handles).__name__}" if pickled else "update_info.ipc_handles "
                                   "must be a list (one handle per tensor) or one handle object (packed)", param=param)
         return [v for h, expect, params, where in expects
-                for v in byte_views(self._open(h, expect, params, where, param, device), params)]
+                for v in byte_views(self._open(h, expect, params, where, param, device, rank), params)]
 
     def _open(self, h: Any, expect: ipc.Expect, params: list[ParamMeta], where: str, param: str,
-              device: torch.device) -> torch.Tensor:
+              device: torch.device, rank: int | None) -> torch.Tensor:
         try:
             if param == _PICKLED:  # vLLM's: checked against the declared tensors, then opened as our own
                 names = f" ({params[0].name!r})" if len(params) == 1 and not expect.packed else ""
@@ -97,19 +92,13 @@ class Receiver:
         except ValueError as e:
             raise WeightSyncError(str(e), param=param) from None
         try:
-            buf = self.importer.open(h, device)
+            buf = self.importer.open(h, device, rank)
         except ValueError as e:
             raise WeightSyncError(f"update_info.{where}: {e}", param="ipc_handles") from None
         if buf.numel() != expect.nbytes:
             raise WeightSyncError(f"update_info.{where} covers {buf.numel()} bytes, the tensors need "
                                   f"{expect.nbytes}", param="ipc_handles")
         return buf
-
-    def release(self) -> int:
-        return 0
-
-    def release_group(self) -> bool:
-        return False
 
     def shutdown(self) -> None:
         self.importer.close()
@@ -129,27 +118,25 @@ def _unpickle(text: Any) -> Any:
         raise WeightSyncError(str(e), param=_PICKLED) from None
 
 
-class Sender:
-    """The trainer's half. CPU: tensors are copied into shared-memory buffers (reused across versions), a
-    chunk at a time, while the engine copies the previous chunk out; with share_memory the trainer's own
-    tensors move into one shared segment, so nothing is copied on this side. CUDA/NPU: handles to the tensors'
-    own device memory (unpacked) or to one staging buffer per chunk (packed). Handles are plain data."""
+class Sender(backends.Sender):
+    """The trainer's half. CPU: tensors are copied into lent shared-memory segments (engine.weights.ipc), a
+    chunk each, while the engine takes the previous chunk: a worker keeps lent bytes as its staging copies,
+    so each byte is copied once; a segment is written again once no worker holds it (at steady state the
+    engine serves from one update's segments while the next is written into the other's). With
+    share_memory the trainer's own tensors move into one shared segment, so nothing is copied on this side
+    (the engine copies out). CUDA/NPU: handles to the tensors' own device memory (unpacked) or to one
+    staging buffer per chunk (packed). Handles are plain data."""
 
     ONE_ENGINE = True  # a fleet (several engines, one update) needs a collective
 
     def __init__(self, client: Any) -> None:
-        self.c = client
-        self._buffers: list[Any] = []  # ipc.SharedBuffer (CPU) or _DeviceBuffer per slot, reused across versions
+        super().__init__(client)
+        self._buffers: list[Any] = []  # _DeviceBuffer per slot, reused across versions
+        self._lent: list[ipc.SharedBuffer] = []  # CPU: lent segments, written again once no worker holds them
         self._arena: ipc.SharedBuffer | None = None  # share_memory: the segment holding the trainer's tensors
-
-    def ensure_ready(self) -> None:
-        pass
 
     def init_transfer(self) -> None:
         self.c._post("/init_weight_transfer_engine", {"init_info": {"packed": self.c.packed}})
-
-    def restart(self, status: int, param: str | None) -> bool:
-        return False
 
     def prepare(self, named: Any) -> Any:
         return self._share(list(named)) if self.c.share_memory and not self.c.packed else named
@@ -167,9 +154,6 @@ class Sender:
     def bus_updates(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> list[dict]:
         return list(self.updates(tensors, metas, reuse=None))
 
-    def after_announce(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> None:
-        pass  # the workers read the staged buffers while the coordinator drives the update
-
     def updates(self, tensors: list[tuple[str, torch.Tensor]], metas: list[ParamMeta],
                 reuse: list[Future | None] | None):
         """Yield each update_info after staging its chunk. `reuse` holds the engine call that still reads each
@@ -185,18 +169,40 @@ class Sender:
         size = max(c.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES // 4, max(m.nbytes for m in metas))
         chunks = plan_chunks(metas, size, fit=True)
         nbuf = len(chunks) if reuse is None else min(c.num_buffers, len(chunks))
+        used: list[ipc.SharedBuffer] = []
         for k, chunk in enumerate(chunks):
             slot = k % nbuf
             if reuse is not None and reuse[slot] is not None:
                 reuse[slot].result()  # the engine is done with this buffer
             nbytes = sum(metas[i].nbytes for i in chunk)
-            buf = self._buffer(slot, nbytes, device)
+            buf = self._segment(nbytes, used) if device.type == "cpu" else self._buffer(slot, nbytes, device)
             offsets = pack(buf.tensor, [tensors[i][1] for i in chunk])
             sub = UpdateMeta([metas[i] for i in chunk]).to_info()
             if c.packed:
                 yield {**sub, "ipc_handles": buf.handle(0, nbytes), "tensor_sizes": [n for _, n in offsets]}
             else:
                 yield {**sub, "ipc_handles": [buf.handle(o, n) for o, n in offsets]}
+        # beyond two updates' worth (one the engine serves from, one to write next), free segments left over
+        # from another plan go
+        spare = sum(b.size for b in self._lent) - 2 * sum(b.size for b in used)
+        for b in [b for b in self._lent if b not in used and not b.held()]:
+            if spare < b.size:
+                continue
+            spare -= b.size
+            self._lent.remove(b)
+            b.close()
+
+    def _segment(self, nbytes: int, used: list[ipc.SharedBuffer]) -> ipc.SharedBuffer:
+        """The smallest lent segment of >= nbytes that no worker holds and this update has not taken, else a
+        new one and its twin, for the next update (made now, with the first update's cold cost)."""
+        free = [b for b in self._lent if b.size >= nbytes and b not in used and not b.held()]
+        b = min(free, key=lambda b: b.size) if free else None
+        if b is None:
+            b, twin = ipc.SharedBuffer(nbytes, lend=True), ipc.SharedBuffer(nbytes, lend=True)
+            self._lent += [b, twin]
+            used.append(twin)  # not for this update
+        used.append(b)
+        return b
 
     def _share(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """share_memory: move the trainer's own tensors into one shared-memory segment (once; again only if
@@ -234,14 +240,13 @@ class Sender:
         if b is None or b.size < nbytes:
             if b is not None:
                 b.close()
-            b = self._buffers[slot] = (ipc.SharedBuffer(nbytes) if device.type == "cpu"
-                                       else _DeviceBuffer(nbytes, device))
+            b = self._buffers[slot] = _DeviceBuffer(nbytes, device)
         return b
 
     def close(self) -> None:
-        for b in self._buffers:
-            b.close()
-        self._buffers = []
+        for b in self._buffers + self._lent:
+            b.close()  # a lent segment a worker holds stays its memory until it lets go
+        self._buffers, self._lent = [], []
         if self._arena is not None:
             self._arena.close()  # unlinks the name; the trainer's tensors keep the memory
             self._arena = None

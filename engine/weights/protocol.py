@@ -14,6 +14,8 @@ buffer by less than one tensor). The IPC backend's shared buffers instead need c
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,3 +138,16 @@ def pack(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[int, int]
             out.append((off, n))
             off += n
     return out
+
+
+def owner_lookup(params: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], str | None]:
+    """The name of the parameter a view lies in, by address (parameters serving from a lent segment share
+    its storage, so the storage does not tell them apart); None for none."""
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), n) for n, p in params.items()
+                   if p.numel())
+    starts = [a for a, _, _ in spans]
+
+    def owner(t: torch.Tensor) -> str | None:
+        i = bisect_right(starts, t.data_ptr()) - 1
+        return spans[i][2] if i >= 0 and t.data_ptr() < spans[i][1] else None
+    return owner

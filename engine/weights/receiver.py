@@ -7,7 +7,10 @@ Every call is validated in full (names, shapes, dtypes, handles) before its firs
 staging (the default) bytes land in a second copy of each touched parameter; commit fills the parts of
 those copies the update did not cover from the live weights and swaps them in, so the weights in service
 never mix versions and abort simply drops the copies. The copies are kept for the next update (the old
-storage becomes the next staging area), released on sleep and on shutdown.
+storage becomes the next staging area), released on sleep and on shutdown. Bytes a trainer lends
+(engine.weights.ipc: a lent segment) that hold a whole parameter laid out as the engine's become its staging
+copy as they are, with no copy; such storage is never pooled, so it goes back to the trainer once the
+parameter no longer uses it (a later commit, an abort, a sleep).
 
 Tensor parallelism: the trainer sends whole HF tensors to every worker (vLLM's protocol); each validates
 the whole shape and keeps its part (model.weight_source), so nothing about the protocol changes.
@@ -35,7 +38,7 @@ from bus.messages import (
 )
 from engine.weights import backends
 from engine.weights.config import WeightTransferConfig
-from engine.weights.protocol import ParamMeta, tensor_checksum
+from engine.weights.protocol import ParamMeta, owner_lookup, tensor_checksum
 from engine.weights.wire import NOT_CONFIGURED, WeightSyncError
 
 IDLE, ACTIVE, FINISHED = "idle", "active", "finished"
@@ -49,6 +52,7 @@ class _Touched:
     stage: torch.Tensor | None  # None when writing in place
     ranges: list[tuple[int, int]] = field(default_factory=list)
     full: bool = False  # staging already holds every element (pre-filled, or a whole-tensor write)
+    lent: bool = False  # stage is the trainer's lent memory
 
 
 class WeightReceiver:
@@ -60,7 +64,10 @@ class WeightReceiver:
         self.packed, self.buffer_size, self.num_buffers = False, DEFAULT_PACKED_BUFFER_SIZE_BYTES, \
             DEFAULT_PACKED_NUM_BUFFERS
         self.touched: dict[str, _Touched] = {}
-        self.pool: dict[str, torch.Tensor] = {}  # staging storage kept between updates
+        # staging storage kept between updates, two per parameter at most: a copied update after a lent one
+        # (whose old storage goes back to the trainer) then still finds one
+        self.pool: dict[str, list[torch.Tensor]] = {}
+        self.lent: dict[str, int] = {}  # parameter -> data_ptr of the lent memory it serves from
         self.copy = None  # bulk_copy_threads' copy(dst, src) during an update
         self.received: list[str] = []  # names of the update in progress, in order
         self.refresh()
@@ -135,14 +142,20 @@ class WeightReceiver:
                 if not t.full:
                     _fill_gaps(t, copy)
         for pname, t in staged.items():
-            self.pool[pname], t.param.data = t.param.data, t.stage
+            if self.lent.pop(pname, None) != t.param.data_ptr():  # lent memory goes back, never into the pool
+                self._keep(pname, t.param.data)
+            t.param.data = t.stage
+            if t.lent:
+                self.lent[pname] = t.stage.data_ptr()
         self.state, self.touched = IDLE, {}
         return UpdateCommitted(True, len(self.received), len(staged))
 
     def abort(self) -> UpdateAborted:
         """Drop the update in progress; with staging the weights in service never changed."""
         was, self.lora = self.state, None
-        self.pool.update((n, t.stage) for n, t in self.touched.items() if t.stage is not None)
+        for n, t in self.touched.items():
+            if t.stage is not None and not t.lent:
+                self._keep(n, t.stage)
         self.state, self.touched = IDLE, {}
         return UpdateAborted(was != IDLE, self.cfg is not None and not self.cfg.stage_updates)
 
@@ -159,9 +172,13 @@ class WeightReceiver:
         The trainer forms a new one with /init_weight_transfer_engine after the wake."""
         return self.backend is not None and self.backend.release_group()
 
+    def _keep(self, pname: str, storage: torch.Tensor) -> None:
+        kept = self.pool.setdefault(pname, [])
+        kept[:] = kept[-1:] + [storage]
+
     def release(self) -> int:
         """Free the staging copies and receive buffers (sleep); returns bytes released."""
-        freed = sum(t.numel() * t.element_size() for t in self.pool.values())
+        freed = sum(t.numel() * t.element_size() for ts in self.pool.values() for t in ts)
         self.pool.clear()
         return freed + (self.backend.release() if self.backend is not None else 0)
 
@@ -202,6 +219,44 @@ class WeightReceiver:
             dests.append(dst)
         return dests
 
+    def adopts(self) -> bool:
+        """Whether lent bytes may become staging copies (staging on, the model as the target)."""
+        return self.lora is None and self.cfg is not None and self.cfg.stage_updates
+
+    def place(self, items: list[tuple[str, torch.Tensor, torch.Tensor]], lent: set[int]) -> None:
+        """Each received (name, src, dst) written; a parameter whose every byte this call sends, in its own
+        layout, from a lent segment (`lent`: their storages' addresses) takes those bytes as its staging copy."""
+        by_param: dict[str, list] = {}
+        for item in items:
+            by_param.setdefault(self.owner(item[2]) if lent else "", []).append(item)
+        for pname, its in by_param.items():
+            view = self._adoptable(pname, its) if lent else None
+            if view is not None and view.untyped_storage().data_ptr() in lent:
+                self.touched[pname] = _Touched(self._params[pname], view, full=True, lent=True)
+                continue
+            for name, src, dst in its:
+                self.write(name, src, dst)
+
+    def _adoptable(self, pname: str, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """A view of the sources shaped as parameter `pname`, when they are its bytes back to back in order
+        (as the fused q/k/v pieces a trainer sends one after another), in its dtype, whole; else None."""
+        live = self._params[pname].data
+        if pname in self.touched or not live.is_contiguous():
+            return None
+        items = sorted(items, key=lambda it: it[2].data_ptr())
+        first, pos = items[0][1], live.data_ptr()
+        for name, src, dst in items:
+            if (dst.data_ptr() != pos or not dst.is_contiguous() or not src.is_contiguous()
+                    or (src.dtype, src.device) != (live.dtype, live.device)
+                    or src.data_ptr() - first.data_ptr() != pos - live.data_ptr()
+                    or src.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                    or self.source(name, src) is not src):
+                return None
+            pos += dst.numel() * dst.element_size()
+        if pos != live.data_ptr() + live.numel() * live.element_size():
+            return None
+        return first.as_strided(live.shape, live.stride())
+
     def write(self, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """One received tensor (whole, as the trainer sent it) into our part of it, cast to the engine's dtype
         on the way (torch's copy_: round to nearest even, as vLLM's load)."""
@@ -215,13 +270,13 @@ class WeightReceiver:
         """Where bytes for the live view `dst` go: the same view of the staging copy (or dst in place)."""
         if self.lora is not None:
             return dst  # a fresh buffer of the adapter's, not a weight in service
-        pname = self._owner[dst.untyped_storage().data_ptr()]
+        pname = self.owner(dst)
         t = self.touched.get(pname)
         param = self._params[pname]
         if t is None:
             stage = None
             if self.cfg is not None and self.cfg.stage_updates:
-                stage = self.pool.pop(pname, None)
+                stage = self.pool[pname].pop() if self.pool.get(pname) else None
                 if stage is None or stage.shape != param.shape or stage.dtype != param.dtype:
                     stage = torch.empty_like(param.data)
             t = self.touched[pname] = _Touched(param, stage)
@@ -241,7 +296,7 @@ class WeightReceiver:
     def refresh(self) -> None:
         """Parameter storage moved (wake from sleep, commit): re-learn which storage is which parameter."""
         self._params = dict(self.model.named_parameters())
-        self._owner = {p.untyped_storage().data_ptr(): n for n, p in self._params.items()}
+        self.owner = owner_lookup(self._params)
 
     # --- /weight_checker ------------------------------------------------------------------------
 

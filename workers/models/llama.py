@@ -274,6 +274,7 @@ class DecoderLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin, persistent=False)
         self._weights = self._weight_targets()
+        self._param_of: dict[str, nn.Parameter] = {}  # get_parameter's module walk, once per name
 
     def _make_layer(self, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """Decoder layer `i` (a hybrid model chooses its mixer per layer: workers/models/qwen3_next.py)."""
@@ -440,7 +441,10 @@ class DecoderLM(nn.Module):
         target = self._weights.targets.get(name)
         if target is None:
             raise KeyError(f"{self.cfg.architecture}: unknown checkpoint tensor {name!r}")
-        dst = self.get_parameter(target.param).data
+        param = self._param_of.get(target.param)
+        if param is None:
+            param = self._param_of[target.param] = self.get_parameter(target.param)
+        dst = param.data
         if target.expert >= 0:
             dst = dst[target.expert]
         return dst.narrow(0, target.start, target.rows) if target.rows >= 0 else dst
