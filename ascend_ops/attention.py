@@ -130,15 +130,18 @@ def paged_attention(
         n = meta.num_decodes
         nblk = (meta.decode_max_ctx + bs - 1) // bs
         tables = meta.decode_block_tables[:, :nblk]  # type: ignore[index]
+        lens = meta.decode_ctx_lens[:, None]  # type: ignore[index]
+        pos = torch.arange(nblk * bs, device=q.device)[None, :]
+        if window:  # only the blocks the window covers: those before it may have been freed
+            tables, pos = _window_columns(tables, lens, window, bs)
+            nblk = tables.shape[1]
         # index_select copies whole blocks (memcpy rows); 2-D advanced indexing is ~3x slower on CPU.
         flat = tables.reshape(-1)
         kc = k_cache.index_select(0, flat).to(q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)  # [n,Hk,L,D]
         vc = v_cache.index_select(0, flat).to(q.dtype).view(n, nblk * bs, hk, d).transpose(1, 2)
-        pos = torch.arange(nblk * bs, device=q.device)
-        lens = meta.decode_ctx_lens[:, None]  # type: ignore[index]
-        mask = pos[None, :] < lens
+        mask = pos < lens
         if window:
-            mask &= pos[None, :] >= lens - window
+            mask &= pos >= lens - window
         mask = mask.view(n, 1, 1, -1)
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -150,21 +153,38 @@ def paged_attention(
                                       torch.zeros(c.q_len, dtype=torch.int64),
                                       torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale)
             continue
-        kc = k_cache.index_select(0, c.block_table).to(q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
-        vc = v_cache.index_select(0, c.block_table).to(q.dtype).view(-1, hk, d)[: c.ctx_len].transpose(0, 1)
+        # a windowed layer reads from the block of its first row's first key on (those before may be freed);
+        # positions below are relative to that block's start, which keeps their differences
+        skip = max(0, c.ctx_len - c.q_len - window + 1) // bs if window else 0
+        table, ctx = c.block_table[skip:], c.ctx_len - skip * bs
+        kc = k_cache.index_select(0, table).to(q.dtype).view(-1, hk, d)[:ctx].transpose(0, 1)
+        vc = v_cache.index_select(0, table).to(q.dtype).view(-1, hk, d)[:ctx].transpose(0, 1)
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1)  # [Hq, q_len, D]
         if q.dtype == torch.float32 and q.device.type == "cpu":
-            out[c.q_start : c.q_start + c.q_len] = _causal_slices(qc, kc, vc, c.ctx_len, scale, window).transpose(0, 1)
+            out[c.q_start : c.q_start + c.q_len] = _causal_slices(qc, kc, vc, ctx, scale, window).transpose(0, 1)
             continue
-        # Row i (absolute position ctx_len - q_len + i) sees keys at positions <= its own.
-        qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)
-        kpos = torch.arange(c.ctx_len, device=q.device)[None, :]
+        # Row i (position ctx - q_len + i) sees keys at positions <= its own.
+        qpos = torch.arange(ctx - c.q_len, ctx, device=q.device)
+        kpos = torch.arange(ctx, device=q.device)[None, :]
         mask = kpos <= qpos[:, None]
         if window:
             mask &= kpos > qpos[:, None] - window
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[c.q_start : c.q_start + c.q_len] = o.transpose(0, 1)
     return out
+
+
+def _window_columns(tables: torch.Tensor, lens: torch.Tensor, window: int, bs: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows of a sliding-window layer: each row's block-table columns from the block of its first visible
+    key (position lens - window) on, as many as a window can span (past the table's end: its last column,
+    whose positions the mask hides), and the key position of every gathered slot [n, columns * bs]."""
+    width = tables.shape[1]
+    span = min(width, (window + bs - 2) // bs + 1)
+    first = (lens - window).clamp(min=0) // bs  # [n, 1]
+    cols = first + torch.arange(span, device=tables.device)[None, :]
+    pos = (cols * bs)[:, :, None] + torch.arange(bs, device=tables.device)
+    return tables.gather(1, cols.clamp(max=width - 1)), pos.view(cols.shape[0], -1)
 
 
 PREFILL_SLICE_ROWS = 128  # query rows per slice of a long prefill (_causal_slices)

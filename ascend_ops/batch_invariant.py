@@ -331,6 +331,8 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
     nb = int(nblk.max())
     dev = q.device
     valid = torch.arange(nb, device=dev)[None, :] < nblk[:, None]  # [R, nb]
+    if window:  # not the blocks wholly before the window (they may have been freed; all their terms are 0)
+        valid &= torch.arange(nb, device=dev)[None, :] >= ((lens - window).clamp(min=0) // bs)[:, None]
     row, blk = valid.nonzero(as_tuple=True)  # the (row, block) pairs, P of them
     P = row.shape[0]
     ids = tables[row, blk]

@@ -257,6 +257,7 @@ class WorkerInfo(RoleInfo):
     worker_extension_methods: list[str] = []  # --worker-extension-cls (workers.extension)
     joined_seq: int = 0  # in its Hello to the scheduler: the seq it (re)joined the bus at
     state_slots: int = 0  # a hybrid model's recurrent-state slots (workers.kv_cache); 0: attention only
+    kv_window: int = 0  # every attention layer's sliding window where they share one: blocks before it are freed
 
 
 class SchedulerReady(RoleInfo):

@@ -13,6 +13,15 @@ With `record_events` the manager also returns what it did to the cache as vLLM's
 current weights become findable, BlockRemoved when a block announced that way is evicted, AllBlocksCleared
 when the cache is reset or the weights change (blocks of older weights can no longer be matched by a new
 request, so a router should stop counting them).
+
+Sliding-window models (every attention layer with the same window, `release_before`): a running sequence gives
+back the blocks wholly before its window as the window moves; their block_table entries become FREED, so the
+table keeps its length and positions (block i still holds positions [i*bs, (i+1)*bs)) and the attention, which
+reads only the window's blocks, never reads one (a read of FREED is an index error, not a silent wrong key).
+A released block goes back to the free list like a finished sequence's: its hash stays findable until the block
+is handed out for new content, which evicts the hash, so a prefix hit never finds a rewritten block. A block
+released before its hash was committed (a chunk that both fills it and moves the window past it) is never
+registered.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from collections import OrderedDict
 
 from engine.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from engine.request import Sequence
+
+FREED = -1  # a block_table entry whose block slid out of the attention window and was given back
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...], weight_epoch: int) -> int:
@@ -123,7 +134,7 @@ class BlockManager:
             h = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_epoch)
             seq.block_hashes.append(h)
             bid = seq.block_table[i]
-            if h not in self.cached and self.hash_of[bid] is None:
+            if bid != FREED and h not in self.cached and self.hash_of[bid] is None:
                 self.cached[h] = bid
                 self.hash_of[bid] = h
                 stored.append(i)
@@ -174,14 +185,32 @@ class BlockManager:
         events, self.events = self.events, []
         return events
 
+    def release_before(self, seq: Sequence, pos: int) -> None:
+        """Sliding-window models: give back `seq`'s blocks that lie wholly before position `pos` (the first key
+        any of its later queries can see); their entries become FREED (module docstring)."""
+        table = seq.block_table
+        end = min(pos // self.block_size, len(table))
+        for i in range(seq.num_released, end):
+            bid = table[i]
+            table[i] = FREED
+            self.ref[bid] -= 1
+            if self.ref[bid] == 0:
+                self.free[bid] = None
+        seq.num_released = max(seq.num_released, end)
+
+    def num_held(self, seq: Sequence) -> int:
+        """Blocks `seq` holds (its table's entries not released)."""
+        return len(seq.block_table) - seq.num_released
+
     def free_seq(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are reused before its (more shareable) head.
-        for bid in reversed(seq.block_table):
+        for bid in reversed(seq.block_table[seq.num_released:]):
             self.ref[bid] -= 1
             if self.ref[bid] == 0:
                 self.free[bid] = None
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_released = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after a weight update with clear_cache); used blocks stay allocated."""

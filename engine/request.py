@@ -33,6 +33,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, in order
+    num_released: int = 0  # sliding-window models: leading block_table entries given back (engine.block_manager)
     sent_to_workers: bool = False
     finish_reason: str | None = None
     stop_reason: int | None = None

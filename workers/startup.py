@@ -100,5 +100,15 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
         batch_invariant_checked=checked, cpu_linear=cpu_linear, host_allocator=host_allocator,
         warm_up_s=round(warm_s, 3), host_huge_pages=host_huge_pages() if device.type == "cpu" else None,
         cpu_threads=cpu_kernels.threads() if device.type == "cpu" else None, layout=layout(cfg),
-        state_slots=state_slots)
+        state_slots=state_slots, kv_window=shared_window(model))
     return Loaded(model, kv, runner, info)
+
+
+def shared_window(model) -> int:
+    """The sliding window every attention layer of `model` has, where they share one (the scheduler then frees
+    the blocks that slid out of it); 0 where any layer attends to everything or the windows differ, or for a
+    hybrid model (its linear-attention layers keep state, not blocks)."""
+    windows = getattr(getattr(model, "cfg", None), "windows", ())
+    if not windows or getattr(model, "state_spec", None) is not None or len(set(windows)) != 1:
+        return 0
+    return int(windows[0])

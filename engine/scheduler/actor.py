@@ -191,7 +191,8 @@ class SchedulerActor:
         self.sched = Scheduler(blocks,
                                self.cfg.scheduler.max_num_seqs, self.cfg.scheduler.max_num_batched_tokens, max_len,
                                max_loras=self.cfg.lora.max_loras if self.cfg.lora.enable_lora else 0,
-                               policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots)
+                               policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots,
+                               window=min(i.kv_window for i in infos))
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
         self.sched.weight_epoch = self.link.state.weight_epoch

@@ -24,6 +24,15 @@ finishes; there is one per --max-num-seqs sequence, so admission never waits for
 freed may go to another sequence in the next plan: that sequence starts at position 0, and the workers zero
 the slot before they compute it (after the step in flight, which may still write the old sequence's state).
 
+Sliding-window models (`window` > 0: every attention layer of the model sees the same last `window` keys):
+before a running sequence is planned, its blocks wholly before the window of its next position are given
+back (BlockManager.release_before), so a long sequence holds about window / block_size + 1 blocks, not
+its whole length. The step in flight may still read them: the workers run plans in order, so it is done
+before the next plan writes them (as for a preempted sequence's blocks, below). Models whose layers mix
+windows (gpt-oss, Gemma 3, Qwen2-MoE's lower-layer windows) keep every block: one block table serves every
+layer, and a full-attention layer reads them all (vLLM's hybrid KV cache manager gives each group of layers
+its own table instead).
+
 Async scheduling (--async-scheduling): the next step may be planned while one is still computing. A sequence
 in that step counts its positions and its sample as if they were done (`inflight_tokens`,
 `inflight_samples`, vLLM's output placeholders): the next plan decodes the token the workers are sampling
@@ -101,6 +110,7 @@ class Scheduler:
     _added: int = 0  # sequences added so far: the last tie-break of the priority order
     state_slots: int = 0  # hybrid models: the workers' recurrent-state slots (0: none, attention only)
     free_slots: list[int] = field(default_factory=list)
+    window: int = 0  # every attention layer's sliding window, where they share one (blocks before it freed)
 
     def __post_init__(self) -> None:
         self.free_slots = list(range(self.state_slots - 1, -1, -1))  # popped from the end: slot 0 first
@@ -180,6 +190,7 @@ class Scheduler:
         bs = blocks.block_size
         free = blocks.free
         running = self.running
+        window = self.window
         add_seq, add_new, add_computed = seqs.append, num_new.append, num_computed.append
         i = 0
         while i < len(running) and budget > 0:
@@ -193,6 +204,8 @@ class Scheduler:
             if n <= 0:
                 i += 1  # everything it has is being computed (and nothing sampled)
                 continue
+            if window and computed - window + 1 >= (seq.num_released + 1) * bs:
+                blocks.release_before(seq, computed - window + 1)  # keys its next queries can no longer see
             # blocks_needed, inlined: most steps need none (a decode fills a block every block_size steps)
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
             if need > len(free):
