@@ -19,9 +19,9 @@ back the blocks wholly before its window as the window moves; their block_table 
 table keeps its length and positions (block i still holds positions [i*bs, (i+1)*bs)) and the attention, which
 reads only the window's blocks, never reads one (a read of FREED is an index error, not a silent wrong key).
 A released block goes back to the free list like a finished sequence's: its hash stays findable until the block
-is handed out for new content, which evicts the hash, so a prefix hit never finds a rewritten block. A block
-released before its hash was committed (a chunk that both fills it and moves the window past it) is never
-registered.
+is handed out for new content, which evicts the hash, so a prefix hit never finds a rewritten block. With
+prefix caching only blocks already hashed are released (async scheduling plans the next step before this one's
+hashes are committed), so a prompt's full blocks all become findable, as for full attention.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class BlockManager:
             h = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_epoch)
             seq.block_hashes.append(h)
             bid = seq.block_table[i]
-            if bid != FREED and h not in self.cached and self.hash_of[bid] is None:
+            if h not in self.cached and self.hash_of[bid] is None:
                 self.cached[h] = bid
                 self.hash_of[bid] = h
                 stored.append(i)
@@ -190,6 +190,8 @@ class BlockManager:
         any of its later queries can see); their entries become FREED (module docstring)."""
         table = seq.block_table
         end = min(pos // self.block_size, len(table))
+        if self.caching:
+            end = min(end, len(seq.block_hashes))  # hashed first (module docstring)
         for i in range(seq.num_released, end):
             bid = table[i]
             table[i] = FREED

@@ -166,3 +166,24 @@ def test_attention_never_reads_a_block_before_the_window(dtype, tol, chunk, inva
     want = _reference(q, k, v, kc, vc, real, lens, chunk, W)
     assert torch.isfinite(got).all()
     assert (got.double() - want).abs().max().item() < tol
+
+
+def test_under_async_scheduling_a_released_block_was_hashed_first():
+    """The next plan is made before this step's hashes are committed: a chunk that fills blocks and moves the
+    window past them releases them only once they are hashed, so the whole prompt stays findable."""
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, window=W)
+    prompt = list(range(1, 41))
+    a = _seq("a", prompt, max_tokens=3)
+    sched.add(a)
+    pending = []
+    for _ in range(8):
+        step = sched.schedule()
+        if step.seqs:
+            pending.append(step)
+        if len(pending) == 2 or (pending and not step.seqs):
+            done = pending.pop(0)
+            sched.update(done, {s.seq_id: (5, -0.1, None) for s, n, c in
+                                zip(done.seqs, done.num_new, done.num_computed) if c + n == s.num_tokens})
+    assert a.finish_reason == "length"
+    assert bm.match_prefix(_seq("b", prompt + [99]), 0) == 40
