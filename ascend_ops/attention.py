@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ascend_ops import cpu_kernels
 
@@ -161,7 +162,8 @@ def paged_attention(
         vc = v_cache.index_select(0, table).to(q.dtype).view(-1, hk, d)[:ctx].transpose(0, 1)
         qc = q[c.q_start : c.q_start + c.q_len].transpose(0, 1)  # [Hq, q_len, D]
         if q.dtype == torch.float32 and q.device.type == "cpu":
-            out[c.q_start : c.q_start + c.q_len] = _causal_slices(qc, kc, vc, ctx, scale, window).transpose(0, 1)
+            o = _causal_slices(qc, kc, vc, ctx, scale, window) if window else _causal_flash(qc, kc, vc, scale)
+            out[c.q_start : c.q_start + c.q_len] = o.transpose(0, 1)
             continue
         # Row i (position ctx - q_len + i) sees keys at positions <= its own.
         qpos = torch.arange(ctx - c.q_len, ctx, device=q.device)
@@ -187,7 +189,23 @@ def _window_columns(tables: torch.Tensor, lens: torch.Tensor, window: int, bs: i
     return tables.gather(1, cols.clamp(max=width - 1)), pos.view(cols.shape[0], -1)
 
 
-PREFILL_SLICE_ROWS = 128  # query rows per slice of a long prefill (_causal_slices)
+def _causal_flash(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill's queries [Hq, q_len, D] (the last q_len positions) over its keys / values
+    [Hk, ctx_len, D] by torch's CPU flash attention, which skips the blocks above the diagonal: is_causal for a
+    whole prompt, the lower-right causal bias for a chunk after earlier context. The KV heads are repeated per
+    query group first (a contiguous copy of one sequence's keys: 1.5 MB for SmolLM2 at 2,048 tokens), which
+    runs ~1.25x faster than SDPA's enable_gqa. For a 2,048-token SmolLM2 prompt this takes 0.42x the time of
+    _causal_slices (one thread on a loaded host: 108 against 254 ms a layer)."""
+    g = qc.shape[0] // kc.shape[0]
+    if g > 1:
+        kc, vc = kc.repeat_interleave(g, 0), vc.repeat_interleave(g, 0)
+    q_len, ctx_len = qc.shape[1], kc.shape[1]
+    mask = None if q_len == ctx_len else causal_lower_right(q_len, ctx_len)
+    return F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=mask, is_causal=mask is None,
+                                          scale=scale)[0]
+
+
+PREFILL_SLICE_ROWS = 128  # query rows per slice of a long prefill with a sliding window (_causal_slices)
 
 
 def _causal_slices(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ctx_len: int, scale: float,

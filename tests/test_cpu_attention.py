@@ -310,3 +310,17 @@ def test_the_narrower_code_paths_give_the_same_results(tmp_path, variant) -> Non
                        timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT), cpu_kernels.ENABLE_ENV: variant})
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert "failed" not in r.stdout
+
+
+@pytest.mark.parametrize("hq, hk, ctx, rows", [(9, 3, 300, 300), (9, 3, 300, 77), (8, 8, 129, 40), (6, 1, 200, 200)])
+def test_a_long_fp32_prefill_is_causal_attention(hq, hk, ctx, rows) -> None:
+    """A whole prompt (is_causal) and a chunk after earlier context (the lower-right causal bias) through
+    torch's flash attention: row i of the chunk sees the keys up to position ctx - rows + i, as the fp64
+    reference computes it."""
+    g = torch.Generator().manual_seed(ctx + rows)
+    q, k, v = (torch.randn(h, n, 64, generator=g) for h, n in ((hq, rows), (hk, ctx), (hk, ctx)))
+    got = attention._causal_flash(q, k, v, 0.125)
+    kr, vr = k.double().repeat_interleave(hq // hk, 0), v.double().repeat_interleave(hq // hk, 0)
+    s = torch.einsum("hqd,hkd->hqk", q.double(), kr) * 0.125
+    s.masked_fill_(torch.arange(ctx)[None, :] > torch.arange(ctx - rows, ctx)[:, None], float("-inf"))
+    assert rel_err(got, torch.einsum("hqk,hkd->hqd", s.softmax(-1), vr)) < 1e-5

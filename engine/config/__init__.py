@@ -39,7 +39,7 @@ from engine.config.gateway import GatewayConfig
 from engine.config.model import DEFAULT_MODEL_NAME, LOAD_FORMATS, ModelConfig, check_model_config
 from engine.config.parallel import ParallelConfig
 from engine.config.rl import SCALE_OUT_ENV, RLServingConfig
-from engine.config.scheduler import SchedulerConfig, async_scheduling_on
+from engine.config.scheduler import SchedulerConfig, async_scheduling_on, prefill_beside_decodes
 from engine.config.vllm_only import (
     NO_OP_FLAGS,
     ONLY_VALUES,
@@ -55,7 +55,8 @@ __all__ = ["CPU_KV_SPACE_ENV", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_MODEL_
            "LOAD_FORMATS", "NO_OP_FLAGS", "ONLY_VALUES", "REFUSED_FLAGS", "SCALE_OUT_ENV", "BusConfig",
            "CacheConfig", "EngineConfig", "GatewayConfig", "HelpFormatter", "LoraConfig", "ModelConfig",
            "ParallelConfig", "RLServingConfig", "SchedulerConfig", "add_engine_args", "async_scheduling_on",
-           "config_from_args", "cpu_kv_space_bytes", "engine_hosts", "new_parser", "parse_config"]
+           "config_from_args", "cpu_kv_space_bytes", "engine_hosts", "new_parser", "parse_config",
+           "prefill_beside_decodes"]
 
 DOCS = "docs/serving.md#coming-from-vllm"
 # sub-config attribute -> its class, in --help order

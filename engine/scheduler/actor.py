@@ -74,7 +74,7 @@ from bus.sockets import make_socket, member_name, recv, recv_from, report_ready,
 from bus.topology import Topology
 from engine import sampling_mask
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, async_scheduling_on
+from engine.config import EngineConfig, async_scheduling_on, prefill_beside_decodes
 from engine.config.cache import prefix_caching_on
 from engine.logs import setup_logging
 from engine.request import SeqStatus, Sequence
@@ -192,7 +192,10 @@ class SchedulerActor:
                                self.cfg.scheduler.max_num_seqs, self.cfg.scheduler.max_num_batched_tokens, max_len,
                                max_loras=self.cfg.lora.max_loras if self.cfg.lora.enable_lora else 0,
                                policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots,
-                               window=min(i.kv_window for i in infos))
+                               window=min(i.kv_window for i in infos),
+                               prefill_beside_decodes=prefill_beside_decodes(self.cfg.scheduler, infos[0].device),
+                               long_prefill_token_threshold=self.cfg.scheduler.long_prefill_token_threshold,
+                               long_prefill_adaptive=self.cfg.scheduler.long_prefill_token_threshold_adaptive)
         # Start from the control state every other member is in (the Welcome snapshot plus whatever
         # was broadcast while we waited for the workers).
         self.sched.weight_epoch = self.link.state.weight_epoch

@@ -6,6 +6,18 @@ Each step (vLLM v1 style, one token budget for everything):
      latest-arrived running sequence is preempted (blocks freed, recomputed later) until it fits;
   2. then waiting sequences, oldest first, while budget, blocks and --max-num-seqs allow; a prompt
      longer than the budget is chunked over several steps.
+Two limits on prefill chunks, on top of the budget:
+  - beside decodes (`prefill_beside_decodes` = N, rollbus's --prefill-tokens-beside-decodes): while any running
+    sequence is decoding, the chunks of long prompts (sequences of more than N tokens) take at most N tokens
+    of a step together. On a CPU a step costs in proportion to its tokens, so one 2,048-token chunk would
+    hold every decoding stream for its whole prefill; a bounded chunk keeps the step time even. Short prompts
+    are still admitted whole within the budget (a rollout's batch fills at once), and with nothing decoding
+    long prompts take the whole budget (the fastest prefill). A chunk's tokens are weighed by the keys they
+    attend to (1 + position / `prefill_keys_per_token` each), so a chunk late in a long prompt, whose
+    attention costs more, is shorter and every step stays about as long;
+  - per request (`long_prefill_token_threshold`, vLLM's flag): one sequence's chunk is at most this many
+    tokens, unless it is the only sequence running or waiting; `adaptive` floors it at the budget's fair share
+    (budget // sequences running and waiting), as vLLM's --long-prefill-token-threshold-adaptive.
 A sequence is sampled in the step that computes its last known token. Outputs are appended by
 `update`, which also applies the stop rules and frees finished sequences' blocks.
 
@@ -47,6 +59,7 @@ the prefix cache shares).
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +67,11 @@ import msgspec
 
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
+
+# A prefill token's share of attention grows with its position: at about this many keys it costs as much again
+# as the token's layer GEMMs on a CPU (SmolLM2 fp32 measured: a 256-token chunk beside 32 decodes takes 0.56 s at
+# position 0 and ~1.4 s at 1,500; the FLOPs alone say ~3,000 keys for SmolLM2 and Qwen3, softmax's exps the rest).
+PREFILL_KEYS_PER_TOKEN = 1024
 
 
 @dataclass(slots=True)
@@ -107,6 +125,10 @@ class Scheduler:
     _finished_ids: list[str] = field(default_factory=list)
     num_preemptions: int = 0
     policy: str = "fcfs"  # or "priority" (--scheduling-policy)
+    prefill_beside_decodes: int = 0  # a step's prefill tokens while anything decodes (0: no limit)
+    prefill_keys_per_token: int = PREFILL_KEYS_PER_TOKEN  # keys attended costing one token's layers (0: unweighed)
+    long_prefill_token_threshold: int = 0  # vLLM's: one sequence's chunk per step (0: no limit)
+    long_prefill_adaptive: bool = False  # vLLM's --long-prefill-token-threshold-adaptive
     _added: int = 0  # sequences added so far: the last tie-break of the priority order
     state_slots: int = 0  # hybrid models: the workers' recurrent-state slots (0: none, attention only)
     free_slots: list[int] = field(default_factory=list)
@@ -180,8 +202,27 @@ class Scheduler:
         self._finish(seq, "abort")
         return seq
 
+    def _chunk_limits(self) -> tuple[float, int, int]:
+        """This step's (tokens left for long prompts' chunks, the length over which a prompt is long, one
+        sequence's chunk): see the module doc."""
+        budget = self.max_num_batched_tokens
+        long_left, long_over = math.inf, budget  # no limit
+        beside = self.prefill_beside_decodes
+        if 0 < beside < budget and any(
+                len(s.prompt_token_ids) + len(s.output_token_ids) + s.inflight_samples
+                - s.num_computed - s.inflight_tokens == 1 for s in self.running):
+            long_left = long_over = beside
+        per_seq = self.long_prefill_token_threshold
+        eligible = len(self.running) + len(self.waiting)
+        if per_seq <= 0 or eligible <= 1:
+            return long_left, long_over, budget
+        if self.long_prefill_adaptive:
+            per_seq = max(per_seq, budget // eligible)
+        return long_left, long_over, per_seq
+
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
+        long_left, long_over, per_seq = self._chunk_limits()
         seqs: list[Sequence] = []
         num_new: list[int] = []
         num_computed: list[int] = []
@@ -206,6 +247,14 @@ class Scheduler:
                 continue
             if window and computed - window + 1 >= (seq.num_released + 1) * bs:
                 blocks.release_before(seq, computed - window + 1)  # keys its next queries can no longer see
+            if n > 1:  # a prefill chunk
+                n = min(n, per_seq)
+                if known > long_over:
+                    n = _fit(long_left, computed, n, self.prefill_keys_per_token)
+                    if n <= 0:
+                        i += 1  # the long prompts' share of this step is spent
+                        continue
+                    long_left -= _cost(computed, n, self.prefill_keys_per_token)
             # blocks_needed, inlined: most steps need none (a decode fills a block every block_size steps)
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
             if need > len(free):
@@ -237,11 +286,16 @@ class Scheduler:
                 break  # preempted while a step of it was computing: it comes back once that step is in
             if self.max_loras and self._lora_slot_full(seq):
                 break  # vLLM's --max-loras: it waits until a running adapter's sequences are done
+            long = seq.num_tokens > long_over
+            if long and long_left <= 0:
+                break  # the long prompts' share of this step is spent
             # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
             # never reads the prefix cache (its blocks are still shared with later requests).
             want_prompt_lp = seq.sampling.prompt_logprobs is not None
             seq.num_computed = 0 if want_prompt_lp else self.blocks.match_prefix(seq, self.weight_epoch)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget, per_seq)
+            if long:
+                n = _fit(long_left, seq.num_computed, n, self.prefill_keys_per_token)
             if not self.blocks.can_allocate(seq, seq.num_computed + n):
                 # Give the matched blocks back: a waiting sequence must hold nothing, or two of them
                 # could each hold part of what the other needs.
@@ -269,6 +323,8 @@ class Scheduler:
             if seq.num_computed + n == seq.num_tokens:
                 seq.inflight_samples += 1
             budget -= n
+            if long:
+                long_left -= _cost(seq.num_computed, n, self.prefill_keys_per_token)
         if num_new.count(1) != len(num_new):  # decodes first (stable: arrival order kept)
             order = sorted(range(len(seqs)), key=lambda k: num_new[k] != 1)
             seqs, num_new, num_computed = ([xs[k] for k in order] for xs in (seqs, num_new, num_computed))
@@ -381,6 +437,25 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         if seq.sent_to_workers:
             self._finished_ids.append(seq.seq_id)
+
+
+def _cost(start: int, n: int, keys: int) -> float:
+    """What n prefill tokens from position `start` weigh against the beside-decodes limit: each token 1, plus
+    the keys it attends to over `keys` (0: tokens alone)."""
+    return n + (n * start + n * n / 2) / keys if keys > 0 else n
+
+
+def _fit(left: float, start: int, want: int, keys: int) -> int:
+    """The most of `want` tokens from `start` that weigh at most `left` (at least 1 while anything is left)."""
+    if left <= 0:
+        return 0
+    if _cost(start, want, keys) <= left:
+        return want
+    if keys <= 0:
+        return max(1, int(left))
+    b = 1 + start / keys  # n * b + n^2 / (2 keys) = left
+    n = int(keys * (math.sqrt(b * b + 2 * left / keys) - b))
+    return max(1, min(want, n))
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:
