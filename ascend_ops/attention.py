@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ascend_ops import cpu_kernels
 
@@ -200,7 +199,12 @@ def _causal_flash(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: f
     if g > 1:
         kc, vc = kc.repeat_interleave(g, 0), vc.repeat_interleave(g, 0)
     q_len, ctx_len = qc.shape[1], kc.shape[1]
-    mask = None if q_len == ctx_len else causal_lower_right(q_len, ctx_len)
+    if q_len == ctx_len:
+        mask = None
+    else:  # imported here: torch.nn.attention.bias imports torch._dynamo, 0.7 s of every worker's start
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(q_len, ctx_len)
     return F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=mask, is_causal=mask is None,
                                           scale=scale)[0]
 
