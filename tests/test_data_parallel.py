@@ -353,7 +353,8 @@ def test_honcho_runs_the_two_engine_procfiles(tmp_path, smollm2_dir, procfile, e
         assert re.search(rf"^\S+ {entry}\.1\s+\| .*\bproc={member}\b", out, re.M), (entry, out[-3000:])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+# tp=1 in the slow lane: tp=2 takes the same per-host addresses and adds the tp group (CI time)
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_two_hosts_on_loopback_addresses_serve_as_one(tmp_path, smollm2_dir, tp):
     """docs/serving.md "Several hosts": "host A" (127.0.0.1) runs the coordinator, the gateway and engine 0,
     "host B" (127.0.0.2) runs engine 1 with the same flags plus its start rank; engine 1's scheduler binds
