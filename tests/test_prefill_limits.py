@@ -87,3 +87,16 @@ def test_beside_decodes_a_chunk_late_in_a_long_prompt_is_shorter():
         sizes.append(n)
         start += n
     assert sizes[0] == 18 and sizes[-2] < 10 and sizes == sorted(sizes, reverse=True), sizes
+
+
+def test_the_flags_default_by_device_and_a_negative_limit_is_refused_naming_it(capsys):
+    from engine.config import parse_config
+    from engine.config.scheduler import CPU_PREFILL_BESIDE_DECODES, prefill_beside_decodes
+
+    cfg = parse_config([]).scheduler
+    assert prefill_beside_decodes(cfg, "cpu") == CPU_PREFILL_BESIDE_DECODES
+    assert prefill_beside_decodes(cfg, "cuda:0") == 0
+    assert prefill_beside_decodes(parse_config(["--prefill-tokens-beside-decodes", "0"]).scheduler, "cpu") == 0
+    with pytest.raises(SystemExit):
+        parse_config(["--prefill-tokens-beside-decodes", "-5"])
+    assert "--prefill-tokens-beside-decodes must be non-negative, got -5" in capsys.readouterr().err

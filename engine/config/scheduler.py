@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from engine.argv import Switch, human_int
+from engine.argv import Switch, human_int, non_negative
 
 
 @dataclass(slots=True)
@@ -33,7 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Most sequences in the running batch.")
     g.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                    help="Token budget of one step; longer prefills are chunked across steps (2k, 8K work).")
-    g.add_argument("--prefill-tokens-beside-decodes", type=human_int, default=d.prefill_tokens_beside_decodes,
+    g.add_argument("--prefill-tokens-beside-decodes", type=non_negative("--prefill-tokens-beside-decodes"),
+                   default=d.prefill_tokens_beside_decodes,
                    metavar="N",
                    help="While any sequence is decoding, a step's prefill chunks take at most N tokens together (the "
                         "rest of a long prompt waits for the next steps), so a long prompt does not stall the "
@@ -75,5 +76,5 @@ def prefill_beside_decodes(cfg: SchedulerConfig, device: str) -> int:
     """--prefill-tokens-beside-decodes as given, else its default for the workers' device (0: no limit)."""
     given = cfg.prefill_tokens_beside_decodes
     if given is not None:
-        return max(0, given)
+        return given
     return CPU_PREFILL_BESIDE_DECODES if device.split(":")[0] == "cpu" else 0
