@@ -36,8 +36,11 @@ def folder(tmp_path_factory, smollm2_dir):
 
 def serve(tmp_path_factory, folder, backend: str, *extra: str):
     cfg = json.dumps({"backend": backend, "timeout_s": 20})
+    # the product's default malloc on huge pages (test servers default to 4 KiB pages: tests/serve_process.py),
+    # which test_cpu_packed_weights_never_serve_the_previous_version checks
     return start_server(tmp_path_factory.mktemp(backend), str(folder), "--additional-config", RL,
-                        "--weight-transfer-config", cfg, "--max-model-len", "128", "--block-size", "4", *extra)
+                        "--weight-transfer-config", cfg, "--max-model-len", "128", "--block-size", "4", *extra,
+                        env={"ROLLBUS_CPU_HUGE_PAGES": "1"})
 
 
 @pytest.fixture(scope="module")
