@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
+from tests.tiny_models import perturb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -158,10 +159,7 @@ def test_weight_update_by_hf_names_across_sleep_and_wake(arch, backend, tmp_path
 
     try:
         before = served()
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for _, p in trainer.named_parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        perturb(trainer)
         post("/sleep?level=2")
         post("/wake_up?tags=weights")
         with WeightSyncClient(s.url, backend="ipc" if backend == "ipc" else "nccl", packed=True,

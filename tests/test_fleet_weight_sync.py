@@ -14,6 +14,7 @@ import torch
 from engine.trainer import WeightSyncClient, WeightSyncFailed, weight_checksums
 from engine.trainer.fleet import FleetError, check_versions, engine_urls, rank_offsets
 from tests.server_helpers import free_port, start_server, tiny_model_with_tokenizer
+from tests.tiny_models import perturb
 
 RL = '{"rl_config": {"enabled": true}}'
 
@@ -37,12 +38,6 @@ def assert_unchanged(urls: list[str], trainer, before: dict[str, torch.Tensor]) 
     assert all(checksums_match(u, trainer) for u in urls), "a refused update changed an engine's weights"
     assert not any(httpx.get(u + "/is_paused", timeout=10).json()["is_paused"] for u in urls)
 
-
-def perturb(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.server_helpers import metric, start_server, tiny_model_with_tokenizer
+from tests.tiny_models import perturb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,10 +80,7 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
         # /server_info says what the scheduler does (off for this model), not what the flag asked
         info = httpx.get(s.url + "/server_info?config_format=json", timeout=10).json()
         cache_config = info["vllm_config"]["cache_config"]
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for _, p in hf.named_parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        perturb(hf)
         post("/sleep?level=2")
         post("/wake_up?tags=weights")
         with WeightSyncClient(s.url, backend="ipc", packed=True, packed_buffer_size_bytes=96 << 10) as client:

@@ -24,6 +24,7 @@ from engine.trainer import WeightSyncClient
 from gateway.engine_client import EngineClient
 from tests.bus_helpers import ControlClient, bus_config, start_coordinator
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
+from tests.tiny_models import perturb
 from tests.waits import recv_topic, wait_for, wait_subscribed
 
 pytestmark = pytest.mark.timeout(300)
@@ -161,10 +162,7 @@ def perturbed_model(folder, seed: int):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    perturb(model, seed)
     return model
 
 

@@ -230,6 +230,14 @@ def make_mxfp4_checkpoint(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def perturb(model, seed: int = 7, scale: float = 0.05) -> None:
+    """Move every parameter of `model` by scale x N(0, 1), seeded: the trainer's next weights in an update test."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
