@@ -17,7 +17,15 @@ from bus.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Sequence
 from engine.scheduler.policy import Scheduler
-from tests.tiny_models import _COMMON, TINY_CONFIGS, PagedRunner, load_model, make_tiny_checkpoint, random_prompt
+from tests.tiny_models import (
+    _COMMON,
+    TINY_CONFIGS,
+    PagedRunner,
+    hf_config_class,
+    load_model,
+    make_tiny_checkpoint,
+    random_prompt,
+)
 from workers.kv_cache import KVCache, plan_num_blocks
 from workers.model_runner import ModelRunner
 from workers.models.registry import build_model
@@ -27,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 
 def _cfg(arch: str = "qwen3_next") -> dict:
     cls, extra = TINY_CONFIGS[arch]
-    return {**getattr(transformers, cls)(**{**_COMMON, **extra}).to_dict(),
+    return {**hf_config_class(cls)(**{**_COMMON, **extra}).to_dict(),
             "architectures": ["Qwen3NextForCausalLM" if arch == "qwen3_next" else "Qwen3_5ForCausalLM"]}
 
 
