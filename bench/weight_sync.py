@@ -8,7 +8,8 @@ this process) and the engine's. Every bar is a ratio against a peer timed in the
   1. ipc: WeightSyncClient.send_weights(..., pause="keep"), pause to resume, packed and unpacked, after one
      warm-up each, against one memcpy of the same bytes (dst.copy_(src), preallocated and pre-faulted).
      Bar (issue 31): ipc update <= 1.5x memcpy. Per-phase breakdown from client.timings.
-  2. collective (hccl backend, Gloo on CPU): the transfer phase and the whole send, packed and unpacked,
+  2. collective (hccl backend, Gloo on CPU): the transfer phase and the whole send, packed, unpacked and
+     packed with share_memory=True (the trainer's tensors moved once into one buffer in packed order),
      against a raw torch.distributed broadcast of the same bytes between this process and a subprocess
      (init_process_group("gloo")): one flat tensor, and per tensor as unpacked sends them.
      Bar (issue 31): collective throughput >= 75% of the raw broadcast's.
@@ -24,6 +25,7 @@ this process) and the engine's. Every bar is a ratio against a peer timed in the
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import datetime
 import io
@@ -255,17 +257,24 @@ def bench_collective(server: Server, model: torch.nn.Module, rounds: int, work: 
     say("[collective] raw gloo peer: init_process_group with one subprocess ...")
     raw = RawBroadcast(named, work)
     # One client, one group on the engine: `packed` travels with each update_weights call (update_info.packed),
-    # so flipping the client's flag between sends lets packed and unpacked alternate round by round.
+    # so flipping the client's flag between sends lets the modes alternate round by round. "shared" is packed
+    # with share_memory=True: a copy of the trainer (the original stays as a trainer's tensors usually lie)
+    # moves into one buffer in packed order at its first send, so its chunks are broadcast without packing.
     client = WeightSyncClient(url, backend="hccl", packed=True)
     calls = instrument(client)
-    modes = ("packed", "unpacked")
+    modes = ("packed", "unpacked", "shared")
+    source = {"packed": model, "unpacked": model, "shared": copy.deepcopy(model)}
+
+    def use(mode: str) -> None:
+        client.packed, client.share_memory = mode != "unpacked", mode == "shared"
+
     try:
         for mode in modes:
-            client.packed = mode == "packed"
+            use(mode)
             forms = ' (forms the group)' if client.sender.group is None else ''
             say(f"[collective] warm-up update, {mode}{forms} ...")
             t0 = time.perf_counter()
-            client.send_weights(model.named_parameters(), version=f"coll-warm-{mode}", pause="keep")
+            client.send_weights(source[mode].named_parameters(), version=f"coll-warm-{mode}", pause="keep")
             out[f"{mode}_first_s"] = time.perf_counter() - t0
             out[f"rss_after_first_{mode}"] = mem(worker)
         raw.run(1)
@@ -279,8 +288,8 @@ def bench_collective(server: Server, model: torch.nn.Module, rounds: int, work: 
             res["raw_flat"].append(raw.run(1))
             res["raw_per_tensor"].append(raw.run(2))
             for mode in (modes if r % 2 == 0 else modes[::-1]):
-                client.packed = mode == "packed"
-                sends[mode].append(timed_send(client, calls, model, f"coll-{mode}-{r}", phases[mode]))
+                use(mode)
+                sends[mode].append(timed_send(client, calls, source[mode], f"coll-{mode}-{r}", phases[mode]))
             say(f"[collective] round {r + 1}/{rounds}: raw flat {1e3 * res['raw_flat'][-1]:.0f} ms, "
                 f"raw per-tensor {1e3 * res['raw_per_tensor'][-1]:.0f} ms, "
                 + ", ".join(f"{m} transfer {1e3 * phases[m]['transfer'][-1]:.0f} / send {1e3 * sends[m][-1]:.0f} ms"
@@ -292,10 +301,11 @@ def bench_collective(server: Server, model: torch.nn.Module, rounds: int, work: 
         out["rss_after"] = mem(worker)
         if profile:
             for mode in modes:
-                client.packed = mode == "packed"
+                use(mode)
                 say(f"[collective] cProfile of one {mode} send (client side) ...")
                 out[f"profile_{mode}"] = profile_call(
-                    lambda mode=mode: client.send_weights(model.named_parameters(), version=f"coll-prof-{mode}"))
+                    lambda mode=mode: client.send_weights(source[mode].named_parameters(),
+                                                          version=f"coll-prof-{mode}"))
     finally:
         client.close()
         raw.close()
@@ -407,9 +417,9 @@ def report(res: dict, nbytes: int, n_tensors: int, rounds: int) -> str:
                  f"{100 * per / flat:.0f}%", "-", "-"],
                 ["raw gloo broadcast, per tensor", ms(per), ms(min(r["raw_per_tensor"])), gbps(nbytes, per),
                  f"{100 * flat / per:.0f}%", "100%", "-", "-"]]
-        for mode in ("packed", "unpacked"):
-            peer = flat if mode == "packed" else per
-            peer_name = "raw flat" if mode == "packed" else "raw per-tensor"
+        for mode in r["send_s"]:
+            peer = per if mode == "unpacked" else flat
+            peer_name = "raw per-tensor" if mode == "unpacked" else "raw flat"
             for what, xs in (("transfer phase", r["phases_s"][mode]["transfer"]), ("whole send", r["send_s"][mode])):
                 m = med(xs)
                 rows.append([f"collective {mode}, {what}", ms(m), ms(min(xs)), gbps(nbytes, m),

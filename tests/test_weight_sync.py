@@ -155,6 +155,34 @@ def test_collective_update_through_gloo(gloo_server, trainer, packed):
     assert_engine_matches(url, trainer)
 
 
+def test_collective_share_memory_broadcasts_packed_chunks_from_the_trainers_memory(gloo_server, trainer):
+    """share_memory=True (collective, packed): the trainer's parameters move once into one buffer laid out as
+    packed chunks are, so every chunk is broadcast from it and nothing is packed; the engine still computes
+    the trainer's logprobs, and a later in-place step is sent the same way."""
+    url = gloo_server.url
+    with WeightSyncClient(url, backend="gloo", packed=True, share_memory=True,
+                          packed_buffer_size_bytes=96 << 10) as client:
+        first = next(trainer.parameters())
+        perturb(trainer, seed=30)
+        client.send_weights(trainer.named_parameters(), version="flat-1", pause="keep")
+        storage = first.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == storage for p in trainer.parameters())
+        assert client.sender._pack_bufs == []  # every chunk went out as a view of the trainer's buffer
+        assert_engine_matches(url, trainer)
+        perturb(trainer, seed=31)  # an optimizer step writes in place: the buffer stays
+        client.send_weights(trainer.named_parameters(), version="flat-2", pause=None)
+        assert first.untyped_storage().data_ptr() == storage and client.sender._pack_bufs == []
+    assert version(url) == "flat-2"
+    assert_engine_matches(url, trainer)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend, packed", [("ipc", True), ("gloo", False)])
+def test_share_memory_with_the_other_packing_is_refused_naming_it(backend, packed):
+    with pytest.raises(ValueError, match=f"share_memory=True works with packed={not packed}"):
+        WeightSyncClient("http://127.0.0.1:9", backend=backend, packed=packed, share_memory=True)
+
+
 def post(url: str, path: str, body=None) -> httpx.Response:
     return httpx.post(url + path, json=body, timeout=60)
 

@@ -102,7 +102,11 @@ class WeightSyncClient:
         self.master_address, self.master_port = master_address, master_port
         self.clear_cache = clear_cache
         self.device = torch.device(device) if device is not None else None
-        # ipc on CPU, unpacked: the trainer's tensors moved into one shared segment, sent without a copy
+        # the trainer's tensors moved once into memory the transfer reads as it is: one shared segment (ipc,
+        # unpacked) or one buffer in packed order (collective, packed)
+        if share_memory and packed != self.sender.SHARE_MEMORY_PACKED:
+            raise ValueError(f"share_memory=True works with packed={self.sender.SHARE_MEMORY_PACKED} on backend "
+                             f"{backend!r} (got packed={packed})")
         self.share_memory = share_memory
         self._engine_dtype: torch.dtype | None = None
         self._bus = None

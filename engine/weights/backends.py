@@ -60,6 +60,7 @@ class Sender:
     """The trainer client's half (engine.trainer.client.WeightSyncClient, `self.c`)."""
 
     ONE_ENGINE: bool  # shares memory with one engine: no fleet
+    SHARE_MEMORY_PACKED: bool  # the packed setting that share_memory=True works with
 
     def __init__(self, client: Any) -> None:
         self.c = client

@@ -6,6 +6,7 @@ plan_chunks, num_buffers in flight. Both halves: `Sender` (the trainer client's)
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import socket
 import threading
@@ -21,9 +22,11 @@ from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     ParamMeta,
     UpdateMeta,
+    byte_span,
     byte_views,
     pack,
     plan_chunks,
+    relocate,
     torch_dtype,
 )
 from engine.weights.wire import WeightSyncError, nccl_unique_id
@@ -257,11 +260,29 @@ class Sender(backends.Sender):
     the engine's update_weights call receives."""
 
     ONE_ENGINE = False  # a fleet (several engines, one update) needs a collective
+    SHARE_MEMORY_PACKED = True  # share_memory: packed chunks broadcast from the trainer's own memory
 
     def __init__(self, client: Any) -> None:
         super().__init__(client)
         self.group = None  # engine.weights.collective.WeightGroup
         self._pack_bufs: list[torch.Tensor] = []  # packed broadcast chunks, reused across versions
+
+    def prepare(self, named: Any) -> Any:
+        """share_memory (packed): move the trainer's tensors, once, into one buffer in the order and layout
+        that packed chunks have (back to back), so each chunk is broadcast from it without packing. Tensors
+        that cannot move as they are (another dtype than the engine's, non-contiguous, on several devices, a
+        dtype whose offset would not be aligned) stay where they are and are packed as before."""
+        named = list(named)
+        ts = [t for _, t in named]
+        if not (self.c.share_memory and self.c.packed) or byte_span(ts) is not None:
+            return named
+        dtype, dev = self.c._dtype(), ts[0].device
+        offsets = list(itertools.accumulate((t.numel() * t.element_size() for t in ts), initial=0))
+        if any(t.device != dev or not t.is_contiguous() or (dtype is not None and t.dtype != dtype)
+               or off % t.element_size() for t, off in zip(ts, offsets)):
+            return named
+        relocate(ts, torch.empty(offsets[-1], dtype=torch.uint8, device=dev), offsets[:-1])
+        return named
 
     def ensure_ready(self) -> None:
         if self.group is None:
@@ -335,22 +356,24 @@ class Sender(backends.Sender):
         c, pending = self.c, deque()
         if c.packed:
             chunks = plan_chunks(metas, c.buffer_size or DEFAULT_PACKED_BUFFER_SIZE_BYTES)
-            widest = max((sum(metas[i].nbytes for i in ch) for ch in chunks if len(ch) > 1), default=0)
+            # a chunk whose tensors lie back to back (one tensor; every chunk with share_memory) is its bytes
+            spans = [byte_span([tensors[i][1] for i in ch]) for ch in chunks]
+            widest = max((sum(metas[i].nbytes for i in ch) for ch, sp in zip(chunks, spans) if sp is None),
+                         default=0)
             n = min(c.num_buffers, len(chunks))
             if widest and (len(self._pack_bufs) < n or any(b.numel() < widest for b in self._pack_bufs[:n])):
                 self._pack_bufs = [torch.empty(widest, dtype=torch.uint8, device=tensors[0][1].device)
                                    for _ in range(n)]
         else:
             chunks, n = [[i] for i in range(len(tensors))], IN_FLIGHT
+            spans = [t for _, t in tensors]  # each tensor in its own dtype
         for k, chunk in enumerate(chunks):
             if stop():
                 break
             if len(pending) >= n:
                 pending.popleft().wait()  # its buffer is free again
-            if len(chunk) == 1:  # a chunk of one tensor is its bytes: nothing to pack
-                t = tensors[chunk[0]][1]
-                buf = t.view(-1).view(torch.uint8) if c.packed else t
-            else:
+            buf = spans[k]
+            if buf is None:
                 buf = self._pack_bufs[k % n][:sum(metas[i].nbytes for i in chunk)]
                 pack(buf, [tensors[i][1] for i in chunk])
             pending.append(self.group.broadcast_async(buf, 0))

@@ -6,6 +6,7 @@ worker's.
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +21,7 @@ from engine.weights.protocol import (
     byte_views,
     pack,
     plan_chunks,
+    relocate,
 )
 
 _PICKLED = "ipc_handles_pickled"
@@ -128,6 +130,7 @@ class Sender(backends.Sender):
     staging buffer per chunk (packed). Handles are plain data."""
 
     ONE_ENGINE = True  # a fleet (several engines, one update) needs a collective
+    SHARE_MEMORY_PACKED = False  # share_memory: unpacked handles into the trainer's own (shared) memory
 
     def __init__(self, client: Any) -> None:
         super().__init__(client)
@@ -215,13 +218,8 @@ class Sender(backends.Sender):
                                      or (dtype is not None and t.dtype != dtype) for t in ts):
             return named
         sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in ts]  # 64-byte aligned slots
-        arena, off = ipc.SharedBuffer(sum(sizes)), 0
-        with torch.no_grad():
-            for t, n in zip(ts, sizes):
-                view = arena.tensor[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                view.copy_(t)
-                t.data = view
-                off += n
+        arena = ipc.SharedBuffer(sum(sizes))
+        relocate(ts, arena.tensor, list(itertools.accumulate(sizes, initial=0))[:-1])
         if self._arena is not None:
             self._arena.close()  # tensors still viewing it keep its memory
         self._arena = arena

@@ -140,6 +140,31 @@ def pack(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[int, int]
     return out
 
 
+def relocate(tensors: list[torch.Tensor], flat: torch.Tensor, offsets: list[int]) -> None:
+    """Move each tensor's bytes to ``flat[offset:]`` (a uint8 buffer) and re-point its ``.data`` there: a
+    parameter keeps its identity (optimizers hold the same object), only its memory moves."""
+    with torch.no_grad():
+        for t, off in zip(tensors, offsets):
+            view = flat[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view
+
+
+def byte_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One uint8 view of the tensors' bytes when they lie back to back in one storage, in this order (what
+    ``pack`` would write), else None."""
+    first = tensors[0]
+    end = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != end or t.untyped_storage().data_ptr() != \
+                first.untyped_storage().data_ptr():
+            return None
+        end += t.numel() * t.element_size()
+    start = first.data_ptr() - first.untyped_storage().data_ptr()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+        first.untyped_storage(), start, (end - first.data_ptr(),))
+
+
 def owner_lookup(params: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], str | None]:
     """The name of the parameter a view lies in, by address (parameters serving from a lent segment share
     its storage, so the storage does not tell them apart); None for none."""
