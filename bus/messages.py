@@ -40,7 +40,7 @@ from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
 PROTOCOL_VERSION = 13  # 12 landed last; this round changes the structs once (typed payloads, state slots)
-PROTOCOL_FINGERPRINT = "88f1f3548b94"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_FINGERPRINT = "7f44e8503c82"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
@@ -257,7 +257,10 @@ class WorkerInfo(RoleInfo):
     worker_extension_methods: list[str] = []  # --worker-extension-cls (workers.extension)
     joined_seq: int = 0  # in its Hello to the scheduler: the seq it (re)joined the bus at
     state_slots: int = 0  # a hybrid model's recurrent-state slots (workers.kv_cache); 0: attention only
-    kv_window: int = 0  # every attention layer's sliding window where they share one: blocks before it are freed
+    kv_window: int = 0  # the sliding window whose blocks are freed: every attention layer's, or window_blocks' group's
+    # a model whose layers mix windows: the blocks of its sliding-window layers' own pool (engine.window_blocks;
+    # StepPlan.window_tables); num_blocks is then the full-attention layers'. 0: one pool for every layer
+    window_blocks: int = 0
 
 
 class SchedulerReady(RoleInfo):
@@ -868,6 +871,9 @@ class StepPlan(Wire):
     finished: list[str]  # forget these (finished, aborted or preempted-and-dropped)
     weight_epoch: int  # the epoch of the weights in service (ControlState.weight_epoch; its label: weight_version)
     state_slots: list[int] = []  # hybrid models: each sequence's recurrent-state slot, as seq_ids (else empty)
+    # mixed-window models (WorkerInfo.window_blocks): each sequence's sliding-window layers' table, as seq_ids,
+    # FREED (-1) before the window (else empty); block_tables are then the full-attention layers'
+    window_tables: list[list[int]] = []
 
 
 @message(32)

@@ -22,17 +22,22 @@ A released block goes back to the free list like a finished sequence's: its hash
 is handed out for new content, which evicts the hash, so a prefix hit never finds a rewritten block. With
 prefix caching only blocks already hashed are released (async scheduling plans the next step before this one's
 hashes are committed), so a prompt's full blocks all become findable, as for full attention.
+
+Models whose attention layers mix windows (gpt-oss, Gemma 3): this manager's pool and Sequence.block_table are the
+full-attention layers'; `windows` is the sliding-window layers' own pool and table (engine.window_blocks), which
+every allocation, prefix hit, hash commit, release and free here also updates. KV events describe this pool only.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 
+from engine.block_pool import FREED, BlockPool
 from engine.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from engine.request import Sequence
+from engine.window_blocks import WindowBlocks
 
-FREED = -1  # a block_table entry whose block slid out of the attention window and was given back
+__all__ = ["FREED", "BlockManager", "block_hash", "chain_root", "salt_root"]
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...], weight_epoch: int) -> int:
@@ -59,16 +64,12 @@ def salt_root(salt: str | None) -> int | None:
     return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little") | (1 << 64)
 
 
-class BlockManager:
+class BlockManager(BlockPool):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+                 record_events: bool = False, windows: WindowBlocks | None = None):
+        super().__init__(num_blocks, block_size)
         self.caching = enable_prefix_caching
-        self.ref = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.windows = windows  # a mixed-window model's sliding-window group (module docstring)
         self.num_prefix_hits = 0
         self.num_prefix_queries = 0
         # KV events (record_events): pending events, the hashes announced since the last clear, and the
@@ -79,12 +80,11 @@ class BlockManager:
         self.events_epoch = 0
 
     @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks if self.num_blocks else 0.0
+        """The fraction of blocks in use (of the fuller group, for a mixed-window model)."""
+        used = 1.0 - len(self.free) / self.num_blocks if self.num_blocks else 0.0
+        w = self.windows
+        return max(used, 1.0 - w.num_free / w.num_blocks) if w is not None and w.num_blocks else used
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs to hold `num_tokens` tokens of KV."""
@@ -92,11 +92,14 @@ class BlockManager:
         return max(0, want - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self.free)
+        return (self.blocks_needed(seq, num_tokens) <= len(self.free)
+                and (self.windows is None or not self.windows.short(seq, num_tokens)))
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         for _ in range(self.blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._take_fresh())
+        if self.windows is not None:
+            self.windows.allocate(seq, num_tokens)
 
     def match_prefix(self, seq: Sequence, weight_epoch: int) -> int:
         """At admission: reuse cached blocks of the prompt's leading full blocks. Returns tokens reused.
@@ -107,16 +110,22 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (seq.num_prompt_tokens - 1) // bs
         parent: int | None = chain_root(seq)
-        hits = 0
+        found: list[int] = []
         for i in range(max_blocks):
             h = block_hash(parent, tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs]), weight_epoch)
-            bid = self.cached.get(h)
-            if bid is None:
+            if h not in self.cached:
                 break
+            found.append(h)
+            parent = h
+        if self.windows is not None:  # the window group must hold the hit's tail (engine.window_blocks)
+            del found[self.windows.longest_hit(found):]
+            self.windows.reuse_tail(seq, found)
+        for h in found:
+            bid = self.cached[h]
             self._reuse(bid)
             seq.block_table.append(bid)
             seq.block_hashes.append(h)
-            parent, hits = h, hits + 1
+        hits = len(found)
         self.num_prefix_queries += max_blocks
         self.num_prefix_hits += hits
         return hits * bs
@@ -138,6 +147,8 @@ class BlockManager:
                 self.cached[h] = bid
                 self.hash_of[bid] = h
                 stored.append(i)
+            if self.windows is not None:
+                self.windows.store(seq, i, h)
         if self.record_events and stored:
             self._record_stored(seq, stored, weight_epoch)
 
@@ -188,54 +199,47 @@ class BlockManager:
     def release_before(self, seq: Sequence, pos: int) -> None:
         """Sliding-window models: give back `seq`'s blocks that lie wholly before position `pos` (the first key
         any of its later queries can see); their entries become FREED (module docstring)."""
-        table = seq.block_table
-        end = min(pos // self.block_size, len(table))
+        end = pos // self.block_size
         if self.caching:
             end = min(end, len(seq.block_hashes))  # hashed first (module docstring)
+        if self.windows is not None:  # a mixed-window model: only the window group's table
+            self.windows.release_before(seq, end)
+            return
+        table = seq.block_table
+        end = min(end, len(table))
         for i in range(seq.num_released, end):
-            bid = table[i]
+            self._give_back(table[i])
             table[i] = FREED
-            self.ref[bid] -= 1
-            if self.ref[bid] == 0:
-                self.free[bid] = None
         seq.num_released = max(seq.num_released, end)
 
     def num_held(self, seq: Sequence) -> int:
-        """Blocks `seq` holds (its table's entries not released)."""
-        return len(seq.block_table) - seq.num_released
+        """Blocks `seq` holds (its tables' entries not released), in both groups of a mixed-window model."""
+        return len(seq.block_table) + len(seq.window_table) - seq.num_released
+
+    def held_blocks(self) -> list[int]:
+        """The blocks some sequence holds; a mixed-window model's window-group block b as num_blocks + b (the
+        workers' KVCache.copy_blocks reads the same numbering)."""
+        extra = [self.num_blocks + b for b in self.windows.held()] if self.windows is not None else []
+        return self.held() + extra
 
     def free_seq(self, seq: Sequence) -> None:
+        if self.windows is not None:
+            self.windows.free_seq(seq)
         # Release in reverse so a sequence's tail blocks are reused before its (more shareable) head.
-        for bid in reversed(seq.block_table[seq.num_released:]):
-            self.ref[bid] -= 1
-            if self.ref[bid] == 0:
-                self.free[bid] = None
+        for bid in reversed(seq.block_table[0 if self.windows is not None else seq.num_released:]):
+            self._give_back(bid)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_released = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after a weight update with clear_cache); used blocks stay allocated."""
-        self.cached.clear()
-        self.hash_of = [None] * self.num_blocks
+        self._forget_hashes()
+        if self.windows is not None:
+            self.windows.reset_prefix_cache()
         if self.record_events:
             self._record_clear()
 
-    def _take_fresh(self) -> int:
-        """Hand out the least recently freed block for new content, evicting its cached hash."""
-        bid, _ = self.free.popitem(last=False)
-        h = self.hash_of[bid]
-        if h is not None:
-            self.hash_of[bid] = None
-            if self.cached.get(h) == bid:
-                del self.cached[h]
-                if self.record_events:
-                    self._record_removed(h)
-        self.ref[bid] = 1
-        return bid
-
-    def _reuse(self, bid: int) -> None:
-        """Share a cached block (content kept)."""
-        if self.ref[bid] == 0:
-            del self.free[bid]
-        self.ref[bid] += 1
+    def _evicted(self, h: int) -> None:
+        if self.record_events:
+            self._record_removed(h)

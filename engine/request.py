@@ -33,7 +33,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, in order
-    num_released: int = 0  # sliding-window models: leading block_table entries given back (engine.block_manager)
+    # mixed-window models (engine.window_blocks): the sliding-window layers' own blocks, FREED before the window
+    window_table: list[int] = field(default_factory=list)
+    num_released: int = 0  # leading entries of the windowed table (block_table, or window_table) given back
     sent_to_workers: bool = False
     finish_reason: str | None = None
     stop_reason: int | None = None

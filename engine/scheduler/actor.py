@@ -85,6 +85,7 @@ from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
 from engine.topology import layout
+from engine.window_blocks import WindowBlocks
 
 log = structlog.get_logger()
 
@@ -186,13 +187,17 @@ class SchedulerActor:
         if caching != self.cfg.cache.enable_prefix_caching:
             log.info("scheduler.prefix_caching_off", reason="hybrid model: its Gated DeltaNet layers' recurrent "
                      "state is not checkpointed at block boundaries, so a prefix hit cannot be resumed")
+        window = min(i.kv_window for i in infos)
+        window_blocks = min(i.window_blocks for i in infos)
         blocks = BlockManager(num_blocks, self.cfg.cache.block_size, caching,
-                              record_events=self.kv_events is not None)
+                              record_events=self.kv_events is not None,
+                              windows=WindowBlocks(window_blocks, self.cfg.cache.block_size, window)
+                              if window_blocks else None)
         self.sched = Scheduler(blocks,
                                self.cfg.scheduler.max_num_seqs, self.cfg.scheduler.max_num_batched_tokens, max_len,
                                max_loras=self.cfg.lora.max_loras if self.cfg.lora.enable_lora else 0,
                                policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots,
-                               window=min(i.kv_window for i in infos),
+                               window=window,
                                prefill_beside_decodes=prefill_beside_decodes(self.cfg.scheduler, infos[0].device),
                                long_prefill_token_threshold=self.cfg.scheduler.long_prefill_token_threshold,
                                long_prefill_adaptive=self.cfg.scheduler.long_prefill_token_threshold_adaptive)
@@ -315,7 +320,8 @@ class SchedulerActor:
             [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
             step.seq_ids, step.num_computed, step.num_new,
             [s.block_table for s in step.seqs], step.finished_ids, step.weight_epoch,
-            [s.state_slot for s in step.seqs] if self.sched.state_slots else [])
+            [s.state_slot for s in step.seqs] if self.sched.state_slots else [],
+            [s.window_table for s in step.seqs] if self.sched.blocks.windows is not None else [])
         send(self.plans, plan, topic=PLAN_TOPIC)
 
     def _on_result(self) -> None:

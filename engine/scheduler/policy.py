@@ -41,9 +41,9 @@ before a running sequence is planned, its blocks wholly before the window of its
 back (BlockManager.release_before), so a long sequence holds about window / block_size + 1 blocks, not
 its whole length. The step in flight may still read them: the workers run plans in order, so it is done
 before the next plan writes them (as for a preempted sequence's blocks, below). Models whose layers mix
-windows (gpt-oss, Gemma 3, Qwen2-MoE's lower-layer windows) keep every block: one block table serves every
-layer, and a full-attention layer reads them all (vLLM's hybrid KV cache manager gives each group of layers
-its own table instead).
+windows (gpt-oss, Gemma 3, Qwen2-MoE's lower-layer windows) have two layer groups, each with its own block
+table (engine.window_blocks): `window` is then the sliding group's, and only its table gives blocks back;
+the full-attention layers keep every block.
 
 Async scheduling (--async-scheduling): the next step may be planned while one is still computing. A sequence
 in that step counts its positions and its sample as if they were done (`inflight_tokens`,
@@ -132,7 +132,7 @@ class Scheduler:
     _added: int = 0  # sequences added so far: the last tie-break of the priority order
     state_slots: int = 0  # hybrid models: the workers' recurrent-state slots (0: none, attention only)
     free_slots: list[int] = field(default_factory=list)
-    window: int = 0  # every attention layer's sliding window, where they share one (blocks before it freed)
+    window: int = 0  # the sliding window whose blocks are freed: every layer's, or a mixed model's window group's
 
     def __post_init__(self) -> None:
         self.free_slots = list(range(self.state_slots - 1, -1, -1))  # popped from the end: slot 0 first
@@ -165,7 +165,7 @@ class Scheduler:
         prefixes (free blocks' content is not kept) and return the blocks the requests hold. Call with no
         step in flight."""
         self.blocks.reset_prefix_cache()
-        return [b for b, r in enumerate(self.blocks.ref) if r]
+        return self.blocks.held_blocks()
 
     def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's: forget every cached prefix, only once no block is held (False otherwise: retry later).
@@ -230,6 +230,7 @@ class Scheduler:
         blocks = self.blocks
         bs = blocks.block_size
         free = blocks.free
+        wins = blocks.windows
         running = self.running
         window = self.window
         add_seq, add_new, add_computed = seqs.append, num_new.append, num_computed.append
@@ -257,7 +258,7 @@ class Scheduler:
                     long_left -= _cost(computed, n, self.prefill_keys_per_token)
             # blocks_needed, inlined: most steps need none (a decode fills a block every block_size steps)
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
-            if need > len(free):
+            if need > len(free) or (wins is not None and wins.short(seq, computed + n)):
                 while not blocks.can_allocate(seq, computed + n):
                     victim = running[-1]
                     self._preempt(victim)
@@ -267,7 +268,7 @@ class Scheduler:
                 if seq.status is not SeqStatus.RUNNING:
                     break
                 blocks.allocate(seq, computed + n)
-            elif need > 0:
+            elif need > 0 or wins is not None:
                 blocks.allocate(seq, computed + n)
             add_seq(seq)
             add_new(n)
