@@ -58,6 +58,13 @@ class AttentionMetadata:
     # hybrid models (workers/models/qwen3_next.py): each sequence's recurrent-state slot, decodes then prefill
     # chunks in their order ([num_decodes + len(prefills)] int64); None for attention-only models
     state_slots: torch.Tensor | None = None
+    # a model whose attention layers mix windows (engine.window_blocks): the same step over the sliding-window
+    # layers' own block tables and pool (for_layer); None where one table serves every layer
+    window_group: AttentionMetadata | None = None
+
+    def for_layer(self, window: int) -> AttentionMetadata:
+        """The metadata a layer with this sliding window (0: full attention) reads its blocks by."""
+        return self.window_group if window and self.window_group is not None else self
 
 
 def write_kv(

@@ -185,20 +185,30 @@ def test_weight_update_by_hf_names_across_sleep_and_wake(arch, backend, tmp_path
     assert max(abs(a - b) for a, b in zip(after["token_logprobs"], want)) < 1e-4
 
 
-def test_mistral_window_frees_blocks_equal_hf_and_a_prefix_hit_stays_correct(tmp_path, smollm2_dir):
-    """Every layer of the tiny Mistral sees 7 keys: the scheduler gives back the blocks behind the window, so
-    four 200-token sequences run at once in a KV cache of 64 blocks of 4 tokens (one 256-token sequence's worth
-    under full attention) without a preemption; tokens equal HF's, logprobs within 1e-4. A prompt sent twice hits
-    the prefix cache (blocks released but not rewritten) and still equals HF."""
+# (arch, tokens per sequence, flags): Mistral's every layer sees 7 keys, the 64 blocks are one pool; Gemma 3 mixes
+# sliding layers (6 keys) with a full one: the sliding layers' own pool holds each of the 4 sequences' windows
+# (24 blocks), so the full layer gets the rest of the 64 blocks' bytes (144 blocks)
+# (workers.kv_cache.split_window_pool; gpt-oss: 2 layers, 104 + 24)
+WINDOW_CASES = [("mistral", 200, ()), ("gemma3", 130, ("--max-num-seqs", "4")),
+                pytest.param("gpt_oss", 100, ("--max-num-seqs", "4"), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("arch, total, flags", WINDOW_CASES)
+def test_window_frees_blocks_equal_hf_and_a_prefix_hit_stays_correct(arch, total, flags, tmp_path, smollm2_dir):
+    """The scheduler gives back the blocks behind the sliding window (of every layer, or of the sliding layers'
+    own block table where layers mix windows), so four sequences run at once in a KV cache of 64 blocks of 4
+    tokens (one 256-token sequence's worth with one table for full attention) without a preemption; tokens equal
+    HF's, logprobs within 1e-4. A prompt sent twice hits the prefix cache (blocks released but not rewritten)
+    and still equals HF."""
     from transformers import AutoModelForCausalLM
 
     from tests.server_helpers import metric
 
-    folder = tiny_model_with_tokenizer("mistral", tmp_path / "mistral", smollm2_dir)
+    folder = tiny_model_with_tokenizer(arch, tmp_path / arch, smollm2_dir)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = [[(11 * i + 7 * j * j) % 900 + 3 for j in range(20 + 9 * i)] for i in range(4)]
     s = start_server(tmp_path, str(folder), "--block-size", "4", "--max-num-batched-tokens", "16",
-                     "--max-model-len", "256", "--num-gpu-blocks-override", "64")
+                     "--max-model-len", "256", "--num-gpu-blocks-override", "64", *flags)
     body = {"model": str(folder), "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "return_tokens_as_token_ids": True}
     got: dict[int, dict] = {}
@@ -209,7 +219,7 @@ def test_mistral_window_frees_blocks_equal_hf_and_a_prefix_hit_stays_correct(tmp
             assert r.status_code == 200, r.text
             got[i] = r.json()["choices"][0]["logprobs"]
 
-        ts = [threading.Thread(target=go, args=(i, 200 - len(prompts[i]))) for i in range(4)]
+        ts = [threading.Thread(target=go, args=(i, total - len(prompts[i]))) for i in range(4)]
         for t in ts:
             t.start()
         for t in ts:
@@ -218,7 +228,7 @@ def test_mistral_window_frees_blocks_equal_hf_and_a_prefix_hit_stays_correct(tmp
         go(4, 8)
         go(5, 8)
         deadline = time.monotonic() + 30  # the scheduler's counters reach /metrics a moment after the replies
-        while metric(s, "rollbus_engine_generation_tokens_total") < 4 * 200 - sum(map(len, prompts[:4])) + 16:
+        while metric(s, "rollbus_engine_generation_tokens_total") < 4 * total - sum(map(len, prompts[:4])) + 16:
             assert time.monotonic() < deadline, "the scheduler's counters did not reach /metrics"
             time.sleep(0.05)
         assert metric(s, "rollbus_prefix_cache_hit_blocks_total") >= 4

@@ -13,6 +13,12 @@ part of this cache: allocated, released (sleep) and re-created with the blocks, 
 budget (plan_num_blocks' `reserved_bytes`). `views` then has one entry per model layer: (k, v) for attention
 layers, (conv [slots, C, K-1], recurrent [slots, Hv, dk, dv]) for linear ones. The scheduler assigns the slots
 (StepPlan.state_slots); the runner zeroes a slot when a sequence starts from position 0 (`reset_state`).
+
+Models whose attention layers mix windows (gpt-oss, Gemma 3; `window_layers`): two layer groups, each with its
+own blocks (engine.window_blocks): `tensor` holds the full-attention layers' `num_blocks` blocks and
+`window_tensor` the sliding-window layers' `window_blocks`, a pool sized for each running sequence's window
+(window_pool_blocks), not its whole length. A layer's view is into its group's tensor, and its group's block
+table (StepPlan.window_tables for the window group) indexes it.
 """
 
 from __future__ import annotations
@@ -38,16 +44,38 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
 
 
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks the sliding-window group needs so that it never runs out before the full group: every running
+    sequence's window ((window - 1) / block_size blocks, plus the one it fills and one it straddles), and the
+    blocks a step's tokens fill, twice (the step in flight's are released a plan later: async scheduling, and
+    prefix caching, which releases only hashed blocks)."""
+    per_seq = -(-(window - 1) // block_size) + 2
+    return max_num_seqs * per_seq + 2 * -(-max_num_batched_tokens // block_size)
+
+
+def split_window_pool(num_blocks: int, num_layers: int, window_layers: int, window_need: int) -> tuple[int, int]:
+    """(full-group blocks, window-group blocks) out of the bytes of `num_blocks` blocks of all `num_layers`
+    layers: the window group gets what it needs (at most num_blocks), the full group the rest."""
+    win = min(window_need, num_blocks)
+    return num_blocks + (num_blocks - win) * window_layers // (num_layers - window_layers), win
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, planes: int = 2, *, state=None, state_slots: int = 0,
-                 linear_layers: tuple[int, ...] = ()):
+                 linear_layers: tuple[int, ...] = (), window_layers: tuple[int, ...] = (), window_blocks: int = 0):
         if planes not in (1, 2):
             raise ValueError(f"a KV cache has 1 (latent) or 2 (K and V) planes, not {planes}")
-        self.shape = (num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim)
+        if window_layers and (state is not None or not window_blocks or len(window_layers) >= num_layers):
+            raise ValueError("a window group needs blocks, full-attention layers beside it and no state pool")
+        nw = len(window_layers)
+        self.shape = (num_layers - nw, planes, num_blocks, block_size, num_kv_heads, head_dim)
+        self.window_shape = (nw, planes, window_blocks, block_size, num_kv_heads, head_dim) if nw else None
+        self.window_layers, self.window_blocks = window_layers, window_blocks
         self.dtype, self.device = dtype, device
         self.num_blocks = num_blocks
         self.tensor: torch.Tensor | None = None
+        self.window_tensor: torch.Tensor | None = None
         self.state_spec, self.state_slots, self.linear_layers = state, state_slots, linear_layers
         self.conv_state: torch.Tensor | None = None  # [linear layers, slots, C, K-1]
         self.rec_state: torch.Tensor | None = None  # [linear layers, slots, Hv, dk, dv] fp32
@@ -70,18 +98,37 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
-                  state_slots: int = 1) -> KVCache:
+                  state_slots: int = 1, window_blocks: int = 0) -> KVCache:
         """The cache `model` computes over (its kv_spec, and one plane for latent attention; a hybrid model's
-        state pool of `state_slots` slots)."""
+        state pool of `state_slots` slots; with `window_blocks`, a mixed-window model's two layer groups)."""
         state = getattr(model, "state_spec", None)
         return cls(*model.kv_spec, block_size, num_blocks, dtype, device, planes=model.kv_planes, state=state,
                    state_slots=state_slots if state is not None else 0,
-                   linear_layers=tuple(getattr(model, "linear_layers", ())))
+                   linear_layers=tuple(getattr(model, "linear_layers", ())),
+                   window_layers=mixed_window(model)[1] if window_blocks else (), window_blocks=window_blocks)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tensor, self.conv_state, self.rec_state)
-                   if t is not None)
+        return sum(t.numel() * t.element_size()
+                   for t in (self.tensor, self.window_tensor, self.conv_state, self.rec_state) if t is not None)
+
+    def copy_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A host copy of these blocks of every layer ([layers, planes, blocks, ...] per group): ids from
+        num_blocks on are the window group's (engine.block_manager.BlockManager.held_blocks)."""
+        ids = torch.tensor(sorted(set(blocks)), dtype=torch.long)
+        return ids, [t[:, :, i.to(self.device)].cpu() for t, i in self._by_group(ids)]
+
+    def put_blocks(self, ids: torch.Tensor, kept: list[torch.Tensor]) -> None:
+        """Write back what copy_blocks took (after a re-allocation)."""
+        for (t, i), k in zip(self._by_group(ids), kept, strict=True):
+            t[:, :, i.to(self.device)] = k.to(self.device)
+
+    def _by_group(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tensor, its block ids) per layer group: ids from num_blocks on are the window group's."""
+        groups = [(self.tensor, ids[ids < self.num_blocks])]
+        if self.window_tensor is not None:
+            groups.append((self.window_tensor, ids[ids >= self.num_blocks] - self.num_blocks))
+        return groups
 
     def reset_state(self, slots: list[int]) -> None:
         """Zero these slots' state in every linear layer (a sequence computed from position 0)."""
@@ -95,16 +142,14 @@ class KVCache:
         # On the host, an anonymous mapping (zero-filled by the kernel), which goes back to the OS the moment
         # the cache is released (sleep); faulted in whole now, at start and at wake, as an accelerator's cache
         # is allocated whole (ascend_ops.platform.populate_host_tensor: else decode steps pay for it).
-        if self.device.type == "cpu":
-            numel = 1
-            for d in self.shape:
-                numel *= d
-            self.tensor = releasable_host_tensor(numel, self.dtype).view(self.shape)
-            populate_host_tensor(self.tensor)
-        else:
-            self.tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.tensor = self._zeros(self.shape)
         last = self.shape[1] - 1  # (K, V), or (plane, plane)
         self.views = [(self.tensor[i, 0], self.tensor[i, last]) for i in range(self.shape[0])]
+        if self.window_shape is not None:
+            self.window_tensor = self._zeros(self.window_shape)
+            full, win = iter(self.views), iter((t[0], t[last]) for t in self.window_tensor)
+            total = self.shape[0] + self.window_shape[0]
+            self.views = [next(win) if i in self.window_layers else next(full) for i in range(total)]
         if self.state_spec is not None:
             st, n = self.state_spec, self.state_slots
             self.conv_state = torch.zeros((st.num_layers, n, *st.conv), dtype=self.dtype, device=self.device)
@@ -113,9 +158,29 @@ class KVCache:
             total = self.shape[0] + st.num_layers
             self.views = [next(lin) if i in self.linear_layers else next(attn) for i in range(total)]
 
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        numel = 1
+        for d in shape:
+            numel *= d
+        t = releasable_host_tensor(numel, self.dtype).view(shape)
+        populate_host_tensor(t)
+        return t
+
     def release(self) -> None:
         self.views = []
-        self.tensor = self.conv_state = self.rec_state = None
+        self.tensor = self.window_tensor = self.conv_state = self.rec_state = None
+
+
+def mixed_window(model) -> tuple[int, tuple[int, ...]]:
+    """A model whose attention layers mix full and sliding-window attention: (the largest window, the indexes
+    of the windowed layers), its window group (engine.window_blocks); (0, ()) for any other model, a hybrid one
+    included (its linear-attention layers keep state, not blocks)."""
+    windows = tuple(getattr(getattr(model, "cfg", None), "windows", ()))
+    if getattr(model, "state_spec", None) is not None or not any(windows) or all(windows):
+        return 0, ()
+    return max(windows), tuple(i for i, w in enumerate(windows) if w)
 
 
 def plan_num_blocks(platform: Platform, *, bytes_per_block: int, kv_cache_memory_bytes: int | None,

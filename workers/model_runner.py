@@ -196,8 +196,9 @@ class ModelRunner:
         rows = (plan.seq_ids, plan.num_computed, plan.num_new, plan.block_tables)
         ids, computed, new, tables = ([xs[i] for i in keep] for xs in rows)
         slots = [plan.state_slots[i] for i in keep] if plan.state_slots else []
+        windows = [plan.window_tables[i] for i in keep] if plan.window_tables else []
         return StepPlan(plan.step_id, plan.new_seqs, ids, computed, new, tables, plan.finished,
-                        plan.weight_epoch, slots), skipped
+                        plan.weight_epoch, slots, windows), skipped
 
     def _with_skipped(self, result: StepResult, skipped: list[str]) -> StepResult:
         if skipped and not self.tp.rank:  # rank 0 reports for the engine
@@ -317,14 +318,12 @@ class ModelRunner:
         slots = np.concatenate(slot_parts)
         meta = AttentionMetadata(torch.from_numpy(slots), num_decodes=num_decodes)
         if num_decodes:
-            width = max(len(t) for t in dec_tables)
-            padded = np.zeros((num_decodes, width), dtype=np.int64)
-            for i, t in enumerate(dec_tables):
-                padded[i, :len(t)] = t
-            meta.decode_block_tables = torch.from_numpy(padded)
+            meta.decode_block_tables = _padded(dec_tables)
             meta.decode_ctx_lens = torch.tensor(dec_lens, dtype=torch.int64)
             meta.decode_max_ctx = max(dec_lens)
         meta.prefills = prefills
+        if plan.window_tables:
+            meta.window_group = _group_meta(meta, plan.window_tables, pos_parts, bs)
         input_ids = torch.tensor(tokens, dtype=torch.int64)
         positions = torch.from_numpy(np.concatenate(pos_parts))
         if self.kv.state_slots:
@@ -369,6 +368,28 @@ class ModelRunner:
                           sampling_mask_counts=None if out.mask_counts is None else out.mask_counts.numpy())
 
 
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [rows, longest] tensor, 0-padded."""
+    padded = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    return torch.from_numpy(padded)
+
+
+def _group_meta(meta: AttentionMetadata, tables: list[list[int]], pos_parts: list[np.ndarray],
+                bs: int) -> AttentionMetadata:
+    """The step's metadata over another layer group's block tables (a mixed-window model's sliding-window
+    layers, StepPlan.window_tables): the same rows and lengths, that group's slots and tables."""
+    tabs = [np.asarray(t, dtype=np.int64) for t in tables]
+    slots = np.concatenate([t[p // bs] * bs + p % bs for t, p in zip(tabs, pos_parts, strict=True)])
+    n = meta.num_decodes
+    return AttentionMetadata(
+        torch.from_numpy(slots), num_decodes=n, decode_block_tables=_padded(tables[:n]) if n else None,
+        decode_ctx_lens=meta.decode_ctx_lens, decode_max_ctx=meta.decode_max_ctx,
+        prefills=[PrefillChunk(c.q_start, c.q_len, c.ctx_len, torch.from_numpy(t))
+                  for c, t in zip(meta.prefills, tabs[n:], strict=True)])
+
+
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     meta.slot_mapping = meta.slot_mapping.to(device)
     if meta.state_slots is not None:
@@ -378,6 +399,8 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
         meta.decode_ctx_lens = meta.decode_ctx_lens.to(device)  # type: ignore[union-attr]
     for c in meta.prefills:
         c.block_table = c.block_table.to(device)
+    if meta.window_group is not None:
+        meta.window_group = _to_device(meta.window_group, device)
     return meta
 
 

@@ -44,7 +44,7 @@ class SleepManager:
         self._host: dict[str, torch.Tensor] = {}  # level-1 offload of the weights (accelerators only)
         # After a level-2 sleep: parameter -> flat element ranges written since (until each is whole).
         self._discarded: dict[str, list[tuple[int, int]]] = {}
-        self._kv_kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (block ids, their KV) while released
+        self._kv_kept: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (block ids, their KV) while released
         # a hybrid model's state pool (conv, recurrent) kept with the blocks: the kept requests' states in it
         self._state_kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -60,7 +60,7 @@ class SleepManager:
         if kv_blocks:
             self._kv_kept = self._offload_kv(kv_blocks)
             if self.platform.name == "cpu":  # the copy stays in the same memory: what is freed is the rest
-                released -= self._kv_kept[1].numel() * self._kv_kept[1].element_size()
+                released -= sum(t.numel() * t.element_size() for t in self._kv_kept[1])
             if self.kv.conv_state is not None:  # the whole pool (a few slots): the kept requests' states are in it
                 self._state_kept = (self.kv.conv_state.cpu(), self.kv.rec_state.cpu())
         self.kv.release()
@@ -107,7 +107,7 @@ class SleepManager:
                 if self._kv_kept is not None:
                     ids, kept = self._kv_kept
                     self._kv_kept = None
-                    self.kv.tensor[:, :, ids.to(self.kv.device)] = kept.to(self.kv.device)
+                    self.kv.put_blocks(ids, kept)
                 if self._state_kept is not None:
                     conv, rec = self._state_kept
                     self._state_kept = None
@@ -116,11 +116,9 @@ class SleepManager:
             self.asleep.discard(tag)
         return restored
 
-    def _offload_kv(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A host copy of these blocks of every layer, K and V: [layers, 2, len(blocks), ...]."""
-        ids = torch.tensor(sorted(set(blocks)), dtype=torch.long)
-        kept = self.kv.tensor[:, :, ids.to(self.kv.device)]  # advanced indexing: a compact copy
-        return ids, kept.cpu()
+    def _offload_kv(self, blocks: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A host copy of these blocks of every layer, K and V (workers.kv_cache.KVCache.copy_blocks)."""
+        return self.kv.copy_blocks(blocks)
 
     def zero_weights(self) -> int:
         """/weight_checker reset: zero every parameter in place; all of them count as missing until a full

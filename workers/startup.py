@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.model_store import resolve_model
 from engine.rl_config import Determinism
 from engine.topology import layout
-from workers.kv_cache import KVCache, cache_dtype, plan_num_blocks
+from workers.kv_cache import KVCache, cache_dtype, mixed_window, plan_num_blocks, split_window_pool, window_pool_blocks
 from workers.loader import load_model
 from workers.lora import slots_for as lora_slots_for
 from workers.model_runner import ModelRunner, warm_up
@@ -76,6 +76,12 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
                                      reserved_bytes=reserved)
     except ValueError as e:  # no room for a KV cache in what the flags allow
         raise SystemExit(f"rollbus: {name}: {e}") from None
+    window, window_layers = mixed_window(model)
+    window_blocks = 0
+    if window_layers:  # the sliding-window layers' own pool: each sequence's window; the full layers get the rest
+        need = window_pool_blocks(window, cfg.cache.block_size, cfg.scheduler.max_num_seqs,
+                                  cfg.scheduler.max_num_batched_tokens)
+        num_blocks, window_blocks = split_window_pool(num_blocks, nl, len(window_layers), need)
     if num_blocks * cfg.cache.block_size < max_model_len:
         pool = (f" after its recurrent-state pool ({state_slots} slots for --max-num-seqs, {reserved} bytes)"
                 if state_slots else "")
@@ -83,7 +89,8 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
             f"KV cache of {num_blocks} blocks x {cfg.cache.block_size} tokens{pool} cannot hold one sequence of "
             f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
             + (" or --max-num-seqs" if state_slots else ""))
-    kv = KVCache.for_model(model, cfg.cache.block_size, num_blocks, kv_dtype, device, state_slots=state_slots)
+    kv = KVCache.for_model(model, cfg.cache.block_size, num_blocks, kv_dtype, device, state_slots=state_slots,
+                           window_blocks=window_blocks)
     runner = ModelRunner(model, kv, rank=rank, block_size=cfg.cache.block_size, device=device, seed=cfg.model.seed,
                          logprobs_mode=cfg.rl.logprobs_mode, return_routed_experts=cfg.rl.enable_return_routed_experts,
                          tokenizer_path=None if cfg.rl.tokens_only else
@@ -100,7 +107,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
         batch_invariant_checked=checked, cpu_linear=cpu_linear, host_allocator=host_allocator,
         warm_up_s=round(warm_s, 3), host_huge_pages=host_huge_pages() if device.type == "cpu" else None,
         cpu_threads=cpu_kernels.threads() if device.type == "cpu" else None, layout=layout(cfg),
-        state_slots=state_slots, kv_window=shared_window(model))
+        state_slots=state_slots, kv_window=shared_window(model) or window, window_blocks=window_blocks)
     return Loaded(model, kv, runner, info)
 
 

@@ -106,7 +106,7 @@ class Attention(nn.Module):
             q, k = torch.cat((qr, q[..., self.rd :]), -1), torch.cat((kr, k[..., self.rd :]), -1)
         else:
             q, k = kern.apply_rope(q, k, cos, sin)
-        o = self._attend(q, k, v, kv, meta)  # [T, Hq, D]
+        o = self._attend(q, k, v, kv, meta.for_layer(self.window))  # [T, Hq, D] (its layer group's tables)
         if self.tp.size == 1:
             out = kern.linear(o.view(T, self.hq * self.d), self.o_proj.weight, self.o_proj.bias)
             return out if self.lora_o is None else self.lora_o(o.view(T, self.hq * self.d), out)
