@@ -54,10 +54,11 @@ def test_engine_matches_hf(arch, tmp_path, smollm2_dir):
         assert max(abs(a - b) for a, b in zip(got[i]["token_logprobs"], want_lp)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["mistral", "glm4_moe", "deepseek_v3",
+@pytest.mark.parametrize("arch", ["mistral", "qwen2_moe", "glm4_moe", "deepseek_v3",
                                   pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_new_archs_served_equal_hf_with_prompt_logprobs_routes_and_a_prefix_hit(arch, tmp_path, smollm2_dir):
-    """Issue 34's archs through `rollbus serve`: a sliding window shorter than the prompts (Mistral), a grouped
+    """Issue 34's archs through `rollbus serve`: a sliding window shorter than the prompts (Mistral; Qwen2-MoE's
+    on its first layer only, so its blocks are the window group's own, engine.window_blocks), a grouped
     sigmoid router with shared experts (GLM-4.5), multi-head latent attention over its one-plane cache with
     YaRN and that router (DeepSeek-V3), attention sinks with alternating windows and the clamped-SwiGLU experts
     (gpt-oss). 4 concurrent requests of 32 greedy tokens: tokens equal HF's, every sampled and prompt logprob

@@ -14,6 +14,8 @@ from bus.sampling_params import SamplingParams
 from engine.block_manager import FREED, BlockManager
 from engine.request import Sequence
 from engine.scheduler.policy import Scheduler
+from engine.window_blocks import WindowBlocks
+from workers.kv_cache import KVCache, split_window_pool, window_pool_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -57,12 +59,109 @@ def test_blocks_before_the_window_are_freed_as_it_moves_and_the_table_keeps_its_
     assert bm.num_free == 64  # all given back at the end (FREED entries are not freed twice)
 
 
-def test_mixed_windows_keep_every_block():
+def test_without_a_window_every_block_is_kept():
     bm = BlockManager(num_blocks=64, block_size=BS)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)  # window 0
     sched.add(_seq("a", list(range(1, 31)), max_tokens=20))
     _run(sched, 6)
     assert FREED not in sched.running[0].block_table
+
+
+def _mixed(full: int, win: int, caching: bool = True, max_num_seqs: int = 4, budget: int = 16):
+    bm = BlockManager(num_blocks=full, block_size=BS, enable_prefix_caching=caching,
+                      windows=WindowBlocks(win, BS, W))
+    return bm, Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256, window=W)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_mixed_windows_free_the_window_groups_blocks_and_keep_the_full_groups(caching):
+    """gpt-oss / Gemma 3: the full-attention layers' table keeps every block; the sliding layers' own table
+    gives back those before the window, so its pool holds about W / BS + 1 blocks per sequence."""
+    bm, sched = _mixed(64, 64, caching)
+    a = _seq("a", list(range(1, 31)), max_tokens=40)
+    sched.add(a)
+    held = []
+    for step in _run(sched, 200):
+        if a not in step.seqs:
+            continue
+        start = step.num_computed[step.seqs.index(a)]
+        assert FREED not in a.block_table and len(a.block_table) == len(a.window_table)
+        first = max(0, start - W + 1) // BS
+        assert all(b != FREED for b in a.window_table[first:]), (start, a.window_table)
+        held.append(64 - bm.windows.num_free)
+    assert max(held[3:]) <= (W + BS - 2) // BS + 2, held
+    assert bm.num_free == bm.windows.num_free == 64  # all given back at the end, FREED entries not twice
+
+
+def test_a_pool_of_window_pool_blocks_never_preempts_the_running_sequences():
+    """workers.kv_cache.window_pool_blocks: four sequences at a 16-token budget fit 24 window blocks, with
+    prefix caching (only hashed blocks released) and with the next plan made before a step's results."""
+    need = window_pool_blocks(W, BS, max_num_seqs=4, max_num_batched_tokens=16)
+    assert need == 4 * (2 + 2) + 2 * 4
+    bm, sched = _mixed(512, need)
+    seqs = [_seq(f"s{i}", [i + 1] * (20 + 9 * i), max_tokens=60) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    pending = []
+    for _ in range(400):  # async scheduling: results come back one step late
+        step = sched.schedule()
+        if step.seqs:
+            pending.append(step)
+        if len(pending) == 2 or (pending and not step.seqs):
+            done = pending.pop(0)
+            sched.update(done, {s.seq_id: (5, -0.1, None) for s, n, c in
+                                zip(done.seqs, done.num_new, done.num_computed) if c + n == s.num_tokens})
+        if not step.seqs and not pending:
+            break
+    assert all(s.finish_reason == "length" and s.num_preemptions == 0 for s in seqs)
+
+
+def test_a_mixed_prefix_hit_needs_every_full_block_and_only_the_windows_tail():
+    bm, sched = _mixed(64, 64)
+    prompt = list(range(1, 41))
+    sched.add(_seq("a", prompt, max_tokens=3))
+    _run(sched, 40)
+    b = _seq("b", prompt + [99], max_tokens=1)
+    assert bm.match_prefix(b, 0) == 40
+    tail = max(0, 40 - W + 1) // BS  # the first block a query at position 40 sees
+    assert b.window_table[:tail] == [FREED] * tail and FREED not in b.window_table[tail:] and b.num_released == tail
+    assert all(bm.windows.hash_of[w] == h for w, h in zip(b.window_table[tail:], b.block_hashes[tail:]))
+    hashes = list(b.block_hashes)
+    bm.free_seq(b)
+    assert bm.num_free == bm.windows.num_free == 64
+    # the window group's copy of block 8 evicted (rewritten): the longest hit whose tail avoids it is 8 blocks
+    bm.windows.hash_of[bm.windows.cached.pop(hashes[8])] = None
+    d = _seq("d", prompt + [99], max_tokens=1)
+    assert bm.match_prefix(d, 0) == 8 * BS and len(d.block_table) == len(d.window_table) == 8
+    assert d.window_table[:(32 - W + 1) // BS] == [FREED] * ((32 - W + 1) // BS)
+    bm.free_seq(d)
+    # held_blocks names the window group's blocks after the full group's (the workers' copy_blocks numbering)
+    e = _seq("e", [3] * 9, max_tokens=1)
+    bm.allocate(e, 9)
+    assert bm.held_blocks() == sorted(e.block_table) + sorted(64 + w for w in e.window_table)
+
+
+def test_the_window_pool_takes_what_the_windows_need_and_the_full_layers_the_rest():
+    assert split_window_pool(64, num_layers=3, window_layers=2, window_need=24) == (144, 24)
+    assert split_window_pool(64, num_layers=2, window_layers=1, window_need=24) == (104, 24)
+    assert split_window_pool(64, num_layers=2, window_layers=1, window_need=500) == (64, 64)  # no saving
+
+
+def test_a_grouped_kv_cache_gives_each_layer_its_groups_blocks_and_offloads_both():
+    kv = KVCache(3, 2, 8, BS, 10, torch.float32, torch.device("cpu"), window_layers=(0, 2), window_blocks=4)
+    assert kv.tensor.shape[:3] == (1, 2, 10) and kv.window_tensor.shape[:3] == (2, 2, 4)
+    assert kv.views[1][0].data_ptr() == kv.tensor[0, 0].data_ptr()
+    assert kv.views[2][1].data_ptr() == kv.window_tensor[1, 1].data_ptr()
+    assert kv.nbytes == (10 + 2 * 4) * 2 * BS * 2 * 8 * 4
+    kv.tensor.normal_()
+    kv.window_tensor.normal_()
+    want = kv.tensor[:, :, [3]].clone(), kv.window_tensor[:, :, [1]].clone()
+    ids, kept = kv.copy_blocks([3, 10 + 1])  # full block 3, window block 1
+    kv.release()
+    kv.allocate()
+    kv.put_blocks(ids, kept)
+    assert torch.equal(kv.tensor[:, :, [3]], want[0]) and torch.equal(kv.window_tensor[:, :, [1]], want[1])
+    assert not kv.tensor[:, :, 4:].any()
 
 
 def test_a_prefix_hit_after_release_reuses_only_blocks_whose_content_is_unchanged():
