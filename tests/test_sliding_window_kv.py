@@ -1,7 +1,9 @@
 """Sliding-window models free the KV blocks that slid out of the window (issue 34): the scheduler gives them
 back as a sequence moves on (the block manager's free count), their block-table entries become FREED, and
 the attention paths never read one (a FREED entry is an index error; a NaN-filled freed block leaves the output
-equal to a plain reference)."""
+equal to a plain reference). Models whose layers mix windows: the sliding-window layers' own pool and table
+(engine.window_blocks) free, the full layers' keep every block, the pool is sized for the windows
+(workers.kv_cache), and a prefix hit needs only the window's tail there."""
 
 from __future__ import annotations
 
