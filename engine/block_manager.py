@@ -217,9 +217,9 @@ class BlockManager(BlockPool):
         return len(seq.block_table) + len(seq.window_table) - seq.num_released
 
     def held_blocks(self) -> list[int]:
-        """The blocks some sequence holds; a mixed-window model's window-group block b as num_blocks + b (the
-        workers' KVCache.copy_blocks reads the same numbering)."""
-        extra = [self.num_blocks + b for b in self.windows.held()] if self.windows is not None else []
+        """The blocks some sequence holds; a mixed-window model's window-group block b as -2 - b (below FREED:
+        never a full-group id, whatever each worker's block count; workers.kv_cache.KVCache.copy_blocks)."""
+        extra = [-2 - b for b in self.windows.held()] if self.windows is not None else []
         return self.held() + extra
 
     def free_seq(self, seq: Sequence) -> None:

@@ -137,10 +137,10 @@ def test_a_mixed_prefix_hit_needs_every_full_block_and_only_the_windows_tail():
     assert bm.match_prefix(d, 0) == 8 * BS and len(d.block_table) == len(d.window_table) == 8
     assert d.window_table[:(32 - W + 1) // BS] == [FREED] * ((32 - W + 1) // BS)
     bm.free_seq(d)
-    # held_blocks names the window group's blocks after the full group's (the workers' copy_blocks numbering)
+    # held_blocks names the window group's block b as -2 - b (the workers' copy_blocks numbering)
     e = _seq("e", [3] * 9, max_tokens=1)
     bm.allocate(e, 9)
-    assert bm.held_blocks() == sorted(e.block_table) + sorted(64 + w for w in e.window_table)
+    assert bm.held_blocks() == sorted(e.block_table) + [-2 - w for w in sorted(e.window_table)]
 
 
 def test_the_window_pool_takes_what_the_windows_need_and_the_full_layers_the_rest():
@@ -158,7 +158,7 @@ def test_a_grouped_kv_cache_gives_each_layer_its_groups_blocks_and_offloads_both
     kv.tensor.normal_()
     kv.window_tensor.normal_()
     want = kv.tensor[:, :, [3]].clone(), kv.window_tensor[:, :, [1]].clone()
-    ids, kept = kv.copy_blocks([3, 10 + 1])  # full block 3, window block 1
+    ids, kept = kv.copy_blocks([3, -2 - 1])  # full block 3, window block 1
     kv.release()
     kv.allocate()
     kv.put_blocks(ids, kept)

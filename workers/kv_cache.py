@@ -113,8 +113,8 @@ class KVCache:
                    for t in (self.tensor, self.window_tensor, self.conv_state, self.rec_state) if t is not None)
 
     def copy_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A host copy of these blocks of every layer ([layers, planes, blocks, ...] per group): ids from
-        num_blocks on are the window group's (engine.block_manager.BlockManager.held_blocks)."""
+        """A host copy of these blocks of every layer ([layers, planes, blocks, ...] per group): an id -2 - b is
+        the window group's block b (engine.block_manager.BlockManager.held_blocks)."""
         ids = torch.tensor(sorted(set(blocks)), dtype=torch.long)
         return ids, [t[:, :, i.to(self.device)].cpu() for t, i in self._by_group(ids)]
 
@@ -124,10 +124,10 @@ class KVCache:
             t[:, :, i.to(self.device)] = k.to(self.device)
 
     def _by_group(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(tensor, its block ids) per layer group: ids from num_blocks on are the window group's."""
-        groups = [(self.tensor, ids[ids < self.num_blocks])]
+        """(tensor, its block ids) per layer group: -2 - b is the window group's block b."""
+        groups = [(self.tensor, ids[ids >= 0])]
         if self.window_tensor is not None:
-            groups.append((self.window_tensor, ids[ids >= self.num_blocks] - self.num_blocks))
+            groups.append((self.window_tensor, -2 - ids[ids < 0]))
         return groups
 
     def reset_state(self, slots: list[int]) -> None:
