@@ -49,3 +49,18 @@ def test_zero_weights_zeroes_every_parameter_until_loaded_again(parts):
     some = sorted(model.required_weight_names())
     assert sm.mark_loaded(some[:1]) > 0  # a partial update: still missing
     assert sm.mark_loaded(some) == 0  # every tensor: served again
+
+
+def test_a_mixed_window_models_groups_are_both_offloaded(tmp_path):
+    """gpt-oss / Gemma 3 (engine.window_blocks): the sliding layers' block b comes as -2 - b and is kept too."""
+    model = load_model(make_tiny_checkpoint("qwen3", tmp_path / "m"))
+    kv = KVCache(2, 1, 8, 4, 16, torch.float32, torch.device("cpu"), window_layers=(0,), window_blocks=6)
+    sm = SleepManager(model, kv, current_platform())
+    kv.tensor.normal_()
+    kv.window_tensor.normal_()
+    full, win = kv.tensor[:, :, [3, 7]].clone(), kv.window_tensor[:, :, [1, 5]].clone()
+    sm.sleep(1, [3, -3, 7, -7])
+    assert kv.tensor is None and kv.window_tensor is None
+    sm.wake(None)
+    assert torch.equal(kv.tensor[:, :, [3, 7]], full) and torch.equal(kv.window_tensor[:, :, [1, 5]], win)
+    assert not kv.tensor[:, :, [0, 1, 2]].any() and not kv.window_tensor[:, :, [0, 2, 3, 4]].any()
