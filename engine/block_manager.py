@@ -205,12 +205,7 @@ class BlockManager(BlockPool):
         if self.windows is not None:  # a mixed-window model: only the window group's table
             self.windows.release_before(seq, end)
             return
-        table = seq.block_table
-        end = min(end, len(table))
-        for i in range(seq.num_released, end):
-            self._give_back(table[i])
-            table[i] = FREED
-        seq.num_released = max(seq.num_released, end)
+        self._release_leading(seq, seq.block_table, end)
 
     def num_held(self, seq: Sequence) -> int:
         """Blocks `seq` holds (its tables' entries not released), in both groups of a mixed-window model."""

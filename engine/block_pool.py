@@ -55,6 +55,15 @@ class BlockPool:
             del self.free[bid]
         self.ref[bid] += 1
 
+    def _release_leading(self, seq, table: list[int], end: int) -> None:
+        """Give back the entries of `table` (one of seq's) before index `end` not given back yet; they become FREED
+        and seq.num_released counts them."""
+        end = min(end, len(table))
+        for i in range(seq.num_released, end):
+            self._give_back(table[i])
+            table[i] = FREED
+        seq.num_released = max(seq.num_released, end)
+
     def _give_back(self, bid: int) -> None:
         self.ref[bid] -= 1
         if self.ref[bid] == 0:

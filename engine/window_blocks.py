@@ -73,12 +73,7 @@ class WindowBlocks(BlockPool):
 
     def release_before(self, seq: Sequence, end: int) -> None:
         """Give back `seq`'s blocks before block index `end`; their entries become FREED."""
-        table = seq.window_table
-        end = min(end, len(table))
-        for i in range(seq.num_released, end):
-            self._give_back(table[i])
-            table[i] = FREED
-        seq.num_released = max(seq.num_released, end)
+        self._release_leading(seq, seq.window_table, end)
 
     def free_seq(self, seq: Sequence) -> None:
         for bid in reversed(seq.window_table[seq.num_released:]):

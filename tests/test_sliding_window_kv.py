@@ -40,6 +40,21 @@ def _run(sched: Scheduler, steps: int) -> list:
     return plans
 
 
+def _run_async(sched: Scheduler, steps: int) -> None:
+    """As under async scheduling: each step's results come back after the next plan is made."""
+    pending = []
+    for _ in range(steps):
+        step = sched.schedule()
+        if step.seqs:
+            pending.append(step)
+        if len(pending) == 2 or (pending and not step.seqs):
+            done = pending.pop(0)
+            sched.update(done, {s.seq_id: (5, -0.1, None) for s, n, c in
+                                zip(done.seqs, done.num_new, done.num_computed) if c + n == s.num_tokens})
+        if not step.seqs and not pending:
+            return
+
+
 def test_blocks_before_the_window_are_freed_as_it_moves_and_the_table_keeps_its_positions():
     bm = BlockManager(num_blocks=64, block_size=BS)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, window=W)
@@ -104,17 +119,7 @@ def test_a_pool_of_window_pool_blocks_never_preempts_the_running_sequences():
     seqs = [_seq(f"s{i}", [i + 1] * (20 + 9 * i), max_tokens=60) for i in range(4)]
     for s in seqs:
         sched.add(s)
-    pending = []
-    for _ in range(400):  # async scheduling: results come back one step late
-        step = sched.schedule()
-        if step.seqs:
-            pending.append(step)
-        if len(pending) == 2 or (pending and not step.seqs):
-            done = pending.pop(0)
-            sched.update(done, {s.seq_id: (5, -0.1, None) for s, n, c in
-                                zip(done.seqs, done.num_new, done.num_computed) if c + n == s.num_tokens})
-        if not step.seqs and not pending:
-            break
+    _run_async(sched, 400)
     assert all(s.finish_reason == "length" and s.num_preemptions == 0 for s in seqs)
 
 
@@ -277,14 +282,6 @@ def test_under_async_scheduling_a_released_block_was_hashed_first():
     prompt = list(range(1, 41))
     a = _seq("a", prompt, max_tokens=3)
     sched.add(a)
-    pending = []
-    for _ in range(8):
-        step = sched.schedule()
-        if step.seqs:
-            pending.append(step)
-        if len(pending) == 2 or (pending and not step.seqs):
-            done = pending.pop(0)
-            sched.update(done, {s.seq_id: (5, -0.1, None) for s, n, c in
-                                zip(done.seqs, done.num_new, done.num_computed) if c + n == s.num_tokens})
+    _run_async(sched, 8)
     assert a.finish_reason == "length"
     assert bm.match_prefix(_seq("b", prompt + [99]), 0) == 40
