@@ -9,6 +9,7 @@
     POST /abort_weight_update                                 rollbus's own: drop the update in progress
     POST /shutdown_weight_transfer_engine
     GET  /get_world_size?include_dp=true
+    GET  /weight_commit_info, GET /weight_copy?worker=N     rollbus's own: a restarted peer's catch-up
     POST /weight_checker {"action": "checksum"|"compare"|"reset", "baseline": {...}}
 
 The two rollbus-only steps make a fleet update two-phase (engine.trainer.fleet): every engine finishes without
@@ -51,10 +52,12 @@ from gateway.dev_routes import _bool, _json_object, broadcast
 from gateway.engine_client import EngineClient
 from gateway.errors import CONFLICT, APIError, bad_request, check_timeout, control_failure
 from gateway.responses import JSONResponse
+from gateway.weight_copy_route import add_weight_copy_route
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                 "/finish_weight_update", "/commit_weight_update", "/abort_weight_update",
-                "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker", "/weight_commit_info")
+                "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker", "/weight_commit_info",
+                "/weight_copy")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
 
 
@@ -201,6 +204,8 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         folder = cfg.rl.weights_recovery_dir
         record = read_fleet_record(folder) if folder else None
         return record.committed_at if record is not None and record.weight_version == version else None
+
+    add_weight_copy_route(app, cfg, client)
 
     @app.get("/get_world_size")
     async def get_world_size(include_dp: str = "true") -> JSONResponse:

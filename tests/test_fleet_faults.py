@@ -74,12 +74,12 @@ def test_an_engine_that_missed_fleet_updates_starts_lost_on_the_fleets_version(t
     write_fleet_record(str(tmp_path), record)
     assert rejoin.read_fleet_record(str(tmp_path)) == record
     asked = []
-    monkeypatch.setattr(rejoin, "ask_peers", lambda peers: asked.append(peers) or [
+    monkeypatch.setattr(rejoin, "ask_peers", lambda peers, **kw: asked.append(peers) or [
         {"weight_version": "fleet-2", "committed_at": 150.0}])
     s = starting_state("fresh", str(tmp_path), resume=True)
     assert asked == [("http://b:1",)]
     assert (s.run_id, s.weight_commits, s.weight_version, s.version_labels) == ("run-a", 4, "fleet-2", {"0": "fleet-2"})
-    monkeypatch.setattr(rejoin, "ask_peers", lambda peers: [None])  # nobody answers: its own copies
+    monkeypatch.setattr(rejoin, "ask_peers", lambda peers, **kw: [None])  # nobody answers: its own copies
     assert starting_state("fresh", str(tmp_path), resume=True).weight_version == "fleet-1"
     monkeypatch.undo()
     # a peer that refuses the connection answers None, within the timeout

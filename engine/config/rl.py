@@ -24,6 +24,7 @@ class RLServingConfig:
     weight_transfer_config: WeightTransferConfig | None = None  # engine.weights.config; None: no flag
     weights_recovery_dir: str | None = None  # workers keep a copy of each committed update here (recovery)
     weights_recovery_resume: bool = False  # at start, serve the version those copies hold (engine.fleet.rejoin)
+    weights_catch_up: bool = True  # ... or, when the fleet moved on, fetch its version from a peer (catch_up)
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs | raw_logits | processed_logits
     tokens_only: bool = False  # no tokenizer anywhere; /inference/v1/generate on
     enable_scale_out: bool = False  # /inference/v1/generate and /inference/v1/abort_requests on
@@ -87,6 +88,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "supervisor rejoins its fleet on the fleet's version. A worker whose copy is missing or "
                         "of another update answers 503 naming that version until the next full update. Without "
                         "copies: the checkpoint. Needs --weights-recovery-dir.")
+    g.add_argument("--weights-catch-up", action=Switch, default=d.weights_catch_up,
+                   help="With --weights-recovery-resume (rollbus's own; on by default): when a peer in the "
+                        "engine's last fleet update (its fleet.json) committed a newer version while this engine "
+                        "was down, fetch that version's weights from the peer's copies (GET /weight_copy, "
+                        "verified by version and sha256, all workers or none) before serving, instead of "
+                        "answering 503 naming it until the trainer's next update. --no-weights-catch-up keeps "
+                        "the 503.")
     g = p.add_argument_group("training data (logprobs, tokens in/out, trace replay, routed experts; docs/logprobs.md, "
                              "docs/tokens.md)")
     g.add_argument("--logprobs-mode", default=d.logprobs_mode,

@@ -12,8 +12,10 @@ fleet update (`/commit_weight_update` with the other engines' URLs, which Weight
 leaves a fleet record beside the copies (FLEET_RECORD: the version, when it committed, the peers; a commit
 without peers keeps the last ones), and a
 resuming engine first asks those peers (/weight_commit_info): when a peer committed a different version after ours,
-the fleet moved on, and the engine starts on that version as lost (503 naming it, /health 503, until the
-trainer's next full update), never on its own older one. No peer answering: it resumes its copies (nothing
+the fleet moved on, and the engine fetches that version from a peer that serves it (engine.fleet.catch_up,
+--weights-catch-up, on by default) and starts on it; when no peer can send it (or catch-up is off) it starts
+on that version as lost (503 naming it, /health 503, until the trainer's next full update), never on its own
+older one. No peer answering: it resumes its copies (nothing
 says the fleet moved on; the trainer's next update still refuses an engine on another version, naming it).
 
 Reads only the copies' safetensors headers (no torch): the coordinator calls it before anything runs.
@@ -24,22 +26,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.error import URLError
-from urllib.request import urlopen
+from urllib.request import Request, urlopen
 
 import structlog
 
 from bus.control_state import initial_state
 from bus.messages import ControlState
+from engine.fleet.catch_up import CatchUpConfig, Own, catch_up, newest
+from engine.fleet.copy_format import read_header, tag_of
 
 log = structlog.get_logger()
 
 COPY_NAME = re.compile(r"worker-\d+\.safetensors")  # engine.weights.recovery.copy_path's names
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 FLEET_RECORD = "fleet.json"  # beside the copies: the last fleet update this engine committed
 PEER_TIMEOUT_S = 3.0
 
@@ -49,22 +51,10 @@ def copy_tag(path: str) -> dict[str, str] | None:
     the file is not a readable safetensors file with one."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                return None
-            (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER_BYTES:
-                return None
-            header = json.loads(f.read(n))
+            header, _ = read_header(f)
     except (OSError, ValueError):
         return None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), str) for k in
-                                             ("run_id", "weight_commits", "weight_version")):
-        return None
-    if not meta["weight_commits"].isdigit() or not meta["run_id"]:
-        return None
-    return meta
+    return tag_of(header)
 
 
 def resume_point(folder: str) -> tuple[str, int, str] | None:
@@ -126,17 +116,19 @@ def fleet_version(own_version: str, record: FleetRecord | None, answers: list[di
     `answers` are the peers' /weight_commit_info bodies (None: no answer)."""
     if record is None or record.weight_version != own_version:
         return None  # the copies hold something newer than the record says (a single-engine update since)
-    newer = [(a["committed_at"], a["weight_version"]) for a in answers
-             if a and isinstance(a.get("weight_version"), str) and isinstance(a.get("committed_at"), int | float)
-             and a["committed_at"] > record.committed_at and a["weight_version"] != own_version]
-    return max(newer)[1] if newer else None
+    found = newest(own_version, record.committed_at, answers)
+    return found[0] if found else None
 
 
-def ask_peers(peers: tuple[str, ...], timeout_s: float = PEER_TIMEOUT_S) -> list[dict[str, Any] | None]:
-    """Each peer's /weight_commit_info, at once; None for a peer that does not answer (or answers nonsense)."""
+def ask_peers(peers: tuple[str, ...], timeout_s: float = PEER_TIMEOUT_S,
+              api_key: str | None = None) -> list[dict[str, Any] | None]:
+    """Each peer's /weight_commit_info, at once; None for a peer that does not answer (or answers nonsense).
+    `api_key`: the fleet's --api-key (the peers' weight routes want it, as ours do)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
     def ask(url: str) -> dict[str, Any] | None:
         try:
-            with urlopen(url.rstrip("/") + "/weight_commit_info", timeout=timeout_s) as r:
+            with urlopen(Request(url.rstrip("/") + "/weight_commit_info", headers=headers), timeout=timeout_s) as r:
                 body = json.loads(r.read())
             return body if isinstance(body, dict) else None
         except (URLError, OSError, ValueError):
@@ -148,21 +140,33 @@ def ask_peers(peers: tuple[str, ...], timeout_s: float = PEER_TIMEOUT_S) -> list
         return list(pool.map(ask, peers))
 
 
-def starting_state(run_id: str, folder: str | None, resume: bool) -> ControlState:
+def starting_state(run_id: str, folder: str | None, resume: bool,
+                   peer_catch_up: CatchUpConfig | None = None) -> ControlState:
     """The coordinator's first control state: a fresh run on the checkpoint, or (resume) the update the
     recovery copies hold, under that run's id so the workers' restore accepts them; or, when the fleet
-    moved on meanwhile, the fleet's version as one update past the copies, which every worker's restore
-    then refuses (the version is lost: 503 naming it until a full update)."""
+    moved on meanwhile, the fleet's version fetched from a peer (`peer_catch_up`: engine.fleet.catch_up) as
+    one update past the copies, or, when that fails or is off, the fleet's version as one update past the
+    copies that every worker's restore then refuses (the version is lost: 503 naming it until a full update)."""
     point = resume_point(folder) if resume and folder else None
     if point is None:
         return initial_state(run_id)
     old_run, commits, version = point
     record = read_fleet_record(folder)
-    moved_on = fleet_version(version, record, ask_peers(record.peers)) if record else None
+    key = peer_catch_up.api_key if peer_catch_up else None
+    answers = ask_peers(record.peers, api_key=key) if record else []
+    moved_on = fleet_version(version, record, answers)
+    if moved_on is not None and peer_catch_up is not None:
+        own = Own(old_run, commits, version, record.peers, record.committed_at)
+        ok, moved_on, at = catch_up(folder, own, answers, peer_catch_up,
+                                    lambda peers: ask_peers(peers, api_key=key))
+        if ok:
+            write_fleet_record(folder, FleetRecord(moved_on, at, record.peers))
+            return ControlState(run_id=old_run, weight_commits=commits + 1, weight_version=moved_on,
+                                version_labels={"0": moved_on})
     if moved_on is not None:
         log.error("coordinator.fleet_moved_on", own_version=version, fleet_version=moved_on,
-                  peers=list(record.peers), why="this engine missed fleet updates while it was down; it serves "
-                  "nothing until the trainer sends the weights again")
+                  peers=list(record.peers), why="this engine missed fleet updates while it was down and could not "
+                  "fetch them from a peer; it serves nothing until the trainer sends the weights again")
         return ControlState(run_id=old_run, weight_commits=commits + 1, weight_version=moved_on,
                             version_labels={"0": moved_on})
     log.info("coordinator.resuming_weights", folder=folder, version=version, weight_commits=commits, run_id=old_run)

@@ -24,13 +24,14 @@ from safetensors.torch import save_file
 
 from bus.messages import ControlReply, ControlRequest, ShareWeights, WeightsLost, WeightsShared
 from bus.sockets import send
+from engine.fleet.copy_format import copy_name
 from engine.weights.protocol import WeightSyncError
 
 log = structlog.get_logger()
 
 
 def copy_path(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"worker-{rank}.safetensors")
+    return os.path.join(folder, copy_name(rank))
 
 
 def save_copy(model: torch.nn.Module, path: str, *, run_id: str, commits: int, version: str) -> str:

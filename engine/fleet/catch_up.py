@@ -1,0 +1,242 @@
+"""Peer catch-up: an engine restarted behind its fleet (its copies hold version V, a peer in its fleet record
+committed W since: engine.fleet.rejoin) fetches W from a peer instead of waiting for the trainer's next push.
+
+The coordinator runs it before anything else of the engine starts (so nothing serves meanwhile, and no trainer
+can reach this engine: its peers keep serving throughout). For every worker of this engine it streams the
+peer's recovery copy of W (GET /weight_copy: gateway/weight_copy_route.py, read from the peer's disk) into a
+temporary file beside its own copies, checking on the way
+
+- the version: the peer's header and the copy's own tag both say W;
+- the bytes: the sha256 of everything received equals the digest the peer sent;
+- the model: every tensor's name, dtype and shape equal this engine's own copy of that worker.
+
+and retags each file as update `commits + 1` of this engine's run under W's label. Only when every worker's
+file arrived and passed does it rename them over its own copies (all or nothing) and record the fleet commit
+(fleet.json); the workers then restore them as on any resume. Anything else leaves the copies as they were.
+
+The trainer's update wins: a peer refuses to send while it has an update in progress (503: wait and ask again)
+or serves another version than the one asked (409), and after the copies arrived the peers are asked again;
+when the fleet moved on meanwhile the files are dropped and the newer version fetched. Bounded: at most
+`attempts` failed transfers (bad bytes, a peer that breaks off) and `deadline_s` in all; then the engine starts
+as before catch-up existed, on W as lost (503 naming the newest version it heard of).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+from urllib.error import HTTPError, URLError
+from urllib.parse import urlencode
+from urllib.request import Request, urlopen
+
+import structlog
+
+from engine.fleet.copy_format import copy_name, data_length, layout_of, read_header, retagged, tag_of
+
+log = structlog.get_logger()
+
+VERSION_HEADER = "X-Rollbus-Weight-Version"  # gateway/weight_copy_route.py's
+DIGEST_HEADER = "X-Rollbus-Weights-Sha256"
+CHUNK_BYTES = 4 << 20
+BUSY_WAIT_S = 0.5  # between asks while a peer's update is in progress
+PARTIAL = ".catch-up-"  # the files being fetched (never a copy's name: resume_point ignores them)
+
+
+class CatchUpError(Exception):
+    """A transfer that failed (counted against the attempts)."""
+
+
+class PeerBusy(CatchUpError):
+    """A peer mid-update: ask again shortly (not counted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpConfig:
+    """The engine's side: how many workers, the fleet's API key (the engines share --api-key), the bounds."""
+
+    workers: int
+    api_key: str | None = None
+    attempts: int = 3
+    deadline_s: float = 300.0
+    read_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Own:
+    """This engine's copies: its run, updates committed, version; and the fleet record's peers and time."""
+
+    run_id: str
+    commits: int
+    version: str
+    peers: tuple[str, ...]
+    committed_at: float
+
+
+def newest(version: str, since: float, answers: list[dict[str, Any] | None]) -> tuple[str, float] | None:
+    """The version the fleet moved on to (and when a peer committed it): the newest a peer committed after
+    `since` (this engine's last fleet commit), when it is not `version` (this engine's); None when it did not
+    move on. `answers` are the peers' /weight_commit_info bodies (None: no answer)."""
+    newer = [(a["committed_at"], a["weight_version"]) for a in answers
+             if a and isinstance(a.get("weight_version"), str) and isinstance(a.get("committed_at"), int | float)
+             and not isinstance(a["committed_at"], bool) and a["committed_at"] > since
+             and a["weight_version"] != version]
+    if not newer:
+        return None
+    at, version = max(newer)
+    return version, at
+
+
+def sources(version: str, peers: tuple[str, ...], answers: list[dict[str, Any] | None]) -> list[str]:
+    """The peers that serve `version` (by their /weight_commit_info)."""
+    return [p for p, a in zip(peers, answers) if a and a.get("weight_version") == version
+            and a.get("committed_at") is not None]
+
+
+def catch_up(folder: str, own: Own, answers: list[dict[str, Any] | None], cfg: CatchUpConfig,
+             ask: Callable[[tuple[str, ...]], list[dict[str, Any] | None]]) -> tuple[bool, str, float | None]:
+    """(caught up, the fleet's version, when a peer committed it). `answers` are the peers' /weight_commit_info
+    that showed the fleet moved on; `ask` asks them again."""
+    t0 = time.monotonic()
+    deadline = t0 + cfg.deadline_s
+    found = newest(own.version, own.committed_at, answers)
+    if found is None:
+        return False, own.version, None
+    target, at = found
+    failures = 0
+    while failures < cfg.attempts and time.monotonic() < deadline:
+        peers = sources(target, own.peers, answers)
+        if not peers:
+            log.error("catch_up.no_peer_has_it", version=target, peers=list(own.peers))
+            return False, target, at
+        src = peers[failures % len(peers)]
+        try:
+            fetch_all(src, folder, target, own, cfg, deadline)
+        except PeerBusy as e:
+            log.info("catch_up.peer_busy", peer=src, version=target, why=str(e))
+            time.sleep(BUSY_WAIT_S)
+        except CatchUpError as e:
+            failures += 1
+            log.warning("catch_up.transfer_failed", peer=src, version=target, attempt=failures,
+                        attempts=cfg.attempts, why=str(e))
+        else:  # arrived and verified: was it still the fleet's version? (the trainer's update wins)
+            answers = ask(own.peers)
+            now = newest(own.version, own.committed_at, answers)
+            if now is None or now[0] == target:
+                install(folder, cfg.workers)
+                log.info("catch_up.done", peer=src, version=target, workers=cfg.workers,
+                         seconds=round(time.monotonic() - t0, 2))
+                return True, target, at
+            log.info("catch_up.fleet_moved_on", fetched=target, fleet=now[0])
+            discard(folder, cfg.workers)
+            target, at = now
+            continue
+        answers = ask(own.peers)
+        target, at = newest(own.version, own.committed_at, answers) or (target, at)
+    log.error("catch_up.gave_up", version=target, failures=failures, seconds=round(time.monotonic() - t0, 2))
+    return False, target, at
+
+
+def partial_path(folder: str, worker: int) -> str:
+    return os.path.join(folder, PARTIAL + copy_name(worker))
+
+
+def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig, deadline: float) -> None:
+    """Every worker's copy of `version` from `url` into its partial file, verified and retagged; on any
+    failure none is left."""
+    try:
+        for w in range(cfg.workers):
+            if time.monotonic() > deadline:
+                raise CatchUpError("out of time")
+            fetch_copy(url, w, version, folder, own, cfg)
+    except BaseException:
+        discard(folder, cfg.workers)
+        raise
+
+
+def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: CatchUpConfig) -> None:
+    query = urlencode({"worker": worker, "weight_version": version})
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    req = Request(f"{url.rstrip('/')}/weight_copy?{query}", headers=headers)
+    try:
+        with urlopen(req, timeout=cfg.read_timeout_s) as r:
+            receive(r, r.headers, worker, version, folder, own, url)
+    except HTTPError as e:
+        why = f"{url} answered {e.code} for worker {worker}: {_message(e)}"
+        raise (PeerBusy if e.code == 503 else CatchUpError)(why) from None
+    except (URLError, OSError) as e:
+        raise CatchUpError(f"{url} for worker {worker}: {e}") from None
+
+
+def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, own: Own, url: str) -> None:
+    """One copy from the response `r` into worker's partial file (see the module's checks)."""
+    said, digest = headers.get(VERSION_HEADER), headers.get(DIGEST_HEADER)
+    if said != version:
+        raise CatchUpError(f"{url} sent worker {worker}'s copy of version {said!r}, not {version!r}")
+    if not digest:
+        raise CatchUpError(f"{url} sent worker {worker}'s copy without its {DIGEST_HEADER}")
+    h = hashlib.sha256()
+    try:
+        header, raw = read_header(r)
+        layout, size = layout_of(header), data_length(header)
+    except ValueError as e:
+        raise CatchUpError(f"{url} sent worker {worker} something that is not a weight copy: {e}") from None
+    h.update(raw)
+    tag = tag_of(header)
+    if tag is None or tag["weight_version"] != version:
+        raise CatchUpError(f"{url}'s copy for worker {worker} is tagged {tag and tag['weight_version']!r}, "
+                           f"not {version!r}")
+    mine = own_layout(folder, worker)
+    if mine is not None and mine != layout:
+        diff = sorted(set(mine.items()) ^ set(layout.items()))[:3]
+        raise CatchUpError(f"{url}'s copy for worker {worker} is not this engine's model "
+                           f"(tensors differ in name, dtype or shape: {diff})")
+    with open(partial_path(folder, worker), "wb") as f:
+        f.write(retagged(header, run_id=own.run_id, weight_commits=str(own.commits + 1), weight_version=version,
+                         caught_up_from=url))
+        left = size
+        while left:
+            chunk = r.read(min(CHUNK_BYTES, left))
+            if not chunk:
+                raise CatchUpError(f"{url} broke off worker {worker}'s copy with {left} bytes to go")
+            h.update(chunk)
+            f.write(chunk)
+            left -= len(chunk)
+    if r.read(1):
+        raise CatchUpError(f"{url} sent more bytes for worker {worker} than its copy's header names")
+    if h.hexdigest() != digest:
+        raise CatchUpError(f"worker {worker}'s copy from {url} failed verification: sha256 {h.hexdigest()} of "
+                           f"what arrived != {digest} sent")
+
+
+def own_layout(folder: str, worker: int) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    try:
+        with open(os.path.join(folder, copy_name(worker)), "rb") as f:
+            return layout_of(read_header(f)[0])
+    except (OSError, ValueError):
+        return None  # no copy of our own for this worker: the digest and the tag still hold
+
+
+def install(folder: str, workers: int) -> None:
+    for w in range(workers):
+        os.replace(partial_path(folder, w), os.path.join(folder, copy_name(w)))
+
+
+def discard(folder: str, workers: int) -> None:
+    for w in range(workers):
+        try:
+            os.remove(partial_path(folder, w))
+        except FileNotFoundError:
+            pass
+
+
+def _message(e: HTTPError) -> str:
+    try:
+        body = json.loads(e.read(4096))
+        return str(body["error"]["message"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return e.reason or ""
