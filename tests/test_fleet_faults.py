@@ -173,7 +173,8 @@ def test_a_restarted_engine_rejoins_on_the_committed_version_never_the_checkpoin
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_engine_down_while_the_fleet_updated_answers_503_naming_the_fleets_version(tmp_path, smollm2_dir):
-    """Engines a and b take fleet-1 together; a is killed; the trainer updates b alone to fleet-2; a, started
+    """--no-weights-catch-up (catch-up: tests/test_fleet_catch_up.py). Engines a and b take fleet-1 together;
+    a is killed; the trainer updates b alone to fleet-2; a, started
     again with its copies (fleet-1), asks b (its fleet record) and answers 503 naming fleet-2, /health 503,
     /weight_info fleet-2: never fleet-1's weights behind the fleet. The trainer's next update of both
     (preflight: both on fleet-2) serves again, bitwise."""
@@ -185,7 +186,8 @@ def test_an_engine_down_while_the_fleet_updated_answers_503_naming_the_fleets_ve
     def engine(name: str):
         return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
                             cfg, "--weights-recovery-dir", str(tmp_path / name / "copies"),
-                            "--weights-recovery-resume", "--max-model-len", "128", "--block-size", "4")
+                            "--weights-recovery-resume", "--no-weights-catch-up", "--max-model-len", "128",
+                            "--block-size", "4")
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -299,7 +299,8 @@ def catch_up_config(cfg: EngineConfig) -> CatchUpConfig | None:
     if not cfg.rl.weights_catch_up:
         return None
     wt = cfg.rl.weight_transfer_config
-    return CatchUpConfig(workers=Topology.from_config(cfg).world_size, api_key=cfg.gateway.api_key,
+    topo = Topology.from_config(cfg)
+    return CatchUpConfig(workers=topo.world_size, tp=topo.tp, api_key=cfg.gateway.api_key,
                          deadline_s=wt.timeout_s if wt else DEFAULT_TRANSFER_TIMEOUT_S)
 
 

@@ -7,16 +7,20 @@ peer's recovery copy of W (GET /weight_copy: gateway/weight_copy_route.py, read 
 temporary file beside its own copies, checking on the way
 
 - the version: the peer's header and the copy's own tag both say W;
-- the bytes: the sha256 of everything received equals the digest the peer sent;
-- the model: every tensor's name, dtype and shape equal this engine's own copy of that worker.
+- the bytes: the sha256 of everything received equals the digest the peer sent (the transfer);
+- the model: every tensor's name, dtype and shape equal this engine's own copy of that worker;
+- the weights: each tensor's sha256 equals the one the peer's workers report for the weights they serve
+  (POST /weight_checker {"action": "compare"}: /weight_checker's own checksum, so a copy the peer's disk
+  corrupted or left stale is refused too; it costs the peer one checksum pass of its workers between steps).
 
 and retags each file as update `commits + 1` of this engine's run under W's label. Only when every worker's
 file arrived and passed does it rename them over its own copies (all or nothing) and record the fleet commit
 (fleet.json); the workers then restore them as on any resume. Anything else leaves the copies as they were.
 
-The trainer's update wins: a peer refuses to send while it has an update in progress (503: wait and ask again)
-or serves another version than the one asked (409), and after the copies arrived the peers are asked again;
-when the fleet moved on meanwhile the files are dropped and the newer version fetched. Bounded: at most
+The trainer's update wins: a peer refuses to send while it has an update in progress (503) or serves another
+version than the one asked (409); the peers are then asked again (every BUSY_WAIT_S, not counted as a
+failure). After the copies arrived the peers are asked once more; when the fleet moved on meanwhile the files
+are dropped and the newer version fetched. Bounded: at most
 `attempts` failed transfers (bad bytes, a peer that breaks off) and `deadline_s` in all; then the engine starts
 as before catch-up existed, on W as lost (503 naming the newest version it heard of).
 """
@@ -27,7 +31,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 from urllib.error import HTTPError, URLError
@@ -52,7 +57,7 @@ class CatchUpError(Exception):
 
 
 class PeerBusy(CatchUpError):
-    """A peer mid-update: ask again shortly (not counted)."""
+    """A peer mid-update, or moved on to another version: ask the peers again shortly (not counted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class CatchUpConfig:
     """The engine's side: how many workers, the fleet's API key (the engines share --api-key), the bounds."""
 
     workers: int
+    tp: int = 1  # workers per engine: worker w is tp rank w % tp of engine w // tp (/weight_checker's keys)
     api_key: str | None = None
     attempts: int = 3
     deadline_s: float = 300.0
@@ -149,31 +155,60 @@ def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig,
     """Every worker's copy of `version` from `url` into its partial file, verified and retagged; on any
     failure none is left."""
     try:
+        baseline: dict[str, str] = {}
         for w in range(cfg.workers):
             if time.monotonic() > deadline:
                 raise CatchUpError("out of time")
-            fetch_copy(url, w, version, folder, own, cfg)
+            sums = fetch_copy(url, w, version, folder, own, cfg)
+            prefix = f"dp{w // cfg.tp}:pp0:pcp0:tp{w % cfg.tp}:"
+            baseline.update({prefix + name: v for name, v in sums.items()})
+        compare_live(url, baseline, cfg)
     except BaseException:
         discard(folder, cfg.workers)
         raise
 
 
-def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: CatchUpConfig) -> None:
+def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: CatchUpConfig) -> dict[str, str]:
+    """Worker's copy into its partial file; returns each tensor's sha256."""
     query = urlencode({"worker": worker, "weight_version": version})
+    with _request(url, f"/weight_copy?{query}", cfg, f"worker {worker}'s copy", busy=(409, 503)) as r:
+        return receive(r, r.headers, worker, version, folder, own, url)
+
+
+def compare_live(url: str, baseline: dict[str, str], cfg: CatchUpConfig) -> None:
+    """The peer's workers hash the weights they serve and compare (/weight_checker): what arrived is those."""
+    body = json.dumps({"action": "compare", "baseline": baseline}).encode()
+    with _request(url, "/weight_checker", cfg, "its weights' checksums", body) as r:
+        answer = json.loads(r.read())
+    if not isinstance(answer, dict) or answer.get("match") is not True:
+        bad = answer.get("mismatches", []) if isinstance(answer, dict) else []
+        raise CatchUpError(f"what arrived from {url} is not what its workers serve: {len(bad)} tensors differ "
+                           f"from its /weight_checker checksums ({bad[:3]})")
+
+
+@contextmanager
+def _request(url: str, path: str, cfg: CatchUpConfig, what: str, body: bytes | None = None,
+             busy: tuple[int, ...] = (503,)) -> Iterator[Any]:
+    """An HTTP request to a peer; its failures as CatchUpError, PeerBusy for the `busy` statuses (503: the
+    peer's update in progress; for a copy also 409: the peer moved to another version, ask again)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    req = Request(f"{url.rstrip('/')}/weight_copy?{query}", headers=headers)
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    req = Request(url.rstrip("/") + path, data=body, headers=headers)
     try:
         with urlopen(req, timeout=cfg.read_timeout_s) as r:
-            receive(r, r.headers, worker, version, folder, own, url)
+            yield r
     except HTTPError as e:
-        why = f"{url} answered {e.code} for worker {worker}: {_message(e)}"
-        raise (PeerBusy if e.code == 503 else CatchUpError)(why) from None
-    except (URLError, OSError) as e:
-        raise CatchUpError(f"{url} for worker {worker}: {e}") from None
+        why = f"{url} answered {e.code} for {what}: {_message(e)}"
+        raise (PeerBusy if e.code in busy else CatchUpError)(why) from None
+    except (URLError, OSError, ValueError) as e:
+        raise CatchUpError(f"{url}, {what}: {e}") from None
 
 
-def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, own: Own, url: str) -> None:
-    """One copy from the response `r` into worker's partial file (see the module's checks)."""
+def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, own: Own,
+            url: str) -> dict[str, str]:
+    """One copy from the response `r` into worker's partial file (see the module's checks); each tensor's
+    sha256 (/weight_checker's: of its bytes)."""
     said, digest = headers.get(VERSION_HEADER), headers.get(DIGEST_HEADER)
     if said != version:
         raise CatchUpError(f"{url} sent worker {worker}'s copy of version {said!r}, not {version!r}")
@@ -195,6 +230,7 @@ def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, o
         diff = sorted(set(mine.items()) ^ set(layout.items()))[:3]
         raise CatchUpError(f"{url}'s copy for worker {worker} is not this engine's model "
                            f"(tensors differ in name, dtype or shape: {diff})")
+    tensors = TensorHashes(header)
     with open(partial_path(folder, worker), "wb") as f:
         f.write(retagged(header, run_id=own.run_id, weight_commits=str(own.commits + 1), weight_version=version,
                          caught_up_from=url))
@@ -204,6 +240,7 @@ def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, o
             if not chunk:
                 raise CatchUpError(f"{url} broke off worker {worker}'s copy with {left} bytes to go")
             h.update(chunk)
+            tensors.update(chunk)
             f.write(chunk)
             left -= len(chunk)
     if r.read(1):
@@ -211,6 +248,35 @@ def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, o
     if h.hexdigest() != digest:
         raise CatchUpError(f"worker {worker}'s copy from {url} failed verification: sha256 {h.hexdigest()} of "
                            f"what arrived != {digest} sent")
+    return tensors.digests()
+
+
+class TensorHashes:
+    """sha256 of each tensor's byte range, fed the data section chunk by chunk as it streams."""
+
+    def __init__(self, header: dict[str, Any]) -> None:
+        self.ranges = sorted((t["data_offsets"][0], t["data_offsets"][1], n) for n, t in header.items()
+                             if n != "__metadata__")
+        self.hashes = {n: hashlib.sha256() for _, _, n in self.ranges}
+        self.pos, self.i = 0, 0
+
+    def update(self, chunk: bytes) -> None:
+        view, at = memoryview(chunk), 0
+        while at < len(view) and self.i < len(self.ranges):
+            start, end, name = self.ranges[self.i]
+            if self.pos >= end:
+                self.i += 1
+                continue
+            if self.pos < start:  # a gap between tensors
+                step = min(start - self.pos, len(view) - at)
+            else:
+                step = min(end - self.pos, len(view) - at)
+                self.hashes[name].update(view[at:at + step])
+            at += step
+            self.pos += step
+
+    def digests(self) -> dict[str, str]:
+        return {n: h.hexdigest() for n, h in self.hashes.items()}
 
 
 def own_layout(folder: str, worker: int) -> dict[str, tuple[str, tuple[int, ...]]] | None:

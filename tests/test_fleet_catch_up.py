@@ -1,0 +1,327 @@
+"""Peer catch-up (docs/fleet.md "Catch-up from a peer", engine.fleet.catch_up): an engine restarted after its
+fleet moved on fetches the fleet's version from a peer's recovery copies (GET /weight_copy), verified (the
+version, the transfer's sha256, the tensors' layout, /weight_checker's per-tensor checksums of what the
+peer serves), all workers or none; else it answers 503 naming the version, as before.
+
+CI: the route against a fake engine client, and the fetch against a fake peer over HTTP (good bytes, corrupted
+bytes, a wrong version, a peer mid-update, a fleet that moves on during the fetch). `slow`: two real engines,
+b killed, a updated alone, b restarted: it serves a's version bitwise; with a's copy corrupted on disk it
+refuses it and answers 503 naming the version while a keeps serving."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bus.messages import ControlState
+from engine.fleet import catch_up as cu
+from engine.fleet.catch_up import CatchUpConfig, Own, catch_up
+from engine.fleet.copy_format import copy_name
+from engine.fleet.rejoin import FleetRecord, copy_tag, read_fleet_record, starting_state, write_fleet_record
+from engine.weights.protocol import tensor_checksum
+
+RL = '{"rl_config": {"enabled": true}}'
+TENSORS = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+           "b.bias": torch.ones(5, dtype=torch.bfloat16)}
+
+
+def _copy(path: Path, run_id: str, commits: int, version: str, tensors: dict | None = None) -> bytes:
+    save_file(tensors or TENSORS, str(path), metadata={"run_id": run_id, "weight_commits": str(commits),
+                                                       "weight_version": version})
+    return path.read_bytes()
+
+
+class FakePeer:
+    """A peer engine over HTTP: /weight_commit_info, /weight_copy, /weight_checker compare, as a gateway answers
+    them; `copy` is what it sends, `live` the per-tensor checksums its workers report, `busy` 503s first."""
+
+    def __init__(self, version: str, copy: bytes, committed_at: float = 200.0) -> None:
+        self.version, self.copy, self.committed_at = version, copy, committed_at
+        self.digest = hashlib.sha256(copy).hexdigest()
+        self.live = {f"dp0:pp0:pcp0:tp0:{n}": tensor_checksum(t) for n, t in TENSORS.items()}
+        self.busy, self.corrupt, self.sent = 0, False, 0
+        peer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def _json(self, code: int, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                if url.path == "/weight_commit_info":
+                    return self._json(200, {"weight_version": peer.version, "committed_at": peer.committed_at})
+                q = parse_qs(url.query)
+                if q.get("weight_version") != [peer.version]:
+                    return self._json(409, {"error": {"message": f"serves {peer.version!r}"}})
+                if peer.busy:
+                    peer.busy -= 1
+                    return self._json(503, {"error": {"message": "a weight update is in progress here"}})
+                body = bytearray(peer.copy)
+                if peer.corrupt:
+                    body[-3] ^= 0x01  # one bit of the last tensor, after the digest was taken
+                peer.sent += 1
+                self.send_response(200)
+                self.send_header("X-Rollbus-Weight-Version", peer.version)
+                self.send_header("X-Rollbus-Weights-Sha256", peer.digest)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(bytes(body))
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                bad = sorted(k for k, v in body["baseline"].items() if peer.live.get(k) != v)
+                self._json(200, {"match": not bad, "mismatches": bad})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """This engine's folder: its copy of fleet-1 (update 3 of run-b), its record (fleet-1 at t=100, peer a);
+    peer a serves fleet-2 (committed at t=200) from its copy (update 7 of run-a)."""
+    own = tmp_path / "b"
+    own.mkdir()
+    _copy(own / copy_name(0), "run-b", 3, "fleet-1", {n: t * 0 for n, t in TENSORS.items()})
+    peer = FakePeer("fleet-2", _copy(tmp_path / "a.safetensors", "run-a", 7, "fleet-2"))
+    write_fleet_record(str(own), FleetRecord("fleet-1", 100.0, (peer.url,)))
+    yield own, peer
+    peer.close()
+
+
+def _own(peer: FakePeer) -> Own:
+    return Own("run-b", 3, "fleet-1", (peer.url,), 100.0)
+
+
+def _ask(peer: FakePeer):
+    return lambda peers: [{"weight_version": peer.version, "committed_at": peer.committed_at}]
+
+
+@pytest.mark.unit
+def test_a_restarted_engine_takes_the_fleets_version_from_a_peer_and_serves_it(fleet):
+    own, peer = fleet
+    s = starting_state("fresh", str(own), resume=True, peer_catch_up=CatchUpConfig(workers=1))
+    assert (s.run_id, s.weight_commits, s.weight_version, s.version_labels) == ("run-b", 4, "fleet-2", {"0": "fleet-2"})
+    got = load_file(str(own / copy_name(0)))  # the peer's tensors, retagged as this engine's next update
+    assert all(torch.equal(got[n], t) for n, t in TENSORS.items())
+    assert copy_tag(str(own / copy_name(0))) | {} == {"run_id": "run-b", "weight_commits": "4",
+                                                      "weight_version": "fleet-2", "caught_up_from": peer.url}
+    assert read_fleet_record(str(own)) == FleetRecord("fleet-2", 200.0, (peer.url,))
+    assert sorted(p.name for p in own.iterdir()) == ["fleet.json", copy_name(0)]  # no partial file left
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fault", ["corrupt", "wrong_version", "not_served"])
+def test_bytes_that_fail_verification_leave_the_engine_lost_on_the_fleets_version(fleet, fault):
+    own, peer = fleet
+    before = (own / copy_name(0)).read_bytes()
+    if fault == "corrupt":
+        peer.corrupt = True
+    elif fault == "wrong_version":  # the copy's own tag says another version than the peer claims
+        peer.copy = _copy(own.parent / "x.safetensors", "run-a", 7, "fleet-0")
+        peer.digest = hashlib.sha256(peer.copy).hexdigest()
+    else:  # what arrives is not what the peer's workers serve (its copy on disk is stale or damaged)
+        peer.live = {k: "0" * 64 for k in peer.live}
+    s = starting_state("fresh", str(own), resume=True, peer_catch_up=CatchUpConfig(workers=1, attempts=2))
+    assert (s.weight_commits, s.weight_version) == (4, "fleet-2")  # 503 naming fleet-2: the restore refuses
+    assert (own / copy_name(0)).read_bytes() == before, "a refused transfer touched the engine's copy"
+    assert sorted(p.name for p in own.iterdir()) == ["fleet.json", copy_name(0)]
+    assert peer.sent == 2  # bounded: `attempts` transfers, then it gives up
+
+
+@pytest.mark.unit
+def test_the_trainers_update_wins(fleet):
+    """A peer mid-update answers 503: asked again (not a failure). The fleet moving on while the bytes travel:
+    they are dropped and the newer version fetched."""
+    own, peer = fleet
+    peer.busy = 1
+    answers = [{"weight_version": "fleet-2", "committed_at": 200.0}]
+    asks = []
+
+    def ask(peers):  # asked after the 503, then after the fetch: by then the trainer committed fleet-3
+        asks.append(1)
+        if len(asks) == 2:
+            peer.version, peer.committed_at = "fleet-3", 300.0
+            peer.copy = _copy(own.parent / "a3.safetensors", "run-a", 8, "fleet-3")
+            peer.digest = hashlib.sha256(peer.copy).hexdigest()
+        return [{"weight_version": peer.version, "committed_at": peer.committed_at}]
+
+    ok, version, at = catch_up(str(own), _own(peer), answers, CatchUpConfig(workers=1), ask)
+    assert (ok, version, at) == (True, "fleet-3", 300.0) and peer.sent == 2 and len(asks) == 3
+    assert copy_tag(str(own / copy_name(0)))["weight_version"] == "fleet-3"
+
+
+@pytest.mark.unit
+def test_no_peer_with_the_version_and_catch_up_off_keep_the_503(fleet, monkeypatch):
+    own, peer = fleet
+    assert catch_up(str(own), _own(peer), [None], CatchUpConfig(workers=1), _ask(peer))[0] is False
+    s = starting_state("fresh", str(own), resume=True)  # --no-weights-catch-up
+    assert (s.weight_commits, s.weight_version) == (4, "fleet-2") and peer.sent == 0
+    monkeypatch.setattr(cu, "BUSY_WAIT_S", 0.01)
+    peer.busy = 10**6  # a peer that stays mid-update: bounded by the deadline
+    t0 = time.monotonic()
+    assert catch_up(str(own), _own(peer), _ask(peer)(()), CatchUpConfig(workers=1, deadline_s=0.5), _ask(peer))[0] \
+        is False
+    assert time.monotonic() - t0 < 5
+
+
+# ------------------------------------------------------------------------------------- the route
+
+
+@pytest.mark.unit
+def test_weight_copy_sends_the_copy_of_the_version_in_service_and_refuses_anything_else(tmp_path):
+    from tests.test_gateway_protocol import FakeClient, make_app
+
+    raw = _copy(tmp_path / copy_name(0), "run-a", 2, "v2")
+    client = FakeClient()
+    client.control_state = ControlState(run_id="run-a", weight_commits=2, weight_version="v2")
+    http, _ = make_app(client, additional_config=RL, weights_recovery_dir=str(tmp_path))
+    r = http.get("/weight_copy?worker=0&weight_version=v2")
+    assert r.status_code == 200 and r.content == raw
+    assert r.headers["x-rollbus-weight-version"] == "v2"
+    assert r.headers["x-rollbus-weights-sha256"] == hashlib.sha256(raw).hexdigest()
+    assert http.get("/weight_copy?worker=0").status_code == 200
+
+    def refused(query: str) -> tuple[int, str]:
+        r = http.get("/weight_copy" + query)
+        return r.status_code, r.json()["error"]["message"]
+
+    assert refused("?worker=1")[0] == 400 and refused("?worker=x")[0] == 400
+    assert refused("?worker=0&weight_version=v3") == (409, "this engine serves weight version 'v2', not 'v3'")
+    client.control_state = ControlState(run_id="run-a", weight_commits=2, weight_version="v2",
+                                        weight_update_active=True)
+    assert refused("?worker=0")[0] == 503
+    client.control_state = ControlState(run_id="run-a", weight_commits=3, weight_version="v3")
+    assert refused("?worker=0")[0] == 503  # committed, its copy not written yet
+    client.control_state = ControlState(run_id="run-a", weight_commits=2, weight_version="v2", weights_lost="v2")
+    assert refused("?worker=0")[0] == 409
+    client.control_state = ControlState(run_id="run-a")
+    assert refused("?worker=0")[0] == 404  # the checkpoint
+    http, _ = make_app(client, additional_config=RL)
+    assert refused("?worker=0")[0] == 404  # no --weights-recovery-dir
+    assert make_app(client)[0].get("/weight_copy?worker=0").status_code == 404  # not in RL / dev mode
+
+
+# ------------------------------------------------------------------------------------- two real engines
+
+
+def _greedy(url: str, model: str) -> tuple[list[str], list[float]]:
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": "one two three", "max_tokens": 8, "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+def catch_up_seconds(log: str) -> float:
+    line = next(ln for ln in log.splitlines() if "catch_up.done" in ln)
+    return float(line.split("seconds=")[1].split()[0].strip(",}"))
+
+
+def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True) -> dict[str, float]:
+    """a and b take fleet-1; b is killed; a alone takes fleet-2; b restarts and catches up from a. Then (corrupt)
+    b is killed again, a takes fleet-3, a's copy is damaged on disk: b refuses it, 503 naming fleet-3."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import WeightSyncClient
+    from tests.server_helpers import start_server
+    from tests.test_fleet_faults import _completion, _kill_engine
+    from tests.test_fleet_weight_sync import checksums_match, perturb, version
+
+    cfg = json.dumps({"backend": "gloo", "timeout_s": 60})
+
+    def engine(name: str):
+        (tmp_path / name).mkdir(exist_ok=True)
+        return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
+                            cfg, "--weights-recovery-dir", str(tmp_path / name / "copies"),
+                            "--weights-recovery-resume", "--max-model-len", "128", "--block-size", "4")
+
+    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    a, b = engine("a"), engine("b")
+    out: dict[str, float] = {}
+    try:
+        perturb(trainer, seed=1)
+        with WeightSyncClient([a.url, b.url], backend="gloo") as client:
+            client.send_weights(trainer.named_parameters(), version="fleet-1")
+        _kill_engine(b)
+        perturb(trainer, seed=2)
+        with WeightSyncClient([a.url], backend="gloo") as client:  # the trainer dropped b from its list
+            client.send_weights(trainer.named_parameters(), version="fleet-2")
+
+        t0 = time.monotonic()
+        b = engine("b")  # what its supervisor does: the same flags
+        out["restart_s"] = time.monotonic() - t0
+        out["catch_up_s"] = catch_up_seconds(b.log())
+        assert version(b.url) == "fleet-2" and httpx.get(b.url + "/health", timeout=30).status_code == 200
+        info_a = httpx.get(a.url + "/weight_commit_info", timeout=10).json()
+        assert httpx.get(b.url + "/weight_commit_info", timeout=10).json() == info_a
+        assert info_a["weight_version"] == "fleet-2"
+        sums = [httpx.post(u + "/weight_checker", json={"action": "checksum"}, timeout=60).json()
+                for u in (a.url, b.url)]
+        assert sums[0] == sums[1] and checksums_match(b.url, trainer)
+        assert _greedy(b.url, str(folder)) == _greedy(a.url, str(folder))  # tokens and logprobs, bitwise
+        if not corrupt:
+            return out
+
+        _kill_engine(b)
+        perturb(trainer, seed=3)
+        with WeightSyncClient([a.url], backend="gloo") as client:
+            client.send_weights(trainer.named_parameters(), version="fleet-3")
+        copy = tmp_path / "a" / "copies" / copy_name(0)
+        raw = bytearray(copy.read_bytes())
+        raw[-5] ^= 0x10  # a's copy damaged on disk: its digest agrees, its workers' checksums do not
+        copy.write_bytes(bytes(raw))
+        b = engine("b")
+        assert version(b.url) == "fleet-3"
+        assert "catch_up.gave_up" in b.log() and "failed" in b.log()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and httpx.get(b.url + "/health", timeout=10).status_code == 200:
+            time.sleep(0.2)
+        assert httpx.get(b.url + "/health", timeout=10).status_code == 503
+        r = _completion(b.url, str(folder))
+        assert r.status_code == 503 and "weight version 'fleet-3'" in r.json()["error"]["message"], r.text
+        assert _completion(a.url, str(folder)).status_code == 200  # the source kept serving
+        return out
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_engine_down_while_the_fleet_updated_catches_up_from_a_peer(tmp_path, smollm2_dir):
+    from tests.server_helpers import tiny_model_with_tokenizer
+
+    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
+    out = two_engines_catch_up(tmp_path, folder)
+    print(f"tiny qwen3: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s")
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+def test_smollm2_catch_up_time(tmp_path, smollm2_dir):
+    """The same with SmolLM2-135M itself (one copy of 540 MB, float32): prints the catch-up's seconds."""
+    out = two_engines_catch_up(tmp_path, smollm2_dir, corrupt=False)
+    print(f"SmolLM2-135M: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s")
