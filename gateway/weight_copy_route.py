@@ -38,23 +38,24 @@ CHUNK_BYTES = 4 << 20
 def add_weight_copy_route(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> None:
     folder = cfg.rl.weights_recovery_dir
     workers = Topology.from_config(cfg).world_size
-    digests: dict[tuple[int, int, int, int], str] = {}  # (dev, inode, mtime_ns, size) -> sha256 hex
+    # worker -> ((dev, inode, mtime_ns, size) of the copy, its sha256): each copy hashed once while unchanged
+    digests: dict[int, tuple[tuple[int, int, int, int], str]] = {}
 
-    def digest(f: BinaryIO) -> str:
+    def digest(worker: int, f: BinaryIO) -> str:
         st = os.fstat(f.fileno())
         key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        if key not in digests:
+        known = digests.get(worker)
+        if known is None or known[0] != key:
             h = hashlib.sha256()
             while chunk := f.read(CHUNK_BYTES):
                 h.update(chunk)
-            digests.clear()  # only the copies of the version in service are asked for
-            digests[key] = h.hexdigest()
+            known = digests[worker] = (key, h.hexdigest())
         f.seek(0)
-        return digests[key]
+        return known[1]
 
     @app.get("/weight_copy")
     async def weight_copy(worker: str = "", weight_version: str | None = None) -> StreamingResponse:
-        if not worker.isdigit() or int(worker) >= workers:
+        if not (worker.isascii() and worker.isdigit()) or int(worker) >= workers:
             raise bad_request(f"worker must be a worker index from 0 to {workers - 1}, got {worker!r}", "worker")
         if not folder:
             raise APIError("this engine keeps no weight copies (start it with --weights-recovery-dir)",
@@ -80,7 +81,7 @@ def add_weight_copy_route(app: FastAPI, cfg: EngineConfig, client: EngineClient)
                 raise APIError(f"worker {worker}'s copy is not (yet) of the version in service "
                                f"({state.weight_version!r}, update {state.weight_commits}): retry shortly",
                                status=503, type=UNAVAILABLE)
-            sha = await asyncio.to_thread(digest, f)
+            sha = await asyncio.to_thread(digest, int(worker), f)
             size = os.fstat(f.fileno()).st_size
         except BaseException:
             f.close()

@@ -101,6 +101,17 @@ def _completion(url: str, model: str) -> httpx.Response:
         "model": model, "prompt": "one two three", "max_tokens": 6, "temperature": 0})
 
 
+def assert_lost(url: str, model: str, version: str) -> None:
+    """The engine's /health turns 503 (within 60 s) and a completion is 503 naming the lost version."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and httpx.get(url + "/health", timeout=10).status_code == 200:
+        time.sleep(0.2)
+    health = httpx.get(url + "/health", timeout=10)
+    assert health.status_code == 503, health.text
+    r = _completion(url, model)
+    assert r.status_code == 503 and f"weight version {version!r} was lost" in r.json()["error"]["message"], r.text
+
+
 def _kill_engine(server) -> None:
     """SIGKILL the whole `rollbus serve` (as a supervisor sees an engine lost) and wait for its processes."""
     children = list(server.child_pids().values())
@@ -154,12 +165,7 @@ def test_a_restarted_engine_rejoins_on_the_committed_version_never_the_checkpoin
         _copy(copy, tag["run_id"], int(tag["weight_commits"]), tag["weight_version"])  # lacks the model's tensors
         s = start_server(tmp_path, *args)
         assert version(s.url) == "fleet-7"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and httpx.get(s.url + "/health", timeout=10).status_code == 200:
-            time.sleep(0.2)
-        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
-        r = _completion(s.url, str(folder))
-        assert r.status_code == 503 and "weight version 'fleet-7' was lost" in r.json()["error"]["message"], r.text
+        assert_lost(s.url, str(folder), "fleet-7")
 
         perturb(trainer, seed=8)  # the next full update serves again
         with WeightSyncClient(s.url, backend="ipc") as client:
@@ -206,13 +212,7 @@ def test_an_engine_down_while_the_fleet_updated_answers_503_naming_the_fleets_ve
 
         a = engine("a")  # what its supervisor does: the same flags
         assert version(a.url) == "fleet-2"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and httpx.get(a.url + "/health", timeout=10).status_code == 200:
-            time.sleep(0.2)
-        health = httpx.get(a.url + "/health", timeout=10)
-        assert health.status_code == 503, health.text
-        r = _completion(a.url, str(folder))
-        assert r.status_code == 503 and "weight version 'fleet-2'" in r.json()["error"]["message"], r.text
+        assert_lost(a.url, str(folder), "fleet-2")
         assert _completion(b.url, str(folder)).status_code == 200
 
         perturb(trainer, seed=3)

@@ -156,13 +156,18 @@ def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig,
     failure none is left."""
     try:
         baseline: dict[str, str] = {}
+        t0 = time.monotonic()
         for w in range(cfg.workers):
             if time.monotonic() > deadline:
                 raise CatchUpError("out of time")
             sums = fetch_copy(url, w, version, folder, own, cfg)
             prefix = f"dp{w // cfg.tp}:pp0:pcp0:tp{w % cfg.tp}:"
             baseline.update({prefix + name: v for name, v in sums.items()})
+        t1 = time.monotonic()
         compare_live(url, baseline, cfg)
+        size = sum(os.path.getsize(partial_path(folder, w)) for w in range(cfg.workers))
+        log.info("catch_up.verified", peer=url, version=version, bytes=size, transfer_s=round(t1 - t0, 2),
+                 compare_s=round(time.monotonic() - t1, 2))
     except BaseException:
         discard(folder, cfg.workers)
         raise
