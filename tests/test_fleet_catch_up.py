@@ -235,9 +235,9 @@ def _greedy(url: str, model: str) -> tuple[list[str], list[float]]:
     return lp["tokens"], lp["token_logprobs"]
 
 
-def catch_up_seconds(log: str) -> float:
-    line = next(ln for ln in log.splitlines() if "catch_up.done" in ln)
-    return float(line.split("seconds=")[1].split()[0].strip(",}"))
+def _logged(log: str, event: str, field: str) -> float:
+    line = next(ln for ln in log.splitlines() if event in ln)
+    return float(line.split(f"{field}=")[1].split()[0].strip(",}"))
 
 
 def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True,
@@ -274,7 +274,10 @@ def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True,
         t0 = time.monotonic()
         b = engine("b")  # what its supervisor does: the same flags
         out["restart_s"] = time.monotonic() - t0
-        out["catch_up_s"] = catch_up_seconds(b.log())
+        log = b.log()
+        out["catch_up_s"] = _logged(log, "catch_up.done", "seconds")
+        out["transfer_s"] = _logged(log, "catch_up.verified", "transfer_s")
+        out["compare_s"] = _logged(log, "catch_up.verified", "compare_s")
         assert version(b.url) == "fleet-2" and httpx.get(b.url + "/health", timeout=30).status_code == 200
         info_a = httpx.get(a.url + "/weight_commit_info", timeout=10).json()
         assert httpx.get(b.url + "/weight_commit_info", timeout=10).json() == info_a
@@ -312,7 +315,7 @@ def test_an_engine_down_while_the_fleet_updated_catches_up_from_a_peer(tmp_path,
 
     folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
     out = two_engines_catch_up(tmp_path, folder)
-    print(f"tiny qwen3: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s")
+    print(f"tiny qwen3: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s", out)
 
 
 @pytest.mark.fleet
@@ -320,4 +323,4 @@ def test_an_engine_down_while_the_fleet_updated_catches_up_from_a_peer(tmp_path,
 def test_smollm2_catch_up_time(tmp_path, smollm2_dir):
     """The same with SmolLM2-135M itself (one copy of 540 MB, float32): prints the catch-up's seconds."""
     out = two_engines_catch_up(tmp_path, smollm2_dir, corrupt=False, transfer_timeout_s=400)
-    print(f"SmolLM2-135M: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s")
+    print(f"SmolLM2-135M: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s", out)

@@ -160,7 +160,7 @@ def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig,
         for w in range(cfg.workers):
             if time.monotonic() > deadline:
                 raise CatchUpError("out of time")
-            sums = fetch_copy(url, w, version, folder, own, cfg)
+            sums = fetch_copy(url, w, version, folder, own, cfg, deadline)
             prefix = f"dp{w // cfg.tp}:pp0:pcp0:tp{w % cfg.tp}:"
             baseline.update({prefix + name: v for name, v in sums.items()})
         t1 = time.monotonic()
@@ -173,11 +173,12 @@ def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig,
         raise
 
 
-def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: CatchUpConfig) -> dict[str, str]:
-    """Worker's copy into its partial file; returns each tensor's sha256."""
+def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: CatchUpConfig,
+               deadline: float = float("inf")) -> dict[str, str]:
+    """Worker's copy into its partial file (by `deadline`, monotonic); returns each tensor's sha256."""
     query = urlencode({"worker": worker, "weight_version": version})
     with _request(url, f"/weight_copy?{query}", cfg, f"worker {worker}'s copy", busy=(409, 503)) as r:
-        return receive(r, r.headers, worker, version, folder, own, url)
+        return receive(r, r.headers, worker, version, folder, own, url, deadline)
 
 
 def compare_live(url: str, baseline: dict[str, str], cfg: CatchUpConfig) -> None:
@@ -210,8 +211,8 @@ def _request(url: str, path: str, cfg: CatchUpConfig, what: str, body: bytes | N
         raise CatchUpError(f"{url}, {what}: {e}") from None
 
 
-def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, own: Own,
-            url: str) -> dict[str, str]:
+def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, own: Own, url: str,
+            deadline: float = float("inf")) -> dict[str, str]:
     """One copy from the response `r` into worker's partial file (see the module's checks); each tensor's
     sha256 (/weight_checker's: of its bytes)."""
     said, digest = headers.get(VERSION_HEADER), headers.get(DIGEST_HEADER)
@@ -244,6 +245,8 @@ def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, o
             chunk = r.read(min(CHUNK_BYTES, left))
             if not chunk:
                 raise CatchUpError(f"{url} broke off worker {worker}'s copy with {left} bytes to go")
+            if time.monotonic() > deadline:
+                raise CatchUpError(f"out of time with {left} bytes of worker {worker}'s copy to go")
             h.update(chunk)
             tensors.update(chunk)
             f.write(chunk)
