@@ -5,7 +5,9 @@ never from the workers: this engine keeps serving while a peer reads, and the by
 because the copy's tag (run, updates committed, label) must equal this engine's control state.
 
 The answer is the safetensors file with `X-Rollbus-Weight-Version` (its label) and `X-Rollbus-Weights-Sha256`
-(sha256 of the body, computed once per copy and kept while the file is unchanged). The file stays open while
+(engine.fleet.copy_format.TensorHashes: sha256 over the header and each tensor's sha256, so the receiver checks
+every byte and /weight_checker's per-tensor checksums in one pass; computed once per copy and kept while the
+file is unchanged). The file stays open while
 it streams, so a commit that replaces it meanwhile (a new inode) does not mix versions.
 
 Refusals, in the OpenAI error shape: 400 a bad worker index; 404 no copies here (no --weights-recovery-dir, or
@@ -16,7 +18,6 @@ asked, or has lost its own; 503 (retry shortly) an update in progress, or its co
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import AsyncIterator
 from typing import BinaryIO
@@ -26,9 +27,9 @@ from starlette.responses import StreamingResponse
 
 from bus.topology import Topology
 from engine.config import EngineConfig
-from engine.fleet.copy_format import copy_name, read_header, tag_of
+from engine.fleet.copy_format import copy_digest, copy_name, read_header, tag_of
 from gateway.engine_client import EngineClient
-from gateway.errors import CONFLICT, NOT_FOUND, UNAVAILABLE, APIError, bad_request
+from gateway.errors import CONFLICT, INTERNAL, NOT_FOUND, UNAVAILABLE, APIError, bad_request
 
 VERSION_HEADER = "X-Rollbus-Weight-Version"
 DIGEST_HEADER = "X-Rollbus-Weights-Sha256"
@@ -46,10 +47,10 @@ def add_weight_copy_route(app: FastAPI, cfg: EngineConfig, client: EngineClient)
         key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         known = digests.get(worker)
         if known is None or known[0] != key:
-            h = hashlib.sha256()
-            while chunk := f.read(CHUNK_BYTES):
-                h.update(chunk)
-            known = digests[worker] = (key, h.hexdigest())
+            try:
+                known = digests[worker] = (key, copy_digest(f, CHUNK_BYTES))
+            except ValueError as e:
+                raise APIError(f"worker {worker}'s copy is unreadable: {e}", status=500, type=INTERNAL) from None
         f.seek(0)
         return known[1]
 

@@ -10,7 +10,7 @@ refuses it and answers 503 naming the version while a keeps serving."""
 
 from __future__ import annotations
 
-import hashlib
+import io
 import json
 import threading
 import time
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from bus.messages import ControlState
 from engine.fleet import catch_up as cu
 from engine.fleet.catch_up import CatchUpConfig, Own, catch_up
-from engine.fleet.copy_format import copy_name
+from engine.fleet.copy_format import TensorHashes, copy_digest, copy_name, read_header
 from engine.fleet.rejoin import FleetRecord, copy_tag, read_fleet_record, starting_state, write_fleet_record
 from engine.weights.protocol import tensor_checksum
 
@@ -41,13 +41,17 @@ def _copy(path: Path, run_id: str, commits: int, version: str, tensors: dict | N
     return path.read_bytes()
 
 
+def _digest(raw: bytes) -> str:
+    return copy_digest(io.BytesIO(raw))
+
+
 class FakePeer:
     """A peer engine over HTTP: /weight_commit_info, /weight_copy, /weight_checker compare, as a gateway answers
     them; `copy` is what it sends, `live` the per-tensor checksums its workers report, `busy` 503s first."""
 
     def __init__(self, version: str, copy: bytes, committed_at: float = 200.0) -> None:
         self.version, self.copy, self.committed_at = version, copy, committed_at
-        self.digest = hashlib.sha256(copy).hexdigest()
+        self.digest = _digest(copy)
         self.live = {f"dp0:pp0:pcp0:tp0:{n}": tensor_checksum(t) for n, t in TENSORS.items()}
         self.busy, self.corrupt, self.sent = 0, False, 0
         peer = self
@@ -141,7 +145,7 @@ def test_bytes_that_fail_verification_leave_the_engine_lost_on_the_fleets_versio
         peer.corrupt = True
     elif fault == "wrong_version":  # the copy's own tag says another version than the peer claims
         peer.copy = _copy(own.parent / "x.safetensors", "run-a", 7, "fleet-0")
-        peer.digest = hashlib.sha256(peer.copy).hexdigest()
+        peer.digest = _digest(peer.copy)
     else:  # what arrives is not what the peer's workers serve (its copy on disk is stale or damaged)
         peer.live = {k: "0" * 64 for k in peer.live}
     s = starting_state("fresh", str(own), resume=True, peer_catch_up=CatchUpConfig(workers=1, attempts=2))
@@ -165,7 +169,7 @@ def test_the_trainers_update_wins(fleet):
         if len(asks) == 2:
             peer.version, peer.committed_at = "fleet-3", 300.0
             peer.copy = _copy(own.parent / "a3.safetensors", "run-a", 8, "fleet-3")
-            peer.digest = hashlib.sha256(peer.copy).hexdigest()
+            peer.digest = _digest(peer.copy)
         return [{"weight_version": peer.version, "committed_at": peer.committed_at}]
 
     ok, version, at = catch_up(str(own), _own(peer), answers, CatchUpConfig(workers=1), ask)
@@ -187,6 +191,20 @@ def test_no_peer_with_the_version_and_catch_up_off_keep_the_503(fleet, monkeypat
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.unit
+def test_the_digest_covers_every_byte_and_names_each_tensors_checksum(tmp_path):
+    raw = _copy(tmp_path / "c.safetensors", "run-a", 1, "v1")
+    header, head = read_header(io.BytesIO(raw))
+    hashes = TensorHashes(header, head)
+    for i in range(len(head), len(raw), 7):  # any chunking
+        hashes.update(raw[i:i + 7])
+    assert hashes.tensors() == {n: tensor_checksum(t) for n, t in TENSORS.items()}  # /weight_checker's
+    assert hashes.digest() == _digest(raw) != _digest(raw[:-1] + bytes([raw[-1] ^ 1]))
+    gap = {**header, "b.bias": {**header["b.bias"], "data_offsets": [o + 8 for o in header["b.bias"]["data_offsets"]]}}
+    with pytest.raises(ValueError, match="does not start where the one before it ends"):
+        TensorHashes(gap, head)
+
+
 # ------------------------------------------------------------------------------------- the route
 
 
@@ -201,7 +219,7 @@ def test_weight_copy_sends_the_copy_of_the_version_in_service_and_refuses_anythi
     r = http.get("/weight_copy?worker=0&weight_version=v2")
     assert r.status_code == 200 and r.content == raw
     assert r.headers["x-rollbus-weight-version"] == "v2"
-    assert r.headers["x-rollbus-weights-sha256"] == hashlib.sha256(raw).hexdigest()
+    assert r.headers["x-rollbus-weights-sha256"] == _digest(raw)
     assert http.get("/weight_copy?worker=0").status_code == 200
 
     def refused(query: str) -> tuple[int, str]:

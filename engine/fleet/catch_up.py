@@ -7,7 +7,8 @@ peer's recovery copy of W (GET /weight_copy: gateway/weight_copy_route.py, read 
 temporary file beside its own copies, checking on the way
 
 - the version: the peer's header and the copy's own tag both say W;
-- the bytes: the sha256 of everything received equals the digest the peer sent (the transfer);
+- the bytes: the digest of everything received (copy_format.TensorHashes: sha256 over the header and each
+  tensor's sha256) equals the one the peer sent (the transfer);
 - the model: every tensor's name, dtype and shape equal this engine's own copy of that worker;
 - the weights: each tensor's sha256 equals the one the peer's workers report for the weights they serve
   (POST /weight_checker {"action": "compare"}: /weight_checker's own checksum, so a copy the peer's disk
@@ -27,7 +28,6 @@ as before catch-up existed, on W as lost (503 naming the newest version it heard
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -41,7 +41,7 @@ from urllib.request import Request, urlopen
 
 import structlog
 
-from engine.fleet.copy_format import copy_name, data_length, layout_of, read_header, retagged, tag_of
+from engine.fleet.copy_format import TensorHashes, copy_name, data_length, layout_of, read_header, retagged, tag_of
 
 log = structlog.get_logger()
 
@@ -220,13 +220,12 @@ def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, o
         raise CatchUpError(f"{url} sent worker {worker}'s copy of version {said!r}, not {version!r}")
     if not digest:
         raise CatchUpError(f"{url} sent worker {worker}'s copy without its {DIGEST_HEADER}")
-    h = hashlib.sha256()
     try:
         header, raw = read_header(r)
         layout, size = layout_of(header), data_length(header)
+        tensors = TensorHashes(header, raw)
     except ValueError as e:
         raise CatchUpError(f"{url} sent worker {worker} something that is not a weight copy: {e}") from None
-    h.update(raw)
     tag = tag_of(header)
     if tag is None or tag["weight_version"] != version:
         raise CatchUpError(f"{url}'s copy for worker {worker} is tagged {tag and tag['weight_version']!r}, "
@@ -236,7 +235,6 @@ def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, o
         diff = sorted(set(mine.items()) ^ set(layout.items()))[:3]
         raise CatchUpError(f"{url}'s copy for worker {worker} is not this engine's model "
                            f"(tensors differ in name, dtype or shape: {diff})")
-    tensors = TensorHashes(header)
     with open(partial_path(folder, worker), "wb") as f:
         f.write(retagged(header, run_id=own.run_id, weight_commits=str(own.commits + 1), weight_version=version,
                          caught_up_from=url))
@@ -247,44 +245,15 @@ def receive(r: BinaryIO, headers: Any, worker: int, version: str, folder: str, o
                 raise CatchUpError(f"{url} broke off worker {worker}'s copy with {left} bytes to go")
             if time.monotonic() > deadline:
                 raise CatchUpError(f"out of time with {left} bytes of worker {worker}'s copy to go")
-            h.update(chunk)
             tensors.update(chunk)
             f.write(chunk)
             left -= len(chunk)
     if r.read(1):
         raise CatchUpError(f"{url} sent more bytes for worker {worker} than its copy's header names")
-    if h.hexdigest() != digest:
-        raise CatchUpError(f"worker {worker}'s copy from {url} failed verification: sha256 {h.hexdigest()} of "
+    if tensors.digest() != digest:
+        raise CatchUpError(f"worker {worker}'s copy from {url} failed verification: digest {tensors.digest()} of "
                            f"what arrived != {digest} sent")
-    return tensors.digests()
-
-
-class TensorHashes:
-    """sha256 of each tensor's byte range, fed the data section chunk by chunk as it streams."""
-
-    def __init__(self, header: dict[str, Any]) -> None:
-        self.ranges = sorted((t["data_offsets"][0], t["data_offsets"][1], n) for n, t in header.items()
-                             if n != "__metadata__")
-        self.hashes = {n: hashlib.sha256() for _, _, n in self.ranges}
-        self.pos, self.i = 0, 0
-
-    def update(self, chunk: bytes) -> None:
-        view, at = memoryview(chunk), 0
-        while at < len(view) and self.i < len(self.ranges):
-            start, end, name = self.ranges[self.i]
-            if self.pos >= end:
-                self.i += 1
-                continue
-            if self.pos < start:  # a gap between tensors
-                step = min(start - self.pos, len(view) - at)
-            else:
-                step = min(end - self.pos, len(view) - at)
-                self.hashes[name].update(view[at:at + step])
-            at += step
-            self.pos += step
-
-    def digests(self) -> dict[str, str]:
-        return {n: h.hexdigest() for n, h in self.hashes.items()}
+    return tensors.tensors()
 
 
 def own_layout(folder: str, worker: int) -> dict[str, tuple[str, tuple[int, ...]]] | None:

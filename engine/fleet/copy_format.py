@@ -8,6 +8,7 @@ checks, and retags, what it received (engine.fleet.catch_up). Pure: file objects
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from typing import Any, BinaryIO
@@ -86,3 +87,51 @@ def retagged(header: dict[str, Any], **tag: str) -> bytes:
     """The header with its tag replaced (other metadata kept), encoded."""
     meta = {**(header.get("__metadata__") or {}), **tag}
     return encode_header({**header, "__metadata__": meta})
+
+
+class TensorHashes:
+    """sha256 of each tensor's bytes (/weight_checker's checksum of it), fed the data section chunk by chunk,
+    and the copy's digest: sha256 of the header's raw bytes followed by every tensor's sha256 in file order,
+    which covers every byte of the copy in one pass. ValueError when the tensors do not tile the data
+    section (a gap or an overlap: bytes no checksum would cover)."""
+
+    def __init__(self, header: dict[str, Any], raw_header: bytes) -> None:
+        self.raw_header = raw_header
+        self.ranges = sorted((t["data_offsets"][0], t["data_offsets"][1], n) for n, t in header.items()
+                             if n != "__metadata__")
+        end = 0
+        for start, stop, name in self.ranges:
+            if start != end or stop < start:
+                raise ValueError(f"tensor {name!r} does not start where the one before it ends")
+            end = stop
+        self.hashes = {n: hashlib.sha256() for _, _, n in self.ranges}
+        self.pos, self.i = 0, 0
+
+    def update(self, chunk: bytes) -> None:
+        view, at = memoryview(chunk), 0
+        while at < len(view) and self.i < len(self.ranges):
+            _, end, name = self.ranges[self.i]
+            step = min(end - self.pos, len(view) - at)
+            self.hashes[name].update(view[at:at + step])
+            at += step
+            self.pos += step
+            if self.pos >= end:
+                self.i += 1
+
+    def tensors(self) -> dict[str, str]:
+        return {n: h.hexdigest() for n, h in self.hashes.items()}
+
+    def digest(self) -> str:
+        h = hashlib.sha256(self.raw_header)
+        for _, _, name in self.ranges:
+            h.update(self.hashes[name].digest())
+        return h.hexdigest()
+
+
+def copy_digest(f: BinaryIO, chunk_bytes: int = 4 << 20) -> str:
+    """The digest (TensorHashes.digest) of the copy `f` reads, from where it stands."""
+    header, raw = read_header(f)
+    hashes = TensorHashes(header, raw)
+    while chunk := f.read(chunk_bytes):
+        hashes.update(chunk)
+    return hashes.digest()
