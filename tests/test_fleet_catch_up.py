@@ -296,6 +296,7 @@ def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True,
         out["catch_up_s"] = _logged(log, "catch_up.done", "seconds")
         out["transfer_s"] = _logged(log, "catch_up.verified", "transfer_s")
         out["compare_s"] = _logged(log, "catch_up.verified", "compare_s")
+        out["peer_wait_s"] = _logged(log, "catch_up.verified", "peer_wait_s")
         assert version(b.url) == "fleet-2" and httpx.get(b.url + "/health", timeout=30).status_code == 200
         info_a = httpx.get(a.url + "/weight_commit_info", timeout=10).json()
         assert httpx.get(b.url + "/weight_commit_info", timeout=10).json() == info_a

@@ -156,29 +156,33 @@ def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig,
     failure none is left."""
     try:
         baseline: dict[str, str] = {}
-        t0 = time.monotonic()
+        t0, waited = time.monotonic(), 0.0
         for w in range(cfg.workers):
             if time.monotonic() > deadline:
                 raise CatchUpError("out of time")
-            sums = fetch_copy(url, w, version, folder, own, cfg, deadline)
+            sums, wait_s = fetch_copy(url, w, version, folder, own, cfg, deadline)
+            waited += wait_s
             prefix = f"dp{w // cfg.tp}:pp0:pcp0:tp{w % cfg.tp}:"
             baseline.update({prefix + name: v for name, v in sums.items()})
         t1 = time.monotonic()
         compare_live(url, baseline, cfg)
         size = sum(os.path.getsize(partial_path(folder, w)) for w in range(cfg.workers))
         log.info("catch_up.verified", peer=url, version=version, bytes=size, transfer_s=round(t1 - t0, 2),
-                 compare_s=round(time.monotonic() - t1, 2))
+                 peer_wait_s=round(waited, 2), compare_s=round(time.monotonic() - t1, 2))
     except BaseException:
         discard(folder, cfg.workers)
         raise
 
 
 def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: CatchUpConfig,
-               deadline: float = float("inf")) -> dict[str, str]:
-    """Worker's copy into its partial file (by `deadline`, monotonic); returns each tensor's sha256."""
+               deadline: float = float("inf")) -> tuple[dict[str, str], float]:
+    """Worker's copy into its partial file (by `deadline`, monotonic); returns each tensor's sha256, and how
+    long the peer took to answer (its digest of the copy, the first time it is asked for it)."""
     query = urlencode({"worker": worker, "weight_version": version})
+    t0 = time.monotonic()
     with _request(url, f"/weight_copy?{query}", cfg, f"worker {worker}'s copy", busy=(409, 503)) as r:
-        return receive(r, r.headers, worker, version, folder, own, url, deadline)
+        waited = time.monotonic() - t0
+        return receive(r, r.headers, worker, version, folder, own, url, deadline), waited
 
 
 def compare_live(url: str, baseline: dict[str, str], cfg: CatchUpConfig) -> None:
