@@ -258,8 +258,8 @@ def _logged(log: str, event: str, field: str) -> float:
     return float(line.split(f"{field}=")[1].split()[0].strip(",}"))
 
 
-def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True,
-                         transfer_timeout_s: float = 60) -> dict[str, float]:
+def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True, transfer_timeout_s: float = 60,
+                         copies: Path | None = None) -> dict[str, float]:
     """a and b take fleet-1; b is killed; a alone takes fleet-2; b restarts and catches up from a. Then (corrupt)
     b is killed again, a takes fleet-3, a's copy is damaged on disk: b refuses it, 503 naming fleet-3."""
     from transformers import AutoModelForCausalLM
@@ -270,11 +270,12 @@ def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True,
     from tests.test_fleet_weight_sync import checksums_match, perturb, version
 
     cfg = json.dumps({"backend": "gloo", "timeout_s": transfer_timeout_s})
+    copies = copies or tmp_path
 
     def engine(name: str):
         (tmp_path / name).mkdir(exist_ok=True)
         return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
-                            cfg, "--weights-recovery-dir", str(tmp_path / name / "copies"),
+                            cfg, "--weights-recovery-dir", str(copies / name / "copies"),
                             "--weights-recovery-resume", "--max-model-len", "128", "--block-size", "4")
 
     trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -312,7 +313,7 @@ def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True,
         perturb(trainer, seed=3)
         with WeightSyncClient([a.url], backend="gloo") as client:
             client.send_weights(trainer.named_parameters(), version="fleet-3")
-        copy = tmp_path / "a" / "copies" / copy_name(0)
+        copy = copies / "a" / "copies" / copy_name(0)
         raw = bytearray(copy.read_bytes())
         raw[-5] ^= 0x10  # a's copy damaged on disk: its digest agrees, its workers' checksums do not
         copy.write_bytes(bytes(raw))
@@ -340,6 +341,14 @@ def test_an_engine_down_while_the_fleet_updated_catches_up_from_a_peer(tmp_path,
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
 def test_smollm2_catch_up_time(tmp_path, smollm2_dir):
-    """The same with SmolLM2-135M itself (one copy of 540 MB, float32): prints the catch-up's seconds."""
-    out = two_engines_catch_up(tmp_path, smollm2_dir, corrupt=False, transfer_timeout_s=400)
+    """The same with SmolLM2-135M itself (one copy of 540 MB, float32), the copies on a RAM disk as
+    docs/fleet.md advises: prints the catch-up's seconds."""
+    import shutil
+    import tempfile
+
+    shm = Path(tempfile.mkdtemp(prefix="rollbus-catch-up-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        out = two_engines_catch_up(tmp_path, smollm2_dir, corrupt=False, transfer_timeout_s=400, copies=shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     print(f"SmolLM2-135M: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s", out)
