@@ -278,7 +278,8 @@ def test_help_explains_the_flags():
     assert r.returncode == 0
     for flag in ("--load-format", "--chat-template", "--generation-config", "--config", "--worker-extension-cls",
                  "-tp", "--distributed-executor-backend",
-                 "--enforce-eager", "--enable-auto-tool-choice", "--uvicorn-log-level", "coming-from-vllm"):
+                 "--enforce-eager", "--enable-auto-tool-choice", "--uvicorn-log-level", "coming-from-vllm",
+                 "--weights-catch-up", "--no-weights-catch-up"):
         assert flag in r.stdout, flag
 
 
