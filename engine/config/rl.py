@@ -91,8 +91,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights-catch-up", action=Switch, default=d.weights_catch_up,
                    help="With --weights-recovery-resume (rollbus's own; on by default): when a peer in the "
                         "engine's last fleet update (its fleet.json) committed a newer version while this engine "
-                        "was down, fetch that version's weights from the peer's copies (GET /weight_copy, "
-                        "verified by version and sha256, all workers or none) before serving, instead of "
+                        "was down, fetch that version's weights from the peer's copies (GET /weight_copy: "
+                        "checked against the version, a digest and the peer's /weight_checker checksums; all "
+                        "workers or none) before serving, within the weight transfer's timeout_s, instead of "
                         "answering 503 naming it until the trainer's next update. --no-weights-catch-up keeps "
                         "the 503.")
     g = p.add_argument_group("training data (logprobs, tokens in/out, trace replay, routed experts; docs/logprobs.md, "
