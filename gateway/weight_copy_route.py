@@ -27,12 +27,11 @@ from starlette.responses import StreamingResponse
 
 from bus.topology import Topology
 from engine.config import EngineConfig
+from engine.fleet.catch_up import DIGEST_HEADER, VERSION_HEADER
 from engine.fleet.copy_format import copy_digest, copy_name, read_header, tag_of
 from gateway.engine_client import EngineClient
 from gateway.errors import CONFLICT, INTERNAL, NOT_FOUND, UNAVAILABLE, APIError, bad_request
 
-VERSION_HEADER = "X-Rollbus-Weight-Version"
-DIGEST_HEADER = "X-Rollbus-Weights-Sha256"
 CHUNK_BYTES = 4 << 20
 
 

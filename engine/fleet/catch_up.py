@@ -21,9 +21,9 @@ file arrived and passed does it rename them over its own copies (all or nothing)
 The trainer's update wins: a peer refuses to send while it has an update in progress (503) or serves another
 version than the one asked (409); the peers are then asked again (every BUSY_WAIT_S, not counted as a
 failure). After the copies arrived the peers are asked once more; when the fleet moved on meanwhile the files
-are dropped and the newer version fetched. Bounded: at most
-`attempts` failed transfers (bad bytes, a peer that breaks off) and `deadline_s` in all; then the engine starts
-as before catch-up existed, on W as lost (503 naming the newest version it heard of).
+are dropped and the newer version fetched. Bounded: at most `attempts` failed transfers (bad bytes, a peer
+that breaks off; round-robin over the peers serving W) and `deadline_s` in all; then the engine starts as
+before catch-up existed, on W as lost (503 naming the newest version it heard of).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from engine.fleet.copy_format import TensorHashes, copy_name, data_length, layou
 
 log = structlog.get_logger()
 
-VERSION_HEADER = "X-Rollbus-Weight-Version"  # gateway/weight_copy_route.py's
-DIGEST_HEADER = "X-Rollbus-Weights-Sha256"
+VERSION_HEADER = "X-Rollbus-Weight-Version"  # what GET /weight_copy sends (gateway/weight_copy_route.py)
+DIGEST_HEADER = "X-Rollbus-Weights-Sha256"  # copy_format.TensorHashes.digest of the copy
 CHUNK_BYTES = 4 << 20
 BUSY_WAIT_S = 0.5  # between asks while a peer's update is in progress
 PARTIAL = ".catch-up-"  # the files being fetched (never a copy's name: resume_point ignores them)
