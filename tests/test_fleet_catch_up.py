@@ -352,3 +352,53 @@ def test_smollm2_catch_up_time(tmp_path, smollm2_dir):
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     print(f"SmolLM2-135M: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s", out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_new_server_actor_catches_up_from_its_peer(tmp_path, smollm2_dir) -> None:
+    """RollbusServerActor (the class SkyRL's ServerGroup places, here without Ray): servers 0 and 1 take
+    fleet-1; server 1's actor is shut down; server 0 alone takes fleet-2; a new actor for server 1 with the
+    same cli_args finds its copies (fleet-1) and its fleet record, catches up from server 0, and start()
+    returns serving fleet-2, bitwise as server 0."""
+    import asyncio
+    from argparse import Namespace
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.fleet.skyrl_actor import RollbusServerActor
+    from engine.trainer import WeightSyncClient
+    from tests.serve_process import free_port
+    from tests.server_helpers import tiny_model_with_tokenizer
+    from tests.test_fleet_weight_sync import checksums_match, perturb, version
+
+    tiny_qwen3 = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
+    cli = Namespace(model=str(tiny_qwen3), max_model_len=256, kv_cache_memory_bytes=8 << 20,
+                    weight_transfer_config={"backend": "gloo", "timeout_s": 60},
+                    weights_recovery_dir=str(tmp_path / "copies"))
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+
+    def actor(idx: int) -> RollbusServerActor:
+        return RollbusServerActor(Namespace(**vars(cli)), start_port=free_port(), server_idx=idx,
+                                  log_dir=str(tmp_path / f"server-{idx}"))
+
+    async def run() -> None:
+        a, b = actor(0), actor(1)
+        urls = [f"http://127.0.0.1:{(await s.start()).port}" for s in (a, b)]
+        try:
+            perturb(trainer, seed=21)
+            with WeightSyncClient(urls, backend="gloo") as client:
+                await asyncio.to_thread(client.send_weights, trainer.named_parameters(), "fleet-1")
+            await b.shutdown()
+            perturb(trainer, seed=22)
+            with WeightSyncClient(urls[:1], backend="gloo") as client:
+                await asyncio.to_thread(client.send_weights, trainer.named_parameters(), "fleet-2")
+            b = actor(1)
+            url_b = f"http://127.0.0.1:{(await b.start()).port}"
+            assert version(url_b) == "fleet-2" and checksums_match(url_b, trainer)
+            assert _greedy(url_b, str(tiny_qwen3)) == _greedy(urls[0], str(tiny_qwen3))
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    asyncio.run(run())
