@@ -206,12 +206,10 @@ def _causal_flash(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: f
     if g > 1:
         kc, vc = kc.repeat_interleave(g, 0), vc.repeat_interleave(g, 0)
     q_len, ctx_len = qc.shape[1], kc.shape[1]
-    if q_len == ctx_len:
-        mask = None
-    else:  # imported here: torch.nn.attention.bias imports torch._dynamo, 0.7 s of every worker's start
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask = causal_lower_right(q_len, ctx_len)
+    # A chunk after earlier context: the lower-right causal mask as a boolean tensor, which is what
+    # torch.nn.attention.bias.causal_lower_right becomes on CPU (SDPA's result is the same bit for bit). That
+    # module imports torch._dynamo: 0.7-1.6 s, paid by the first prompt that hit the prefix cache, mid-serving.
+    mask = None if q_len == ctx_len else torch.ones(q_len, ctx_len, dtype=torch.bool).tril_(ctx_len - q_len)
     return F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=mask, is_causal=mask is None,
                                           scale=scale)[0]
 

@@ -324,3 +324,22 @@ def test_a_long_fp32_prefill_is_causal_attention(hq, hk, ctx, rows) -> None:
     s = torch.einsum("hqd,hkd->hqk", q.double(), kr) * 0.125
     s.masked_fill_(torch.arange(ctx)[None, :] > torch.arange(ctx - rows, ctx)[:, None], float("-inf"))
     assert rel_err(got, torch.einsum("hqk,hkd->hqd", s.softmax(-1), vr)) < 1e-5
+
+
+def test_a_prefill_chunk_after_context_is_torchs_lower_right_bias_without_importing_dynamo() -> None:
+    """The chunk's mask is the boolean tensor torch.nn.attention.bias.causal_lower_right turns into on CPU, so
+    the output is the same bit for bit; and computing it does not import torch._dynamo (that module's import took
+    0.7-1.6 s of the first served prompt that hit the prefix cache)."""
+    code = ("import sys, torch; from ascend_ops import attention\n"
+            "g = torch.Generator().manual_seed(3)\n"
+            "q, k, v = torch.randn(9, 40, 64, generator=g), torch.randn(3, 90, 64, generator=g), "
+            "torch.randn(3, 90, 64, generator=g)\n"
+            "got = attention._causal_flash(q, k, v, 0.125)\n"
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
+            "from torch.nn.attention.bias import causal_lower_right\n"
+            "ref = torch.nn.functional.scaled_dot_product_attention(q[None], k.repeat_interleave(3, 0)[None], "
+            "v.repeat_interleave(3, 0)[None], attn_mask=causal_lower_right(40, 90), scale=0.125)[0]\n"
+            "print('equal' if torch.equal(got, ref) else 'differ')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.split() == ["no", "dynamo", "equal"], r.stdout + r.stderr[-2000:]
