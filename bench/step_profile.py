@@ -11,6 +11,7 @@ processes matters less; on a shared machine compare runs by their fractions or r
 
   python bench/step_profile.py                      # 64 x ~100 tokens, 12 timed steps
   python bench/step_profile.py --seqs 256 --ctx 200 --steps 6
+  python bench/step_profile.py --shape qwen3-0.6b --threads 1   # Qwen3-0.6B's shape, dummy weights
   python bench/step_profile.py --plain              # no timers: the bare step time (timer overhead check)
   python bench/step_profile.py --logprobs 1 --dump /tmp/a.npy   # outputs, to compare two checkouts bitwise
   python bench/step_profile.py --attention both     # CPU attention: the in-place kernel, then torch SDPA,
@@ -39,6 +40,7 @@ import workers.sampler as sampler
 from ascend_ops import attention
 from ascend_ops.batch_invariant import DEFAULT
 from ascend_ops.platform import tune_host_allocator
+from bench.model_shapes import SHAPES
 from bus.messages import NewSeq, StepPlan
 from bus.sampling_params import SamplingParams
 from engine.config import KV_CACHE_DTYPES
@@ -102,7 +104,7 @@ def build(args, timers: Timers | None):
                                                               k == "linear" else None)
                                                for k, c in KERNEL_CLASSES.items() if getattr(DEFAULT, k, None)})
     dtype = getattr(torch, args.dtype)
-    if args.hf_config is not None:  # --mla-vs-mha: a shape, with --load-format dummy's weights
+    if args.hf_config is not None:  # --shape, --mla-vs-mha: a shape, with --load-format dummy's weights
         model = build_model(args.hf_config, dtype, "cpu", kernels=kern)
         initialize_dummy_weights(model)
     else:
@@ -198,10 +200,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (default: torch's own). 1 gives stable fractions on a loaded machine: "
                         "with 2+ threads every small op waits at a barrier for a thread another process preempted")
+    p.add_argument("--shape", default="smollm2", choices=["smollm2", *SHAPES],
+                   help="smollm2: the real SmolLM2-135M; a Qwen3 shape (bench/model_shapes.py): its config with "
+                        "--load-format dummy's random weights")
     p.add_argument("--mla-vs-mha", action="store_true",
                    help="MLA_SHAPE's latent attention, then its MHA twin (dummy weights): attention ms and KV bytes")
     args = p.parse_args()
-    args.hf_config = None
+    args.hf_config = None if args.shape == "smollm2" else SHAPES[args.shape]
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mla_vs_mha:
