@@ -162,7 +162,8 @@ def _load(folder: Path, dtype: torch.dtype, kern):
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("bi")
-    return {a: make_tiny_checkpoint(a, root / a) for a in ("llama", "qwen3_moe", "qwen2_moe", "glm4_moe")}
+    return {a: make_tiny_checkpoint(a, root / a) for a in ("llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "gemma3",
+                                                           "gpt_oss")}
 
 
 def _three_ways(model, prompt: list[int], steps: int):
@@ -196,8 +197,10 @@ def _three_ways(model, prompt: list[int], steps: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# qwen2_moe: sliding windows and a shared expert; glm4_moe: an fp32 grouped sigmoid router, partial rotary
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe", "glm4_moe"])
+# qwen2_moe: sliding windows and a shared expert; glm4_moe: an fp32 grouped sigmoid router, partial rotary;
+# gemma3: GELU, sliding layers around a global one, the logit soft-cap; gpt-oss: sinks, alternating windows,
+# biased transposed experts with the clamped SwiGLU
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "gemma3", "gpt_oss"])
 def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(tiny_folders, arch, dtype, backend):
     model = _load(tiny_folders[arch], dtype, INVARIANT)
     prompt = random_prompt(13, model.cfg.vocab_size, 1)
