@@ -229,6 +229,8 @@ def _three_ways(model, prompt: list[int], steps: int):
 # biased transposed experts with the clamped SwiGLU
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "gemma3", "gpt_oss"])
 def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(tiny_folders, arch, dtype, backend):
+    if arch == "gpt_oss" and backend == "kernel":
+        pytest.skip("gpt-oss's sink attention is the torch path whatever the process's choice")
     model = _load(tiny_folders[arch], dtype, INVARIANT)
     prompt = random_prompt(13, model.cfg.vocab_size, 1)
     alone, mixed, prefilled, alone_routes, full_routes = _three_ways(model, prompt, 10)
@@ -317,30 +319,35 @@ def test_serve_refuses_at_start_up(tmp_path, env, args, message):
 
 # --- end to end ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, smollm2_dir):  # noqa: F811
+# qwen3_moe: routed experts compared too; gemma3 and gpt_oss (slow: two servers each, about 2 min): mixed-window
+# models, whose sliding layers read their own block tables (engine.window_blocks), freed behind the window,
+# preempted and hit in the cache
+@pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("gemma3", marks=pytest.mark.slow),
+                                        pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def servers(request, tmp_path_factory, smollm2_dir):  # noqa: F811
     work = tmp_path_factory.mktemp("bi-serve")
-    folder = tiny_model_with_tokenizer("qwen3_moe", work / "moe", smollm2_dir, vocab_size=49152)
+    folder = tiny_model_with_tokenizer(request.param, work / request.param, smollm2_dir, vocab_size=49152)
     wide, narrow = bench.start_pair(work, str(folder), "float32", ("--enable-return-routed-experts",),
                                     max_model_len=64)
-    yield wide, narrow
+    yield request.param, wide, narrow
     wide.stop()
     narrow.stop()
 
 
 def test_requests_alone_and_mixed_preempted_cached_and_recomputed_are_bitwise_equal(servers):
-    wide, narrow = servers
+    arch, wide, narrow = servers
     bodies = bench.make_requests(12, 12, 49152)
     result = bench.check(wide.url, narrow.url, bodies)
     assert result == {"mixed": [], "chunked_preempted": [], "recompute": [], "alone_twice": []}
     assert metric(narrow, "vllm:num_preemptions_total") > 0  # the tiny KV cache did preempt
     assert metric(wide, "vllm:prefix_cache_hits_total") > 0  # and the shared prefix was read from the cache
-    moe = bench.normalise(bench.asyncio.run(bench.run(wide.url, bodies[:1], together=False))[0])
-    assert moe["routed_experts"], "routed experts are part of what is compared"
+    first = bench.normalise(bench.asyncio.run(bench.run(wide.url, bodies[:1], together=False))[0])
+    assert bool(first["routed_experts"]) == (arch != "gemma3"), "routed experts are part of what is compared"
 
 
 def test_server_info_reports_invariance(servers):
-    info = httpx.get(servers[0].url + "/server_info", timeout=30).json()
+    arch, wide, _ = servers
+    info = httpx.get(wide.url + "/server_info", timeout=30).json()
     assert info["determinism"] == {"batch_invariant": True, "training_consistency": False,
                                    "source": "rl_config.enable_batch_invariant", "batch_invariant_active": True}
     (worker,) = info["workers"].values()
