@@ -78,7 +78,8 @@ def test_new_archs_served_equal_hf_with_prompt_logprobs_routes_and_a_prefix_hit(
     from bench.batch_invariance import INVARIANT_CONFIG
 
     s = start_server(tmp_path, str(folder), "--block-size", "4", "--max-num-batched-tokens", "16",
-                     "--max-model-len", "256", "--enable-return-routed-experts", "--additional-config", INVARIANT_CONFIG)
+                     "--max-model-len", "256", "--enable-return-routed-experts",
+                     "--additional-config", INVARIANT_CONFIG)
     body = {"model": str(folder), "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
     try:
