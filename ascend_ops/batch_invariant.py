@@ -47,8 +47,8 @@ What makes each op invariant (measured on CPU; `self_check` re-measures on the d
 - GELU (tanh; Gemma 3's MLP), gpt-oss's clamped SwiGLU and the tanh of Gemma 3's logit soft-cap: the same
   hazard (F.gelu's and torch.sigmoid's two kernels differ too), the same cure: written with exp and exact
   arithmetic in fp32, rounded once (ascend_ops.invariant_activations); `self_check` measures the model's.
-- gpt-oss's experts, stored [E, K, N]: their products run on the transposed view of an expert's slice (oneDNN
-  takes the strides as they are, no copy), and the sink attention is the torch path below in both modes.
+- gpt-oss's experts, stored [E, K, N]: their products run on a contiguous [E, N, K] copy (`experts_nk`, kept
+  like a packed weight), and the sink attention is the torch path below in both modes.
 - RMSNorm, rotary, the router's softmax/top-k, log_softmax over the vocabulary, the expert sums (each
   token sums its own k products in slot order) and the sampler's per-row filters and draws are row-wise
   in torch already (exact arithmetic, or per-row reduction kernels); they are the default
@@ -100,6 +100,8 @@ class Kernels:
     gelu_tanh_and_mul: Callable[..., torch.Tensor] = _ops.gelu_tanh_and_mul  # Gemma 3's MLP
     clamped_swiglu: Callable[..., torch.Tensor] = _ops.clamped_swiglu  # gpt-oss's experts
     tanh: Callable[..., torch.Tensor] = torch.tanh  # Gemma 3's final logit soft-cap
+    # stacked experts stored [E, K, N] (gpt-oss's) as [E, N, K] for `linear`: a view, or a cached copy
+    experts_nk: Callable[[torch.Tensor], torch.Tensor] = lambda w: w.transpose(1, 2)
 
     def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
@@ -140,11 +142,8 @@ def _cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if _packed.packable(x, weight):  # a parameter: on its packed copy, default mode's (MKL's or oneDNN's)
         return _packed.product(x, weight, bias)
     # any other weight (an expert's slice of a stacked parameter): the same primitive on the plain layout,
-    # reordered inside oneDNN for this call (about F.linear's cost; packing it here would cost more). A
-    # transposed slice ([K, N] stored, gpt-oss's) goes as it is: oneDNN reads its strides, copying it is slower
-    w = weight.detach()
-    w = w if w.is_contiguous() or w.t().is_contiguous() else w.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    # reordered inside oneDNN for this call (about F.linear's cost; packing it here would cost more)
+    return torch.ops.mkldnn._linear_pointwise(x, weight.detach().contiguous(), bias, "none", [], "")
 
 
 class _PackedLinear(torch.autograd.Function):
@@ -207,6 +206,23 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
     """ops.moe_experts with the invariant linear and SiLU: each expert's GEMMs see however many tokens chose it."""
     return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear, act=silu_and_mul)
+
+
+def experts_nk(w: torch.Tensor) -> torch.Tensor:
+    """Stacked experts stored [E, K, N] (gpt-oss's, HF's layout) as [E, N, K] for `linear`. On CPU a contiguous
+    copy, made once per weight version and kept on the parameter where ascend_ops.packed_linear keeps its
+    packed copies (so `forget`, which the worker calls after every weight change, sleep and wake, drops it):
+    oneDNN's product on a transposed view reorders it on every call, measured 1.4x torch's matmul per gpt-oss-20b
+    expert GEMM at 32 rows (1 thread), against 0.8x on the contiguous copy. It costs a second copy of the
+    experts' bytes (packed_bytes counts it)."""
+    if w.device.type != "cpu":
+        return w.transpose(1, 2)
+    key = (w.data_ptr(), w._version, "experts_nk")
+    entry = getattr(w, _packed._ATTR, None)
+    if entry is None or entry[0] != key:
+        entry = (key, w.detach().transpose(1, 2).contiguous())
+        setattr(w, _packed._ATTR, entry)
+    return entry[1]
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -383,7 +399,7 @@ DEFAULT = Kernels("default", _packed.linear, _ops.fused_rms_norm, _ops.fused_sil
                   _ops.moe_route, _ops.moe_experts, _attention.paged_attention, _ops.fused_add_rms_norm)
 INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
                     moe_experts, paged_attention, head_linear=head_linear, gelu_tanh_and_mul=_act.gelu_tanh_and_mul,
-                    clamped_swiglu=_act.clamped_swiglu, tanh=_act.tanh)
+                    clamped_swiglu=_act.clamped_swiglu, tanh=_act.tanh, experts_nk=experts_nk)
 
 
 def kernels(batch_invariant: bool) -> Kernels:
@@ -425,8 +441,8 @@ def _linear_weights(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, t
     out: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for mod in model.modules():
         for name, w in mod.named_parameters(recurse=False):
-            if w.dim() == 3:  # stacked experts [E, N, K], or [E, K, N] multiplied transposed (gpt-oss's)
-                w = w[0].t() if getattr(mod, "transposed", False) else w[0]
+            if w.dim() == 3:  # stacked experts [E, N, K], or [E, K, N] multiplied as kern.experts_nk's (gpt-oss's)
+                w = model.kern.experts_nk(w)[0] if getattr(mod, "transposed", False) else w[0]
             elif w.dim() != 2 or name != "weight":
                 continue
             bias = getattr(mod, "bias", None) if name == "weight" else None

@@ -13,8 +13,9 @@ gpt-oss differences, and its own MoE block.
   range) and rank 0 adds the down bias, so the all-reduce adds it once.
 - The MXFP4 checkpoints (`quantization_config` mxfp4, as OpenAI publishes gpt-oss) are dequantised as they are
   read (workers/models/mxfp4.py); the model itself only ever holds bf16 / fp32 experts.
-- Every product goes through the model's Kernels (`linear`, on the transposed view of an expert's weight; the
-  bias added after it, as HF does) and so does the activation (`clamped_swiglu`): under --batch-invariant each
+- Every product goes through the model's Kernels (`linear`, on `experts_nk`'s [E, out, in] of an expert's
+  weight: a view by default, a cached contiguous copy under --batch-invariant; the bias added after the
+  product, as HF does) and so does the activation (`clamped_swiglu`): under --batch-invariant each
   expert's GEMMs give a row the same bits whatever number of tokens chose it, and the activation is
   ascend_ops.invariant_activations' (HF's sigmoid is not row-invariant on CPU).
 """
@@ -81,7 +82,7 @@ class GptOssMoE(nn.Module):
         self.router.weight = _param(e, h, **kw)
         self.router.bias = _param(e, **kw)
         self.experts = nn.Module()
-        self.experts.transposed = True  # [E, in, out]: multiplied as .t() views (the self-check's shapes)
+        self.experts.transposed = True  # [E, in, out]: multiplied as kern.experts_nk's [E, out, in]
         self.experts.gate_up_proj = _param(e, h, 2 * i, **kw)
         self.experts.gate_up_proj_bias = _param(e, 2 * i, **kw)
         self.experts.down_proj = _param(e, i, h, **kw)
@@ -104,6 +105,7 @@ class GptOssMoE(nn.Module):
         start-up self-check measures it)."""
         T, k = ids.shape
         ex, kern, limit, alpha = self.experts, self.kern, self.cfg.swiglu_limit, self.cfg.swiglu_alpha
+        gate_up, down = kern.experts_nk(ex.gate_up_proj), kern.experts_nk(ex.down_proj)  # [E, out, in]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one GEMM each
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
@@ -114,8 +116,8 @@ class GptOssMoE(nn.Module):
             if not n:
                 continue
             # as HF: product, then bias
-            gu = kern.linear(xs[start:start + n], ex.gate_up_proj[e].t()) + ex.gate_up_proj_bias[e]
-            d = kern.linear(kern.clamped_swiglu(gu, alpha, limit), ex.down_proj[e].t())
+            gu = kern.linear(xs[start:start + n], gate_up[e]) + ex.gate_up_proj_bias[e]
+            d = kern.linear(kern.clamped_swiglu(gu, alpha, limit), down[e])
             out[start:start + n] = d + ex.down_proj_bias[e] if self.tp.rank == 0 else d
             start += n
         pairs = torch.empty_like(out)
