@@ -240,6 +240,23 @@ def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(ti
         assert torch.equal(alone_routes, torch.stack(full_routes, 1)[:len(prompt)])
 
 
+def test_gpt_oss_experts_copy_follows_a_weight_update(tiny_folders):
+    """Under --batch-invariant gpt-oss multiplies its experts on a cached [E, out, in] copy (Kernels.experts_nk):
+    after an update of the experts by their HF names the model computes what one loaded with the new weights
+    does, bit for bit (the copy of the old values is dropped, not read)."""
+    folder = tiny_folders["gpt_oss"]
+    model = _load(folder, torch.float32, INVARIANT)
+    prompt = random_prompt(9, model.cfg.vocab_size, 1)
+    before = PagedRunner(model, num_blocks=32, block_size=4).step(prefills=[(0, prompt)])
+    new = {n: w * 1.5 if ".experts." in n else w for n, w in iter_safetensors(folder)}
+    model.load_weights((n, w) for n, w in new.items() if ".experts." in n)
+    after = PagedRunner(model, num_blocks=32, block_size=4).step(prefills=[(0, prompt)])
+    fresh = build_model(load_hf_config(folder), torch.float32, "cpu", kernels=INVARIANT)
+    fresh.load_weights(new.items())
+    assert not same(after, before)
+    assert same(after, PagedRunner(fresh, num_blocks=32, block_size=4).step(prefills=[(0, prompt)]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prefill_gets_the_same_bits_in_a_step_large_enough_for_threads_to_split_its_rows(tiny_folders, dtype):
     """The composition issue 12's HTTP test hit about 1 run in 4 (a step of ~300 rows: 12 prefills), made
