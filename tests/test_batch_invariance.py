@@ -302,6 +302,21 @@ def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_fold
         assert "silu_and_mul" in self_check(plain_silu, block_size=16)
 
 
+def test_the_docs_table_of_architectures_says_which_run_invariant():
+    """docs/batch-invariance.md lists every registered architecture once, "yes" exactly where the code builds
+    it on the invariant kernels (no `no_batch_invariance` refusal)."""
+    import re
+
+    from workers.models.registry import ARCHITECTURES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "batch-invariance.md").read_text()
+    section = text.split("## Which architectures", 1)[1].split("\n## ", 1)[0]
+    rows = {a: cells[1].strip().startswith("yes") for line in section.splitlines()
+            if line.startswith("| `") and (cells := line.strip("|").split("|"))
+            for a in re.findall(r"`(\w+)`", cells[0])}
+    assert rows == {a: not cls.no_batch_invariance for a, cls in ARCHITECTURES.items()}
+
+
 # --- flags -----------------------------------------------------------------------------------------
 
 def test_flags_env_and_refusals():
