@@ -535,9 +535,9 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
         if heads:
             checked.append("head_linear")
         impl = attention_implementation(dev.type, dtype, cache_dtype) if kern.batch_invariant else kern.name
-        for name, attend in _attentions(model, block_size, rand):
+        for name, attend, portable in _attentions(model, block_size, rand):
             if not _attention_invariant(attend, hq, hk, d, block_size, rand, cache_dtype or dtype):
-                raise fail(f"{name} ({impl})")
+                raise fail(f"{name} ({'batch_invariant_torch' if portable and kern.batch_invariant else impl})")
         checked.append("paged_attention")
     return checked
 
@@ -551,18 +551,19 @@ def _activation(model, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: op(x[:, :i], x[:, i:])
 
 
-def _attentions(model, bs: int, rand) -> list[tuple[str, Callable[..., torch.Tensor]]]:
-    """The model's attentions, as (name, attend(q, k, v, k_cache, v_cache, meta, scale)): paged attention, or
-    gpt-oss's with sinks (random here: the sink logits' values change no order), and the same over a sliding
-    window (of bs + 1 keys: every window masks across a block boundary) where some layer has one."""
+def _attentions(model, bs: int, rand) -> list[tuple[str, Callable[..., torch.Tensor], bool]]:
+    """The model's attentions, as (name, attend(q, k, v, k_cache, v_cache, meta, scale), whether it is the torch
+    path whatever attention_backend chose): paged attention, or gpt-oss's with sinks (random here: the sink
+    logits' values change no order), and the same over a sliding window (of bs + 1 keys: every window masks
+    across a block boundary) where some layer has one."""
     kern, cfg = model.kern, model.cfg
     windowed = [bs + 1] if any(getattr(cfg, "windows", ())) else []
     if any(hasattr(m, "sinks") for m in model.modules()):
         sinks = rand(cfg.num_heads)
         return [(f"paged attention with sinks{f', window {w}' if w else ''}",
-                 lambda *a, w=w: sink_attention(*a, window=w, sinks=sinks)) for w in [0, *windowed]]
-    return [(f"paged attention{f', window {w}' if w else ''}", lambda *a, w=w: kern.paged_attention(*a, window=w))
-            for w in [0, *windowed]]
+                 lambda *a, w=w: sink_attention(*a, window=w, sinks=sinks), True) for w in [0, *windowed]]
+    return [(f"paged attention{f', window {w}' if w else ''}", lambda *a, w=w: kern.paged_attention(*a, window=w),
+             bool(w)) for w in [0, *windowed]]
 
 
 def _attention_invariant(attend: Callable[..., torch.Tensor], hq: int, hk: int, d: int, bs: int, rand,
