@@ -44,6 +44,11 @@ What makes each op invariant (measured on CPU; `self_check` re-measures on the d
   kernels, and exp's vectorised and scalar kernels agree (`self_check` re-measures all this with the
   model's sizes and a row count that puts a thread split inside a row). Its backward is SiLU's usual
   derivative (the trainer's gradients need float agreement, not bits).
+- GELU (tanh; Gemma 3's MLP), gpt-oss's clamped SwiGLU and the tanh of Gemma 3's logit soft-cap: the same
+  hazard (F.gelu's and torch.sigmoid's two kernels differ too), the same cure: written with exp and exact
+  arithmetic in fp32, rounded once (ascend_ops.invariant_activations); `self_check` measures the model's.
+- gpt-oss's experts, stored [E, K, N]: their products run on a contiguous [E, N, K] copy (`experts_nk`, kept
+  like a packed weight), and the sink attention is the torch path below in both modes.
 - RMSNorm, rotary, the router's softmax/top-k, log_softmax over the vocabulary, the expert sums (each
   token sums its own k products in slot order) and the sampler's per-row filters and draws are row-wise
   in torch already (exact arithmetic, or per-row reduction kernels); they are the default
@@ -60,6 +65,7 @@ import torch.nn.functional as F
 
 from ascend_ops import attention as _attention
 from ascend_ops import cpu_kernels
+from ascend_ops import invariant_activations as _act
 from ascend_ops import ops as _ops
 from ascend_ops import packed_linear as _packed
 from ascend_ops.attention import AttentionMetadata, write_kv
@@ -91,6 +97,11 @@ class Kernels:
     # (x + h, rms_norm(x + h)) in one pass (default mode); None: the layer adds, then calls rms_norm
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     head_linear: Callable[..., torch.Tensor] = _ops.head_linear  # per-head products (MLA's absorbed projections)
+    gelu_tanh_and_mul: Callable[..., torch.Tensor] = _ops.gelu_tanh_and_mul  # Gemma 3's MLP
+    clamped_swiglu: Callable[..., torch.Tensor] = _ops.clamped_swiglu  # gpt-oss's experts
+    tanh: Callable[..., torch.Tensor] = torch.tanh  # Gemma 3's final logit soft-cap
+    # stacked experts stored [E, K, N] (gpt-oss's) as [E, N, K] for `linear`: a view, or a cached copy
+    experts_nk: Callable[[torch.Tensor], torch.Tensor] = lambda w: w.transpose(1, 2)
 
     def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
@@ -195,6 +206,23 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
     """ops.moe_experts with the invariant linear and SiLU: each expert's GEMMs see however many tokens chose it."""
     return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear, act=silu_and_mul)
+
+
+def experts_nk(w: torch.Tensor) -> torch.Tensor:
+    """Stacked experts stored [E, K, N] (gpt-oss's, HF's layout) as [E, N, K] for `linear`. On CPU a contiguous
+    copy, made once per weight version and kept on the parameter where ascend_ops.packed_linear keeps its
+    packed copies (so `forget`, which the worker calls after every weight change, sleep and wake, drops it):
+    oneDNN's product on a transposed view reorders it on every call, measured 1.4x torch's matmul per gpt-oss-20b
+    expert GEMM at 32 rows (1 thread), against 0.8x on the contiguous copy. It costs a second copy of the
+    experts' bytes (packed_bytes counts it)."""
+    if w.device.type != "cpu":
+        return w.transpose(1, 2)
+    key = (w.data_ptr(), w._version, "experts_nk")
+    entry = getattr(w, _packed._ATTR, None)
+    if entry is None or entry[0] != key:
+        entry = (key, w.detach().transpose(1, 2).contiguous())
+        setattr(w, _packed._ATTR, entry)
+    return entry[1]
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -370,7 +398,8 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
 DEFAULT = Kernels("default", _packed.linear, _ops.fused_rms_norm, _ops.fused_silu_and_mul, _ops.fused_apply_rope,
                   _ops.moe_route, _ops.moe_experts, _attention.paged_attention, _ops.fused_add_rms_norm)
 INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
-                    moe_experts, paged_attention, head_linear=head_linear)
+                    moe_experts, paged_attention, head_linear=head_linear, gelu_tanh_and_mul=_act.gelu_tanh_and_mul,
+                    clamped_swiglu=_act.clamped_swiglu, tanh=_act.tanh, experts_nk=experts_nk)
 
 
 def kernels(batch_invariant: bool) -> Kernels:
@@ -412,8 +441,8 @@ def _linear_weights(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, t
     out: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for mod in model.modules():
         for name, w in mod.named_parameters(recurse=False):
-            if w.dim() == 3:  # stacked experts [E, N, K]
-                w = w[0]
+            if w.dim() == 3:  # stacked experts [E, N, K], or [E, K, N] multiplied as kern.experts_nk's (gpt-oss's)
+                w = model.kern.experts_nk(w)[0] if getattr(mod, "transposed", False) else w[0]
             elif w.dim() != 2 or name != "weight":
                 continue
             bias = getattr(mod, "bias", None) if name == "weight" else None
@@ -460,12 +489,10 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
         if not _rows_invariant(lambda x: kern.rms_norm(x, ones, cfg.rms_norm_eps), rand(67, h), small):
             raise fail("rms_norm")
         for i in {cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)}:
-            def act(x: torch.Tensor) -> torch.Tensor:
-                return kern.silu_and_mul(x[:, :i], x[:, i:])
-
-            split = rand(2 * TORCH_GRAIN // i, 2 * i)
+            act = _activation(model, i)
+            split = rand(2 * TORCH_GRAIN // i, 2 * i) * 4
             if not _rows_invariant(act, rand(67, 2 * i) * 4, small) or not _split_rows_invariant(act, split, i):
-                raise fail(f"silu_and_mul [{i}]")
+                raise fail(f"{model.activation} [{i}]")
         pos = torch.randint(0, model.rope_cos.shape[0], (67,), generator=gen).to(dev)
 
         def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -478,12 +505,24 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
         logits = (rand(9, cfg.vocab_size) * 4).float()
         if not _rows_invariant(lambda x: torch.log_softmax(x, dim=-1), logits, (1, 2, 5)):
             raise fail("log_softmax")
-        checked += ["rms_norm", "silu_and_mul", "rotary", "log_softmax"]
+        checked += ["rms_norm", model.activation, "rotary", "log_softmax"]
+        cap = getattr(cfg, "final_softcap", None)
+        if cap:  # Gemma 3's cap * tanh(logits / cap), rows of the vocabulary's width cut by a thread split
+            def softcap(x: torch.Tensor) -> torch.Tensor:
+                return kern.tanh(x / cap) * cap
+
+            wide = (rand(2 * TORCH_GRAIN // cfg.vocab_size + 17, cfg.vocab_size) * 40).float()
+            if not _rows_invariant(softcap, logits * 10, (1, 2, 5)) or not _split_rows_invariant(
+                    softcap, wide, cfg.vocab_size):
+                raise fail("tanh (logit soft-cap)")
+            checked.append("tanh")
         if model.num_moe_layers:
             moe = next(m for m in model.modules() if hasattr(m, "experts"))
 
             def experts(x: torch.Tensor) -> torch.Tensor:
                 wts, ids = moe.route(x)  # the block's own router (softmax top-k, or GLM's grouped sigmoid)
+                if hasattr(moe, "local_experts"):  # a block with its own experts' arithmetic (gpt-oss)
+                    return moe.local_experts(x, wts, ids)
                 return kern.moe_experts(x, ids, wts, moe.experts.gate_up_proj, moe.experts.down_proj)
 
             if not _rows_invariant(experts, rand(67, h), small):
@@ -495,14 +534,40 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
                 raise fail(f"head_linear [{w.shape[2]} -> {w.shape[1]}]")
         if heads:
             checked.append("head_linear")
-        if not _attention_invariant(kern, hq, hk, d, block_size, rand, cache_dtype or dtype):
-            impl = attention_implementation(dev.type, dtype, cache_dtype) if kern.batch_invariant else kern.name
-            raise fail(f"paged attention ({impl})")
+        impl = attention_implementation(dev.type, dtype, cache_dtype) if kern.batch_invariant else kern.name
+        for name, attend, portable in _attentions(model, block_size, rand):
+            if not _attention_invariant(attend, hq, hk, d, block_size, rand, cache_dtype or dtype):
+                raise fail(f"{name} ({'batch_invariant_torch' if portable and kern.batch_invariant else impl})")
         checked.append("paged_attention")
     return checked
 
 
-def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand, cache_dtype: torch.dtype) -> bool:
+def _activation(model, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's MLP / expert activation (`model.activation`, a Kernels op) on rows [T, 2I] of width i out."""
+    kern, cfg = model.kern, model.cfg
+    if model.activation == "clamped_swiglu":
+        return lambda x: kern.clamped_swiglu(x, cfg.swiglu_alpha, cfg.swiglu_limit)
+    op = getattr(kern, model.activation)
+    return lambda x: op(x[:, :i], x[:, i:])
+
+
+def _attentions(model, bs: int, rand) -> list[tuple[str, Callable[..., torch.Tensor], bool]]:
+    """The model's attentions, as (name, attend(q, k, v, k_cache, v_cache, meta, scale), whether it is the torch
+    path whatever attention_backend chose): paged attention, or gpt-oss's with sinks (random here: the sink
+    logits' values change no order), and the same over a sliding window (of bs + 1 keys: every window masks
+    across a block boundary) where some layer has one."""
+    kern, cfg = model.kern, model.cfg
+    windowed = [bs + 1] if any(getattr(cfg, "windows", ())) else []
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        sinks = rand(cfg.num_heads)
+        return [(f"paged attention with sinks{f', window {w}' if w else ''}",
+                 lambda *a, w=w: sink_attention(*a, window=w, sinks=sinks), True) for w in [0, *windowed]]
+    return [(f"paged attention{f', window {w}' if w else ''}", lambda *a, w=w: kern.paged_attention(*a, window=w),
+             bool(w)) for w in [0, *windowed]]
+
+
+def _attention_invariant(attend: Callable[..., torch.Tensor], hq: int, hk: int, d: int, bs: int, rand,
+                         cache_dtype: torch.dtype) -> bool:
     """Three sequences computed (a) each alone as one prefill chunk (of 5 to 4 blocks + 6 rows), (b)
     together: chunked, batched with decodes, and two of them finishing in a decode-only step; every row's
     output must be the same bits. On CPU this measures the kernel path (attention_backend), with both of
@@ -543,7 +608,7 @@ def _attention_invariant(kern: Kernels, hq: int, hk: int, d: int, bs: int, rand,
                 t[i, :len(tables[s])] = tables[s]
             meta.decode_block_tables, meta.decode_max_ctx = t.to(dev), max(p + 1 for _, p in decodes)
             meta.decode_ctx_lens = torch.tensor([p + 1 for _, p in decodes], device=dev)
-        out = kern.paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), *cache, meta, d**-0.5)
+        out = attend(torch.cat(qs), torch.cat(ks), torch.cat(vs), *cache, meta, d**-0.5)
         sizes = [1] * len(decodes) + [b - a for _, a, b in chunks]
         return list(out.split(sizes))
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ascend_ops import batch_invariant as bi
 from ascend_ops import cpu_kernels, ops
-from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check, silu_and_mul
+from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check
 from bench import batch_invariance as bench
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
 from tests.fixtures_models import smollm2_dir  # noqa: F401
@@ -68,28 +68,55 @@ def test_plain_f_linear_is_not_batch_invariant_in_fp32_on_this_cpu():
     assert not all(same(rows[0], r) for r in rows[1:])
 
 
+ACTIVATIONS = {  # Kernels op -> f(rows [T, 2 * width]) of the invariant set (gpt-oss's limit 7.0 as released)
+    "silu_and_mul": lambda k, w: lambda x: k.silu_and_mul(x[:, :w], x[:, w:]),
+    "gelu_tanh_and_mul": lambda k, w: lambda x: k.gelu_tanh_and_mul(x[:, :w], x[:, w:]),
+    "clamped_swiglu": lambda k, w: lambda x: k.clamped_swiglu(x, 1.702, 7.0),
+    "tanh": lambda k, w: lambda x: k.tanh(x[:, :w] / 30.0) * 30.0,  # Gemma 3's logit cap
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [160, 48, 1536])
-def test_silu_and_mul_rows_are_the_same_bits_when_a_thread_split_falls_inside_them(dtype, width):
+@pytest.mark.parametrize("op", list(ACTIVATIONS))
+def test_activation_rows_are_the_same_bits_when_a_thread_split_falls_inside_them(op, dtype, width):
     """torch splits an elementwise op of >= 32768 elements between threads at an element index, and runs the
     scalar kernel on each part's tail: a row cut by the split used to get other SiLU bits than alone (the
-    cause of issue 12's 1-in-4 failure of the alone-vs-mixed HTTP test)."""
+    cause of issue 12's 1-in-4 failure of the alone-vs-mixed HTTP test); F.gelu (Gemma 3) and sigmoid
+    (gpt-oss's SwiGLU) have the same two kernels that differ, tanh (Gemma 3's logit cap) may."""
+    f = ACTIVATIONS[op](INVARIANT, width)
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(2 * 32768 // width + 9, 2 * width, generator=g) * 4).to(dtype)
-    for n in range(32768 // width + 1, x.shape[0], 2):  # odd counts: two threads split row n // 2
-        full = silu_and_mul(x[:n, :width], x[:n, width:])
+    for n in list(range(32768 // width + 1, x.shape[0], 2))[:40]:  # odd counts: two threads split row n // 2
+        full = f(x[:n])
         for j in (0, n // 2, n - 1):
-            assert same(full[j:j + 1], silu_and_mul(x[j:j + 1, :width], x[j:j + 1, width:])), (n, j)
+            assert same(full[j:j + 1], f(x[j:j + 1])), (n, j)
+
+
+def test_invariant_activations_equal_hfs_within_float_rounding():
+    """The exp forms of ascend_ops.invariant_activations against the default ones (HF's expressions), fp32."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 320, generator=g) * 6
+    for op in ("gelu_tanh_and_mul", "clamped_swiglu", "tanh"):
+        got, want = ACTIVATIONS[op](INVARIANT, 160)(x), ACTIVATIONS[op](DEFAULT, 160)(x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), op
+    big = torch.tensor([[1e30, -1e30, 100.0, -100.0, 0.0, -0.0]])
+    assert INVARIANT.tanh(big).tolist() == [[1.0, -1.0, 1.0, -1.0, 0.0, 0.0]]
+    assert same(INVARIANT.gelu_tanh_and_mul(big, torch.ones_like(big)), torch.tensor([[1e30, -0., 100., -0., 0., -0.]]))
 
 
 def _plain_silu_rows_differ() -> bool:
     """Whether the default F.silu gives a row that a thread split cuts other bits than the row alone, on this
     CPU (measured: yes with AVX-512 (Zen 4, Xeon), where a thread's tail is computed another way; no on an
     AVX2-only EPYC (Zen 3))."""
+    return not _rows_alike(lambda x: ops.silu_and_mul(x[:, :160], x[:, 160:]))
+
+
+def _rows_alike(f) -> bool:
+    """Whether f gives the row a two-thread split cuts the bits it gives that row alone (fp32, [T, 320])."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(420, 320, generator=g) * 4
-    rows = [(ops.silu_and_mul(x[:n, :160], x[:n, 160:])[n // 2], x[n // 2:n // 2 + 1]) for n in range(205, 420, 2)]
-    return not all(same(r, ops.silu_and_mul(a[:, :160], a[:, 160:])[0]) for r, a in rows)
+    return all(same(f(x[:n])[n // 2], f(x[n // 2:n // 2 + 1])[0]) for n in range(205, 420, 2))
 
 
 def test_plain_f_silu_is_not_batch_invariant_in_fp32_on_this_cpu():
@@ -162,7 +189,8 @@ def _load(folder: Path, dtype: torch.dtype, kern):
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("bi")
-    return {a: make_tiny_checkpoint(a, root / a) for a in ("llama", "qwen3_moe", "qwen2_moe", "glm4_moe")}
+    return {a: make_tiny_checkpoint(a, root / a) for a in ("llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "gemma3",
+                                                           "gpt_oss")}
 
 
 def _three_ways(model, prompt: list[int], steps: int):
@@ -196,9 +224,13 @@ def _three_ways(model, prompt: list[int], steps: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# qwen2_moe: sliding windows and a shared expert; glm4_moe: an fp32 grouped sigmoid router, partial rotary
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe", "glm4_moe"])
+# qwen2_moe: sliding windows and a shared expert; glm4_moe: an fp32 grouped sigmoid router, partial rotary;
+# gemma3: GELU, sliding layers around a global one, the logit soft-cap; gpt-oss: sinks, alternating windows,
+# biased transposed experts with the clamped SwiGLU
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "gemma3", "gpt_oss"])
 def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(tiny_folders, arch, dtype, backend):
+    if arch == "gpt_oss" and backend == "kernel":
+        pytest.skip("gpt-oss's sink attention is the torch path whatever the process's choice")
     model = _load(tiny_folders[arch], dtype, INVARIANT)
     prompt = random_prompt(13, model.cfg.vocab_size, 1)
     alone, mixed, prefilled, alone_routes, full_routes = _three_ways(model, prompt, 10)
@@ -206,6 +238,23 @@ def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(ti
     assert same(alone, prefilled), "a position computed in a prefill differs from the same position decoded"
     if alone_routes is not None:  # routed experts of the prompt: alone vs inside the long prefill
         assert torch.equal(alone_routes, torch.stack(full_routes, 1)[:len(prompt)])
+
+
+def test_gpt_oss_experts_copy_follows_a_weight_update(tiny_folders):
+    """Under --batch-invariant gpt-oss multiplies its experts on a cached [E, out, in] copy (Kernels.experts_nk):
+    after an update of the experts by their HF names the model computes what one loaded with the new weights
+    does, bit for bit (the copy of the old values is dropped, not read)."""
+    folder = tiny_folders["gpt_oss"]
+    model = _load(folder, torch.float32, INVARIANT)
+    prompt = random_prompt(9, model.cfg.vocab_size, 1)
+    before = PagedRunner(model, num_blocks=32, block_size=4).step(prefills=[(0, prompt)])
+    new = {n: w * 1.5 if ".experts." in n else w for n, w in iter_safetensors(folder)}
+    model.load_weights((n, w) for n, w in new.items() if ".experts." in n)
+    after = PagedRunner(model, num_blocks=32, block_size=4).step(prefills=[(0, prompt)])
+    fresh = build_model(load_hf_config(folder), torch.float32, "cpu", kernels=INVARIANT)
+    fresh.load_weights(new.items())
+    assert not same(after, before)
+    assert same(after, PagedRunner(fresh, num_blocks=32, block_size=4).step(prefills=[(0, prompt)]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -225,10 +274,18 @@ def test_a_prefill_gets_the_same_bits_in_a_step_large_enough_for_threads_to_spli
 
 
 def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_folders, backend):
-    for arch in ("llama", "qwen3_moe"):
+    for arch, act in (("llama", "silu_and_mul"), ("qwen3_moe", "silu_and_mul"), ("gemma3", "gelu_tanh_and_mul"),
+                      ("gpt_oss", "clamped_swiglu")):
         checked = self_check(_load(tiny_folders[arch], torch.float32, INVARIANT), block_size=16)
-        assert {"linear", "paged_attention", "rms_norm", "rotary", "log_softmax"} <= set(checked)
-        assert ("moe" in checked) == (arch == "qwen3_moe")
+        assert {"linear", "paged_attention", "rms_norm", "rotary", "log_softmax", act} <= set(checked)
+        assert ("moe" in checked) == (arch in ("qwen3_moe", "gpt_oss"))
+        assert ("tanh" in checked) == (arch == "gemma3")  # its logit soft-cap
+    # HF's GELU (F.gelu) and gpt-oss's sigmoid: their kernels give a row cut by a thread split other bits
+    for arch, op in (("gemma3", "gelu_tanh_and_mul"), ("gpt_oss", "clamped_swiglu")):
+        plain = dataclasses.replace(INVARIANT, **{op: getattr(ops, op)})
+        if torch.get_num_threads() >= 2 and not _rows_alike(ACTIVATIONS[op](plain, 160)):
+            with pytest.raises(BatchInvarianceUnavailable, match=rf"the {op} \[\d+\] kernel"):
+                self_check(_load(tiny_folders[arch], torch.float32, plain), block_size=16)
     # plain F.linear (not padded, not packed: what default mode ran before it packed weights) is not
     with pytest.raises(BatchInvarianceUnavailable, match=r"cpu \(float32\): the linear \[64 -> 1000\] kernel"):
         self_check(_load(tiny_folders["llama"], torch.float32, dataclasses.replace(INVARIANT, linear=F.linear)),
@@ -243,6 +300,21 @@ def test_self_check_passes_the_invariant_kernels_and_names_what_is_not(tiny_fold
             self_check(plain_silu, block_size=16)
     else:
         assert "silu_and_mul" in self_check(plain_silu, block_size=16)
+
+
+def test_the_docs_table_of_architectures_says_which_run_invariant():
+    """docs/batch-invariance.md lists every registered architecture once, "yes" exactly where the code builds
+    it on the invariant kernels (no `no_batch_invariance` refusal)."""
+    import re
+
+    from workers.models.registry import ARCHITECTURES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "batch-invariance.md").read_text()
+    section = text.split("## Which architectures", 1)[1].split("\n## ", 1)[0]
+    rows = {a: cells[1].strip().startswith("yes") for line in section.splitlines()
+            if line.startswith("| `") and (cells := line.strip("|").split("|"))
+            for a in re.findall(r"`(\w+)`", cells[0])}
+    assert rows == {a: not cls.no_batch_invariance for a, cls in ARCHITECTURES.items()}
 
 
 # --- flags -----------------------------------------------------------------------------------------
@@ -279,30 +351,35 @@ def test_serve_refuses_at_start_up(tmp_path, env, args, message):
 
 # --- end to end ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, smollm2_dir):  # noqa: F811
+# qwen3_moe: routed experts compared too; gemma3 and gpt_oss (slow: two servers each, about 2 min): mixed-window
+# models, whose sliding layers read their own block tables (engine.window_blocks), freed behind the window,
+# preempted and hit in the cache
+@pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("gemma3", marks=pytest.mark.slow),
+                                        pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def servers(request, tmp_path_factory, smollm2_dir):  # noqa: F811
     work = tmp_path_factory.mktemp("bi-serve")
-    folder = tiny_model_with_tokenizer("qwen3_moe", work / "moe", smollm2_dir, vocab_size=49152)
+    folder = tiny_model_with_tokenizer(request.param, work / request.param, smollm2_dir, vocab_size=49152)
     wide, narrow = bench.start_pair(work, str(folder), "float32", ("--enable-return-routed-experts",),
                                     max_model_len=64)
-    yield wide, narrow
+    yield request.param, wide, narrow
     wide.stop()
     narrow.stop()
 
 
 def test_requests_alone_and_mixed_preempted_cached_and_recomputed_are_bitwise_equal(servers):
-    wide, narrow = servers
+    arch, wide, narrow = servers
     bodies = bench.make_requests(12, 12, 49152)
     result = bench.check(wide.url, narrow.url, bodies)
     assert result == {"mixed": [], "chunked_preempted": [], "recompute": [], "alone_twice": []}
     assert metric(narrow, "vllm:num_preemptions_total") > 0  # the tiny KV cache did preempt
     assert metric(wide, "vllm:prefix_cache_hits_total") > 0  # and the shared prefix was read from the cache
-    moe = bench.normalise(bench.asyncio.run(bench.run(wide.url, bodies[:1], together=False))[0])
-    assert moe["routed_experts"], "routed experts are part of what is compared"
+    first = bench.normalise(bench.asyncio.run(bench.run(wide.url, bodies[:1], together=False))[0])
+    assert bool(first["routed_experts"]) == (arch != "gemma3"), "routed experts are part of what is compared"
 
 
 def test_server_info_reports_invariance(servers):
-    info = httpx.get(servers[0].url + "/server_info", timeout=30).json()
+    arch, wide, _ = servers
+    info = httpx.get(wide.url + "/server_info", timeout=30).json()
     assert info["determinism"] == {"batch_invariant": True, "training_consistency": False,
                                    "source": "rl_config.enable_batch_invariant", "batch_invariant_active": True}
     (worker,) = info["workers"].values()

@@ -63,8 +63,7 @@ def test_new_archs_served_equal_hf_with_prompt_logprobs_routes_and_a_prefix_hit(
     YaRN and that router (DeepSeek-V3), attention sinks with alternating windows and the clamped-SwiGLU experts
     (gpt-oss). 4 concurrent requests of 32 greedy tokens: tokens equal HF's, every sampled and prompt logprob
     within 1e-4, routed experts HF's at every position and MoE layer; then the longest prompt again, alone and
-    served from the prefix cache, gives the same bits (the server runs batch invariant; gpt-oss does not yet,
-    so its prefix hit is checked against HF instead)."""
+    served from the prefix cache, gives the same bits (the server runs batch invariant)."""
     import base64
     import io
 
@@ -78,10 +77,9 @@ def test_new_archs_served_equal_hf_with_prompt_logprobs_routes_and_a_prefix_hit(
     prompts = [[(17 * i + 3 * j * j) % 900 + 3 for j in range(6 + 7 * i)] for i in range(4)]
     from bench.batch_invariance import INVARIANT_CONFIG
 
-    invariant = arch != "gpt_oss"
     s = start_server(tmp_path, str(folder), "--block-size", "4", "--max-num-batched-tokens", "16",
                      "--max-model-len", "256", "--enable-return-routed-experts",
-                     *(("--additional-config", INVARIANT_CONFIG) if invariant else ()))
+                     "--additional-config", INVARIANT_CONFIG)
     body = {"model": str(folder), "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
     try:
@@ -100,11 +98,7 @@ def test_new_archs_served_equal_hf_with_prompt_logprobs_routes_and_a_prefix_hit(
         again = httpx.post(s.url + "/v1/completions", timeout=120, json={**body, "prompt": prompts[3]}).json()
     finally:
         s.stop()
-    if invariant:
-        assert again["choices"][0]["logprobs"] == got[3]["logprobs"], "a prefix-cache hit changed the output"
-    else:
-        assert again["choices"][0]["logprobs"]["tokens"] == got[3]["logprobs"]["tokens"]
-        got[4], prompts = again["choices"][0], prompts + [prompts[3]]  # checked against HF below
+    assert again["choices"][0]["logprobs"] == got[3]["logprobs"], "a prefix-cache hit changed the output"
     for i, p in enumerate(prompts):
         c = got[i]
         ids = [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]

@@ -9,6 +9,8 @@
   `["full_attention"]`; the global one may be linearly scaled).
 - The MLP's activation is GELU (tanh approximation); `final_logit_softcapping` caps the logits with
   cap * tanh(logits / cap). `attn_logit_softcapping` is refused (Gemma 3 checkpoints leave it unset).
+- Both go through the model's Kernels (`gelu_tanh_and_mul`, `tanh`): HF's expressions by default, the
+  row-invariant forms of ascend_ops.invariant_activations under --batch-invariant.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ascend_ops.attention import AttentionMetadata
@@ -62,7 +63,7 @@ class Gemma3Config(DecoderConfig):
 class GeluMLP(MLP):
     def forward(self, x: torch.Tensor, routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
         gu = self.kern.linear(x, self.gate_up_proj.weight)
-        h = F.gelu(gu[:, : self.i], approximate="tanh") * gu[:, self.i :]
+        h = self.kern.gelu_tanh_and_mul(gu[:, : self.i], gu[:, self.i :])
         if self.tp.size == 1:
             return self.kern.linear(h, self.down_proj.weight)
         return _reduce(self.tp, self.kern.linear(h, self.down_proj.weight), None)
@@ -93,7 +94,7 @@ class Gemma3Layer(nn.Module):
 class Gemma3LM(DecoderLM):
     config_class = Gemma3Config
     layer_class = Gemma3Layer
-    no_batch_invariance = "its GELU has no row-invariant kernel here"
+    activation = "gelu_tanh_and_mul"
     cfg: Gemma3Config
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
@@ -125,4 +126,4 @@ class Gemma3LM(DecoderLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)
         cap = self.cfg.final_softcap
-        return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap
+        return logits if logits is None or cap is None else self.kern.tanh(logits / cap) * cap

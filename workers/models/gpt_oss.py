@@ -3,7 +3,8 @@ gpt-oss differences, and its own MoE block.
 
 - Attention: q/k/v/o biases, `layer_types` alternating sliding-window and full layers, YaRN rope, and a
   learned sink logit per query head (`self_attn.sinks`): it joins each row's softmax denominator and
-  contributes no value (ascend_ops.batch_invariant.sink_attention, the portable path, in both modes).
+  contributes no value (ascend_ops.batch_invariant.sink_attention, the portable path, in both modes: each
+  query row computed alone, so batch-invariant as it is).
 - MoE (`mlp.router`, `mlp.experts`, HF's in-memory and checkpoint layout): router logits with a bias, top-k
   of the logits, softmax over those k; experts stored transposed, gate_up_proj [E, H, 2I] with gate and up
   interleaved in its columns (gate = even, up = odd) and biases; the clamped SwiGLU
@@ -12,7 +13,11 @@ gpt-oss differences, and its own MoE block.
   range) and rank 0 adds the down bias, so the all-reduce adds it once.
 - The MXFP4 checkpoints (`quantization_config` mxfp4, as OpenAI publishes gpt-oss) are dequantised as they are
   read (workers/models/mxfp4.py); the model itself only ever holds bf16 / fp32 experts.
-- `--batch-invariant` is refused (its experts' products and activation have no row-invariant kernels here).
+- Every product goes through the model's Kernels (`linear`, on `experts_nk`'s [E, out, in] of an expert's
+  weight: a view by default, a cached contiguous copy under --batch-invariant; the bias added after the
+  product, as HF does) and so does the activation (`clamped_swiglu`): under --batch-invariant each
+  expert's GEMMs give a row the same bits whatever number of tokens chose it, and the activation is
+  ascend_ops.invariant_activations' (HF's sigmoid is not row-invariant on CPU).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class GptOssMoE(nn.Module):
         self.router.weight = _param(e, h, **kw)
         self.router.bias = _param(e, **kw)
         self.experts = nn.Module()
+        self.experts.transposed = True  # [E, in, out]: multiplied as kern.experts_nk's [E, out, in]
         self.experts.gate_up_proj = _param(e, h, 2 * i, **kw)
         self.experts.gate_up_proj_bias = _param(e, 2 * i, **kw)
         self.experts.down_proj = _param(e, i, h, **kw)
@@ -91,8 +97,15 @@ class GptOssMoE(nn.Module):
         weights, ids = self.route(x)
         if routed_experts is not None:
             routed_experts.append(ids)
+        y = self.local_experts(x, weights, ids)
+        return y if self.tp.size == 1 else _reduce(self.tp, y, None)
+
+    def local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of sum_k weights[:, k] * expert_{ids[:, k]}(x) [T, H], before the all-reduce (the
+        start-up self-check measures it)."""
         T, k = ids.shape
-        ex, limit, alpha = self.experts, self.cfg.swiglu_limit, self.cfg.swiglu_alpha
+        ex, kern, limit, alpha = self.experts, self.kern, self.cfg.swiglu_limit, self.cfg.swiglu_alpha
+        gate_up, down = kern.experts_nk(ex.gate_up_proj), kern.experts_nk(ex.down_proj)  # [E, out, in]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one GEMM each
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
@@ -102,23 +115,21 @@ class GptOssMoE(nn.Module):
         for e, n in enumerate(counts):
             if not n:
                 continue
-            gu = xs[start:start + n] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # as HF: product, then bias
-            gate, up = gu[:, ::2].clamp(max=limit), gu[:, 1::2].clamp(-limit, limit)
-            h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
-            d = h @ ex.down_proj[e]
+            # as HF: product, then bias
+            gu = kern.linear(xs[start:start + n], gate_up[e]) + ex.gate_up_proj_bias[e]
+            d = kern.linear(kern.clamped_swiglu(gu, alpha, limit), down[e])
             out[start:start + n] = d + ex.down_proj_bias[e] if self.tp.rank == 0 else d
             start += n
         pairs = torch.empty_like(out)
         pairs[order] = out  # back to (token, slot) order: each token sums its own k products
-        y = (pairs.view(T, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
-        return y if self.tp.size == 1 else _reduce(self.tp, y, None)
+        return (pairs.view(T, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
 class GptOssLM(MoEDecoderLM):
     config_class = GptOssConfig
     layer_class = SinkLayer
     sparse_class = GptOssMoE
-    no_batch_invariance = "its experts' clamped SwiGLU has no row-invariant kernel here"
+    activation = "clamped_swiglu"
     cfg: GptOssConfig
 
     def _weight_targets(self) -> WeightMap:

@@ -240,6 +240,7 @@ class DecoderLM(nn.Module):
     config_class: type[DecoderConfig] = DecoderConfig
     layer_class: type[nn.Module] = DecoderLayer
     no_batch_invariance: str | None = None  # why --batch-invariant is refused for this family (None: it runs)
+    activation = "silu_and_mul"  # the Kernels op of its MLPs / experts (the start-up self-check measures it)
 
     def __init__(
         self,
