@@ -459,7 +459,7 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
         ones = torch.ones(h, device=dev, dtype=dtype)
         if not _rows_invariant(lambda x: kern.rms_norm(x, ones, cfg.rms_norm_eps), rand(67, h), small):
             raise fail("rms_norm")
-        for i in {cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)}:
+        for i in {cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", 0) or cfg.intermediate_size}:
             def act(x: torch.Tensor) -> torch.Tensor:
                 return kern.silu_and_mul(x[:, :i], x[:, i:])
 
@@ -499,6 +499,10 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
             impl = attention_implementation(dev.type, dtype, cache_dtype) if kern.batch_invariant else kern.name
             raise fail(f"paged attention ({impl})")
         checked.append("paged_attention")
+        for op, invariant in getattr(model, "invariance_checks", lambda rand: ())(rand):
+            if not invariant():  # a model's own layers (a hybrid's Gated DeltaNet): (op, its measurement)
+                raise fail(op)
+            checked.append(op)
     return checked
 
 

@@ -1,15 +1,14 @@
 """The recurrent-state pool of hybrid models (Qwen3-Next / Qwen3.5) and its contract: one budget with the KV
 blocks (refused at start-up when it cannot hold --max-num-seqs slots and a block), one slot per running sequence
 handed out by the scheduler and given back on preemption and finish, a fresh slot zeroed, a row that would
-resume from another position's state refused (never a silently wrong result), --batch-invariant and -tp
-refused by name; and the Qwen3.5 text variants (split projections, dense and MoE) equal HF."""
+resume from another position's state refused (never a silently wrong result), -tp refused by name; and the
+Qwen3.5 text variants (split projections, dense and MoE) equal HF. Batch invariance: test_hybrid_invariance.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ascend_ops.batch_invariant import kernels
 from ascend_ops.platform import current_platform
 from ascend_ops.tp_group import Layout
 from bus.messages import NewSeq, StepPlan
@@ -102,9 +101,7 @@ def test_a_fresh_slot_is_zeroed_and_a_row_cannot_resume_from_another_positions_s
 
 
 @pytest.mark.unit
-def test_batch_invariance_and_tensor_parallelism_are_refused_naming_the_model() -> None:
-    with pytest.raises(NotImplementedError, match="Qwen3NextForCausalLM: --batch-invariant is not supported"):
-        build_model(_cfg(), torch.float32, "meta", kernels=kernels(True))
+def test_tensor_parallelism_is_refused_naming_the_model() -> None:
     with pytest.raises(NotImplementedError, match="Qwen3NextForCausalLM: --tensor-parallel-size 2"):
         build_model(_cfg(), torch.float32, "meta", tp=Layout(0, 2))
 
