@@ -25,12 +25,11 @@ class CacheConfig:
     kv_events_config: KVEventsConfig | None = None  # vLLM's (engine.kv_events, docs/fleet.md); None: no flag
 
 
-def prefix_caching_on(cache: CacheConfig, state_slots: int) -> bool:
+def prefix_caching_on(cache: CacheConfig, state_slots: int, state_checkpoints: int) -> bool:
     """Whether the engine caches prefixes: as the flag says, except for a hybrid model (one whose workers hold
-    recurrent-state slots), whose Gated DeltaNet state is not checkpointed at block boundaries, so a prefix
-    hit could not be resumed; vLLM turns it off for such models too. The scheduler acts on it and
-    /server_info reports it."""
-    return cache.enable_prefix_caching and not state_slots
+    recurrent-state slots) whose workers have no room for recurrent-state checkpoints (engine.state_checkpoints):
+    a prefix hit could not be resumed there. The scheduler acts on it and /server_info reports it."""
+    return cache.enable_prefix_caching and (not state_slots or state_checkpoints > 0)
 
 
 JSON_FLAGS = {"kv_events_config": (parse_kv_events_config, lambda c: json.dumps(dataclasses.asdict(c)))}
