@@ -28,8 +28,8 @@ the products are batched GEMMs of one shape whatever the batch (`gdn_invariant`,
 self-check, measures it on the device). So a sequence's tokens and logprobs are the same bits alone, in any
 batch, prefilled in any chunks or decoded.
 
-Not supported (refused at start-up by name): -tp > 1, and prefix caching (no state checkpoints at block
-boundaries; the scheduler turns it off).
+Prefix caching resumes a hit from a recurrent-state checkpoint (engine/state_checkpoints.py). Not supported
+(refused at start-up by name): -tp > 1.
 """
 
 from __future__ import annotations
