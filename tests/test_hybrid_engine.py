@@ -110,3 +110,48 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
     lp, _ = hf_routes(fresh, prompts[3] + ids)
     want = [lp[len(prompts[3]) - 1 + k, t].item() for k, t in enumerate(ids)]
     assert max(abs(a - b) for a, b in zip(again["logprobs"]["token_logprobs"], want)) < 1e-4
+
+
+@pytest.mark.slow
+def test_qwen3_next_with_tp2_serves_what_tp1_does_and_updates_every_shard(tmp_path):
+    """-tp 2 splits the linear-attention heads (and the attention heads, experts, vocabulary): greedy tokens and
+    logprobs of a chunked prompt equal -tp 1's (fp32 noise), a repeated prompt hits the prefix cache on both,
+    and a weight update by HF names reaches both shards (/weight_checker)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import WeightSyncClient
+    from tests.test_tensor_parallel import _free_port
+    from tests.tiny_models import make_tiny_checkpoint
+    from workers.models.checkpoint import load_hf_config
+    from workers.models.registry import shard_checksums
+
+    folder = make_tiny_checkpoint("qwen3_next", tmp_path / "qwen3_next")
+    prompt = [(17 * j + 5) % 900 + 3 for j in range(29)]
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 0,
+                                                     "ignore_eos": True}}
+    out = {}
+    for tp in (1, 2):
+        s = start_server(tmp_path, "--model", str(folder), "-tp", str(tp), "--master-port", str(_free_port()),
+                         "--block-size", "4", "--max-model-len", "128", "--max-num-batched-tokens", "16",
+                         "--tokens-only", "--additional-config", '{"rl_config": {"enabled": true}}',
+                         "--weight-transfer-config", json.dumps({"backend": "ipc", "timeout_s": 30}),
+                         env={"VLLM_SERVER_DEV_MODE": "1"}, timeout_s=400)
+        try:
+            runs = [httpx.post(s.url + "/inference/v1/generate", json=body, timeout=120).json() for _ in range(2)]
+            hits = metric(s, "vllm:prefix_cache_hits_total")
+            if tp == 2:
+                hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+                perturb(hf)
+                with WeightSyncClient(s.url, backend="ipc") as client:
+                    client.send_weights(hf.state_dict().items(), version="v1")
+                baseline = shard_checksums(load_hf_config(folder), hf.state_dict().items(), 2)  # per shard
+                check = httpx.post(s.url + "/weight_checker", timeout=60,
+                                   json={"action": "compare", "baseline": baseline}).json()
+        finally:
+            s.stop()
+        out[tp] = [(r["choices"][0]["token_ids"], [e["logprob"] for e in r["choices"][0]["logprobs"]["content"]])
+                   for r in runs]
+        assert hits == 28, f"-tp {tp}: the repeated prompt resumes at its last full block"
+    assert out[1][0][0] == out[2][0][0] == out[2][1][0]
+    assert max(abs(a - b) for a, b in zip(out[1][0][1], out[2][1][1])) < 1e-4
+    assert check == {"match": True, "mismatches": []}

@@ -1,7 +1,8 @@
 """The recurrent-state pool of hybrid models (Qwen3-Next / Qwen3.5) and its contract: one budget with the KV
 blocks (refused at start-up when it cannot hold --max-num-seqs slots and a block), one slot per running sequence
 handed out by the scheduler and given back on preemption and finish, a fresh slot zeroed, a row that would
-resume from another position's state refused (never a silently wrong result), -tp refused by name; and the
+resume from another position's state refused (never a silently wrong result), -tp splitting the linear heads
+or refused naming them; and the
 Qwen3.5 text variants (split projections, dense and MoE) equal HF. Batch invariance: test_hybrid_invariance.py."""
 
 from __future__ import annotations
@@ -101,9 +102,14 @@ def test_a_fresh_slot_is_zeroed_and_a_row_cannot_resume_from_another_positions_s
 
 
 @pytest.mark.unit
-def test_tensor_parallelism_is_refused_naming_the_model() -> None:
-    with pytest.raises(NotImplementedError, match="Qwen3NextForCausalLM: --tensor-parallel-size 2"):
-        build_model(_cfg(), torch.float32, "meta", tp=Layout(0, 2))
+def test_tensor_parallelism_splits_the_linear_heads_or_is_refused_naming_them() -> None:
+    half = build_model(_cfg(), torch.float32, "meta", tp=Layout(1, 2))
+    full = build_model(_cfg(), torch.float32, "meta")
+    assert half.state_spec.recurrent[0] * 2 == full.state_spec.recurrent[0]  # half the value heads' state
+    assert half.state_spec.conv[0] * 2 == full.state_spec.conv[0]
+    with pytest.raises(NotImplementedError, match="4 does not divide the model's 2 linear-attention heads "
+                                                  "\\(linear_num_key_heads\\)"):
+        build_model(_cfg(), torch.float32, "meta", tp=Layout(0, 4))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])

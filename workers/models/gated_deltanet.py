@@ -5,6 +5,7 @@ with the start-up measurement that it is invariant (`gdn_invariant`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,8 +15,10 @@ from torch import nn
 from ascend_ops import batch_invariant as bi
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.tp_group import SOLO, Solo
 from workers.models.llama import _param
 from workers.models.moe import invariant_sigmoid
+from workers.models.weight_map import Split
 
 if TYPE_CHECKING:
     from workers.models.qwen3_next import HybridConfig
@@ -85,9 +88,11 @@ def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 class GatedDeltaNet(nn.Module):
     """HF's `linear_attn` (module docstring), for a flattened batch of decodes and prefill chunks."""
 
-    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
+    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
+                 tp: Solo = SOLO) -> None:
+        """`cfg` holds this tp rank's heads (`local_heads`); out_proj's partial products are all-reduced."""
         super().__init__()
-        self.kern, self.cfg = kern, cfg
+        self.kern, self.cfg, self.tp = kern, cfg, tp
         hk, hv, dk, dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
         self.key_dim, self.value_dim = hk * dk, hv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -171,7 +176,8 @@ class GatedDeltaNet(nn.Module):
         of = out.to(dtype).float()
         normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(dtype)
         gated = (self.norm.weight * normed).float() * silu(z.float())
-        return self.kern.linear(gated.to(dtype).reshape(out.shape[0], -1), self.out_proj.weight)
+        out = self.kern.linear(gated.to(dtype).reshape(out.shape[0], -1), self.out_proj.weight)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
     def _rowwise(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
                  state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -219,6 +225,33 @@ class GatedDeltaNet(nn.Module):
             r = c.lin_v_heads // c.lin_k_heads
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         return q * c.lin_k_dim ** -0.5, k, v.reshape(n, c.lin_v_heads, c.lin_v_dim)
+
+
+def local_heads(cfg: HybridConfig, size: int) -> HybridConfig:
+    """The config of one tp rank's Gated DeltaNet layers: its share of the key and value heads (value heads go with
+    their key head, r = Hv / Hk of them, so rank r holds key heads [r Hk/N, (r+1) Hk/N) and their value heads)."""
+    return dataclasses.replace(cfg, lin_k_heads=cfg.lin_k_heads // size, lin_v_heads=cfg.lin_v_heads // size)
+
+
+def tp_splits(cfg: HybridConfig, rank: int, size: int) -> dict[str, Split]:
+    """Which part of each full Gated DeltaNet tensor (by its name under `linear_attn`) tp rank `rank` of `size`
+    holds. The convolution's channels and Qwen3.5's in_proj_qkv are [q | k | v] (all key heads' q, then k, then
+    the value heads' v); Qwen3-Next's in_proj_qkvz / in_proj_ba hold each key head's [q, k, v.., z..] / [b.., a..]
+    together; out_proj's input columns are the value heads'."""
+    hk, hv, dk, dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    nk, nv = hk // size, hv // size
+    k0, v0, r = rank * nk, rank * nv, hv // hk
+    qkv = Split(0, 2 * hk * dk + hv * dv, ((k0 * dk, nk * dk), (hk * dk + k0 * dk, nk * dk),
+                                           (2 * hk * dk + v0 * dv, nv * dv)))
+    heads = Split(0, hv, ((v0, nv),))
+    out = {"conv1d.weight": qkv, "dt_bias": heads, "A_log": heads,
+           "out_proj.weight": Split(1, hv * dv, ((v0 * dv, nv * dv),))}
+    if cfg.split_proj:
+        return {**out, "in_proj_qkv.weight": qkv, "in_proj_z.weight": Split(0, hv * dv, ((v0 * dv, nv * dv),)),
+                "in_proj_b.weight": heads, "in_proj_a.weight": heads}
+    per = 2 * dk + 2 * r * dv
+    return {**out, "in_proj_qkvz.weight": Split(0, hk * per, ((k0 * per, nk * per),)),
+            "in_proj_ba.weight": Split(0, hk * 2 * r, ((k0 * 2 * r, nk * 2 * r),))}
 
 
 def gdn_invariant(layer: GatedDeltaNet, rand) -> bool:

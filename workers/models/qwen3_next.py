@@ -28,8 +28,10 @@ the products are batched GEMMs of one shape whatever the batch (`gdn_invariant`,
 self-check, measures it on the device). So a sequence's tokens and logprobs are the same bits alone, in any
 batch, prefilled in any chunks or decoded.
 
-Prefix caching resumes a hit from a recurrent-state checkpoint (engine/state_checkpoints.py). Not supported
-(refused at start-up by name): -tp > 1.
+Prefix caching resumes a hit from a recurrent-state checkpoint (engine/state_checkpoints.py). Tensor
+parallelism splits the linear-attention heads (a key head with its value heads; gated_deltanet.tp_splits) as it
+splits the attention heads, out_proj and o_proj all-reduced; a -tp that does not divide linear_num_key_heads
+or linear_num_value_heads is refused naming them (tp_layout.layout_error).
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ from ascend_ops.attention import AttentionMetadata
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.decoder_config import DecoderConfig, check_layer_types
-from workers.models.gated_deltanet import GatedDeltaNet, gdn_invariant
+from workers.models.gated_deltanet import GatedDeltaNet, gdn_invariant, local_heads, tp_splits
 from workers.models.llama import MLP, Attention, DecoderLM, KVSpec, _param
 from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE, invariant_sigmoid
-from workers.models.tp_layout import Shard
-from workers.models.weight_map import WeightMap
+from workers.models.tp_layout import Shard, layout_error
+from workers.models.weight_map import Split, WeightMap
 
 
 class StateSpec(NamedTuple):
@@ -130,7 +132,8 @@ class GatedAttention(Attention):
         o = self._attend(q, k, v.reshape(T, self.hk, d).contiguous(), kv, meta)
         sigmoid = invariant_sigmoid if kern.batch_invariant else torch.sigmoid
         o = o.reshape(T, self.hq * d) * sigmoid(gate.reshape(T, self.hq * d))
-        return kern.linear(o, self.o_proj.weight)
+        out = kern.linear(o, self.o_proj.weight)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
 class HybridLayer(nn.Module):
@@ -165,14 +168,14 @@ class HybridLM(MoEDecoderLM):
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
                  max_positions: int | None = None, kernels: Kernels = DEFAULT, tp: Solo = SOLO) -> None:
         if tp.size > 1:
-            arch = (hf_config.get("architectures") or ["?"])[0]
-            raise NotImplementedError(f"{arch}: --tensor-parallel-size {tp.size} is not supported for this hybrid "
-                                      f"model yet (its Gated DeltaNet layers are not sharded); use 1")
+            why = layout_error(hf_config, tp.size)
+            if why:
+                raise NotImplementedError(why)
         super().__init__(hf_config, dtype, device, max_positions, kernels, tp)
 
     def _make_layer(self, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         cfg, linear = self.cfg, i in self.cfg.linear_layers
-        mixer = (GatedDeltaNet(cfg, dtype, device, self.kern) if linear
+        mixer = (GatedDeltaNet(local_heads(cfg, self.tp.size), dtype, device, self.kern, self.tp) if linear
                  else GatedAttention(cfg, dtype, device, self.kern, self.shard, self.tp))
         return HybridLayer(cfg, self._make_mlp(i, dtype, device), mixer, linear, dtype, device, self.kern)
 
@@ -188,7 +191,8 @@ class HybridLM(MoEDecoderLM):
 
     @property
     def state_spec(self) -> StateSpec:
-        c = self.cfg
+        """One sequence's state on this tp rank (its share of the linear-attention heads)."""
+        c = local_heads(self.cfg, self.tp.size)
         conv = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim
         return StateSpec(len(c.linear_layers), (conv, c.conv_kernel - 1), (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim))
 
@@ -215,32 +219,33 @@ class HybridLM(MoEDecoderLM):
         return self.kern.rms_norm(x, self.model.norm.weight + 1.0, self.cfg.rms_norm_eps)
 
     def _weight_targets(self) -> WeightMap:
-        """Our own names are HF's, but q/k/v (fused qkv_proj: 2 * Hq * D rows of q_proj, then k, then v) and the
-        dense MLPs' gate/up."""
+        """Our own names are HF's, but q/k/v (fused qkv_proj: 2 * Hq * D rows of q_proj, q and gate per head, then
+        k, then v), the dense MLPs' gate/up and the experts'; under tp, this rank's part of each (tp_splits for
+        the Gated DeltaNet layers)."""
         t = WeightMap(n for n, _ in self.named_parameters())
-        c, d = self.cfg, self.cfg.head_dim
-        qd, kd = 2 * c.num_heads * d, c.num_kv_heads * d
+        c, sh, d = self.cfg, self.shard, self.cfg.head_dim
+        sharded = sh.size > 1
+        q_full, k_full, qd, kd = 2 * c.num_heads * d, c.num_kv_heads * d, 2 * sh.hq * d, sh.hk * d
+        q_part, k_part = (sh.q0 * 2 * d, qd), (sh.k0 * d, kd)
+        q_split = Split(0, q_full, (q_part,)) if sharded else None
+        k_split = Split(0, k_full, (k_part,)) if sharded else None
+        linear = tp_splits(c, sh.rank, sh.size) if sharded else {}
         for li, layer in enumerate(self.model.layers):
-            if not layer.linear:
+            if layer.linear:
+                for name, split in linear.items():
+                    t.split(f"model.layers.{li}.linear_attn.{name}", split)
+            else:
                 a = f"model.layers.{li}.self_attn"
-                t.add(f"{a}.q_proj.weight", f"{a}.qkv_proj.weight", 0, qd)
-                t.add(f"{a}.k_proj.weight", f"{a}.qkv_proj.weight", qd, kd)
-                t.add(f"{a}.v_proj.weight", f"{a}.qkv_proj.weight", qd + kd, kd)
+                t.split(f"{a}.qkv_proj.weight", sharded and Split(0, q_full + 2 * k_full, (
+                    q_part, (q_full + k_part[0], kd), (q_full + k_full + k_part[0], kd))) or None)
+                t.add(f"{a}.q_proj.weight", f"{a}.qkv_proj.weight", 0, qd, split=q_split)
+                t.add(f"{a}.k_proj.weight", f"{a}.qkv_proj.weight", qd, kd, split=k_split)
+                t.add(f"{a}.v_proj.weight", f"{a}.qkv_proj.weight", qd + kd, kd, split=k_split)
+                t.split(f"{a}.o_proj.weight", sharded and Split(1, c.num_heads * d, ((sh.q0 * d, sh.hq * d),)) or None)
             if isinstance(layer.mlp, MLP):
                 self._mlp_targets(t, f"model.layers.{li}.mlp", layer.mlp)
-        for li in c.sparse_layers:
-            m = f"model.layers.{li}.mlp"
-            i = c.moe_intermediate_size
-            for e in range(c.num_experts):
-                x = f"{m}.experts.{e}"
-                t.add(f"{x}.gate_proj.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e)
-                t.add(f"{x}.up_proj.weight", f"{m}.experts.gate_up_proj", i, i, expert=e)
-                t.add(f"{x}.down_proj.weight", f"{m}.experts.down_proj", expert=e)
-            shared = self.model.layers[li].mlp.shared_expert
-            if shared is not None:
-                self._mlp_targets(t, f"{m}.shared_expert", shared)
-        if c.tie_word_embeddings:
-            t.alias("lm_head.weight", "model.embed_tokens.weight")
+        self._expert_targets(t)
+        self._vocab_targets(t)
         return t
 
     def skipped_weight(self, name: str) -> bool:
