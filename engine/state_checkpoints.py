@@ -6,7 +6,9 @@ kept at block boundaries the scheduler makes a prefill chunk end on, and a hit i
 matched block whose boundary has a checkpoint. Here that boundary is the end of each prompt's last full block
 (`checkpoint_boundary`: the position a later identical prompt's hit ends at, since a hit always leaves one
 prompt token to compute), so a prompt that comes back (GRPO's samples after the first round, a preempted
-request, the same system prompt + question) resumes there; a prefix shared only in part hits nothing.
+request, the same system prompt + question) resumes there; a prefix shared only in part hits nothing, unless
+--mamba-block-size N asks for checkpoints every N tokens of a prompt too (`next_checkpoint`), as vLLM's
+mamba blocks are: a shared system prompt then resumes at its last multiple of N.
 
 A checkpoint is a slot of the workers' checkpoint pool (workers.kv_cache: beside the running sequences'
 state slots, from the same memory budget), keyed by the hash of the block that ends at its boundary. It is
@@ -25,6 +27,19 @@ def checkpoint_boundary(num_prompt_tokens: int, block_size: int) -> int:
     """The position whose state is checkpointed for a prompt: the end of its last full block that a prefix hit
     can reach (match_prefix leaves the last prompt token to compute). 0: none (a prompt of one block or less)."""
     return (num_prompt_tokens - 1) // block_size * block_size
+
+
+def next_checkpoint(num_prompt_tokens: int, block_size: int, computed: int, every: int = 0) -> int:
+    """The first checkpoint boundary of a prompt after position `computed` (0: none left): every `every` tokens
+    (--mamba-block-size, 0: none) before its last full block, then that block's end (`checkpoint_boundary`)."""
+    last = checkpoint_boundary(num_prompt_tokens, block_size)
+    if computed >= last:
+        return 0
+    if every:
+        nxt = (computed // every + 1) * every
+        if nxt < last:
+            return nxt
+    return last
 
 
 class StateCheckpoints:

@@ -1,8 +1,9 @@
 """Prefix caching for hybrid models (Qwen3-Next / Qwen3.5): the Gated DeltaNet state is checkpointed at the end
 of each prompt's last full block (engine.state_checkpoints) and a prefix hit resumes from it. Policy units (the
 checkpoint pool, the hit cut back to a checkpointed block, the chunk cut at the boundary, the budget), then one
-batch-invariant server: a repeated prompt and a longer prompt sharing it hit the cache, and their tokens and
-logprobs are bitwise those of the same requests computed cold (a cache_salt that matches nothing)."""
+batch-invariant server (--mamba-block-size 8): a repeated prompt, a longer prompt containing it and one sharing
+only its first 17 tokens hit the cache, and their tokens and logprobs are bitwise those of the same requests
+computed cold (a cache_salt that matches nothing)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 
 from bus.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
+from engine.config import parse_config
 from engine.request import Sequence
 from engine.scheduler.policy import Scheduler
-from engine.state_checkpoints import StateCheckpoints, checkpoint_boundary
+from engine.state_checkpoints import StateCheckpoints, checkpoint_boundary, next_checkpoint
 from tests.server_helpers import metric, start_server
 from tests.tiny_models import hf_config_class, make_tiny_checkpoint
 from workers.kv_cache import plan_checkpoints
@@ -24,9 +26,9 @@ pytestmark = pytest.mark.timeout(300)
 ON = '{"rl_config": {"enabled": true, "enable_batch_invariant": true}}'
 
 
-def _sched(checkpoints: int, num_blocks: int = 64, budget: int = 64) -> Scheduler:
+def _sched(checkpoints: int, num_blocks: int = 64, budget: int = 64, every: int = 0) -> Scheduler:
     blocks = BlockManager(num_blocks, 4, checkpoints=StateCheckpoints(checkpoints))
-    return Scheduler(blocks, 4, budget, 256, state_slots=4)
+    return Scheduler(blocks, 4, budget, 256, state_slots=4, checkpoint_every=every)
 
 
 def _run(sched: Scheduler, seq: Sequence) -> list:
@@ -60,6 +62,22 @@ def test_a_prompt_checkpoints_its_last_full_block_and_a_repeat_resumes_there() -
     # a prompt sharing only its first 12 tokens: blocks 0-2 match, none with a checkpoint: no hit
     other = _run(sched, Sequence("d", prompt[:12] + [50] * 11, SamplingParams(max_tokens=4), []))
     assert other[0].num_computed == [0] and not other[0].loads
+
+
+@pytest.mark.unit
+def test_mamba_block_size_checkpoints_every_n_prompt_tokens_so_a_shared_system_prompt_hits() -> None:
+    assert [next_checkpoint(23, 4, c, 8) for c in (0, 7, 8, 15, 16, 19, 20)] == [8, 8, 16, 16, 20, 20, 0]
+    sched = _sched(8, every=8)
+    prompt = list(range(1, 24))
+    first = _run(sched, Sequence("a", prompt, SamplingParams(max_tokens=4), []))
+    assert [s.num_new for s in first] == [[8], [8], [4], [3]]  # chunks end on 8, 16 and the last full block
+    assert [i for s in first for _, _, i in s.saves] == [1, 3, 4]
+    other = _run(sched, Sequence("b", prompt[:17] + [50] * 11, SamplingParams(max_tokens=4), []))
+    assert other[0].num_computed == [16] and other[0].loads  # the shared 17 tokens resume at 16
+    with pytest.raises(SystemExit, match="multiple of --block-size 16"):
+        parse_config(["--model", "/m", "--mamba-block-size", "24"])
+    with pytest.raises(SystemExit, match="--no-enable-prefix-caching turns that cache off"):
+        parse_config(["--model", "/m", "--mamba-block-size", "32", "--no-enable-prefix-caching"])
 
 
 @pytest.mark.unit
@@ -109,9 +127,11 @@ def test_a_prefix_hit_on_a_hybrid_gives_the_bits_of_a_cold_run(tmp_path):
     hf_config_class("Qwen3NextConfig")
     folder = make_tiny_checkpoint("qwen3_next", tmp_path / "qwen3_next")
     s = start_server(tmp_path, "--model", str(folder), "--block-size", "4", "--max-num-batched-tokens", "16",
-                     "--max-model-len", "128", "--max-num-seqs", "8", "--tokens-only", "--additional-config", ON)
+                     "--max-model-len", "128", "--max-num-seqs", "8", "--tokens-only", "--additional-config", ON,
+                     "--mamba-block-size", "8")
     prompt = [(37 * j + 11) % 990 + 5 for j in range(23)]
     longer = prompt + [(13 * j + 5) % 990 + 5 for j in range(14)]
+    shared = prompt[:17] + [(7 * j + 3) % 990 + 5 for j in range(10)]  # resumes at 16 (--mamba-block-size 8)
 
     def gen(p: list[int], salt: str | None = None) -> dict:
         body = {"token_ids": p, "sampling_params": {"max_tokens": 8, "temperature": 1.0, "seed": 3,
@@ -123,15 +143,15 @@ def test_a_prefix_hit_on_a_hybrid_gives_the_bits_of_a_cold_run(tmp_path):
         return r.json()
 
     try:
-        cold = [gen(prompt, "cold-a"), gen(longer, "cold-b")]  # salts that match nothing
+        cold = [gen(prompt, "cold-a"), gen(longer, "cold-b"), gen(shared, "cold-c")]  # salts that match nothing
         first = gen(prompt)
-        hits = [gen(prompt), gen(longer)]
+        hits = [gen(prompt), gen(longer), gen(shared)]
         cached = [h["usage"]["prompt_tokens_details"]["cached_tokens"] for h in hits]
         info = httpx.get(s.url + "/server_info?config_format=json", timeout=10).json()
         hit_tokens = metric(s, "vllm:prefix_cache_hits_total")
     finally:
         s.stop()
-    assert cached == [20, 20] and hit_tokens == 40
+    assert cached == [20, 20, 16] and hit_tokens == 56
     assert info["vllm_config"]["cache_config"]["enable_prefix_caching"] is True
     assert _bits(first) == _bits(cold[0])
-    assert _bits(hits[0]) == _bits(cold[0]) and _bits(hits[1]) == _bits(cold[1])
+    assert [_bits(h) for h in hits] == [_bits(c) for c in cold]

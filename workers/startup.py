@@ -97,6 +97,9 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
             f"KV cache of {num_blocks} blocks x {cfg.cache.block_size} tokens{pool} cannot hold one sequence of "
             f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
             + (" or --max-num-seqs" if state_slots else ""))
+    if cfg.cache.mamba_block_size and not state_slots:
+        raise SystemExit(f"rollbus: --mamba-block-size applies to hybrid models (linear-attention state); "
+                         f"{cfg.model.model} has none")
     checkpoints = 0
     if state_slots and cfg.cache.enable_prefix_caching:  # a hybrid's prefix hits resume from state checkpoints
         checkpoints, num_blocks = plan_checkpoints(

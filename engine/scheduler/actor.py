@@ -200,6 +200,7 @@ class SchedulerActor:
                                self.cfg.scheduler.max_num_seqs, self.cfg.scheduler.max_num_batched_tokens, max_len,
                                max_loras=self.cfg.lora.max_loras if self.cfg.lora.enable_lora else 0,
                                policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots,
+                               checkpoint_every=self.cfg.cache.mamba_block_size or 0,
                                window=window,
                                prefill_beside_decodes=prefill_beside_decodes(self.cfg.scheduler, infos[0].device),
                                long_prefill_token_threshold=self.cfg.scheduler.long_prefill_token_threshold,

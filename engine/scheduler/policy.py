@@ -36,7 +36,8 @@ finishes; there is one per --max-num-seqs sequence, so admission never waits for
 freed may go to another sequence in the next plan: that sequence starts at position 0, and the workers zero
 the slot before they compute it (after the step in flight, which may still write the old sequence's state).
 With prefix caching on (the workers' checkpoint pool is not empty, `blocks.checkpoints`): a prefill chunk that
-would cross a prompt's checkpoint boundary (engine.state_checkpoints) ends on it, and the plan asks the workers
+would cross a prompt's next checkpoint boundary (engine.state_checkpoints: its last full block's end, and every
+`checkpoint_every` tokens with --mamba-block-size) ends on it, and the plan asks the workers
 to save the sequence's state there after the step (`ScheduledStep.saves`, made findable by `update` under the
 hash of the block that ends there, or given back by `discard_saves` when the step failed); a sequence admitted
 with a prefix hit gets its state slot filled from the checkpoint of the hit's last block before the step
@@ -73,7 +74,7 @@ import msgspec
 
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
-from engine.state_checkpoints import checkpoint_boundary
+from engine.state_checkpoints import next_checkpoint
 
 # A prefill token's share of attention grows with its position: at about this many keys it costs as much again
 # as the token's layer GEMMs on a CPU (SmolLM2 fp32 measured: a 256-token chunk beside 32 decodes takes 0.56 s at
@@ -143,6 +144,7 @@ class Scheduler:
     _added: int = 0  # sequences added so far: the last tie-break of the priority order
     state_slots: int = 0  # hybrid models: the workers' recurrent-state slots (0: none, attention only)
     free_slots: list[int] = field(default_factory=list)
+    checkpoint_every: int = 0  # hybrid prefix caching: --mamba-block-size (0: each prompt's last full block only)
     window: int = 0  # the sliding window whose blocks are freed: every layer's, or a mixed model's window group's
 
     def __post_init__(self) -> None:
@@ -359,7 +361,7 @@ class Scheduler:
     def _to_checkpoint(self, seq: Sequence, computed: int, n: int, saves: list | None) -> int:
         """A hybrid's prefill chunk from `computed`, cut to end on its prompt's checkpoint boundary when it would
         cross it; with `saves`, a chunk ending there takes a checkpoint to save into (if the pool has one)."""
-        b = checkpoint_boundary(seq.num_prompt_tokens, self.blocks.block_size)
+        b = next_checkpoint(seq.num_prompt_tokens, self.blocks.block_size, computed, self.checkpoint_every)
         if not computed < b <= computed + n:
             return n
         if saves is not None:
