@@ -10,6 +10,8 @@ against their KV bytes per block.
 
     python bench/hybrid_prefix.py                       # 16 prompts x 4 rounds, a 64-token system prompt
     python bench/hybrid_prefix.py --prompts 8 --rounds 2 --max-tokens 8
+    python bench/hybrid_prefix.py --fresh-questions --mamba-block-size 32   # new questions each round: only the
+                                                        # system prompt is shared, checkpointed every 32 tokens
 """
 
 from __future__ import annotations
@@ -70,26 +72,32 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=64, help="tokens of the shared system prompt")
     ap.add_argument("--question", type=int, default=40, help="tokens of each prompt's own question (+ i %% 7)")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--fresh-questions", action="store_true", help="other questions every round (same system prompt)")
+    ap.add_argument("--mamba-block-size", type=int, default=None, help="passed to the server")
     args = ap.parse_args()
     from tests.tiny_models import make_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="rollbus-hybrid-prefix-"))
     folder = make_tiny_checkpoint("qwen3_next", work / "qwen3_next")
     system = [(97 * j + 13) % 990 + 5 for j in range(args.system)]
-    prompts = [system + [(31 * i + 7 * j + 3) % 990 + 5 for j in range(args.question + i % 7)]
-               for i in range(args.prompts)]
+    def prompts_of(r: int) -> list[list[int]]:
+        k = r if args.fresh_questions else 0
+        return [system + [(31 * i + 7 * j + 3 + 101 * k) % 990 + 5 for j in range(args.question + i % 7)]
+                for i in range(args.prompts)]
+
+    extra = ("--mamba-block-size", str(args.mamba_block_size)) if args.mamba_block_size else ()
     s = start_server(work, "--model", str(folder), "--block-size", "16", "--max-model-len", "256", "--tokens-only",
-                     "--max-num-seqs", str(max(8, args.prompts)), env={"VLLM_SERVER_DEV_MODE": "1"})
+                     "--max-num-seqs", str(max(8, args.prompts)), *extra, env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         for r in range(args.rounds):
             t0 = time.perf_counter()
-            asyncio.run(_round(s.url, prompts, args.max_tokens))
-            print(f"round {r + 1}: {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
+            asyncio.run(_round(s.url, prompts_of(r), args.max_tokens))
+            print(f"round {r + 1}: {args.prompts} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
         hits = metric(s, "vllm:prefix_cache_hits_total")
         info = httpx.get(s.url + "/server_info", timeout=10).json()
     finally:
         s.stop()
-    total = args.rounds * sum(len(p) for p in prompts)
+    total = sum(len(p) for r in range(args.rounds) for p in prompts_of(r))
     print(f"prompt tokens {total}, prefix-cache hit tokens {hits:.0f}: hit rate {hits / total:.1%} "
           f"(rounds 2-{args.rounds} alone: {hits / (total * (args.rounds - 1) / args.rounds):.1%})")
     workers = info.get("workers") or {}

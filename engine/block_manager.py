@@ -140,6 +140,17 @@ class BlockManager(BlockPool):
         self.num_prefix_hits += hits
         return hits * bs
 
+    def hash_through(self, seq: Sequence, num_blocks: int, weight_epoch: int) -> int:
+        """The hash block `num_blocks - 1` of `seq` will be committed under (commit_full_blocks), before it is
+        computed: its committed hashes, then the chain over its tokens."""
+        bs, hashes = self.block_size, seq.block_hashes
+        if len(hashes) >= num_blocks:
+            return hashes[num_blocks - 1]
+        parent = hashes[-1] if hashes else chain_root(seq)
+        for i in range(len(hashes), num_blocks):
+            parent = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_epoch)
+        return parent
+
     def commit_full_blocks(self, seq: Sequence, weight_epoch: int) -> None:
         """After a step: hash blocks that just became full so later requests can share them."""
         if not self.caching:

@@ -12,10 +12,14 @@ mamba blocks are: a shared system prompt then resumes at its last multiple of N.
 
 A checkpoint is a slot of the workers' checkpoint pool (workers.kv_cache: beside the running sequences'
 state slots, from the same memory budget), keyed by the hash of the block that ends at its boundary. It is
-taken when a plan asks the workers to save a sequence's state after the step (`take`), made findable when
-that step's result is applied and the block's hash is known (`commit`; given back if the step failed,
-`release`), and forgotten with its block: when the block manager hands the block out for other content,
-when the prefix cache is reset, or, when the pool is full, least recently used first.
+taken when a plan asks the workers to save a sequence's state after the step (`take`; not when that block's
+state is kept or being saved already, by requests with the same prefix: that one is used again instead),
+made findable when that step's result is applied and the block's hash is known (`commit`; given back if the
+step failed, `release`), and forgotten with its block: when the block manager hands the block out for other content,
+when the prefix cache is reset, or, when the pool is full, for a new save: least recently used first among
+those no other request asked for (a prefix that many requests share, such as a system prompt computed by a
+batch of prompts running together, outlives each prompt's own end), never one the plan being built restores;
+with no such victim the save is skipped.
 """
 
 from __future__ import annotations
@@ -48,24 +52,59 @@ class StateCheckpoints:
         self.free: list[int] = list(range(num - 1, -1, -1))  # popped from the end: slot 0 first
         self.by_hash: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
         self.hash_of: dict[int, int] = {}  # slot -> block hash (findable ones)
+        self.pending: dict[int, int] = {}  # slot -> block hash of saves planned, not yet made findable
+        self.pinned: set[int] = set()  # hashes loaded by the plan being built: not evicted for its saves
+        # hashes asked for again (loaded, or saved by one more request): evicted after the others (below)
+        self.shared: set[int] = set()
+        self.asked: set[int] = set()  # pending hashes another request also wanted saved
         self.num_saved = 0
         self.num_loaded = 0
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.by_hash
 
-    def take(self) -> int | None:
-        """A slot for a save planned now (evicting the least recently used checkpoint if none is free);
-        None with a pool of zero slots."""
+    def take(self, block_hash: int) -> int | None:
+        """A slot for a save of the state at the end of block `block_hash`, planned now (evicting the least
+        recently used checkpoint if none is free); None when that state is kept or being saved already (it is
+        used again instead), or the pool is all pending saves."""
+        if block_hash in self.by_hash:
+            self.by_hash.move_to_end(block_hash)
+            self.shared.add(block_hash)
+            return None
+        if block_hash in self.pending.values():
+            self.asked.add(block_hash)
+            return None
         if not self.free:
-            if not self.by_hash:
+            victim = self._victim()
+            if victim is None:
                 return None
-            self.forget(next(iter(self.by_hash)))
-        return self.free.pop()
+            self.forget(victim)
+        slot = self.free.pop()
+        self.pending[slot] = block_hash
+        return slot
+
+    def _victim(self) -> int | None:
+        """Which checkpoint a new save replaces (segmented LRU): the least recently used one nobody asked for
+        again; else, while those asked for again hold more than half the pool, the least recently used of
+        them; else none (the save is skipped: a prefix many requests share outlives any one prompt's end).
+        Never one the plan being built restores."""
+        for h in self.by_hash:
+            if h not in self.shared and h not in self.pinned:
+                return h
+        if len(self.shared) > self.num // 2:
+            return next((h for h in self.by_hash if h not in self.pinned), None)
+        return None
 
     def commit(self, slot: int, block_hash: int) -> None:
-        """The save into `slot` happened: findable under `block_hash` (a checkpoint already there wins)."""
+        """The save into `slot` happened: findable under `block_hash` (a checkpoint already there wins, and is
+        used again: a prefix computed once more, by requests that ran together, is a shared one)."""
+        self.pending.pop(slot, None)
+        if block_hash in self.asked:
+            self.asked.discard(block_hash)
+            self.shared.add(block_hash)
         if block_hash in self.by_hash:
+            self.by_hash.move_to_end(block_hash)
+            self.shared.add(block_hash)
             self.free.append(slot)
             return
         self.by_hash[block_hash] = slot
@@ -74,17 +113,26 @@ class StateCheckpoints:
 
     def release(self, slot: int) -> None:
         """A save that did not happen (its step failed, was interrupted, or its sequence left it)."""
+        self.asked.discard(self.pending.pop(slot, 0))
         self.free.append(slot)
 
+    def begin_plan(self) -> None:
+        """A new plan is being built: what earlier plans loaded may be evicted again."""
+        self.pinned.clear()
+
     def load(self, block_hash: int) -> int:
-        """The slot to restore a prefix hit ending at `block_hash` from (most recently used now)."""
+        """The slot to restore a prefix hit ending at `block_hash` from (most recently used now, and kept while
+        this plan is built: a save planned after it evicts something else or is skipped)."""
         self.by_hash.move_to_end(block_hash)
+        self.pinned.add(block_hash)
+        self.shared.add(block_hash)
         self.num_loaded += 1
         return self.by_hash[block_hash]
 
     def forget(self, block_hash: int) -> None:
         """Its block was evicted (or the pool needs the slot): the checkpoint is no longer findable."""
         slot = self.by_hash.pop(block_hash, None)
+        self.shared.discard(block_hash)
         if slot is not None:
             del self.hash_of[slot]
             self.free.append(slot)

@@ -81,15 +81,42 @@ def test_mamba_block_size_checkpoints_every_n_prompt_tokens_so_a_shared_system_p
 
 
 @pytest.mark.unit
+def test_a_system_prompt_shared_by_a_batch_outlives_each_prompts_own_checkpoint() -> None:
+    """Four prompts running together share a 16-token system prompt, in a pool of four checkpoints: their own
+    prompt-end checkpoints do not evict the shared one (asked for by all four), so the next batch of other
+    questions resumes at 16 (--mamba-block-size 8)."""
+    sched = _sched(4, every=8)
+    system = list(range(100, 116))
+
+    def batch(r: int) -> list[Sequence]:
+        seqs = [Sequence(f"{r}-{i}", system + [200 + 10 * r + i] * 9, SamplingParams(max_tokens=1), [])
+                for i in range(4)]
+        for q in seqs:
+            sched.add(q)
+        while sched.has_work():
+            step = sched.schedule()
+            sched.update(step, {q.seq_id: (7, -1.0, None) for q, n, b in zip(step.seqs, step.num_new,
+                                                                               step.num_computed)
+                                if b + n == q.num_tokens})
+        return seqs
+
+    assert [q.num_cached_tokens for q in batch(0)] == [0] * 4
+    assert [q.num_cached_tokens for q in batch(1)] == [16] * 4
+    assert [q.num_cached_tokens for q in batch(2)] == [16] * 4
+
+
+@pytest.mark.unit
 def test_checkpoints_are_evicted_with_their_blocks_lru_and_given_back_by_a_failed_step() -> None:
     pool = StateCheckpoints(2)
-    a, b = pool.take(), pool.take()
+    a, b = pool.take(111), pool.take(222)
     pool.commit(a, 111), pool.commit(b, 222)
     assert 111 in pool and pool.load(111) == a  # 111 used last: 222 goes first
-    c = pool.take()
+    c = pool.take(333)
     assert c == b and 222 not in pool and 111 in pool
-    pool.commit(c, 111)  # a checkpoint already there wins, the new slot is given back
-    assert pool.free == [c]
+    # a state kept already, or being saved, is not saved twice (requests with one prefix, running together)
+    assert pool.take(111) is None and pool.take(333) is None
+    pool.release(c)
+    assert pool.free == [c] and not pool.pending
     # the block manager forgets a checkpoint when its block's hash is evicted
     sched = _sched(4, num_blocks=8)
     _run(sched, Sequence("a", list(range(1, 10)), SamplingParams(max_tokens=1), []))

@@ -248,6 +248,8 @@ class Scheduler:
         window = self.window
         add_seq, add_new, add_computed = seqs.append, num_new.append, num_computed.append
         ckpts = blocks.checkpoints if blocks.caching else None
+        if ckpts is not None:
+            ckpts.begin_plan()
         saves: list[tuple[Sequence, int, int]] = []
         loads: list[tuple[Sequence, int]] = []
         i = 0
@@ -365,9 +367,11 @@ class Scheduler:
         if not computed < b <= computed + n:
             return n
         if saves is not None:
-            slot = self.blocks.checkpoints.take()  # type: ignore[union-attr]
+            i = b // self.blocks.block_size - 1
+            h = self.blocks.hash_through(seq, i + 1, self.weight_epoch)
+            slot = self.blocks.checkpoints.take(h)  # type: ignore[union-attr]
             if slot is not None:
-                saves.append((seq, slot, b // self.blocks.block_size - 1))
+                saves.append((seq, slot, i))
         return b - computed
 
     def discard_saves(self, step: ScheduledStep) -> None:
