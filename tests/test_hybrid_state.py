@@ -161,13 +161,9 @@ def test_lora_is_refused_before_start_naming_the_hybrid_layers(arch, tmp_path) -
 def test_qwen3_5_split_projections_on_two_tensor_parallel_ranks_compute_what_one_does(tmp_path) -> None:
     """Qwen3.5's separate in_proj_qkv / z / b / a split by linear-attention head over two ranks (threads): a
     prefill and a decode give -tp 1's logits (fp32 noise)."""
-    import threading
-
-    from tests.test_arch_oracle import _ThreadGroup
-    from workers.models.checkpoint import iter_checkpoint, load_hf_config
+    from tests.test_arch_oracle import on_two_thread_ranks
 
     folder = make_tiny_checkpoint("qwen3_5", tmp_path)
-    cfg = load_hf_config(folder)
     prompt = random_prompt(20, 1000, 3)
 
     def run(model) -> torch.Tensor | None:
@@ -176,19 +172,5 @@ def test_qwen3_5_split_projections_on_two_tensor_parallel_ranks_compute_what_one
         last = r.step(decodes=[(0, prompt[19])])
         return None if first is None else torch.cat([first, last])
 
-    want = run(load_model(folder))
-    shared: dict = {}
-    barrier = threading.Barrier(2, timeout=60)
-    got: dict[int, torch.Tensor | None] = {}
-
-    def rank(r: int) -> None:
-        model = build_model(cfg, torch.float32, "cpu", tp=_ThreadGroup(r, 2, shared, barrier))
-        model.load_weights(iter_checkpoint(folder))
-        got[r] = run(model)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert got[1] is None and (got[0] - want).abs().max().item() < 1e-4
+    got = on_two_thread_ranks(folder, run)
+    assert got[1] is None and (got[0] - run(load_model(folder))).abs().max().item() < 1e-4
