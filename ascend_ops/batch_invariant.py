@@ -488,7 +488,7 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
         ones = torch.ones(h, device=dev, dtype=dtype)
         if not _rows_invariant(lambda x: kern.rms_norm(x, ones, cfg.rms_norm_eps), rand(67, h), small):
             raise fail("rms_norm")
-        for i in {cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)}:
+        for i in {cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", 0) or cfg.intermediate_size}:
             act = _activation(model, i)
             split = rand(2 * TORCH_GRAIN // i, 2 * i) * 4
             if not _rows_invariant(act, rand(67, 2 * i) * 4, small) or not _split_rows_invariant(act, split, i):
@@ -539,6 +539,10 @@ def self_check(model, block_size: int, cache_dtype: torch.dtype | None = None) -
             if not _attention_invariant(attend, hq, hk, d, block_size, rand, cache_dtype or dtype):
                 raise fail(f"{name} ({'batch_invariant_torch' if portable and kern.batch_invariant else impl})")
         checked.append("paged_attention")
+        for op, invariant in getattr(model, "invariance_checks", lambda rand: ())(rand):
+            if not invariant():  # a model's own layers (a hybrid's Gated DeltaNet): (op, its measurement)
+                raise fail(op)
+            checked.append(op)
     return checked
 
 

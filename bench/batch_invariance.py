@@ -14,6 +14,7 @@ server and on an invariant one, measured in the same run.
     python bench/batch_invariance.py                                  # SmolLM2, fp32 and bf16
     python bench/batch_invariance.py --model moe --dtypes float32     # the MoE upcycled from SmolLM2
     python bench/batch_invariance.py --model qwen3-moe --skip-cost    # a small random Qwen3-MoE (QWEN3_MOE)
+    python bench/batch_invariance.py --model qwen3-next --skip-cost   # a small random hybrid (QWEN3_NEXT)
     python bench/batch_invariance.py --num-requests 8 --max-tokens 16 --skip-cost   # quick
     python bench/batch_invariance.py --trainer-only     # use_engine_kernels: 16 rollouts x 64 tokens
     python bench/batch_invariance.py --cost-only --dtypes float32   # throughput, default vs invariant (ABBA)
@@ -42,6 +43,8 @@ from tests.server_helpers import metric, start_server  # noqa: E402
 QWEN3_MOE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                  num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
                  mlp_only_layers=[1], norm_topk_prob=True, vocab_size=49152, max_position_embeddings=2048)
+# --model qwen3-next: the tiny hybrid of tests/tiny_models.py (Gated DeltaNet, gated attention, MoE) at vocab 49152
+QWEN3_NEXT = dict(vocab_size=49152, max_position_embeddings=2048)
 INVARIANT_CONFIG = '{"rl_config": {"enabled": true, "enable_batch_invariant": true}}'
 
 
@@ -254,7 +257,8 @@ def trainer_check(folder: Path, dtype: str, rollouts: int = 16, max_tokens: int 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default), moe (upcycled SmolLM2 MoE), qwen3-moe (QWEN3_MOE, random) or a path")
+                   help="smollm2 (default), moe (upcycled SmolLM2 MoE), qwen3-moe (QWEN3_MOE, random), qwen3-next "
+                        "(QWEN3_NEXT, random) or a path")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -282,6 +286,11 @@ def main() -> None:
 
         folder = tiny_model_with_tokenizer("qwen3_moe", Path(tempfile.mkdtemp(prefix="rollbus-q3moe-")), smol,
                                            init_std=0.05, **QWEN3_MOE)
+    elif args.model == "qwen3-next":
+        from tests.server_helpers import tiny_model_with_tokenizer
+
+        folder = tiny_model_with_tokenizer("qwen3_next", Path(tempfile.mkdtemp(prefix="rollbus-q3next-")), smol,
+                                           **QWEN3_NEXT)
     else:
         folder = Path(args.model)
     hf = json.loads((Path(folder) / "config.json").read_text())

@@ -257,6 +257,7 @@ class WorkerInfo(RoleInfo):
     worker_extension_methods: list[str] = []  # --worker-extension-cls (workers.extension)
     joined_seq: int = 0  # in its Hello to the scheduler: the seq it (re)joined the bus at
     state_slots: int = 0  # a hybrid model's recurrent-state slots (workers.kv_cache); 0: attention only
+    state_checkpoints: int = 0  # a hybrid model's checkpoint slots for prefix caching (0: prefix caching off)
     kv_window: int = 0  # the sliding window whose blocks are freed: every attention layer's, or window_blocks' group's
     # a model whose layers mix windows: the blocks of its sliding-window layers' own pool (engine.window_blocks;
     # StepPlan.window_tables); num_blocks is then the full-attention layers'. 0: one pool for every layer
@@ -874,6 +875,10 @@ class StepPlan(Wire):
     # mixed-window models (WorkerInfo.window_blocks): each sequence's sliding-window layers' table, as seq_ids,
     # FREED (-1) before the window (else empty); block_tables are then the full-attention layers'
     window_tables: list[list[int]] = []
+    # hybrid models with prefix caching (engine.state_checkpoints): [state slot, checkpoint] pairs, the
+    # checkpoint restored into the slot before the step (a prefix hit), or the slot saved into it after
+    state_loads: list[tuple[int, int]] = []
+    state_saves: list[tuple[int, int]] = []
 
 
 @message(32)

@@ -26,6 +26,10 @@ hashes are committed), so a prompt's full blocks all become findable, as for ful
 Models whose attention layers mix windows (gpt-oss, Gemma 3): this manager's pool and Sequence.block_table are the
 full-attention layers'; `windows` is the sliding-window layers' own pool and table (engine.window_blocks), which
 every allocation, prefix hit, hash commit, release and free here also updates. KV events describe this pool only.
+
+Hybrid models (`checkpoints`, engine.state_checkpoints): a prefix hit is cut back to the longest matched block
+whose boundary has a recurrent-state checkpoint (none: no hit), and a checkpoint is forgotten when its block's
+hash is evicted or the cache is reset.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import hashlib
 from engine.block_pool import FREED, BlockPool
 from engine.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from engine.request import Sequence
+from engine.state_checkpoints import StateCheckpoints
 from engine.window_blocks import WindowBlocks
 
 __all__ = ["FREED", "BlockManager", "block_hash", "chain_root", "salt_root"]
@@ -66,12 +71,14 @@ def salt_root(salt: str | None) -> int | None:
 
 class BlockManager(BlockPool):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False, windows: WindowBlocks | None = None):
+                 record_events: bool = False, windows: WindowBlocks | None = None,
+                 checkpoints: StateCheckpoints | None = None):
         super().__init__(num_blocks, block_size)
         self.caching = enable_prefix_caching
         self.windows = windows  # a mixed-window model's sliding-window group (module docstring)
         self.num_prefix_hits = 0
         self.num_prefix_queries = 0
+        self.checkpoints = checkpoints  # hybrid models: recurrent-state checkpoints (None: attention only)
         # KV events (record_events): pending events, the hashes announced since the last clear, and the
         # weight epoch they belong to
         self.record_events = record_events and enable_prefix_caching
@@ -117,6 +124,9 @@ class BlockManager(BlockPool):
                 break
             found.append(h)
             parent = h
+        if self.checkpoints is not None:  # a hybrid resumes only where a recurrent state was kept
+            while found and found[-1] not in self.checkpoints:
+                found.pop()
         if self.windows is not None:  # the window group must hold the hit's tail (engine.window_blocks)
             del found[self.windows.longest_hit(found):]
             self.windows.reuse_tail(seq, found)
@@ -129,6 +139,17 @@ class BlockManager(BlockPool):
         self.num_prefix_queries += max_blocks
         self.num_prefix_hits += hits
         return hits * bs
+
+    def hash_through(self, seq: Sequence, num_blocks: int, weight_epoch: int) -> int:
+        """The hash block `num_blocks - 1` of `seq` will be committed under (commit_full_blocks), before it is
+        computed: its committed hashes, then the chain over its tokens."""
+        bs, hashes = self.block_size, seq.block_hashes
+        if len(hashes) >= num_blocks:
+            return hashes[num_blocks - 1]
+        parent = hashes[-1] if hashes else chain_root(seq)
+        for i in range(len(hashes), num_blocks):
+            parent = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_epoch)
+        return parent
 
     def commit_full_blocks(self, seq: Sequence, weight_epoch: int) -> None:
         """After a step: hash blocks that just became full so later requests can share them."""
@@ -232,9 +253,13 @@ class BlockManager(BlockPool):
         self._forget_hashes()
         if self.windows is not None:
             self.windows.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         if self.record_events:
             self._record_clear()
 
     def _evicted(self, h: int) -> None:
+        if self.checkpoints is not None:  # the state at the evicted block's end goes with it
+            self.checkpoints.forget(h)
         if self.record_events:
             self._record_removed(h)

@@ -236,8 +236,9 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
         "cache_config": {"block_size": cfg.cache.block_size, "cache_dtype": cfg.cache.kv_cache_dtype,
                          "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION
                          if cfg.cache.gpu_memory_utilization is None else cfg.cache.gpu_memory_utilization,
-                         "enable_prefix_caching": prefix_caching_on(  # off for a hybrid model, as its scheduler has it
-                             cfg.cache, max((int(i.get("state_slots") or 0) for i in workers.values()), default=0)),
+                         "enable_prefix_caching": prefix_caching_on(  # as the scheduler has it (a hybrid's checkpoints)
+                             cfg.cache, max((int(i.get("state_slots") or 0) for i in workers.values()), default=0),
+                             min((int(i.get("state_checkpoints") or 0) for i in workers.values()), default=0)),
                          "num_gpu_blocks_override": cfg.cache.num_gpu_blocks_override, "num_gpu_blocks": num_blocks,
                          "kv_cache_memory_bytes": cfg.cache.kv_cache_memory_bytes},
         "parallel_config": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp,

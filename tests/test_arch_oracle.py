@@ -140,10 +140,12 @@ def test_unimplemented_config_values_are_refused_naming_them(tiny) -> None:
         rope = {**rope, "full_attention": {**rope["full_attention"], "rope_type": "dynamic"}}
     with pytest.raises(NotImplementedError, match="dynamic"):
         build_model({**cfg, "rope_parameters": rope, "rope_scaling": rope}, torch.float32, "meta")
-    if arch in HYBRID:  # served with -tp 1 only: any other size is refused naming the model
-        assert "Qwen3NextForCausalLM (hybrid Gated DeltaNet)" in (layout_error(cfg, 2) or "")
-        with pytest.raises(NotImplementedError, match="--tensor-parallel-size 2 is not supported"):
-            build_model(cfg, torch.float32, "meta", tp=Layout(0, 2))
+    if arch in HYBRID:  # a -tp that does not divide the linear-attention heads is refused naming them
+        assert "linear_num_key_heads" in (layout_error(cfg, 4) or "")
+        assert "linear_num_value_heads" in (layout_error({**cfg, "linear_num_key_heads": 8}, 8) or "")
+        with pytest.raises(NotImplementedError, match="2 linear-attention heads"):
+            build_model(cfg, torch.float32, "meta", tp=Layout(0, 4))
+        assert layout_error(cfg, 2) is None
         return
     assert layout_error(cfg, 2) is None
     heads = cfg["num_attention_heads"]
@@ -173,29 +175,34 @@ class _ThreadGroup(Layout):
         return parts if self.rank == 0 else None
 
 
-def test_two_tensor_parallel_ranks_compute_what_one_does(tiny) -> None:
-    """-tp 2, each rank a thread holding its shard (loaded from the whole HF tensors): the logits equal
-    the unsharded model's (fp32 noise)."""
-    arch, folder, _ = tiny
-    if arch in HYBRID:
-        pytest.skip("hybrid models are served with -tp 1 only (refused otherwise: the test above)")
+def on_two_thread_ranks(folder, run) -> dict:
+    """`run(model)` on each rank of a -tp 2 group whose ranks are threads holding their shards (loaded from the
+    whole HF tensors of `folder`): {rank: what it returned}."""
     cfg = load_hf_config(folder)
-    prompt = random_prompt(19, cfg["vocab_size"], 3)
-    want = PagedRunner(load_model(folder)).step(prefills=[(0, prompt)])
     shared: dict = {}
     barrier = threading.Barrier(2, timeout=60)
-    got: dict[int, torch.Tensor | None] = {}
+    got: dict = {}
 
     def rank(r: int) -> None:
         model = build_model(cfg, torch.float32, "cpu", tp=_ThreadGroup(r, 2, shared, barrier))
         model.load_weights(iter_checkpoint(folder))
-        got[r] = PagedRunner(model).step(prefills=[(0, prompt)])
+        got[r] = run(model)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    return got
+
+
+def test_two_tensor_parallel_ranks_compute_what_one_does(tiny) -> None:
+    """-tp 2, each rank a thread holding its shard (loaded from the whole HF tensors): the logits equal
+    the unsharded model's (fp32 noise)."""
+    arch, folder, _ = tiny
+    prompt = random_prompt(19, load_hf_config(folder)["vocab_size"], 3)
+    want = PagedRunner(load_model(folder)).step(prefills=[(0, prompt)])
+    got = on_two_thread_ranks(folder, lambda model: PagedRunner(model).step(prefills=[(0, prompt)]))
     assert got[1] is None and got[0] is not None
     assert (got[0] - want).abs().max().item() < 1e-4
 

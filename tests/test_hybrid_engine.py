@@ -4,8 +4,9 @@ prefill chunks, discarded and re-created with the cache by sleep, and the model'
 
 One server run (tiny random checkpoint, fp32): 4 concurrent requests of 32 greedy tokens with prompts chunked
 over several steps (a 16-token budget) equal HF (tokens, every sampled and prompt logprob within 1e-4, routed
-experts at every position and MoE layer); the longest prompt again (prefix caching is on by default and
-turned off for this model: no hit) gives the same tokens; then the colocated RL recipe (sleep level 2, wake
+experts at every position and MoE layer); the longest prompt again, without prompt logprobs, resumes from the
+recurrent-state checkpoint of its last full block (a prefix hit, engine.state_checkpoints) and equals HF too;
+then the colocated RL recipe (sleep level 2, wake
 the weights, an update by HF names over ipc, wake the cache) serves what the trainer computes and
 /weight_checker matches it; a level-1 sleep and wake gives the same bits again."""
 
@@ -57,8 +58,8 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
                      "--enable-sleep-mode", "--additional-config", '{"rl_config": {"enabled": true}}',
                      "--weight-transfer-config", cfg, env={"VLLM_SERVER_DEV_MODE": "1"})
 
-    def served(prompt: list[int]) -> dict:
-        r = httpx.post(s.url + "/v1/completions", timeout=120, json={**body, "prompt": prompt})
+    def served(prompt: list[int], **fields) -> dict:
+        r = httpx.post(s.url + "/v1/completions", timeout=120, json={**body, "prompt": prompt, **fields})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]
 
@@ -74,10 +75,10 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
             t.start()
         for t in ts:
             t.join(120)
-        again = served(prompts[3])
+        again = served(prompts[3], prompt_logprobs=None)  # a request asking for prompt logprobs never hits
         hits = metric(s, "vllm:prefix_cache_hits_total")
         queries = metric(s, "vllm:prefix_cache_queries_total")
-        # /server_info says what the scheduler does (off for this model), not what the flag asked
+        # /server_info says what the scheduler does (on: the workers have room for state checkpoints)
         info = httpx.get(s.url + "/server_info?config_format=json", timeout=10).json()
         cache_config = info["vllm_config"]["cache_config"]
         perturb(hf)
@@ -94,8 +95,8 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
         again_after = served(prompts[2])
     finally:
         s.stop()
-    assert queries > 0 and hits == 0, "a hybrid model must never serve a prefix-cache hit"
-    assert cache_config["enable_prefix_caching"] is False, cache_config
+    assert queries > 0 and hits == 36, "the repeated prompt resumes at its last full block's checkpoint"
+    assert cache_config["enable_prefix_caching"] is True, cache_config
     assert again["logprobs"]["tokens"] == got[3]["logprobs"]["tokens"]
     assert check.json() == {"match": True, "mismatches": []}
     assert again_after["logprobs"] == after["logprobs"]
@@ -103,3 +104,54 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
     fresh = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for i, p in enumerate(prompts):
         _check_against_hf(fresh, p, got[i])
+    from tests.test_arch_oracle import hf_routes
+
+    ids = [int(t.removeprefix("token_id:")) for t in again["logprobs"]["tokens"]]
+    lp, _ = hf_routes(fresh, prompts[3] + ids)
+    want = [lp[len(prompts[3]) - 1 + k, t].item() for k, t in enumerate(ids)]
+    assert max(abs(a - b) for a, b in zip(again["logprobs"]["token_logprobs"], want)) < 1e-4
+
+
+@pytest.mark.slow
+def test_qwen3_next_with_tp2_serves_what_tp1_does_and_updates_every_shard(tmp_path):
+    """-tp 2 splits the linear-attention heads (and the attention heads, experts, vocabulary): greedy tokens and
+    logprobs of a chunked prompt equal -tp 1's (fp32 noise), a repeated prompt hits the prefix cache on both,
+    and a weight update by HF names reaches both shards (/weight_checker)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import WeightSyncClient
+    from tests.test_tensor_parallel import _free_port
+    from tests.tiny_models import make_tiny_checkpoint
+    from workers.models.checkpoint import load_hf_config
+    from workers.models.registry import shard_checksums
+
+    folder = make_tiny_checkpoint("qwen3_next", tmp_path / "qwen3_next")
+    prompt = [(17 * j + 5) % 900 + 3 for j in range(29)]
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 0,
+                                                     "ignore_eos": True}}
+    out = {}
+    for tp in (1, 2):
+        s = start_server(tmp_path, "--model", str(folder), "-tp", str(tp), "--master-port", str(_free_port()),
+                         "--block-size", "4", "--max-model-len", "128", "--max-num-batched-tokens", "16",
+                         "--tokens-only", "--additional-config", '{"rl_config": {"enabled": true}}',
+                         "--weight-transfer-config", json.dumps({"backend": "ipc", "timeout_s": 30}),
+                         env={"VLLM_SERVER_DEV_MODE": "1"}, timeout_s=400)
+        try:
+            runs = [httpx.post(s.url + "/inference/v1/generate", json=body, timeout=120).json() for _ in range(2)]
+            hits = metric(s, "vllm:prefix_cache_hits_total")
+            if tp == 2:
+                hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+                perturb(hf)
+                with WeightSyncClient(s.url, backend="ipc") as client:
+                    client.send_weights(hf.state_dict().items(), version="v1")
+                baseline = shard_checksums(load_hf_config(folder), hf.state_dict().items(), 2)  # per shard
+                check = httpx.post(s.url + "/weight_checker", timeout=60,
+                                   json={"action": "compare", "baseline": baseline}).json()
+        finally:
+            s.stop()
+        out[tp] = [(r["choices"][0]["token_ids"], [e["logprob"] for e in r["choices"][0]["logprobs"]["content"]])
+                   for r in runs]
+        assert hits == 28, f"-tp {tp}: the repeated prompt resumes at its last full block"
+    assert out[1][0][0] == out[2][0][0] == out[2][1][0]
+    assert max(abs(a - b) for a, b in zip(out[1][0][1], out[2][1][1])) < 1e-4
+    assert check == {"match": True, "mismatches": []}

@@ -1,15 +1,15 @@
 """The recurrent-state pool of hybrid models (Qwen3-Next / Qwen3.5) and its contract: one budget with the KV
 blocks (refused at start-up when it cannot hold --max-num-seqs slots and a block), one slot per running sequence
 handed out by the scheduler and given back on preemption and finish, a fresh slot zeroed, a row that would
-resume from another position's state refused (never a silently wrong result), --batch-invariant and -tp
-refused by name; and the Qwen3.5 text variants (split projections, dense and MoE) equal HF."""
+resume from another position's state refused (never a silently wrong result), -tp splitting the linear heads
+or refused naming them; and the
+Qwen3.5 text variants (split projections, dense and MoE) equal HF. Batch invariance: test_hybrid_invariance.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ascend_ops.batch_invariant import kernels
 from ascend_ops.platform import current_platform
 from ascend_ops.tp_group import Layout
 from bus.messages import NewSeq, StepPlan
@@ -102,11 +102,14 @@ def test_a_fresh_slot_is_zeroed_and_a_row_cannot_resume_from_another_positions_s
 
 
 @pytest.mark.unit
-def test_batch_invariance_and_tensor_parallelism_are_refused_naming_the_model() -> None:
-    with pytest.raises(NotImplementedError, match="Qwen3NextForCausalLM: --batch-invariant is not supported"):
-        build_model(_cfg(), torch.float32, "meta", kernels=kernels(True))
-    with pytest.raises(NotImplementedError, match="Qwen3NextForCausalLM: --tensor-parallel-size 2"):
-        build_model(_cfg(), torch.float32, "meta", tp=Layout(0, 2))
+def test_tensor_parallelism_splits_the_linear_heads_or_is_refused_naming_them() -> None:
+    half = build_model(_cfg(), torch.float32, "meta", tp=Layout(1, 2))
+    full = build_model(_cfg(), torch.float32, "meta")
+    assert half.state_spec.recurrent[0] * 2 == full.state_spec.recurrent[0]  # half the value heads' state
+    assert half.state_spec.conv[0] * 2 == full.state_spec.conv[0]
+    with pytest.raises(NotImplementedError, match="4 does not divide the model's 2 linear-attention heads "
+                                                  "\\(linear_num_key_heads\\)"):
+        build_model(_cfg(), torch.float32, "meta", tp=Layout(0, 4))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
@@ -153,3 +156,21 @@ def test_lora_is_refused_before_start_naming_the_hybrid_layers(arch, tmp_path) -
     assert "hybrid linear-attention model" in (model_problem(tmp_path) or "")
     with pytest.raises(NotImplementedError, match="hybrid linear-attention model"):
         attach(build_model(_cfg(arch), torch.float32, "meta"), None)
+
+
+def test_qwen3_5_split_projections_on_two_tensor_parallel_ranks_compute_what_one_does(tmp_path) -> None:
+    """Qwen3.5's separate in_proj_qkv / z / b / a split by linear-attention head over two ranks (threads): a
+    prefill and a decode give -tp 1's logits (fp32 noise)."""
+    from tests.test_arch_oracle import on_two_thread_ranks
+
+    folder = make_tiny_checkpoint("qwen3_5", tmp_path)
+    prompt = random_prompt(20, 1000, 3)
+
+    def run(model) -> torch.Tensor | None:
+        r = PagedRunner(model)
+        first = r.step(prefills=[(0, prompt[:19])])
+        last = r.step(decodes=[(0, prompt[19])])
+        return None if first is None else torch.cat([first, last])
+
+    got = on_two_thread_ranks(folder, run)
+    assert got[1] is None and (got[0] - run(load_model(folder))).abs().max().item() < 1e-4

@@ -13,6 +13,9 @@ part of this cache: allocated, released (sleep) and re-created with the blocks, 
 budget (plan_num_blocks' `reserved_bytes`). `views` then has one entry per model layer: (k, v) for attention
 layers, (conv [slots, C, K-1], recurrent [slots, Hv, dk, dv]) for linear ones. The scheduler assigns the slots
 (StepPlan.state_slots); the runner zeroes a slot when a sequence starts from position 0 (`reset_state`).
+With prefix caching the pool has `checkpoints` more slots after those (engine.state_checkpoints): a running
+slot's state is copied into one at a block boundary (`save_checkpoint`) and back into a running slot for a
+prefix hit (`load_checkpoint`); `checkpoint_pos` says which position each holds (forgotten on re-allocation).
 
 Models whose attention layers mix windows (gpt-oss, Gemma 3; `window_layers`): two layer groups, each with its
 own blocks (engine.window_blocks): `tensor` holds the full-attention layers' `num_blocks` blocks and
@@ -63,7 +66,8 @@ def split_window_pool(num_blocks: int, num_layers: int, window_layers: int, wind
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, planes: int = 2, *, state=None, state_slots: int = 0,
-                 linear_layers: tuple[int, ...] = (), window_layers: tuple[int, ...] = (), window_blocks: int = 0):
+                 linear_layers: tuple[int, ...] = (), window_layers: tuple[int, ...] = (), window_blocks: int = 0,
+                 checkpoints: int = 0):
         if planes not in (1, 2):
             raise ValueError(f"a KV cache has 1 (latent) or 2 (K and V) planes, not {planes}")
         if window_layers and (state is not None or not window_blocks or len(window_layers) >= num_layers):
@@ -77,6 +81,8 @@ class KVCache:
         self.tensor: torch.Tensor | None = None
         self.window_tensor: torch.Tensor | None = None
         self.state_spec, self.state_slots, self.linear_layers = state, state_slots, linear_layers
+        self.checkpoints = checkpoints if state is not None else 0
+        self.checkpoint_pos: dict[int, int] = {}  # checkpoint -> the position its state is at
         self.conv_state: torch.Tensor | None = None  # [linear layers, slots, C, K-1]
         self.rec_state: torch.Tensor | None = None  # [linear layers, slots, Hv, dk, dv] fp32
         self.allocate()
@@ -98,14 +104,16 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device,
-                  state_slots: int = 1, window_blocks: int = 0) -> KVCache:
+                  state_slots: int = 1, window_blocks: int = 0, checkpoints: int = 0) -> KVCache:
         """The cache `model` computes over (its kv_spec, and one plane for latent attention; a hybrid model's
-        state pool of `state_slots` slots; with `window_blocks`, a mixed-window model's two layer groups)."""
+        state pool of `state_slots` slots and `checkpoints` checkpoint slots; with `window_blocks`, a
+        mixed-window model's two layer groups)."""
         state = getattr(model, "state_spec", None)
         return cls(*model.kv_spec, block_size, num_blocks, dtype, device, planes=model.kv_planes, state=state,
                    state_slots=state_slots if state is not None else 0,
                    linear_layers=tuple(getattr(model, "linear_layers", ())),
-                   window_layers=mixed_window(model)[1] if window_blocks else (), window_blocks=window_blocks)
+                   window_layers=mixed_window(model)[1] if window_blocks else (), window_blocks=window_blocks,
+                   checkpoints=checkpoints)
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +145,20 @@ class KVCache:
             self.conv_state[:, idx] = 0
             self.rec_state[:, idx] = 0
 
+    def save_checkpoint(self, slot: int, checkpoint: int, position: int) -> None:
+        """Copy running slot `slot`'s state (at `position`) into `checkpoint`, in every linear layer."""
+        i = self.state_slots + checkpoint
+        self.conv_state[:, i] = self.conv_state[:, slot]
+        self.rec_state[:, i] = self.rec_state[:, slot]
+        self.checkpoint_pos[checkpoint] = position
+
+    def load_checkpoint(self, slot: int, checkpoint: int) -> int | None:
+        """Copy `checkpoint` into running slot `slot`; returns its position (None: it holds nothing)."""
+        i = self.state_slots + checkpoint
+        self.conv_state[:, slot] = self.conv_state[:, i]
+        self.rec_state[:, slot] = self.rec_state[:, i]
+        return self.checkpoint_pos.get(checkpoint)
+
     def allocate(self) -> None:
         # Zero-filled, not uninitialised: padded decode rows read unused slots, which must be finite.
         # On the host, an anonymous mapping (zero-filled by the kernel), which goes back to the OS the moment
@@ -151,7 +173,8 @@ class KVCache:
             total = self.shape[0] + self.window_shape[0]
             self.views = [next(win) if i in self.window_layers else next(full) for i in range(total)]
         if self.state_spec is not None:
-            st, n = self.state_spec, self.state_slots
+            st, n = self.state_spec, self.state_slots + self.checkpoints
+            self.checkpoint_pos = {}
             self.conv_state = torch.zeros((st.num_layers, n, *st.conv), dtype=self.dtype, device=self.device)
             self.rec_state = torch.zeros((st.num_layers, n, *st.recurrent), dtype=torch.float32, device=self.device)
             attn, lin = iter(self.views), iter(zip(self.conv_state, self.rec_state))
@@ -169,6 +192,7 @@ class KVCache:
         return t
 
     def release(self) -> None:
+        self.checkpoint_pos = {}
         self.views = []
         self.tensor = self.window_tensor = self.conv_state = self.rec_state = None
 
@@ -225,6 +249,23 @@ def plan_num_blocks(platform: Platform, *, bytes_per_block: int, kv_cache_memory
         raise ValueError(f"a KV cache of {_gib(budget)} GiB ({source}) does not fit the host's {_gib(free)} GiB "
                          f"of available memory; lower it")
     return _blocks_after(budget, reserved_bytes, bytes_per_block, source)
+
+
+CHECKPOINT_SHARE = 4  # hybrid prefix caching: checkpoints take at most 1/4 of the blocks' share of the budget
+
+
+def plan_checkpoints(num_blocks: int, *, bytes_per_block: int, bytes_per_slot: int, max_num_seqs: int,
+                     min_blocks: int, extra: bool) -> tuple[int, int]:
+    """A hybrid model's recurrent-state checkpoints for prefix caching (engine.state_checkpoints), out of the same
+    budget: (checkpoints, blocks left). As many as --max-num-seqs, but at most a CHECKPOINT_SHARE-th of the
+    blocks' bytes and never below `min_blocks` blocks (one --max-model-len sequence); `extra`
+    (--num-gpu-blocks-override, where the state pool is extra too): --max-num-seqs on top of the blocks.
+    (0, num_blocks) when none fits: prefix caching is then off for the model."""
+    if extra:
+        return max_num_seqs, num_blocks
+    room = min(num_blocks * bytes_per_block // CHECKPOINT_SHARE, max(0, num_blocks - min_blocks) * bytes_per_block)
+    n = min(max_num_seqs, room // bytes_per_slot)
+    return n, num_blocks - -(-n * bytes_per_slot // bytes_per_block)
 
 
 def _blocks_after(budget: int, reserved: int, per_block: int, source: str) -> int:

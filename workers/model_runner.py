@@ -23,8 +23,9 @@ without them and reports each as failed (`seq_errors`), until a plan's `finished
 Hybrid models (Qwen3-Next / Qwen3.5): each plan row names the sequence's recurrent-state slot
 (StepPlan.state_slots, workers.kv_cache). A row from position 0 zeroes its slot first; any other row must
 resume exactly where the slot's state stopped (`state_pos`), else the step fails naming the sequence rather
-than computing from another position's state (a prefix-cache hit, which the scheduler never plans for
-these models, would be one).
+than computing from another position's state. A prefix-cache hit resumes from a checkpoint
+(StepPlan.state_loads: copied into the slot before the step, its position checked like any other); the
+plan's state_saves are copied out of their slots after the forward (engine.state_checkpoints).
 
 Tensor parallelism (model.tp of size N > 1): every tp worker runs the same plan; the LM head's logits
 reach tp rank 0 only (the model gathers them), which samples and computes every reported number, then
@@ -134,6 +135,8 @@ class ModelRunner:
                 routed: list[torch.Tensor] = []
                 hidden = self.model(input_ids, positions, meta, self.kv.views, between_layers, routed_experts=routed)
                 routed_ids = torch.stack(routed, dim=1).to(self.route_dtype)  # [T, layers, top_k], on the device
+            for slot, checkpoint in plan.state_saves:  # states at their block boundary, for prefix hits
+                self.kv.save_checkpoint(slot, checkpoint, self.state_pos[slot])
             for sid, rows, targets in prompt_rows:
                 self._prompt_logprobs(self.seqs[sid], hidden, rows, targets)
             if sample_ids:  # else only partial prefill chunks this step: nothing to sample
@@ -197,8 +200,10 @@ class ModelRunner:
         ids, computed, new, tables = ([xs[i] for i in keep] for xs in rows)
         slots = [plan.state_slots[i] for i in keep] if plan.state_slots else []
         windows = [plan.window_tables[i] for i in keep] if plan.window_tables else []
-        return StepPlan(plan.step_id, plan.new_seqs, ids, computed, new, tables, plan.finished,
-                        plan.weight_epoch, slots, windows), skipped
+        kept = set(slots)
+        return StepPlan(plan.step_id, plan.new_seqs, ids, computed, new, tables, plan.finished, plan.weight_epoch,
+                        slots, windows, [p for p in plan.state_loads if p[0] in kept],
+                        [p for p in plan.state_saves if p[0] in kept]), skipped
 
     def _with_skipped(self, result: StepResult, skipped: list[str]) -> StepResult:
         if skipped and not self.tp.rank:  # rank 0 reports for the engine
@@ -342,6 +347,10 @@ class ModelRunner:
             raise RuntimeError(f"a hybrid model's plan names {len(plan.state_slots)} state slots for "
                                f"{len(plan.seq_ids)} sequences")
         fresh = []
+        for slot, checkpoint in plan.state_loads:  # prefix hits: the state at the hit's end, checked below
+            if not (0 <= slot < self.kv.state_slots and 0 <= checkpoint < self.kv.checkpoints):
+                raise RuntimeError(f"state checkpoint {checkpoint} into slot {slot}: out of range")
+            self.state_pos[slot] = self.kv.load_checkpoint(slot, checkpoint)
         for sid, slot, start, n in zip(plan.seq_ids, plan.state_slots, plan.num_computed, plan.num_new):
             if not 0 <= slot < self.kv.state_slots:
                 raise RuntimeError(f"sequence {sid}: state slot {slot} is not one of the {self.kv.state_slots}")

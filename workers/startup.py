@@ -19,7 +19,15 @@ from engine.config import EngineConfig
 from engine.model_store import resolve_model
 from engine.rl_config import Determinism
 from engine.topology import layout
-from workers.kv_cache import KVCache, cache_dtype, mixed_window, plan_num_blocks, split_window_pool, window_pool_blocks
+from workers.kv_cache import (
+    KVCache,
+    cache_dtype,
+    mixed_window,
+    plan_checkpoints,
+    plan_num_blocks,
+    split_window_pool,
+    window_pool_blocks,
+)
 from workers.loader import load_model
 from workers.lora import slots_for as lora_slots_for
 from workers.model_runner import ModelRunner, warm_up
@@ -89,8 +97,17 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
             f"KV cache of {num_blocks} blocks x {cfg.cache.block_size} tokens{pool} cannot hold one sequence of "
             f"max_model_len={max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
             + (" or --max-num-seqs" if state_slots else ""))
+    if cfg.cache.mamba_block_size and not state_slots:
+        raise SystemExit(f"rollbus: --mamba-block-size applies to hybrid models (linear-attention state); "
+                         f"{cfg.model.model} has none")
+    checkpoints = 0
+    if state_slots and cfg.cache.enable_prefix_caching:  # a hybrid's prefix hits resume from state checkpoints
+        checkpoints, num_blocks = plan_checkpoints(
+            num_blocks, bytes_per_block=per_block, bytes_per_slot=reserved // state_slots,
+            max_num_seqs=state_slots, min_blocks=-(-max_model_len // cfg.cache.block_size),
+            extra=bool(cfg.cache.num_gpu_blocks_override))
     kv = KVCache.for_model(model, cfg.cache.block_size, num_blocks, kv_dtype, device, state_slots=state_slots,
-                           window_blocks=window_blocks)
+                           window_blocks=window_blocks, checkpoints=checkpoints)
     runner = ModelRunner(model, kv, rank=rank, block_size=cfg.cache.block_size, device=device, seed=cfg.model.seed,
                          logprobs_mode=cfg.rl.logprobs_mode, return_routed_experts=cfg.rl.enable_return_routed_experts,
                          tokenizer_path=None if cfg.rl.tokens_only else
@@ -107,7 +124,8 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
         batch_invariant_checked=checked, cpu_linear=cpu_linear, host_allocator=host_allocator,
         warm_up_s=round(warm_s, 3), host_huge_pages=host_huge_pages() if device.type == "cpu" else None,
         cpu_threads=cpu_kernels.threads() if device.type == "cpu" else None, layout=layout(cfg),
-        state_slots=state_slots, kv_window=shared_window(model) or window, window_blocks=window_blocks)
+        state_slots=state_slots, state_checkpoints=checkpoints, kv_window=shared_window(model) or window,
+        window_blocks=window_blocks)
     return Loaded(model, kv, runner, info)
 
 

@@ -35,6 +35,7 @@ from engine.config.cache import (
     CacheConfig,
     cpu_kv_space_bytes,
 )
+from engine.config.cache import check as check_cache_config
 from engine.config.gateway import GatewayConfig
 from engine.config.model import DEFAULT_MODEL_NAME, LOAD_FORMATS, ModelConfig, check_model_config
 from engine.config.parallel import ParallelConfig
@@ -269,6 +270,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
             raise ValueError("--kv-events-config publishes the prefix cache's events; --no-enable-prefix-caching "
                              "turns that cache off")
         check_model_config(cfg.model, tokens_only=cfg.rl.tokens_only)
+        check_cache_config(cfg.cache)
         flag_owners.check("worker_extension_cls", cfg.parallel.worker_extension_cls)
         if not launcher_makes_keys(cfg):
             check_bus(cfg)

@@ -22,15 +22,27 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None  # None: 0.9 on accelerators, a 1 GiB KV cache on CPU
     enable_prefix_caching: bool = True
+    mamba_block_size: int | None = None  # vLLM's: hybrid models checkpoint their state every N prompt tokens too
     kv_events_config: KVEventsConfig | None = None  # vLLM's (engine.kv_events, docs/fleet.md); None: no flag
 
 
-def prefix_caching_on(cache: CacheConfig, state_slots: int) -> bool:
+def check(cache: CacheConfig) -> None:
+    """ValueError naming what --mamba-block-size cannot be with the other cache flags."""
+    n = cache.mamba_block_size
+    if n is None:
+        return
+    if not cache.enable_prefix_caching:
+        raise ValueError("--mamba-block-size sets where hybrid models checkpoint their state for prefix caching; "
+                         "--no-enable-prefix-caching turns that cache off")
+    if n <= 0 or n % cache.block_size:
+        raise ValueError(f"--mamba-block-size {n} must be a positive multiple of --block-size {cache.block_size}")
+
+
+def prefix_caching_on(cache: CacheConfig, state_slots: int, state_checkpoints: int) -> bool:
     """Whether the engine caches prefixes: as the flag says, except for a hybrid model (one whose workers hold
-    recurrent-state slots), whose Gated DeltaNet state is not checkpointed at block boundaries, so a prefix
-    hit could not be resumed; vLLM turns it off for such models too. The scheduler acts on it and
-    /server_info reports it."""
-    return cache.enable_prefix_caching and not state_slots
+    recurrent-state slots) whose workers have no room for recurrent-state checkpoints (engine.state_checkpoints):
+    a prefix hit could not be resumed there. The scheduler acts on it and /server_info reports it."""
+    return cache.enable_prefix_caching and (not state_slots or state_checkpoints > 0)
 
 
 JSON_FLAGS = {"kv_events_config": (parse_kv_events_config, lambda c: json.dumps(dataclasses.asdict(c)))}
@@ -60,6 +72,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=Switch, negatives=["--disable-prefix-caching"],
                    default=d.enable_prefix_caching,
                    help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
+    g.add_argument("--mamba-block-size", type=int, default=None,
+                   help="Hybrid models (Qwen3-Next, Qwen3.5) with prefix caching: also checkpoint the Gated "
+                        "DeltaNet state every N prompt tokens (a multiple of --block-size), so prompts that share "
+                        "only a prefix (a system prompt) resume at its last multiple of N; each checkpoint costs "
+                        "one sequence's recurrent state. Unset: only at each prompt's last full block. Refused "
+                        "without prefix caching and for models without linear-attention layers.")
     g.add_argument("--kv-events-config", type=json_object_type("--kv-events-config"), default=None,
                    help='JSON object, vLLM\'s KVEventsConfig: {"enable_kv_cache_events": true, "endpoint": '
                         '"tcp://*:5557"} publishes the prefix cache\'s BlockStored / BlockRemoved / '

@@ -84,6 +84,7 @@ from engine.scheduler.kv_event_publisher import KVEventPublisher
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
 from engine.scheduler.result_check import result_problem
 from engine.scheduler.step_gate import Quiesce, StepGate
+from engine.state_checkpoints import StateCheckpoints
 from engine.topology import layout
 from engine.window_blocks import WindowBlocks
 
@@ -183,20 +184,23 @@ class SchedulerActor:
         self.limits = EngineLimits(min(i.vocab_size for i in infos), max_len, self.cfg.model.max_logprobs,
                                    self.cfg.rl.enable_trace_replay, self.cfg.scheduler.scheduling_policy)
         state_slots = min(i.state_slots for i in infos)
-        caching = prefix_caching_on(self.cfg.cache, state_slots)
+        checkpoints = min(i.state_checkpoints for i in infos)
+        caching = prefix_caching_on(self.cfg.cache, state_slots, checkpoints)
         if caching != self.cfg.cache.enable_prefix_caching:
-            log.info("scheduler.prefix_caching_off", reason="hybrid model: its Gated DeltaNet layers' recurrent "
-                     "state is not checkpointed at block boundaries, so a prefix hit cannot be resumed")
+            log.info("scheduler.prefix_caching_off", reason="hybrid model: the KV-cache budget left no room for "
+                     "recurrent-state checkpoints, so a prefix hit could not be resumed")
         window = min(i.kv_window for i in infos)
         window_blocks = min(i.window_blocks for i in infos)
         blocks = BlockManager(num_blocks, self.cfg.cache.block_size, caching,
                               record_events=self.kv_events is not None,
                               windows=WindowBlocks(window_blocks, self.cfg.cache.block_size, window)
-                              if window_blocks else None)
+                              if window_blocks else None,
+                              checkpoints=StateCheckpoints(checkpoints) if state_slots and caching else None)
         self.sched = Scheduler(blocks,
                                self.cfg.scheduler.max_num_seqs, self.cfg.scheduler.max_num_batched_tokens, max_len,
                                max_loras=self.cfg.lora.max_loras if self.cfg.lora.enable_lora else 0,
                                policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots,
+                               checkpoint_every=self.cfg.cache.mamba_block_size or 0,
                                window=window,
                                prefill_beside_decodes=prefill_beside_decodes(self.cfg.scheduler, infos[0].device),
                                long_prefill_token_threshold=self.cfg.scheduler.long_prefill_token_threshold,
@@ -321,7 +325,8 @@ class SchedulerActor:
             step.seq_ids, step.num_computed, step.num_new,
             [s.block_table for s in step.seqs], step.finished_ids, step.weight_epoch,
             [s.state_slot for s in step.seqs] if self.sched.state_slots else [],
-            [s.window_table for s in step.seqs] if self.sched.blocks.windows is not None else [])
+            [s.window_table for s in step.seqs] if self.sched.blocks.windows is not None else [],
+            [(s.state_slot, c) for s, c in step.loads], [(s.state_slot, c) for s, c, _ in step.saves])
         send(self.plans, plan, topic=PLAN_TOPIC)
 
     def _on_result(self) -> None:
@@ -366,8 +371,10 @@ class SchedulerActor:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
             # keeps serving the others. Dead workers are handled by member_lost, not here.
             self._fail_seqs(step.seqs, step_failure(errors[0]))
+            self.sched.discard_saves(step)
             return
         if interrupted:
+            self.sched.discard_saves(step)
             # An abort pause cut the step short: its sequences were aborted, nothing advanced.
             self._maybe_complete_quiesce()
             return

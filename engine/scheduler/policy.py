@@ -35,6 +35,13 @@ recurrent-state slots (workers.kv_cache), taken at admission and given back when
 finishes; there is one per --max-num-seqs sequence, so admission never waits for one. Like blocks, a slot
 freed may go to another sequence in the next plan: that sequence starts at position 0, and the workers zero
 the slot before they compute it (after the step in flight, which may still write the old sequence's state).
+With prefix caching on (the workers' checkpoint pool is not empty, `blocks.checkpoints`): a prefill chunk that
+would cross a prompt's next checkpoint boundary (engine.state_checkpoints: its last full block's end, and every
+`checkpoint_every` tokens with --mamba-block-size) ends on it, and the plan asks the workers
+to save the sequence's state there after the step (`ScheduledStep.saves`, made findable by `update` under the
+hash of the block that ends there, or given back by `discard_saves` when the step failed); a sequence admitted
+with a prefix hit gets its state slot filled from the checkpoint of the hit's last block before the step
+(`ScheduledStep.loads`).
 
 Sliding-window models (`window` > 0: every attention layer of the model sees the same last `window` keys):
 before a running sequence is planned, its blocks wholly before the window of its next position are given
@@ -67,6 +74,7 @@ import msgspec
 
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
+from engine.state_checkpoints import next_checkpoint
 
 # A prefill token's share of attention grows with its position: at about this many keys it costs as much again
 # as the token's layer GEMMs on a CPU (SmolLM2 fp32 measured: a 256-token chunk beside 32 decodes takes 0.56 s at
@@ -82,6 +90,10 @@ class ScheduledStep:
     new_seqs: list[Sequence]  # first time the workers see these
     finished_ids: list[str]  # workers may forget these
     weight_epoch: int
+    # hybrid models' state checkpoints: (sequence, checkpoint, index of the block its boundary ends) saved after
+    # the step; (sequence, checkpoint) restored into the sequence's state slot before it
+    saves: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    loads: list[tuple[Sequence, int]] = field(default_factory=list)
     _ids: list[str] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -132,6 +144,7 @@ class Scheduler:
     _added: int = 0  # sequences added so far: the last tie-break of the priority order
     state_slots: int = 0  # hybrid models: the workers' recurrent-state slots (0: none, attention only)
     free_slots: list[int] = field(default_factory=list)
+    checkpoint_every: int = 0  # hybrid prefix caching: --mamba-block-size (0: each prompt's last full block only)
     window: int = 0  # the sliding window whose blocks are freed: every layer's, or a mixed model's window group's
 
     def __post_init__(self) -> None:
@@ -234,6 +247,11 @@ class Scheduler:
         running = self.running
         window = self.window
         add_seq, add_new, add_computed = seqs.append, num_new.append, num_computed.append
+        ckpts = blocks.checkpoints if blocks.caching else None
+        if ckpts is not None:
+            ckpts.begin_plan()
+        saves: list[tuple[Sequence, int, int]] = []
+        loads: list[tuple[Sequence, int]] = []
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -256,6 +274,8 @@ class Scheduler:
                         i += 1  # the long prompts' share of this step is spent
                         continue
                     long_left -= _cost(computed, n, self.prefill_keys_per_token)
+            if ckpts is not None:
+                n = self._to_checkpoint(seq, computed, n, None)
             # blocks_needed, inlined: most steps need none (a decode fills a block every block_size steps)
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
             if need > len(free) or (wins is not None and wins.short(seq, computed + n)):
@@ -273,6 +293,8 @@ class Scheduler:
             add_seq(seq)
             add_new(n)
             add_computed(computed)
+            if ckpts is not None:
+                self._to_checkpoint(seq, computed, n, saves)
             seq.inflight_tokens += n
             if computed + n == known:
                 seq.inflight_samples += 1
@@ -297,6 +319,8 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget, per_seq)
             if long:
                 n = _fit(long_left, seq.num_computed, n, self.prefill_keys_per_token)
+            if ckpts is not None:
+                n = self._to_checkpoint(seq, seq.num_computed, n, None)
             if not self.blocks.can_allocate(seq, seq.num_computed + n):
                 # Give the matched blocks back: a waiting sequence must hold nothing, or two of them
                 # could each hold part of what the other needs.
@@ -309,6 +333,10 @@ class Scheduler:
             self.waiting.popleft()
             if self.state_slots:
                 seq.state_slot = self.free_slots.pop()
+            if ckpts is not None:
+                if seq.num_computed:  # a prefix hit: its state comes from the checkpoint of the hit's last block
+                    loads.append((seq, ckpts.load(seq.block_hashes[-1])))
+                self._to_checkpoint(seq, seq.num_computed, n, saves)
             seq.status = SeqStatus.RUNNING
             if self.policy == "priority":
                 self._insort(self.running, seq)  # the step's plan order is `seqs`', not this list's
@@ -330,7 +358,27 @@ class Scheduler:
             order = sorted(range(len(seqs)), key=lambda k: num_new[k] != 1)
             seqs, num_new, num_computed = ([xs[k] for k in order] for xs in (seqs, num_new, num_computed))
         finished, self._finished_ids = self._finished_ids, []
-        return ScheduledStep(seqs, num_new, num_computed, new_seqs, finished, self.weight_epoch)
+        return ScheduledStep(seqs, num_new, num_computed, new_seqs, finished, self.weight_epoch, saves, loads)
+
+    def _to_checkpoint(self, seq: Sequence, computed: int, n: int, saves: list | None) -> int:
+        """A hybrid's prefill chunk from `computed`, cut to end on its prompt's checkpoint boundary when it would
+        cross it; with `saves`, a chunk ending there takes a checkpoint to save into (if the pool has one)."""
+        b = next_checkpoint(seq.num_prompt_tokens, self.blocks.block_size, computed, self.checkpoint_every)
+        if not computed < b <= computed + n:
+            return n
+        if saves is not None:
+            i = b // self.blocks.block_size - 1
+            h = self.blocks.hash_through(seq, i + 1, self.weight_epoch)
+            slot = self.blocks.checkpoints.take(h)  # type: ignore[union-attr]
+            if slot is not None:
+                saves.append((seq, slot, i))
+        return b - computed
+
+    def discard_saves(self, step: ScheduledStep) -> None:
+        """The step failed or was interrupted: the checkpoints it was to save are given back."""
+        for _, slot, _ in step.saves:
+            self.blocks.checkpoints.release(slot)  # type: ignore[union-attr]
+        step.saves = []
 
     def update(self, step: ScheduledStep, sampled: dict[str, tuple[int, float, list[list[float]] | None]]
                ) -> list[SeqUpdate]:
@@ -347,6 +395,7 @@ class Scheduler:
         bs = blocks.block_size
         max_len = self.max_model_len
         running, finished = SeqStatus.RUNNING, SeqStatus.FINISHED
+        saves = {seq.seq_id: (slot, i) for seq, slot, i in step.saves} if step.saves else None
         for seq, n, before in zip(step.seqs, step.num_new, step.num_computed):
             status = seq.status
             if status is finished:
@@ -361,6 +410,12 @@ class Scheduler:
                 computed = seq.num_computed = seq.num_computed + n
                 if commit is not None and computed // bs > len(seq.block_hashes):
                     commit(seq, epoch)
+                if saves and seq.seq_id in saves:  # its state at the boundary is saved: findable by the block's hash
+                    slot, i = saves.pop(seq.seq_id)
+                    if i < len(seq.block_hashes):
+                        blocks.checkpoints.commit(slot, seq.block_hashes[i])  # type: ignore[union-attr]
+                    else:
+                        blocks.checkpoints.release(slot)  # type: ignore[union-attr]
             # A sequence preempted while the step ran still takes its token: the worker has appended
             # it to its own copy, and the two must agree for the recompute to sample at the right place.
             got = get(seq.seq_id)
@@ -381,6 +436,8 @@ class Scheduler:
                 append(SeqUpdate(seq, token, logprob, top, reason is not None, seq.kv_epoch))
             else:
                 append(SeqUpdate(seq, token, logprob, top, False, seq.kv_epoch))
+        for slot, _ in (saves or {}).values():  # sequences aborted or preempted while the step ran
+            blocks.checkpoints.release(slot)  # type: ignore[union-attr]
         return updates
 
     def _finishes_for_sure(self, seq: Sequence) -> bool:

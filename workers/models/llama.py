@@ -362,21 +362,24 @@ class DecoderLM(nn.Module):
         HF's separate q/k/v and gate/up pieces map to slices of our fused weights; our own (fused)
         names map to themselves so a weight update may send either form.
         """
-        cfg, sh = self.cfg, self.shard
         t = WeightMap(n for n, _ in self.named_parameters())
-        sharded = sh.size > 1
         for li, layer in enumerate(self.model.layers):
             self._attention_targets(t, f"model.layers.{li}.self_attn")
             if isinstance(layer.mlp, MLP):
                 self._mlp_targets(t, f"model.layers.{li}.mlp", layer.mlp)
-        if sharded:
+        self._vocab_targets(t)
+        return t
+
+    def _vocab_targets(self, t: WeightMap) -> None:
+        """This rank's vocabulary rows of the embedding and the LM head (tp > 1); a tied LM head's alias."""
+        cfg, sh = self.cfg, self.shard
+        if sh.size > 1:
             vocab = Split(0, cfg.vocab_size, ((sh.v0, sh.vocab_valid),))
             t.split("model.embed_tokens.weight", vocab, rows=sh.vocab_valid)
             if not cfg.tie_word_embeddings:
                 t.split("lm_head.weight", vocab, rows=sh.vocab_valid)
         if cfg.tie_word_embeddings:
             t.alias("lm_head.weight", "model.embed_tokens.weight")
-        return t
 
     def _attention_targets(self, t: WeightMap, a: str) -> None:
         """HF's q_proj / k_proj / v_proj of the attention named `a` as slices of its fused qkv_proj; this

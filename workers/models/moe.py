@@ -159,6 +159,11 @@ class MoEDecoderLM(DecoderLM):
         `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.N.{w1 (gate), w3 (up), w2 (down)}.weight`.
         """
         t = super()._weight_targets()
+        self._expert_targets(t)
+        return t
+
+    def _expert_targets(self, t: WeightMap) -> None:
+        """Every sparse layer's experts (this rank's intermediate rows under tp) and shared expert, into `t`."""
         cfg, full = self.cfg, self.cfg.moe_intermediate_size
         i = full // self.tp.size  # this rank's intermediate rows of every expert
         part = (self.shard.rank * i, i)
@@ -183,4 +188,3 @@ class MoEDecoderLM(DecoderLM):
             shared = getattr(self.model.layers[li].mlp, "shared_expert", None)  # Qwen2-MoE's
             if shared is not None:
                 self._mlp_targets(t, f"{m}.shared_expert", shared)
-        return t

@@ -18,8 +18,20 @@ layers are either Gated DeltaNet linear attention (`layer_types` "linear_attenti
 - RMSNorms scale by (1 + weight) (the gated one by weight). MoE (Qwen3-Next, Qwen3.5-MoE): softmax top-k
   renormalised, plus a shared expert gated by sigmoid(shared_expert_gate(x)).
 
-Not supported (refused at start-up by name): -tp > 1, --batch-invariant (the recurrences have no row-invariant
-kernels here), and prefix caching (no state checkpoints at block boundaries; the scheduler turns it off).
+Batch invariance (--batch-invariant, `_forward_rowwise`): every token of every sequence, decode or prefill, goes
+through the same recurrent step (the chunked form's bits depend on where a chunk starts, so it is not used):
+the tokens of a step's sequences are taken one position at a time, all sequences at that position together,
+and a sequence's state is updated where it lies in a working copy gathered once per step. The convolution is
+K multiply-adds in order per element, sigmoid, softplus and SiLU are written with exp, log1p and IEEE
+divisions (torch's sigmoid / softplus / silu give an element other bits in a vector loop's scalar tail), and
+the products are batched GEMMs of one shape whatever the batch (`gdn_invariant`, run by the start-up
+self-check, measures it on the device). So a sequence's tokens and logprobs are the same bits alone, in any
+batch, prefilled in any chunks or decoded.
+
+Prefix caching resumes a hit from a recurrent-state checkpoint (engine/state_checkpoints.py). Tensor
+parallelism splits the linear-attention heads (a key head with its value heads; gated_deltanet.tp_splits) as it
+splits the attention heads, out_proj and o_proj all-reduced; a -tp that does not divide linear_num_key_heads
+or linear_num_value_heads is refused naming them (tp_layout.layout_error).
 """
 
 from __future__ import annotations
@@ -28,19 +40,17 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ascend_ops.attention import AttentionMetadata
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.decoder_config import DecoderConfig, check_layer_types
+from workers.models.gated_deltanet import GatedDeltaNet, gdn_invariant, local_heads, tp_splits
 from workers.models.llama import MLP, Attention, DecoderLM, KVSpec, _param
-from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE
-from workers.models.tp_layout import Shard
-from workers.models.weight_map import WeightMap
-
-CHUNK = 64  # tokens per chunk of the chunked gated delta rule (prefill)
+from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE, invariant_sigmoid
+from workers.models.tp_layout import Shard, layout_error
+from workers.models.weight_map import Split, WeightMap
 
 
 class StateSpec(NamedTuple):
@@ -99,155 +109,6 @@ class HybridConfig(MoEConfig):
                    split_proj=arch.startswith("Qwen3_5"))
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
-def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's tokens [L, H, d] (fp32; q, k normalised and q scaled; g, beta [L, H]) from `state`
-    [H, dk, dv]: (outputs [L, H, dv], the state after the last token). Within a chunk the delta rule's
-    triangular system is solved at once (WY form); across chunks the state carries."""
-    L = q.shape[0]
-    pad = (-L) % CHUNK
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, L', d]
-    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))  # [H, L']
-    H, n = q.shape[0], (L + pad) // CHUNK
-    q, k, v = (x.reshape(H, n, CHUNK, -1) for x in (q, k, v))
-    g, beta = g.reshape(H, n, CHUNK), beta.reshape(H, n, CHUNK)
-    kb, vb = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
-    cum = g.cumsum(-1)  # [H, n, C]
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [.., i, j]
-    system = (kb @ k.transpose(-1, -2)) * decay  # its diagonal is taken as 1 (unitriangular)
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    inner = (q @ k.transpose(-1, -2)) * decay
-    qd = q * cum.exp().unsqueeze(-1)
-    kd = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    last = cum[..., -1].exp()  # [H, n]
-    out = torch.empty_like(u)
-    s = state
-    for c in range(n):
-        fresh = u[:, c] - w[:, c] @ s
-        out[:, c] = qd[:, c] @ s + inner[:, c] @ fresh
-        s = s * last[:, c, None, None] + kd[:, c].transpose(-1, -2) @ fresh
-    return out.reshape(H, -1, out.shape[-1])[:, :L].transpose(0, 1), s
-
-
-def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> torch.Tensor:
-    """One token of each of N sequences ([N, H, d], fp32) from their states [N, H, dk, dv], which are
-    updated in place: returns o [N, H, dv]. The state is read once for both k^T S and q^T S (o = q^T S_new =
-    decay q^T S + (q . k) delta), then scaled and updated in place: no temporaries of its size."""
-    n, h, dk = k.shape
-    dv = v.shape[-1]
-    s = state.view(n * h, dk, dv)
-    decay = g.exp().reshape(n * h, 1)
-    kq = torch.bmm(torch.stack((k, q), dim=2).view(n * h, 2, dk), s)  # [NH, 2, dv]
-    delta = (v.reshape(n * h, dv) - decay * kq[:, 0]) * beta.reshape(n * h, 1)
-    o = decay * kq[:, 1] + (q * k).sum(-1).reshape(n * h, 1) * delta
-    s.mul_(decay.unsqueeze(-1))
-    s.baddbmm_(k.reshape(n * h, dk, 1), delta.unsqueeze(1))
-    return o.view(n, h, dv)
-
-
-class GatedDeltaNet(nn.Module):
-    """HF's `linear_attn` (module docstring), for a flattened batch of decodes and prefill chunks."""
-
-    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT) -> None:
-        super().__init__()
-        self.kern, self.cfg = kern, cfg
-        hk, hv, dk, dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
-        self.key_dim, self.value_dim = hk * dk, hv * dv
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        kw = dict(dtype=dtype, device=device)
-        h = cfg.hidden_size
-        if cfg.split_proj:
-            for name, rows in (("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim), ("in_proj_b", hv),
-                               ("in_proj_a", hv)):
-                setattr(self, name, nn.Module())
-                getattr(self, name).weight = _param(rows, h, **kw)
-        else:
-            self.in_proj_qkvz = nn.Module()
-            self.in_proj_qkvz.weight = _param(2 * self.key_dim + 2 * self.value_dim, h, **kw)
-            self.in_proj_ba = nn.Module()
-            self.in_proj_ba.weight = _param(2 * hv, h, **kw)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = _param(self.conv_dim, 1, cfg.conv_kernel, **kw)
-        self.dt_bias = _param(hv, ones=True, **kw)
-        self.A_log = _param(hv, **kw)
-        self.norm = nn.Module()
-        self.norm.weight = _param(dv, ones=True, **kw)
-        self.out_proj = nn.Module()
-        self.out_proj.weight = _param(h, self.value_dim, **kw)
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mixed q|k|v [T, C], z [T, Hv, dv], b, a [T, Hv])."""
-        c, lin = self.cfg, self.kern.linear
-        T, hk, hv, dk, dv = x.shape[0], c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
-        if c.split_proj:
-            z = lin(x, self.in_proj_z.weight).view(T, hv, dv)
-            return lin(x, self.in_proj_qkv.weight), z, lin(x, self.in_proj_b.weight), lin(x, self.in_proj_a.weight)
-        r = hv // hk  # value heads per key head: Qwen3-Next packs [q_h, k_h, v_h.., z_h..] for each key head h
-        qkvz = lin(x, self.in_proj_qkvz.weight).view(T, hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = lin(x, self.in_proj_ba.weight).view(T, hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
-        return mixed, z.reshape(T, hv, dv), b.reshape(T, hv), a.reshape(T, hv)
-
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
-        c = self.cfg
-        T = x.shape[0]
-        conv_state, rec_state = state
-        mixed, z, b, a = self._project(x)
-        beta = torch.sigmoid(b).float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        w = self.conv1d.weight[:, 0, :]  # [C, K]
-        slots = meta.state_slots
-        out = torch.empty(T, c.lin_v_heads, c.lin_v_dim, dtype=torch.float32, device=x.device)
-        nd = meta.num_decodes
-        if nd:
-            sl = slots[:nd]
-            window = torch.cat((conv_state[sl], mixed[:nd].unsqueeze(-1).to(conv_state.dtype)), dim=-1)  # [N, C, K]
-            conv_state[sl] = window[..., 1:]
-            qkv = F.silu((window.to(w.dtype) * w).sum(-1)).to(x.dtype)
-            q, k, v = self._heads(qkv)
-            first = int(sl[0])
-            if bool((sl == torch.arange(first, first + nd, device=sl.device)).all()):
-                states = rec_state.narrow(0, first, nd)  # consecutive slots: updated where they are
-            else:
-                states = rec_state.index_select(0, sl)  # else gathered, updated, and put back
-            out[:nd] = recurrent_delta_step(q, k, v, g[:nd], beta[:nd], states)
-            if states.data_ptr() != rec_state[first].data_ptr():
-                rec_state.index_copy_(0, sl, states)
-        for i, ch in enumerate(meta.prefills):
-            slot, rows = int(slots[nd + i]), slice(ch.q_start, ch.q_start + ch.q_len)
-            seq = torch.cat((conv_state[slot], mixed[rows].t().to(conv_state.dtype)), dim=-1)  # [C, K-1+L]
-            conv_state[slot] = seq[:, ch.q_len:]
-            qkv = F.silu(F.conv1d(seq.unsqueeze(0).to(w.dtype), w.unsqueeze(1), groups=self.conv_dim)[0]).t()
-            q, k, v = self._heads(qkv.to(x.dtype))
-            out[rows], rec_state[slot] = chunked_delta_rule(q, k, v, g[rows], beta[rows], rec_state[slot])
-        o = out.to(x.dtype)
-        # the gated RMSNorm per value head: weight * norm(o) * silu(z), computed in fp32
-        of = o.float()
-        normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
-        gated = (self.norm.weight * normed).float() * F.silu(z.float())
-        return self.kern.linear(gated.to(x.dtype).reshape(T, -1), self.out_proj.weight)
-
-    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (normalised, q scaled, repeated to the value heads) and v, fp32 [N, Hv, d], from conv outputs."""
-        c = self.cfg
-        n = qkv.shape[0]
-        q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = _l2norm(q.reshape(n, c.lin_k_heads, c.lin_k_dim)), _l2norm(k.reshape(n, c.lin_k_heads, c.lin_k_dim))
-        if c.lin_v_heads != c.lin_k_heads:
-            r = c.lin_v_heads // c.lin_k_heads
-            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
-        return q * c.lin_k_dim ** -0.5, k, v.reshape(n, c.lin_v_heads, c.lin_v_dim)
-
-
 class GatedAttention(Attention):
     """llama.py's attention with q_proj giving [q_h | gate_h] per head and o scaled by sigmoid(gate): the fused
     qkv_proj holds 2 * Hq * D rows of q (and gate), then k, then v."""
@@ -269,8 +130,10 @@ class GatedAttention(Attention):
         qr, kr = kern.apply_rope(q[..., : self.rd].contiguous(), k[..., : self.rd].contiguous(), cos, sin)
         q, k = torch.cat((qr, q[..., self.rd:]), -1), torch.cat((kr, k[..., self.rd:]), -1)
         o = self._attend(q, k, v.reshape(T, self.hk, d).contiguous(), kv, meta)
-        o = o.reshape(T, self.hq * d) * torch.sigmoid(gate.reshape(T, self.hq * d))
-        return kern.linear(o, self.o_proj.weight)
+        sigmoid = invariant_sigmoid if kern.batch_invariant else torch.sigmoid
+        o = o.reshape(T, self.hq * d) * sigmoid(gate.reshape(T, self.hq * d))
+        out = kern.linear(o, self.o_proj.weight)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
 class HybridLayer(nn.Module):
@@ -301,19 +164,18 @@ class HybridLM(MoEDecoderLM):
 
     config_class = HybridConfig
     cfg: HybridConfig
-    no_batch_invariance = "its Gated DeltaNet recurrences have no row-invariant kernels here"
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
                  max_positions: int | None = None, kernels: Kernels = DEFAULT, tp: Solo = SOLO) -> None:
         if tp.size > 1:
-            arch = (hf_config.get("architectures") or ["?"])[0]
-            raise NotImplementedError(f"{arch}: --tensor-parallel-size {tp.size} is not supported for this hybrid "
-                                      f"model yet (its Gated DeltaNet layers are not sharded); use 1")
+            why = layout_error(hf_config, tp.size)
+            if why:
+                raise NotImplementedError(why)
         super().__init__(hf_config, dtype, device, max_positions, kernels, tp)
 
     def _make_layer(self, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         cfg, linear = self.cfg, i in self.cfg.linear_layers
-        mixer = (GatedDeltaNet(cfg, dtype, device, self.kern) if linear
+        mixer = (GatedDeltaNet(local_heads(cfg, self.tp.size), dtype, device, self.kern, self.tp) if linear
                  else GatedAttention(cfg, dtype, device, self.kern, self.shard, self.tp))
         return HybridLayer(cfg, self._make_mlp(i, dtype, device), mixer, linear, dtype, device, self.kern)
 
@@ -329,13 +191,20 @@ class HybridLM(MoEDecoderLM):
 
     @property
     def state_spec(self) -> StateSpec:
-        c = self.cfg
+        """One sequence's state on this tp rank (its share of the linear-attention heads)."""
+        c = local_heads(self.cfg, self.tp.size)
         conv = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim
         return StateSpec(len(c.linear_layers), (conv, c.conv_kernel - 1), (c.lin_v_heads, c.lin_k_dim, c.lin_v_dim))
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return self.cfg.linear_layers
+
+    def invariance_checks(self, rand):
+        """What ascend_ops.batch_invariant.self_check measures beyond the shared ops: one Gated DeltaNet layer
+        (every one runs the same code at the same shapes)."""
+        layer = self.model.layers[self.cfg.linear_layers[0]].linear_attn
+        return [("gated_deltanet", lambda: gdn_invariant(layer, rand))]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -350,32 +219,33 @@ class HybridLM(MoEDecoderLM):
         return self.kern.rms_norm(x, self.model.norm.weight + 1.0, self.cfg.rms_norm_eps)
 
     def _weight_targets(self) -> WeightMap:
-        """Our own names are HF's, but q/k/v (fused qkv_proj: 2 * Hq * D rows of q_proj, then k, then v) and the
-        dense MLPs' gate/up."""
+        """Our own names are HF's, but q/k/v (fused qkv_proj: 2 * Hq * D rows of q_proj, q and gate per head, then
+        k, then v), the dense MLPs' gate/up and the experts'; under tp, this rank's part of each (tp_splits for
+        the Gated DeltaNet layers)."""
         t = WeightMap(n for n, _ in self.named_parameters())
-        c, d = self.cfg, self.cfg.head_dim
-        qd, kd = 2 * c.num_heads * d, c.num_kv_heads * d
+        c, sh, d = self.cfg, self.shard, self.cfg.head_dim
+        sharded = sh.size > 1
+        q_full, k_full, qd, kd = 2 * c.num_heads * d, c.num_kv_heads * d, 2 * sh.hq * d, sh.hk * d
+        q_part, k_part = (sh.q0 * 2 * d, qd), (sh.k0 * d, kd)
+        q_split = Split(0, q_full, (q_part,)) if sharded else None
+        k_split = Split(0, k_full, (k_part,)) if sharded else None
+        linear = tp_splits(c, sh.rank, sh.size) if sharded else {}
         for li, layer in enumerate(self.model.layers):
-            if not layer.linear:
+            if layer.linear:
+                for name, split in linear.items():
+                    t.split(f"model.layers.{li}.linear_attn.{name}", split)
+            else:
                 a = f"model.layers.{li}.self_attn"
-                t.add(f"{a}.q_proj.weight", f"{a}.qkv_proj.weight", 0, qd)
-                t.add(f"{a}.k_proj.weight", f"{a}.qkv_proj.weight", qd, kd)
-                t.add(f"{a}.v_proj.weight", f"{a}.qkv_proj.weight", qd + kd, kd)
+                t.split(f"{a}.qkv_proj.weight", sharded and Split(0, q_full + 2 * k_full, (
+                    q_part, (q_full + k_part[0], kd), (q_full + k_full + k_part[0], kd))) or None)
+                t.add(f"{a}.q_proj.weight", f"{a}.qkv_proj.weight", 0, qd, split=q_split)
+                t.add(f"{a}.k_proj.weight", f"{a}.qkv_proj.weight", qd, kd, split=k_split)
+                t.add(f"{a}.v_proj.weight", f"{a}.qkv_proj.weight", qd + kd, kd, split=k_split)
+                t.split(f"{a}.o_proj.weight", sharded and Split(1, c.num_heads * d, ((sh.q0 * d, sh.hq * d),)) or None)
             if isinstance(layer.mlp, MLP):
                 self._mlp_targets(t, f"model.layers.{li}.mlp", layer.mlp)
-        for li in c.sparse_layers:
-            m = f"model.layers.{li}.mlp"
-            i = c.moe_intermediate_size
-            for e in range(c.num_experts):
-                x = f"{m}.experts.{e}"
-                t.add(f"{x}.gate_proj.weight", f"{m}.experts.gate_up_proj", 0, i, expert=e)
-                t.add(f"{x}.up_proj.weight", f"{m}.experts.gate_up_proj", i, i, expert=e)
-                t.add(f"{x}.down_proj.weight", f"{m}.experts.down_proj", expert=e)
-            shared = self.model.layers[li].mlp.shared_expert
-            if shared is not None:
-                self._mlp_targets(t, f"{m}.shared_expert", shared)
-        if c.tie_word_embeddings:
-            t.alias("lm_head.weight", "model.embed_tokens.weight")
+        self._expert_targets(t)
+        self._vocab_targets(t)
         return t
 
     def skipped_weight(self, name: str) -> bool:

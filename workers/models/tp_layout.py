@@ -26,8 +26,11 @@ def layout_error(hf: dict[str, Any], tp: int) -> str | None:
         return None
     arch = (hf.get("architectures") or [""])[0]
     if arch in HYBRID or hf.get("model_type") in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
-        return (f"--tensor-parallel-size {tp}: {arch or hf.get('model_type')} (hybrid Gated DeltaNet) is served "
-                f"with tensor-parallel size 1 only; its linear-attention layers are not sharded")
+        for key, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
+            n = int(hf.get(key) or default)
+            if n % tp:
+                return (f"--tensor-parallel-size {tp} does not divide the model's {n} linear-attention heads "
+                        f"({key}); use a divisor of {n}")
     hq, hk = _heads(hf)
     if hq % tp:
         return (f"--tensor-parallel-size {tp} does not divide the model's {hq} attention heads "
@@ -48,7 +51,7 @@ def layout_error(hf: dict[str, Any], tp: int) -> str | None:
     return None
 
 
-# hybrid linear-attention models: not sharded (workers/models/qwen3_next.py)
+# hybrid linear-attention models: their linear-attention heads are split too (workers/models/gated_deltanet.py)
 HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 # QK-norm over the whole q / k projections: a rank's sum of squares is all-reduced, which needs unreplicated KV heads
