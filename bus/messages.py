@@ -39,8 +39,8 @@ import numpy as np
 from bus.sampling_params import SamplingParams
 
 # Bump with every change of any struct here (or of SamplingParams), and record the new fingerprint.
-PROTOCOL_VERSION = 13  # 12 landed last; this round changes the structs once (typed payloads, state slots)
-PROTOCOL_FINGERPRINT = "7f44e8503c82"  # checked by tests/test_codec.py against protocol_fingerprint()
+PROTOCOL_VERSION = 14  # 13 landed last; this round: layer-group tables, state checkpoints, LoRA push
+PROTOCOL_FINGERPRINT = "3a9630db2827"  # checked by tests/test_codec.py against protocol_fingerprint()
 
 REGISTRY: dict[int, type] = {}
 
