@@ -301,7 +301,9 @@ def kill_in_engine_1(server, victim: str, max_tokens: int) -> tuple[float, float
     victim and engine 0's run to the end. (When it was killed, seconds until engine 1 was refused.)"""
     url = server.url
     streams = Streams(url, 4, max_tokens=max_tokens, headers=[rank_header(e) for e in (0, 1, 0, 1)])
-    streams.wait_running()
+    # engine 1's streams must still run when it is killed; on a loaded host engine 0's may already be done
+    # by the time engine 1's first tokens come (the checks below hold either way)
+    streams.wait_running(must_run=(1, 3))
     os.kill(server.child_pids()[victim], signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: refused(url, 1), 5, "engine 1 refused (503) within 5 s")

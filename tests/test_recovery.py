@@ -110,11 +110,12 @@ class Streams:
         self.ended[i] = time.monotonic()
         self.first[i].set()
 
-    def wait_running(self, timeout_s: float = 60.0) -> None:
+    def wait_running(self, timeout_s: float = 60.0, must_run: tuple[int, ...] | None = None) -> None:
+        """Every stream has started, and those in `must_run` (all by default) have not ended yet."""
         deadline = time.monotonic() + timeout_s
         for e in self.first:
             assert e.wait(max(0.0, deadline - time.monotonic())), "a stream never started"
-        done = [i for i, t in enumerate(self.ended) if t is not None]
+        done = [i for i, t in enumerate(self.ended) if t is not None and (must_run is None or i in must_run)]
         assert not done, f"streams {done} finished before the kill: make them longer"
 
     def join(self, timeout_s: float) -> None:
