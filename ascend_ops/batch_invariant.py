@@ -203,9 +203,9 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu(gate).mul_(up)  # silu's result is a fresh tensor of gate's dtype: the product lands in it
 
 
-def moe_experts(x, expert_ids, expert_weights, gate_up, down) -> torch.Tensor:
+def moe_experts(x, expert_ids, expert_weights, gate_up, down, lora=None) -> torch.Tensor:
     """ops.moe_experts with the invariant linear and SiLU: each expert's GEMMs see however many tokens chose it."""
-    return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear, act=silu_and_mul)
+    return _ops.moe_experts(x, expert_ids, expert_weights, gate_up, down, mm=linear, act=silu_and_mul, lora=lora)
 
 
 def experts_nk(w: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,7 @@ def moe_experts(
     down: torch.Tensor,  # [E, H, I]
     mm=linear,  # the GEMM: ascend_ops.batch_invariant passes its row-invariant linear
     act=None,  # default: fused_silu_and_mul; ascend_ops.batch_invariant passes its row-invariant one
+    lora=None,  # LoRA on the experts (workers/lora.py's expert_hook): (param, e, tokens, x, out) -> out
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
 
@@ -153,14 +154,21 @@ def moe_experts(
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    xs = x[order // k]  # row j: the token of sorted pair j
+    tokens = order // k
+    xs = x[tokens]  # row j: the token of sorted pair j
     out = torch.empty_like(xs)
     inter = down.shape[-1]
     start = 0
     for e, n in enumerate(counts):
         if n:
-            gu = mm(xs[start : start + n], gate_up[e])
-            out[start : start + n] = mm(act(gu[:, :inter], gu[:, inter:]), down[e])
+            rows = slice(start, start + n)
+            gu = mm(xs[rows], gate_up[e])
+            if lora is None:
+                out[rows] = mm(act(gu[:, :inter], gu[:, inter:]), down[e])
+            else:  # each adapter row's delta after each base product, as a LoRA'd linear (h: contiguous)
+                gu = lora("gate_up_proj", e, tokens[rows], xs[rows], gu)
+                h = act(gu[:, :inter], gu[:, inter:]).contiguous()
+                out[rows] = lora("down_proj", e, tokens[rows], h, mm(h, down[e]))
             start += n
     pairs = torch.empty_like(out)
     pairs[order] = out  # back to (token, slot) order

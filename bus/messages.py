@@ -608,6 +608,8 @@ class LoraTargetCall(Wire, tag="lora_target"):
     rank: int = 0
     scaling: float = 0.0
     aliases: dict[str, str] = msgspec.field(default_factory=dict)  # public PEFT name -> the sent name it shares
+    # expert LoRA: each targeted stacked expert parameter (gate_up_proj, down_proj) -> (its rank, its scaling)
+    experts: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)
 
 
 class CollectiveRpc(CommandBody):

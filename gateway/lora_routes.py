@@ -33,7 +33,7 @@ from bus.sampling_params import LoraRef
 from engine.lora import (
     MEMORY_PREFIX,
     LoraError,
-    config_rank_scaling,
+    adapter_factors,
     inspect_adapter,
     parse_lora_modules,
     runtime_updates_allowed,
@@ -109,7 +109,9 @@ class LoraRegistry:
                                                     for k, v in aliases.items()):
             raise bad_request("receive_target.aliases must map names to names", "kwargs.receive_target")
         try:
-            rank, scaling = config_rank_scaling(name, conf, self.cfg.lora.max_lora_rank)
+            if not self.hf_config:
+                raise LoraError(f"Loading lora {name} failed: the model has no config.json to check it against")
+            f = adapter_factors(name, conf, self.hf_config, self.cfg.lora.max_lora_rank)
         except LoraError as e:
             raise APIError(str(e), status=400, param="kwargs.receive_target") from None
         old = self.adapters.get(name)
@@ -117,7 +119,7 @@ class LoraRegistry:
         self.memory_ids[name] = lora_id
         version = (old[0].version if old else 0) + 1
         self.armed[name] = LoraRef(lora_id, name, MEMORY_PREFIX + name, version)
-        return LoraTargetCall(name, lora_id, version, rank, scaling, aliases)
+        return LoraTargetCall(name, lora_id, version, f.rank, f.scaling, aliases, f.experts)
 
     def _new_id(self) -> int:
         self.next_id += 1

@@ -22,6 +22,7 @@ adapter's weights only, so a row's bits do not depend on its batch-mates wheneve
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
@@ -30,7 +31,18 @@ import torch
 
 from ascend_ops import cpu_kernels
 from bus.sampling_params import LoraRef
-from engine.lora import MEMORY_PREFIX, AdapterSpec, LoraError, inspect_adapter, is_moe, module_features
+from engine.lora import (
+    EXPERT,
+    MEMORY_PREFIX,
+    AdapterSpec,
+    LoraError,
+    expert_dims,
+    expert_key,
+    inspect_adapter,
+    is_moe,
+    module_features,
+)
+from workers.models.moe import SparseMoE
 
 Key = tuple[int, int]  # (adapter id, version)
 # fused projection of the decoder -> its PEFT parts, in output order
@@ -59,7 +71,13 @@ class AdapterWeights:
         # this rank's out features of each part (column-parallel parts are cut by output)
         feats = {m: cuts.get((m, "B"), (0, out))[1] for m, (_, out) in module_features(hf_config).items()}
         self.layers: list[dict[str, Pair]] = [{} for _ in range(hf_config["num_hidden_layers"])]
+        # expert LoRA: per layer, per stacked expert parameter (gate_up_proj, down_proj), one Pair per expert
+        self.experts: list[dict[str, list[Pair]]] = [{} for _ in self.layers]
         targeted = set(spec.modules)
+        for layer, module in spec.modules:
+            if module.startswith(EXPERT):
+                self.experts[layer][module[len(EXPERT):]] = _expert_pairs(
+                    tensors, layer, module[len(EXPERT):], spec, hf_config, dtype, device, kernel, cuts)
         for layer in range(len(self.layers)):
             for fused, parts in FUSED.items():
                 mine = [m for m in parts if (layer, m) in targeted]
@@ -94,6 +112,32 @@ class AdapterWeights:
         return cls(tensors, spec, hf_config, dtype, device, kernel, cuts)
 
 
+def _expert_pairs(tensors: dict[str, torch.Tensor], layer: int, param: str, spec: AdapterSpec, hf: dict,
+                  dtype: torch.dtype, device: torch.device, kernel: bool, cuts: Cuts) -> list[Pair]:
+    """Each expert's A [r, in] and B·scaling of one stacked expert parameter (PEFT's ParamWrapper layout: A
+    [E*r, in] with expert e's rows e*r.., B [out, r*E] with expert e's columns e, e+E, ...). With tensor
+    parallelism each rank keeps its intermediate slice as the experts' weights do: gate_up_proj's B rows of
+    this rank's gate rows and up rows, down_proj's A columns."""
+    experts, _, inter = expert_dims(hf)
+    rank, scaling = spec.factors.experts[param]
+    a = tensors[expert_key(layer, param, spec.factors.experts, "A")].view(experts, rank, -1)  # [E, r, in]
+    b = tensors[expert_key(layer, param, spec.factors.experts, "B")]
+    b = b.view(b.shape[0], rank, experts).permute(2, 0, 1)  # [E, out, r]
+    if ("experts", "I") in cuts:
+        lo, n = cuts[("experts", "I")]
+        if param == "gate_up_proj":
+            b = torch.cat([b[:, lo:lo + n], b[:, inter + lo:inter + lo + n]], dim=1)
+        else:
+            a = a[:, :, lo:lo + n]
+    b = b.contiguous()
+    ranges = torch.tensor([[0, b.shape[1]]], dtype=torch.long)
+    if kernel:
+        return [Pair(_on(a[e], device, dtype), None, _on(_panels([b[e]], scaling), device, dtype), ranges)
+                for e in range(experts)]
+    return [Pair(_param(a[e], device, dtype), _param(b[e] * scaling, device, dtype), None, None)
+            for e in range(experts)]
+
+
 # (PEFT module, "A" or "B") -> (first, count): this tensor-parallel rank's slice of it, as vLLM splits LoRA:
 # column-parallel projections (q/k/v, gate/up) keep B's rows of this rank's outputs (A whole); row-parallel
 # ones (o, down) keep A's columns of this rank's inputs (B whole), and their partial delta joins the partial
@@ -107,8 +151,12 @@ def tp_cuts(model) -> Cuts:
     if sh.size == 1:
         return {}
     q, kv, i = (sh.q0 * d, sh.hq * d), (sh.k0 * d, sh.hk * d), sh.rows(model.cfg.intermediate_size)
-    return {("q_proj", "B"): q, ("k_proj", "B"): kv, ("v_proj", "B"): kv, ("o_proj", "A"): q,
+    cuts = {("q_proj", "B"): q, ("k_proj", "B"): kv, ("v_proj", "B"): kv, ("o_proj", "A"): q,
             ("gate_proj", "B"): i, ("up_proj", "B"): i, ("down_proj", "A"): i}
+    if getattr(model.cfg, "sparse_layers", ()):  # every expert's intermediate rows of this rank (SparseMoE's)
+        e_i = model.cfg.moe_intermediate_size // sh.size
+        cuts[("experts", "I")] = (sh.rank * e_i, e_i)
+    return cuts
 
 
 def _cut(t: torch.Tensor, key: tuple[str, str], cuts: Cuts) -> torch.Tensor:
@@ -175,6 +223,7 @@ class LoraSlots:
         self.ops = cpu_kernels.ops() if cpu else None
         self.kernel = self.ops is not None
         self.bounds: torch.Tensor | None = None
+        self.row_span = torch.empty(0, dtype=torch.long)  # MoE: this step's rows -> their span (-1: the base)
 
     def load(self, ref: LoraRef) -> AdapterWeights:
         """The weights of this version, read from its folder if not held (raises what the folder's check does)."""
@@ -262,6 +311,10 @@ class LoraSlots:
         self.in_order = len(order) == len(row_keys) and order == list(range(len(order)))
         self.perm = torch.tensor(order, dtype=torch.long, device=self.device) if order else None
         self.bounds = torch.tensor([0, *(hi for _, hi, _ in self.spans)], dtype=torch.long)
+        if self.moe and order:  # each row's adapter (its span's index; -1: the base), for the experts' hooks
+            self.row_span = torch.full((len(row_keys),), -1, dtype=torch.long, device=self.device)
+            for g, rows in enumerate(by_key.values()):
+                self.row_span[rows] = g
 
     def end_step(self) -> None:
         self.spans, self.perm = [], None
@@ -276,14 +329,7 @@ class LoraSlots:
                 return out
             if self.kernel:
                 pairs = [w.layers[layer].get(fused) for _, _, w in self.spans]
-                args = (perm, self.bounds, [p.a if p else _NONE for p in pairs], [p.bt if p else _NONE for p in pairs],
-                        [p.ranges if p else _NO_RANGES for p in pairs])
-                if x.dtype == out.dtype == self.dtype and x.is_contiguous() and out.is_contiguous():
-                    self.ops.lora_add(out, x, *args)
-                    return out
-                delta = torch.zeros(out.shape, dtype=self.dtype)  # --lora-dtype other than the model's
-                self.ops.lora_add(delta, x.to(self.dtype).contiguous(), *args)
-                return out.add_(delta.to(out.dtype))
+                return self._kernel_add(x, out, perm, self.bounds, pairs)
             xs = (x if self.in_order else x.index_select(0, perm)).to(self.dtype)  # adapter rows, grouped
             deltas = []
             for lo, hi, w in self.spans:  # per adapter: B·(A·x) on its rows, a contiguous slice
@@ -294,6 +340,54 @@ class LoraSlots:
             return out.add_(delta) if self.in_order else out.index_add_(0, perm, delta)
 
         return add_delta
+
+    def _kernel_add(self, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, bounds: torch.Tensor,
+                    pairs: list[Pair | None]) -> torch.Tensor:
+        """One lora_add call: out[rows of group g] += each group's delta (pairs[g]; None: not targeted)."""
+        args = (rows, bounds, [p.a if p else _NONE for p in pairs], [p.bt if p else _NONE for p in pairs],
+                [p.ranges if p else _NO_RANGES for p in pairs])
+        if x.dtype == out.dtype == self.dtype and x.is_contiguous() and out.is_contiguous():
+            self.ops.lora_add(out, x, *args)
+            return out
+        delta = torch.zeros(out.shape, dtype=self.dtype)  # --lora-dtype other than the model's
+        self.ops.lora_add(delta, x.to(self.dtype).contiguous(), *args)
+        return out.add_(delta.to(out.dtype))
+
+    def expert_hook(self, layer: int):
+        """The function SparseMoE's experts call after each expert's base product (ascend_ops.ops.moe_experts):
+        (param, expert, tokens, x, out) -> out with each adapter row's delta of that expert, the rows of one
+        adapter grouped (x, out: the expert's rows; tokens: each row's token in the step)."""
+        linear = self.kern.linear
+
+        def add_expert_delta(param: str, expert: int, tokens: torch.Tensor, x: torch.Tensor,
+                             out: torch.Tensor) -> torch.Tensor:
+            if self.perm is None:
+                return out
+            groups = self.row_span.index_select(0, tokens)
+            rows = (groups >= 0).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                return out
+            g = groups.index_select(0, rows)
+            order = torch.argsort(g, stable=True)  # each adapter's rows together, in the step's order
+            rows, g = rows.index_select(0, order), g.index_select(0, order)
+            counts = torch.bincount(g, minlength=len(self.spans)).tolist()
+            pairs = []
+            for _, _, w in self.spans:
+                per_expert = w.experts[layer].get(param)
+                pairs.append(per_expert[expert] if per_expert else None)
+            if self.kernel:
+                bounds = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.long)
+                return self._kernel_add(x.contiguous(), out, rows, bounds, pairs)
+            lo = 0
+            for n, p in zip(counts, pairs):
+                if n and p is not None:
+                    idx = rows[lo:lo + n]
+                    delta = linear(linear(x.index_select(0, idx).to(self.dtype), p.a), p.b)
+                    out.index_add_(0, idx, delta.to(out.dtype))
+                lo += n
+            return out
+
+        return add_expert_delta
 
 
 def attach(model, slots: LoraSlots) -> None:
@@ -306,8 +400,10 @@ def attach(model, slots: LoraSlots) -> None:
         if not hasattr(attn, "qkv_proj"):
             raise NotImplementedError("--enable-lora: adapters on multi-head latent attention are not implemented")
         attn.lora_qkv, attn.lora_o = slots.hook(i, "qkv"), slots.hook(i, "o")
-        if hasattr(mlp, "gate_up_proj") and not slots.moe:  # an MoE model's adapters target attention only
+        if hasattr(mlp, "gate_up_proj"):  # a dense MLP (an MoE model's dense layers too)
             mlp.lora_gate_up, mlp.lora_down = slots.hook(i, "gate_up"), slots.hook(i, "down")
+        elif type(mlp) is SparseMoE:  # the experts' stacked projections (PEFT's target_parameters)
+            mlp.lora_experts = slots.expert_hook(i)
 
 
 def model_shape(model) -> dict:
@@ -315,8 +411,9 @@ def model_shape(model) -> dict:
     c = model.cfg
     shape = {"hidden_size": c.hidden_size, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
              "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers}
-    if getattr(c, "sparse_layers", ()):  # engine.lora.targets: attention only
-        shape["num_local_experts"] = c.num_experts
+    if getattr(c, "sparse_layers", ()):  # engine.lora.targets / expert_dims
+        shape.update(num_local_experts=c.num_experts, moe_intermediate_size=c.moe_intermediate_size,
+                     sparse_layers=list(c.sparse_layers), architectures=[c.architecture])
     return shape
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from bus.messages import LoraTargetCall
-from engine.lora import LoraError, adapter_spec, lora_key, lora_shape, targets
+from engine.lora import AdapterFactors, LoraError, adapter_spec, lora_key, lora_shape
 from engine.weights.protocol import WeightSyncError
 
 
@@ -23,19 +23,22 @@ class LoraStage:
     def __init__(self, target: LoraTargetCall, hf_config: dict, slots):
         self.target, self.hf, self.slots = target, hf_config, slots
         self.tensors: dict[str, torch.Tensor] = {}
+        self.factors = AdapterFactors(target.rank, target.scaling, dict(target.experts))
 
     def _fail(self, why: str, param: str = "names") -> WeightSyncError:
         return WeightSyncError(f"LoRA adapter {self.target.lora_name!r}: {why}", status=400, param=param)
 
     def _shape(self, name: str) -> torch.Size:
-        parsed = lora_key(name, self.hf)
+        parsed = lora_key(name, self.hf, self.factors.experts)
         if parsed is None:
-            raise self._fail(f"{name!r} is not a LoRA A/B of {'/'.join(targets(self.hf))} of layers "
-                             f"0..{self.hf['num_hidden_layers'] - 1} (PEFT names: base_model.model.model.layers."
-                             "N.self_attn.q_proj.lora_A.weight)")
+            experts = f", the experts' {'/'.join(self.factors.experts)}" if self.factors.experts else ""
+            raise self._fail(f"{name!r} is not a LoRA A/B of a target projection of layers 0..."
+                             f"{self.hf['num_hidden_layers'] - 1} (q/k/v/o_proj, gate/up/down_proj in a dense "
+                             f"layer{experts}; PEFT names: base_model.model.model.layers.N.self_attn.q_proj."
+                             "lora_A.weight)")
         if name in self.target.aliases:
             raise self._fail(f"{name!r} was sent and is also an alias of {self.target.aliases[name]!r}")
-        return torch.Size(lora_shape(self.target.rank, parsed[1], parsed[2], self.hf))
+        return torch.Size(lora_shape(self.factors, parsed[1], parsed[2], self.hf))
 
     # what engine.weights.receiver asks of its model
     def weight_destination(self, name: str) -> torch.Tensor:
@@ -55,11 +58,12 @@ class LoraStage:
         for public, sent in self.target.aliases.items():
             if sent not in self.tensors:
                 raise self._fail(f"alias {public!r} refers to {sent!r}, which was not received", "aliases")
-            if lora_key(public, self.hf) is None or self.tensors[sent].shape != self._shape(public):
+            known = lora_key(public, self.hf, self.factors.experts) is not None
+            if not known or self.tensors[sent].shape != self._shape(public):
                 raise self._fail(f"alias {public!r} does not name a tensor of {sent!r}'s shape", "aliases")
             self.tensors[public] = self.tensors[sent]
         try:
-            self.spec = adapter_spec(self.target.lora_name, self.target.rank, self.target.scaling,
+            self.spec = adapter_spec(self.target.lora_name, self.factors,
                                      {k: list(t.shape) for k, t in self.tensors.items()}, self.hf, "the update")
         except LoraError as e:
             raise WeightSyncError(str(e), status=400, param="names") from None

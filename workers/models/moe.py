@@ -85,6 +85,8 @@ class SparseMoE(nn.Module):
     parallelism the router is replicated and every expert holds this rank's intermediate rows; the experts'
     weighted sum is then one all-reduce."""
 
+    lora_experts = None  # set by workers.lora.attach with --enable-lora
+
     def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
                  tp: Solo = SOLO) -> None:
         super().__init__()
@@ -114,7 +116,8 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         if routed_experts is not None:
             routed_experts.append(ids)
-        out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        lora = {} if self.lora_experts is None else {"lora": self.lora_experts}  # workers/lora.py's expert_hook
+        out = kern.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj, **lora)
         shared = self.shared(x)
         if shared is not None:  # its partial sum joins the experts' (one reduce)
             out = out + shared
