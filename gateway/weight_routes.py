@@ -7,6 +7,8 @@
         {"commit": false}: rollbus's own, every worker finished (verified), nothing committed yet
     POST /commit_weight_update {"weight_version": "..."}      rollbus's own: commit what finish verified
     POST /abort_weight_update                                 rollbus's own: drop the update in progress
+    POST /push_lora_adapter {"receive_target", "updates", "weight_version"}   rollbus's own: a LoRA adapter's
+        whole update in one call (arm, start, each update_info, finish, commit; any failure aborts it)
     POST /shutdown_weight_transfer_engine
     GET  /get_world_size?include_dp=true
     GET  /weight_commit_info, GET /weight_copy?worker=N     rollbus's own: a restarted peer's catch-up
@@ -55,7 +57,7 @@ from gateway.responses import JSONResponse
 from gateway.weight_copy_route import add_weight_copy_route
 
 WEIGHT_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                "/finish_weight_update", "/commit_weight_update", "/abort_weight_update",
+                "/finish_weight_update", "/commit_weight_update", "/abort_weight_update", "/push_lora_adapter",
                 "/shutdown_weight_transfer_engine", "/get_world_size", "/weight_checker", "/weight_commit_info",
                 "/weight_copy")
 CHECKER_ACTIONS = ("checksum", "compare", "reset")
@@ -120,16 +122,53 @@ def add_weight_routes(app: FastAPI, cfg: EngineConfig, client: EngineClient) -> 
         verified["update"] = False  # (a start refused while a verified update is open leaves it verified)
         return JSONResponse({"message": "Weight update started"})
 
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> JSONResponse:
-        raw = payload(await _json_object(request), "update_info")
+    def update_info(raw: Any) -> Any:
         if not isinstance(raw, dict | list) or (isinstance(raw, list) and not all(isinstance(i, dict) for i in raw)):
             raise bad_request("update_info must be an object, or a list of objects (one per worker)", "update_info")
         # a refusal travels on to the workers (a RefusedUpdate): they drain the trainer's broadcasts, then fail
         cls = backends.update_struct(wt.backend)
-        info = [decode_update(i, cls) for i in raw] if isinstance(raw, list) else decode_update(raw, cls)
-        await step(UpdateWeights(info))
+        return [decode_update(i, cls) for i in raw] if isinstance(raw, list) else decode_update(raw, cls)
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        await step(UpdateWeights(update_info(payload(await _json_object(request), "update_info"))))
         return JSONResponse({"message": "Weights updated"})
+
+    @app.post("/push_lora_adapter")
+    async def push_lora_adapter(request: Request) -> JSONResponse:
+        """rollbus's own: engine.trainer's send_lora in one call instead of five (the receive target of
+        /collective_rpc's skyrl_set_lora_receive_target, then start, one update_weights per entry of
+        `updates`, finish and commit, as the separate routes do them). All or nothing: a failure at any
+        step aborts the update and disarms the target; the version that served keeps serving."""
+        body, version = await _versioned(request)
+        rpc = getattr(app.state, "lora_rpc", None)
+        if rpc is None:
+            raise bad_request("push_lora_adapter needs --enable-lora", "receive_target")
+        raws = payload(body, "updates")
+        if not isinstance(raws, list) or not raws:
+            raise bad_request("updates must be a non-empty list of update_info values (one per update_weights "
+                              "call)", "updates")
+        unknown = sorted(set(body) - {"receive_target", "updates", "weight_version"})
+        if unknown:
+            raise bad_request(f"unknown field(s) {unknown}; known: receive_target, updates, weight_version",
+                              unknown[0])
+        infos = [update_info(raw) for raw in raws]
+        await rpc("skyrl_set_lora_receive_target", {"receive_target": body.get("receive_target")})
+        try:
+            await step(StartWeightUpdate())
+            verified["update"] = False
+            for info in infos:
+                await step(UpdateWeights(info))
+            await step(FinishWeightUpdate())
+        except BaseException:
+            lora_update(False)
+            try:  # disarm (a no-op where the failed step already aborted)
+                await broadcast(client, AbortWeightUpdate(), steps.control_s)
+            except APIError:
+                pass
+            raise
+        await _commit(version)
+        return JSONResponse({"message": "LoRA adapter pushed"})
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> JSONResponse:

@@ -66,8 +66,11 @@ class AdapterWeights:
     a group's delta on a fused projection is two GEMMs and one add, or one kernel call for all groups."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], spec: AdapterSpec, hf_config: dict, dtype: torch.dtype,
-                 device: torch.device, kernel: bool, cuts: Cuts | None = None):
-        cuts = cuts or {}
+                 device: torch.device, kernel: bool, cuts: Cuts | None = None,
+                 built: dict[tuple[int, str], Pair] | None = None):
+        """`built`: (layer, fused) -> a Pair already in the kernel's layout (a push written straight into it,
+        workers/lora_stage.py); every other targeted projection is built from `tensors`."""
+        cuts, built = cuts or {}, built or {}
         # this rank's out features of each part (column-parallel parts are cut by output)
         feats = {m: cuts.get((m, "B"), (0, out))[1] for m, (_, out) in module_features(hf_config).items()}
         self.layers: list[dict[str, Pair]] = [{} for _ in range(hf_config["num_hidden_layers"])]
@@ -81,6 +84,9 @@ class AdapterWeights:
         for layer in range(len(self.layers)):
             for fused, parts in FUSED.items():
                 mine = [m for m in parts if (layer, m) in targeted]
+                if (layer, fused) in built:
+                    self.layers[layer][fused] = built[(layer, fused)]
+                    continue
                 if not mine:
                     continue
                 block = "self_attn" if fused in ("qkv", "o") else "mlp"
@@ -101,6 +107,11 @@ class AdapterWeights:
                     for k, (part, (r0, r1)) in enumerate(zip(bs, ranges)):
                         b[r0:r1, k * spec.rank:(k + 1) * spec.rank] = part * spec.scaling
                     self.layers[layer][fused] = Pair(_param(a, device, dtype), _param(b, device, dtype), None, None)
+
+    def nbytes(self) -> int:
+        pairs = [p for layer in self.layers for p in layer.values()]
+        pairs += [p for layer in self.experts for per_expert in layer.values() for p in per_expert]
+        return sum(t.numel() * t.element_size() for p in pairs for t in (p.a, p.b, p.bt) if t is not None)
 
     @classmethod
     def from_folder(cls, ref: LoraRef, hf_config: dict, max_rank: int, dtype: torch.dtype, device: torch.device,
@@ -211,10 +222,10 @@ class LoraSlots:
         self.loaded: OrderedDict[Key, AdapterWeights] = OrderedDict()  # least recently used first
         self.users: dict[Key, int] = {}
         self.newest: dict[int, int] = {}  # adapter id -> the latest version this worker loaded
-        # adapter id -> (version, name, tensors, spec) of the last version a trainer pushed
-        # (workers/lora_stage.py), kept to rebuild it after an eviction until discarded (SkyRL's
-        # skyrl_discard_in_memory_lora) or a level-2 sleep
-        self.memory: dict[int, tuple[int, str, dict[str, torch.Tensor], AdapterSpec]] = {}
+        # adapter id -> (version, name, weights) of the last version a trainer pushed (workers/lora_stage.py),
+        # kept to serve it again after an eviction until discarded (SkyRL's skyrl_discard_in_memory_lora) or a
+        # level-2 sleep
+        self.memory: dict[int, tuple[int, str, AdapterWeights]] = {}
         self.spans: list[tuple[int, int, AdapterWeights]] = []  # this step's adapters: (lo, hi) of perm's rows
         self.perm: torch.Tensor | None = None  # this step's adapter rows, grouped by adapter
         self.in_order = False
@@ -235,11 +246,10 @@ class LoraSlots:
                 raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was replaced by version "
                                 f"{newest} and is no longer loaded on this worker (raise --max-cpu-loras)")
             if ref.path.startswith(MEMORY_PREFIX):
-                version, _, tensors, spec = self.memory.get(ref.id, (0, "", {}, None))
+                version, _, w = self.memory.get(ref.id, (0, "", None))
                 if version != ref.version:
                     raise LoraError(f"version {ref.version} of LoRA adapter {ref.name!r} was pushed by a trainer and "
                                     "is no longer held on this worker (discarded or replaced)")
-                w = AdapterWeights(tensors, spec, self.hf_config, self.dtype, self.device, self.kernel, self.cuts)
             else:
                 w = AdapterWeights.from_folder(ref, self.hf_config, self.max_rank, self.dtype, self.device,
                                                self.kernel, self.cuts)
@@ -249,11 +259,10 @@ class LoraSlots:
         self._evict()
         return w
 
-    def put_memory(self, lora_id: int, version: int, name: str, tensors: dict[str, torch.Tensor],
-                   spec: AdapterSpec) -> None:
-        """A version a trainer pushed (committed by every worker): built now, so the first request after the
-        update pays nothing; its tensors kept to rebuild it after an eviction."""
-        self.memory[lora_id] = (version, name, tensors, spec)
+    def put_memory(self, lora_id: int, version: int, name: str, weights: AdapterWeights) -> None:
+        """A version a trainer pushed (committed by every worker), built: served from now on, and kept to serve
+        again after an eviction."""
+        self.memory[lora_id] = (version, name, weights)
         self.load(LoraRef(lora_id, name, MEMORY_PREFIX + name, version))
 
     def discard_memory(self, lora_id: int) -> bool:
@@ -264,14 +273,11 @@ class LoraSlots:
         every pushed adapter's tensors go; versions a (frozen) sequence still uses stay until it ends. Adapters
         from folders are read again when next needed; pushed ones must be pushed again: their names are
         returned, with the bytes freed."""
-        def nbytes(ts) -> int:
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-        freed = 0
-        for key in [k for k in self.loaded if k not in self.users]:
-            freed += sum(nbytes(p) for layer in self.loaded.pop(key).layers for p in layer.values())
-        names = sorted(name for _, name, _, _ in self.memory.values())
-        freed += sum(nbytes(ts.values()) for _, _, ts, _ in self.memory.values())
+        dropped = [self.loaded.pop(k) for k in [k for k in self.loaded if k not in self.users]]
+        kept = {id(w) for w in self.loaded.values()}  # a pushed version a sequence still uses stays
+        dropped += [w for _, _, w in self.memory.values() if id(w) not in kept]
+        freed = sum(w.nbytes() for w in {id(w): w for w in dropped}.values())
+        names = sorted(name for _, name, _ in self.memory.values())
         self.memory.clear()
         return freed, names
 

@@ -35,6 +35,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -149,7 +150,11 @@ class WeightSyncClient:
         running finish on theirs (no pause needed: pause=None). Raises WeightSyncFailed."""
         if self._bus is not None:
             raise ValueError("send_lora runs over HTTP; bus= drives full-model updates only")
+        if pause is not None and pause not in PAUSE_MODES:
+            raise ValueError(f"pause must be one of {PAUSE_MODES} or None, got {pause!r}")
         target = {"kind": "lora", "lora_name": lora_name, "adapter_config": dict(adapter_config), "aliases": {}}
+        if not self.fleet:
+            return self._push_lora(target, named_tensors, version, pause)
         self._on_all("/collective_rpc", {"method": "skyrl_set_lora_receive_target",
                                          "kwargs": {"receive_target": target}})
         try:
@@ -157,6 +162,36 @@ class WeightSyncClient:
         except BaseException:
             self._abort_all()  # disarm: the next update must not build this adapter
             raise
+
+    def _push_lora(self, target: dict[str, Any], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   version: str | None, pause: str | None) -> dict[str, float]:
+        """One engine: the whole update in one call, POST /push_lora_adapter (the engine arms, starts, takes each
+        update_info, finishes and commits; any failure aborts it there). A collective backend broadcasts while
+        that call runs, as on the bus path."""
+        t0 = time.perf_counter()
+        tensors = self._prepare(self.sender.prepare(named_tensors))
+        metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+        self.timings = {"prepare": time.perf_counter() - t0}
+        self.sender.ensure_ready()
+        with self._phase("pause"):
+            if pause:
+                self._post(f"/pause?mode={pause}&clear_cache={str(self.clear_cache).lower()}", None)
+        try:
+            with self._phase("push"):
+                body = {"receive_target": target, "updates": self.sender.bus_updates(tensors, metas),
+                        **({"weight_version": version} if version else {})}
+                with ThreadPoolExecutor(1) as pool:
+                    call = pool.submit(self._post, "/push_lora_adapter", body)
+                    try:
+                        self.sender.after_announce(tensors, metas)  # a collective's broadcasts
+                    finally:
+                        call.result()
+        finally:
+            if pause:
+                with self._phase("resume"):
+                    self._post("/resume", None)
+        self.timings["total"] = time.perf_counter() - t0
+        return self.timings
 
     @property
     def fleet(self) -> bool:
