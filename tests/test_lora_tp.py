@@ -2,7 +2,8 @@
 gate/up keep B's rows of the rank's outputs, row-parallel o and down keep A's columns of the rank's inputs and
 their partial delta is reduced with the partial product. An adapter from a folder and one pushed over the
 weight-transfer path (each rank cuts its slice of the whole tensors) give logprobs within 1e-4 of HF + PEFT,
-so the same as -tp 1; on tiny Qwen3-MoE too (attention adapters, slow lane)."""
+so the same as -tp 1; on tiny Qwen3-MoE too (slow lane), with LoRA on the experts: each rank keeps its
+intermediate slice of every expert's gate_up B rows and down A columns, as the experts' weights are split."""
 
 from __future__ import annotations
 
@@ -20,16 +21,16 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.timeout(600)
 
 
-ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_tp2_adapters_from_a_folder_and_pushed_match_peft(tmp_path, arch):
     base = make_tiny_checkpoint(arch, tmp_path / "base")  # 4 heads, 2 KV heads, intermediate 160
-    moe = arch == "qwen3_moe"  # attention only (docs/lora.md)
-    a = make_adapter(base, tmp_path / "a", rank=4, seed=1, **({"targets": ATTN} if moe else {}))
+    moe = arch == "qwen3_moe"  # PEFT turns gate/up/down into target_parameters on the experts
+    a = make_adapter(base, tmp_path / "a", rank=4, seed=1)
     b = make_adapter(base, tmp_path / "b", rank=8, seed=2,
-                     targets=["k_proj", "o_proj"] if moe else ["k_proj", "o_proj", "up_proj", "down_proj"])
+                     targets=["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] if moe
+                     else ["k_proj", "o_proj", "up_proj", "down_proj"])
     server = start_server(tmp_path, str(base), "-tp", "2", "--master-port", str(free_port()), "--tokens-only",
                           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules", f"a={a}",
                           "--block-size", "4", "--max-model-len", "128", "--num-gpu-blocks-override", "96",
