@@ -72,3 +72,38 @@ def test_enable_lora_refuses_multi_head_latent_attention_and_serves_moe(tmp_path
         assert model_problem(tmp_path) is None
         assert targets({**dense, key: 8}) == ("q_proj", "k_proj", "v_proj", "o_proj")
     assert "down_proj" in targets(dense)
+
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 3,
+             "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "intermediate_size": 160, "moe_intermediate_size": 48, "num_experts": 8, "mlp_only_layers": [1]}
+
+
+def test_expert_lora_config_resolves_peft_target_parameters_and_refuses_the_rest_by_name():
+    from engine.lora import LoraError, adapter_factors, expert_key, lora_key, lora_shape, sparse_layers, targets
+
+    hf = QWEN3_MOE
+    assert sparse_layers(hf) == (0, 2) and targets(hf, 1)[-1] == "down_proj" and "down_proj" not in targets(hf, 0)
+    # PEFT 0.21 on transformers 5 for gate/up/down at r=4, alpha=8: gate and up fused at rank 8, alpha 16
+    conf = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": ["down_proj", "gate_up_proj"],
+            "rank_pattern": {r".*\.gate_up_proj": 8}, "alpha_pattern": {r".*\.gate_up_proj": 16}}
+    f = adapter_factors("x", conf, hf, max_rank=4)
+    assert f.experts == {"gate_up_proj": (8, 2.0), "down_proj": (4, 2.0)} and (f.rank, f.scaling) == (4, 2.0)
+    # nested ParamWrappers: the first targeted parameter is the innermost (base_layer)
+    inner, outer = (expert_key(0, p, f.experts, "A") for p in ("gate_up_proj", "down_proj"))
+    assert inner.endswith("mlp.experts.base_layer.lora_A.weight") and outer.endswith("mlp.experts.lora_A.weight")
+    assert lora_key(inner, hf, f.experts) == (0, "experts.gate_up_proj", "A")
+    assert lora_key(outer.replace("layers.0", "layers.1"), hf, f.experts) is None  # layer 1 is dense
+    assert lora_shape(f, "experts.gate_up_proj", "B", hf) == [96, 64] and lora_shape(f, "experts.down_proj", "A",
+                                                                                     hf) == [32, 48]
+    for bad, why in ((["mlp.gate.weight"], "target_parameters 'mlp.gate.weight' is not supported"),
+                     (["layers.0.mlp.experts.down_proj"], "is not supported")):  # not every MoE layer
+        with pytest.raises(LoraError, match=why):
+            adapter_factors("x", {**conf, "target_parameters": bad}, hf, max_rank=4)
+    with pytest.raises(LoraError, match="rank_pattern 'q_proj' on model.layers.0.self_attn.q_proj"):
+        adapter_factors("x", {**conf, "rank_pattern": {"q_proj": 2}}, hf, max_rank=4)
+    with pytest.raises(LoraError, match="LoRA rank 8 of the experts' down_proj is greater than max_lora_rank 4"):
+        adapter_factors("x", {**conf, "rank_pattern": {r"experts\.down_proj": 8}}, hf, max_rank=4)
+    dense = {**hf, "architectures": ["LlamaForCausalLM"], "num_experts": 0}
+    with pytest.raises(LoraError, match="LoRA on parameters is served on the experts of"):
+        adapter_factors("x", conf, dense, max_rank=4)

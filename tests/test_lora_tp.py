@@ -21,8 +21,6 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.timeout(600)
 
 
-
-
 @pytest.mark.parametrize("arch", ["qwen3", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_tp2_adapters_from_a_folder_and_pushed_match_peft(tmp_path, arch):
     base = make_tiny_checkpoint(arch, tmp_path / "base")  # 4 heads, 2 KV heads, intermediate 160
