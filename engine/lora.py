@@ -60,7 +60,8 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
     g.add_argument("--enable-lora", action=Switch, default=d.enable_lora,
                    help="Serve LoRA adapters (PEFT folders) on top of the model: a request names one as `model`. "
-                        "Attention (q/k/v/o) and MLP (gate/up/down) projections; split across -tp ranks as vLLM does.")
+                        "Attention (q/k/v/o) and MLP (gate/up/down) projections, and MoE experts (PEFT's target_parameters); "
+                        "split across -tp ranks as vLLM does.")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="At most this many different adapters in one step; sequences of another adapter wait.")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,

@@ -83,6 +83,11 @@ def test_bad_pushes_are_refused_and_the_old_version_keeps_serving(setup):
     half = {k: v for k, v in tensors.items() if "layers.0.self_attn.q_proj.lora_B" not in k}
     with pytest.raises(WeightSyncFailed, match="lora_A and lora_B must come in pairs; missing one for.*layer 0 q_proj"):
         client.send_lora("kept", half.items(), conf)
+    target = {"kind": "lora", "lora_name": "kept", "adapter_config": conf}
+    for body, why in (({"receive_target": target, "updates": []}, "updates must be a non-empty list"),
+                      ({"receive_target": target, "updates": [{}], "pause": "keep"}, "unknown field(s) ['pause']")):
+        r = httpx.post(f"{server.url}/push_lora_adapter", json=body)  # send_lora's one call, refused by name
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     assert _check_peft(server, base, ad["a"], "kept", 1) == before  # nothing changed
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
     assert r.status_code == 200, r.text  # and the next full-model request is served by the model
