@@ -60,8 +60,8 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
     g.add_argument("--enable-lora", action=Switch, default=d.enable_lora,
                    help="Serve LoRA adapters (PEFT folders) on top of the model: a request names one as `model`. "
-                        "Attention (q/k/v/o) and MLP (gate/up/down) projections, and MoE experts (PEFT's target_parameters); "
-                        "split across -tp ranks as vLLM does.")
+                        "Attention (q/k/v/o) and MLP (gate/up/down) projections, and MoE experts (PEFT's "
+                        "target_parameters); split across -tp ranks as vLLM does.")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="At most this many different adapters in one step; sequences of another adapter wait.")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
@@ -411,9 +411,17 @@ def adapter_spec(name: str, factors: AdapterFactors, shapes: dict[str, list[int]
                "target_parameters)") if is_moe(hf) else ""
         raise fail(f"expected target modules in {list(TARGETS)} of layers 0..{layers - 1}{moe} but received "
                    f"{sorted(unexpected)[:8]}")
+    return paired_spec(name, factors, seen, source)
+
+
+def paired_spec(name: str, factors: AdapterFactors, seen: dict[tuple[int, str], set[str]],
+                source: str) -> AdapterSpec:
+    """The spec of tensors already checked one by one ((layer, module) -> the factors received, "A" and/or
+    "B"): every A with its B, and at least one pair (LoraError naming the adapter)."""
     half = [f"layer {k[0]} {k[1]}" for k, v in seen.items() if v != {"A", "B"}]
     if half:
-        raise fail(f"lora_A and lora_B must come in pairs; missing one for {half[:8]}")
+        raise LoraError(f"Loading lora {name} failed: lora_A and lora_B must come in pairs; missing one for "
+                        f"{half[:8]}")
     if not seen:
-        raise fail(f"{source} holds no LoRA weights")
+        raise LoraError(f"Loading lora {name} failed: {source} holds no LoRA weights")
     return AdapterSpec(factors, tuple(sorted(seen)))

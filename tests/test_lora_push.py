@@ -9,12 +9,13 @@ are named in /sleep's answer and refused until pushed again."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from engine.trainer import WeightSyncClient, WeightSyncFailed
 from tests.lora_helpers import check_peft, make_adapter
@@ -115,6 +116,19 @@ def test_skyrl_in_memory_calls(setup):
     r = httpx.post(f"{server.url}/collective_rpc",
                    json={"method": "skyrl_set_lora_receive_target", "kwargs": {"receive_target": {"kind": "full"}}})
     assert r.status_code == 400 and "Not a LoRA receive target" in r.json()["error"]["message"]
+    # aliases: a tensor the trainer sends once under another name (tied): v_proj's A is q_proj's
+    q, k = (f"base_model.model.model.layers.0.self_attn.{m}_proj.lora_A.weight" for m in "qv")
+    tied = ad["a2"].parent / "tied"
+    shutil.copytree(ad["a2"], tied, dirs_exist_ok=True)
+    save_file({**tensors, k: tensors[q].clone()}, str(tied / "adapter_model.safetensors"))
+    target = {**target, "lora_name": "tied", "aliases": {k: q}}
+    r = httpx.post(f"{server.url}/collective_rpc", timeout=60,
+                   json={"method": "skyrl_set_lora_receive_target", "kwargs": {"receive_target": target}})
+    assert r.status_code == 200, r.text
+    client.send_weights([(n, t) for n, t in tensors.items() if n != k], pause=None)
+    _check_peft(server, base, tied, "tied", 1)
+    rpc = {"method": "skyrl_discard_in_memory_lora", "kwargs": {"lora_name": "tied"}}
+    assert httpx.post(f"{server.url}/collective_rpc", json=rpc).json() == {"results": [True]}
 
 
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from bus.messages import LoraTargetCall
-from engine.lora import AdapterFactors, LoraError, adapter_spec, lora_key, lora_shape, module_features
+from engine.lora import AdapterFactors, LoraError, lora_key, lora_shape, module_features, paired_spec
 from engine.weights.protocol import WeightSyncError
 from workers.lora import FUSED, PANEL, AdapterWeights, Pair, _cut
 
@@ -83,6 +83,7 @@ class LoraStage:
         self.factors = AdapterFactors(target.rank, target.scaling, dict(target.experts))
         self.direct = slots.kernel and slots.dtype == torch.float32 and not target.aliases
         self.fused: dict[tuple[int, str], _Fused] = {}
+        self.parsed: dict[str, tuple[int, str, str, torch.Size]] = {}
         self.shapes: dict[str, list[int]] = {}  # every received name's whole shape
         feats = module_features(hf_config)
         self.width = {m: slots.cuts.get((m, "B"), (0, out))[1] for m, (_, out) in feats.items()}
@@ -91,21 +92,26 @@ class LoraStage:
     def _fail(self, why: str, param: str = "names") -> WeightSyncError:
         return WeightSyncError(f"LoRA adapter {self.target.lora_name!r}: {why}", status=400, param=param)
 
-    def _parse(self, name: str) -> tuple[int, str, str]:
-        parsed = lora_key(name, self.hf, self.factors.experts)
-        if parsed is None:
-            experts = f", the experts' {'/'.join(self.factors.experts)}" if self.factors.experts else ""
-            raise self._fail(f"{name!r} is not a LoRA A/B of a target projection of layers 0..."
-                             f"{self.hf['num_hidden_layers'] - 1} (q/k/v/o_proj, gate/up/down_proj in a dense "
-                             f"layer{experts}; PEFT names: base_model.model.model.layers.N.self_attn.q_proj."
-                             "lora_A.weight)")
-        if name in self.target.aliases:
+    def _parse(self, name: str, sent: bool = True) -> tuple[int, str, str, torch.Size]:
+        """(layer, module, "A" or "B", whole shape) of a PEFT name, read once per name (the receiver asks
+        for its shape, destination and source in turn); `sent`: a name the trainer sends (not an alias's)."""
+        hit = self.parsed.get(name)
+        if hit is None:
+            parsed = lora_key(name, self.hf, self.factors.experts)
+            if parsed is None:
+                experts = f", the experts' {'/'.join(self.factors.experts)}" if self.factors.experts else ""
+                raise self._fail(f"{name!r} is not a LoRA A/B of a target projection of layers 0..."
+                                 f"{self.hf['num_hidden_layers'] - 1} (q/k/v/o_proj, gate/up/down_proj in a dense "
+                                 f"layer{experts}; PEFT names: base_model.model.model.layers.N.self_attn.q_proj."
+                                 "lora_A.weight)")
+            shape = torch.Size(lora_shape(self.factors, parsed[1], parsed[2], self.hf))
+            hit = self.parsed[name] = (*parsed, shape)
+        if sent and name in self.target.aliases:
             raise self._fail(f"{name!r} was sent and is also an alias of {self.target.aliases[name]!r}")
-        return parsed
+        return hit
 
     def _shape(self, name: str) -> torch.Size:
-        _, module, ab = self._parse(name)
-        return torch.Size(lora_shape(self.factors, module, ab, self.hf))
+        return self._parse(name)[3]
 
     def _in_place(self, module: str) -> bool:
         """Whether this tensor is written straight into the kernel's layout: its fused projection's parts are
@@ -115,12 +121,12 @@ class LoraStage:
 
     # what engine.weights.receiver asks of its model
     def weight_destination(self, name: str) -> torch.Tensor:
-        layer, module, ab = self._parse(name)
-        self.shapes[name] = lora_shape(self.factors, module, ab, self.hf)
+        layer, module, ab, shape = self._parse(name)
+        self.shapes[name] = list(shape)
         if not self._in_place(module):
             t = self.tensors.get(name)
             if t is None:
-                t = self.tensors[name] = torch.empty(self.shapes[name], dtype=torch.float32)
+                t = self.tensors[name] = torch.empty(shape, dtype=torch.float32)
             return t
         fused, k = PART_OF[module]
         f = self.fused.get((layer, fused))
@@ -137,7 +143,7 @@ class LoraStage:
     def weight_source(self, name: str, src: torch.Tensor) -> torch.Tensor:
         """A tensor written in place: this rank's slice of it (tp_cuts), a B viewed as its destination's
         [P, PANEL, r]; one kept as received: whole (each rank cuts its slice when it builds the version)."""
-        _, module, ab = self._parse(name)
+        _, module, ab, _ = self._parse(name)
         if not self._in_place(module):
             return src
         part = _cut(src, (module, ab), self.slots.cuts)
@@ -149,12 +155,16 @@ class LoraStage:
             if sent not in self.tensors:
                 raise self._fail(f"alias {public!r} refers to {sent!r}, which was not received", "aliases")
             known = lora_key(public, self.hf, self.factors.experts) is not None
-            if not known or self.tensors[sent].shape != self._shape(public):
+            if not known or self.tensors[sent].shape != self._parse(public, sent=False)[3]:
                 raise self._fail(f"alias {public!r} does not name a tensor of {sent!r}'s shape", "aliases")
             self.tensors[public] = self.tensors[sent]
             self.shapes[public] = list(self.tensors[sent].shape)
+        seen: dict[tuple[int, str], set[str]] = {}
+        for name in self.shapes:  # each already parsed and shape-checked when it was received (or aliased)
+            layer, module, ab, _ = self._parse(name, sent=False)
+            seen.setdefault((layer, module), set()).add(ab)
         try:
-            self.spec = adapter_spec(self.target.lora_name, self.factors, self.shapes, self.hf, "the update")
+            self.spec = paired_spec(self.target.lora_name, self.factors, seen, "the update")
         except LoraError as e:
             raise WeightSyncError(str(e), status=400, param="names") from None
 
