@@ -18,6 +18,10 @@ one gather, per adapter two of the model's `kern.linear` on its contiguous span,
 and steps without adapters cost nothing. Either way a row's delta depends on its own input and its
 adapter's weights only, so a row's bits do not depend on its batch-mates whenever the base product's do not
 (docs/batch-invariance.md). Measured: bench/lora_decode.py (docs/lora.md).
+
+MoE experts (PEFT's target_parameters on the stacked gate_up_proj / down_proj): each adapter version holds
+one Pair per expert; SparseMoE's moe_experts calls `expert_hook` after each routed expert's base products,
+and the hook adds that expert's delta to its rows, grouped by adapter, with the same kernel (or linears).
 """
 
 from __future__ import annotations
@@ -235,6 +239,7 @@ class LoraSlots:
         self.kernel = self.ops is not None
         self.bounds: torch.Tensor | None = None
         self.row_span = torch.empty(0, dtype=torch.long)  # MoE: this step's rows -> their span (-1: the base)
+        self.expert_layers: set[int] = set()
 
     def load(self, ref: LoraRef) -> AdapterWeights:
         """The weights of this version, read from its folder if not held (raises what the folder's check does)."""
@@ -317,13 +322,15 @@ class LoraSlots:
         self.in_order = len(order) == len(row_keys) and order == list(range(len(order)))
         self.perm = torch.tensor(order, dtype=torch.long, device=self.device) if order else None
         self.bounds = torch.tensor([0, *(hi for _, hi, _ in self.spans)], dtype=torch.long)
-        if self.moe and order:  # each row's adapter (its span's index; -1: the base), for the experts' hooks
+        # the layers whose experts this step's adapters target (the others' expert hooks return at once)
+        self.expert_layers = {i for _, _, w in self.spans for i, e in enumerate(w.experts) if e}
+        if self.expert_layers:  # each row's adapter (its span's index; -1: the base), for the experts' hooks
             self.row_span = torch.full((len(row_keys),), -1, dtype=torch.long, device=self.device)
             for g, rows in enumerate(by_key.values()):
                 self.row_span[rows] = g
 
     def end_step(self) -> None:
-        self.spans, self.perm = [], None
+        self.spans, self.perm, self.expert_layers = [], None, set()
 
     def hook(self, layer: int, fused: str):
         """The function a projection calls after its base product: (x, out) -> out with each row's delta."""
@@ -367,7 +374,7 @@ class LoraSlots:
 
         def add_expert_delta(param: str, expert: int, tokens: torch.Tensor, x: torch.Tensor,
                              out: torch.Tensor) -> torch.Tensor:
-            if self.perm is None:
+            if layer not in self.expert_layers:
                 return out
             groups = self.row_span.index_select(0, tokens)
             rows = (groups >= 0).nonzero().squeeze(1)
