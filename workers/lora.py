@@ -240,7 +240,6 @@ class LoraSlots:
         self.bounds: torch.Tensor | None = None
         self.row_span = torch.empty(0, dtype=torch.long)  # MoE: this step's rows -> their span (-1: the base)
         self.expert_layers: set[int] = set()
-        self.spare: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> buffers of dropped versions
 
     def load(self, ref: LoraRef) -> AdapterWeights:
         """The weights of this version, read from its folder if not held (raises what the folder's check does)."""
@@ -304,26 +303,7 @@ class LoraSlots:
     def _evict(self) -> None:
         idle = [k for k in self.loaded if k not in self.users]  # least recently used first
         while len(self.loaded) > self.max_cached and idle:
-            w = self.loaded.pop(idle.pop(0))
-            if not any(m is w for _, _, m in self.memory.values()):
-                self._recycle(w)
-
-    def _recycle(self, w: AdapterWeights) -> None:
-        """A dropped version's buffers, for the next push to write into (workers/lora_stage.py): a push into
-        fresh memory faulted its pages in (with the model's packed weights kept, the measured push took 20 ms
-        more CPU than into reused memory). At most two of each shape are kept."""
-        for layer in w.layers:
-            for p in layer.values():
-                for t in (p.a, p.bt):
-                    if t is not None and t.device.type == "cpu" and t.is_contiguous():
-                        kept = self.spare.setdefault((tuple(t.shape), t.dtype), [])
-                        if len(kept) < 2 * len(w.layers):
-                            kept.append(t)
-
-    def buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """An fp32 CPU buffer of this shape: a recycled one if any, else new (its contents undefined)."""
-        kept = self.spare.get((tuple(shape), torch.float32))
-        return kept.pop() if kept else torch.empty(shape)
+            del self.loaded[idle.pop(0)]
 
     def begin_step(self, row_keys: list[Key | None]) -> None:
         """Lay out this step's token rows by adapter (None: the base model): the adapter rows in one order that

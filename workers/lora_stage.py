@@ -45,11 +45,11 @@ class _Fused:
     """One fused projection's buffers in the kernel's layout, every part's slot allocated (a part the update
     does not send is left out at commit): A [K*r, in] and B^T panels part after part."""
 
-    def __init__(self, parts: tuple[str, ...], rank: int, fin: int, widths: list[int], buffer):
+    def __init__(self, parts: tuple[str, ...], rank: int, fin: int, widths: list[int]):
         self.rank, self.widths = rank, widths
-        self.a = buffer((len(parts) * rank, fin))
+        self.a = torch.empty(len(parts) * rank, fin)
         sizes = [w // PANEL * rank * PANEL for w in widths]
-        self.bt = buffer((sum(sizes),))
+        self.bt = torch.empty(sum(sizes))
         self.chunks = list(self.bt.split(sizes))
         self.got: list[set[str]] = [set() for _ in parts]
 
@@ -133,7 +133,7 @@ class LoraStage:
         if f is None:
             parts = FUSED[fused]
             f = self.fused[(layer, fused)] = _Fused(parts, self.factors.rank, self.fin[module],
-                                                    [self.width[m] for m in parts], self.slots.buffer)
+                                                    [self.width[m] for m in parts])
         f.got[k].add(ab)
         return f.a_rows(k) if ab == "A" else f.b_panels(k)
 
