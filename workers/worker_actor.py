@@ -324,17 +324,15 @@ class WorkerActor:
     def _repacking(self, handlers: dict) -> dict:
         """Every command that may change weights in place drops the CPU packed copies afterwards
         (ascend_ops.packed_linear), so the next step packs what is in the parameters then; a failed
-        handler drops them too, it may have written part of an update. An update whose target is a LoRA
-        adapter (workers/lora_stage.py) writes no weight of the model: the packed copies stay (repacking
-        SmolLM2 after every adapter push cost the next step more than the push)."""
+        handler drops them too, it may have written part of an update. (An update whose target is a LoRA
+        adapter writes no weight of the model, but keeping the packed copies then made bench/lora_reload.py's
+        pushes slower, 20 ms more server CPU at the median: not understood yet, so they go as for any update.)"""
         def wrap(handler):
             def handle(cmd: CommandBody) -> Any:
-                lora = self.weights.lora is not None or isinstance(getattr(cmd, "call", None), LoraTargetCall)
                 try:
                     return handler(cmd)
                 finally:
-                    if not lora:
-                        packed_linear.forget(self.runner.model)
+                    packed_linear.forget(self.runner.model)
             return handle
         return {t: h if t in WEIGHTS_UNTOUCHED else wrap(h) for t, h in handlers.items()}
 
