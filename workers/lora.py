@@ -323,7 +323,7 @@ class LoraSlots:
         self.perm = torch.tensor(order, dtype=torch.long, device=self.device) if order else None
         self.bounds = torch.tensor([0, *(hi for _, hi, _ in self.spans)], dtype=torch.long)
         # the layers whose experts this step's adapters target (the others' expert hooks return at once)
-        self.expert_layers = {i for _, _, w in self.spans for i, e in enumerate(w.experts) if e}
+        self.expert_layers = {i for _, _, w in self.spans for i, e in enumerate(w.experts) if e} if self.moe else set()
         if self.expert_layers:  # each row's adapter (its span's index; -1: the base), for the experts' hooks
             self.row_span = torch.full((len(row_keys),), -1, dtype=torch.long, device=self.device)
             for g, rows in enumerate(by_key.values()):
