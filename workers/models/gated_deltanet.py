@@ -6,7 +6,6 @@ with the start-up measurement that it is invariant (`gdn_invariant`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +16,11 @@ from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.batch_invariant import DEFAULT, Kernels
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.llama import _param
-from workers.models.moe import invariant_sigmoid
+from workers.models.moe import MoEConfig, invariant_sigmoid
 from workers.models.weight_map import Split
 
-if TYPE_CHECKING:
-    from workers.models.qwen3_next import HybridConfig
+# `cfg` below is a workers.models.qwen3_next.HybridConfig (its linear_* fields), annotated by its base class,
+# MoEConfig: qwen3_next imports this module.
 
 CHUNK = 64  # tokens per chunk of the chunked gated delta rule (prefill)
 
@@ -88,7 +87,7 @@ def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 class GatedDeltaNet(nn.Module):
     """HF's `linear_attn` (module docstring), for a flattened batch of decodes and prefill chunks."""
 
-    def __init__(self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
+    def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device, kern: Kernels = DEFAULT,
                  tp: Solo = SOLO) -> None:
         """`cfg` holds this tp rank's heads (`local_heads`); out_proj's partial products are all-reduced."""
         super().__init__()
@@ -227,13 +226,13 @@ class GatedDeltaNet(nn.Module):
         return q * c.lin_k_dim ** -0.5, k, v.reshape(n, c.lin_v_heads, c.lin_v_dim)
 
 
-def local_heads(cfg: HybridConfig, size: int) -> HybridConfig:
+def local_heads(cfg: MoEConfig, size: int) -> MoEConfig:
     """The config of one tp rank's Gated DeltaNet layers: its share of the key and value heads (value heads go with
     their key head, r = Hv / Hk of them, so rank r holds key heads [r Hk/N, (r+1) Hk/N) and their value heads)."""
     return dataclasses.replace(cfg, lin_k_heads=cfg.lin_k_heads // size, lin_v_heads=cfg.lin_v_heads // size)
 
 
-def tp_splits(cfg: HybridConfig, rank: int, size: int) -> dict[str, Split]:
+def tp_splits(cfg: MoEConfig, rank: int, size: int) -> dict[str, Split]:
     """Which part of each full Gated DeltaNet tensor (by its name under `linear_attn`) tp rank `rank` of `size`
     holds. The convolution's channels and Qwen3.5's in_proj_qkv are [q | k | v] (all key heads' q, then k, then
     the value heads' v); Qwen3-Next's in_proj_qkvz / in_proj_ba hold each key head's [q, k, v.., z..] / [b.., a..]
