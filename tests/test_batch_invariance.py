@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ascend_ops import attention, cpu_kernels, ops
 from ascend_ops import batch_invariant as bi
-from ascend_ops import cpu_kernels, ops
 from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check
 from bench import batch_invariance as bench
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
@@ -240,6 +240,23 @@ def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(ti
         assert torch.equal(alone_routes, torch.stack(full_routes, 1)[:len(prompt)])
 
 
+@pytest.mark.unit
+def test_server_info_names_the_torch_path_that_sink_and_sliding_window_layers_take(tiny_folders):
+    """/server_info's `attention` (workers.startup.attention_paths): gpt-oss's sink attention and sliding-window
+    layers run the portable torch path whatever the process chose; it used to report the CPU kernel for them."""
+    from workers.startup import attention_paths
+
+    f32 = torch.float32
+    for kern, main, portable in ((INVARIANT, "batch_invariant_cpu_kernel", "batch_invariant_torch"),
+                                 (DEFAULT, "cpu_paged_kernel", "torch_sdpa")):
+        if (bi.attention_implementation if kern is INVARIANT else attention.implementation)("cpu", f32, f32) != main:
+            pytest.skip("the CPU attention kernel is not built or not selected here")
+        assert attention_paths(_load(tiny_folders["gemma3"], f32, kern), "cpu", f32, f32) == \
+            f"{main} (sliding-window layers: {portable})"
+        assert attention_paths(_load(tiny_folders["gpt_oss"], f32, kern), "cpu", f32, f32) == "batch_invariant_torch"
+        assert attention_paths(_load(tiny_folders["llama"], f32, kern), "cpu", f32, f32) == main
+
+
 def test_gpt_oss_experts_copy_follows_a_weight_update(tiny_folders):
     """Under --batch-invariant gpt-oss multiplies its experts on a cached [E, out, in] copy (Kernels.experts_nk):
     after an update of the experts by their HF names the model computes what one loaded with the new weights
@@ -384,8 +401,11 @@ def test_server_info_reports_invariance(servers):
                                    "source": "rl_config.enable_batch_invariant", "batch_invariant_active": True}
     (worker,) = info["workers"].values()
     assert worker["kernels"] == "batch_invariant" and "paged_attention" in worker["batch_invariant_checked"]
-    assert worker["attention"] == ("batch_invariant_cpu_kernel" if cpu_kernels.ops() is not None
-                                   else "batch_invariant_torch")
+    main = "batch_invariant_cpu_kernel" if cpu_kernels.ops() is not None else "batch_invariant_torch"
+    # gpt-oss's sink attention and Gemma 3's sliding layers take the torch path whatever the process chose
+    assert worker["attention"] == {"gpt_oss": "batch_invariant_torch",
+                                   "gemma3": f"{main} (sliding-window layers: batch_invariant_torch)"
+                                   if main != "batch_invariant_torch" else main}.get(arch, main)
 
 
 # --- training consistency: the trainer-side forward ------------------------------------------------

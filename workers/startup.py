@@ -33,6 +33,20 @@ from workers.lora import slots_for as lora_slots_for
 from workers.model_runner import ModelRunner, warm_up
 
 
+def attention_paths(model, device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """What the worker's attention runs, as /server_info reports it: the path of its full-attention layers,
+    and the portable torch path where layers always take it (attention with sinks, gpt-oss's, in every layer;
+    sliding-window layers, which the C++ kernel does not read)."""
+    invariant = model.kern.batch_invariant
+    main = (attention_implementation(device_type, dtype, kv_dtype) if invariant
+            else attention.implementation(device_type, dtype, kv_dtype))
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        return "batch_invariant_torch"  # ascend_ops.batch_invariant.sink_attention, in both modes
+    portable, windows = "batch_invariant_torch" if invariant else "torch_sdpa", getattr(model.cfg, "windows", ())
+    if main == portable or not any(windows):
+        return main
+    return portable if all(windows) else f"{main} (sliding-window layers: {portable})"
+
 @dataclass(slots=True)
 class Loaded:
     model: torch.nn.Module
@@ -64,8 +78,7 @@ def load_worker(cfg: EngineConfig, *, name: str, rank: int, tp_size: int, device
         except BatchInvarianceUnavailable as e:
             raise SystemExit(f"rollbus: {det.source}: {e}") from None
     try:  # the CPU kernel is built (first start on a machine) or loaded here, not in the first step
-        attn = (attention_implementation(device.type, dtype, kv_dtype) if model.kern.batch_invariant
-                else attention.implementation(device.type, dtype, kv_dtype))
+        attn = attention_paths(model, device.type, dtype, kv_dtype)
         cpu_linear = packed_linear.describe(dtype) if device.type == "cpu" else None
     except ValueError as e:  # an unknown ROLLBUS_CPU_ATTENTION / ROLLBUS_CPU_KERNELS / ROLLBUS_CPU_PACKED_LINEAR
         raise SystemExit(str(e)) from None
