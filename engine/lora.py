@@ -11,12 +11,12 @@ import argparse
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.argv import Switch
+from engine.fleet.copy_format import read_header
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # the lora_path of an adapter a trainer pushed through the weight-transfer path (no folder)
@@ -225,14 +225,6 @@ def module_features(hf: dict[str, Any]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * 1024 * 1024:
-            raise ValueError("header too large")
-        return json.loads(f.read(n))
-
-
 def _peft_match(pattern: str, key: str) -> bool:
     """PEFT's rank_pattern / alpha_pattern rule (peft.utils.other.get_pattern_key)."""
     return re.match(rf"(.*\.)?({pattern})$", key) is not None
@@ -377,8 +369,9 @@ def inspect_adapter(name: str, path: str, hf: dict[str, Any], max_rank: int) -> 
 
     try:
         conf = json.loads(cfg_file.read_text())
-        header = safetensors_header(tensors)
-    except (OSError, ValueError, struct.error) as e:
+        with open(tensors, "rb") as f:
+            header, _ = read_header(f)
+    except (OSError, ValueError) as e:
         raise fail(f"cannot read {cfg_file.name} / {tensors.name} in {path}: {e}") from None
     factors = adapter_factors(name, conf, hf, max_rank)
     shapes = {k: list(v.get("shape", [])) for k, v in header.items() if k != "__metadata__"}
