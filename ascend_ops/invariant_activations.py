@@ -1,4 +1,5 @@
-"""Row-invariant GELU (tanh), clamped SwiGLU and tanh: Gemma 3's MLP, gpt-oss's experts, Gemma 3's logit cap.
+"""Row-invariant sigmoid, GELU (tanh), clamped SwiGLU and tanh: MoE routers and gates (GLM-4.5, Qwen2-MoE,
+Qwen3-Next), Gemma 3's MLP, gpt-oss's experts, Gemma 3's logit cap.
 
 Why the torch ops are not row-invariant on CPU: an elementwise loop runs an op's vectorised kernel over
 whole vectors and its scalar kernel over each loop's tail, and a tensor of 32768 elements or more is split
@@ -23,6 +24,11 @@ import math
 import torch
 
 _GELU_C = -2.0 * math.sqrt(2.0 / math.pi)  # exp's argument: -2u, u = sqrt(2 / pi) * (x + 0.044715 x^3)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in x's dtype (torch.sigmoid's scalar tail gives an element other bits)."""
+    return torch.exp(-x).add_(1).reciprocal_()
 
 
 def _over_one_plus_exp(num: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

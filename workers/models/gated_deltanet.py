@@ -14,9 +14,10 @@ from torch import nn
 from ascend_ops import batch_invariant as bi
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.invariant_activations import sigmoid as invariant_sigmoid
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.llama import _param
-from workers.models.moe import MoEConfig, invariant_sigmoid
+from workers.models.moe import MoEConfig
 from workers.models.weight_map import Split
 
 # `cfg` below is a workers.models.qwen3_next.HybridConfig (its linear_* fields), annotated by its base class,

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.invariant_activations import sigmoid as invariant_sigmoid
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.decoder_config import DecoderConfig
 from workers.models.llama import MLP, _param
-from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE, invariant_sigmoid
+from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE
 from workers.models.weight_map import WeightMap
 
 

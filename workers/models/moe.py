@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.invariant_activations import sigmoid as invariant_sigmoid
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.decoder_config import DecoderConfig
 from workers.models.llama import MLP, DecoderLM, _param, _reduce
@@ -72,12 +73,6 @@ class MoEConfig(DecoderConfig):
             shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
             if arch.startswith("Qwen2Moe") else 0,
         )
-
-
-def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)) in x's dtype: torch's sigmoid gives an element other bits in a vector loop's scalar
-    tail, so a token's result would depend on the batch's size (exp and an IEEE division do not)."""
-    return torch.exp(-x).add_(1).reciprocal_()
 
 
 class SparseMoE(nn.Module):

@@ -44,11 +44,12 @@ from torch import nn
 
 from ascend_ops.attention import AttentionMetadata
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.invariant_activations import sigmoid as invariant_sigmoid
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.decoder_config import DecoderConfig, check_layer_types
 from workers.models.gated_deltanet import GatedDeltaNet, gdn_invariant, local_heads, tp_splits
 from workers.models.llama import MLP, Attention, DecoderLM, KVSpec, _param
-from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE, invariant_sigmoid
+from workers.models.moe import MoEConfig, MoEDecoderLM, SparseMoE
 from workers.models.tp_layout import Shard, layout_error
 from workers.models.weight_map import Split, WeightMap
 
