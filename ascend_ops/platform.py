@@ -294,6 +294,17 @@ class _Immediate:
 
 
 @contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block, then back to what they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
 def bulk_copy_threads() -> Iterator[BulkCopier | _Immediate]:
     """A BulkCopier for host memory (torch's intra-op threads set to 1 meanwhile: each of our threads copies
     alone); queued copies are done when the block ends without an exception. Accelerator copies run at
@@ -301,11 +312,7 @@ def bulk_copy_threads() -> Iterator[BulkCopier | _Immediate]:
     if current_platform().name != "cpu":
         yield _Immediate()
         return
-    n = torch.get_num_threads()
-    copier = BulkCopier(n)
-    torch.set_num_threads(1)
-    try:
+    copier = BulkCopier(torch.get_num_threads())
+    with intra_op_threads(1):
         yield copier
         copier.flush()
-    finally:
-        torch.set_num_threads(n)

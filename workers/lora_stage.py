@@ -18,25 +18,13 @@ received and built at commit.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
+from ascend_ops.platform import intra_op_threads
 from bus.messages import LoraTargetCall
 from engine.lora import AdapterFactors, LoraError, lora_key, lora_shape, module_features, paired_spec
 from engine.weights.protocol import WeightSyncError
 from workers.lora import FUSED, PANEL, AdapterWeights, Pair, _cut
-
-
-@contextmanager
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
 
 PART_OF = {m: (fused, parts.index(m)) for fused, parts in FUSED.items() for m in parts}
 
@@ -171,7 +159,7 @@ class LoraStage:
     def commit(self) -> None:
         t, s = self.target, self.slots
         ranges: dict = {}
-        with one_thread():  # small multiplies: OpenMP's fork-join cost more than them on a loaded host
+        with intra_op_threads(1):  # small multiplies: OpenMP's fork-join cost more than them on a loaded host
             built = {key: f.pair(self.factors.scaling, ranges) for key, f in self.fused.items()}
         weights = AdapterWeights(self.tensors, self.spec, self.hf, s.dtype, s.device, s.kernel, s.cuts, built)
         s.put_memory(t.lora_id, t.version, t.lora_name, weights)
