@@ -23,9 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bus.control_state import initial_state
 from bus.messages import ControlState
 from engine.fleet import catch_up as cu
-from engine.fleet.catch_up import CatchUpConfig, Own, catch_up
+from engine.fleet.catch_up import CatchUpConfig, Own, catch_up, fleet_peers, joining, newest, tp_mismatch
 from engine.fleet.copy_format import TensorHashes, copy_digest, copy_name, read_header
 from engine.fleet.rejoin import FleetRecord, copy_tag, read_fleet_record, starting_state, write_fleet_record
 from engine.weights.protocol import tensor_checksum
@@ -53,7 +54,7 @@ class FakePeer:
         self.version, self.copy, self.committed_at = version, copy, committed_at
         self.digest = _digest(copy)
         self.live = {f"dp0:pp0:pcp0:tp0:{n}": tensor_checksum(t) for n, t in TENSORS.items()}
-        self.busy, self.corrupt, self.sent = 0, False, 0
+        self.busy, self.corrupt, self.sent, self.tp = 0, False, 0, 1
         peer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -71,6 +72,8 @@ class FakePeer:
                 url = urlparse(self.path)
                 if url.path == "/weight_commit_info":
                     return self._json(200, {"weight_version": peer.version, "committed_at": peer.committed_at})
+                if url.path == "/get_world_size":
+                    return self._json(200, {"world_size": peer.tp})
                 q = parse_qs(url.query)
                 if q.get("weight_version") != [peer.version]:
                     return self._json(409, {"error": {"message": f"serves {peer.version!r}"}})
@@ -189,6 +192,84 @@ def test_no_peer_with_the_version_and_catch_up_off_keep_the_503(fleet, monkeypat
     assert catch_up(str(own), _own(peer), _ask(peer)(()), CatchUpConfig(workers=1, deadline_s=0.5), _ask(peer))[0] \
         is False
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.unit
+def test_a_new_engine_asks_its_peers_and_takes_whatever_they_committed():
+    """The pure rules of a new engine joining (no copies, on its checkpoint): any committed version is newer."""
+    own = joining("run-new", ("http://a:1",))
+    assert (own.version, own.commits, own.committed_at) == (None, 0, float("-inf"))
+    answers = [{"weight_version": "default", "committed_at": None},  # a peer on its own checkpoint
+               {"weight_version": "fleet-2", "committed_at": 200.0}, None,
+               {"weight_version": "default", "committed_at": 150.0}]  # committed under the checkpoint's label
+    assert newest(own.version, own.committed_at, answers) == ("fleet-2", 200.0)
+    assert newest(own.version, own.committed_at, answers[:1] + [None]) is None  # nothing committed: the checkpoint
+    assert newest(own.version, own.committed_at, answers[3:]) == ("default", 150.0)
+    assert fleet_peers(("http://a:1/", "http://b:2"), ["http://a:1", "http://c:3"], None) == (
+        "http://a:1", "http://b:2", "http://c:3")
+    assert tp_mismatch("http://a:1", 1, 1) is None
+    assert tp_mismatch("http://a:1", 2, 1) == ("http://a:1 runs tensor parallel size 2, this engine 1: its copies "
+                                               "are another layout (one file per tp rank)")
+    assert tp_mismatch("http://a:1", True, 1) and tp_mismatch("http://a:1", "1", 1)
+
+
+@pytest.fixture
+def joiner(tmp_path):
+    """A new engine's empty folder (no copies, no record); peer a serves fleet-2 (update 7 of run-a)."""
+    own = tmp_path / "new"
+    peer = FakePeer("fleet-2", _copy(tmp_path / "a.safetensors", "run-a", 7, "fleet-2"))
+    yield own, peer
+    peer.close()
+
+
+@pytest.mark.unit
+def test_a_new_engine_joining_the_fleet_fetches_its_version_before_serving(joiner):
+    own, peer = joiner
+    s = starting_state("fresh", str(own), resume=False, peer_catch_up=CatchUpConfig(workers=1), peers=(peer.url,))
+    assert (s.run_id, s.weight_commits, s.weight_version, s.version_labels) == ("fresh", 1, "fleet-2", {"0": "fleet-2"})
+    got = load_file(str(own / copy_name(0)))
+    assert all(torch.equal(got[n], t) for n, t in TENSORS.items())
+    assert copy_tag(str(own / copy_name(0))) | {} == {"run_id": "fresh", "weight_commits": "1",
+                                                      "weight_version": "fleet-2", "caught_up_from": peer.url}
+    assert read_fleet_record(str(own)) == FleetRecord("fleet-2", 200.0, (peer.url,))  # its restarts know the fleet
+    assert sorted(p.name for p in own.iterdir()) == ["fleet.json", copy_name(0)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fault", ["corrupt", "other_tp", "catch_up_off"])
+def test_a_new_engine_that_cannot_fetch_answers_503_naming_the_fleets_version(joiner, fault, capsys):
+    """Never its checkpoint under the fleet's name: update 1 of its run, of which it has no copy (the workers'
+    restore refuses: 503 naming fleet-2); a refused peer is named in the log, nothing is left in the folder."""
+    own, peer = joiner
+    cfg: CatchUpConfig | None = CatchUpConfig(workers=1, attempts=2)
+    if fault == "corrupt":
+        peer.corrupt = True
+    elif fault == "other_tp":
+        peer.tp = 2
+    else:
+        cfg = None
+    s = starting_state("fresh", str(own), resume=True, peer_catch_up=cfg, peers=(peer.url,))
+    assert (s.run_id, s.weight_commits, s.weight_version) == ("fresh", 1, "fleet-2")
+    assert not own.exists() or [p.name for p in own.iterdir()] == []
+    log = capsys.readouterr().out
+    assert "coordinator.fleet_moved_on" in log
+    if fault == "other_tp":
+        assert peer.sent == 0 and "runs tensor parallel size 2, this engine 1" in log and peer.url in log
+    elif fault == "corrupt":
+        assert peer.sent == 2 and "failed verification" in log
+
+
+@pytest.mark.unit
+def test_a_new_engine_whose_peers_are_silent_or_uncommitted_starts_on_its_checkpoint(joiner):
+    own, peer = joiner
+    cfg = CatchUpConfig(workers=1)
+    dead = "http://127.0.0.1:9"  # nothing listens
+    assert starting_state("fresh", str(own), resume=True, peer_catch_up=cfg, peers=(dead,)) == initial_state("fresh")
+    peer.committed_at = None  # a fleet still on its checkpoint
+    assert starting_state("fresh", str(own), resume=True, peer_catch_up=cfg, peers=(peer.url,)) == \
+        initial_state("fresh")
+    assert starting_state("fresh", str(own), resume=True, peer_catch_up=cfg) == initial_state("fresh")  # no peers
+    assert peer.sent == 0
 
 
 @pytest.mark.unit

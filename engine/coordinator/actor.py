@@ -70,7 +70,8 @@ class Coordinator:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
         self.ledger = ControlLedger(snapshot=starting_state(uuid.uuid4().hex, cfg.rl.weights_recovery_dir,
-                                                           cfg.rl.weights_recovery_resume, catch_up_config(cfg)))
+                                                           cfg.rl.weights_recovery_resume, catch_up_config(cfg),
+                                                           tuple(cfg.rl.weights_catch_up_peers)))
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
         self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))

@@ -14,7 +14,9 @@ temporary file beside its own copies, checking on the way
   (POST /weight_checker {"action": "compare"}: /weight_checker's own checksum, so a copy the peer's disk
   corrupted or left stale is refused too; it costs the peer one checksum pass of its workers between steps).
 
-and retags each file as update `commits + 1` of this engine's run under W's label. Only when every worker's
+and retags each file as update `commits + 1` of this engine's run under W's label. Before any transfer the
+peer's tensor-parallel size must be this engine's (GET /get_world_size?include_dp=false): a copy is one tp
+rank's part of the weights. Only when every worker's
 file arrived and passed does it rename them over its own copies (all or nothing) and record the fleet commit
 (fleet.json); the workers then restore them as on any resume. Anything else leaves the copies as they were.
 
@@ -24,6 +26,12 @@ failure). After the copies arrived the peers are asked once more; when the fleet
 are dropped and the newer version fetched. Bounded: at most `attempts` failed transfers (bad bytes, a peer
 that breaks off; round-robin over the peers serving W) and `deadline_s` in all; then the engine starts as
 before catch-up existed, on W as lost (503 naming the newest version it heard of).
+
+A new engine joining a fleet (no copies of its own, on its checkpoint: `joining`, `--weights-catch-up-peers`
+or a fleet record without copies) takes the same path with `Own.version` None and `committed_at` -inf:
+whatever a peer committed is newer than its checkpoint. Without a copy of its own to compare the layout with,
+the peer's tensor-parallel size is checked here and the tensors' shapes by the workers when they load the
+copy (a copy that does not fit is refused there, naming the peer, and the version answered 503).
 """
 
 from __future__ import annotations
@@ -78,12 +86,27 @@ class Own:
 
     run_id: str
     commits: int
-    version: str
+    version: str | None  # None: a new engine on its checkpoint (it holds no version a peer committed)
     peers: tuple[str, ...]
-    committed_at: float
+    committed_at: float  # -inf: never part of a fleet commit
 
 
-def newest(version: str, since: float, answers: list[dict[str, Any] | None]) -> tuple[str, float] | None:
+def joining(run_id: str, peers: tuple[str, ...]) -> Own:
+    """A new engine on its checkpoint (no copies of its own): any version a peer committed is the fleet's."""
+    return Own(run_id, 0, None, peers, float("-inf"))
+
+
+def fleet_peers(*lists: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """The peers to ask, in order, each once (the fleet record's, then --weights-catch-up-peers), without a
+    trailing slash: the same engine named twice is asked once."""
+    out: dict[str, None] = {}
+    for urls in lists:
+        for u in urls or ():
+            out.setdefault(u.rstrip("/"), None)
+    return tuple(out)
+
+
+def newest(version: str | None, since: float, answers: list[dict[str, Any] | None]) -> tuple[str, float] | None:
     """The version the fleet moved on to (and when a peer committed it): the newest a peer committed after
     `since` (this engine's last fleet commit), when it is not `version` (this engine's); None when it did not
     move on. `answers` are the peers' /weight_commit_info bodies (None: no answer)."""
@@ -113,6 +136,7 @@ def catch_up(folder: str, own: Own, answers: list[dict[str, Any] | None], cfg: C
     if found is None:
         return False, own.version, None
     target, at = found
+    os.makedirs(folder, mode=0o700, exist_ok=True)  # a new engine's folder may not exist yet
     failures = 0
     while failures < cfg.attempts and time.monotonic() < deadline:
         peers = sources(target, own.peers, answers)
@@ -154,6 +178,7 @@ def partial_path(folder: str, worker: int) -> str:
 def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig, deadline: float) -> None:
     """Every worker's copy of `version` from `url` into its partial file, verified and retagged; on any
     failure none is left."""
+    check_tp(url, cfg)
     try:
         baseline: dict[str, str] = {}
         t0, waited = time.monotonic(), 0.0
@@ -183,6 +208,26 @@ def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: 
     with _request(url, f"/weight_copy?{query}", cfg, f"worker {worker}'s copy", busy=(409, 503)) as r:
         waited = time.monotonic() - t0
         return receive(r, r.headers, worker, version, folder, own, url, deadline), waited
+
+
+def check_tp(url: str, cfg: CatchUpConfig) -> None:
+    """The peer's tensor-parallel size is this engine's: each copy is one tp rank's part of the weights."""
+    with _request(url, "/get_world_size?include_dp=false", cfg, "its tensor-parallel size") as r:
+        try:
+            tp = json.loads(r.read())["world_size"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CatchUpError(f"{url} answered /get_world_size with something else than a world size: {e}") from None
+    refusal = tp_mismatch(url, tp, cfg.tp)
+    if refusal:
+        raise CatchUpError(refusal)
+
+
+def tp_mismatch(url: str, theirs: object, ours: int) -> str | None:
+    """Why a peer of tensor-parallel size `theirs` cannot send its copies to an engine of size `ours`."""
+    if theirs == ours and isinstance(theirs, int) and not isinstance(theirs, bool):
+        return None
+    return (f"{url} runs tensor parallel size {theirs!r}, this engine {ours}: its copies are another layout "
+            "(one file per tp rank)")
 
 
 def compare_live(url: str, baseline: dict[str, str], cfg: CatchUpConfig) -> None:

@@ -67,7 +67,12 @@ def _load_copy(model: torch.nn.Module, path: str, run_id: str, commits: int) -> 
         want = set(model.required_weight_names())
         if not want <= names:
             return f"the recovery copy at {path} lacks {len(want - names)} tensors"
-        loaded = model.load_weights(((n, f.get_tensor(n)) for n in sorted(want)), local=True)
+        try:
+            loaded = model.load_weights(((n, f.get_tensor(n)) for n in sorted(want)), local=True)
+        except Exception as e:  # noqa: BLE001 - load_copy says why; a copy fetched at catch-up names its peer
+            if source := meta.get("caught_up_from"):
+                raise ValueError(f"{e} (fetched from peer {source} at catch-up: not this engine's layout)") from e
+            raise
     log.info("worker.weights_recovered", path=path, tensors=len(loaded), weight_commits=commits)
     return None
 
