@@ -419,6 +419,48 @@ def test_an_engine_down_while_the_fleet_updated_catches_up_from_a_peer(tmp_path,
     print(f"tiny qwen3: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s", out)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_new_engine_joins_on_the_fleets_version(tmp_path, smollm2_dir):
+    """a takes fleet-1; b, a new engine with no copies of its own, is started with --weights-catch-up-peers a:
+    it serves fleet-1 bitwise as a, never its checkpoint. c joins with --no-weights-catch-up and no copies
+    folder: it answers 503 naming fleet-1."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import WeightSyncClient
+    from tests.server_helpers import start_server, tiny_model_with_tokenizer
+    from tests.test_fleet_faults import assert_lost
+    from tests.test_fleet_weight_sync import checksums_match, perturb, version
+
+    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
+    cfg = json.dumps({"backend": "gloo", "timeout_s": 60})
+
+    def engine(name: str, *extra: str):
+        (tmp_path / name).mkdir(exist_ok=True)
+        return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
+                            cfg, "--max-model-len", "128", "--block-size", "4", *extra)
+
+    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    a = engine("a", "--weights-recovery-dir", str(tmp_path / "a" / "copies"))
+    b = c = None
+    try:
+        perturb(trainer, seed=5)
+        with WeightSyncClient([a.url], backend="gloo") as client:
+            client.send_weights(trainer.named_parameters(), version="fleet-1")
+        b = engine("b", "--weights-recovery-dir", str(tmp_path / "b" / "copies"), "--weights-catch-up-peers", a.url)
+        assert "catch_up.done" in b.log()
+        assert version(b.url) == "fleet-1" and checksums_match(b.url, trainer)
+        assert httpx.get(b.url + "/weight_commit_info", timeout=10).json() == \
+            httpx.get(a.url + "/weight_commit_info", timeout=10).json()
+        assert _greedy(b.url, str(folder)) == _greedy(a.url, str(folder))
+        c = engine("c", "--weights-catch-up-peers", a.url, "--no-weights-catch-up")
+        assert_lost(c.url, str(folder), "fleet-1")
+    finally:
+        for s in (a, b, c):
+            if s is not None:
+                s.stop()
+
+
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
 def test_smollm2_catch_up_time(tmp_path, smollm2_dir):
