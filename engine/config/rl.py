@@ -100,9 +100,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "of another update answers 503 naming that version until the next full update. Without "
                         "copies: the checkpoint. Needs --weights-recovery-dir.")
     g.add_argument("--weights-catch-up", action=Switch, default=d.weights_catch_up,
-                   help="With --weights-recovery-resume (rollbus's own; on by default): when a peer in the "
-                        "engine's last fleet update (its fleet.json) committed a newer version while this engine "
-                        "was down, fetch that version's weights from the peer's copies (GET /weight_copy: "
+                   help="With --weights-recovery-resume or --weights-catch-up-peers (rollbus's own; on by default): "
+                        "when a peer in the engine's last fleet update (its fleet.json) or among those flags' peers "
+                        "committed a newer version while this engine was down (or before it joined), fetch that version's weights from the peer's copies (GET /weight_copy: "
                         "checked against the version, a digest and the peer's /weight_checker checksums; all "
                         "workers or none) before serving, within the weight transfer's timeout_s, instead of "
                         "answering 503 naming it until the trainer's next update. --no-weights-catch-up keeps "

@@ -17,6 +17,8 @@ the fleet moved on, and the engine fetches that version from a peer that serves 
 on that version as lost (503 naming it, /health 503, until the trainer's next full update), never on its own
 older one. No peer answering: it resumes its copies (nothing
 says the fleet moved on; the trainer's next update still refuses an engine on another version, naming it).
+A new engine joining a fleet (no copies to resume; its peers from --weights-catch-up-peers, or a fleet record
+without copies) is behind whatever its peers committed, and takes the same path from its checkpoint.
 
 Reads only the copies' safetensors headers (no torch): the coordinator calls it before anything runs.
 """
