@@ -156,7 +156,7 @@ async def main() -> dict:
 def descendants(pid: int) -> list[int]:
     """pid and every process under it, parents first."""
     children: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
+    for p in filter(str.isdigit, os.listdir("/proc")):
         try:
             ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
