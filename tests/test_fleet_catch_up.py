@@ -273,6 +273,35 @@ def test_a_new_engine_whose_peers_are_silent_or_uncommitted_starts_on_its_checkp
 
 
 @pytest.mark.unit
+def test_a_restarted_worker_without_its_copy_takes_it_from_a_fleet_peer(fleet):
+    """A running engine (update 7 of run-b in service: fleet-2) whose worker restarted without its copy: that
+    worker's copy of fleet-2 from the peer in its fleet record, tagged as update 7 of run-b; refused (naming the
+    peer) when the peer serves another version, or sends bytes that fail verification."""
+    from engine.fleet.rejoin import fetch_own_copy, known_peers
+
+    own, peer = fleet
+    (own / copy_name(0)).unlink()  # its copy is gone
+    state = ControlState(run_id="run-b", weight_commits=7, weight_version="fleet-2")
+    cfg = CatchUpConfig(workers=1, attempts=2)
+    assert known_peers(str(own), cfg) == (peer.url,)
+    assert fetch_own_copy(str(own), 0, state, cfg) is None
+    assert copy_tag(str(own / copy_name(0))) | {} == {"run_id": "run-b", "weight_commits": "7",
+                                                      "weight_version": "fleet-2", "caught_up_from": peer.url}
+    got = load_file(str(own / copy_name(0)))
+    assert all(torch.equal(got[n], t) for n, t in TENSORS.items())
+    (own / copy_name(0)).unlink()
+    peer.corrupt = True
+    why = fetch_own_copy(str(own), 0, state, cfg)
+    assert "failed verification" in why and peer.url in why and peer.sent == 3
+    assert sorted(p.name for p in own.iterdir()) == ["fleet.json"]
+    other = ControlState(run_id="run-b", weight_commits=8, weight_version="fleet-3")
+    assert fetch_own_copy(str(own), 0, other, cfg) == f"no fleet peer serves 'fleet-3' (asked {[peer.url]})"
+    write_fleet_record(str(own), FleetRecord("fleet-1", 100.0, ()))
+    assert fetch_own_copy(str(own), 0, state, cfg).startswith("no fleet peers")
+    assert known_peers(str(own), CatchUpConfig(workers=1, peers=(peer.url + "/",))) == (peer.url,)
+
+
+@pytest.mark.unit
 def test_the_digest_covers_every_byte_and_names_each_tensors_checksum(tmp_path):
     raw = _copy(tmp_path / "c.safetensors", "run-a", 1, "v1")
     header, head = read_header(io.BytesIO(raw))
@@ -459,6 +488,49 @@ def test_a_new_engine_joins_on_the_fleets_version(tmp_path, smollm2_dir):
         for s in (a, b, c):
             if s is not None:
                 s.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_worker_restarted_without_its_copy_takes_it_from_a_peer_engine(tmp_path, smollm2_dir):
+    """a and b take fleet-1; b's worker copy is deleted and its worker SIGKILLed: the launcher restarts it, it
+    fetches its copy from a (b's fleet record) and serves fleet-1 bitwise, not a 503 until the next update."""
+    import os
+    import signal
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.trainer import WeightSyncClient
+    from tests.server_helpers import start_server, tiny_model_with_tokenizer
+    from tests.test_fleet_faults import _status, _until
+    from tests.test_fleet_weight_sync import checksums_match, perturb, version
+
+    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
+    cfg = json.dumps({"backend": "gloo", "timeout_s": 60})
+
+    def engine(name: str):
+        (tmp_path / name).mkdir(exist_ok=True)
+        return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
+                            cfg, "--max-model-len", "128", "--block-size", "4",
+                            "--weights-recovery-dir", str(tmp_path / name / "copies"))
+
+    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    a, b = engine("a"), engine("b")
+    try:
+        perturb(trainer, seed=7)
+        with WeightSyncClient([a.url, b.url], backend="gloo") as client:
+            client.send_weights(trainer.named_parameters(), version="fleet-1")
+        (tmp_path / "b" / "copies" / copy_name(0)).unlink()
+        os.kill(b.child_pids()["worker-0"], signal.SIGKILL)
+        _until(lambda: "worker.weights_from_fleet" in b.log(), 90, "b's worker fetching its copy from a")
+        back = _until(lambda: _status(b.url) == 200, 60, "engine b serving again")
+        assert "worker.weight_version_lost" not in b.log()
+        assert version(b.url) == "fleet-1" and checksums_match(b.url, trainer)
+        assert _greedy(b.url, str(folder)) == _greedy(a.url, str(folder))
+        print(f"b's worker back on fleet-1 from a's copy, serving {back:.1f} s after it fetched")
+    finally:
+        a.stop()
+        b.stop()
 
 
 @pytest.mark.fleet

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -49,7 +49,9 @@ from urllib.request import Request, urlopen
 
 import structlog
 
+from bus.topology import Topology
 from engine.fleet.copy_format import TensorHashes, copy_name, data_length, layout_of, read_header, retagged, tag_of
+from engine.weights.lifecycle import DEFAULT_TRANSFER_TIMEOUT_S
 
 log = structlog.get_logger()
 
@@ -78,6 +80,19 @@ class CatchUpConfig:
     attempts: int = 3
     deadline_s: float = 300.0
     read_timeout_s: float = 30.0
+    peers: tuple[str, ...] = ()  # --weights-catch-up-peers: asked beside the fleet record's
+
+
+def catch_up_config(cfg: Any) -> CatchUpConfig | None:
+    """--weights-catch-up (an EngineConfig): fetch the fleet's version from a peer at a restart behind it, or
+    a restarted worker's copy, within the weight transfer's timeout; None when off."""
+    if not cfg.rl.weights_catch_up:
+        return None
+    wt = cfg.rl.weight_transfer_config
+    topo = Topology.from_config(cfg)
+    return CatchUpConfig(workers=topo.world_size, tp=topo.tp, api_key=cfg.gateway.api_key,
+                         deadline_s=wt.timeout_s if wt else DEFAULT_TRANSFER_TIMEOUT_S,
+                         peers=tuple(cfg.rl.weights_catch_up_peers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,12 +172,12 @@ def catch_up(folder: str, own: Own, answers: list[dict[str, Any] | None], cfg: C
             answers = ask(own.peers)
             now = newest(own.version, own.committed_at, answers)
             if now is None or now[0] == target:
-                install(folder, cfg.workers)
+                install(folder, range(cfg.workers))
                 log.info("catch_up.done", peer=src, version=target, workers=cfg.workers,
                          seconds=round(time.monotonic() - t0, 2))
                 return True, target, at
             log.info("catch_up.fleet_moved_on", fetched=target, fleet=now[0])
-            discard(folder, cfg.workers)
+            discard(folder, range(cfg.workers))
             target, at = now
             continue
         answers = ask(own.peers)
@@ -171,18 +186,47 @@ def catch_up(folder: str, own: Own, answers: list[dict[str, Any] | None], cfg: C
     return False, target, at
 
 
+def fetch_worker(folder: str, worker: int, run_id: str, commits: int, version: str, peers: tuple[str, ...],
+                 answers: list[dict[str, Any] | None], cfg: CatchUpConfig) -> str | None:
+    """A single worker restarted without its copy, in a running engine (its own copy missing or torn): that
+    worker's copy of the version in service (`version`, update `commits` of `run_id`) from a fleet peer serving
+    it (by `answers`, the peers' /weight_commit_info), checked as at an engine's catch-up and installed as its
+    copy. None when it is there, else why not (each refusal naming its peer). Bounded as catch_up is."""
+    deadline = time.monotonic() + cfg.deadline_s
+    found = sources(version, peers, answers)
+    if not found:
+        return f"no fleet peer serves {version!r} (asked {list(peers)})"
+    own = Own(run_id, commits - 1, version, peers, float("-inf"))  # retagged as update commits - 1 + 1
+    failures: list[str] = []
+    while len(failures) < cfg.attempts and time.monotonic() < deadline:
+        src = found[len(failures) % len(found)]
+        try:
+            fetch_all(src, folder, version, own, cfg, deadline, (worker,))
+        except CatchUpError as e:  # a busy peer counts too: the engine's own version is what it must serve
+            failures.append(str(e))
+            log.warning("catch_up.transfer_failed", peer=src, version=version, worker=worker,
+                        attempt=len(failures), attempts=cfg.attempts, why=str(e))
+            continue
+        install(folder, (worker,))
+        log.info("catch_up.worker_done", peer=src, version=version, worker=worker)
+        return None
+    return "; ".join(failures) or "out of time"
+
+
 def partial_path(folder: str, worker: int) -> str:
     return os.path.join(folder, PARTIAL + copy_name(worker))
 
 
-def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig, deadline: float) -> None:
-    """Every worker's copy of `version` from `url` into its partial file, verified and retagged; on any
-    failure none is left."""
+def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig, deadline: float,
+              workers: Sequence[int] | None = None) -> None:
+    """Every worker's copy (or those of `workers`) of `version` from `url` into its partial file, verified
+    and retagged; on any failure none is left."""
+    workers = range(cfg.workers) if workers is None else workers
     check_tp(url, cfg)
     try:
         baseline: dict[str, str] = {}
         t0, waited = time.monotonic(), 0.0
-        for w in range(cfg.workers):
+        for w in workers:
             if time.monotonic() > deadline:
                 raise CatchUpError("out of time")
             sums, wait_s = fetch_copy(url, w, version, folder, own, cfg, deadline)
@@ -191,11 +235,11 @@ def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig,
             baseline.update({prefix + name: v for name, v in sums.items()})
         t1 = time.monotonic()
         compare_live(url, baseline, cfg)
-        size = sum(os.path.getsize(partial_path(folder, w)) for w in range(cfg.workers))
+        size = sum(os.path.getsize(partial_path(folder, w)) for w in workers)
         log.info("catch_up.verified", peer=url, version=version, bytes=size, transfer_s=round(t1 - t0, 2),
                  peer_wait_s=round(waited, 2), compare_s=round(time.monotonic() - t1, 2))
     except BaseException:
-        discard(folder, cfg.workers)
+        discard(folder, workers)
         raise
 
 
@@ -313,13 +357,13 @@ def own_layout(folder: str, worker: int) -> dict[str, tuple[str, tuple[int, ...]
         return None  # no copy of our own for this worker: the digest and the tag still hold
 
 
-def install(folder: str, workers: int) -> None:
-    for w in range(workers):
+def install(folder: str, workers: Iterable[int]) -> None:
+    for w in workers:
         os.replace(partial_path(folder, w), os.path.join(folder, copy_name(w)))
 
 
-def discard(folder: str, workers: int) -> None:
-    for w in range(workers):
+def discard(folder: str, workers: Iterable[int]) -> None:
+    for w in workers:
         try:
             os.remove(partial_path(folder, w))
         except FileNotFoundError:

@@ -38,7 +38,7 @@ import structlog
 
 from bus.control_state import initial_state
 from bus.messages import ControlState
-from engine.fleet.catch_up import CatchUpConfig, Own, catch_up, fleet_peers, joining, newest
+from engine.fleet.catch_up import CatchUpConfig, Own, catch_up, fetch_worker, fleet_peers, joining, newest
 from engine.fleet.copy_format import read_header, tag_of
 
 log = structlog.get_logger()
@@ -195,3 +195,20 @@ def behind_the_fleet(folder: str | None, own: Own, peer_catch_up: CatchUpConfig 
                   "the trainer sends the weights again")
     return ControlState(run_id=own.run_id, weight_commits=own.commits + 1, weight_version=moved_on,
                         version_labels={"0": moved_on})
+
+
+def known_peers(folder: str, cfg: CatchUpConfig) -> tuple[str, ...]:
+    """The fleet's other engines this engine knows: its fleet record's, then --weights-catch-up-peers."""
+    record = read_fleet_record(folder)
+    return fleet_peers(record.peers if record else (), cfg.peers)
+
+
+def fetch_own_copy(folder: str, worker: int, state: ControlState, cfg: CatchUpConfig) -> str | None:
+    """A worker restarted in a running engine without its copy of the version in service (`state`): that copy
+    from a fleet peer (the fleet record's peers and cfg.peers, --weights-catch-up-peers) into `folder`, where
+    the worker's restore then finds it (engine.fleet.catch_up.fetch_worker). None when it is there, else why."""
+    asked = known_peers(folder, cfg)
+    if not asked:
+        return "no fleet peers to fetch it from (no fleet record, no --weights-catch-up-peers)"
+    answers = ask_peers(asked, api_key=cfg.api_key)
+    return fetch_worker(folder, worker, state.run_id, state.weight_commits, state.weight_version, asked, answers, cfg)
