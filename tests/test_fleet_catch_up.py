@@ -368,6 +368,16 @@ def _logged(log: str, event: str, field: str) -> float:
     return float(line.split(f"{field}=")[1].split()[0].strip(",}"))
 
 
+def _engine(tmp_path: Path, folder: Path, name: str, *extra: str, transfer_timeout_s: float = 60):
+    """A `rollbus serve` of the tiny model in tmp_path/name, RL mode, gloo weight transfer, with `extra` flags."""
+    from tests.server_helpers import start_server
+
+    (tmp_path / name).mkdir(exist_ok=True)
+    cfg = json.dumps({"backend": "gloo", "timeout_s": transfer_timeout_s})
+    return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config", cfg,
+                        "--max-model-len", "128", "--block-size", "4", *extra)
+
+
 def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True, transfer_timeout_s: float = 60,
                          copies: Path | None = None) -> dict[str, float]:
     """a and b take fleet-1; b is killed; a alone takes fleet-2; b restarts and catches up from a. Then (corrupt)
@@ -375,18 +385,14 @@ def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True, 
     from transformers import AutoModelForCausalLM
 
     from engine.trainer import WeightSyncClient
-    from tests.server_helpers import start_server
     from tests.test_fleet_faults import _completion, _kill_engine, assert_lost
     from tests.test_fleet_weight_sync import checksums_match, perturb, version
 
-    cfg = json.dumps({"backend": "gloo", "timeout_s": transfer_timeout_s})
     copies = copies or tmp_path
 
     def engine(name: str):
-        (tmp_path / name).mkdir(exist_ok=True)
-        return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
-                            cfg, "--weights-recovery-dir", str(copies / name / "copies"),
-                            "--weights-recovery-resume", "--max-model-len", "128", "--block-size", "4")
+        return _engine(tmp_path, folder, name, "--weights-recovery-dir", str(copies / name / "copies"),
+                       "--weights-recovery-resume", transfer_timeout_s=transfer_timeout_s)
 
     trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     a, b = engine("a"), engine("b")
@@ -457,17 +463,14 @@ def test_a_new_engine_joins_on_the_fleets_version(tmp_path, smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     from engine.trainer import WeightSyncClient
-    from tests.server_helpers import start_server, tiny_model_with_tokenizer
+    from tests.server_helpers import tiny_model_with_tokenizer
     from tests.test_fleet_faults import assert_lost
     from tests.test_fleet_weight_sync import checksums_match, perturb, version
 
     folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
-    cfg = json.dumps({"backend": "gloo", "timeout_s": 60})
 
     def engine(name: str, *extra: str):
-        (tmp_path / name).mkdir(exist_ok=True)
-        return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
-                            cfg, "--max-model-len", "128", "--block-size", "4", *extra)
+        return _engine(tmp_path, folder, name, *extra)
 
     trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     a = engine("a", "--weights-recovery-dir", str(tmp_path / "a" / "copies"))
@@ -501,21 +504,13 @@ def test_a_worker_restarted_without_its_copy_takes_it_from_a_peer_engine(tmp_pat
     from transformers import AutoModelForCausalLM
 
     from engine.trainer import WeightSyncClient
-    from tests.server_helpers import start_server, tiny_model_with_tokenizer
+    from tests.server_helpers import tiny_model_with_tokenizer
     from tests.test_fleet_faults import _status, _until
     from tests.test_fleet_weight_sync import checksums_match, perturb, version
 
     folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
-    cfg = json.dumps({"backend": "gloo", "timeout_s": 60})
-
-    def engine(name: str):
-        (tmp_path / name).mkdir(exist_ok=True)
-        return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config",
-                            cfg, "--max-model-len", "128", "--block-size", "4",
-                            "--weights-recovery-dir", str(tmp_path / name / "copies"))
-
+    a, b = (_engine(tmp_path, folder, n, "--weights-recovery-dir", str(tmp_path / n / "copies")) for n in "ab")
     trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    a, b = engine("a"), engine("b")
     try:
         perturb(trainer, seed=7)
         with WeightSyncClient([a.url, b.url], backend="gloo") as client:

@@ -102,11 +102,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights-catch-up", action=Switch, default=d.weights_catch_up,
                    help="With --weights-recovery-resume or --weights-catch-up-peers (rollbus's own; on by default): "
                         "when a peer in the engine's last fleet update (its fleet.json) or among those flags' peers "
-                        "committed a newer version while this engine was down (or before it joined), fetch that version's weights from the peer's copies (GET /weight_copy: "
-                        "checked against the version, a digest and the peer's /weight_checker checksums; all "
-                        "workers or none) before serving, within the weight transfer's timeout_s, instead of "
-                        "answering 503 naming it until the trainer's next update; a worker restarted without its "
-                        "copy takes it from those peers the same way. --no-weights-catch-up keeps the 503.")
+                        "committed a newer version while this engine was down (or before it joined), fetch that "
+                        "version's weights from the peer's copies (GET /weight_copy: checked against the version, "
+                        "a digest and the peer's /weight_checker checksums; all workers or none) before serving, "
+                        "within the weight transfer's timeout_s, instead of answering 503 naming it until the "
+                        "trainer's next update; a worker restarted without its copy takes it from those peers the "
+                        "same way. --no-weights-catch-up keeps the 503.")
     g.add_argument("--weights-catch-up-peers", nargs="+", default=[], metavar="URL",
                    help="rollbus's own: the fleet's other engines (http://host:port ...), asked at start beside "
                         "those in the fleet record of --weights-recovery-dir. An engine joining a fleet (no copies "
