@@ -302,6 +302,63 @@ def test_a_restarted_worker_without_its_copy_takes_it_from_a_fleet_peer(fleet):
 
 
 @pytest.mark.unit
+def test_the_worker_fetches_on_a_thread_and_loads_what_arrived(fleet):
+    """engine.weights.recovery.WeightRecovery: a restarted worker without its copy (update 7 of run-b, fleet-2 in
+    service) asks the fleet on a thread, says Hello only once poll() loaded the copy; with a peer that sends
+    bad bytes, poll() reports the version lost (WeightsLost, naming the peer's failure)."""
+    from types import SimpleNamespace
+
+    from bus.codec import decode
+    from engine.weights.recovery import WeightRecovery
+
+    class Model(torch.nn.Module):  # the two tensors of TENSORS, loaded as a worker's model loads its copy
+        def __init__(self) -> None:
+            super().__init__()
+            self.held = {n: torch.zeros_like(t) for n, t in TENSORS.items()}
+
+        def required_weight_names(self) -> set[str]:
+            return set(self.held)
+
+        def load_weights(self, weights, *, local: bool = False) -> set[str]:
+            for n, w in weights:
+                self.held[n].copy_(w)
+            return set(self.held)
+
+    class Dealer:
+        def __init__(self) -> None:
+            self.sent = []
+
+        def send_multipart(self, frames, copy=False) -> None:
+            self.sent.append(decode([bytes(f) for f in frames]))
+
+    own, peer = fleet
+    (own / copy_name(0)).unlink()
+    link = SimpleNamespace(state=ControlState(run_id="run-b", weight_commits=7, weight_version="fleet-2"),
+                           dealer=Dealer())
+    sleep = SimpleNamespace(asleep=set(), missing=0)
+
+    def worker() -> tuple[WeightRecovery, Model]:
+        model = Model()
+        r = WeightRecovery(model, folder=str(own), index=0, name="worker-0", donor=None, link=link, sleep=sleep,
+                           control_timeout_s=5, fleet=CatchUpConfig(workers=1, attempts=1))
+        r.restore()
+        assert r.restoring is not None and r.fetching is not None  # no Hello to the scheduler yet
+        r.fetching[0].join(30)
+        return r, model
+
+    r, model = worker()
+    assert r.poll() and r.restoring is None and r.weights_lost is None and r.weight_commits == 7
+    assert all(torch.equal(model.held[n], t) for n, t in TENSORS.items()) and link.dealer.sent == []
+    assert not r.poll()
+    (own / copy_name(0)).unlink()
+    peer.corrupt = True
+    r, model = worker()
+    assert r.poll() and r.weights_lost == "fleet-2"
+    [lost] = link.dealer.sent
+    assert "failed verification" in lost.body.why and peer.url in lost.body.why and lost.body.version == "fleet-2"
+
+
+@pytest.mark.unit
 def test_the_digest_covers_every_byte_and_names_each_tensors_checksum(tmp_path):
     raw = _copy(tmp_path / "c.safetensors", "run-a", 1, "v1")
     header, head = read_header(io.BytesIO(raw))
