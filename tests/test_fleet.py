@@ -281,16 +281,7 @@ def test_the_events_announce_every_prefix_before_the_next_turn(tmp_path) -> None
 def test_skyrl_server_group_places_two_engines_on_ray(tmp_path, tiny_qwen3) -> None:
     """SkyRL 0.4's ServerGroup + VLLMRouter + RemoteInferenceClient, unmodified but for the compat shim,
     with RollbusServerActor on `ray.init(num_cpus=4, num_gpus=2)`."""
-    python = fleet_venvs() / "fleet" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(f"the fleet venv is absent ({python}): bash tests/interop/setup_venvs.sh fleet")
-    # Ray's workers import engine.fleet from PYTHONPATH; the engines run in rollbus's python (ROLLBUS_PYTHON)
-    env = {**os.environ, "ROLLBUS_PYTHON": sys.executable, "ROLLBUS_PYTHONPATH": str(ROOT),
-           "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "", "FLEET_START_PORT": str(free_port())}
-    p = subprocess.run([str(python), str(ROOT / "tests" / "fleet" / "skyrl_fleet_driver.py"), str(tiny_qwen3),
-                        str(ROOT)], capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
-    assert p.returncode == 0, f"driver failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = _skyrl_driver(tmp_path, tiny_qwen3)
     assert out["health"] == [200, 200]
     assert all(len(g) == 6 for g in out["generate"]) and out["generate"][0] == out["generate"][2]
     assert out["paused"] == [{"is_paused": True}] * 2
@@ -308,3 +299,33 @@ def test_skyrl_server_group_places_two_engines_on_ray(tmp_path, tiny_qwen3) -> N
     assert out["engine_pids_before"] >= 2 and out["engine_pids_after_kill"] == 0, out
     print("actor killed after a fleet update:", {k: out[k] for k in (  # pytest -s shows the timings
         "actor_back_s", "actor_back_as", "other_engine_served", "update", "restart_s")})
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(900)
+def test_skyrl_server_group_engine_that_missed_an_update_catches_up(tmp_path, tiny_qwen3) -> None:
+    """SkyRL's ServerGroup with RollbusServerActor: both engines take fleet-1; engine 1 is down (its processes
+    stopped) while engine 0 alone takes fleet-2, then killed; its actor's supervisor restarts it, and it
+    fetches fleet-2 from engine 0 (peer catch-up) before serving: /weight_checker and greedy tokens equal."""
+    out = _skyrl_driver(tmp_path, tiny_qwen3, "catch-up")
+    assert out["versions_before"] == ["fleet-1"] * 2, out
+    assert out["back_as"] == "serving" and out["back_s"] <= 90, out
+    assert out["versions_after"] == ["fleet-2"] * 2 and out["commit_info"][0] == out["commit_info"][1], out
+    assert out["catch_up_done"] and "fleet-2" in out["catch_up_done"], out
+    assert out["checksums_equal"] and out["same_tokens"], out
+    print("engine that missed fleet-2, restarted by its actor:",
+          {k: out[k] for k in ("back_s", "catch_up_s", "fleet-2")})
+
+
+def _skyrl_driver(tmp_path: Path, model: Path, *args: str) -> dict:
+    """tests/fleet/skyrl_fleet_driver.py in the fleet venv (skipped without it); its JSON line."""
+    python = fleet_venvs() / "fleet" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(f"the fleet venv is absent ({python}): bash tests/interop/setup_venvs.sh fleet")
+    # Ray's workers import engine.fleet from PYTHONPATH; the engines run in rollbus's python (ROLLBUS_PYTHON)
+    env = {**os.environ, "ROLLBUS_PYTHON": sys.executable, "ROLLBUS_PYTHONPATH": str(ROOT),
+           "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "", "FLEET_START_PORT": str(free_port())}
+    p = subprocess.run([str(python), str(ROOT / "tests" / "fleet" / "skyrl_fleet_driver.py"), str(model),
+                        str(ROOT), *args], capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert p.returncode == 0, f"driver failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])

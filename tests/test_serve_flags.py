@@ -279,7 +279,7 @@ def test_help_explains_the_flags():
     for flag in ("--load-format", "--chat-template", "--generation-config", "--config", "--worker-extension-cls",
                  "-tp", "--distributed-executor-backend",
                  "--enforce-eager", "--enable-auto-tool-choice", "--uvicorn-log-level", "coming-from-vllm",
-                 "--weights-catch-up", "--no-weights-catch-up"):
+                 "--weights-catch-up", "--no-weights-catch-up", "--weights-catch-up-peers"):
         assert flag in r.stdout, flag
 
 

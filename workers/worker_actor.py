@@ -85,6 +85,7 @@ from bus.messages import (
 from bus.sockets import make_socket, recv, report_ready, send
 from bus.topology import Topology
 from engine.config import EngineConfig
+from engine.fleet.catch_up import catch_up_config
 from engine.logs import setup_logging
 from engine.rl_config import determinism, worker_env_updates
 from engine.weights.protocol import WeightSyncError
@@ -176,7 +177,7 @@ class WorkerActor:
         self.away = False  # declared lost (a stall) and not welcomed back yet: updates then run without us
         self.recovery = WeightRecovery(model, folder=cfg.rl.weights_recovery_dir, index=self.index, name=self.name,
                                        donor=self.donor, link=self.link, sleep=self.sleep,
-                                       control_timeout_s=cfg.bus.control_timeout_s)
+                                       control_timeout_s=cfg.bus.control_timeout_s, fleet=catch_up_config(cfg))
         self.link.on_reply = self._on_reply
 
     def start(self) -> None:
@@ -216,6 +217,8 @@ class WorkerActor:
             if self.plans in ready and not self.stopping:
                 self._on_plan()
             self.link.tick(time.monotonic())
+            if self.recovery.poll():  # a fleet peer's copy of the weights arrived (or did not)
+                self._hello_scheduler(self.link.follower.seq or 0)
 
     def _on_plan(self) -> None:
         try:

@@ -39,7 +39,7 @@ from engine.config.cache import check as check_cache_config
 from engine.config.gateway import GatewayConfig
 from engine.config.model import DEFAULT_MODEL_NAME, LOAD_FORMATS, ModelConfig, check_model_config
 from engine.config.parallel import ParallelConfig
-from engine.config.rl import SCALE_OUT_ENV, RLServingConfig
+from engine.config.rl import SCALE_OUT_ENV, RLServingConfig, check_catch_up_peers
 from engine.config.scheduler import SchedulerConfig, async_scheduling_on, prefill_beside_decodes
 from engine.config.vllm_only import (
     NO_OP_FLAGS,
@@ -276,6 +276,7 @@ def config_from_args(ns: argparse.Namespace) -> EngineConfig:
             check_bus(cfg)
         if cfg.rl.weights_recovery_resume and not cfg.rl.weights_recovery_dir:
             raise ValueError("--weights-recovery-resume serves the copies in --weights-recovery-dir: give that too")
+        check_catch_up_peers(cfg.rl)
     except (ValueError, OSError) as e:
         raise SystemExit(f"rollbus: {e}") from None
     return cfg

@@ -25,6 +25,7 @@ class RLServingConfig:
     weights_recovery_dir: str | None = None  # workers keep a copy of each committed update here (recovery)
     weights_recovery_resume: bool = False  # at start, serve the version those copies hold (engine.fleet.rejoin)
     weights_catch_up: bool = True  # ... or, when the fleet moved on, fetch its version from a peer (catch_up)
+    weights_catch_up_peers: list[str] = field(default_factory=list)  # peers to ask at start (a new engine's fleet)
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs | raw_logits | processed_logits
     tokens_only: bool = False  # no tokenizer anywhere; /inference/v1/generate on
     enable_scale_out: bool = False  # /inference/v1/generate and /inference/v1/abort_requests on
@@ -37,6 +38,16 @@ class RLServingConfig:
         """vLLM v0.33: --enable-scale-out or --tokens-only (or VLLM_ENABLE_SCALE_OUT_ENDPOINTS=1, the
         releases between) register the tokens-in/tokens-out routes; otherwise they answer 403."""
         return self.tokens_only or self.enable_scale_out or os.environ.get(SCALE_OUT_ENV, "").strip() == "1"
+
+
+def check_catch_up_peers(rl: RLServingConfig) -> None:
+    """--weights-catch-up-peers: URLs, and (with catch-up on) a folder for the copies fetched from them."""
+    bad = [u for u in rl.weights_catch_up_peers if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(f"--weights-catch-up-peers takes the engines' URLs (http:// or https://), got {bad[0]!r}")
+    if rl.weights_catch_up_peers and rl.weights_catch_up and not rl.weights_recovery_dir:
+        raise ValueError("--weights-catch-up-peers fetches the fleet's weights into --weights-recovery-dir: give "
+                         "that too (or --no-weights-catch-up: answer 503 naming the fleet's version instead)")
 
 
 def _weight_transfer_text(c: WeightTransferConfig) -> str:
@@ -89,13 +100,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "of another update answers 503 naming that version until the next full update. Without "
                         "copies: the checkpoint. Needs --weights-recovery-dir.")
     g.add_argument("--weights-catch-up", action=Switch, default=d.weights_catch_up,
-                   help="With --weights-recovery-resume (rollbus's own; on by default): when a peer in the "
-                        "engine's last fleet update (its fleet.json) committed a newer version while this engine "
-                        "was down, fetch that version's weights from the peer's copies (GET /weight_copy: "
-                        "checked against the version, a digest and the peer's /weight_checker checksums; all "
-                        "workers or none) before serving, within the weight transfer's timeout_s, instead of "
-                        "answering 503 naming it until the trainer's next update. --no-weights-catch-up keeps "
-                        "the 503.")
+                   help="With --weights-recovery-resume or --weights-catch-up-peers (rollbus's own; on by default): "
+                        "when a peer in the engine's last fleet update (its fleet.json) or among those flags' peers "
+                        "committed a newer version while this engine was down (or before it joined), fetch that "
+                        "version's weights from the peer's copies (GET /weight_copy: checked against the version, "
+                        "a digest and the peer's /weight_checker checksums; all workers or none) before serving, "
+                        "within the weight transfer's timeout_s, instead of answering 503 naming it until the "
+                        "trainer's next update; a worker restarted without its copy takes it from those peers the "
+                        "same way. --no-weights-catch-up keeps the 503.")
+    g.add_argument("--weights-catch-up-peers", nargs="+", default=[], metavar="URL",
+                   help="rollbus's own: the fleet's other engines (http://host:port ...), asked at start beside "
+                        "those in the fleet record of --weights-recovery-dir. An engine joining a fleet (no copies "
+                        "of its own, on its checkpoint) whose peers committed a weight version fetches that version "
+                        "from them as --weights-catch-up does, before serving; when it cannot (or with "
+                        "--no-weights-catch-up) it answers 503 naming the version, never serving its checkpoint "
+                        "under the fleet's name. No peer answering: the checkpoint. Needs --weights-recovery-dir "
+                        "(where the fetched copies go) unless --no-weights-catch-up.")
     g = p.add_argument_group("training data (logprobs, tokens in/out, trace replay, routed experts; docs/logprobs.md, "
                              "docs/tokens.md)")
     g.add_argument("--logprobs-mode", default=d.logprobs_mode,

@@ -51,14 +51,13 @@ from bus.messages import (
     describe,
 )
 from bus.sockets import make_socket, member_name, recv_from, report_ready, send, subscription_event
-from bus.topology import Topology
 from engine.config import EngineConfig
-from engine.fleet.catch_up import CatchUpConfig
+from engine.fleet.catch_up import catch_up_config
 from engine.fleet.rejoin import starting_state
 from engine.logs import setup_logging
 from engine.topology import layout, layout_mismatch
 from engine.weights.backends import update_struct
-from engine.weights.lifecycle import DEFAULT_TRANSFER_TIMEOUT_S, UPDATE_PAUSE_MODES, StepReply, reply_status, sync_steps
+from engine.weights.lifecycle import UPDATE_PAUSE_MODES, StepReply, reply_status, sync_steps
 from engine.weights.wire import decode_update
 
 log = structlog.get_logger()
@@ -70,7 +69,8 @@ class Coordinator:
     def __init__(self, cfg: EngineConfig, ep: Endpoints, ctx: zmq.Context):
         self.cfg = cfg
         self.ledger = ControlLedger(snapshot=starting_state(uuid.uuid4().hex, cfg.rl.weights_recovery_dir,
-                                                           cfg.rl.weights_recovery_resume, catch_up_config(cfg)))
+                                                           cfg.rl.weights_recovery_resume, catch_up_config(cfg),
+                                                           tuple(cfg.rl.weights_catch_up_peers)))
         self.router = make_socket(ctx, zmq.ROUTER, bind=ep.bind_address(ep.control))
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted member reuses its identity
         self.pub = make_socket(ctx, zmq.XPUB, bind=ep.bind_address(ep.commands))
@@ -291,17 +291,6 @@ class Coordinator:
         for name in self.ledger.silent(now, self.cfg.bus.heartbeat_timeout_s):
             self._lose(name, f"no heartbeat for {self.cfg.bus.heartbeat_timeout_s:.1f}s")
         self._reply(self.ledger.expire(now))
-
-
-def catch_up_config(cfg: EngineConfig) -> CatchUpConfig | None:
-    """--weights-catch-up: fetch the fleet's version from a peer at a restart behind it (engine.fleet.catch_up),
-    within the weight transfer's timeout."""
-    if not cfg.rl.weights_catch_up:
-        return None
-    wt = cfg.rl.weight_transfer_config
-    topo = Topology.from_config(cfg)
-    return CatchUpConfig(workers=topo.world_size, tp=topo.tp, api_key=cfg.gateway.api_key,
-                         deadline_s=wt.timeout_s if wt else DEFAULT_TRANSFER_TIMEOUT_S)
 
 
 class _Sync:

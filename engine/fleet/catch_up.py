@@ -14,7 +14,9 @@ temporary file beside its own copies, checking on the way
   (POST /weight_checker {"action": "compare"}: /weight_checker's own checksum, so a copy the peer's disk
   corrupted or left stale is refused too; it costs the peer one checksum pass of its workers between steps).
 
-and retags each file as update `commits + 1` of this engine's run under W's label. Only when every worker's
+and retags each file as update `commits + 1` of this engine's run under W's label. Before any transfer the
+peer's tensor-parallel size must be this engine's (GET /get_world_size?include_dp=false): a copy is one tp
+rank's part of the weights. Only when every worker's
 file arrived and passed does it rename them over its own copies (all or nothing) and record the fleet commit
 (fleet.json); the workers then restore them as on any resume. Anything else leaves the copies as they were.
 
@@ -24,6 +26,12 @@ failure). After the copies arrived the peers are asked once more; when the fleet
 are dropped and the newer version fetched. Bounded: at most `attempts` failed transfers (bad bytes, a peer
 that breaks off; round-robin over the peers serving W) and `deadline_s` in all; then the engine starts as
 before catch-up existed, on W as lost (503 naming the newest version it heard of).
+
+A new engine joining a fleet (no copies of its own, on its checkpoint: `joining`, `--weights-catch-up-peers`
+or a fleet record without copies) takes the same path with `Own.version` None and `committed_at` -inf:
+whatever a peer committed is newer than its checkpoint. Without a copy of its own to compare the layout with,
+the peer's tensor-parallel size is checked here and the tensors' shapes by the workers when they load the
+copy (a copy that does not fit is refused there, naming the peer, and the version answered 503).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -41,7 +49,9 @@ from urllib.request import Request, urlopen
 
 import structlog
 
+from bus.topology import Topology
 from engine.fleet.copy_format import TensorHashes, copy_name, data_length, layout_of, read_header, retagged, tag_of
+from engine.weights.lifecycle import DEFAULT_TRANSFER_TIMEOUT_S
 
 log = structlog.get_logger()
 
@@ -70,6 +80,19 @@ class CatchUpConfig:
     attempts: int = 3
     deadline_s: float = 300.0
     read_timeout_s: float = 30.0
+    peers: tuple[str, ...] = ()  # --weights-catch-up-peers: asked beside the fleet record's
+
+
+def catch_up_config(cfg: Any) -> CatchUpConfig | None:
+    """--weights-catch-up (an EngineConfig): fetch the fleet's version from a peer at a restart behind it, or
+    a restarted worker's copy, within the weight transfer's timeout; None when off."""
+    if not cfg.rl.weights_catch_up:
+        return None
+    wt = cfg.rl.weight_transfer_config
+    topo = Topology.from_config(cfg)
+    return CatchUpConfig(workers=topo.world_size, tp=topo.tp, api_key=cfg.gateway.api_key,
+                         deadline_s=wt.timeout_s if wt else DEFAULT_TRANSFER_TIMEOUT_S,
+                         peers=tuple(cfg.rl.weights_catch_up_peers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +101,27 @@ class Own:
 
     run_id: str
     commits: int
-    version: str
+    version: str | None  # None: a new engine on its checkpoint (it holds no version a peer committed)
     peers: tuple[str, ...]
-    committed_at: float
+    committed_at: float  # -inf: never part of a fleet commit
 
 
-def newest(version: str, since: float, answers: list[dict[str, Any] | None]) -> tuple[str, float] | None:
+def joining(run_id: str, peers: tuple[str, ...]) -> Own:
+    """A new engine on its checkpoint (no copies of its own): any version a peer committed is the fleet's."""
+    return Own(run_id, 0, None, peers, float("-inf"))
+
+
+def fleet_peers(*lists: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """The peers to ask, in order, each once (the fleet record's, then --weights-catch-up-peers), without a
+    trailing slash: the same engine named twice is asked once."""
+    out: dict[str, None] = {}
+    for urls in lists:
+        for u in urls or ():
+            out.setdefault(u.rstrip("/"), None)
+    return tuple(out)
+
+
+def newest(version: str | None, since: float, answers: list[dict[str, Any] | None]) -> tuple[str, float] | None:
     """The version the fleet moved on to (and when a peer committed it): the newest a peer committed after
     `since` (this engine's last fleet commit), when it is not `version` (this engine's); None when it did not
     move on. `answers` are the peers' /weight_commit_info bodies (None: no answer)."""
@@ -113,6 +151,7 @@ def catch_up(folder: str, own: Own, answers: list[dict[str, Any] | None], cfg: C
     if found is None:
         return False, own.version, None
     target, at = found
+    os.makedirs(folder, mode=0o700, exist_ok=True)  # a new engine's folder may not exist yet
     failures = 0
     while failures < cfg.attempts and time.monotonic() < deadline:
         peers = sources(target, own.peers, answers)
@@ -133,12 +172,12 @@ def catch_up(folder: str, own: Own, answers: list[dict[str, Any] | None], cfg: C
             answers = ask(own.peers)
             now = newest(own.version, own.committed_at, answers)
             if now is None or now[0] == target:
-                install(folder, cfg.workers)
+                install(folder, range(cfg.workers))
                 log.info("catch_up.done", peer=src, version=target, workers=cfg.workers,
                          seconds=round(time.monotonic() - t0, 2))
                 return True, target, at
             log.info("catch_up.fleet_moved_on", fetched=target, fleet=now[0])
-            discard(folder, cfg.workers)
+            discard(folder, range(cfg.workers))
             target, at = now
             continue
         answers = ask(own.peers)
@@ -147,17 +186,47 @@ def catch_up(folder: str, own: Own, answers: list[dict[str, Any] | None], cfg: C
     return False, target, at
 
 
+def fetch_worker(folder: str, worker: int, run_id: str, commits: int, version: str, peers: tuple[str, ...],
+                 answers: list[dict[str, Any] | None], cfg: CatchUpConfig) -> str | None:
+    """A single worker restarted without its copy, in a running engine (its own copy missing or torn): that
+    worker's copy of the version in service (`version`, update `commits` of `run_id`) from a fleet peer serving
+    it (by `answers`, the peers' /weight_commit_info), checked as at an engine's catch-up and installed as its
+    copy. None when it is there, else why not (each refusal naming its peer). Bounded as catch_up is."""
+    deadline = time.monotonic() + cfg.deadline_s
+    found = sources(version, peers, answers)
+    if not found:
+        return f"no fleet peer serves {version!r} (asked {list(peers)})"
+    own = Own(run_id, commits - 1, version, peers, float("-inf"))  # retagged as update commits - 1 + 1
+    failures: list[str] = []
+    while len(failures) < cfg.attempts and time.monotonic() < deadline:
+        src = found[len(failures) % len(found)]
+        try:
+            fetch_all(src, folder, version, own, cfg, deadline, (worker,))
+        except CatchUpError as e:  # a busy peer counts too: the engine's own version is what it must serve
+            failures.append(str(e))
+            log.warning("catch_up.transfer_failed", peer=src, version=version, worker=worker,
+                        attempt=len(failures), attempts=cfg.attempts, why=str(e))
+            continue
+        install(folder, (worker,))
+        log.info("catch_up.worker_done", peer=src, version=version, worker=worker)
+        return None
+    return "; ".join(failures) or "out of time"
+
+
 def partial_path(folder: str, worker: int) -> str:
     return os.path.join(folder, PARTIAL + copy_name(worker))
 
 
-def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig, deadline: float) -> None:
-    """Every worker's copy of `version` from `url` into its partial file, verified and retagged; on any
-    failure none is left."""
+def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig, deadline: float,
+              workers: Sequence[int] | None = None) -> None:
+    """Every worker's copy (or those of `workers`) of `version` from `url` into its partial file, verified
+    and retagged; on any failure none is left."""
+    workers = range(cfg.workers) if workers is None else workers
+    check_tp(url, cfg)
     try:
         baseline: dict[str, str] = {}
         t0, waited = time.monotonic(), 0.0
-        for w in range(cfg.workers):
+        for w in workers:
             if time.monotonic() > deadline:
                 raise CatchUpError("out of time")
             sums, wait_s = fetch_copy(url, w, version, folder, own, cfg, deadline)
@@ -166,11 +235,11 @@ def fetch_all(url: str, folder: str, version: str, own: Own, cfg: CatchUpConfig,
             baseline.update({prefix + name: v for name, v in sums.items()})
         t1 = time.monotonic()
         compare_live(url, baseline, cfg)
-        size = sum(os.path.getsize(partial_path(folder, w)) for w in range(cfg.workers))
+        size = sum(os.path.getsize(partial_path(folder, w)) for w in workers)
         log.info("catch_up.verified", peer=url, version=version, bytes=size, transfer_s=round(t1 - t0, 2),
                  peer_wait_s=round(waited, 2), compare_s=round(time.monotonic() - t1, 2))
     except BaseException:
-        discard(folder, cfg.workers)
+        discard(folder, workers)
         raise
 
 
@@ -183,6 +252,26 @@ def fetch_copy(url: str, worker: int, version: str, folder: str, own: Own, cfg: 
     with _request(url, f"/weight_copy?{query}", cfg, f"worker {worker}'s copy", busy=(409, 503)) as r:
         waited = time.monotonic() - t0
         return receive(r, r.headers, worker, version, folder, own, url, deadline), waited
+
+
+def check_tp(url: str, cfg: CatchUpConfig) -> None:
+    """The peer's tensor-parallel size is this engine's: each copy is one tp rank's part of the weights."""
+    with _request(url, "/get_world_size?include_dp=false", cfg, "its tensor-parallel size") as r:
+        try:
+            tp = json.loads(r.read())["world_size"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CatchUpError(f"{url} answered /get_world_size with something else than a world size: {e}") from None
+    refusal = tp_mismatch(url, tp, cfg.tp)
+    if refusal:
+        raise CatchUpError(refusal)
+
+
+def tp_mismatch(url: str, theirs: object, ours: int) -> str | None:
+    """Why a peer of tensor-parallel size `theirs` cannot send its copies to an engine of size `ours`."""
+    if theirs == ours and isinstance(theirs, int) and not isinstance(theirs, bool):
+        return None
+    return (f"{url} runs tensor parallel size {theirs!r}, this engine {ours}: its copies are another layout "
+            "(one file per tp rank)")
 
 
 def compare_live(url: str, baseline: dict[str, str], cfg: CatchUpConfig) -> None:
@@ -268,13 +357,13 @@ def own_layout(folder: str, worker: int) -> dict[str, tuple[str, tuple[int, ...]
         return None  # no copy of our own for this worker: the digest and the tag still hold
 
 
-def install(folder: str, workers: int) -> None:
-    for w in range(workers):
+def install(folder: str, workers: Iterable[int]) -> None:
+    for w in workers:
         os.replace(partial_path(folder, w), os.path.join(folder, copy_name(w)))
 
 
-def discard(folder: str, workers: int) -> None:
-    for w in range(workers):
+def discard(folder: str, workers: Iterable[int]) -> None:
+    for w in workers:
         try:
             os.remove(partial_path(folder, w))
         except FileNotFoundError:

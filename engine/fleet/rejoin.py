@@ -17,6 +17,8 @@ the fleet moved on, and the engine fetches that version from a peer that serves 
 on that version as lost (503 naming it, /health 503, until the trainer's next full update), never on its own
 older one. No peer answering: it resumes its copies (nothing
 says the fleet moved on; the trainer's next update still refuses an engine on another version, naming it).
+A new engine joining a fleet (no copies to resume; its peers from --weights-catch-up-peers, or a fleet record
+without copies) is behind whatever its peers committed, and takes the same path from its checkpoint.
 
 Reads only the copies' safetensors headers (no torch): the coordinator calls it before anything runs.
 """
@@ -36,7 +38,7 @@ import structlog
 
 from bus.control_state import initial_state
 from bus.messages import ControlState
-from engine.fleet.catch_up import CatchUpConfig, Own, catch_up, newest
+from engine.fleet.catch_up import CatchUpConfig, Own, catch_up, fetch_worker, fleet_peers, joining, newest
 from engine.fleet.copy_format import read_header, tag_of
 
 log = structlog.get_logger()
@@ -140,35 +142,73 @@ def ask_peers(peers: tuple[str, ...], timeout_s: float = PEER_TIMEOUT_S,
         return list(pool.map(ask, peers))
 
 
-def starting_state(run_id: str, folder: str | None, resume: bool,
-                   peer_catch_up: CatchUpConfig | None = None) -> ControlState:
+def starting_state(run_id: str, folder: str | None, resume: bool, peer_catch_up: CatchUpConfig | None = None,
+                   peers: tuple[str, ...] = ()) -> ControlState:
     """The coordinator's first control state: a fresh run on the checkpoint, or (resume) the update the
     recovery copies hold, under that run's id so the workers' restore accepts them; or, when the fleet
     moved on meanwhile, the fleet's version fetched from a peer (`peer_catch_up`: engine.fleet.catch_up) as
     one update past the copies, or, when that fails or is off, the fleet's version as one update past the
-    copies that every worker's restore then refuses (the version is lost: 503 naming it until a full update)."""
+    copies that every worker's restore then refuses (the version is lost: 503 naming it until a full update).
+    `peers` (--weights-catch-up-peers) are asked beside the fleet record's; an engine without copies to resume
+    (a new engine joining the fleet) takes the version its peers committed the same way, never serving its
+    checkpoint under the fleet's name."""
     point = resume_point(folder) if resume and folder else None
-    if point is None:
-        return initial_state(run_id)
+    record = read_fleet_record(folder) if resume and folder else None
+    if point is None:  # the checkpoint, unless the fleet it joins committed a version
+        own = joining(run_id, fleet_peers(record.peers if record else (), peers))
+        return behind_the_fleet(folder, own, peer_catch_up) or initial_state(run_id)
     old_run, commits, version = point
-    record = read_fleet_record(folder)
-    key = peer_catch_up.api_key if peer_catch_up else None
-    answers = ask_peers(record.peers, api_key=key) if record else []
-    moved_on = fleet_version(version, record, answers)
-    if moved_on is not None and peer_catch_up is not None:
-        own = Own(old_run, commits, version, record.peers, record.committed_at)
-        ok, moved_on, at = catch_up(folder, own, answers, peer_catch_up,
-                                    lambda peers: ask_peers(peers, api_key=key))
-        if ok:
-            write_fleet_record(folder, FleetRecord(moved_on, at, record.peers))
-            return ControlState(run_id=old_run, weight_commits=commits + 1, weight_version=moved_on,
-                                version_labels={"0": moved_on})
-    if moved_on is not None:
-        log.error("coordinator.fleet_moved_on", own_version=version, fleet_version=moved_on,
-                  peers=list(record.peers), why="this engine missed fleet updates while it was down and could not "
-                  "fetch them from a peer; it serves nothing until the trainer sends the weights again")
-        return ControlState(run_id=old_run, weight_commits=commits + 1, weight_version=moved_on,
-                            version_labels={"0": moved_on})
+    resumed = ControlState(run_id=old_run, weight_commits=commits, weight_version=version,
+                           version_labels={"0": version})
+    if record is not None and record.weight_version == version:  # else: copies newer than the record say
+        own = Own(old_run, commits, version, fleet_peers(record.peers, peers), record.committed_at)
+        if (state := behind_the_fleet(folder, own, peer_catch_up)) is not None:
+            return state
     log.info("coordinator.resuming_weights", folder=folder, version=version, weight_commits=commits, run_id=old_run)
-    return ControlState(run_id=old_run, weight_commits=commits, weight_version=version,
-                        version_labels={"0": version})
+    return resumed
+
+
+def behind_the_fleet(folder: str | None, own: Own, peer_catch_up: CatchUpConfig | None) -> ControlState | None:
+    """When a peer committed a version this engine lacks: that version, fetched from a peer (catch-up) as
+    update `own.commits + 1`, else lost (503 naming it); None when nothing says the fleet moved past `own`
+    (no peer answers, or none committed anything newer)."""
+    if not own.peers:
+        return None
+    key = peer_catch_up.api_key if peer_catch_up else None
+    answers = ask_peers(own.peers, api_key=key)
+    found = newest(own.version, own.committed_at, answers)
+    if found is None:
+        if own.version is None and not any(answers):
+            log.warning("coordinator.fleet_peers_silent", peers=list(own.peers),
+                        why="no peer answered /weight_commit_info: starting on the checkpoint")
+        return None
+    moved_on = found[0]
+    if peer_catch_up is not None and folder:
+        ok, moved_on, at = catch_up(folder, own, answers, peer_catch_up, lambda peers: ask_peers(peers, api_key=key))
+        if ok:
+            write_fleet_record(folder, FleetRecord(moved_on, at, own.peers))
+            return ControlState(run_id=own.run_id, weight_commits=own.commits + 1, weight_version=moved_on,
+                                version_labels={"0": moved_on})
+    log.error("coordinator.fleet_moved_on", own_version=own.version, fleet_version=moved_on, peers=list(own.peers),
+              why="this engine lacks the version its fleet committed (it missed fleet updates while it was down, or "
+                  "joins the fleet on its checkpoint) and could not fetch it from a peer; it serves nothing until "
+                  "the trainer sends the weights again")
+    return ControlState(run_id=own.run_id, weight_commits=own.commits + 1, weight_version=moved_on,
+                        version_labels={"0": moved_on})
+
+
+def known_peers(folder: str, cfg: CatchUpConfig) -> tuple[str, ...]:
+    """The fleet's other engines this engine knows: its fleet record's, then --weights-catch-up-peers."""
+    record = read_fleet_record(folder)
+    return fleet_peers(record.peers if record else (), cfg.peers)
+
+
+def fetch_own_copy(folder: str, worker: int, state: ControlState, cfg: CatchUpConfig) -> str | None:
+    """A worker restarted in a running engine without its copy of the version in service (`state`): that copy
+    from a fleet peer (the fleet record's peers and cfg.peers, --weights-catch-up-peers) into `folder`, where
+    the worker's restore then finds it (engine.fleet.catch_up.fetch_worker). None when it is there, else why."""
+    asked = known_peers(folder, cfg)
+    if not asked:
+        return "no fleet peers to fetch it from (no fleet record, no --weights-catch-up-peers)"
+    answers = ask_peers(asked, api_key=cfg.api_key)
+    return fetch_worker(folder, worker, state.run_id, state.weight_commits, state.weight_version, asked, answers, cfg)

@@ -13,6 +13,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -24,7 +25,9 @@ from safetensors.torch import save_file
 
 from bus.messages import ControlReply, ControlRequest, ShareWeights, WeightsLost, WeightsShared
 from bus.sockets import send
+from engine.fleet.catch_up import CatchUpConfig
 from engine.fleet.copy_format import copy_name
+from engine.fleet.rejoin import fetch_own_copy, known_peers
 from engine.weights.protocol import WeightSyncError
 
 log = structlog.get_logger()
@@ -67,7 +70,12 @@ def _load_copy(model: torch.nn.Module, path: str, run_id: str, commits: int) -> 
         want = set(model.required_weight_names())
         if not want <= names:
             return f"the recovery copy at {path} lacks {len(want - names)} tensors"
-        loaded = model.load_weights(((n, f.get_tensor(n)) for n in sorted(want)), local=True)
+        try:
+            loaded = model.load_weights(((n, f.get_tensor(n)) for n in sorted(want)), local=True)
+        except Exception as e:  # noqa: BLE001 - load_copy says why; a copy fetched at catch-up names its peer
+            if source := meta.get("caught_up_from"):
+                raise ValueError(f"{e} (fetched from peer {source} at catch-up: not this engine's layout)") from e
+            raise
     log.info("worker.weights_recovered", path=path, tensors=len(loaded), weight_commits=commits)
     return None
 
@@ -80,9 +88,14 @@ class WeightRecovery:
     SleepManager."""
 
     def __init__(self, model: torch.nn.Module, *, folder: str | None, index: int, name: str, donor: str | None,
-                 link: Any, sleep: Any, control_timeout_s: float) -> None:
+                 link: Any, sleep: Any, control_timeout_s: float,
+                 fleet: CatchUpConfig | None = None) -> None:
         self.model, self.folder, self.index, self.name, self.donor = model, folder, index, name, donor
         self.link, self.sleep, self.control_timeout_s = link, sleep, control_timeout_s
+        # --weights-catch-up: without a copy or a donor, a fleet peer engine's copy over HTTP
+        # (engine.fleet.rejoin.fetch_own_copy), fetched on a thread that poll() ends
+        self.fleet = fleet
+        self.fetching: tuple[threading.Thread, list[str | None]] | None = None
         self.weight_commits = 0  # updates whose weights this worker holds (the checkpoint: 0)
         self.weights_lost: str | None = None  # the version in service that this worker could not restore
         self.restoring: tuple[str, str, str, str] | None = None  # asking a peer: (request id, donor, path, why)
@@ -106,8 +119,48 @@ class WeightRecovery:
                f"version {state.weight_version!r}: {why}")
         if self.donor is not None:
             self._ask_peer(why)
+        elif self.folder and self.fleet is not None and known_peers(self.folder, self.fleet):
+            self._fetch_from_fleet(why)
         else:
             self.lose(why)
+
+    def _fetch_from_fleet(self, why: str) -> None:
+        """Ask the fleet's other engines (HTTP: their recovery copies) for this worker's copy of the version in
+        service, on a thread so that this worker keeps answering its bus; poll() loads it. The scheduler gets
+        our Hello only after that."""
+        state, cfg, folder, index = self.link.state, self.fleet, self.folder, self.index
+        result: list[str | None] = []
+
+        def fetch() -> None:
+            try:
+                result.append(fetch_own_copy(folder, index, state, cfg))
+            except Exception as e:  # noqa: BLE001 - a full disk, a bug: the version is lost, said why
+                result.append(f"fetching from the fleet failed: {type(e).__name__}: {e}")
+
+        log.info("worker.asking_fleet_for_weights", version=state.weight_version, why=why)
+        self.restoring = (uuid.uuid4().hex, "fleet", copy_path(folder, index), why)
+        thread = threading.Thread(target=fetch, name=f"{self.name}-fleet-copy", daemon=True)
+        self.fetching = (thread, result)
+        thread.start()
+
+    def poll(self) -> bool:
+        """The fleet peer's copy arrived (or did not): load it, else the version is lost. True when a fetch
+        ended (the worker then says Hello to the scheduler)."""
+        if self.fetching is None or self.fetching[0].is_alive() or self.restoring is None:
+            return False
+        (_, result), (_, _, path, why_own) = self.fetching, self.restoring
+        self.fetching = self.restoring = None
+        state = self.link.state
+        why = None
+        if self.weight_commits != state.weight_commits:  # (else a complete update reached us meanwhile)
+            why = result[0] if result and result[0] is not None else \
+                load_copy(self.model, path, run_id=state.run_id, commits=state.weight_commits)
+        if why is None:
+            self.weight_commits, self.weights_lost = state.weight_commits, None
+            log.info("worker.weights_from_fleet", weight_commits=state.weight_commits)
+        else:
+            self.lose(f"{why_own}; {why}")
+        return True
 
     def _ask_peer(self, why: str) -> None:
         """Ask a live replica (the worker with our tp rank in another engine) for its weights: it writes a

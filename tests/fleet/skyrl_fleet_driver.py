@@ -7,8 +7,12 @@ options engine.fleet.skyrl_compat applies), it starts its engine again on the sa
 version while the other engine keeps serving; the Ray actors are killed and no engine process survives them.
 Prints one JSON line.
 
+With `catch-up` (a third argument): engine 1 misses a fleet update (its processes stopped, the update pushed to
+engine 0 alone, then killed), its actor's supervisor restarts it, and it comes back on the fleet's version by
+peer catch-up (docs/fleet.md "Catch-up from a peer").
+
 Usage (the test sets the environment): ROLLBUS_PYTHON=<rollbus's python> ROLLBUS_PYTHONPATH=<repo>
-    python tests/fleet/skyrl_fleet_driver.py MODEL_DIR [PYTHONPATH entry for engine.fleet]
+    python tests/fleet/skyrl_fleet_driver.py MODEL_DIR [PYTHONPATH entry for engine.fleet] [catch-up]
 """
 
 import asyncio
@@ -61,15 +65,19 @@ def pids_of(marker: str) -> list[int]:
     return out
 
 
-async def main() -> dict:
-    out: dict = {"compat": compat}
+def server_group() -> ServerGroup:
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     cli_args = Namespace(model=MODEL, max_model_len=256, enable_sleep_mode=True, kv_cache_memory_bytes=16 << 20,
                          tensor_parallel_size=1, pipeline_parallel_size=1,
                          additional_config={"rl_config": {"enabled": True}},
                          weight_transfer_config={"backend": "gloo", "timeout_s": 60})
-    group = ServerGroup(cli_args, num_servers=2, start_port=int(os.environ.get("FLEET_START_PORT", "18400")),
-                        server_actor_cls=RollbusServerActor)
+    return ServerGroup(cli_args, num_servers=2, start_port=int(os.environ.get("FLEET_START_PORT", "18400")),
+                       server_actor_cls=RollbusServerActor)
+
+
+async def main() -> dict:
+    out: dict = {"compat": compat}
+    group = server_group()
     router = None
     try:
         t0 = time.monotonic()
@@ -145,6 +153,84 @@ async def main() -> dict:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """pid and every process under it, parents first."""
+    children: dict[int, list[int]] = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(p))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop(0))
+        todo.extend(children.get(out[-1], []))
+    return out
+
+
+def push(label: str, seed: int, urls: list[str]) -> dict:
+    """A fleet weight update to `urls`, from rollbus's python (tests/fleet/push_update.py)."""
+    p = subprocess.run([os.environ["ROLLBUS_PYTHON"], os.path.join(sys.argv[2], "tests", "fleet", "push_update.py"),
+                        MODEL, label, str(seed), *urls], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.environ.get("ROLLBUS_PYTHONPATH", "")})
+    if p.returncode != 0:
+        raise RuntimeError(f"the fleet update {label} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+async def catch_up_main() -> dict:
+    """Engine 1 misses fleet-2 (stopped while engine 0 alone takes it, then killed); its actor restarts it with
+    the same command line (--weights-recovery-resume, catch-up on): it fetches fleet-2 from engine 0 and serves
+    it, /weight_checker and greedy tokens equal to engine 0's."""
+    out: dict = {"compat": compat}
+    group = server_group()
+    try:
+        urls = [i.url for i in group.start()]
+        actors = group.get_actors()
+        say("servers started", urls)
+        out["fleet-1"] = push("fleet-1", 1, urls)
+        out["versions_before"] = [weight_version(u) for u in urls]
+        tree = descendants(ray.get(actors[1].child_pid.remote()))
+        for pid in tree:  # engine 1 down (every process of it), so that the trainer drops it from its list
+            os.kill(pid, signal.SIGSTOP)
+        out["fleet-2"] = push("fleet-2", 2, urls[:1])
+        say("fleet-2 pushed to engine 0 alone; killing engine 1", tree)
+        for pid in reversed(tree):
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        state = None
+        while time.monotonic() - t0 < 180 and state is None:
+            await asyncio.sleep(0.3)
+            try:
+                if ray.get(actors[1].restart_count.remote()) < 1:
+                    continue
+                h = httpx.get(urls[1] + "/health", timeout=2).status_code
+            except httpx.HTTPError:
+                continue
+            if h == 200:
+                state = "serving"
+            elif h == 503 and "'fleet-2'" in complete(urls[1]).text:
+                state = "503 naming the version"
+        out["back_s"] = round(time.monotonic() - t0, 1)
+        out["back_as"] = state
+        out["versions_after"] = [weight_version(u) for u in urls]
+        out["commit_info"] = [httpx.get(u + "/weight_commit_info", timeout=10).json() for u in urls]
+        out["checksums_equal"] = len({json.dumps(httpx.post(u + "/weight_checker", json={"action": "checksum"},
+                                                            timeout=60).json(), sort_keys=True) for u in urls}) == 1
+        replies = [complete(u) for u in urls]
+        out["same_tokens"] = all(r.status_code == 200 for r in replies) and \
+            replies[0].json()["choices"][0]["text"] == replies[1].json()["choices"][0]["text"]
+        log = open(ray.get(actors[1].log_path.remote()), errors="replace").read()
+        done = [ln for ln in log.splitlines() if "catch_up.done" in ln]
+        out["catch_up_done"] = done[-1][-300:] if done else None
+        out["catch_up_s"] = float(done[-1].split("seconds=")[1].split()[0]) if done else None
+    finally:
+        group.shutdown()
+        ray.shutdown()
+    return out
+
+
 def complete(url: str, max_tokens: int = 6) -> httpx.Response:
     return httpx.post(url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": [11, 12, 13, 14, 15, 16, 17, 18], "max_tokens": max_tokens, "temperature": 0})
@@ -161,13 +247,7 @@ async def actor_killed_after_an_update(actors: list, urls: list[str]) -> dict:
     """A fleet update to both engines, then engine 0's actor process is SIGKILLed while engine 1 serves a
     steady stream of requests: Ray restarts the actor (same handle), which starts its engine on the same URL
     on the fleet's version (or a 503 naming it); engine 1 loses nothing."""
-    out: dict = {}
-    push = subprocess.run([os.environ["ROLLBUS_PYTHON"], os.path.join(sys.argv[2], "tests", "fleet", "push_update.py"),
-                           MODEL, "fleet-1", "1", *urls], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.environ.get("ROLLBUS_PYTHONPATH", "")})
-    if push.returncode != 0:
-        raise RuntimeError(f"the fleet update failed:\n{push.stderr[-3000:]}")
-    out["update"] = json.loads(push.stdout.strip().splitlines()[-1])
+    out: dict = {"update": push("fleet-1", 1, urls)}
     out["versions_before"] = [weight_version(u) for u in urls]
     reference = complete(urls[1]).json()["choices"][0]["text"]
 
@@ -223,4 +303,5 @@ async def actor_killed_after_an_update(actors: list, urls: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main()), default=str))
+    scenario = catch_up_main if sys.argv[3:] == ["catch-up"] else main
+    print(json.dumps(asyncio.run(scenario()), default=str))
