@@ -120,11 +120,29 @@ struct TileSplit {
   int64_t rows(int64_t t) const { return base + (t < extra ? 1 : 0); }
 };
 
+// h rows of x (stride k) into dst as [k][h]: k outer, so the writes are one sequential stream (h fixed: the
+// rows' pointers stay in registers); rows read in place are h sequential streams
+template <int H, typename X>
+void pack_tile(const X* x, int64_t k, float* dst) {
+  const X* src[H];
+  for (int j = 0; j < H; ++j) src[j] = x + j * k;
+  for (int64_t i = 0; i < k; ++i, dst += H)
+    for (int j = 0; j < H; ++j) dst[j] = static_cast<float>(src[j][i]);
+}
+
+constexpr int64_t kMaxTileRows = 12;  // the most rows of any kernel's tile (AVX-512's)
+
+template <typename X>
+constexpr void (*kPackTiles[kMaxTileRows + 1])(const X*, int64_t, float*) = {
+    nullptr,         pack_tile<1, X>, pack_tile<2, X>, pack_tile<3, X>,  pack_tile<4, X>,  pack_tile<5, X>,
+    pack_tile<6, X>, pack_tile<7, X>, pack_tile<8, X>, pack_tile<9, X>, pack_tile<10, X>, pack_tile<11, X>,
+    pack_tile<12, X>};
+
 // x [m, k] (fp32, or bf16 widened here: exact) copied tile by tile in the order the tiles read it: each tile of
 // h rows (TileSplit of each kRowChunk rows) as [k][h], at the offset of its first row times k. A tile then
 // reads its x as one sequential stream (h floats per k) from one pointer, however long x's rows are: read in
-// place, the rows of a tile were h streams kRowChunk * 4 * k bytes apart, which at k = 1,536 share two sets
-// of the L1 cache, and their h addresses took more registers than the CPU has (the compiler spilled them)
+// place, a tile's rows were h streams 4k bytes apart, which at k = 1,536 share two sets of the L1 cache, and
+// their h addresses took more registers than the CPU has (the compiler spilled them)
 template <typename X>
 at::Tensor pack_rows(const X* x, int64_t m, int64_t k, int64_t tile_rows) {
   at::Tensor out = at::empty({m * k}, at::TensorOptions().dtype(at::kFloat));
@@ -133,14 +151,8 @@ at::Tensor pack_rows(const X* x, int64_t m, int64_t k, int64_t tile_rows) {
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t r0 = chunk * kRowChunk;
       const TileSplit split(std::min(kRowChunk, m - r0), tile_rows);
-      for (int64_t t = 0, r = r0; t < split.count; r += split.rows(t), ++t) {
-        const int64_t h = split.rows(t);
-        float* dst = xp + r * k;
-        for (int64_t j = 0; j < h; ++j) {
-          const X* src = x + (r + j) * k;
-          for (int64_t i = 0; i < k; ++i) dst[i * h + j] = static_cast<float>(src[i]);
-        }
-      }
+      for (int64_t t = 0, r = r0; t < split.count; r += split.rows(t), ++t)
+        kPackTiles<X>[split.rows(t)](x + r * k, k, xp + r * k);
     }
   });
   return out;
@@ -153,6 +165,7 @@ namespace avx2 {
 constexpr int64_t kPanel = 16;   // output features per panel
 constexpr int64_t kDepth = 256;  // k per chunk: a panel's chunk is 16 KiB
 constexpr int64_t kTileRows = 6; // rows per micro-kernel tile: 12 ymm accumulators
+static_assert(kTileRows <= kMaxTileRows);
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
@@ -256,6 +269,7 @@ namespace avx512 {
 constexpr int64_t kPanel = 32;    // output features per panel: two zmm
 constexpr int64_t kDepth = 128;   // k per chunk: a panel's chunk is 16 KiB
 constexpr int64_t kTileRows = 12; // rows per micro-kernel tile: 24 zmm accumulators
+static_assert(kTileRows <= kMaxTileRows);
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
