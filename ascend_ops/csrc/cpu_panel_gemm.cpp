@@ -18,7 +18,16 @@
 // (at::parallel_for): each streams its own share of the weight, and every tile prefetches a share of the
 // chunk its thread multiplies next, spread over its k loop. Without that, each chunk's first tile waited on
 // memory for the weights: on the Xeon, one thread, 32 rows, the AVX-512 kernel ran at 96 GFLOP/s without it
-// and 131 with it, the AVX2 kernel at 70 and 90.
+// and 131 with it, the AVX2 kernel at 70 and 90. x is first copied tile by tile as [k][tile rows] (pack_rows,
+// once per call, shared by the threads; bf16 x widened in the same pass), so a tile reads its x as one
+// sequential stream from one pointer. Read in place, a 12-row tile's rows were 12 streams 4K bytes apart
+// (at K = 1,536 they share two L1 sets) and the compiler spilled their pointers: one tile alone, its data
+// in L1, ran 206 GFLOP/s in place against 224 packed (2026-12-05, the Xeon, one thread; the FMA peak is ~246).
+// Tried and not kept (no gain above noise on the Xeon, same bits): a tile over two adjacent panels (up to 7
+// rows x 4 zmm: 4 weight loads and 7 broadcasts per 28 FMAs; 226 GFLOP/s in L1, no faster over SmolLM2's
+// layers at 16-2,336 rows, with 64-deep chunks slower), depth chunks of 64 / 96 / 192 / 256 / all of K, row
+// passes of 48-96 or 240 rows, 14-row tiles, a contiguous scratch for the sums between depth chunks, and
+// prefetching the output lines for writing (bench/decode_gemm.py's "Decode-sized GEMMs" in docs/benchmarks.md).
 //
 // Every output is bias (or 0) followed by one fused multiply-add per k, k = 0..K-1 in order, whatever the
 // number of rows, the tile a row falls in, the number of threads or the width: a row's result is the same
