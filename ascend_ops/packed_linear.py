@@ -24,7 +24,9 @@ AVX2/FMA on 16-wide panels (fp32 on other x86 CPUs with AVX2 but no AVX-512, suc
 Measured, SmolLM2-135M's layer GEMMs, GFLOP/s (`python bench/decode_gemm.py`):
 - Intel Xeon (AVX-512, AMX), 32 / 64 rows: 1 thread MKL packed 104-106 / 153-155, the AVX-512 kernel
   131 / 170-173; 2 threads MKL 194-204 / 285-301, the AVX-512 kernel 263-264 / 305-329 (oneDNN packed
-  1 thread 101-103 / 132-136).
+  1 thread 101-103 / 132-136). With x packed per tile (2026-12-05, 1 thread, CPU time, load 6-8, two runs
+  each): at 16 / 64 / 256 / 2,336 rows 72-75 / 152-154 / 158-167 / 158-165, the kernel before 73-74 /
+  142-148 / 155-162 / 156-156 (torch's F.linear 42-46 / 97-109 / 143-166 / 168-174).
 - AMD EPYC Zen 3 (AVX2, 1 thread), 16 / 32 / 64 rows: oneDNN packed 36.5 / 48.3 / 54.0, the AVX2 kernel
   51.3 / 57.2 / 65.1 (2 threads at 32 / 64 rows: 79.5 / 103.4 against 101.1 / 112.7), measured before its
   software prefetch (which took it from 69 to 90 GFLOP/s at 32 rows on the Xeon; not measured on Zen 3);

@@ -18,7 +18,16 @@
 // (at::parallel_for): each streams its own share of the weight, and every tile prefetches a share of the
 // chunk its thread multiplies next, spread over its k loop. Without that, each chunk's first tile waited on
 // memory for the weights: on the Xeon, one thread, 32 rows, the AVX-512 kernel ran at 96 GFLOP/s without it
-// and 131 with it, the AVX2 kernel at 70 and 90.
+// and 131 with it, the AVX2 kernel at 70 and 90. x is first copied tile by tile as [k][tile rows] (pack_rows,
+// once per call, shared by the threads; bf16 x widened in the same pass), so a tile reads its x as one
+// sequential stream from one pointer. Read in place, a 12-row tile's rows were 12 streams 4K bytes apart
+// (at K = 1,536 they share two L1 sets) and the compiler spilled their pointers: one tile alone, its data
+// in L1, ran 206 GFLOP/s in place against 224 packed (2026-12-05, the Xeon, one thread; the FMA peak is ~246).
+// Tried and not kept (no gain above noise on the Xeon, same bits): a tile over two adjacent panels (up to 7
+// rows x 4 zmm: 4 weight loads and 7 broadcasts per 28 FMAs; 226 GFLOP/s in L1, no faster over SmolLM2's
+// layers at 16-2,336 rows, with 64-deep chunks slower), depth chunks of 64 / 96 / 192 / 256 / all of K, row
+// passes of 48-96 or 240 rows, 14-row tiles, a contiguous scratch for the sums between depth chunks, and
+// prefetching the output lines for writing (bench/decode_gemm.py's "Decode-sized GEMMs" in docs/benchmarks.md).
 //
 // Every output is bias (or 0) followed by one fused multiply-add per k, k = 0..K-1 in order, whatever the
 // number of rows, the tile a row falls in, the number of threads or the width: a row's result is the same
@@ -105,10 +114,58 @@ at::Tensor panel_pack(const at::Tensor& weight, int64_t width) {
   return out;
 }
 
-// x rows, ldx, panel (float or bf16 bits), k0, k1, c, ldc, cols, bias, first chunk, prefetch from, prefetch lines
+// the tile's x rows packed (pack_rows), panel (float or bf16 bits), k0, k1, c, ldc, cols, bias, first chunk,
+// prefetch from, prefetch lines
 template <typename W>
-using PanelTile = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t, int64_t,
-                           const float*, bool, const char*, int64_t);
+using PanelTile = void (*)(const float*, const W*, int64_t, int64_t, float*, int64_t, int64_t, const float*, bool,
+                           const char*, int64_t);
+
+// a row chunk's tiles of at most `most` rows, as even as they go (85 rows on 6-row tiles: 10 tiles of 6 and 5 of
+// 5, not a tile of 1): a tile of few rows loads the panel's weights for little work; tile t has rows(t) rows
+struct TileSplit {
+  int64_t count, base, extra;
+  TileSplit(int64_t chunk_rows, int64_t most)
+      : count((chunk_rows + most - 1) / most), base(chunk_rows / count), extra(chunk_rows % count) {}
+  int64_t rows(int64_t t) const { return base + (t < extra ? 1 : 0); }
+};
+
+// h rows of x (stride k) into dst as [k][h]: k outer, so the writes are one sequential stream (h fixed: the
+// rows' pointers stay in registers); rows read in place are h sequential streams
+template <int H, typename X>
+void pack_tile(const X* x, int64_t k, float* dst) {
+  const X* src[H];
+  for (int j = 0; j < H; ++j) src[j] = x + j * k;
+  for (int64_t i = 0; i < k; ++i, dst += H)
+    for (int j = 0; j < H; ++j) dst[j] = static_cast<float>(src[j][i]);
+}
+
+constexpr int64_t kMaxTileRows = 12;  // the most rows of any kernel's tile (AVX-512's)
+
+template <typename X>
+constexpr void (*kPackTiles[kMaxTileRows + 1])(const X*, int64_t, float*) = {
+    nullptr,         pack_tile<1, X>, pack_tile<2, X>, pack_tile<3, X>,  pack_tile<4, X>,  pack_tile<5, X>,
+    pack_tile<6, X>, pack_tile<7, X>, pack_tile<8, X>, pack_tile<9, X>, pack_tile<10, X>, pack_tile<11, X>,
+    pack_tile<12, X>};
+
+// x [m, k] (fp32, or bf16 widened here: exact) copied tile by tile in the order the tiles read it: each tile of
+// h rows (TileSplit of each kRowChunk rows) as [k][h], at the offset of its first row times k. A tile then
+// reads its x as one sequential stream (h floats per k) from one pointer, however long x's rows are: read in
+// place, a tile's rows were h streams 4k bytes apart, which at k = 1,536 share two sets of the L1 cache, and
+// their h addresses took more registers than the CPU has (the compiler spilled them)
+template <typename X>
+at::Tensor pack_rows(const X* x, int64_t m, int64_t k, int64_t tile_rows) {
+  at::Tensor out = at::empty({m * k}, at::TensorOptions().dtype(at::kFloat));
+  float* xp = out.data_ptr<float>();
+  at::parallel_for(0, (m + kRowChunk - 1) / kRowChunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t r0 = chunk * kRowChunk;
+      const TileSplit split(std::min(kRowChunk, m - r0), tile_rows);
+      for (int64_t t = 0, r = r0; t < split.count; r += split.rows(t), ++t)
+        kPackTiles<X>[split.rows(t)](x + r * k, k, xp + r * k);
+    }
+  });
+  return out;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -117,12 +174,13 @@ namespace avx2 {
 constexpr int64_t kPanel = 16;   // output features per panel
 constexpr int64_t kDepth = 256;  // k per chunk: a panel's chunk is 16 KiB
 constexpr int64_t kTileRows = 6; // rows per micro-kernel tile: 12 ymm accumulators
+static_assert(kTileRows <= kMaxTileRows);
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
-// rows [0, R) of x (stride ldx) times one panel's k in [k0, k1) into c (stride ldc, `cols` valid outputs of
-// 16); first: start from the bias (or 0), else from what c holds (the previous chunk's sums); prefetches
-// `lines` cache lines from `pf` on, spread evenly over the k loop
+// R rows of x (packed: xp[k * R + r] is row r's x[k]) times one panel's k in [k0, k1) into c (stride ldc,
+// `cols` valid outputs of 16); first: start from the bias (or 0), else from what c holds (the previous chunk's
+// sums); prefetches `lines` cache lines from `pf` on, spread evenly over the k loop
 // a panel row's 16 weights as two fp32 vectors: fp32 loaded, bf16 widened exactly (its bits are an fp32's top half)
 inline void load_row(const float* b, __m256& w0, __m256& w1) {
   w0 = _mm256_loadu_ps(b);
@@ -136,8 +194,8 @@ inline void load_row(const uint16_t* b, __m256& w0, __m256& w1) {
 }
 
 template <int R, typename W>
-void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
-                int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
+void panel_tile(const float* xp, const W* panel, int64_t k0, int64_t k1, float* c, int64_t ldc, int64_t cols,
+                const float* bias, bool first, const char* pf, int64_t lines) {
   const __m256 zero = _mm256_setzero_ps();
 #define PANEL_DECL(r) __m256 lo##r = zero, hi##r = zero;
   PANEL_ROWS(PANEL_DECL)
@@ -168,16 +226,16 @@ void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t
     PANEL_ROWS(PANEL_LOAD)
   }
   const W* b = panel + k0 * kPanel;
-  const float* a = x + k0;
+  const float* a = xp + k0 * R;
   const int64_t iters = k1 - k0;
   int64_t due = 0;
-  for (int64_t i = k0; i < k1; ++i, b += kPanel, ++a) {
+  for (int64_t i = k0; i < k1; ++i, b += kPanel, a += R) {
     for (due += lines; due >= iters; due -= iters, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
     __m256 w0, w1;
     load_row(b, w0, w1);
 #define PANEL_FMA(r)                                         \
   if (R > r) {                                               \
-    const __m256 v = _mm256_broadcast_ss(a + r * ldx);       \
+    const __m256 v = _mm256_broadcast_ss(a + r);             \
     lo##r = _mm256_fmadd_ps(v, w0, lo##r);                   \
     hi##r = _mm256_fmadd_ps(v, w1, hi##r);                   \
   }
@@ -220,6 +278,7 @@ namespace avx512 {
 constexpr int64_t kPanel = 32;    // output features per panel: two zmm
 constexpr int64_t kDepth = 128;   // k per chunk: a panel's chunk is 16 KiB
 constexpr int64_t kTileRows = 12; // rows per micro-kernel tile: 24 zmm accumulators
+static_assert(kTileRows <= kMaxTileRows);
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
@@ -236,8 +295,8 @@ inline void load_row(const uint16_t* b, __m512& w0, __m512& w1) {
 
 // as avx2::panel_tile, on 32-wide panels; the last panel's invalid outputs are masked off
 template <int R, typename W>
-void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1, float* c, int64_t ldc,
-                int64_t cols, const float* bias, bool first, const char* pf, int64_t lines) {
+void panel_tile(const float* xp, const W* panel, int64_t k0, int64_t k1, float* c, int64_t ldc, int64_t cols,
+                const float* bias, bool first, const char* pf, int64_t lines) {
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
@@ -253,16 +312,16 @@ void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t
   }
   PANEL_ROWS(PANEL_DECL)
   const W* b = panel + k0 * kPanel;
-  const float* a = x + k0;
+  const float* a = xp + k0 * R;
   const int64_t iters = k1 - k0;
   int64_t due = 0;
-  for (int64_t i = k0; i < k1; ++i, b += kPanel, ++a) {
+  for (int64_t i = k0; i < k1; ++i, b += kPanel, a += R) {
     for (due += lines; due >= iters; due -= iters, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
     __m512 w0, w1;
     load_row(b, w0, w1);
 #define PANEL_FMA(r)                                         \
   if (R > r) {                                               \
-    const __m512 v = _mm512_set1_ps(a[r * ldx]);             \
+    const __m512 v = _mm512_set1_ps(a[r]);                   \
     lo##r = _mm512_fmadd_ps(v, w0, lo##r);                   \
     hi##r = _mm512_fmadd_ps(v, w1, hi##r);                   \
   }
@@ -294,14 +353,11 @@ constexpr PanelTile<W> kTiles[kTileRows + 1] = {
 // rows x @ panels^T on one kernel (avx2 or avx512: its panel width, depth chunk, tile rows and tiles), threads
 // over panels
 template <int64_t kPanel, int64_t kDepth, int64_t kTileRows, typename W>
-void run_panels(const float* xs, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
+void run_panels(const float* xp, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
                 const PanelTile<W>* tiles) {
   at::parallel_for(0, panels(n, kPanel), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-      const int64_t rows = std::min(kRowChunk, m - r0);
-      // the chunk's rows in tiles of at most kTileRows, as even as they go (85 rows on 6-row tiles: 10 tiles
-      // of 6 and 5 of 5, not a tile of 1): a tile of few rows loads the panel's weights for little work
-      const int64_t count = (rows + kTileRows - 1) / kTileRows, base = rows / count, extra = rows % count;
+      const TileSplit split(std::min(kRowChunk, m - r0), kTileRows);  // as pack_rows laid xp out
       for (int64_t q = begin; q < end; ++q) {
         const int64_t cols = std::min(kPanel, n - q * kPanel);
         const W* panel = ws + q * k * kPanel;
@@ -316,9 +372,9 @@ void run_panels(const float* xs, const W* ws, float* cs, int64_t m, int64_t n, i
             lines = depth * kPanel * static_cast<int64_t>(sizeof(W)) / 64;
           }
           int64_t r = r0;
-          for (int64_t t = 0; t < count; ++t) {
-            const int64_t h = base + (t < extra ? 1 : 0), from = lines * t / count, to = lines * (t + 1) / count;
-            tiles[h](xs + r * k, k, panel, k0, k1, cs + r * n + q * kPanel, n, cols,
+          for (int64_t t = 0; t < split.count; ++t) {
+            const int64_t h = split.rows(t), from = lines * t / split.count, to = lines * (t + 1) / split.count;
+            tiles[h](xp + r * k, panel, k0, k1, cs + r * n + q * kPanel, n, cols,
                      bias_ptr ? bias_ptr + q * kPanel : nullptr, k0 == 0, next + from * 64, to - from);
             r += h;
           }
@@ -350,24 +406,29 @@ at::Tensor narrow_bf16(const at::Tensor& t) {
   return out;
 }
 
-// run_panels on the kernel of this pack width
-template <typename W>
-void run_width(const float* xs, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
+// x (fp32, or bf16 widened as it is packed) packed for, then multiplied on, the kernel of this pack width
+template <typename X, typename W>
+void run_width(const X* xs, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
                int64_t width) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (width == avx2::kPanel)
-    run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows, W>(xs, ws, cs, m, n, k, bias_ptr, avx2::kTiles<W>);
+  if (width == avx2::kPanel) {
+    const at::Tensor xp = pack_rows(xs, m, k, avx2::kTileRows);
+    run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows, W>(xp.data_ptr<float>(), ws, cs, m, n, k, bias_ptr,
+                                                          avx2::kTiles<W>);
+  }
 #endif
 #if defined(__AVX512F__)
-  if (width == avx512::kPanel)
-    run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows, W>(xs, ws, cs, m, n, k, bias_ptr,
-                                                                     avx512::kTiles<W>);
+  if (width == avx512::kPanel) {
+    const at::Tensor xp = pack_rows(xs, m, k, avx512::kTileRows);
+    run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows, W>(xp.data_ptr<float>(), ws, cs, m, n, k, bias_ptr,
+                                                          avx512::kTiles<W>);
+  }
 #endif
 }
 
 // x [M, K] @ weight^T (+ bias) on the panels of weight [N, K] (n, k: the weight's shape, checked against x
 // and the pack's size; width: the pack's, 16 or 32). A bf16 pack takes bf16 x (and a bf16 or fp32 bias) and
-// answers bf16: x and the bias are widened to fp32 once (exact), the weights in registers (exact), every
+// answers bf16: x (as it is packed) and the bias are widened to fp32 once (exact), the weights in registers (exact), every
 // output summed in fp32 as above and rounded to bf16 once at the end (nearest-even, c10's rounding), as
 // torch's bf16 linear rounds its fp32 sums; the same bits as the fp32 kernel on the widened operands, rounded.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_in,
@@ -391,17 +452,17 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     if (b.scalar_type() == at::kBFloat16) b = widen(b);
     bias_ptr = b.data_ptr<float>();
   }
-  const at::Tensor a = bf16 ? widen(x.contiguous()) : x.contiguous();
+  const at::Tensor a = x.contiguous();
   const int64_t m = a.size(0), k = k_in;
-  at::Tensor out = at::empty({m, n}, a.options());
+  at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
   if (m == 0) return bf16 ? at::empty({m, n}, x.options()) : out;
-  const float* xs = a.data_ptr<float>();
   float* cs = out.data_ptr<float>();
   if (bf16) {
-    run_width(xs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), cs, m, n, k, bias_ptr, width);
+    run_width(a.data_ptr<c10::BFloat16>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), cs,
+              m, n, k, bias_ptr, width);
     return narrow_bf16(out);
   }
-  run_width(xs, packed.data_ptr<float>(), cs, m, n, k, bias_ptr, width);
+  run_width(a.data_ptr<float>(), packed.data_ptr<float>(), cs, m, n, k, bias_ptr, width);
   return out;
 }
 
