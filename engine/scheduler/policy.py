@@ -8,13 +8,20 @@ Each step (vLLM v1 style, one token budget for everything):
      longer than the budget is chunked over several steps.
 Two limits on prefill chunks, on top of the budget:
   - beside decodes (`prefill_beside_decodes` = N, rollbus's --prefill-tokens-beside-decodes): while any running
-    sequence is decoding, the chunks of long prompts (sequences of more than N tokens) take at most N tokens
-    of a step together. On a CPU a step costs in proportion to its tokens, so one 2,048-token chunk would
-    hold every decoding stream for its whole prefill; a bounded chunk keeps the step time even. Short prompts
-    are still admitted whole within the budget (a rollout's batch fills at once), and with nothing decoding
-    long prompts take the whole budget (the fastest prefill). A chunk's tokens are weighed by the keys they
-    attend to (1 + position / `prefill_keys_per_token` each), so a chunk late in a long prompt, whose
-    attention costs more, is shorter and every step stays about as long;
+    sequence is decoding, the chunks of long prompts take at most a share of a step together. On a CPU a step
+    costs in proportion to its tokens, so one 2,048-token chunk would hold every decoding stream for its whole
+    prefill; a bounded chunk keeps the step time even. A chunk's tokens are weighed by the keys they attend to
+    (1 + position / `prefill_keys_per_token` each), so a chunk late in a long prompt, whose attention costs
+    more, is shorter and every step stays about as long. A prompt is long when what it has left to compute
+    weighs more than N: at admission, from the end of its cached prefix (a conversation's next turn, whose
+    earlier turns are cached, is short by its new tokens and comes in whole), and once its chunks are under
+    way, from position 0 (its last chunks still count). Short prompts are admitted whole within the budget (a
+    rollout's batch fills at once). The long prompts' share is N, times the long prompts (running or waiting)
+    per decoding sequence where they are more: 16 long prompts beside 32 decoding streams take N a step, as
+    they would alone beside them, while a burst of long prompts beside the first few of them to decode takes
+    large chunks (each long prompt counts like a decoding stream; a share as large as the budget lifts the
+    limit). Once the share is spent, a waiting prompt long by its whole length waits (its cached prefix is
+    looked up only when it may come in). With nothing decoding long prompts take the whole budget;
   - per request (`long_prefill_token_threshold`, vLLM's flag): one sequence's chunk is at most this many
     tokens, unless it is the only sequence running or waiting; `adaptive` floors it at the budget's fair share
     (budget // sequences running and waiting), as vLLM's --long-prefill-token-threshold-adaptive.
