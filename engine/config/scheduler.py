@@ -20,9 +20,10 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool = False  # vLLM's
 
 
-# A step's (weighed) long-prefill tokens on a CPU while as many sequences decode as long prompts wait: a decode step of SmolLM2 or Qwen3-0.6B costs about as
-# much as 60-90 prefill tokens (reading every weight once, plus the decodes), so 256 prefill tokens keep a step
-# within about 3x a decode step's time while prefilling at ~80% of the pure-prefill rate (docs/benchmarks.md, L).
+# A step's (weighed) long-prefill tokens on a CPU beside as many decoding sequences as long prompts: a decode step
+# of SmolLM2 or Qwen3-0.6B costs about as much as 60-90 prefill tokens (reading every weight once, plus the
+# decodes), so 256 prefill tokens keep a step within about 3x a decode step's time while prefilling at ~80% of the
+# pure-prefill rate (docs/benchmarks.md, L).
 CPU_PREFILL_BESIDE_DECODES = 256
 
 

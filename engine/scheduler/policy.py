@@ -245,7 +245,7 @@ class Scheduler:
                     if long_prompts >= enough:
                         break
                     long_prompts += self._long(s, 0)
-                share = long_share(beside, decoding, long_prompts)
+                share = _long_share(beside, decoding, long_prompts)
                 if share < budget:
                     long_left = share
         per_seq = self.long_prefill_token_threshold
@@ -528,7 +528,7 @@ class Scheduler:
             self._finished_ids.append(seq.seq_id)
 
 
-def long_share(beside: int, decoding: int, long_prompts: int) -> float:
+def _long_share(beside: int, decoding: int, long_prompts: int) -> float:
     """The weight long prompts' chunks take of a step beside `decoding` decoding sequences: --prefill-tokens-
     beside-decodes, times the long prompts per decoding sequence where they are more."""
     return beside * max(1.0, long_prompts / decoding)
