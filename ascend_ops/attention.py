@@ -206,12 +206,35 @@ def _causal_flash(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: f
     if g > 1:
         kc, vc = kc.repeat_interleave(g, 0), vc.repeat_interleave(g, 0)
     q_len, ctx_len = qc.shape[1], kc.shape[1]
+    if SPLIT_CHUNK_ROWS <= q_len < ctx_len and _flash_lse is not None:
+        return _after_context(qc, kc, vc, scale)
     # A chunk after earlier context: the lower-right causal mask as a boolean tensor, which is what
     # torch.nn.attention.bias.causal_lower_right becomes on CPU (SDPA's result is the same bit for bit). That
     # module imports torch._dynamo: 0.7-1.6 s, paid by the first prompt that hit the prefix cache, mid-serving.
     mask = None if q_len == ctx_len else torch.ones(q_len, ctx_len, dtype=torch.bool).tril_(ctx_len - q_len)
     return F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=mask, is_causal=mask is None,
                                           scale=scale)[0]
+
+
+# A chunk of at least this many rows after earlier context attends in two parts (_after_context): with the mask,
+# torch's CPU flash attention computes every block of the chunk's own square and adds the mask to each score (one
+# thread, SmolLM2's heads, calls interleaved on a loaded host: 2,048 rows after 2,048 cached keys 1,093 ms masked
+# against 591 split, 52 against ~90 M scores/s, where a fresh 2,048-token prompt runs at 83; 1,024 after 1,024: 216
+# against 185 ms; 512 rows after 1,536: 106 against 114 ms, so shorter chunks keep the mask).
+SPLIT_CHUNK_ROWS = 1024
+# torch's CPU flash attention returning each row's log-sum-exp beside its output (None where this torch lacks it)
+_flash_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _after_context(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float) -> torch.Tensor:
+    """_causal_flash's chunk after earlier context ([Hq, q_len, D] queries, the KV heads already repeated to Hq):
+    the earlier keys, which every row sees, unmasked, and the chunk's own keys causal (blocks above the diagonal
+    skipped), the two outputs merged by their rows' log-sum-exps. The same attention, summed in another order."""
+    first = kc.shape[1] - qc.shape[1]
+    o1, l1 = _flash_lse(qc[None], kc[None, :, :first], vc[None, :, :first], 0.0, False, scale=scale)
+    o2, l2 = _flash_lse(qc[None], kc[None, :, first:], vc[None, :, first:], 0.0, True, scale=scale)
+    w2 = torch.sigmoid(l2 - l1)[0, ..., None]  # exp(l2) / (exp(l1) + exp(l2)), the chunk's share of each row
+    return torch.lerp(o1[0], o2[0], w2)
 
 
 PREFILL_SLICE_ROWS = 128  # query rows per slice of a long prefill with a sliding window (_causal_slices)

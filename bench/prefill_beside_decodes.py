@@ -6,9 +6,11 @@ the same host in one sitting (a loaded host moves absolute times; the ratios hol
   python bench/prefill_beside_decodes.py --cap 256 --threads 1
   python bench/prefill_beside_decodes.py --cap 0 --threads 1        # no limit: what vLLM does
   python bench/prefill_beside_decodes.py --cap 256 --streams 0      # the long prompts alone
+  python bench/prefill_beside_decodes.py --cap 256 --streams 0 --prompts 16   # workload L's first half: a burst
 
-Prints the calm decode step (streams only), the steps while the long prompts are in (p50, p99, max), and how
-long the long prompts took to finish.
+Prints the calm decode step (streams only), the steps while the long prompts are in (p50, p99, max), how long
+the long prompts took to finish, and their prefill rate (prompt tokens / time to the last one's first token, as
+workload L counts it) with their time to first token (p50).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main() -> None:
         prompt = torch.randint(1000, 30000, (n,), generator=gen).tolist()
         sched.add(Sequence(sid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_ids=[0]))
 
+    firsts: dict[str, float] = {}
+
     def step() -> float:
         nonlocal step_id
         st = sched.schedule()
@@ -67,7 +71,9 @@ def main() -> None:
         t0 = time.perf_counter()
         res = runner.execute(plan)
         dt = time.perf_counter() - t0
-        sched.update(st, {i: (int(t), float(lp), None) for i, t, lp in zip(res.seq_ids, res.token_ids, res.logprobs)})
+        for u in sched.update(st, {i: (int(t), float(lp), None)
+                                   for i, t, lp in zip(res.seq_ids, res.token_ids, res.logprobs)}):
+            firsts.setdefault(u.seq.seq_id, time.perf_counter())
         return dt
 
     for i in range(args.streams):
@@ -75,16 +81,18 @@ def main() -> None:
     calm = [step() for _ in range(8)][3:] if args.streams else [float("nan")]
     for j in range(args.prompts):
         add(f"L{j}", 2048, 32)
-    during, t0 = [], time.perf_counter()
+    during, t0, cpu0 = [], time.perf_counter(), time.process_time()
     while any(q.seq_id.startswith("L") for q in [*sched.running, *sched.waiting]):
         during.append(step())
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     d = sorted(during)
+    ttft = sorted(firsts[f"L{j}"] - t0 for j in range(args.prompts))
     p50, p99 = statistics.median(d), d[min(len(d) - 1, int(0.99 * len(d)))]
     print(f"cap {args.cap}, {args.streams} streams, {torch.get_num_threads()} threads: calm step "
           f"{statistics.median(calm) * 1e3:.0f} ms; with the long prompts in: {len(d)} steps, p50 {p50 * 1e3:.0f} ms, "
           f"p99 {p99 * 1e3:.0f} ms, max {d[-1] * 1e3:.0f} ms (p99 / p50 {p99 / p50:.1f}); the {args.prompts} long "
-          f"prompts done in {wall:.1f} s")
+          f"prompts done in {wall:.1f} s ({cpu:.1f} s of CPU); prefill {2048 * args.prompts / ttft[-1]:.0f} tok/s, "
+          f"TTFT p50 {statistics.median(ttft):.1f} s")
 
 
 if __name__ == "__main__":

@@ -312,9 +312,11 @@ def test_the_narrower_code_paths_give_the_same_results(tmp_path, variant) -> Non
     assert "failed" not in r.stdout
 
 
-@pytest.mark.parametrize("hq, hk, ctx, rows", [(9, 3, 300, 300), (9, 3, 300, 77), (8, 8, 129, 40), (6, 1, 200, 200)])
+@pytest.mark.parametrize("hq, hk, ctx, rows", [(9, 3, 300, 300), (9, 3, 300, 77), (8, 8, 129, 40), (6, 1, 200, 200),
+                                                (9, 3, 1500, attention.SPLIT_CHUNK_ROWS)])
 def test_a_long_fp32_prefill_is_causal_attention(hq, hk, ctx, rows) -> None:
-    """A whole prompt (is_causal) and a chunk after earlier context (the lower-right causal bias) through
+    """A whole prompt (is_causal), a chunk after earlier context (the lower-right causal bias) and a chunk of
+    SPLIT_CHUNK_ROWS rows or more after it (the earlier keys and the chunk's own attended apart, merged) through
     torch's flash attention: row i of the chunk sees the keys up to position ctx - rows + i, as the fp64
     reference computes it."""
     g = torch.Generator().manual_seed(ctx + rows)
