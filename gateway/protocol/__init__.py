@@ -11,15 +11,16 @@ default, null, an empty list) is accepted. Structured outputs (`structured_outpu
 the `guided_*` fields vLLM v0.33 removed, accepted here as aliases) become one constraint in
 gateway/structured.py.
 
-One module per body: completions.py, chat.py, generate.py; what completions and chat share (their sampling
-fields and checks) is sampling.py, what every body shares (the base model, stream_options, schema keywords)
-fields.py, the refused fields refused.py. This package exports the bodies and the refusal tables.
+One module per body: completions.py, chat.py, generate.py; their sampling fields and checks (shared by
+completions and chat, and generate's sampling_params) are sampling.py, what every body shares (the base
+model, stream_options, schema keywords) fields.py, the refused fields refused.py. This package exports the
+bodies and the refusal tables.
 """
 
 from gateway.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionDefinition, TextPart, Tool
 from gateway.protocol.completions import CompletionRequest, Prompt
 from gateway.protocol.fields import OpenAIModel, StreamOptions
-from gateway.protocol.generate import GenerateRequest, GenerateSamplingParams
+from gateway.protocol.generate import GenerateRequest
 from gateway.protocol.refused import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -29,7 +30,7 @@ from gateway.protocol.refused import (
     Refuse,
     refuse_unsupported,
 )
-from gateway.protocol.sampling import check_prompt_logprobs, logit_bias_ids
+from gateway.protocol.sampling import GenerateSamplingParams, check_prompt_logprobs, logit_bias_ids
 
 __all__ = [
     "REFUSED_CHAT", "REFUSED_COMPLETION", "REFUSED_ENGINE_SAMPLING", "REFUSED_GENERATE", "REFUSED_SAMPLING",
