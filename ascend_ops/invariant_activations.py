@@ -11,7 +11,7 @@ N(0, 36), the scalar kernel against the vectorised one: F.gelu(approximate="tanh
 
 So each op here is written with exp and IEEE-exact arithmetic only (neg, add, mul, div: correctly rounded
 in both kernels), computed in fp32 and rounded once to the input's dtype, the way ascend_ops.batch_invariant
-computes SiLU; ascend_ops.batch_invariant.self_check re-measures them at start-up with the model's widths
+computes SiLU; ascend_ops.batch_invariant_check.self_check re-measures them at start-up with the model's widths
 and a row count that puts a thread split inside a row. The forms are equal to HF's in exact arithmetic
 (0.5 * (1 + tanh(u)) = sigmoid(2u)); in floats they differ from HF's by a few ulps, far inside the oracle
 tests' 1e-4 on logprobs. Default mode keeps HF's own expressions (ascend_ops.ops).

@@ -28,11 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bus.messages import RequestOutput  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
+from gateway.choice_state import ChoiceState  # noqa: E402
 from gateway.metrics import Metrics  # noqa: E402
-from gateway.protocol import ChatCompletionRequest  # noqa: E402
+from gateway.protocol.chat import ChatCompletionRequest  # noqa: E402
 from gateway.responses import JSONResponse, dumps  # noqa: E402
-from gateway.serving import ChoiceState, ModelInfo, ServingContext, sse  # noqa: E402
+from gateway.serving import ModelInfo, ServingContext  # noqa: E402
 from gateway.serving_chat import _chunk, _response  # noqa: E402
+from gateway.sse import sse  # noqa: E402
 
 try:
     from gateway.tokenizer import Tokenizer  # where the layout of issue 9 puts it

@@ -31,7 +31,9 @@ from gateway.lora_routes import add_lora_routes, lora_registry
 from gateway.memory import HeapTrimmer
 from gateway.metrics import Metrics
 from gateway.openapi import install_openapi
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.completions import CompletionRequest
+from gateway.protocol.generate import GenerateRequest
 from gateway.responses import JSONResponse
 from gateway.responses_protocol import ResponsesRequest
 from gateway.responses_store import ResponseStore

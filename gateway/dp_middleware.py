@@ -1,6 +1,6 @@
 """The X-data-parallel-rank header on the generation endpoints: read once per HTTP request, checked (400
 in the OpenAI error shape naming the header) before the body is even parsed, and handed to the serving
-code through a context variable (gateway.serving.run_choices picks the engine with it)."""
+code through a context variable (gateway.choice_runner.run_choices picks the engine with it)."""
 
 from __future__ import annotations
 

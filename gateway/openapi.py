@@ -1,6 +1,6 @@
 """/openapi.json with the request bodies in it. The routes read their bodies themselves (vLLM's error
 messages, ignored-field logging, one parse), so FastAPI does not know them; this adds each route's body
-schema (the pydantic models of gateway/protocol.py and vllm_routes.py, and the JSON objects the RL routes
+schema (the pydantic models of gateway/protocol/ and vllm_routes.py, and the JSON objects the RL routes
 take), the values each query parameter accepts, and the limits of this server: the vocabulary for token ids,
 max_model_len for max_tokens and prompt lengths, --max-logprobs. A client or a fuzzer (tests/test_fuzz_http.py)
 that follows the schema sends requests the server can serve; what the schema cannot say (min_tokens <=
@@ -88,7 +88,9 @@ QUERY: dict[tuple[str, str], dict[str, Any]] = {
 
 def model_bodies() -> dict[str, Any]:
     """path -> the pydantic model(s) of its JSON body (a tuple: any one of them)."""
-    from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+    from gateway.protocol.chat import ChatCompletionRequest
+    from gateway.protocol.completions import CompletionRequest
+    from gateway.protocol.generate import GenerateRequest
     from gateway.responses_protocol import ResponsesRequest
     from gateway.skyrl_routes import SkyrlGenerateRequest
     from gateway.vllm_routes import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest

@@ -15,17 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.sampling_params import ParamError
-from gateway.protocol import (
-    _I64,
-    _LOGIT_BIAS,
-    _NEUTRAL_BOOL,
-    ChatCompletionRequest,
-    OpenAIModel,
-    Refuse,
-    _schema,
-    _unset,
-    refuse_unsupported,
-)
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.fields import _I64, _LOGIT_BIAS, _NEUTRAL_BOOL, OpenAIModel, _schema
+from gateway.protocol.refused import Refuse, _unset, refuse_unsupported
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_ONLY = "rollbus serves text-only models"

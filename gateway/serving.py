@@ -1,49 +1,31 @@
-"""What /v1/completions and /v1/chat/completions share: prompt validation against the model's limits,
-turning engine output deltas into text (stop strings live here: the engine only knows token ids),
-running the n x prompts engine requests of one HTTP request concurrently, and aborting them when the
-client goes away.
+"""What the OpenAI endpoints (completions, chat, generate, responses) share before any engine request
+runs: the served model's facts, and the per-app ServingContext that checks a request against the model's
+limits and the server's flags, tokenizes prompts (big ones off the event loop) and shapes prompt logprobs;
+plus the request-side helpers (request ids, per-choice seeds, prompt truncation). A choice's engine request
+is gateway/choice_state.py (its text) and gateway/choice_runner.py (running them); the HTTP side of
+streaming is gateway/sse.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import math
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import structlog
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-from bus.control_state import PAUSED_MESSAGE, version_label, weights_discarded_message
-from bus.messages import ErrorInfo, ErrorKind, PromptLogprobs, RequestOutput
+from bus.control_state import PAUSED_MESSAGE, weights_discarded_message
+from bus.messages import PromptLogprobs
 from bus.sampling_params import ParamError, SamplingParams, tokenize_bad_words, validate_prompt_ids
-from engine import routed_experts
 from engine.config import EngineConfig
-from gateway.dp_middleware import requested_engine
-from gateway.engine_client import DuplicateRequest, EngineClient, EngineDead
-from gateway.errors import (
-    BAD_REQUEST,
-    INTERNAL,
-    APIError,
-    api_error_from,
-    bad_request,
-    engine_unavailable,
-    model_not_found,
-)
+from gateway.engine_client import EngineClient
+from gateway.errors import APIError, bad_request, engine_unavailable, model_not_found
 from gateway.limits import Admission, Overloaded
 from gateway.metrics import Metrics
-from gateway.request_log import log_request
-from gateway.responses import dumps
+from gateway.response_parts import clamp_logprob
 
-log = structlog.get_logger()
-T = TypeVar("T")
-MAX_LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps to this
 THREAD_TOKENIZE_CHARS = 8_000  # ~3 ms of tokenizing: above this, a thread keeps the streams flowing
 
 
@@ -285,350 +267,10 @@ def truncate_prompt(ids: list[int], keep: int | None, side: str | None = None) -
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
-# --- one engine request --------------------------------------------------------------------------
-
-
-def find_stop(text: str, new_from: int, stops: list[str], include: bool) -> tuple[int, str] | None:
-    """Earliest stop string that ends after `new_from`; returns (where to cut the text, the string)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    if best is None:
-        return None
-    i, s = best
-    return (i + len(s) if include else i), s
-
-
-@dataclass
-class ChoiceUpdate:
-    """What one engine delta adds to one choice, ready to be shaped into a chunk."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[list[float]]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    text_offset: int  # where `text` starts in the choice's whole text
-    ranks: list[int] | None = None
-    sampling_mass: list[float] | None = None
-    sampling_mask: tuple[Any, Any] | None = None  # this update's (ids, counts) (engine/sampling_mask.py)
-
-
-class ChoiceState:
-    """One choice (= one engine request): detokenizes deltas, applies stop strings, and holds back
-    text that could still become a stop string, so streamed text never has to be taken back."""
-
-    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: Any, prefix: str = "", hide_output: bool = False):
-        """`detokenizer` None: no text (--tokens-only). `hide_output`: the generated tokens' text is not
-        part of the choice's text (vLLM's echo with max_tokens 0)."""
-        self.index, self.request_id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
-        self.detok = detokenizer
-        self.hide_output = hide_output
-        self.stops = list(params.stop)
-        self.include = params.include_stop_str_in_output
-        self.holdback = 0 if self.include or not self.stops else max(map(len, self.stops)) - 1
-        self.text = prefix  # echo puts the prompt text here
-        self.sent = 0
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[list[float]]] = []
-        self.ranks: list[int] = []
-        self.sampling_mass: list[float] = []
-        self.mask_pieces: list[tuple[Any, Any]] = []  # --return-sampling-mask: (ids, counts) per output
-        self.prompt_logprobs: PromptLogprobs | None = None
-        self.routed_pieces: list[routed_experts.Piece] = []  # MoE router capture; see routed_experts_b64
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.error: ErrorInfo | None = None
-        self.num_cached_tokens = 0
-        self.engine = 0  # the data-parallel engine it runs on (run_choices; the engine label of /metrics)
-        self.arrival = time.monotonic()
-        self.first_token_at: float | None = None  # when the first delta with tokens arrived
-        self.last_token_at: float | None = None  # ... and the latest one
-        self.gap: float | None = None  # seconds from the previous delta with tokens to the latest (None: first)
-        self.spans: list[list] = []  # [epoch, start, end, stale_kv] over output token indices
-        self.on_first_output: Callable[[], None] | None = None  # set by admission (gateway.limits)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def weight_versions(self, state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Half-open spans of output tokens per weight version (vLLM's `weight_versions`); a span whose
-        tokens were computed on KV from older weights (keep pause, clear_cache=false) says stale_kv."""
-        out = []
-        for epoch, start, end, stale in self.spans:
-            span: dict[str, Any] = {"version": version_label(state, epoch), "start": start, "end": end}
-            if self.params.lora is not None:  # the adapter version that computed them (gateway/lora_routes.py)
-                span["lora_name"], span["lora_version"] = self.params.lora.name, self.params.lora.version
-            if stale:
-                span["stale_kv"] = True
-            out.append(span)
-        return out
-
-    def feed(self, out: RequestOutput, now: float | None = None) -> ChoiceUpdate:
-        """Take one engine delta (arrived at `now`, time.monotonic() by default)."""
-        new = list(out.token_ids)
-        if new:
-            now = time.monotonic() if now is None else now
-            if self.last_token_at is None:
-                self.first_token_at = now
-            else:
-                self.gap = now - self.last_token_at
-            self.last_token_at = now
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
-        if new:
-            n0 = len(self.token_ids)
-            last = self.spans[-1] if self.spans else None
-            if last and last[0] == out.weight_epoch and last[3] == out.stale_kv and last[2] == n0:
-                last[2] += len(new)
-            else:
-                self.spans.append([out.weight_epoch, n0, n0 + len(new), out.stale_kv])
-        self.token_ids += new
-        if out.logprobs is not None:
-            self.logprobs += out.logprobs
-        if out.top_logprobs is not None:
-            self.top_logprobs += out.top_logprobs
-        if out.ranks is not None:
-            self.ranks += out.ranks
-        if out.sampling_mass is not None:
-            self.sampling_mass += out.sampling_mass
-        mask = None
-        if out.sampling_mask_counts is not None:
-            mask = (out.sampling_mask_ids, out.sampling_mask_counts)
-            self.mask_pieces.append(mask)
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.routed_experts is not None:
-            self.routed_pieces.append((out.routed_experts_start, out.routed_experts))
-        text_ids = new
-        if out.finished and out.finish_reason == "stop" and new and not self.include:
-            text_ids = new[:-1]  # the EOS / stop token's text is not part of the output (vLLM)
-        before = len(self.text)
-        if text_ids and self.detok is not None and not self.hide_output:
-            self.text += self.detok.push(text_ids)
-        if self.stops and len(self.token_ids) > self.params.min_tokens and len(self.text) > before:
-            hit = find_stop(self.text, before, self.stops, self.include)
-            if hit is not None:
-                self.text = self.text[:hit[0]]
-                self.finish_reason, self.stop_reason = "stop", hit[1]
-        if out.finished and self.finish_reason is None:
-            self.finish_reason, self.stop_reason, self.error = out.finish_reason or "stop", out.stop_reason, out.error
-        end = len(self.text) if self.finished else max(self.sent, len(self.text) - self.holdback)
-        start, self.sent = self.sent, end
-        return ChoiceUpdate(self.index, self.text[start:end], new, out.logprobs, out.top_logprobs,
-                            self.finish_reason, self.stop_reason, start, out.ranks, out.sampling_mass, mask)
-
-
-# --- many engine requests of one HTTP request ----------------------------------------------------
-
-
-class _Done:
-    pass
-
-
-@dataclass
-class _Failed:
-    error: APIError
-
-
-def engine_failure(ctx: ServingContext, error: ErrorInfo | None) -> APIError:
-    """The HTTP error of a request the engine ended with an error: 503 while the engine is down, the
-    status the engine gave when it knew one (503 when paused between our check and the scheduler's, or
-    queued during a level-2 sleep and woken without weights), else a 500 with the engine's message."""
-    message = error.message if error is not None else None
-    if not ctx.client.healthy:
-        return engine_unavailable(ctx.client.dead_reason or message)
-    if error is not None and error.status == 503:
-        return engine_unavailable(error.message)
-    if error is not None and error.status is not None:
-        return APIError(error.message, status=error.status, type=BAD_REQUEST if error.status < 500 else INTERNAL,
-                        param=error.param)
-    return APIError(message or "the engine failed this request", status=500, type=INTERNAL)
-
-
-async def _run_choice(ctx: ServingContext, state: ChoiceState, sink: asyncio.Queue) -> None:
-    if ctx.cfg.gateway.enable_log_requests:
-        log_request(state.request_id, state.prompt_ids, state.params, ctx.cfg.gateway.max_log_len)
-    try:
-        gen = ctx.client.generate(state.request_id, state.prompt_ids, state.params, ctx.eos_token_ids,
-                                  engine=state.engine)
-        async with aclosing(gen):  # leaving early closes it, which aborts the engine request
-            async for out in gen:
-                if state.on_first_output is not None:
-                    state.on_first_output()
-                    state.on_first_output = None
-                update = state.feed(out)
-                ctx.metrics.observe_delta(state, update)
-                sink.put_nowait(update)
-                if state.finished:
-                    break
-        if state.finish_reason == "error":
-            raise engine_failure(ctx, state.error)
-        if not state.finished:
-            raise engine_failure(ctx, ErrorInfo(ErrorKind.UNFINISHED,
-                                                "the engine ended the request without finishing it"))
-    except asyncio.CancelledError:
-        raise
-    except EngineDead as e:
-        sink.put_nowait(_Failed(engine_unavailable(str(e))))
-    except DuplicateRequest:
-        sink.put_nowait(_Failed(bad_request(f"request id {state.request_id!r} is already running", "request_id")))
-    except Exception as e:
-        if not isinstance(e, APIError):
-            log.error("gateway.choice_failed", request_id=state.request_id, exc_info=e)
-        sink.put_nowait(_Failed(api_error_from(e)))
-    finally:
-        ctx.metrics.observe_choice(state)
-        sink.put_nowait(_Done())
-
-
-async def run_choices(ctx: ServingContext, states: list[ChoiceState]) -> AsyncIterator[ChoiceUpdate]:
-    """Run every choice's engine request concurrently; yield their updates as they come. The first
-    failure raises (APIError) and, like a client going away, aborts the requests still running."""
-    sink: asyncio.Queue = asyncio.Queue()
-    try:  # one engine for all of a request's choices: they share its prefix cache
-        engine = ctx.client.pick_engine(requested_engine.get(), [
-            (s.request_id, len(s.prompt_ids) + (s.params.max_tokens or 0)) for s in states])
-    except EngineDead as e:
-        raise engine_unavailable(str(e)) from None
-    for s in states:
-        s.engine = engine
-    tasks = [asyncio.create_task(_run_choice(ctx, s, sink)) for s in states]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await sink.get()
-            if isinstance(item, _Done):
-                remaining -= 1
-            elif isinstance(item, _Failed):
-                raise item.error
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        ctx.client.release([s.request_id for s in states])
-
-
-# --- client disconnects ---------------------------------------------------------------------------
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`, but cancel it (aborting its engine requests) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientDisconnected()
-    finally:
-        for t in (task, watch):
-            t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-
-
-class SSEResponse(StreamingResponse):
-    """text/event-stream that stops producing (closing the body generator, which aborts the engine
-    requests) as soon as the client disconnects, on every ASGI spec version."""
-
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None):
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def produce() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
-                async for chunk in body:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            await until_disconnected(receive, produce())
-        except (ClientDisconnected, OSError):
-            log.debug("gateway.client_disconnected", path=scope.get("path"))
-
-
-def sse(data: dict[str, Any]) -> bytes:
-    """One server-sent event carrying a JSON chunk."""
-    return b"data: " + dumps(data) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """SSE framing plus vLLM's stream error contract: an error chunk, then [DONE]."""
-    try:
-        async with aclosing(chunks) as it:  # type: ignore[type-var]
-            async for chunk in it:
-                yield sse(chunk)
-    except Exception as e:
-        err = api_error_from(e)
-        if err.status >= 500 and not isinstance(e, APIError):
-            log.error("gateway.stream_failed", exc_info=e)
-        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}})
-    yield SSE_DONE
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                         "completion_tokens": completion_tokens}
-    u["prompt_tokens_details"] = None if cached_tokens is None else {"cached_tokens": cached_tokens}
-    return u
-
-
-def clamp_logprob(x: float) -> float:
-    """vLLM: -inf (and NaN) become -9999.0, which JSON can carry."""
-    return MAX_LOGPROB_FLOOR if math.isnan(x) else max(MAX_LOGPROB_FLOOR, x)
-
-
-def routed_experts_rows(state: ChoiceState):
-    """The router's top-k of a choice, [num_tokens - 1 - routed_experts_prompt_start, num_moe_layers, top_k]
-    from the prompt position routed_experts_prompt_start on, prompt and generated tokens but the last (never
-    forwarded); None when the engine sent none: the flag is off, the model is dense, or the request ended
-    before any forward pass. An aborted request has the positions computed until then."""
-    pieces = state.routed_pieces
-    if not pieces:
-        return None
-    hi = min(routed_experts.end(pieces), len(state.prompt_ids) + len(state.token_ids) - 1)
-    lo = min(state.params.routed_experts_prompt_start, hi)
-    return routed_experts.assemble(pieces, lo, hi)
-
-
-def routed_experts_b64(state: ChoiceState) -> str | None:
-    """vLLM's `routed_experts` of a choice: base64 of a `.npy` file (np.save, no pickle) of
-    routed_experts_rows."""
-    rows = routed_experts_rows(state)
-    return None if rows is None else routed_experts.to_b64(rows)
-
 
 def request_base_id(request: Request, body_request_id: str | None, new_id: Callable[[], str]) -> str:
     """vLLM: the X-Request-Id header, else the body's request_id, else a fresh id."""
     return request.headers.get("x-request-id") or body_request_id or new_id()
-
-
-async def collect(ctx: ServingContext, states: list[ChoiceState]) -> None:
-    """Run every choice to the end (non-streaming responses read the states afterwards)."""
-    async with aclosing(run_choices(ctx, states)) as updates:  # type: ignore[type-var]
-        async for _ in updates:
-            pass
 
 
 def child_seed(seed: int | None, i: int) -> int | None:

@@ -19,27 +19,16 @@ from fastapi.responses import Response
 
 from bus.sampling_params import ParamError
 from gateway.chat_parsing import ChatOutputParser, ParserConfig
+from gateway.choice_runner import collect, run_choices
+from gateway.choice_state import ChoiceState, ChoiceUpdate, routed_experts_b64
+from gateway.client_disconnect import ClientDisconnected, until_disconnected
 from gateway.errors import bad_request
 from gateway.forced_tools import ForcedToolStream, finish_reason, forced_tool_calls
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.response_parts import clamp_logprob, usage
 from gateway.responses import JSONResponse
-from gateway.serving import (
-    ChoiceState,
-    ChoiceUpdate,
-    ClientDisconnected,
-    ServingContext,
-    SSEResponse,
-    child_seed,
-    clamp_logprob,
-    collect,
-    request_base_id,
-    routed_experts_b64,
-    run_choices,
-    sse_stream,
-    truncate_prompt,
-    until_disconnected,
-    usage,
-)
+from gateway.serving import ServingContext, child_seed, request_base_id, truncate_prompt
+from gateway.sse import SSEResponse, sse_stream
 
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
 

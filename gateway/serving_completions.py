@@ -16,26 +16,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from gateway.choice_runner import collect, run_choices
+from gateway.choice_state import ChoiceState, ChoiceUpdate, routed_experts_b64
+from gateway.client_disconnect import ClientDisconnected, until_disconnected
 from gateway.errors import bad_request
-from gateway.protocol import CompletionRequest
+from gateway.protocol.completions import CompletionRequest
+from gateway.response_parts import clamp_logprob, usage
 from gateway.responses import JSONResponse
-from gateway.serving import (
-    ChoiceState,
-    ChoiceUpdate,
-    ClientDisconnected,
-    ServingContext,
-    SSEResponse,
-    child_seed,
-    clamp_logprob,
-    collect,
-    request_base_id,
-    routed_experts_b64,
-    run_choices,
-    sse_stream,
-    truncate_prompt,
-    until_disconnected,
-    usage,
-)
+from gateway.serving import ServingContext, child_seed, request_base_id, truncate_prompt
+from gateway.sse import SSEResponse, sse_stream
 
 YIELD_EVERY = 256  # prompts prepared between two yields to the event loop
 Step = tuple[float, list[list[float]]] | None  # one position: (logprob, [[alt id, alt logprob], ...]) or None

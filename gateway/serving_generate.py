@@ -21,25 +21,16 @@ from fastapi.responses import Response
 
 from bus.sampling_params import ParamError
 from engine import sampling_mask
+from gateway.choice_runner import collect, run_choices
+from gateway.choice_state import ChoiceState, ChoiceUpdate, routed_experts_b64
+from gateway.client_disconnect import ClientDisconnected, until_disconnected
 from gateway.errors import APIError, bad_request
-from gateway.protocol import REFUSED_GENERATE, GenerateRequest
+from gateway.protocol.generate import GenerateRequest
+from gateway.protocol.refused import REFUSED_GENERATE
+from gateway.response_parts import clamp_logprob, usage
 from gateway.responses import JSONResponse, loads
-from gateway.serving import (
-    ChoiceState,
-    ChoiceUpdate,
-    ClientDisconnected,
-    ServingContext,
-    SSEResponse,
-    child_seed,
-    clamp_logprob,
-    collect,
-    request_base_id,
-    routed_experts_b64,
-    run_choices,
-    sse_stream,
-    until_disconnected,
-    usage,
-)
+from gateway.serving import ServingContext, child_seed, request_base_id
+from gateway.sse import SSEResponse, sse_stream
 
 FORBIDDEN = "PermissionDeniedError"
 

@@ -25,20 +25,17 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from bus.sampling_params import ParamError
+from gateway.choice_runner import run_choices
+from gateway.choice_state import ChoiceState
+from gateway.client_disconnect import ClientDisconnected, until_disconnected
 from gateway.errors import APIError, api_error_from, bad_request
 from gateway.responses import JSONResponse, dumps
 from gateway.responses_events import OutputStream
 from gateway.responses_protocol import ResponsesRequest, responses_param
 from gateway.responses_store import LIMIT_FLAG, ResponseStore, StoredResponse
-from gateway.serving import (
-    ChoiceState,
-    ClientDisconnected,
-    ServingContext,
-    SSEResponse,
-    run_choices,
-    until_disconnected,
-)
+from gateway.serving import ServingContext
 from gateway.serving_chat import ChatChoice, chat_logprobs, choice_delta, prepare
+from gateway.sse import SSEResponse
 
 log = structlog.get_logger()
 Shell = Callable[..., dict[str, Any]]  # status, output, usage -> the response object

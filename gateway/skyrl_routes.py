@@ -25,18 +25,14 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gateway.choice_runner import collect
+from gateway.choice_state import routed_experts_rows
+from gateway.client_disconnect import ClientDisconnected, until_disconnected
 from gateway.errors import bad_request
-from gateway.protocol import GenerateRequest
+from gateway.protocol.generate import GenerateRequest
+from gateway.response_parts import clamp_logprob
 from gateway.responses import JSONResponse
-from gateway.serving import (
-    ClientDisconnected,
-    ServingContext,
-    clamp_logprob,
-    collect,
-    request_base_id,
-    routed_experts_rows,
-    until_disconnected,
-)
+from gateway.serving import ServingContext, request_base_id
 from gateway.serving_generate import check_enabled, prepare
 
 

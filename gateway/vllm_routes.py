@@ -24,7 +24,8 @@ from bus.sampling_params import ParamError, SamplingParams
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, async_scheduling_on
 from engine.config.cache import prefix_caching_on
 from gateway.errors import bad_request, model_not_found
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
+from gateway.protocol.chat import ChatCompletionRequest, Tool
+from gateway.protocol.completions import CompletionRequest
 from gateway.responses import JSONResponse
 from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import prepare as prepare_chat

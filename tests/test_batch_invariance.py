@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from ascend_ops import attention, cpu_kernels, ops
 from ascend_ops import batch_invariant as bi
-from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, linear, self_check
+from ascend_ops.batch_invariant import DEFAULT, INVARIANT, linear
+from ascend_ops.batch_invariant_check import BatchInvarianceUnavailable, self_check
 from bench import batch_invariance as bench
 from engine.rl_config import determinism, parse_additional_config, worker_env_updates
 from tests.fixtures_models import smollm2_dir  # noqa: F401

@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 from engine.config import EngineConfig
 from gateway.app import build_app
 from gateway.responses import JSONResponse, dumps, loads
-from gateway.serving import ModelInfo, sse
+from gateway.serving import ModelInfo
+from gateway.sse import sse
 from tests.test_gateway_protocol import EOS, MAX_LEN, VOCAB, CharTokenizer, FakeClient, sse_events
 
 pytestmark = pytest.mark.unit

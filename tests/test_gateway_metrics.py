@@ -12,8 +12,9 @@ from bus.messages import ControlState, RequestOutput
 from bus.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from gateway.app import build_app
+from gateway.choice_state import ChoiceState
 from gateway.metrics import ITL_BUCKETS, Metrics
-from gateway.serving import ChoiceState, ModelInfo
+from gateway.serving import ModelInfo
 from tests.test_gateway_protocol import EOS, MAX_LEN, VOCAB, CharTokenizer, FakeClient
 
 pytestmark = pytest.mark.unit

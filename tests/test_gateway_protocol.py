@@ -17,10 +17,11 @@ from bus.messages import CommandBody, ControlReply, ControlState, ErrorInfo, Hea
 from bus.sampling_params import ParamError, SamplingParams
 from engine.config import EngineConfig
 from gateway.app import build_app
+from gateway.choice_state import ChoiceState, find_stop
 from gateway.limits import TOO_LARGE
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving import ChoiceState, ModelInfo, ServingContext, find_stop
+from gateway.serving import ModelInfo, ServingContext
 from gateway.serving_chat import chat_logprobs
 from gateway.serving_completions import completion_logprobs
 from tests.gateway_bad_inputs import bad_input_cases
@@ -399,7 +400,7 @@ def test_big_prompt_is_tokenized_off_the_loop_and_checked() -> None:
 
 
 def test_non_stream_wait_is_cancelled_on_disconnect() -> None:
-    from gateway.serving import ClientDisconnected, until_disconnected
+    from gateway.client_disconnect import ClientDisconnected, until_disconnected
 
     async def scenario() -> bool:
         gone = asyncio.Event()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_ops.batch_invariant import DEFAULT, INVARIANT, BatchInvarianceUnavailable, self_check
+from ascend_ops.batch_invariant import DEFAULT, INVARIANT
+from ascend_ops.batch_invariant_check import BatchInvarianceUnavailable, self_check
 from tests.test_batch_invariance import _load, _three_ways, same
 from tests.tiny_models import PagedRunner, make_tiny_checkpoint, random_prompt
 from workers.models.gated_deltanet import gdn_invariant

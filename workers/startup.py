@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ascend_ops import attention, cpu_kernels, packed_linear
-from ascend_ops.batch_invariant import BatchInvarianceUnavailable, attention_implementation, kernels, self_check
+from ascend_ops.batch_invariant import attention_implementation, kernels
+from ascend_ops.batch_invariant_check import BatchInvarianceUnavailable, self_check
 from ascend_ops.platform import Platform, host_huge_pages, tune_host_allocator
 from bus.messages import WorkerInfo
 from engine.config import EngineConfig

@@ -1,7 +1,9 @@
 """The scheduler process: requests in from gateways, step plans out to workers, results back, outputs
 out. Policy is engine.scheduler.policy.Scheduler (which sequences run) and engine.scheduler.step_gate.StepGate (whether
 a step may run at all); the control state is the follower's (bus.follower); this file only moves
-messages.
+messages. What it sends and counts is built by pure siblings: step_plan.py (the plan), step_results.py (the
+steps in flight and their results), outputs.py and routed_pieces.py (what each request is told),
+step_metrics.py (the stats every OutputBatch carries), recovery.py (the lost workers and their return).
 
 Start-up: join the control bus, then wait until every worker has both said Hello on the results socket
 (with its KV capacity) and subscribed to the plans socket (seen on the XPUB), so the first plan
@@ -12,7 +14,7 @@ Recovery: a worker declared lost (dead, or stalled past --heartbeat-timeout-s) f
 workers had seen (503: they were running on it) and stops the stepping; requests still queued wait. The
 worker is back once it says Hello on the results socket again, at or after the seq of its loss, with its
 plan subscription in place (a restarted one subscribes anew); then steps resume. Queued requests fail
-after RECOVERY_WAIT_S without it. A scheduler that was itself declared lost (a stall) drops all its
+after RECOVERY_WAIT_S (recovery.py) without it. A scheduler that was itself declared lost (a stall) drops all its
 requests (the gateways failed them already) and waits for every worker's Hello the same way.
 
 Async scheduling (--async-scheduling, engine.scheduler.policy): up to two steps are in flight. The next plan
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from itertools import repeat
 from typing import Any
 
@@ -48,12 +50,10 @@ from bus.messages import (
     Hello,
     MemberJoined,
     MemberLost,
-    NewSeq,
     NotStarted,
     OutputBatch,
     Pause,
     PrefixCacheReset,
-    PromptLogprobs,
     Quiesced,
     RequestOutput,
     ResetPrefixCache,
@@ -63,7 +63,6 @@ from bus.messages import (
     Shutdown,
     Sleep,
     StartWeightUpdate,
-    StepPlan,
     StepResult,
     UpdateWeightVersion,
     WakeUp,
@@ -72,18 +71,22 @@ from bus.messages import (
 )
 from bus.sockets import make_socket, member_name, recv, recv_from, report_ready, send, subscription_event
 from bus.topology import Topology
-from engine import sampling_mask
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on, prefill_beside_decodes
 from engine.config.cache import prefix_caching_on
 from engine.logs import setup_logging
-from engine.request import SeqStatus, Sequence
-from engine.routed_experts import merge as merge_routed
+from engine.request import Sequence
 from engine.scheduler.admission import EngineLimits, admission_error
 from engine.scheduler.kv_event_publisher import KVEventPublisher
+from engine.scheduler.outputs import prompt_tokens, request_output, step_outputs
 from engine.scheduler.policy import ScheduledStep, Scheduler, SeqUpdate
+from engine.scheduler.recovery import WorkerRecovery
 from engine.scheduler.result_check import result_problem
+from engine.scheduler.routed_pieces import file_routed
 from engine.scheduler.step_gate import Quiesce, StepGate
+from engine.scheduler.step_metrics import StepMetrics
+from engine.scheduler.step_plan import step_plan
+from engine.scheduler.step_results import InFlight, step_error
 from engine.state_checkpoints import StateCheckpoints
 from engine.topology import layout
 from engine.window_blocks import WindowBlocks
@@ -91,7 +94,6 @@ from engine.window_blocks import WindowBlocks
 log = structlog.get_logger()
 
 NAME = "scheduler"
-RECOVERY_WAIT_S = 60.0  # how long queued requests wait for a lost worker to come back before failing (503)
 
 
 class SchedulerActor:
@@ -108,7 +110,7 @@ class SchedulerActor:
         self.results = make_socket(ctx, zmq.PULL, bind=ep.bind_address(ep.results))
         self.link = MemberLink(ctx, ep, role="scheduler", name=self.name, info=SchedulerInfo(layout(cfg)), handlers={
             Health: self._health, Shutdown: self._shutdown, MemberLost: self._member_lost,
-            MemberJoined: lambda c: None,  # a worker is back only once its Hello reaches us (_on_worker_hello)
+            MemberJoined: lambda c: None,  # a worker is back only once its Hello reaches us (recovery.py)
             UpdateWeightVersion: self._new_epoch, CommitWeightUpdate: self._new_epoch,
             ResetPrefixCache: self._reset_prefix_cache,
             **dict.fromkeys((Pause, Resume, Sleep, WakeUp, StartWeightUpdate, AbortWeightUpdate), self._gate_command),
@@ -119,29 +121,20 @@ class SchedulerActor:
         self.sched: Scheduler | None = None  # built once the workers report their KV capacity
         self.stopping = False
         self.step_id = 0
-        # Steps sent and not answered yet, oldest first: (step id, step, when it was sent). At most
-        # `depth`: 1, or 2 with async scheduling (the next plan waits at the workers while one computes).
-        self.in_flight: deque[tuple[int, ScheduledStep, float]] = deque()
+        # Steps sent and not answered yet, with their results so far. At most `depth`: 1, or 2 with async
+        # scheduling (the next plan waits at the workers while one computes).
+        self.in_flight = InFlight(self.num_workers)
         self.depth = 1  # 2 with async scheduling, decided once the workers say what device they run on
         self.plan_ahead_idle = False  # async: the last look-ahead planned nothing; wait for news before the next
-        self.pending_results: dict[int, dict[int, StepResult]] = {}  # step id -> rank -> its result
-        self.last_done = 0.0  # when the previous step's results were all in (a queued step starts then)
-        self.results_at = 0.0  # when the last step's results were all in (0: consumed by the next plan)
-        self.results_cpu = 0.0  # this thread's CPU time then: turnaround_cpu_total is what we spent of it
-        self.step_time_ema = 0.0
-        self.counters = defaultdict(float)
+        self.metrics = StepMetrics()
         # The updates of the step whose results came in this loop turn (and its result), whose outputs are
         # built after the next plan is sent (turn())
         self.step_outputs: tuple[ScheduledStep, list[SeqUpdate], StepResult] | None = None
         # Outputs of this loop turn, sent once the turn's plan is out (the workers wait for the plan; the
         # gateways can wait the fraction of a millisecond): one OutputBatch per gateway per turn, in order.
         self.outbox: list[tuple[Sequence, RequestOutput]] = []
-        # Recovery: workers lost and not back (name -> seq of the loss), each worker's last Hello (name -> the
-        # seq it joined at) and who is subscribed to the plans
-        self.workers_waiting: dict[str, int] = {}
-        self.waiting_since = 0.0
-        self.worker_hellos: dict[str, int] = {}
-        self.plan_subs: set[str] = set()
+        # Recovery: workers lost and not back, each worker's last Hello and who is subscribed to the plans
+        self.recovery = WorkerRecovery()
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -163,7 +156,7 @@ class SchedulerActor:
                     name = member_name(topic)
                     if on and name is not None:
                         subscribed.add(name)
-                    self._on_plan_subscription(on, name)
+                    self.recovery.on_plan_subscription(on, name)
                 elif sock is self.results:
                     try:
                         msg = recv(self.results)
@@ -172,7 +165,7 @@ class SchedulerActor:
                         continue
                     if isinstance(msg, Hello) and isinstance(msg.info, WorkerInfo):
                         hellos[msg.name] = msg
-                        self._on_worker_hello(msg)
+                        self.recovery.on_worker_hello(msg)
                 else:
                     self.link.handle(sock)
             self.link.tick(time.monotonic())
@@ -238,20 +231,20 @@ class SchedulerActor:
                 self._on_result()
             elif sock is self.plans:
                 on, topic = subscription_event(self.plans.recv())
-                self._on_plan_subscription(on, member_name(topic))
+                self.recovery.on_plan_subscription(on, member_name(topic))
             else:
                 self.link.handle(sock)
         self.link.tick(time.monotonic())
-        if self.step_outputs is not None and (self.gate.pending is not None or self.workers_waiting):
+        if self.step_outputs is not None and (self.gate.pending is not None or self.recovery.waiting):
             self._build_step_outputs()  # a quiesce or a recovery wait may drop the sequences they describe
-        if self.workers_waiting:
+        if self.recovery.waiting:
             self._check_recovery_wait()
         self._maybe_complete_quiesce()
         if self._can_start_step():
             self._start_step()
         if self.step_outputs is not None:
             self._build_step_outputs()  # after the plan: the workers compute while we build them
-        self.results_at = 0.0  # no plan followed this turn's results: idle time is not turnaround
+        self.metrics.no_plan_followed()
         if self.kv_events is not None and self.sched.blocks.events:
             # before the outputs, as vLLM: a client that reads a finished request and sends the next turn
             # finds its blocks announced already
@@ -262,7 +255,7 @@ class SchedulerActor:
     def _can_start_step(self) -> bool:
         if self.in_flight and self.plan_ahead_idle:
             return False
-        return not self.workers_waiting and self.gate.may_step(
+        return not self.recovery.waiting and self.gate.may_step(
             self.link.state, in_flight=len(self.in_flight) >= self.depth, has_work=self.sched.has_work())
 
     def _on_request(self) -> None:
@@ -277,14 +270,14 @@ class SchedulerActor:
             for rid in msg.request_ids:
                 seq = self.sched.abort(rid)
                 if seq is not None:
-                    self._emit([(seq, self._output(seq, [], finished=True))])
+                    self._emit([(seq, request_output(seq, [], finished=True))])
 
     def _add(self, client: bytes, msg: AddRequest) -> None:
         seq = Sequence(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.eos_token_ids, msg.arrival_time,
                        client)
         error = None
-        if self.workers_waiting and time.monotonic() - self.waiting_since > RECOVERY_WAIT_S:
-            error = ErrorInfo(ErrorKind.WORKER_LOST, self._recovery_message(), status=503)
+        if self.recovery.waited_too_long():
+            error = ErrorInfo(ErrorKind.WORKER_LOST, self.recovery.message(), status=503)
         if error is None and control_state.rejects_new_requests(self.link.state):
             error = ErrorInfo(ErrorKind.PAUSED, control_state.PAUSED_MESSAGE, status=503)
         if error is None and msg.request_id in self.sched.seqs:
@@ -294,7 +287,7 @@ class SchedulerActor:
             error = admission_error(msg, self.limits)  # nothing a worker cannot run reaches a step
         if error is not None:
             seq.finish_reason = "error"
-            self._emit([(seq, self._output(seq, [], finished=True, error=error))])
+            self._emit([(seq, request_output(seq, [], finished=True, error=error))])
             return
         self.sched.add(seq)
 
@@ -306,28 +299,12 @@ class SchedulerActor:
             self.plan_ahead_idle = bool(self.in_flight)  # what is left is in flight: plan again after news
             return
         self._publish(step)
-        self.in_flight.append((self.step_id, step, time.perf_counter()))
+        self.in_flight.sent(self.step_id, step, time.perf_counter())
 
     def _publish(self, step: ScheduledStep) -> None:
         self.step_id += 1
-        self._send_plan(step)
-        if self.results_at:  # set only when the results left nothing in flight: the workers wait for this plan
-            # the scheduler's own time between a step's results and the next plan (the workers wait)
-            self.counters["turnaround_total"] += time.perf_counter() - self.results_at
-            self.counters["turnaround_cpu_total"] += time.thread_time() - self.results_cpu
-            self.counters["turnarounds"] += 1
-            self.results_at = 0.0
-
-    def _send_plan(self, step: ScheduledStep) -> None:
-        plan = StepPlan(
-            self.step_id,
-            [NewSeq(s.seq_id, s.prompt_token_ids, s.sampling, s.eos_token_ids) for s in step.new_seqs],
-            step.seq_ids, step.num_computed, step.num_new,
-            [s.block_table for s in step.seqs], step.finished_ids, step.weight_epoch,
-            [s.state_slot for s in step.seqs] if self.sched.state_slots else [],
-            [s.window_table for s in step.seqs] if self.sched.blocks.windows is not None else [],
-            [(s.state_slot, c) for s, c in step.loads], [(s.state_slot, c) for s, c, _ in step.saves])
-        send(self.plans, plan, topic=PLAN_TOPIC)
+        send(self.plans, step_plan(self.step_id, step, self.sched), topic=PLAN_TOPIC)
+        self.metrics.plan_sent()
 
     def _on_result(self) -> None:
         arrived, cpu = time.perf_counter(), time.thread_time()  # the turnaround counts decoding and checking too
@@ -337,11 +314,11 @@ class SchedulerActor:
             log.warning("scheduler.bad_result", error=str(e))
             return
         if isinstance(res, Hello):
-            self._on_worker_hello(res)
+            self.recovery.on_worker_hello(res)
             return
         if not isinstance(res, StepResult):
             return
-        step = next((st for sid, st, _ in self.in_flight if sid == res.step_id), None)
+        step = self.in_flight.step(res.step_id)
         if step is None:
             return  # a step failed or forgotten (a worker was lost): nothing waits for it
         why = result_problem(res, step, self.num_workers)
@@ -349,28 +326,23 @@ class SchedulerActor:
             log.warning("scheduler.bad_result", step=res.step_id, rank=res.rank, error=why)
             return
         # one tp worker may answer the next step before another answers this one: kept until its turn
-        self.pending_results.setdefault(res.step_id, {})[res.rank] = res
-        while self.in_flight and len(self.pending_results.get(self.in_flight[0][0], ())) == self.num_workers:
+        self.in_flight.add(res)
+        while self.in_flight.oldest_answered():
             if self.step_outputs is not None:
                 self._build_step_outputs()  # the outputs of the step before go first
             self._complete_step(arrived, cpu)
 
     def _complete_step(self, arrived: float, cpu: float) -> None:
         """Apply the oldest step in flight, whose results from every worker are in."""
-        step_id, step, sent = self.in_flight.popleft()
-        results = self.pending_results.pop(step_id)
-        started, self.last_done = max(sent, self.last_done), arrived  # a queued step started when the one before ended
-        if not self.in_flight:  # the workers wait for the next plan from now: turnaround
-            self.results_at, self.results_cpu = arrived, cpu
+        step, sent, results = self.in_flight.pop()
+        started = self.metrics.results_in(sent, arrived, cpu, idle=not self.in_flight)
         main = results[0]
-        # the failing worker's own error first (tp peers that only declined the step say TensorParallelPeer)
-        errors = sorted((r.error for r in results.values() if r.error is not None),
-                        key=lambda e: e.kind == ErrorKind.TP_PEER)
+        error = step_error(results)
         interrupted = any(r.interrupted for r in results.values())
-        if errors:
+        if error is not None:
             # A step that raised (a bug, or out of memory) fails the requests in it; the engine
             # keeps serving the others. Dead workers are handled by member_lost, not here.
-            self._fail_seqs(step.seqs, step_failure(errors[0]))
+            self._fail_seqs(step.seqs, error)
             self.sched.discard_saves(step)
             return
         if interrupted:
@@ -378,21 +350,16 @@ class SchedulerActor:
             # An abort pause cut the step short: its sequences were aborted, nothing advanced.
             self._maybe_complete_quiesce()
             return
-        dt = time.perf_counter() - started
-        self.step_time_ema = dt if not self.step_time_ema else 0.9 * self.step_time_ema + 0.1 * dt
-        self.counters["steps"] += 1
-        self.counters["step_time_total"] += dt
-        # the worker's own compute time: step_time_total - step_compute_total is what the bus hop costs
-        self.counters["step_compute_total"] += main.step_time_s
+        self.metrics.step_done(started, main.step_time_s)
         if main.routed_experts is not None:
-            self._file_routed(step, main)
+            file_routed(step, main)
         for sid, error in main.seq_errors:  # one request failed alone (structured outputs): the rest go on
             seq = self.sched.seqs.get(sid)
             if seq is not None:
                 self._fail_seqs([seq], error)
         sampled = dict(zip(main.seq_ids, zip(main.token_ids.tolist(), main.logprobs.tolist(), repeat(None))))
         updates = self.sched.update(step, sampled)  # the stop rules: before the next schedule
-        self.counters["generation_tokens"] += len(updates)
+        self.metrics.counters["generation_tokens"] += len(updates)
         # Their outputs are built once the next plan is out (turn()), or before anything else the loop
         # handles first: what they say is what the update left (kv_epoch is in the update).
         self.step_outputs = (step, updates, main)
@@ -401,64 +368,10 @@ class SchedulerActor:
         """The outputs of the step whose results came in, and its prompt-token count (read by stats())."""
         step, updates, res = self.step_outputs
         self.step_outputs = None
-        prompt_tokens = 0
-        for q, n, b in zip(step.seqs, step.num_new, step.num_computed):
-            p = len(q.prompt_token_ids)
-            if b < p:  # a prefill chunk (decodes come first and add nothing)
-                prompt_tokens += min(b + n, p) - b
-        self.counters["prompt_tokens"] += prompt_tokens
-        ids = res.seq_ids
-        row = dict(zip(ids, range(len(ids))))
-        prompt_lps = {p.seq_id: p for p in res.prompt_logprobs}
-        out = self._update_output
-        mask_at = None if res.sampling_mask_counts is None else sampling_mask.starts(res.sampling_mask_counts)
-        self._emit([(u.seq, out(u, res, row[u.seq.seq_id], prompt_lps.get(u.seq.seq_id), mask_at)) for u in updates])
-
-    def _file_routed(self, step: ScheduledStep, res: StepResult) -> None:
-        """Routed experts of this step, filed as numpy views under their sequences until their next output
-        (a partial prefill chunk has none). Sequences aborted while the step ran drop theirs."""
-        seqs = {s.seq_id: s for s in step.seqs}
-        rows = res.routed_experts
-        for sid, start, first, n in res.routed_spans or ():
-            seq = seqs.get(sid)
-            if seq is not None and seq.status is not SeqStatus.FINISHED:
-                seq.routed_pieces.append((start, rows[first:first + n]))
+        self.metrics.counters["prompt_tokens"] += prompt_tokens(step)
+        self._emit(step_outputs(updates, res))
 
     # --- outputs --------------------------------------------------------------------------------
-
-    def _update_output(self, u: SeqUpdate, res: StepResult, i: int, prompt_lp: PromptLogprobs | None,
-                       mask_at: list[int] | None = None) -> RequestOutput:
-        """One sampled token of one sequence, with what the request asked to know about it."""
-        seq = u.seq
-        sp = seq.sampling
-        epoch = res.weight_epoch
-        kv_epoch = u.kv_epoch
-        finished = u.finished
-        logprobs = top = ranks = mass = None
-        if sp.logprobs is not None:
-            logprobs = [u.logprob]
-            if sp.logprobs:
-                k = None if sp.logprobs == -1 else sp.logprobs  # -1: every column the worker computed (the vocab)
-                top = [[[int(t), float(lp)] for t, lp in zip(res.topk_ids[i, :k], res.topk_logprobs[i, :k])]]
-            if res.ranks is not None:
-                ranks = [int(res.ranks[i])]
-        if sp.return_sampling_mass and res.sampling_mass is not None:
-            mass = [float(res.sampling_mass[i])]
-        out = RequestOutput(seq.seq_id, [u.token_id], logprobs, top, finished,
-                            seq.finish_reason if finished else None, seq.stop_reason if finished else None,
-                            None, len(seq.prompt_token_ids), seq.num_cached_tokens, epoch,
-                            kv_epoch is not None and kv_epoch != epoch, ranks, mass, prompt_lp)
-        if mask_at is not None:  # --return-sampling-mask: this token's row of the step's mask
-            out.sampling_mask_ids = res.sampling_mask_ids[mask_at[i]:mask_at[i + 1]]
-            out.sampling_mask_counts = res.sampling_mask_counts[i:i + 1]
-        return _with_routes(seq, out)
-
-    def _output(self, seq: Sequence, tokens: list[int], *, finished: bool, error: ErrorInfo | None = None,
-                logprobs: list[float] | None = None, top: list | None = None, weight_epoch: int = 0) -> RequestOutput:
-        out = RequestOutput(seq.seq_id, tokens, logprobs, top, finished,
-                            seq.finish_reason if finished else None, seq.stop_reason if finished else None,
-                            error, seq.num_prompt_tokens, seq.num_cached_tokens, weight_epoch)
-        return _with_routes(seq, out)
 
     def _emit(self, items: list[tuple[Sequence, RequestOutput]]) -> None:
         """Queue outputs for the end of this loop turn (run() flushes them after the turn's plan)."""
@@ -475,20 +388,15 @@ class SchedulerActor:
             send(self.router, OutputBatch(outs, stats), to=client)
 
     def stats(self) -> dict[str, float]:
-        b = self.sched.blocks
-        return {"num_running": len(self.sched.running), "num_waiting": len(self.sched.waiting),
-                "kv_usage": b.usage, "step_time_s": self.step_time_ema,
-                "num_preemptions": self.sched.num_preemptions,
-                "prefix_cache_queries": b.num_prefix_queries, "prefix_cache_hits": b.num_prefix_hits,
-                **self.counters}
+        return self.metrics.stats(self.sched)
 
     # --- control (handlers of the typed commands; the follower has applied the state already) ------
 
     def _health(self, cmd: Health) -> HealthReport:
         if self.sched is None:
             return HealthReport(False, "waiting for workers")
-        if self.workers_waiting:
-            return HealthReport(False, f"waiting for {', '.join(sorted(self.workers_waiting))} to rejoin")
+        if self.recovery.waiting:
+            return HealthReport(False, f"waiting for {', '.join(sorted(self.recovery.waiting))} to rejoin")
         return HealthReport(True, running=len(self.sched.running))
 
     def _shutdown(self, cmd: Shutdown) -> None:
@@ -518,51 +426,22 @@ class SchedulerActor:
         """Stop stepping until `names` say Hello again; fail what the workers had seen (their state of it is
         gone: sampled tokens, per-request generators, KV), keep the rest queued."""
         log.error("scheduler.worker_lost", workers=names, seq=seq, reason=error.message)
-        if not self.workers_waiting:
-            self.waiting_since = time.monotonic()
-        for n in names:
-            self.workers_waiting[n] = seq
+        self.recovery.lost(names, seq)
         if self.sched is None:
             return  # still starting: wait_for_workers waits for the Hellos anyway
         self.in_flight.clear()
-        self.pending_results = {}
         seqs = [q for q in self.sched.seqs.values() if everything or q.sent_to_workers]
         self._fail_seqs(seqs, error)
         self.sched.blocks.reset_prefix_cache()  # a restarted worker's KV cache holds nothing
         for n in names:
-            self._check_rejoined(n)  # its Hello may have overtaken the news of its loss
-
-    def _on_plan_subscription(self, on: bool, name: str | None) -> None:
-        if name is None:
-            return
-        if on:
-            self.plan_subs.add(name)
-            self._check_rejoined(name)
-        else:
-            self.plan_subs.discard(name)
-
-    def _on_worker_hello(self, h: Hello) -> None:
-        self.worker_hellos[h.name] = h.info.joined_seq if isinstance(h.info, WorkerInfo) else 0
-        self._check_rejoined(h.name)
-
-    def _check_rejoined(self, name: str) -> None:
-        lost_at = self.workers_waiting.get(name)
-        if lost_at is None or self.worker_hellos.get(name, -1) < lost_at or name not in self.plan_subs:
-            return
-        del self.workers_waiting[name]
-        log.info("scheduler.worker_rejoined", worker=name, waiting_for=sorted(self.workers_waiting),
-                 after_s=round(time.monotonic() - self.waiting_since, 2))
-
-    def _recovery_message(self) -> str:
-        return (f"{', '.join(sorted(self.workers_waiting))} did not come back within {RECOVERY_WAIT_S:.0f}s "
-                "of being lost")
+            self.recovery.check_rejoined(n)  # its Hello may have overtaken the news of its loss
 
     def _check_recovery_wait(self) -> None:
         """Queued requests do not wait forever for a worker that never comes back."""
-        if self.sched is None or time.monotonic() - self.waiting_since <= RECOVERY_WAIT_S or not self.sched.seqs:
+        if self.sched is None or not self.recovery.waited_too_long() or not self.sched.seqs:
             return
         self._fail_seqs(list(self.sched.seqs.values()),
-                        ErrorInfo(ErrorKind.WORKER_LOST, self._recovery_message(), status=503))
+                        ErrorInfo(ErrorKind.WORKER_LOST, self.recovery.message(), status=503))
 
     def _reset_prefix_cache(self, cmd: ResetPrefixCache) -> PrefixCacheReset:
         if self.sched is None:
@@ -588,7 +467,7 @@ class SchedulerActor:
         if verdict.mode == "abort":
             aborted = self.sched.abort_all()
             verdict.aborted = len(aborted)
-            self._emit([(seq, self._output(seq, [], finished=True)) for seq in aborted])
+            self._emit([(seq, request_output(seq, [], finished=True)) for seq in aborted])
         done = self._complete_quiesce()
         return DEFER if done is None else done
 
@@ -617,26 +496,8 @@ class SchedulerActor:
             if self.sched.abort(seq.seq_id) is None:
                 continue
             seq.finish_reason = "error"
-            outs.append((seq, self._output(seq, [], finished=True, error=reason)))
+            outs.append((seq, request_output(seq, [], finished=True, error=reason)))
         self._emit(outs)
-
-
-def _with_routes(seq: Sequence, out: RequestOutput) -> RequestOutput:
-    """Every output carries the routed experts computed since the sequence's previous one."""
-    if seq.routed_pieces:
-        out.routed_experts_start, out.routed_experts = merge_routed(seq.routed_pieces)
-        seq.routed_pieces = []
-    return out
-
-
-def step_failure(e: ErrorInfo) -> ErrorInfo:
-    """What the requests of a failed step are told: a failure the worker anticipated (it knows the HTTP
-    status, e.g. 503 for weights a level-2 sleep discarded) as it is; anything else as a 500 that names
-    the exception."""
-    if e.status is not None:
-        return ErrorInfo(e.kind, e.message, e.member, e.status, e.param, e.tensor)
-    return ErrorInfo(ErrorKind.STEP_FAILED, f"worker step failed: {e.kind}: {e.message}", e.member, None, e.param,
-                     e.tensor)
 
 
 def freeze_heap() -> None:

@@ -14,6 +14,7 @@ from torch import nn
 from ascend_ops import batch_invariant as bi
 from ascend_ops.attention import AttentionMetadata, PrefillChunk
 from ascend_ops.batch_invariant import DEFAULT, Kernels
+from ascend_ops.batch_invariant_check import _same
 from ascend_ops.invariant_activations import sigmoid as invariant_sigmoid
 from ascend_ops.tp_group import SOLO, Solo
 from workers.models.llama import _param
@@ -255,7 +256,7 @@ def tp_splits(cfg: MoEConfig, rank: int, size: int) -> dict[str, Split]:
 
 
 def gdn_invariant(layer: GatedDeltaNet, rand) -> bool:
-    """Measure (the start-up self-check, ascend_ops.batch_invariant.self_check) that `layer` in batch-invariant
+    """Measure (the start-up self-check, ascend_ops.batch_invariant_check.self_check) that `layer` in batch-invariant
     mode gives every row and every final state the same bits: three sequences of 5, 19 and 70 tokens each
     computed alone as one prefill, then together in other slots, chunked, beside decodes and as decodes only.
     `rand(*shape)` draws inputs of the model's dtype on its device."""
@@ -292,5 +293,5 @@ def gdn_invariant(layer: GatedDeltaNet, rand) -> bool:
     third = step(state, [(1, b - 1), (0, a - 1)], [], slot)
     got = [torch.cat([first[0], second[0], third[1]]), torch.cat([first[1], second[1], third[0]]),
            torch.cat([first[2], second[2]])]
-    same_states = all(bi._same(alone_state[i][:3], state[i][torch.tensor(slot)]) for i in (0, 1))
-    return same_states and all(bi._same(x, y) for x, y in zip(alone, got))
+    same_states = all(_same(alone_state[i][:3], state[i][torch.tensor(slot)]) for i in (0, 1))
+    return same_states and all(_same(x, y) for x, y in zip(alone, got))

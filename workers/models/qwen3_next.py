@@ -202,7 +202,7 @@ class HybridLM(MoEDecoderLM):
         return self.cfg.linear_layers
 
     def invariance_checks(self, rand):
-        """What ascend_ops.batch_invariant.self_check measures beyond the shared ops: one Gated DeltaNet layer
+        """What ascend_ops.batch_invariant_check.self_check measures beyond the shared ops: one Gated DeltaNet layer
         (every one runs the same code at the same shapes)."""
         layer = self.model.layers[self.cfg.linear_layers[0]].linear_attn
         return [("gated_deltanet", lambda: gdn_invariant(layer, rand))]
