@@ -232,8 +232,9 @@ def engine_workloads(who: str, url: str, prompts: list[list[int]], args, engines
     out["A"]["loadavg"] = os.getloadavg()[0]
     if bus:
         out["bus"] = bus_cost(before, scheduler_counters(url), out["A"]["seconds_all"], engines)
-    say(f"[{who}] B: 16 prompts x n=8 ...")
-    out["B"] = _run(f"{who} B", url, model, prompts[:16], 8, args.max_tokens, False, seeds, engines=engines)
+    if "B" not in args.skip:
+        say(f"[{who}] B: 16 prompts x n=8 ...")
+        out["B"] = _run(f"{who} B", url, model, prompts[:16], 8, args.max_tokens, False, seeds, engines=engines)
     if args.wide:
         say(f"[{who}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
         before = scheduler_counters(url) if bus else None
@@ -241,7 +242,7 @@ def engine_workloads(who: str, url: str, prompts: list[list[int]], args, engines
                               seeds)
         if bus:
             out["bus_W"] = bus_cost(before, scheduler_counters(url), out["W"]["seconds_all"], engines)
-    for streams in (1, 32):
+    for streams in () if "C" in args.skip else (1, 32):
         say(f"[{who}] C: {streams} concurrent streams ...")
         out[f"C{streams}"] = asyncio.run(latency(url, model, prompts, streams, args.max_tokens))
     if args.agentic:
@@ -392,6 +393,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate-no-native-bf16", choices=list(no_native_bf16.EMULATIONS),
                    help="Run everything as a CPU without native bf16 would, on this host (bench/no_native_bf16.py): "
                         "avx2 as AMD Zen 2/3, avx512 as Intel Cascade Lake. Not with --vllm.")
+    p.add_argument("--skip", nargs="+", choices=["B", "C"],
+                   help="Workloads not to run (B, C); A always runs.")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
     return p
@@ -402,6 +405,7 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be at least 1")
+    args.skip = args.skip or []
     emulated = args.emulate_no_native_bf16
     if emulated and args.vllm:
         p.error("--emulate-no-native-bf16 with --vllm: vLLM's CPU build picks its kernels from the CPU itself")
@@ -449,8 +453,9 @@ def main() -> None:
             say(f"[hf {dtype}] A: generate on one left-padded batch of {args.num_prompts} ...")
             r["hf_A"] = bench_hf(dtype, folder, tok, prompts[: args.num_prompts], 1, args.max_tokens,
                                  args.hf_library_defaults, fixed=True)
-            say(f"[hf {dtype}] B: 16 prompts x 8 ...")
-            r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens, args.hf_library_defaults)
+            if "B" not in args.skip:
+                say(f"[hf {dtype}] B: 16 prompts x 8 ...")
+                r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens, args.hf_library_defaults)
         results[dtype] = r
 
     def cell(x: float | None, fmt: str = "{:.0f}") -> str:
@@ -460,7 +465,7 @@ def main() -> None:
     rows = [["dtype", "workload", "rollbus tok/s", *(f"vLLM {c} tok/s" for c in peers), "HF tok/s",
              *(f"vs vLLM {c}" for c in peers), "vs HF", "GEMM ceiling", "of ceiling", "of FMA peak"]]
     for dtype, r in results.items():
-        work = [("A", f"{args.num_prompts}x{args.max_tokens} fixed"), ("B", "16 x n=8")]
+        work = [("A", f"{args.num_prompts}x{args.max_tokens} fixed")] + [("B", "16 x n=8")] * ("B" in r)
         work += [("W", f"{WIDE[0]} x n={WIDE[1]} x {WIDE[2]} fixed")] if "W" in r else []
         work += [("M", f"agentic {AGENTIC[0]} x {AGENTIC[1]} turns")] if "M" in r else []
         for w, name in work:
@@ -498,7 +503,7 @@ def main() -> None:
     rows = [["dtype", "streams", "TTFT p50 ms", "TTFT max ms", "ITL p50 ms", "ITL p99 ms"]]
     for dtype, r in results.items():
         for lay in (r, *r["layouts"].values()):
-            for s in (1, 32):
+            for s in () if "C" in args.skip else (1, 32):
                 c = lay[f"C{s}"]
                 who = dtype + (f" -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
                 rows.append([who, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
@@ -582,7 +587,7 @@ def _plot(results: dict, path: str) -> None:
         return
     labels, ours, theirs = [], [], []
     for dtype, r in results.items():
-        for w in ("A", "B"):
+        for w in ("A", "B")[: 1 + ("B" in r)]:
             labels.append(f"{dtype} {w}")
             ours.append(r[w]["tok_s"])
             theirs.append(r.get(f"hf_{w}", {}).get("tok_s", 0))
