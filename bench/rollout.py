@@ -512,7 +512,8 @@ def main() -> None:
             c = r["vllm_all"][conf]["C32"]
             rows.append([f"{dtype} vLLM {conf}", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                          f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
-    print("\nStreaming latency over HTTP\n" + table(rows))
+    if len(rows) > 1:  # not with --skip C
+        print("\nStreaming latency over HTTP\n" + table(rows))
     rows = [["dtype", "workload", "steps", "step ms (scheduler)", "compute ms (worker)", "bus hop ms/step",
              "between steps ms"]]
     for dtype, r in results.items():
