@@ -42,10 +42,12 @@ def _flags() -> set[str]:
         return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
 
 
-def _build() -> tuple[ctypes.CDLL, int]:
-    """The loop compiled for the widest vectors here (gcc): the library and its fp32 lanes."""
+def _build(avx512: bool = True) -> tuple[ctypes.CDLL, int]:
+    """The loop compiled for the widest vectors here (gcc; `avx512=False`: at most AVX2): the library and its
+    fp32 lanes."""
     flags = _flags()
-    lanes, arch = (16, "-mavx512f -mfma") if "avx512f" in flags else (8, "-mavx2 -mfma") if "fma" in flags else (4, "")
+    lanes, arch = ((16, "-mavx512f -mfma") if avx512 and "avx512f" in flags
+                   else (8, "-mavx2 -mfma") if "fma" in flags else (4, ""))
     folder = Path(tempfile.mkdtemp(prefix="fma-peak-"))
     (folder / "fma.c").write_text(_SOURCE % {"bytes": lanes * 4})
     cmd = f"gcc -O2 -ffp-contract=fast {arch} -shared -fPIC -o {folder}/fma.so {folder}/fma.c"
@@ -55,10 +57,11 @@ def _build() -> tuple[ctypes.CDLL, int]:
     return lib, lanes
 
 
-def fma_peak(threads: int | None = None, seconds: float = 0.5) -> dict:
+def fma_peak(threads: int | None = None, seconds: float = 0.5, avx512: bool = True) -> dict:
     """fp32 FLOP/s of the FMA loop on `threads` threads at once (default: the cores this process may use), the
-    best of three rounds of about `seconds` each; and the clock it implies with two FMA pipes per core."""
-    lib, lanes = _build()
+    best of three rounds of about `seconds` each; and the clock it implies with two FMA pipes per core.
+    avx512=False: on AVX2 vectors even where the CPU has AVX-512 (the peak of an AVX2-only CPU at this clock)."""
+    lib, lanes = _build(avx512)
     threads = threads or len(os.sched_getaffinity(0))
     iters = 1000
     while True:  # size a round to about `seconds` on one thread

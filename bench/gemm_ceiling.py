@@ -75,9 +75,9 @@ def gemm_rate(shape: Shape, dtype: str = "float32", threads: int | None = None, 
               repeats: int = 5, warmup_s: float = 0.5) -> float:
     """FLOP/s of torch's own matrix products over one layer of this model (q, k, v, o, gate, up, down) at a
     large M (a wide prefill), the best of `repeats` after `warmup_s` of warm-up (the cores' clocks and
-    the allocator settle). On CPU also on oneDNN pre-packed weights and, in fp32, MKL's packed sgemm and the
-    panel kernels (what rollbus multiplies on there, ascend_ops.packed_linear): the ceiling takes the
-    fastest, the machine's best."""
+    the allocator settle). On CPU also on oneDNN pre-packed weights (where oneDNN takes the dtype), in fp32 on
+    MKL's packed sgemm, and in fp32 and bf16 on the panel kernels (what rollbus multiplies on there,
+    ascend_ops.packed_linear): the ceiling takes the fastest, the machine's best."""
     import torch
 
     if threads:
@@ -97,7 +97,9 @@ def gemm_rate(shape: Shape, dtype: str = "float32", threads: int | None = None, 
 
     kernels = [plain]
     mkldnn = torch.ops.mkldnn
-    if torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight"):
+    bf16 = getattr(mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()  # oneDNN has no bf16 path on some CPUs
+    onednn_dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    if torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight") and dt in onednn_dtypes:
         packed = [(w.shape[1], mkldnn._reorder_linear_weight(w)) for w in weights]
 
         def prepacked() -> None:
@@ -119,7 +121,10 @@ def gemm_rate(shape: Shape, dtype: str = "float32", threads: int | None = None, 
                     ops.mkl_packed_linear(inputs[k], w, n, k, None)
 
             kernels.append(mkl_packed)
-        for backend, width in packed_linear.PANEL_WIDTHS.items():  # our panel kernels (rollbus's fp32 on some CPUs)
+    if dt in (torch.float32, torch.bfloat16):  # our panel kernels: rollbus's fp32 on some CPUs, bf16 on those without
+        from ascend_ops import packed_linear  # native bf16 (bf16 weights widened to fp32 in registers)
+
+        for backend, width in packed_linear.PANEL_WIDTHS.items():
             if packed_linear.panel_unavailable(backend) is None:
                 from ascend_ops import cpu_kernels
 

@@ -19,6 +19,7 @@ use offset").
     python bench/rollout.py --dtypes float32 --vllm --json out.json --plot out.png
     python bench/rollout.py --dtypes float32 --wide --skip-hf
     python bench/rollout.py --dtypes float32 --vllm --rollbus-dp 1 2   # rollbus as one engine and as -dp 2
+    python bench/rollout.py --emulate-no-native-bf16 avx2  # as on a CPU without bf16 (bench/no_native_bf16.py)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -37,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import no_native_bf16  # noqa: E402
+from bench.cpu_time import tree_cpu_seconds  # noqa: E402
 from bench.fma_peak import fma_peak  # noqa: E402
 from bench.gemm_ceiling import Shape, ceiling_tok_s, gemm_rate, prefill_ceiling_tok_s  # noqa: E402
 from bench.model_shapes import SHAPES, shape_folder  # noqa: E402
@@ -210,21 +214,27 @@ def kv_gib(shape: Shape, dtype: str, prompts: list[list[int]], args, engines: in
 
 
 def engine_workloads(who: str, url: str, prompts: list[list[int]], args, engines: int = 1,
-                     rollbus: bool = True) -> dict:
+                     rollbus: bool = True, pid: int | None = None) -> dict:
     """Every workload asked for, against one server at `url`; rollbus: also its scheduler counters (the bus
-    cost per step), and per-request seeds (vLLM's CPU build kills its engine on one)."""
+    cost per step), and per-request seeds (vLLM's CPU build kills its engine on one). pid: the server's, whose
+    process tree's CPU seconds during A are recorded (A's "cpu_s"), with the load average after A."""
     bus = seeds = rollbus
     out: dict = {}
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     say(f"[{who}] A: {args.num_prompts} prompts x exactly {args.max_tokens} tokens ...")
     warm_up(url, model, prompts[0], engines=engines, seeds=seeds)  # before the counters: its steps are not A's
     before = scheduler_counters(url) if bus else None
+    cpu0 = tree_cpu_seconds(pid) if pid else None
     out["A"] = _cold_runs(args.repeats, f"{who} A", url, model, prompts[: args.num_prompts], 1, args.max_tokens,
                           engines, seeds)
+    if pid:
+        out["A"]["cpu_s"] = tree_cpu_seconds(pid) - cpu0  # every run of A together, as "seconds_all"
+    out["A"]["loadavg"] = os.getloadavg()[0]
     if bus:
         out["bus"] = bus_cost(before, scheduler_counters(url), out["A"]["seconds_all"], engines)
-    say(f"[{who}] B: 16 prompts x n=8 ...")
-    out["B"] = _run(f"{who} B", url, model, prompts[:16], 8, args.max_tokens, False, seeds, engines=engines)
+    if "B" not in args.skip:
+        say(f"[{who}] B: 16 prompts x n=8 ...")
+        out["B"] = _run(f"{who} B", url, model, prompts[:16], 8, args.max_tokens, False, seeds, engines=engines)
     if args.wide:
         say(f"[{who}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
         before = scheduler_counters(url) if bus else None
@@ -232,7 +242,7 @@ def engine_workloads(who: str, url: str, prompts: list[list[int]], args, engines
                               seeds)
         if bus:
             out["bus_W"] = bus_cost(before, scheduler_counters(url), out["W"]["seconds_all"], engines)
-    for streams in (1, 32):
+    for streams in () if "C" in args.skip else (1, 32):
         say(f"[{who}] C: {streams} concurrent streams ...")
         out[f"C{streams}"] = asyncio.run(latency(url, model, prompts, streams, args.max_tokens))
     if args.agentic:
@@ -271,7 +281,13 @@ def bench_rollbus(dtype: str, folder: Path, prompts: list[list[int]], args, dp: 
                           env={"VLLM_SERVER_DEV_MODE": "1"}, timeout_s=900)  # dev mode: POST /reset_prefix_cache
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
-        out.update(engine_workloads(f"rollbus {dtype}", server.url, prompts, args, dp))
+        workers = httpx.get(server.url + "/server_info", timeout=60).json()["workers"].values()
+        out["cpu_linear"] = sorted({w["cpu_linear"] for w in workers})
+        want = args.emulate_no_native_bf16 and no_native_bf16.expected_cpu_linear(args.emulate_no_native_bf16, dtype)
+        if want and out["cpu_linear"] != [want]:
+            raise RuntimeError(f"rollbus {dtype}: /server_info's cpu_linear {out['cpu_linear']}, the emulation's "
+                               f"is {want}")
+        out.update(engine_workloads(f"rollbus {dtype}", server.url, prompts, args, dp, pid=server.proc.pid))
     finally:
         server.stop()
     return out
@@ -311,16 +327,17 @@ def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]],
     torch.manual_seed(0)
     with torch.no_grad():  # warm-up, as the servers get one
         model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, pad_token_id=pad)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         filters = {} if library_defaults else {"top_p": 1.0, "top_k": 0}
         if fixed:
             filters["min_new_tokens"] = max_tokens
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                              max_new_tokens=max_tokens, pad_token_id=pad, **filters)
-    dt = time.perf_counter() - t0
+    dt, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     if fixed:
-        return {"tokens": out.shape[0] * max_tokens, "seconds": dt, "tok_s": out.shape[0] * max_tokens / dt}
+        return {"tokens": out.shape[0] * max_tokens, "seconds": dt, "tok_s": out.shape[0] * max_tokens / dt,
+                "cpu_s": cpu_s, "loadavg": os.getloadavg()[0]}
     useful = 0
     eos = set(tok.eos_token_ids)
     for row in out[:, width:].tolist():
@@ -373,6 +390,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, metavar="K",
                    help="Run rollbus's A and W K times on the same server and report the median (every run's "
                         "tok/s is printed and saved).")
+    p.add_argument("--emulate-no-native-bf16", choices=list(no_native_bf16.EMULATIONS),
+                   help="Run everything as a CPU without native bf16 would, on this host (bench/no_native_bf16.py): "
+                        "avx2 as AMD Zen 2/3, avx512 as Intel Cascade Lake. Not with --vllm.")
+    p.add_argument("--skip", nargs="+", choices=["B", "C"],
+                   help="Workloads not to run (B, C); A always runs.")
     p.add_argument("--json", help="Write all numbers to this file.")
     p.add_argument("--plot", help="Save a bar chart (needs matplotlib).")
     return p
@@ -383,6 +405,14 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be at least 1")
+    args.skip = args.skip or []
+    emulated = args.emulate_no_native_bf16
+    if emulated and args.vllm:
+        p.error("--emulate-no-native-bf16 with --vllm: vLLM's CPU build picks its kernels from the CPU itself")
+    no_native_bf16.reexec_if_needed(emulated)  # torch, oneDNN and MKL read their caps at start-up
+    emulation = emulated and no_native_bf16.check(emulated)
+    if emulation:
+        say(f"[machine] {emulation}")
 
     if args.vllm_configs[0] != "tuned" and args.vllm and "tuned" in args.vllm_configs:
         args.vllm_configs.sort(key=lambda c: c != "tuned")  # the headline ratio is against the tuned peer
@@ -395,7 +425,7 @@ def main() -> None:
     args.vocab = range(1000, min(shape.vocab, 30000))  # token ids for tool results and long prompts
     results: dict = {}
     say("[machine] fp32 FMA peak (register-only loop, every core) ...")
-    peak = fma_peak()["flops"]
+    peak = fma_peak(avx512=emulated != "avx2")["flops"]
     for dtype in args.dtypes:
         say(f"[machine {dtype}] large-GEMM rate ...")
         before = gemm_rate(shape, dtype)
@@ -423,8 +453,9 @@ def main() -> None:
             say(f"[hf {dtype}] A: generate on one left-padded batch of {args.num_prompts} ...")
             r["hf_A"] = bench_hf(dtype, folder, tok, prompts[: args.num_prompts], 1, args.max_tokens,
                                  args.hf_library_defaults, fixed=True)
-            say(f"[hf {dtype}] B: 16 prompts x 8 ...")
-            r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens, args.hf_library_defaults)
+            if "B" not in args.skip:
+                say(f"[hf {dtype}] B: 16 prompts x 8 ...")
+                r["hf_B"] = bench_hf(dtype, folder, tok, prompts[:16], 8, args.max_tokens, args.hf_library_defaults)
         results[dtype] = r
 
     def cell(x: float | None, fmt: str = "{:.0f}") -> str:
@@ -434,7 +465,7 @@ def main() -> None:
     rows = [["dtype", "workload", "rollbus tok/s", *(f"vLLM {c} tok/s" for c in peers), "HF tok/s",
              *(f"vs vLLM {c}" for c in peers), "vs HF", "GEMM ceiling", "of ceiling", "of FMA peak"]]
     for dtype, r in results.items():
-        work = [("A", f"{args.num_prompts}x{args.max_tokens} fixed"), ("B", "16 x n=8")]
+        work = [("A", f"{args.num_prompts}x{args.max_tokens} fixed")] + [("B", "16 x n=8")] * ("B" in r)
         work += [("W", f"{WIDE[0]} x n={WIDE[1]} x {WIDE[2]} fixed")] if "W" in r else []
         work += [("M", f"agentic {AGENTIC[0]} x {AGENTIC[1]} turns")] if "M" in r else []
         for w, name in work:
@@ -452,6 +483,10 @@ def main() -> None:
                              cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}"),
                              cell(fma and ours / fma, "{:.0%}")])
     print(f"\nModel: {args.shape_name}" + (" (--load-format dummy)" if args.shape_name != "smollm2" else ""))
+    if emulation:
+        print(f"\n{emulation}")
+    print("rollbus /server_info cpu_linear: " + ", ".join(f"{d} {' / '.join(r['cpu_linear'])}"
+                                                          for d, r in results.items()))
     print("\nThroughput (useful tokens/s; the GEMM ceiling is the workload's FLOPs at the large-GEMM rate "
           "measured in this run, before and after rollbus's workloads, the higher of the two: "
           + ", ".join(f"{d} {r['gemm_gflops']:.0f} GFLOP/s ({'{:.0f} / {:.0f}'.format(*r['gemm_gflops_before_after'])})"
@@ -468,7 +503,7 @@ def main() -> None:
     rows = [["dtype", "streams", "TTFT p50 ms", "TTFT max ms", "ITL p50 ms", "ITL p99 ms"]]
     for dtype, r in results.items():
         for lay in (r, *r["layouts"].values()):
-            for s in (1, 32):
+            for s in () if "C" in args.skip else (1, 32):
                 c = lay[f"C{s}"]
                 who = dtype + (f" -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
                 rows.append([who, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
@@ -477,7 +512,8 @@ def main() -> None:
             c = r["vllm_all"][conf]["C32"]
             rows.append([f"{dtype} vLLM {conf}", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                          f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
-    print("\nStreaming latency over HTTP\n" + table(rows))
+    if len(rows) > 1:  # not with --skip C
+        print("\nStreaming latency over HTTP\n" + table(rows))
     rows = [["dtype", "workload", "steps", "step ms (scheduler)", "compute ms (worker)", "bus hop ms/step",
              "between steps ms"]]
     for dtype, r in results.items():
@@ -513,11 +549,32 @@ def main() -> None:
                              cell(ratio, "{:.1f}x")])
         print(f"\nLong prompts (L: {LONG[0]} x {LONG[1]} tokens, {LONG[2]} new; then again beside {LONG[3]} "
               f"decoding streams)\n" + table(rows))
+    _cpu_report(results, args.dtypes)
     print("\nServer ready in: " + ", ".join(f"{d} {r['ready_s']:.1f}s" for d, r in results.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.plot:
         _plot(results, args.plot)
+
+
+def _cpu_report(results: dict, dtypes: list[str]) -> None:
+    """Workload A on CPU time (tokens per CPU second of the server's processes, HF's own process), the load
+    average after it, and the ratios within this run: rollbus bf16 over fp32, rollbus over HF."""
+    rows = [["dtype", "engine", "A tok/s (wall)", "A tok per CPU s", "load average"]]
+    for dtype, r in results.items():
+        for who, a in (("rollbus", r["A"]), ("HF", r.get("hf_A"))):
+            if a and "cpu_s" in a:
+                n = a["tokens"] * (len(a.get("runs", [0])))
+                rows.append([dtype, who, f"{a['tok_s']:.0f}", f"{n / a['cpu_s']:.1f}", f"{a['loadavg']:.2f}"])
+    print("\nWorkload A on CPU time (the server's process tree; HF's process)\n" + table(rows))
+    if "float32" in results and "bfloat16" in results:
+        fp, bf = results["float32"], results["bfloat16"]
+        cpu = lambda a: a["tokens"] * len(a.get("runs", [0])) / a["cpu_s"]  # noqa: E731
+        print(f"rollbus bf16 / fp32, A: {bf['A']['tok_s'] / fp['A']['tok_s']:.2f}x wall, "
+              f"{cpu(bf['A']) / cpu(fp['A']):.2f}x CPU time")
+        if "hf_A" in bf:
+            print(f"rollbus bf16 / HF bf16, A: {bf['A']['tok_s'] / bf['hf_A']['tok_s']:.2f}x wall, "
+                  f"{cpu(bf['A']) / cpu(bf['hf_A']):.2f}x CPU time")
 
 
 def _plot(results: dict, path: str) -> None:
@@ -531,7 +588,7 @@ def _plot(results: dict, path: str) -> None:
         return
     labels, ours, theirs = [], [], []
     for dtype, r in results.items():
-        for w in ("A", "B"):
+        for w in ("A", "B")[: 1 + ("B" in r)]:
             labels.append(f"{dtype} {w}")
             ours.append(r[w]["tok_s"])
             theirs.append(r.get(f"hf_{w}", {}).get("tok_s", 0))

@@ -246,7 +246,7 @@ def test_the_rollout_bench_option_table_is_its_parser():
     actions = {a.option_strings[-1]: a for a in parser()._actions if a.option_strings and a.dest != "help"}
     documented = {}
     for row in table_rows(ROOT / "docs" / "benchmarks.md", "## Running it"):
-        flag = re.match(r"`(--[a-z-]+)", row[0])
+        flag = re.match(r"`(--[a-z0-9-]+)", row[0])
         assert flag, f"unreadable row {row}"
         documented[flag.group(1)] = row[1]
     assert set(documented) == set(actions), (set(documented) ^ set(actions))

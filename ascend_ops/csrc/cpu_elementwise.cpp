@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -158,7 +159,19 @@ void rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
       const T* c = cp + t * d;
       const T* s = sp + t * d;
       T* o = op + item * d;
-      for (int64_t i = 0; i < half; ++i) {
+      int64_t i = 0;
+#ifdef __AVX2__
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // fp32's loop vectorises itself; bf16's roundings do not
+        for (; i + 8 <= half; i += 8) {  // the same products, roundings and sums as the loop below, 8 at a time
+          const __m256 x1 = load8(v + i), x2 = load8(v + i + half);
+          store8(o + i, _mm256_sub_ps(round8(_mm256_mul_ps(x1, load8(c + i)), T()),
+                                      round8(_mm256_mul_ps(x2, load8(s + i)), T())));
+          store8(o + i + half, _mm256_add_ps(round8(_mm256_mul_ps(x2, load8(c + i + half)), T()),
+                                             round8(_mm256_mul_ps(x1, load8(s + i + half)), T())));
+        }
+      }
+#endif
+      for (; i < half; ++i) {
         const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
         o[i] = static_cast<T>(round_as(x1 * to_float(c[i]), T()) - round_as(x2 * to_float(s[i]), T()));
         o[i + half] = static_cast<T>(round_as(x2 * to_float(c[i + half]), T()) + round_as(x1 * to_float(s[i + half]), T()));
