@@ -20,10 +20,9 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool = False  # vLLM's
 
 
-# A step's (weighed) long-prefill tokens on a CPU beside as many decoding sequences as long prompts: a decode step
-# of SmolLM2 or Qwen3-0.6B costs about as much as 60-90 prefill tokens (reading every weight once, plus the
-# decodes), so 256 prefill tokens keep a step within about 3x a decode step's time while prefilling at ~80% of the
-# pure-prefill rate (docs/benchmarks.md, L).
+# A step's prefill tokens on a CPU while sequences decode: a decode step of SmolLM2 or Qwen3-0.6B costs about as
+# much as 60-90 prefill tokens (reading every weight once, plus the decodes), so 256 prefill tokens keep a step
+# within about 3x a decode step's time while prefilling at ~80% of the pure-prefill rate (docs/benchmarks.md, L).
 CPU_PREFILL_BESIDE_DECODES = 256
 
 
@@ -37,12 +36,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-tokens-beside-decodes", type=non_negative("--prefill-tokens-beside-decodes"),
                    default=d.prefill_tokens_beside_decodes,
                    metavar="N",
-                   help="While any sequence is decoding, the chunks of long prompts (more than N tokens left to "
-                        "compute, weighed by the keys they attend to) take at most N tokens of a step together, times "
-                        "the long prompts per decoding sequence where they are more (the rest waits for the next "
-                        "steps), so a long prompt does not stall the decoding streams: on a CPU a step's time grows "
-                        "with its tokens. Shorter prompts, and a turn whose conversation is cached, come in whole; "
-                        "with nothing decoding, prefills take the whole --max-num-batched-tokens. Default: "
+                   help="While any sequence is decoding, a step's prefill chunks take at most N tokens together (the "
+                        "rest of a long prompt waits for the next steps), so a long prompt does not stall the "
+                        "decoding streams: on a CPU a step's time grows with its tokens. With nothing decoding, "
+                        "prefills take the whole --max-num-batched-tokens. Default: "
                         f"{CPU_PREFILL_BESIDE_DECODES} on CPU, 0 (no limit, as vLLM) on accelerators.")
     g.add_argument("--long-prefill-token-threshold", type=human_int, default=d.long_prefill_token_threshold,
                    help="vLLM's: one request's prefill chunk per step is at most this many tokens, unless it is the "

@@ -8,20 +8,13 @@ Each step (vLLM v1 style, one token budget for everything):
      longer than the budget is chunked over several steps.
 Two limits on prefill chunks, on top of the budget:
   - beside decodes (`prefill_beside_decodes` = N, rollbus's --prefill-tokens-beside-decodes): while any running
-    sequence is decoding, the chunks of long prompts take at most a share of a step together. On a CPU a step
-    costs in proportion to its tokens, so one 2,048-token chunk would hold every decoding stream for its whole
-    prefill; a bounded chunk keeps the step time even. A chunk's tokens are weighed by the keys they attend to
-    (1 + position / `prefill_keys_per_token` each), so a chunk late in a long prompt, whose attention costs
-    more, is shorter and every step stays about as long. A prompt is long when what it has left to compute
-    weighs more than N: at admission, from the end of its cached prefix (a conversation's next turn, whose
-    earlier turns are cached, is short by its new tokens and comes in whole), and once its chunks are under
-    way, from position 0 (its last chunks still count). Short prompts are admitted whole within the budget (a
-    rollout's batch fills at once). The long prompts' share is N, times the long prompts (running or waiting)
-    per decoding sequence where they are more: 16 long prompts beside 32 decoding streams take N a step, as
-    they would alone beside them, while a burst of long prompts beside the first few of them to decode takes
-    large chunks (each long prompt counts like a decoding stream; a share as large as the budget lifts the
-    limit). Once the share is spent, a waiting prompt long by its whole length waits (its cached prefix is
-    looked up only when it may come in). With nothing decoding long prompts take the whole budget;
+    sequence is decoding, the chunks of long prompts (sequences of more than N tokens) take at most N tokens
+    of a step together. On a CPU a step costs in proportion to its tokens, so one 2,048-token chunk would
+    hold every decoding stream for its whole prefill; a bounded chunk keeps the step time even. Short prompts
+    are still admitted whole within the budget (a rollout's batch fills at once), and with nothing decoding
+    long prompts take the whole budget (the fastest prefill). A chunk's tokens are weighed by the keys they
+    attend to (1 + position / `prefill_keys_per_token` each), so a chunk late in a long prompt, whose
+    attention costs more, is shorter and every step stays about as long;
   - per request (`long_prefill_token_threshold`, vLLM's flag): one sequence's chunk is at most this many
     tokens, unless it is the only sequence running or waiting; `adaptive` floors it at the budget's fair share
     (budget // sequences running and waiting), as vLLM's --long-prefill-token-threshold-adaptive.
@@ -222,51 +215,27 @@ class Scheduler:
         self._finish(seq, "abort")
         return seq
 
-    def _chunk_limits(self) -> tuple[float, int]:
-        """This step's (weight left for long prompts' chunks, math.inf: no limit; one sequence's chunk): see the
-        module doc."""
+    def _chunk_limits(self) -> tuple[float, int, int]:
+        """This step's (tokens left for long prompts' chunks, the length over which a prompt is long, one
+        sequence's chunk): see the module doc."""
         budget = self.max_num_batched_tokens
-        long_left = math.inf
+        long_left, long_over = math.inf, budget  # no limit
         beside = self.prefill_beside_decodes
-        if 0 < beside < budget:
-            decoding = long_prompts = 0
-            for s in self.running:
-                left = len(s.prompt_token_ids) + len(s.output_token_ids) + s.inflight_samples \
-                    - s.num_computed - s.inflight_tokens
-                if left == 1:
-                    decoding += 1
-                elif left > 1 and self._long(s, 0):  # a long prompt's chunks go on: judged by its whole length
-                    long_prompts += 1
-            if decoding:
-                # waiting long prompts (judged by their whole length: their cached prefix is not known yet),
-                # counted until the share reaches the budget
-                enough = decoding * budget // beside + 1
-                for s in self.waiting:
-                    if long_prompts >= enough:
-                        break
-                    long_prompts += self._long(s, 0)
-                share = _long_share(beside, decoding, long_prompts)
-                if share < budget:
-                    long_left = share
+        if 0 < beside < budget and any(
+                len(s.prompt_token_ids) + len(s.output_token_ids) + s.inflight_samples
+                - s.num_computed - s.inflight_tokens == 1 for s in self.running):
+            long_left = long_over = beside
         per_seq = self.long_prefill_token_threshold
         eligible = len(self.running) + len(self.waiting)
         if per_seq <= 0 or eligible <= 1:
-            return long_left, budget
+            return long_left, long_over, budget
         if self.long_prefill_adaptive:
             per_seq = max(per_seq, budget // eligible)
-        return long_left, per_seq
-
-    def _long(self, seq: Sequence, start: int) -> bool:
-        """Whether the prefill of `seq` from position `start` (its cached prefix's end when it is admitted, 0 for
-        a prefill under way, so a long prompt's last chunks still count) to its last known token weighs more
-        than --prefill-tokens-beside-decodes: then its chunks share the long prompts' part of a step."""
-        return _cost(start, seq.num_tokens + seq.inflight_samples - start, self.prefill_keys_per_token) \
-            > self.prefill_beside_decodes
+        return long_left, long_over, per_seq
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        long_left, per_seq = self._chunk_limits()
-        capped = long_left != math.inf
+        long_left, long_over, per_seq = self._chunk_limits()
         seqs: list[Sequence] = []
         num_new: list[int] = []
         num_computed: list[int] = []
@@ -299,7 +268,7 @@ class Scheduler:
                 blocks.release_before(seq, computed - window + 1)  # keys its next queries can no longer see
             if n > 1:  # a prefill chunk
                 n = min(n, per_seq)
-                if capped and self._long(seq, 0):
+                if known > long_over:
                     n = _fit(long_left, computed, n, self.prefill_keys_per_token)
                     if n <= 0:
                         i += 1  # the long prompts' share of this step is spent
@@ -340,13 +309,13 @@ class Scheduler:
                 break  # preempted while a step of it was computing: it comes back once that step is in
             if self.max_loras and self._lora_slot_full(seq):
                 break  # vLLM's --max-loras: it waits until a running adapter's sequences are done
-            if capped and long_left <= 0 and self._long(seq, 0):
-                break  # the long prompts' share of this step is spent, and this prompt may be one (unmatched yet)
+            long = seq.num_tokens > long_over
+            if long and long_left <= 0:
+                break  # the long prompts' share of this step is spent
             # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
             # never reads the prefix cache (its blocks are still shared with later requests).
             want_prompt_lp = seq.sampling.prompt_logprobs is not None
             seq.num_computed = 0 if want_prompt_lp else self.blocks.match_prefix(seq, self.weight_epoch)
-            long = capped and self._long(seq, seq.num_computed)  # by what it has left to compute
             n = min(seq.num_tokens - seq.num_computed, budget, per_seq)
             if long:
                 n = _fit(long_left, seq.num_computed, n, self.prefill_keys_per_token)
@@ -526,12 +495,6 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         if seq.sent_to_workers:
             self._finished_ids.append(seq.seq_id)
-
-
-def _long_share(beside: int, decoding: int, long_prompts: int) -> float:
-    """The weight long prompts' chunks take of a step beside `decoding` decoding sequences: --prefill-tokens-
-    beside-decodes, times the long prompts per decoding sequence where they are more."""
-    return beside * max(1.0, long_prompts / decoding)
 
 
 def _cost(start: int, n: int, keys: int) -> float:
