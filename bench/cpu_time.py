@@ -16,6 +16,11 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (all their threads) so far; a gone process counts 0."""
+    return sum((int(s[11]) + int(s[12])) / _TICK for pid in pids if (s := _stat(pid)) is not None)
+
+
 def tree_cpu_seconds(root: int) -> float:
     """User + system CPU seconds of `root` and its live descendants (0 where /proc is missing)."""
     parents: dict[int, int] = {}

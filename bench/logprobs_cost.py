@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu_time import cpu_seconds  # noqa: E402
 from bench.rollout import make_prompts, scheduler_counters, table  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
@@ -86,19 +86,6 @@ async def _round(url: str, model: str, prompts: list[list[int]], max_tokens: int
         t0 = time.perf_counter()
         toks = await asyncio.gather(*[_one(h, model, p, max_tokens, i, extra) for i, p in enumerate(prompts)])
         return sum(toks), time.perf_counter() - t0
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of these processes (all their threads), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def measure(url: str, model: str, prompts: list[list[int]], max_tokens: int, extra: dict, pids: list[int]) -> dict:

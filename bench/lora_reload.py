@@ -32,6 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cpu_time import cpu_seconds  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.trainer import WeightSyncClient  # noqa: E402
 from tests.lora_helpers import make_adapter  # noqa: E402
@@ -50,19 +51,6 @@ def complete(client: httpx.Client, url: str, model: str) -> dict:
 
 def lora_version(choice: dict) -> int:
     return choice["weight_versions"][0]["lora_version"]
-
-
-def server_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of the server's processes so far (10 ms ticks): a reload's CPU cost, which a
-    loaded host does not inflate the way it does wall time."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def worker_build_ms(base: Path, folder: Path, rank: int, n: int) -> list[float]:
@@ -124,11 +112,11 @@ def main() -> None:
             push, phases, push_cpu, file_cpu = [], {}, [], []
             for i in range(args.warmup + args.reloads):
                 tensors, conf = pushed[i % 2]
-                c0, p0 = server_cpu_s(pids), time.process_time()
+                c0, p0 = cpu_seconds(pids), time.process_time()
                 t0 = time.perf_counter()
                 ph = sync.send_lora("pushed", tensors.items(), conf)
                 dt = time.perf_counter() - t0
-                cpu = (server_cpu_s(pids) - c0, time.process_time() - p0)
+                cpu = (cpu_seconds(pids) - c0, time.process_time() - p0)
                 assert lora_version(complete(http, server.url, "pushed")) == i + 1
                 if i >= args.warmup:
                     push.append(ms(dt))
@@ -141,7 +129,7 @@ def main() -> None:
             complete(http, server.url, "fromfile")
             load, first, warm, file_e2e = [], [], [], []
             for i in range(args.warmup + args.reloads):
-                c0 = server_cpu_s(pids)
+                c0 = cpu_seconds(pids)
                 t0 = time.perf_counter()
                 r = http.post(f"{server.url}/v1/load_lora_adapter",
                               json={"lora_name": "fromfile", "lora_path": str(folders[(i + 1) % 2]),
@@ -150,10 +138,10 @@ def main() -> None:
                 t1 = time.perf_counter()
                 c = complete(http, server.url, "fromfile")
                 t2 = time.perf_counter()
-                c2 = server_cpu_s(pids)
+                c2 = cpu_seconds(pids)
                 complete(http, server.url, "fromfile")
                 t3 = time.perf_counter()
-                c3 = server_cpu_s(pids)
+                c3 = cpu_seconds(pids)
                 assert lora_version(c) == i + 2, c
                 if i >= args.warmup:
                     load.append(ms(t1 - t0))
