@@ -11,111 +11,21 @@ refuses it and answers 503 naming the version while a keeps serving."""
 from __future__ import annotations
 
 import io
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from bus.control_state import initial_state
 from bus.messages import ControlState
 from engine.fleet import catch_up as cu
-from engine.fleet.catch_up import CatchUpConfig, Own, catch_up, fleet_peers, joining, newest, tp_mismatch
-from engine.fleet.copy_format import TensorHashes, copy_digest, copy_name, read_header
-from engine.fleet.rejoin import FleetRecord, copy_tag, read_fleet_record, starting_state, write_fleet_record
+from engine.fleet.catch_up import CatchUpConfig, Own, catch_up
+from engine.fleet.copy_format import TensorHashes, copy_name, read_header
+from engine.fleet.rejoin import FleetRecord, copy_tag, read_fleet_record, starting_state
 from engine.weights.protocol import tensor_checksum
-
-RL = '{"rl_config": {"enabled": true}}'
-TENSORS = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
-           "b.bias": torch.ones(5, dtype=torch.bfloat16)}
-
-
-def _copy(path: Path, run_id: str, commits: int, version: str, tensors: dict | None = None) -> bytes:
-    save_file(tensors or TENSORS, str(path), metadata={"run_id": run_id, "weight_commits": str(commits),
-                                                       "weight_version": version})
-    return path.read_bytes()
-
-
-def _digest(raw: bytes) -> str:
-    return copy_digest(io.BytesIO(raw))
-
-
-class FakePeer:
-    """A peer engine over HTTP: /weight_commit_info, /weight_copy, /weight_checker compare, as a gateway answers
-    them; `copy` is what it sends, `live` the per-tensor checksums its workers report, `busy` 503s first."""
-
-    def __init__(self, version: str, copy: bytes, committed_at: float = 200.0) -> None:
-        self.version, self.copy, self.committed_at = version, copy, committed_at
-        self.digest = _digest(copy)
-        self.live = {f"dp0:pp0:pcp0:tp0:{n}": tensor_checksum(t) for n, t in TENSORS.items()}
-        self.busy, self.corrupt, self.sent, self.tp = 0, False, 0, 1
-        peer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a) -> None:
-                pass
-
-            def _json(self, code: int, body: dict) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(self) -> None:
-                url = urlparse(self.path)
-                if url.path == "/weight_commit_info":
-                    return self._json(200, {"weight_version": peer.version, "committed_at": peer.committed_at})
-                if url.path == "/get_world_size":
-                    return self._json(200, {"world_size": peer.tp})
-                q = parse_qs(url.query)
-                if q.get("weight_version") != [peer.version]:
-                    return self._json(409, {"error": {"message": f"serves {peer.version!r}"}})
-                if peer.busy:
-                    peer.busy -= 1
-                    return self._json(503, {"error": {"message": "a weight update is in progress here"}})
-                body = bytearray(peer.copy)
-                if peer.corrupt:
-                    body[-3] ^= 0x01  # one bit of the last tensor, after the digest was taken
-                peer.sent += 1
-                self.send_response(200)
-                self.send_header("X-Rollbus-Weight-Version", peer.version)
-                self.send_header("X-Rollbus-Weights-Sha256", peer.digest)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(bytes(body))
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                bad = sorted(k for k, v in body["baseline"].items() if peer.live.get(k) != v)
-                self._json(200, {"match": not bad, "mismatches": bad})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def fleet(tmp_path):
-    """This engine's folder: its copy of fleet-1 (update 3 of run-b), its record (fleet-1 at t=100, peer a);
-    peer a serves fleet-2 (committed at t=200) from its copy (update 7 of run-a)."""
-    own = tmp_path / "b"
-    own.mkdir()
-    _copy(own / copy_name(0), "run-b", 3, "fleet-1", {n: t * 0 for n, t in TENSORS.items()})
-    peer = FakePeer("fleet-2", _copy(tmp_path / "a.safetensors", "run-a", 7, "fleet-2"))
-    write_fleet_record(str(own), FleetRecord("fleet-1", 100.0, (peer.url,)))
-    yield own, peer
-    peer.close()
+from tests.fleet_catch_up_helpers import RL, TENSORS, FakePeer, _copy, _digest, _engine, _greedy, fleet  # noqa: F401
 
 
 def _own(peer: FakePeer) -> Own:
@@ -127,7 +37,7 @@ def _ask(peer: FakePeer):
 
 
 @pytest.mark.unit
-def test_a_restarted_engine_takes_the_fleets_version_from_a_peer_and_serves_it(fleet):
+def test_a_restarted_engine_takes_the_fleets_version_from_a_peer_and_serves_it(fleet):  # noqa: F811
     own, peer = fleet
     s = starting_state("fresh", str(own), resume=True, peer_catch_up=CatchUpConfig(workers=1))
     assert (s.run_id, s.weight_commits, s.weight_version, s.version_labels) == ("run-b", 4, "fleet-2", {"0": "fleet-2"})
@@ -141,7 +51,7 @@ def test_a_restarted_engine_takes_the_fleets_version_from_a_peer_and_serves_it(f
 
 @pytest.mark.unit
 @pytest.mark.parametrize("fault", ["corrupt", "wrong_version", "not_served"])
-def test_bytes_that_fail_verification_leave_the_engine_lost_on_the_fleets_version(fleet, fault):
+def test_bytes_that_fail_verification_leave_the_engine_lost_on_the_fleets_version(fleet, fault):  # noqa: F811
     own, peer = fleet
     before = (own / copy_name(0)).read_bytes()
     if fault == "corrupt":
@@ -159,7 +69,7 @@ def test_bytes_that_fail_verification_leave_the_engine_lost_on_the_fleets_versio
 
 
 @pytest.mark.unit
-def test_the_trainers_update_wins(fleet):
+def test_the_trainers_update_wins(fleet):  # noqa: F811
     """A peer mid-update answers 503: asked again (not a failure). The fleet moving on while the bytes travel:
     they are dropped and the newer version fetched."""
     own, peer = fleet
@@ -181,7 +91,7 @@ def test_the_trainers_update_wins(fleet):
 
 
 @pytest.mark.unit
-def test_no_peer_with_the_version_and_catch_up_off_keep_the_503(fleet, monkeypatch):
+def test_no_peer_with_the_version_and_catch_up_off_keep_the_503(fleet, monkeypatch):  # noqa: F811
     own, peer = fleet
     assert catch_up(str(own), _own(peer), [None], CatchUpConfig(workers=1), _ask(peer))[0] is False
     s = starting_state("fresh", str(own), resume=True)  # --no-weights-catch-up
@@ -192,170 +102,6 @@ def test_no_peer_with_the_version_and_catch_up_off_keep_the_503(fleet, monkeypat
     assert catch_up(str(own), _own(peer), _ask(peer)(()), CatchUpConfig(workers=1, deadline_s=0.5), _ask(peer))[0] \
         is False
     assert time.monotonic() - t0 < 5
-
-
-@pytest.mark.unit
-def test_a_new_engine_asks_its_peers_and_takes_whatever_they_committed():
-    """The pure rules of a new engine joining (no copies, on its checkpoint): any committed version is newer."""
-    own = joining("run-new", ("http://a:1",))
-    assert (own.version, own.commits, own.committed_at) == (None, 0, float("-inf"))
-    answers = [{"weight_version": "default", "committed_at": None},  # a peer on its own checkpoint
-               {"weight_version": "fleet-2", "committed_at": 200.0}, None,
-               {"weight_version": "default", "committed_at": 150.0}]  # committed under the checkpoint's label
-    assert newest(own.version, own.committed_at, answers) == ("fleet-2", 200.0)
-    assert newest(own.version, own.committed_at, answers[:1] + [None]) is None  # nothing committed: the checkpoint
-    assert newest(own.version, own.committed_at, answers[3:]) == ("default", 150.0)
-    assert fleet_peers(("http://a:1/", "http://b:2"), ["http://a:1", "http://c:3"], None) == (
-        "http://a:1", "http://b:2", "http://c:3")
-    assert tp_mismatch("http://a:1", 1, 1) is None
-    assert tp_mismatch("http://a:1", 2, 1) == ("http://a:1 runs tensor parallel size 2, this engine 1: its copies "
-                                               "are another layout (one file per tp rank)")
-    assert tp_mismatch("http://a:1", True, 1) and tp_mismatch("http://a:1", "1", 1)
-
-
-@pytest.fixture
-def joiner(tmp_path):
-    """A new engine's empty folder (no copies, no record); peer a serves fleet-2 (update 7 of run-a)."""
-    own = tmp_path / "new"
-    peer = FakePeer("fleet-2", _copy(tmp_path / "a.safetensors", "run-a", 7, "fleet-2"))
-    yield own, peer
-    peer.close()
-
-
-@pytest.mark.unit
-def test_a_new_engine_joining_the_fleet_fetches_its_version_before_serving(joiner):
-    own, peer = joiner
-    s = starting_state("fresh", str(own), resume=False, peer_catch_up=CatchUpConfig(workers=1), peers=(peer.url,))
-    assert (s.run_id, s.weight_commits, s.weight_version, s.version_labels) == ("fresh", 1, "fleet-2", {"0": "fleet-2"})
-    got = load_file(str(own / copy_name(0)))
-    assert all(torch.equal(got[n], t) for n, t in TENSORS.items())
-    assert copy_tag(str(own / copy_name(0))) | {} == {"run_id": "fresh", "weight_commits": "1",
-                                                      "weight_version": "fleet-2", "caught_up_from": peer.url}
-    assert read_fleet_record(str(own)) == FleetRecord("fleet-2", 200.0, (peer.url,))  # its restarts know the fleet
-    assert sorted(p.name for p in own.iterdir()) == ["fleet.json", copy_name(0)]
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("fault", ["corrupt", "other_tp", "catch_up_off"])
-def test_a_new_engine_that_cannot_fetch_answers_503_naming_the_fleets_version(joiner, fault, capsys):
-    """Never its checkpoint under the fleet's name: update 1 of its run, of which it has no copy (the workers'
-    restore refuses: 503 naming fleet-2); a refused peer is named in the log, nothing is left in the folder."""
-    own, peer = joiner
-    cfg: CatchUpConfig | None = CatchUpConfig(workers=1, attempts=2)
-    if fault == "corrupt":
-        peer.corrupt = True
-    elif fault == "other_tp":
-        peer.tp = 2
-    else:
-        cfg = None
-    s = starting_state("fresh", str(own), resume=True, peer_catch_up=cfg, peers=(peer.url,))
-    assert (s.run_id, s.weight_commits, s.weight_version) == ("fresh", 1, "fleet-2")
-    assert not own.exists() or [p.name for p in own.iterdir()] == []
-    log = capsys.readouterr().out
-    assert "coordinator.fleet_moved_on" in log
-    if fault == "other_tp":
-        assert peer.sent == 0 and "runs tensor parallel size 2, this engine 1" in log and peer.url in log
-    elif fault == "corrupt":
-        assert peer.sent == 2 and "failed verification" in log
-
-
-@pytest.mark.unit
-def test_a_new_engine_whose_peers_are_silent_or_uncommitted_starts_on_its_checkpoint(joiner):
-    own, peer = joiner
-    cfg = CatchUpConfig(workers=1)
-    dead = "http://127.0.0.1:9"  # nothing listens
-    assert starting_state("fresh", str(own), resume=True, peer_catch_up=cfg, peers=(dead,)) == initial_state("fresh")
-    peer.committed_at = None  # a fleet still on its checkpoint
-    assert starting_state("fresh", str(own), resume=True, peer_catch_up=cfg, peers=(peer.url,)) == \
-        initial_state("fresh")
-    assert starting_state("fresh", str(own), resume=True, peer_catch_up=cfg) == initial_state("fresh")  # no peers
-    assert peer.sent == 0
-
-
-@pytest.mark.unit
-def test_a_restarted_worker_without_its_copy_takes_it_from_a_fleet_peer(fleet):
-    """A running engine (update 7 of run-b in service: fleet-2) whose worker restarted without its copy: that
-    worker's copy of fleet-2 from the peer in its fleet record, tagged as update 7 of run-b; refused (naming the
-    peer) when the peer serves another version, or sends bytes that fail verification."""
-    from engine.fleet.rejoin import fetch_own_copy, known_peers
-
-    own, peer = fleet
-    (own / copy_name(0)).unlink()  # its copy is gone
-    state = ControlState(run_id="run-b", weight_commits=7, weight_version="fleet-2")
-    cfg = CatchUpConfig(workers=1, attempts=2)
-    assert known_peers(str(own), cfg) == (peer.url,)
-    assert fetch_own_copy(str(own), 0, state, cfg) is None
-    assert copy_tag(str(own / copy_name(0))) | {} == {"run_id": "run-b", "weight_commits": "7",
-                                                      "weight_version": "fleet-2", "caught_up_from": peer.url}
-    got = load_file(str(own / copy_name(0)))
-    assert all(torch.equal(got[n], t) for n, t in TENSORS.items())
-    (own / copy_name(0)).unlink()
-    peer.corrupt = True
-    why = fetch_own_copy(str(own), 0, state, cfg)
-    assert "failed verification" in why and peer.url in why and peer.sent == 3
-    assert sorted(p.name for p in own.iterdir()) == ["fleet.json"]
-    other = ControlState(run_id="run-b", weight_commits=8, weight_version="fleet-3")
-    assert fetch_own_copy(str(own), 0, other, cfg) == f"no fleet peer serves 'fleet-3' (asked {[peer.url]})"
-    write_fleet_record(str(own), FleetRecord("fleet-1", 100.0, ()))
-    assert fetch_own_copy(str(own), 0, state, cfg).startswith("no fleet peers")
-    assert known_peers(str(own), CatchUpConfig(workers=1, peers=(peer.url + "/",))) == (peer.url,)
-
-
-@pytest.mark.unit
-def test_the_worker_fetches_on_a_thread_and_loads_what_arrived(fleet):
-    """engine.weights.recovery.WeightRecovery: a restarted worker without its copy (update 7 of run-b, fleet-2 in
-    service) asks the fleet on a thread, says Hello only once poll() loaded the copy; with a peer that sends
-    bad bytes, poll() reports the version lost (WeightsLost, naming the peer's failure)."""
-    from types import SimpleNamespace
-
-    from bus.codec import decode
-    from engine.weights.recovery import WeightRecovery
-
-    class Model(torch.nn.Module):  # the two tensors of TENSORS, loaded as a worker's model loads its copy
-        def __init__(self) -> None:
-            super().__init__()
-            self.held = {n: torch.zeros_like(t) for n, t in TENSORS.items()}
-
-        def required_weight_names(self) -> set[str]:
-            return set(self.held)
-
-        def load_weights(self, weights, *, local: bool = False) -> set[str]:
-            for n, w in weights:
-                self.held[n].copy_(w)
-            return set(self.held)
-
-    class Dealer:
-        def __init__(self) -> None:
-            self.sent = []
-
-        def send_multipart(self, frames, copy=False) -> None:
-            self.sent.append(decode([bytes(f) for f in frames]))
-
-    own, peer = fleet
-    (own / copy_name(0)).unlink()
-    link = SimpleNamespace(state=ControlState(run_id="run-b", weight_commits=7, weight_version="fleet-2"),
-                           dealer=Dealer())
-    sleep = SimpleNamespace(asleep=set(), missing=0)
-
-    def worker() -> tuple[WeightRecovery, Model]:
-        model = Model()
-        r = WeightRecovery(model, folder=str(own), index=0, name="worker-0", donor=None, link=link, sleep=sleep,
-                           control_timeout_s=5, fleet=CatchUpConfig(workers=1, attempts=1))
-        r.restore()
-        assert r.restoring is not None and r.fetching is not None  # no Hello to the scheduler yet
-        r.fetching[0].join(30)
-        return r, model
-
-    r, model = worker()
-    assert r.poll() and r.restoring is None and r.weights_lost is None and r.weight_commits == 7
-    assert all(torch.equal(model.held[n], t) for n, t in TENSORS.items()) and link.dealer.sent == []
-    assert not r.poll()
-    (own / copy_name(0)).unlink()
-    peer.corrupt = True
-    r, model = worker()
-    assert r.poll() and r.weights_lost == "fleet-2"
-    [lost] = link.dealer.sent
-    assert "failed verification" in lost.body.why and peer.url in lost.body.why and lost.body.version == "fleet-2"
 
 
 @pytest.mark.unit
@@ -412,27 +158,9 @@ def test_weight_copy_sends_the_copy_of_the_version_in_service_and_refuses_anythi
 # ------------------------------------------------------------------------------------- two real engines
 
 
-def _greedy(url: str, model: str) -> tuple[list[str], list[float]]:
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": model, "prompt": "one two three", "max_tokens": 8, "temperature": 0, "logprobs": 1})
-    assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]
-    return lp["tokens"], lp["token_logprobs"]
-
-
 def _logged(log: str, event: str, field: str) -> float:
     line = next(ln for ln in log.splitlines() if event in ln)
     return float(line.split(f"{field}=")[1].split()[0].strip(",}"))
-
-
-def _engine(tmp_path: Path, folder: Path, name: str, *extra: str, transfer_timeout_s: float = 60):
-    """A `rollbus serve` of the tiny model in tmp_path/name, RL mode, gloo weight transfer, with `extra` flags."""
-    from tests.server_helpers import start_server
-
-    (tmp_path / name).mkdir(exist_ok=True)
-    cfg = json.dumps({"backend": "gloo", "timeout_s": transfer_timeout_s})
-    return start_server(tmp_path / name, str(folder), "--additional-config", RL, "--weight-transfer-config", cfg,
-                        "--max-model-len", "128", "--block-size", "4", *extra)
 
 
 def two_engines_catch_up(tmp_path: Path, folder: Path, *, corrupt: bool = True, transfer_timeout_s: float = 60,
@@ -509,80 +237,6 @@ def test_an_engine_down_while_the_fleet_updated_catches_up_from_a_peer(tmp_path,
     folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
     out = two_engines_catch_up(tmp_path, folder)
     print(f"tiny qwen3: b restarted in {out['restart_s']:.1f} s, of which catch-up {out['catch_up_s']:.2f} s", out)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_new_engine_joins_on_the_fleets_version(tmp_path, smollm2_dir):
-    """a takes fleet-1; b, a new engine with no copies of its own, is started with --weights-catch-up-peers a:
-    it serves fleet-1 bitwise as a, never its checkpoint. c joins with --no-weights-catch-up and no copies
-    folder: it answers 503 naming fleet-1."""
-    from transformers import AutoModelForCausalLM
-
-    from engine.trainer import WeightSyncClient
-    from tests.server_helpers import tiny_model_with_tokenizer
-    from tests.test_fleet_faults import assert_lost
-    from tests.test_fleet_weight_sync import checksums_match, perturb, version
-
-    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
-
-    def engine(name: str, *extra: str):
-        return _engine(tmp_path, folder, name, *extra)
-
-    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    a = engine("a", "--weights-recovery-dir", str(tmp_path / "a" / "copies"))
-    b = c = None
-    try:
-        perturb(trainer, seed=5)
-        with WeightSyncClient([a.url], backend="gloo") as client:
-            client.send_weights(trainer.named_parameters(), version="fleet-1")
-        b = engine("b", "--weights-recovery-dir", str(tmp_path / "b" / "copies"), "--weights-catch-up-peers", a.url)
-        assert "catch_up.done" in b.log()
-        assert version(b.url) == "fleet-1" and checksums_match(b.url, trainer)
-        assert httpx.get(b.url + "/weight_commit_info", timeout=10).json() == \
-            httpx.get(a.url + "/weight_commit_info", timeout=10).json()
-        assert _greedy(b.url, str(folder)) == _greedy(a.url, str(folder))
-        c = engine("c", "--weights-catch-up-peers", a.url, "--no-weights-catch-up")
-        assert_lost(c.url, str(folder), "fleet-1")
-    finally:
-        for s in (a, b, c):
-            if s is not None:
-                s.stop()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_worker_restarted_without_its_copy_takes_it_from_a_peer_engine(tmp_path, smollm2_dir):
-    """a and b take fleet-1; b's worker copy is deleted and its worker SIGKILLed: the launcher restarts it, it
-    fetches its copy from a (b's fleet record) and serves fleet-1 bitwise, not a 503 until the next update."""
-    import os
-    import signal
-
-    from transformers import AutoModelForCausalLM
-
-    from engine.trainer import WeightSyncClient
-    from tests.server_helpers import tiny_model_with_tokenizer
-    from tests.test_fleet_faults import _status, _until
-    from tests.test_fleet_weight_sync import checksums_match, perturb, version
-
-    folder = tiny_model_with_tokenizer("qwen3", tmp_path / "qwen3", smollm2_dir, vocab_size=49152)
-    a, b = (_engine(tmp_path, folder, n, "--weights-recovery-dir", str(tmp_path / n / "copies")) for n in "ab")
-    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    try:
-        perturb(trainer, seed=7)
-        with WeightSyncClient([a.url, b.url], backend="gloo") as client:
-            client.send_weights(trainer.named_parameters(), version="fleet-1")
-        (tmp_path / "b" / "copies" / copy_name(0)).unlink()
-        os.kill(b.child_pids()["worker-0"], signal.SIGKILL)
-        _until(lambda: "worker.weights_from_fleet" in b.log(), 90, "b's worker fetching its copy from a")
-        back = _until(lambda: _status(b.url) == 200, 60, "engine b serving again")
-        assert "worker.weight_version_lost" not in b.log()
-        assert version(b.url) == "fleet-1" and checksums_match(b.url, trainer)
-        assert _greedy(b.url, str(folder)) == _greedy(a.url, str(folder))
-        print(f"b's worker back on fleet-1 from a's copy, serving {back:.1f} s after it fetched")
-    finally:
-        a.stop()
-        b.stop()
 
 
 @pytest.mark.fleet
