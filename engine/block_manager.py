@@ -111,7 +111,8 @@ class BlockManager(BlockPool):
     def match_prefix(self, seq: Sequence, weight_epoch: int) -> int:
         """At admission: reuse cached blocks of the prompt's leading full blocks. Returns tokens reused.
 
-        At least one prompt token is always left to compute, since its logits start the output."""
+        At least one prompt token is always left to compute, since its logits start the output. Not counted
+        here: a sequence turned away for lack of blocks is looked up again next step (count_lookup)."""
         if not self.caching:
             return 0
         bs = self.block_size
@@ -135,10 +136,14 @@ class BlockManager(BlockPool):
             self._reuse(bid)
             seq.block_table.append(bid)
             seq.block_hashes.append(h)
-        hits = len(found)
-        self.num_prefix_queries += max_blocks
-        self.num_prefix_hits += hits
-        return hits * bs
+        return len(found) * bs
+
+    def count_lookup(self, seq: Sequence, hit_tokens: int) -> None:
+        """The prefix-cache counters, once per sequence, when it is admitted (vLLM records a request's lookup
+        when it is scheduled): its prompt's full blocks before the last token, and the `hit_tokens` reused."""
+        if self.caching:
+            self.num_prefix_queries += (seq.num_prompt_tokens - 1) // self.block_size
+            self.num_prefix_hits += hit_tokens // self.block_size
 
     def hash_through(self, seq: Sequence, num_blocks: int, weight_epoch: int) -> int:
         """The hash block `num_blocks - 1` of `seq` will be committed under (commit_full_blocks), before it is

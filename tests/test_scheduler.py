@@ -155,6 +155,39 @@ def test_prefix_cache_hit_skips_prompt_compute():
     assert step.num_computed == [8]
 
 
+def test_the_prefix_cache_counters_count_a_prompt_once_when_it_is_admitted():
+    """vLLM records a request's prefix-cache lookup when the scheduler admits it, not each step it is looked
+    up and turned away for lack of blocks (vllm/v1/core/sched/scheduler.py record_prefix_cache_stats)."""
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.add(seq("warm", n_prompt=9, first=1, max_tokens=1))  # 3 blocks, the 2 full ones cached once it ends
+    run_step(s)
+    assert (s.blocks.num_prefix_queries, s.blocks.num_prefix_hits) == (2, 0)
+    hog = seq("hog", n_prompt=9, max_tokens=3)  # the 3 never-used blocks, for 3 steps
+    b = seq("b", n_prompt=17, first=1, max_tokens=1)  # warm's 2 cached blocks + 3 more: only 1 is free
+    s.add(hog)
+    s.add(b)
+    turned_away = 0
+    while b.status is SeqStatus.WAITING:
+        step, _ = run_step(s)
+        turned_away += b not in step.seqs
+        assert turned_away < 10
+    assert turned_away >= 2 and b.num_cached_tokens == 8
+    assert (s.blocks.num_prefix_queries, s.blocks.num_prefix_hits) == (2 + 2 + 4, 2)  # warm, hog, b: (17-1)//4
+
+
+def test_a_preempted_sequence_readmitted_is_not_counted_again():
+    """vLLM counts a request readmitted after a preemption apart (PrefixCacheStats.preempted_*), not in
+    vllm:prefix_cache_queries / hits: each prompt counts once, at its first admission."""
+    s = make(num_blocks=7, block_size=4, budget=64)
+    a, b = seq("a", n_prompt=9, max_tokens=20), seq("b", n_prompt=9, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    while a.status is not SeqStatus.FINISHED or b.status is not SeqStatus.FINISHED:
+        run_step(s)
+    assert b.num_preemptions >= 1
+    assert (s.blocks.num_prefix_queries, s.blocks.num_prefix_hits) == (2 + 2, 0)
+
+
 def test_a_sequence_preempted_during_a_step_keeps_the_sampled_token():
     s = make()
     q = seq("a", max_tokens=10)

@@ -327,8 +327,10 @@ class Scheduler:
                 self.blocks.free_seq(seq)
                 seq.num_computed = 0
                 break
-            if seq.num_preemptions == 0:
+            if seq.num_preemptions == 0:  # vLLM counts a readmission after a preemption apart, never exported
                 seq.num_cached_tokens = seq.num_computed
+                if not want_prompt_lp:  # as vLLM: a request that skips the cache is not a lookup
+                    self.blocks.count_lookup(seq, seq.num_computed)
             self.blocks.allocate(seq, seq.num_computed + n)
             self.waiting.popleft()
             if self.state_slots:
