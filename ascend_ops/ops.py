@@ -146,8 +146,10 @@ def moe_experts(
     The T*k (token, expert) pairs are sorted by expert so each expert runs one GEMM pair on its rows (a
     loop over the experts that received tokens, never over tokens). The rows are then put back in
     (token, slot) order and each token sums its own k products: unlike an index_add (atomic adds on a
-    GPU), the result does not depend on thread timing or on the other tokens in the batch. As in HF
-    transformers, each product is scaled in the promoted dtype of (output, weights), then cast to x's dtype.
+    GPU), the result does not depend on thread timing or on the other tokens in the batch. As HF transformers'
+    default experts (grouped_mm), each product is scaled in the promoted dtype of (output, weights) and a
+    token's k products are summed in that dtype, then cast to x's dtype once: with fp32 weights (Mixtral,
+    GLM, DeepSeek-V3) a bf16 model rounds the sum once, not each of its k terms.
     """
     act = act or fused_silu_and_mul
     T, k = expert_ids.shape
@@ -172,4 +174,4 @@ def moe_experts(
             start += n
     pairs = torch.empty_like(out)
     pairs[order] = out  # back to (token, slot) order
-    return (pairs.view(T, k, x.shape[-1]) * expert_weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+    return (pairs.view(T, k, x.shape[-1]) * expert_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)

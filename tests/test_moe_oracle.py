@@ -248,3 +248,30 @@ def test_upcycled_smollm2_is_fluent(upcycled, smollm2_dir) -> None:
     dense_ppl, dense_logits = perplexity(load_model(smollm2_dir))
     assert moe_ppl < 1.1 * dense_ppl, (moe_ppl, dense_ppl)
     assert (moe_logits - dense_logits).abs().max().item() > 0.1, "the routing should change the output"
+
+
+# ---------------------------------------------------------------- the experts' bf16 rounding
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in NEW_ARCHS else a
+                                  for a in ("mixtral", "qwen3_moe", "glm4_moe", "deepseek_v3")])
+def test_bf16_moe_block_is_hf_bit_for_bit(arch, tmp_path) -> None:
+    """In bf16, each sparse MoE block fed HF's own input returns HF's output bit for bit: the same experts,
+    and a token's k weighted products summed in the weights' dtype and rounded to bf16 once, as HF's default
+    experts (grouped_mm) do. With fp32 routing weights (Mixtral, GLM, DeepSeek-V3) rounding each product
+    first moved 20-35% of the block's outputs by up to 0.0625 (one bf16 step at |x| 8-16)."""
+    folder = make_tiny_checkpoint(arch, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    if getattr(hf.config, "_experts_implementation", None) != "grouped_mm":
+        pytest.skip(f"transformers {transformers.__version__} sums experts another way (not grouped_mm)")
+    model = load_model(folder, torch.bfloat16)
+    ids = random_prompt(40, model.cfg.vocab_size, 3)
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i in model.cfg.sparse_layers:
+        hf.model.layers[i].mlp.register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(i, (a[0][0], (o[0] if isinstance(o, tuple) else o)[0])))
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    assert set(seen) == set(model.cfg.sparse_layers)
+    for i, (x, want) in seen.items():
+        got = model.model.layers[i].mlp(x)
+        assert torch.equal(got, want), f"layer {i}: max |Δ| {(got.float() - want.float()).abs().max().item():.3e}"
