@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.router_ties import tied_flips
 from tests.tiny_models import (
     HYBRID,
     NEW_ARCHS,
@@ -115,7 +116,8 @@ def test_bf16_runs_and_agrees_loosely(tiny) -> None:
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     v = model.cfg.vocab_size
     prompts = {0: random_prompt(6, v, 10), 1: random_prompt(13, v, 11)}
-    toks, rows = PagedRunner(model).greedy(prompts, 8)
+    routes: dict[int, torch.Tensor] = {}
+    toks, rows = PagedRunner(model).greedy(prompts, 8, routes if model.num_moe_layers else None)
     for s, p in prompts.items():
         assert rows[s].dtype == torch.float32 and torch.isfinite(rows[s]).all()
         ref = _hf_logits(hf, p + toks[s])[len(p) - 1 : len(p) - 1 + 8]
@@ -124,11 +126,14 @@ def test_bf16_runs_and_agrees_loosely(tiny) -> None:
         l1 = (lp.exp() - lr.exp()).abs().sum(-1)
         agree = (rows[s].argmax(-1) == ref.argmax(-1)).float().mean().item()
         if l1.max().item() >= 0.25 or agree < 0.75:
-            # a model whose near-ties bf16 flips (OLMoE's, GLM's routing): HF itself in bf16 moves there too
+            # a model whose near-ties bf16 flips (OLMoE's, GLM's routing): HF itself in bf16 moves there too,
+            # or the engine's bf16 (DeepSeek-V3's absorbed MLA rounds otherwise than HF's expanded one) took
+            # the other side of a routing decision HF bf16 makes within one bf16 rounding (tests/router_ties.py)
             hf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
             ref16 = _hf_logits(hf16, p + toks[s])[len(p) - 1 : len(p) - 1 + 8]
             hf_l1 = (ref16.log_softmax(-1).exp() - lr.exp()).abs().sum(-1)
-            assert ((l1 < 0.25) | (hf_l1 >= 0.25)).all(), (l1, hf_l1)
+            tied = tied_flips(hf16, (p + toks[s])[:-1], routes.get(s))[len(p) - 1 :]  # the tokens fed
+            assert ((l1 < 0.25) | (hf_l1 >= 0.25) | tied).all(), (l1, hf_l1, tied)
             agree = max(agree, (rows[s].argmax(-1) == ref16.argmax(-1)).float().mean().item())
         assert agree >= 0.75
 

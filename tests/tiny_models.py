@@ -434,14 +434,32 @@ class PagedRunner:
         return self.model.compute_logits(hidden)
 
     def greedy(
-        self, prompts: dict[int, list[int]], steps: int
+        self, prompts: dict[int, list[int]], steps: int, routes: dict[int, torch.Tensor] | None = None
     ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Prefill all prompts in one step, then decode all sequences together for `steps` tokens.
 
-        Returns generated tokens and the logits [steps, V] that chose them, per sequence.
+        Returns generated tokens and the logits [steps, V] that chose them, per sequence. With `routes` (an MoE
+        model), each sequence's routed experts [positions, moe_layers, k] of every token it fed (its prompt
+        and all but its last generated token) are put there, captured in these very steps.
         """
         seqs = list(prompts)
-        logits = self.step(prefills=[(s, prompts[s]) for s in seqs])
+        fed: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
+
+        def step(work: list[tuple[int, Any]], **kw: Any) -> torch.Tensor:
+            if routes is None:
+                return self.step(**kw)
+            routed: list[torch.Tensor] = []
+            logits = self.step(**kw, routed_experts=routed)
+            per_token = torch.stack(routed, dim=1)  # [T, moe_layers, k] in the step's token order
+            start = 0
+            for s, toks in work:
+                n = len(toks) if isinstance(toks, list) else 1
+                fed[s].append(per_token[start : start + n])
+                start += n
+            return logits
+
+        work = [(s, prompts[s]) for s in seqs]
+        logits = step(work, prefills=work)
         ends = torch.tensor([len(prompts[s]) for s in seqs]).cumsum(0) - 1
         last = logits[ends]  # [n, V]
         out: dict[int, list[int]] = {s: [] for s in seqs}
@@ -452,5 +470,8 @@ class PagedRunner:
                 out[s].append(t)
                 rows[s].append(row)
             if i + 1 < steps:
-                last = self.step(decodes=list(zip(seqs, toks)))
+                work = list(zip(seqs, toks))
+                last = step(work, decodes=work)
+        if routes is not None:
+            routes.update({s: torch.cat(r) for s, r in fed.items()})
         return out, {s: torch.stack(r) for s, r in rows.items()}
