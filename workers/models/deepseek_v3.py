@@ -12,7 +12,9 @@ MLA, as HF's DeepseekV3Attention computes it:
 - softmax scale qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2, rope scaled by YaRN;
   rope_interleave: the rotary dims are taken in (even, odd) pairs, i.e. de-interleaved, then rotate-half.
 Here the cache holds one row per token, [c ; k_pe] (kv_lora_rank + qk_rope_head_dim values, one plane,
-workers.kv_cache), and the attention is computed absorbed, as vLLM's MLA backends do: a head's query
+workers.kv_cache), and the attention is computed absorbed, as vLLM's MLA backends compute decode steps
+(here prefill too; HF, and vLLM's prefill, expand k/v per head: the same products reassociated, which
+bf16 rounds at other places, docs/serving.md): a head's query
 q_nope is taken into the latent space (q_nope W_UK), attends over the cached rows as one KV head
 (ascend_ops.attention.latent_attention), and its latent output goes through W_UV. W_UK / W_UV are views of
 kv_b_proj's weight, so a weight update of kv_b_proj changes them with it (nothing derived to refresh).
