@@ -18,6 +18,7 @@ worker reports it in /server_info).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -104,6 +105,17 @@ def kernel_reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return cache_dtype in KERNEL_CACHE_DTYPES.get(q_dtype, ())
 
 
+def _prefill_kernel(kern, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the chunk kernel (ascend_ops/csrc/cpu_prefill_attention.cpp) takes this layer's longer prefill
+    chunks: fp32 queries, a head dimension of whole 16-lane vectors, and a build with AVX-512."""
+    return dtype == torch.float32 and head_dim % 16 == 0 and _prefill_width(kern) > 0
+
+
+@functools.cache
+def _prefill_width(kern) -> int:
+    return int(kern.prefill_attention_width())
+
+
 def _cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor):
     if q.device.type != "cpu" or not kernel_reads(q.dtype, k_cache.dtype) or select() != "kernel":
         return None
@@ -153,12 +165,18 @@ def paged_attention(
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:n] = o.squeeze(2)
+    chunks = kern is not None and _prefill_kernel(kern, q.dtype, d)
     for c in meta.prefills:
         if kern is not None and c.q_len <= KERNEL_CHUNK_ROWS:  # row i sees ctx_len - q_len + i + 1 keys
             rows = slice(c.q_start, c.q_start + c.q_len)
             kern.paged_attention_rows(out[rows], q[rows], k_cache, v_cache, c.block_table.view(1, -1),
                                       torch.zeros(c.q_len, dtype=torch.int64),
                                       torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale)
+            continue
+        if chunks:  # the same causal attention, in place over the blocks
+            rows = slice(c.q_start, c.q_start + c.q_len)
+            kern.prefill_attention(out[rows], q[rows], k_cache, v_cache, c.block_table,  # type: ignore[union-attr]
+                                   c.ctx_len - c.q_len, scale)
             continue
         # a windowed layer reads from the block of its first row's first key on (those before may be freed);
         # positions below are relative to that block's start, which keeps their differences

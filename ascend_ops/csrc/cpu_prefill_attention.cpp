@@ -1,0 +1,290 @@
+// Causal attention of one sequence's prefill chunk over its paged KV cache, read in place (no gathered copy, no
+// repeated KV heads): default mode's CPU attention for chunks of more than a few rows (ascend_ops/attention.py).
+// Compiled into the one unit of ascend_ops/cpu_kernels.py after cpu_attention.cpp, whose AVX-512 helpers
+// (v512::load16, exp16, first) it uses.
+//
+// prefill_attention(out, q, k_cache, v_cache, table, first, scale): q / out [rows, Hq, D] fp32, the rows at
+// positions first .. first + rows - 1 of the sequence whose blocks are `table`; row i attends to the keys at
+// positions 0 .. first + i (written into the cache before the call). Caches fp32, bf16 or fp16 (widened exactly).
+//
+// Work items are (a tile of query rows, one kv head): the tile's rows times the G query heads that share the kv
+// head make up to kQueries query vectors, laid out across the lanes of three 16-lane registers. Per item, over
+// every key up to the tile's last position:
+//   scores  s[pos][m] = (q_m . k_pos) * scale, one FMA chain over d per score (keys broadcast, queries in
+//           lanes: eight keys by three registers of queries per step, no horizontal sums), a key after the
+//           query's own position -inf;
+//   softmax the exact maximum per query, then p = exp(s - max) (0 where -inf) and their sum, in position order;
+//   values  o[m][:] = sum over positions, in order, of p[pos][m] * v_pos (six queries by 64 columns a step).
+// Every query's arithmetic is the same whatever tile it falls in and however many rows the chunk has (a key
+// past its position adds an exact 0), so a row's output does not depend on the chunking or on other rows.
+// torch's CPU flash attention (the path before this kernel, still used where it is not compiled) sums in
+// another order: outputs agree to rounding.
+//
+// Measured (SmolLM2-135M fp32, a 2,048-token prompt, 2 threads, Xeon with AVX-512): see ascend_ops/attention.py.
+
+namespace {
+
+#ifdef ROLLBUS_AVX512
+namespace prefill {
+
+constexpr int64_t kQueries = 48;  // query vectors per item (three registers of lanes)
+constexpr int kKeys = 8;          // keys per scoring step
+constexpr int kRowsPv = 6;        // queries per weighted-sum step
+constexpr int64_t kValueBlock = 128;  // positions whose numerators and values are weighed together
+
+// s[r * mpad + lane] = sum over i of k_r[i] * qt[i * mpad + lane], for the kKeys keys k[0..] (rows past nk unused).
+template <int MV>
+inline void score_keys(const float* qt, int64_t mpad, const float* const* k, int nk, int64_t d, float* s) {
+  __m512 acc[kKeys][MV];
+#pragma GCC unroll 8
+  for (int r = 0; r < kKeys; ++r)
+    for (int u = 0; u < MV; ++u) acc[r][u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    __m512 qv[MV];
+    for (int u = 0; u < MV; ++u) qv[u] = _mm512_loadu_ps(qt + i * mpad + 16 * u);
+#pragma GCC unroll 8
+    for (int r = 0; r < kKeys; ++r) {
+      const __m512 kv = _mm512_set1_ps(k[r][i]);
+      for (int u = 0; u < MV; ++u) acc[r][u] = _mm512_fmadd_ps(kv, qv[u], acc[r][u]);
+    }
+  }
+  for (int r = 0; r < nk; ++r)
+    for (int u = 0; u < MV; ++u) _mm512_storeu_ps(s + r * mpad + 16 * u, acc[r][u]);
+}
+
+// o[r * d + c ..] += sum over positions of p[pos * mpad + r] * v_pos[c ..], R queries, V vectors of columns.
+template <typename T, int R, int V>
+inline void weigh_values(const float* p, int64_t mpad, const T* const* v, int64_t len, int64_t c, int64_t d,
+                         float* o) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < V; ++u) acc[r][u] = _mm512_loadu_ps(o + r * d + c + 16 * u);
+  for (int64_t pos = 0; pos < len; ++pos) {
+    __m512 x[V];
+    for (int u = 0; u < V; ++u) x[u] = v512::load16(v[pos] + c + 16 * u);
+    const float* pr = p + pos * mpad;
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(pr[r]);
+      for (int u = 0; u < V; ++u) acc[r][u] = _mm512_fmadd_ps(w, x[u], acc[r][u]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < V; ++u) _mm512_storeu_ps(o + r * d + c + 16 * u, acc[r][u]);
+}
+
+template <typename T, int R>
+inline void weigh_rows(const float* p, int64_t mpad, const T* const* v, int64_t len, int64_t d, float* o) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) weigh_values<T, R, 4>(p, mpad, v, len, c, d, o);
+  for (; c < d; c += 16) weigh_values<T, R, 1>(p, mpad, v, len, c, d, o);
+}
+
+// o[m][:] += the weighted values of `len` positions for the m queries (o: [m][d], p: [len][mpad]).
+template <typename T>
+void weigh(const float* p, int64_t mpad, int64_t m, const T* const* v, int64_t len, int64_t d, float* o) {
+  int64_t r = 0;
+  for (; r + kRowsPv <= m; r += kRowsPv) weigh_rows<T, kRowsPv>(p + r, mpad, v, len, d, o + r * d);
+  switch (m - r) {
+    case 1: weigh_rows<T, 1>(p + r, mpad, v, len, d, o + r * d); break;
+    case 2: weigh_rows<T, 2>(p + r, mpad, v, len, d, o + r * d); break;
+    case 3: weigh_rows<T, 3>(p + r, mpad, v, len, d, o + r * d); break;
+    case 4: weigh_rows<T, 4>(p + r, mpad, v, len, d, o + r * d); break;
+    case 5: weigh_rows<T, 5>(p + r, mpad, v, len, d, o + r * d); break;
+    default: break;
+  }
+}
+
+inline const float* as_floats(const float* k, int64_t, float*) { return k; }
+template <typename T>
+inline const float* as_floats(const T* k, int64_t d, float* buf) {  // bf16 / fp16 widened exactly
+  for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(buf + i, v512::load16(k + i));
+  return buf;
+}
+
+struct Scratch {
+  std::vector<float> qt, s, o, kf;
+  std::vector<int32_t> qpos;
+};
+
+// One item: query rows [i0, i0 + rows) of the chunk (positions first + i0 ..), kv head h.
+template <typename T, int MV>
+void attend_tile(const float* qp, int64_t qs0, int64_t qs1, float* op, int64_t os0, int64_t os1, const T* const* kptr,
+                 const T* const* vptr, int64_t first, int64_t i0, int64_t rows, int64_t h, int64_t g, int64_t d,
+                 float scale, Scratch& w) {
+  const int64_t m = rows * g, mpad = 16 * MV;
+  const int64_t len = first + i0 + rows;  // keys 0 .. the tile's last position
+  w.qt.assign(d * mpad, 0.f);
+  w.qpos.resize(mpad);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const float* src = qp + (i0 + i) * qs0 + (h * g + j) * qs1;
+      for (int64_t c = 0; c < d; ++c) w.qt[c * mpad + i * g + j] = src[c];
+    }
+  for (int64_t lane = 0; lane < mpad; ++lane)  // the lanes past m see every key (their q is 0, outputs unused)
+    w.qpos[lane] = static_cast<int32_t>(lane < m ? first + i0 + lane / g : len - 1);
+  if (static_cast<int64_t>(w.s.size()) < len * mpad) w.s.resize(len * mpad);
+  if (static_cast<int64_t>(w.kf.size()) < kKeys * d) w.kf.resize(kKeys * d);
+  float* s = w.s.data();
+  __m512i qpos[MV];
+  __m512 mx[MV], sum[MV];
+  for (int u = 0; u < MV; ++u) {
+    qpos[u] = _mm512_loadu_si512(w.qpos.data() + 16 * u);
+    mx[u] = _mm512_set1_ps(-INFINITY);
+    sum[u] = _mm512_setzero_ps();
+  }
+  const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-INFINITY);
+  const int64_t masked_from = first + i0;  // keys before it are seen by every query of the tile
+  for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeys, len - p0));
+    const float* k[kKeys];
+    for (int r = 0; r < kKeys; ++r) k[r] = as_floats(kptr[p0 + std::min(r, nk - 1)], d, w.kf.data() + r * d);
+    float* sp = s + p0 * mpad;
+    score_keys<MV>(w.qt.data(), mpad, k, nk, d, sp);
+    for (int r = 0; r < nk; ++r)
+      for (int u = 0; u < MV; ++u) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sp + r * mpad + 16 * u), sc);
+        if (p0 + r >= masked_from)  // keys after a query's own position: -inf
+          x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(p0 + r)), qpos[u]),
+                                 neg);
+        _mm512_storeu_ps(sp + r * mpad + 16 * u, x);
+        mx[u] = _mm512_max_ps(mx[u], x);
+      }
+  }
+  // Numerators and values a block of positions at a time (the block's scores and values stay in cache across the
+  // queries); every sum still runs over the positions in order.
+  if (static_cast<int64_t>(w.o.size()) < m * d) w.o.resize(m * d);
+  std::fill(w.o.begin(), w.o.begin() + m * d, 0.f);
+  for (int64_t b0 = 0; b0 < len; b0 += kValueBlock) {
+    const int64_t n = std::min(kValueBlock, len - b0);
+    for (int64_t pos = b0; pos < b0 + n; ++pos)
+      for (int u = 0; u < MV; ++u) {
+        float* sp = s + pos * mpad + 16 * u;
+        const __m512 x = _mm512_loadu_ps(sp);
+        const __m512 e =
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ), v512::exp16(_mm512_sub_ps(x, mx[u])));
+        _mm512_storeu_ps(sp, e);
+        sum[u] = _mm512_add_ps(sum[u], e);
+      }
+    weigh<T>(s + b0 * mpad, mpad, m, vptr + b0, n, d, w.o.data());
+  }
+  float inv[16 * 3];
+  for (int u = 0; u < MV; ++u) _mm512_storeu_ps(inv + 16 * u, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[u]));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t lane = i * g + j;
+      const float* a = w.o.data() + lane * d;
+      float* dst = op + (i0 + i) * os0 + (h * g + j) * os1;
+      for (int64_t c = 0; c < d; ++c) dst[c] = a[c] * inv[lane];
+    }
+}
+
+template <typename T>
+void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& table, int64_t first, double scale) {
+  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t bs = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
+  const int64_t len = first + rows;
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t ts = table.stride(0);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  // every key's and value's record of every kv head, by position: [hk][len]
+  std::vector<const T*> kptr(hk * len), vptr(hk * len);
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const int64_t blk = tp[(pos / bs) * ts], off = (pos % bs);
+    for (int64_t h = 0; h < hk; ++h) {
+      kptr[h * len + pos] = kp + blk * kb + off * kt + h * kh;
+      vptr[h * len + pos] = vp + blk * vb + off * vt + h * vh;
+    }
+  }
+  const int64_t tile = std::max<int64_t>(1, kQueries / g);  // query rows per item
+  const int64_t tiles = (rows + tile - 1) / tile;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  // Items in pairs of a cheap and a dear tile (the first and the last, then the second and the one before, ...), so
+  // that the contiguous ranges parallel_for hands the threads cost about the same (later rows see more keys).
+  at::parallel_for(0, tiles * hk, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch w;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / hk, h = item % hk;
+      const int64_t ti = t % 2 == 0 ? t / 2 : tiles - 1 - t / 2;
+      const int64_t i0 = ti * tile, n = std::min(tile, rows - i0);
+      const T* const* ks = kptr.data() + h * len;
+      const T* const* vs = vptr.data() + h * len;
+      switch ((n * g + 15) / 16) {
+        case 1: attend_tile<T, 1>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
+        case 2: attend_tile<T, 2>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
+        default: attend_tile<T, 3>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
+      }
+    }
+  });
+}
+
+}  // namespace prefill
+#endif
+
+// 16 where the kernel is compiled (AVX-512), else 0: ascend_ops/attention.py asks before it routes a chunk here.
+int64_t prefill_attention_width() {
+#ifdef ROLLBUS_AVX512
+  return 16;
+#else
+  return 0;
+#endif
+}
+
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& table, int64_t first, double scale) {
+  TORCH_CHECK(prefill_attention_width() > 0, "prefill_attention: built without AVX-512");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && table.dim() == 1,
+              "prefill_attention: q/out [R, Hq, D], caches [num_blocks, block_size, Hk, D], table [blocks]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "prefill_attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "prefill_attention: q and out float32");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "prefill_attention: the caches must share one dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
+                  out.sizes() == q.sizes(),
+              "prefill_attention: shapes do not match");
+  TORCH_CHECK(q.size(2) % 16 == 0, "prefill_attention: the head dimension must be a multiple of 16");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "prefill_attention: the head dimension must be contiguous");
+  TORCH_CHECK(table.scalar_type() == at::kLong, "prefill_attention: the block table is int64");
+  const int64_t rows = q.size(0), bs = k_cache.size(1);
+  TORCH_CHECK(first >= 0, "prefill_attention: first position ", first, " is negative");
+  const int64_t len = first + rows;
+  TORCH_CHECK((len + bs - 1) / bs <= table.size(0), "prefill_attention: ", len, " positions do not fit the table");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) {
+    const int64_t blk = tp[b * table.stride(0)];
+    TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "prefill_attention: block id ", blk, " out of range");
+  }
+  if (rows == 0) return;
+#ifdef ROLLBUS_AVX512
+  const auto ct = k_cache.scalar_type();
+  if (ct == at::kFloat) {
+    prefill::attend_chunk<float>(out, q, k_cache, v_cache, table, first, scale);
+  } else if (ct == at::kBFloat16) {
+    prefill::attend_chunk<c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale);
+  } else if (ct == at::kHalf) {
+    prefill::attend_chunk<c10::Half>(out, q, k_cache, v_cache, table, first, scale);
+  } else {
+    TORCH_CHECK(false, "prefill_attention: caches float32, bfloat16 or float16; got ", ct);
+  }
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rollbus_cpu, m) {
+  m.def("prefill_attention_width() -> int");
+  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int first, "
+        "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(rollbus_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(rollbus_cpu, CompositeExplicitAutograd, m) {
+  m.impl("prefill_attention_width", &prefill_attention_width);
+}

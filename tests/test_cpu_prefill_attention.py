@@ -1,0 +1,129 @@
+"""The CPU prefill-chunk attention kernel (ascend_ops/csrc/cpu_prefill_attention.cpp), which default mode's
+paged_attention runs for prefill chunks longer than KERNEL_CHUNK_ROWS in fp32: against an fp64 reference on
+scattered blocks (fresh prompts, chunks after cached context, GQA / MQA / MHA, head dims 32-576, 16-bit caches),
+a row's bits whatever the chunking, the route paged_attention takes, and refused bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_ops import attention, cpu_kernels
+from ascend_ops.attention import AttentionMetadata, PrefillChunk
+
+BS = 16
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def ops():
+    got = cpu_kernels.ops()
+    if got is None:
+        pytest.fail(f"the CPU kernels did not build here: {cpu_kernels.unavailable()}")
+    if got.prefill_attention_width() == 0:
+        pytest.skip("built without AVX-512: prefill chunks take torch's flash attention here")
+    attention.select("kernel")
+    yield got
+    attention._cpu_choice.clear()
+
+
+def case(rows: int, first: int, hq: int, hk: int, d: int, dtype=torch.float32, seed: int = 0):
+    """A chunk of `rows` queries at positions first .. first + rows - 1 over a cache whose blocks are shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    nblk = (first + rows + BS - 1) // BS
+    total = 2 * nblk + 3
+    k_cache = torch.randn(total, BS, hk, d, generator=gen).to(dtype)
+    v_cache = torch.randn(total, BS, hk, d, generator=gen).to(dtype)
+    table = torch.randperm(total, generator=gen)[:nblk]
+    q = torch.randn(rows, hq, d, generator=gen)
+    return q, k_cache, v_cache, table
+
+
+def reference(q, k_cache, v_cache, table, first: int, scale: float) -> torch.Tensor:
+    rows, hq, d = q.shape
+    hk = k_cache.shape[2]
+    ctx = first + rows
+    k = k_cache.index_select(0, table).reshape(-1, hk, d)[:ctx].double().transpose(0, 1)
+    v = v_cache.index_select(0, table).reshape(-1, hk, d)[:ctx].double().transpose(0, 1)
+    k, v = k.repeat_interleave(hq // hk, 0), v.repeat_interleave(hq // hk, 0)
+    s = q.double().transpose(0, 1) @ k.transpose(-1, -2) * scale
+    hidden = torch.arange(ctx)[None, :] > torch.arange(first, ctx)[:, None]
+    return (torch.softmax(s.masked_fill(hidden, float("-inf")), -1) @ v).transpose(0, 1)
+
+
+def attend(ops, q, k_cache, v_cache, table, first: int, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    ops.prefill_attention(out, q, k_cache, v_cache, table, first, scale)
+    return out
+
+
+@pytest.mark.parametrize("rows, first, hq, hk, d", [
+    (300, 0, 9, 3, 64),      # SmolLM2's heads, a fresh prompt
+    (100, 437, 9, 3, 64),    # a chunk after cached context
+    (33, 70, 16, 8, 128),    # Qwen3-0.6B's heads
+    (40, 25, 8, 1, 576),     # MQA over one wide plane (DeepSeek-V3's absorbed MLA cache)
+    (17, 0, 6, 6, 32),       # MHA, a narrow head
+    (50, 3, 10, 2, 64),      # G = 5: tiles of 9 rows, 45 query lanes
+])
+def test_matches_the_fp64_reference(ops, rows, first, hq, hk, d) -> None:
+    q, kc, vc, table = case(rows, first, hq, hk, d, seed=rows + first)
+    got = attend(ops, q, kc, vc, table, first, d ** -0.5)
+    err = (got.double() - reference(q, kc, vc, table, first, d ** -0.5)).abs().max().item()
+    assert err < 5e-6, err
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_caches_are_read_exactly(ops, cache_dtype) -> None:
+    """--kv-cache-dtype under an fp32 model: the kernel widens the cached keys and values exactly, so it is as
+    close to the reference over the rounded cache as over an fp32 one."""
+    q, kc, vc, table = case(70, 30, 9, 3, 64, dtype=cache_dtype, seed=5)
+    got = attend(ops, q, kc, vc, table, 30, 0.125)
+    assert got.dtype == torch.float32
+    assert (got.double() - reference(q, kc.float(), vc.float(), table, 30, 0.125)).abs().max().item() < 5e-6
+
+
+@pytest.mark.parametrize("hq, hk", [(9, 3), (16, 8), (4, 4)])
+def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(ops, hq, hk) -> None:
+    """Every query's sums run over the keys in order, and a key past its position adds an exact 0: a row's
+    output is the same bits whether its prompt is computed whole or in chunks of any size (tiles differ)."""
+    rows = 211
+    q, kc, vc, table = case(rows, 0, hq, hk, 64, seed=hq)
+    whole = attend(ops, q, kc, vc, table, 0, 0.125)
+    for cuts in ([1, 17, 64, 129, 200], [5, 6, 7, 100], [50, 150]):
+        pieces, a = [], 0
+        for b in [*cuts, rows]:
+            pieces.append(attend(ops, q[a:b].contiguous(), kc, vc, table, a, 0.125))
+            a = b
+        assert torch.equal(torch.cat(pieces), whole), cuts
+
+
+def test_paged_attention_routes_long_chunks_here(ops) -> None:
+    """A step with decodes and a chunk longer than KERNEL_CHUNK_ROWS: the chunk's rows are this kernel's bits."""
+    rows, first, hq, hk, d = attention.KERNEL_CHUNK_ROWS + 9, 40, 9, 3, 64
+    q, kc, vc, table = case(rows, first, hq, hk, d, seed=11)
+    k = torch.randn(rows, hk, d)
+    v = torch.randn(rows, hk, d)
+    pos = torch.arange(first, first + rows)
+    meta = AttentionMetadata(slot_mapping=table[pos // BS] * BS + pos % BS,
+                             prefills=[PrefillChunk(0, rows, first + rows, table)])
+    got = attention.paged_attention(q, k, v, kc, vc, meta, d ** -0.5)  # writes k / v into the cache first
+    assert torch.equal(got, attend(ops, q, kc, vc, table, first, d ** -0.5))
+    assert attention._prefill_kernel(ops, torch.float32, 64)
+    assert not attention._prefill_kernel(ops, torch.float32, 40)  # not whole vectors: torch's path
+    assert not attention._prefill_kernel(ops, torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda q, kc, vc, t: (q, kc, vc, torch.tensor([0, 1, 999]), 0), "block id 999 out of range"),
+    (lambda q, kc, vc, t: (q, kc, vc, t[:1], 0), "do not fit the table"),
+    (lambda q, kc, vc, t: (q, kc, vc, t, -1), "negative"),
+    (lambda q, kc, vc, t: (q.double(), kc, vc, t, 0), "float32"),
+    (lambda q, kc, vc, t: (q, kc, vc.bfloat16(), t, 0), "share one dtype"),
+    (lambda q, kc, vc, t: (q[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous(), t, 0),
+     "multiple of 16"),
+])
+def test_bad_input_is_refused_before_any_read(ops, bad, message) -> None:
+    q, kc, vc, table = case(40, 0, 9, 3, 64)
+    q, kc, vc, table, first = bad(q, kc, vc, table)
+    with pytest.raises(RuntimeError, match=message):
+        ops.prefill_attention(torch.empty_like(q), q, kc, vc, table, first, 0.125)
