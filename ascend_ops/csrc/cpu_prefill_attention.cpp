@@ -32,9 +32,13 @@ constexpr int kKeys = 8;          // keys per scoring step
 constexpr int kRowsPv = 6;        // queries per weighted-sum step
 constexpr int64_t kValueBlock = 128;  // positions whose numerators and values are weighed together
 
-// s[r * mpad + lane] = sum over i of k_r[i] * qt[i * mpad + lane], for the kKeys keys k[0..] (rows past nk unused).
+// s[r * mpad + lane] = (sum over i of k_r[i] * qt[i * mpad + lane]) * scale for the kKeys keys k[0..] at positions
+// p0 + r (rows past nk unused), -inf where the key is after the lane's query (qpos); mx[lane] = the running maximum.
+// Not inlined: its 24 accumulators need the registers the caller keeps its own values in.
 template <int MV>
-inline void score_keys(const float* qt, int64_t mpad, const float* const* k, int nk, int64_t d, float* s) {
+__attribute__((noinline)) void score_keys(const float* qt, int64_t mpad, const float* const* k, int nk, int64_t d,
+                                          float scale, int64_t p0, bool masked, const int32_t* qpos, float* mx,
+                                          float* s) {
   __m512 acc[kKeys][MV];
 #pragma GCC unroll 8
   for (int r = 0; r < kKeys; ++r)
@@ -48,13 +52,24 @@ inline void score_keys(const float* qt, int64_t mpad, const float* const* k, int
       for (int u = 0; u < MV; ++u) acc[r][u] = _mm512_fmadd_ps(kv, qv[u], acc[r][u]);
     }
   }
-  for (int r = 0; r < nk; ++r)
-    for (int u = 0; u < MV; ++u) _mm512_storeu_ps(s + r * mpad + 16 * u, acc[r][u]);
+  const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-INFINITY);
+  for (int u = 0; u < MV; ++u) {
+    __m512 m = _mm512_loadu_ps(mx + 16 * u);
+    const __m512i qp = _mm512_loadu_si512(qpos + 16 * u);
+    for (int r = 0; r < nk; ++r) {
+      __m512 x = _mm512_mul_ps(acc[r][u], sc);
+      if (masked)  // keys after a query's own position: -inf
+        x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(p0 + r)), qp), neg);
+      _mm512_storeu_ps(s + r * mpad + 16 * u, x);
+      m = _mm512_max_ps(m, x);
+    }
+    _mm512_storeu_ps(mx + 16 * u, m);
+  }
 }
 
 // o[r * d + c ..] += sum over positions of p[pos * mpad + r] * v_pos[c ..], R queries, V vectors of columns.
 template <typename T, int R, int V>
-inline void weigh_values(const float* p, int64_t mpad, const T* const* v, int64_t len, int64_t c, int64_t d,
+__attribute__((noinline)) void weigh_values(const float* p, int64_t mpad, const T* const* v, int64_t len, int64_t c, int64_t d,
                          float* o) {
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -125,31 +140,18 @@ void attend_tile(const float* qp, int64_t qs0, int64_t qs1, float* op, int64_t o
   if (static_cast<int64_t>(w.s.size()) < len * mpad) w.s.resize(len * mpad);
   if (static_cast<int64_t>(w.kf.size()) < kKeys * d) w.kf.resize(kKeys * d);
   float* s = w.s.data();
-  __m512i qpos[MV];
-  __m512 mx[MV], sum[MV];
-  for (int u = 0; u < MV; ++u) {
-    qpos[u] = _mm512_loadu_si512(w.qpos.data() + 16 * u);
-    mx[u] = _mm512_set1_ps(-INFINITY);
-    sum[u] = _mm512_setzero_ps();
-  }
-  const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-INFINITY);
+  float mx[16 * 3];
+  std::fill(mx, mx + mpad, -INFINITY);
   const int64_t masked_from = first + i0;  // keys before it are seen by every query of the tile
   for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeys, len - p0));
     const float* k[kKeys];
     for (int r = 0; r < kKeys; ++r) k[r] = as_floats(kptr[p0 + std::min(r, nk - 1)], d, w.kf.data() + r * d);
-    float* sp = s + p0 * mpad;
-    score_keys<MV>(w.qt.data(), mpad, k, nk, d, sp);
-    for (int r = 0; r < nk; ++r)
-      for (int u = 0; u < MV; ++u) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sp + r * mpad + 16 * u), sc);
-        if (p0 + r >= masked_from)  // keys after a query's own position: -inf
-          x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(p0 + r)), qpos[u]),
-                                 neg);
-        _mm512_storeu_ps(sp + r * mpad + 16 * u, x);
-        mx[u] = _mm512_max_ps(mx[u], x);
-      }
+    score_keys<MV>(w.qt.data(), mpad, k, nk, d, scale, p0, p0 + nk > masked_from, w.qpos.data(), mx, s + p0 * mpad);
   }
+  __m512 sum[MV];
+  for (int u = 0; u < MV; ++u) sum[u] = _mm512_setzero_ps();
+  const __m512 neg = _mm512_set1_ps(-INFINITY);
   // Numerators and values a block of positions at a time (the block's scores and values stay in cache across the
   // queries); every sum still runs over the positions in order.
   if (static_cast<int64_t>(w.o.size()) < m * d) w.o.resize(m * d);
@@ -161,7 +163,7 @@ void attend_tile(const float* qp, int64_t qs0, int64_t qs1, float* op, int64_t o
         float* sp = s + pos * mpad + 16 * u;
         const __m512 x = _mm512_loadu_ps(sp);
         const __m512 e =
-            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ), v512::exp16(_mm512_sub_ps(x, mx[u])));
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ), v512::exp16(_mm512_sub_ps(x, _mm512_loadu_ps(mx + 16 * u))));
         _mm512_storeu_ps(sp, e);
         sum[u] = _mm512_add_ps(sum[u], e);
       }
