@@ -7,10 +7,13 @@ A token's KV lives at slot = block_id * block_size + offset. The model runner fl
 into one [T, ...] batch ordered decodes first (one token each), then prefill chunks; AttentionMetadata
 says where each part starts.
 
-Implementations behind the one signature: on CPU (default mode) the decode rows and the rows of prefill
-chunks of up to KERNEL_CHUNK_ROWS tokens go through the C++ kernel of ascend_ops/cpu_kernels.py, which
-reads each sequence's blocks in place (a chunk's row reads only the keys up to its own position);
-elsewhere, and where that kernel cannot be built, the portable path gathers the blocks into a contiguous
+Implementations behind the one signature: on CPU (default mode) the decode rows go through the C++ row kernel
+of ascend_ops/cpu_kernels.py, which reads each sequence's blocks in place, and prefill chunks of more than one row
+through the chunk kernel (csrc/cpu_prefill_attention.cpp: fp32 queries, head dims of whole 16-lane vectors,
+AVX-512 builds), which also reads the blocks in place and gives a row the same bits however its prompt is
+chunked; where that kernel does not apply, chunks of up to KERNEL_CHUNK_ROWS rows take the row kernel (a
+chunk's row reads only the keys up to its own position) and longer ones the portable path.
+Elsewhere, and where the kernels cannot be built, the portable path gathers the blocks into a contiguous
 copy and runs torch SDPA (an NPU build swaps in torch_npu's paged-attention kernels).
 ROLLBUS_CPU_ATTENTION=torch forces the portable path on CPU; `implementation()` names the one in use (each
 worker reports it in /server_info).
@@ -32,9 +35,11 @@ CPU_CHOICES = ("kernel", "torch")
 # The query dtypes the kernel takes, each with the caches it reads: the model's own, or (--kv-cache-dtype)
 # 16 bits under fp32.
 KERNEL_CACHE_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16), torch.bfloat16: (torch.bfloat16,)}
-# Prefill chunks of up to this many rows go through the CPU kernel too (a prefix-cache hit, a chunked
-# prefill's tail): there one SDPA call on gathered blocks costs 3-7x the kernel (118 against 16 us for 1
-# row at 120 tokens of context, 149 / 43 us for 4 rows). Longer chunks keep SDPA (a GEMM per chunk).
+# Where the chunk kernel does not apply, prefill chunks of up to this many rows go through the row kernel (a
+# prefix-cache hit, a chunked prefill's tail): there one SDPA call on gathered blocks costs 3-7x the kernel (118
+# against 16 us for 1 row at 120 tokens of context, 149 / 43 us for 4 rows). Longer chunks keep SDPA (a GEMM per
+# chunk). The chunk kernel itself beats the row kernel from 2 rows on (2 threads, SmolLM2's heads: 2 rows after
+# 500 keys 28 against 39 us, 16 rows 81 against 181 us, 32 rows after 1,500 keys 405 against 1,498 us).
 KERNEL_CHUNK_ROWS = 16
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 _cpu_choice: list[str] = []  # the CPU implementation chosen (once, from the environment, or by select())
@@ -167,16 +172,15 @@ def paged_attention(
         out[:n] = o.squeeze(2)
     chunks = kern is not None and _prefill_kernel(kern, q.dtype, d)
     for c in meta.prefills:
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        if chunks and c.q_len > 1:  # the same causal attention, in place over the blocks
+            kern.prefill_attention(out[rows], q[rows], k_cache, v_cache, c.block_table,  # type: ignore[union-attr]
+                                   c.ctx_len - c.q_len, scale)
+            continue
         if kern is not None and c.q_len <= KERNEL_CHUNK_ROWS:  # row i sees ctx_len - q_len + i + 1 keys
-            rows = slice(c.q_start, c.q_start + c.q_len)
             kern.paged_attention_rows(out[rows], q[rows], k_cache, v_cache, c.block_table.view(1, -1),
                                       torch.zeros(c.q_len, dtype=torch.int64),
                                       torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale)
-            continue
-        if chunks:  # the same causal attention, in place over the blocks
-            rows = slice(c.q_start, c.q_start + c.q_len)
-            kern.prefill_attention(out[rows], q[rows], k_cache, v_cache, c.block_table,  # type: ignore[union-attr]
-                                   c.ctx_len - c.q_len, scale)
             continue
         # a windowed layer reads from the block of its first row's first key on (those before may be freed);
         # positions below are relative to that block's start, which keeps their differences

@@ -97,9 +97,10 @@ def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(ops, hq, hk) -> No
         assert torch.equal(torch.cat(pieces), whole), cuts
 
 
-def test_paged_attention_routes_long_chunks_here(ops) -> None:
-    """A step with decodes and a chunk longer than KERNEL_CHUNK_ROWS: the chunk's rows are this kernel's bits."""
-    rows, first, hq, hk, d = attention.KERNEL_CHUNK_ROWS + 9, 40, 9, 3, 64
+@pytest.mark.parametrize("rows", [2, attention.KERNEL_CHUNK_ROWS + 9])
+def test_paged_attention_routes_chunks_of_more_than_one_row_here(ops, rows) -> None:
+    """A prefill chunk of two rows or more: its rows are this kernel's bits."""
+    first, hq, hk, d = 40, 9, 3, 64
     q, kc, vc, table = case(rows, first, hq, hk, d, seed=11)
     k = torch.randn(rows, hk, d)
     v = torch.randn(rows, hk, d)
