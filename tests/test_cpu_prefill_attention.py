@@ -1,5 +1,5 @@
 """The CPU prefill-chunk attention kernel (ascend_ops/csrc/cpu_prefill_attention.cpp), which default mode's
-paged_attention runs for prefill chunks longer than KERNEL_CHUNK_ROWS in fp32: against an fp64 reference on
+paged_attention runs for prefill chunks of two rows or more in fp32 and bf16: against an fp64 reference on
 scattered blocks (fresh prompts, chunks after cached context, GQA / MQA / MHA, head dims 32-576, 16-bit caches),
 a row's bits whatever the chunking, the route paged_attention takes, and refused bad input."""
 
@@ -27,7 +27,7 @@ def ops():
     attention._cpu_choice.clear()
 
 
-def case(rows: int, first: int, hq: int, hk: int, d: int, dtype=torch.float32, seed: int = 0):
+def case(rows: int, first: int, hq: int, hk: int, d: int, dtype=torch.float32, seed: int = 0, q_dtype=torch.float32):
     """A chunk of `rows` queries at positions first .. first + rows - 1 over a cache whose blocks are shuffled."""
     gen = torch.Generator().manual_seed(seed)
     nblk = (first + rows + BS - 1) // BS
@@ -35,7 +35,7 @@ def case(rows: int, first: int, hq: int, hk: int, d: int, dtype=torch.float32, s
     k_cache = torch.randn(total, BS, hk, d, generator=gen).to(dtype)
     v_cache = torch.randn(total, BS, hk, d, generator=gen).to(dtype)
     table = torch.randperm(total, generator=gen)[:nblk]
-    q = torch.randn(rows, hq, d, generator=gen)
+    q = torch.randn(rows, hq, d, generator=gen).to(q_dtype)
     return q, k_cache, v_cache, table
 
 
@@ -82,12 +82,13 @@ def test_16_bit_caches_are_read_exactly(ops, cache_dtype) -> None:
     assert (got.double() - reference(q, kc.float(), vc.float(), table, 30, 0.125)).abs().max().item() < 5e-6
 
 
-@pytest.mark.parametrize("hq, hk", [(9, 3), (16, 8), (4, 4)])
-def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(ops, hq, hk) -> None:
+@pytest.mark.parametrize("hq, hk, dtype", [(9, 3, torch.float32), (16, 8, torch.float32), (4, 4, torch.float32),
+                                          (9, 3, torch.bfloat16)])
+def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(ops, hq, hk, dtype) -> None:
     """Every query's sums run over the keys in order, and a key past its position adds an exact 0: a row's
     output is the same bits whether its prompt is computed whole or in chunks of any size (tiles differ)."""
     rows = 211
-    q, kc, vc, table = case(rows, 0, hq, hk, 64, seed=hq)
+    q, kc, vc, table = case(rows, 0, hq, hk, 64, dtype=dtype, seed=hq, q_dtype=dtype)
     whole = attend(ops, q, kc, vc, table, 0, 0.125)
     for cuts in ([1, 17, 64, 129, 200], [5, 6, 7, 100], [50, 150]):
         pieces, a = [], 0
@@ -95,6 +96,26 @@ def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(ops, hq, hk) -> No
             pieces.append(attend(ops, q[a:b].contiguous(), kc, vc, table, a, 0.125))
             a = b
         assert torch.equal(torch.cat(pieces), whole), cuts
+
+
+@pytest.mark.parametrize("hq, hk, d", [(9, 3, 64), (16, 8, 128)])
+def test_bf16_queries_round_as_torchs_flash_attention(ops, hq, hk, d) -> None:
+    """A bf16 model: computed in fp32, the softmax numerators rounded to bf16 before they weigh the values, the
+    output rounded once. Within a bf16 rounding of the fp64 reference, and of torch's own bf16 flash attention
+    on the same blocks (a different summation order, the same rounding places)."""
+    rows, first = 150, 60
+    q, kc, vc, table = case(rows, first, hq, hk, d, dtype=torch.bfloat16, seed=d, q_dtype=torch.bfloat16)
+    got = attend(ops, q, kc, vc, table, first, d ** -0.5)
+    assert got.dtype == torch.bfloat16
+    ref = reference(q, kc, vc, table, first, d ** -0.5)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 2 ** -7
+    ctx = first + rows
+    k = kc.index_select(0, table).reshape(-1, hk, d)[:ctx].transpose(0, 1).repeat_interleave(hq // hk, 0)
+    v = vc.index_select(0, table).reshape(-1, hk, d)[:ctx].transpose(0, 1).repeat_interleave(hq // hk, 0)
+    mask = torch.ones(rows, ctx, dtype=torch.bool).tril_(first)
+    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                                                  attn_mask=mask, scale=d ** -0.5)[0].transpose(0, 1)
+    assert ((got.float() - torch_bf16.float()).abs().max() / torch_bf16.float().abs().max()).item() < 2 ** -7
 
 
 @pytest.mark.parametrize("rows", [2, attention.KERNEL_CHUNK_ROWS + 9])
@@ -111,14 +132,16 @@ def test_paged_attention_routes_chunks_of_more_than_one_row_here(ops, rows) -> N
     assert torch.equal(got, attend(ops, q, kc, vc, table, first, d ** -0.5))
     assert attention._prefill_kernel(ops, torch.float32, 64)
     assert not attention._prefill_kernel(ops, torch.float32, 40)  # not whole vectors: torch's path
-    assert not attention._prefill_kernel(ops, torch.bfloat16, 64)
+    assert attention._prefill_kernel(ops, torch.bfloat16, 64)
+    assert not attention._prefill_kernel(ops, torch.float16, 64)  # fp16 models keep torch's path
 
 
 @pytest.mark.parametrize("bad, message", [
     (lambda q, kc, vc, t: (q, kc, vc, torch.tensor([0, 1, 999]), 0), "block id 999 out of range"),
     (lambda q, kc, vc, t: (q, kc, vc, t[:1], 0), "do not fit the table"),
     (lambda q, kc, vc, t: (q, kc, vc, t, -1), "negative"),
-    (lambda q, kc, vc, t: (q.double(), kc, vc, t, 0), "float32"),
+    (lambda q, kc, vc, t: (q.double(), kc, vc, t, 0), "got q Double"),
+    (lambda q, kc, vc, t: (q.bfloat16(), kc, vc, t, 0), "q bfloat16 over bfloat16 caches"),
     (lambda q, kc, vc, t: (q, kc, vc.bfloat16(), t, 0), "share one dtype"),
     (lambda q, kc, vc, t: (q[..., :40].contiguous(), kc[..., :40].contiguous(), vc[..., :40].contiguous(), t, 0),
      "multiple of 16"),

@@ -3,9 +3,11 @@
 // Compiled into the one unit of ascend_ops/cpu_kernels.py after cpu_attention.cpp, whose AVX-512 helpers
 // (v512::load16, exp16, first) it uses.
 //
-// prefill_attention(out, q, k_cache, v_cache, table, first, scale): q / out [rows, Hq, D] fp32, the rows at
+// prefill_attention(out, q, k_cache, v_cache, table, first, scale): q / out [rows, Hq, D], the rows at
 // positions first .. first + rows - 1 of the sequence whose blocks are `table`; row i attends to the keys at
-// positions 0 .. first + i (written into the cache before the call). Caches fp32, bf16 or fp16 (widened exactly).
+// positions 0 .. first + i (written into the cache before the call). q fp32 over caches of fp32, bf16 or fp16
+// (widened exactly), or q bf16 over bf16 caches (computed in fp32, the softmax numerators rounded to bf16 before
+// they weigh the values and the output rounded to bf16 once, as torch's CPU flash attention rounds).
 //
 // Work items are (a tile of query rows, one kv head): the tile's rows times the G query heads that share the kv
 // head make up to kQueries query vectors, laid out across the lanes of three 16-lane registers. Per item, over
@@ -121,9 +123,17 @@ struct Scratch {
   std::vector<int32_t> qpos;
 };
 
-// One item: query rows [i0, i0 + rows) of the chunk (positions first + i0 ..), kv head h.
-template <typename T, int MV>
-void attend_tile(const float* qp, int64_t qs0, int64_t qs1, float* op, int64_t os0, int64_t os1, const T* const* kptr,
+// The numerators p rounded to bf16 (to nearest, ties to even; p is finite and >= 0), widened back.
+inline __m512 round_bf16(__m512 p) {
+  const __m512i b = _mm512_castps_si512(p);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// One item: query rows [i0, i0 + rows) of the chunk (positions first + i0 ..), kv head h. Q: q's and out's dtype.
+template <typename Q, typename T, int MV>
+void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, const T* const* kptr,
                  const T* const* vptr, int64_t first, int64_t i0, int64_t rows, int64_t h, int64_t g, int64_t d,
                  float scale, Scratch& w) {
   const int64_t m = rows * g, mpad = 16 * MV;
@@ -132,8 +142,8 @@ void attend_tile(const float* qp, int64_t qs0, int64_t qs1, float* op, int64_t o
   w.qpos.resize(mpad);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < g; ++j) {
-      const float* src = qp + (i0 + i) * qs0 + (h * g + j) * qs1;
-      for (int64_t c = 0; c < d; ++c) w.qt[c * mpad + i * g + j] = src[c];
+      const Q* src = qp + (i0 + i) * qs0 + (h * g + j) * qs1;
+      for (int64_t c = 0; c < d; ++c) w.qt[c * mpad + i * g + j] = to_float(src[c]);
     }
   for (int64_t lane = 0; lane < mpad; ++lane)  // the lanes past m see every key (their q is 0, outputs unused)
     w.qpos[lane] = static_cast<int32_t>(lane < m ? first + i0 + lane / g : len - 1);
@@ -164,8 +174,10 @@ void attend_tile(const float* qp, int64_t qs0, int64_t qs1, float* op, int64_t o
         const __m512 x = _mm512_loadu_ps(sp);
         const __m512 e =
             _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ), v512::exp16(_mm512_sub_ps(x, _mm512_loadu_ps(mx + 16 * u))));
-        _mm512_storeu_ps(sp, e);
         sum[u] = _mm512_add_ps(sum[u], e);
+        // bf16 queries: as torch's CPU flash attention does for reduced types, the normaliser sums the fp32
+        // numerators and the weighted sum of V takes them rounded to bf16 (accumulating in fp32)
+        _mm512_storeu_ps(sp, std::is_same_v<Q, float> ? e : round_bf16(e));
       }
     weigh<T>(s + b0 * mpad, mpad, m, vptr + b0, n, d, w.o.data());
   }
@@ -175,12 +187,12 @@ void attend_tile(const float* qp, int64_t qs0, int64_t qs1, float* op, int64_t o
     for (int64_t j = 0; j < g; ++j) {
       const int64_t lane = i * g + j;
       const float* a = w.o.data() + lane * d;
-      float* dst = op + (i0 + i) * os0 + (h * g + j) * os1;
-      for (int64_t c = 0; c < d; ++c) dst[c] = a[c] * inv[lane];
+      Q* dst = op + (i0 + i) * os0 + (h * g + j) * os1;
+      for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<Q>(a[c] * inv[lane]);
     }
 }
 
-template <typename T>
+template <typename Q, typename T>
 void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& table, int64_t first, double scale) {
   const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
@@ -203,8 +215,8 @@ void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   }
   const int64_t tile = std::max<int64_t>(1, kQueries / g);  // query rows per item
   const int64_t tiles = (rows + tile - 1) / tile;
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
   // Items in pairs of a cheap and a dear tile (the first and the last, then the second and the one before, ...), so
@@ -218,9 +230,9 @@ void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       const T* const* ks = kptr.data() + h * len;
       const T* const* vs = vptr.data() + h * len;
       switch ((n * g + 15) / 16) {
-        case 1: attend_tile<T, 1>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
-        case 2: attend_tile<T, 2>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
-        default: attend_tile<T, 3>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
+        case 1: attend_tile<Q, T, 1>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
+        case 2: attend_tile<Q, T, 2>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
+        default: attend_tile<Q, T, 3>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
       }
     }
   });
@@ -245,7 +257,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
               "prefill_attention: q/out [R, Hq, D], caches [num_blocks, block_size, Hk, D], table [blocks]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "prefill_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "prefill_attention: q and out float32");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "prefill_attention: q and out must have one dtype");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "prefill_attention: the caches must share one dtype");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
                   out.sizes() == q.sizes(),
@@ -265,15 +277,18 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   }
   if (rows == 0) return;
 #ifdef ROLLBUS_AVX512
-  const auto ct = k_cache.scalar_type();
-  if (ct == at::kFloat) {
-    prefill::attend_chunk<float>(out, q, k_cache, v_cache, table, first, scale);
-  } else if (ct == at::kBFloat16) {
-    prefill::attend_chunk<c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale);
-  } else if (ct == at::kHalf) {
-    prefill::attend_chunk<c10::Half>(out, q, k_cache, v_cache, table, first, scale);
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) {
+    prefill::attend_chunk<float, float>(out, q, k_cache, v_cache, table, first, scale);
+  } else if (qt == at::kFloat && ct == at::kBFloat16) {
+    prefill::attend_chunk<float, c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale);
+  } else if (qt == at::kFloat && ct == at::kHalf) {
+    prefill::attend_chunk<float, c10::Half>(out, q, k_cache, v_cache, table, first, scale);
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    prefill::attend_chunk<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale);
   } else {
-    TORCH_CHECK(false, "prefill_attention: caches float32, bfloat16 or float16; got ", ct);
+    TORCH_CHECK(false, "prefill_attention: q float32 over float32, bfloat16 or float16 caches, or q bfloat16 over "
+                "bfloat16 caches; got q ", qt, ", caches ", ct);
   }
 #endif
 }
