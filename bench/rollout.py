@@ -508,7 +508,7 @@ def main() -> None:
                 who = dtype + (f" -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
                 rows.append([who, str(s), f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                              f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
-        for conf in peers:
+        for conf in () if "C" in args.skip else peers:
             c = r["vllm_all"][conf]["C32"]
             rows.append([f"{dtype} vLLM {conf}", "32", f"{c['ttft_ms_p50']:.1f}", f"{c['ttft_ms_max']:.1f}",
                          f"{c['itl_ms_p50']:.1f}", f"{c['itl_ms_p99']:.1f}"])
