@@ -10,7 +10,7 @@ says where each part starts.
 Implementations behind the one signature: on CPU (default mode) the decode rows go through the C++ row kernel
 of ascend_ops/cpu_kernels.py, which reads each sequence's blocks in place, and prefill chunks of more than one row
 through the chunk kernel (csrc/cpu_prefill_attention.cpp: fp32 and bf16 queries, head dims of whole 16-lane vectors,
-AVX-512 builds), which also reads the blocks in place and gives a row the same bits however its prompt is
+AVX2 or AVX-512 builds), which also reads the blocks in place and gives a row the same bits however its prompt is
 chunked; where that kernel does not apply, chunks of up to KERNEL_CHUNK_ROWS rows take the row kernel (a
 chunk's row reads only the keys up to its own position) and longer ones the portable path.
 Elsewhere, and where the kernels cannot be built, the portable path gathers the blocks into a contiguous
@@ -113,7 +113,7 @@ def kernel_reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 def _prefill_kernel(kern, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the chunk kernel (ascend_ops/csrc/cpu_prefill_attention.cpp) takes this layer's prefill chunks:
     fp32 or bf16 queries (over the caches the row kernel reads for them), a head dimension of whole 16-lane
-    vectors, and a build with AVX-512."""
+    vectors, and a build with AVX2 or AVX-512."""
     return dtype in KERNEL_CACHE_DTYPES and head_dim % 16 == 0 and _prefill_width(kern) > 0
 
 

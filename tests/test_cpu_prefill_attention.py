@@ -21,7 +21,7 @@ def ops():
     if got is None:
         pytest.fail(f"the CPU kernels did not build here: {cpu_kernels.unavailable()}")
     if got.prefill_attention_width() == 0:
-        pytest.skip("built without AVX-512: prefill chunks take torch's flash attention here")
+        pytest.skip("a portable build (no AVX2): prefill chunks take torch's flash attention here")
     attention.select("kernel")
     yield got
     attention._cpu_choice.clear()

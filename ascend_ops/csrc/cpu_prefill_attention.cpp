@@ -10,90 +10,187 @@
 // they weigh the values and the output rounded to bf16 once, as torch's CPU flash attention rounds).
 //
 // Work items are (a tile of query rows, one kv head): the tile's rows times the G query heads that share the kv
-// head make up to kQueries query vectors, laid out across the lanes of three 16-lane registers. Per item, over
-// every key up to the tile's last position:
+// head make up to kQueries query vectors, laid out across the lanes of three registers (48 lanes with AVX-512, 24
+// with AVX2). Per item, over every key up to the tile's last position:
 //   scores  s[pos][m] = (q_m . k_pos) * scale, one FMA chain over d per score (keys broadcast, queries in
-//           lanes: eight keys by three registers of queries per step, no horizontal sums), a key after the
-//           query's own position -inf;
+//           lanes: eight keys (AVX2: four) by three registers of queries per step, no horizontal sums), a key
+//           after the query's own position -inf;
 //   softmax the exact maximum per query, then p = exp(s - max) (0 where -inf) and their sum, in position order;
-//   values  o[m][:] = sum over positions, in order, of p[pos][m] * v_pos (six queries by 64 columns a step).
+//   values  o[m][:] = sum over positions, in order, of p[pos][m] * v_pos (six queries by 64 columns a step;
+//           AVX2: by 16).
 // Every query's arithmetic is the same whatever tile it falls in and however many rows the chunk has (a key
 // past its position adds an exact 0), so a row's output does not depend on the chunking or on other rows.
-// torch's CPU flash attention (the path before this kernel, still used where it is not compiled) sums in
-// another order: outputs agree to rounding.
+// The AVX2 and AVX-512 builds give the same bits. torch's CPU flash attention (the path before this kernel, still
+// used where it is not compiled: a portable build) sums in another order: outputs agree to rounding.
 //
-// Measured (SmolLM2-135M fp32, a 2,048-token prompt, 2 threads, Xeon with AVX-512): see ascend_ops/attention.py.
+// Measured: docs/serving.md ("Attention over the paged cache").
 
 namespace {
 
-#ifdef ROLLBUS_AVX512
+#if defined(ROLLBUS_AVX512) || defined(__AVX2__)
 namespace prefill {
 
-constexpr int64_t kQueries = 48;  // query vectors per item (three registers of lanes)
-constexpr int kKeys = 8;          // keys per scoring step
-constexpr int kRowsPv = 6;        // queries per weighted-sum step
+// The vector operations the kernel is written in, for the widest instruction set compiled: AVX-512 (16 lanes, 32
+// registers) or AVX2 + FMA (8 lanes, 16 registers; CPUs such as AMD Zen 2/3). Both compute every value the same
+// way (one FMA chain per score over d, the same exp, sums in position order), so they give the same bits.
+#ifdef ROLLBUS_AVX512
+struct Isa {
+  using V = __m512;
+  using I = __m512i;
+  static constexpr int kLanes = 16;
+  static constexpr int kVecs = 3;     // query vectors per item: 48 lanes
+  static constexpr int kKeys = 8;     // keys per scoring step: 8 x 3 accumulators
+  static constexpr int kRowsPv = 6;   // queries per weighted-sum step: 6 x 4 accumulators
+  static constexpr int kColVecs = 4;  // value vectors per weighted-sum step (64 columns)
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V load_t(const T* p) { return v512::load16(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static I load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
+  // y in the lanes whose query position is before `pos`, x elsewhere
+  static V past(int32_t pos, I qpos, V x, V y) {
+    return _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(pos), qpos), y);
+  }
+  // e, 0 in the lanes where x is -inf
+  static V drop_masked(V x, V e) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(-INFINITY), _CMP_NEQ_OQ), e); }
+  static V round_int(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V r) { return _mm512_scalef_ps(p, r); }  // p * 2^r (r integral, 2^r normal)
+  static V to_bf16(V p) {  // rounded to bf16 (to nearest, ties to even; p finite, >= 0), widened back
+    const I b = _mm512_castps_si512(p);
+    const I odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const I r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+#else
+struct Isa {
+  using V = __m256;
+  using I = __m256i;
+  static constexpr int kLanes = 8;
+  static constexpr int kVecs = 3;     // 24 lanes
+  static constexpr int kKeys = 4;     // 4 x 3 accumulators
+  static constexpr int kRowsPv = 6;   // 6 x 2 accumulators
+  static constexpr int kColVecs = 2;  // 16 columns
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V load_t(const T* p) { return load8(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static I load_i(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V past(int32_t pos, I qpos, V x, V y) {
+    return _mm256_blendv_ps(x, y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(pos), qpos)));
+  }
+  static V drop_masked(V x, V e) { return _mm256_and_ps(e, _mm256_cmp_ps(x, set1(-INFINITY), _CMP_NEQ_OQ)); }
+  static V round_int(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V r) {
+    const I e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+  static V to_bf16(V p) {
+    const I b = _mm256_castps_si256(p);
+    const I odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const I r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+#endif
+
+using V = Isa::V;
+constexpr int kLanes = Isa::kLanes, kKeys = Isa::kKeys, kRowsPv = Isa::kRowsPv, kColVecs = Isa::kColVecs;
+constexpr int64_t kQueries = Isa::kLanes * Isa::kVecs;  // query lanes per item
 constexpr int64_t kValueBlock = 128;  // positions whose numerators and values are weighed together
+
+// exp(x) for x <= 0 as cpu_attention.cpp's exp_neg computes it (Cody-Waite reduction, the degree-6 polynomial,
+// the power of two applied exactly), a vector at a time.
+inline V exp_neg_v(V x) {
+  const V v = Isa::max(x, Isa::set1(kExpMin));
+  const V r = Isa::round_int(Isa::mul(v, Isa::set1(kLog2e)));
+  V f = Isa::fma(r, Isa::set1(-kLn2Hi), v);
+  f = Isa::fma(r, Isa::set1(kLn2Lo), f);
+  V p = Isa::set1(kP0);
+  p = Isa::fma(p, f, Isa::set1(kP1));
+  p = Isa::fma(p, f, Isa::set1(kP2));
+  p = Isa::fma(p, f, Isa::set1(kP3));
+  p = Isa::fma(p, f, Isa::set1(kP4));
+  p = Isa::fma(p, f, Isa::set1(kP5));
+  p = Isa::fma(Isa::mul(p, f), f, Isa::add(f, Isa::set1(1.0f)));
+  return Isa::times_pow2(p, r);
+}
 
 // s[r * mpad + lane] = (sum over i of k_r[i] * qt[i * mpad + lane]) * scale for the kKeys keys k[0..] at positions
 // p0 + r (rows past nk unused), -inf where the key is after the lane's query (qpos); mx[lane] = the running maximum.
-// Not inlined: its 24 accumulators need the registers the caller keeps its own values in.
+// Not inlined: its accumulators need the registers the caller keeps its own values in.
 template <int MV>
 __attribute__((noinline)) void score_keys(const float* qt, int64_t mpad, const float* const* k, int nk, int64_t d,
                                           float scale, int64_t p0, bool masked, const int32_t* qpos, float* mx,
                                           float* s) {
-  __m512 acc[kKeys][MV];
+  V acc[kKeys][MV];
 #pragma GCC unroll 8
   for (int r = 0; r < kKeys; ++r)
-    for (int u = 0; u < MV; ++u) acc[r][u] = _mm512_setzero_ps();
+    for (int u = 0; u < MV; ++u) acc[r][u] = Isa::zero();
   for (int64_t i = 0; i < d; ++i) {
-    __m512 qv[MV];
-    for (int u = 0; u < MV; ++u) qv[u] = _mm512_loadu_ps(qt + i * mpad + 16 * u);
+    V qv[MV];
+    for (int u = 0; u < MV; ++u) qv[u] = Isa::load(qt + i * mpad + kLanes * u);
 #pragma GCC unroll 8
     for (int r = 0; r < kKeys; ++r) {
-      const __m512 kv = _mm512_set1_ps(k[r][i]);
-      for (int u = 0; u < MV; ++u) acc[r][u] = _mm512_fmadd_ps(kv, qv[u], acc[r][u]);
+      const V kv = Isa::set1(k[r][i]);
+      for (int u = 0; u < MV; ++u) acc[r][u] = Isa::fma(kv, qv[u], acc[r][u]);
     }
   }
-  const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-INFINITY);
+  const V sc = Isa::set1(scale), neg = Isa::set1(-INFINITY);
   for (int u = 0; u < MV; ++u) {
-    __m512 m = _mm512_loadu_ps(mx + 16 * u);
-    const __m512i qp = _mm512_loadu_si512(qpos + 16 * u);
+    V m = Isa::load(mx + kLanes * u);
+    const Isa::I qp = Isa::load_i(qpos + kLanes * u);
     for (int r = 0; r < nk; ++r) {
-      __m512 x = _mm512_mul_ps(acc[r][u], sc);
-      if (masked)  // keys after a query's own position: -inf
-        x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(p0 + r)), qp), neg);
-      _mm512_storeu_ps(s + r * mpad + 16 * u, x);
-      m = _mm512_max_ps(m, x);
+      V x = Isa::mul(acc[r][u], sc);
+      if (masked) x = Isa::past(static_cast<int32_t>(p0 + r), qp, x, neg);  // keys after a query's position: -inf
+      Isa::store(s + r * mpad + kLanes * u, x);
+      m = Isa::max(m, x);
     }
-    _mm512_storeu_ps(mx + 16 * u, m);
+    Isa::store(mx + kLanes * u, m);
   }
 }
 
-// o[r * d + c ..] += sum over positions of p[pos * mpad + r] * v_pos[c ..], R queries, V vectors of columns.
-template <typename T, int R, int V>
-__attribute__((noinline)) void weigh_values(const float* p, int64_t mpad, const T* const* v, int64_t len, int64_t c, int64_t d,
-                         float* o) {
-  __m512 acc[R][V];
+// o[r * d + c ..] += sum over positions of p[pos * mpad + r] * v_pos[c ..], R queries, CV vectors of columns.
+template <typename T, int R, int CV>
+__attribute__((noinline)) void weigh_values(const float* p, int64_t mpad, const T* const* v, int64_t len, int64_t c,
+                                            int64_t d, float* o) {
+  V acc[R][CV];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < V; ++u) acc[r][u] = _mm512_loadu_ps(o + r * d + c + 16 * u);
+    for (int u = 0; u < CV; ++u) acc[r][u] = Isa::load(o + r * d + c + kLanes * u);
   for (int64_t pos = 0; pos < len; ++pos) {
-    __m512 x[V];
-    for (int u = 0; u < V; ++u) x[u] = v512::load16(v[pos] + c + 16 * u);
+    V x[CV];
+    for (int u = 0; u < CV; ++u) x[u] = Isa::load_t(v[pos] + c + kLanes * u);
     const float* pr = p + pos * mpad;
     for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(pr[r]);
-      for (int u = 0; u < V; ++u) acc[r][u] = _mm512_fmadd_ps(w, x[u], acc[r][u]);
+      const V w = Isa::set1(pr[r]);
+      for (int u = 0; u < CV; ++u) acc[r][u] = Isa::fma(w, x[u], acc[r][u]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < V; ++u) _mm512_storeu_ps(o + r * d + c + 16 * u, acc[r][u]);
+    for (int u = 0; u < CV; ++u) Isa::store(o + r * d + c + kLanes * u, acc[r][u]);
 }
 
 template <typename T, int R>
 inline void weigh_rows(const float* p, int64_t mpad, const T* const* v, int64_t len, int64_t d, float* o) {
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) weigh_values<T, R, 4>(p, mpad, v, len, c, d, o);
-  for (; c < d; c += 16) weigh_values<T, R, 1>(p, mpad, v, len, c, d, o);
+  for (; c + kColVecs * kLanes <= d; c += kColVecs * kLanes) weigh_values<T, R, kColVecs>(p, mpad, v, len, c, d, o);
+  for (; c < d; c += kLanes) weigh_values<T, R, 1>(p, mpad, v, len, c, d, o);
 }
 
 // o[m][:] += the weighted values of `len` positions for the m queries (o: [m][d], p: [len][mpad]).
@@ -114,7 +211,7 @@ void weigh(const float* p, int64_t mpad, int64_t m, const T* const* v, int64_t l
 inline const float* as_floats(const float* k, int64_t, float*) { return k; }
 template <typename T>
 inline const float* as_floats(const T* k, int64_t d, float* buf) {  // bf16 / fp16 widened exactly
-  for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(buf + i, v512::load16(k + i));
+  for (int64_t i = 0; i < d; i += kLanes) Isa::store(buf + i, Isa::load_t(k + i));
   return buf;
 }
 
@@ -123,37 +220,12 @@ struct Scratch {
   std::vector<int32_t> qpos;
 };
 
-// v512::exp16's values (the same reduction and polynomial), the power of two applied by one scalef instead of
-// building its bits and multiplying (the clamp keeps 2^r normal, where both are exact): the same bits, fewer ops.
-inline __m512 exp_scaled(__m512 x) {
-  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
-  const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(r, _mm512_set1_ps(kLn2Hi), v);
-  f = _mm512_fmadd_ps(r, _mm512_set1_ps(kLn2Lo), f);
-  __m512 p = _mm512_set1_ps(kP0);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP3));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP4));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP5));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, r);
-}
-
-// The numerators p rounded to bf16 (to nearest, ties to even; p is finite and >= 0), widened back.
-inline __m512 round_bf16(__m512 p) {
-  const __m512i b = _mm512_castps_si512(p);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
 // One item: query rows [i0, i0 + rows) of the chunk (positions first + i0 ..), kv head h. Q: q's and out's dtype.
 template <typename Q, typename T, int MV>
 void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, const T* const* kptr,
                  const T* const* vptr, int64_t first, int64_t i0, int64_t rows, int64_t h, int64_t g, int64_t d,
                  float scale, Scratch& w) {
-  const int64_t m = rows * g, mpad = 16 * MV;
+  const int64_t m = rows * g, mpad = kLanes * MV;
   const int64_t len = first + i0 + rows;  // keys 0 .. the tile's last position
   w.qt.assign(d * mpad, 0.f);
   w.qpos.resize(mpad);
@@ -167,7 +239,7 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   if (static_cast<int64_t>(w.s.size()) < len * mpad) w.s.resize(len * mpad);
   if (static_cast<int64_t>(w.kf.size()) < kKeys * d) w.kf.resize(kKeys * d);
   float* s = w.s.data();
-  float mx[16 * 3];
+  float mx[kQueries];
   std::fill(mx, mx + mpad, -INFINITY);
   const int64_t masked_from = first + i0;  // keys before it are seen by every query of the tile
   for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
@@ -176,9 +248,8 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
     for (int r = 0; r < kKeys; ++r) k[r] = as_floats(kptr[p0 + std::min(r, nk - 1)], d, w.kf.data() + r * d);
     score_keys<MV>(w.qt.data(), mpad, k, nk, d, scale, p0, p0 + nk > masked_from, w.qpos.data(), mx, s + p0 * mpad);
   }
-  __m512 sum[MV];
-  for (int u = 0; u < MV; ++u) sum[u] = _mm512_setzero_ps();
-  const __m512 neg = _mm512_set1_ps(-INFINITY);
+  V sum[MV];
+  for (int u = 0; u < MV; ++u) sum[u] = Isa::zero();
   // Numerators and values a block of positions at a time (the block's scores and values stay in cache across the
   // queries); every sum still runs over the positions in order.
   if (static_cast<int64_t>(w.o.size()) < m * d) w.o.resize(m * d);
@@ -187,19 +258,19 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
     const int64_t n = std::min(kValueBlock, len - b0);
     for (int64_t pos = b0; pos < b0 + n; ++pos)
       for (int u = 0; u < MV; ++u) {
-        float* sp = s + pos * mpad + 16 * u;
-        const __m512 x = _mm512_loadu_ps(sp);
-        __m512 e = exp_scaled(_mm512_sub_ps(x, _mm512_loadu_ps(mx + 16 * u)));
-        if (pos >= masked_from) e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ), e);  // masked: 0
-        sum[u] = _mm512_add_ps(sum[u], e);
+        float* sp = s + pos * mpad + kLanes * u;
+        const V x = Isa::load(sp);
+        V e = exp_neg_v(Isa::sub(x, Isa::load(mx + kLanes * u)));
+        if (pos >= masked_from) e = Isa::drop_masked(x, e);  // a key past the query's position: exactly 0
+        sum[u] = Isa::add(sum[u], e);
         // bf16 queries: as torch's CPU flash attention does for reduced types, the normaliser sums the fp32
         // numerators and the weighted sum of V takes them rounded to bf16 (accumulating in fp32)
-        _mm512_storeu_ps(sp, std::is_same_v<Q, float> ? e : round_bf16(e));
+        Isa::store(sp, std::is_same_v<Q, float> ? e : Isa::to_bf16(e));
       }
     weigh<T>(s + b0 * mpad, mpad, m, vptr + b0, n, d, w.o.data());
   }
-  float inv[16 * 3];
-  for (int u = 0; u < MV; ++u) _mm512_storeu_ps(inv + 16 * u, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[u]));
+  float inv[kQueries];
+  for (int u = 0; u < MV; ++u) Isa::store(inv + kLanes * u, Isa::div(Isa::set1(1.0f), sum[u]));
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < g; ++j) {
       const int64_t lane = i * g + j;
@@ -246,7 +317,7 @@ void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       const int64_t i0 = ti * tile, n = std::min(tile, rows - i0);
       const T* const* ks = kptr.data() + h * len;
       const T* const* vs = vptr.data() + h * len;
-      switch ((n * g + 15) / 16) {
+      switch ((n * g + kLanes - 1) / kLanes) {
         case 1: attend_tile<Q, T, 1>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
         case 2: attend_tile<Q, T, 2>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
         default: attend_tile<Q, T, 3>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
@@ -258,10 +329,11 @@ void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 }  // namespace prefill
 #endif
 
-// 16 where the kernel is compiled (AVX-512), else 0: ascend_ops/attention.py asks before it routes a chunk here.
+// The vector width the kernel was compiled for (16: AVX-512, 8: AVX2), 0 where it was not (a portable build):
+// ascend_ops/attention.py asks before it routes a chunk here.
 int64_t prefill_attention_width() {
-#ifdef ROLLBUS_AVX512
-  return 16;
+#if defined(ROLLBUS_AVX512) || defined(__AVX2__)
+  return prefill::kLanes;
 #else
   return 0;
 #endif
@@ -269,7 +341,7 @@ int64_t prefill_attention_width() {
 
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& table, int64_t first, double scale) {
-  TORCH_CHECK(prefill_attention_width() > 0, "prefill_attention: built without AVX-512");
+  TORCH_CHECK(prefill_attention_width() > 0, "prefill_attention: built without AVX2 or AVX-512");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && table.dim() == 1,
               "prefill_attention: q/out [R, Hq, D], caches [num_blocks, block_size, Hk, D], table [blocks]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -293,7 +365,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
     TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "prefill_attention: block id ", blk, " out of range");
   }
   if (rows == 0) return;
-#ifdef ROLLBUS_AVX512
+#if defined(ROLLBUS_AVX512) || defined(__AVX2__)
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   if (qt == at::kFloat && ct == at::kFloat) {
     prefill::attend_chunk<float, float>(out, q, k_cache, v_cache, table, first, scale);
