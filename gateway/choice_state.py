@@ -74,6 +74,7 @@ class ChoiceState:
         self.stop_reason: int | str | None = None
         self.error: ErrorInfo | None = None
         self.num_cached_tokens = 0
+        self.admitted = False  # an engine output came back (metrics record the prefix-cache lookup then)
         self.engine = 0  # the data-parallel engine it runs on (run_choices; the engine label of /metrics)
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None  # when the first delta with tokens arrived

@@ -188,13 +188,26 @@ class Metrics:
         """After every engine delta of a choice (`state` a serving.ChoiceState, `update` what its feed
         returned): the first tokens give TTFT, each later delta with tokens one inter-token gap, as
         vLLM records one ITL per engine step of the request."""
+        engine = getattr(state, "engine", 0)
+        if not state.admitted:  # the engine's first output for it: the request was admitted
+            state.admitted = True
+            self._prefix_lookup(state, engine)
         if not update.token_ids:
             return
-        engine = getattr(state, "engine", 0)
         if state.gap is None:
             self.ttft[engine].observe(state.first_token_at - state.arrival)
         else:
             self.itl[engine].observe(state.gap)
+
+    def _prefix_lookup(self, state: Any, engine: int) -> None:
+        """vLLM's prefix-cache queries and hits, in tokens: recorded once per engine request when it is admitted
+        (here: its first output, which carries what admission found cached), so a request aborted before it
+        was admitted counts nothing, and a prompt_logprobs request, which never looks the cache up, neither."""
+        if state.params.prompt_logprobs is not None:
+            return
+        n_prompt = len(state.prompt_ids)
+        self.prefix_cache_queries[engine].inc(n_prompt)
+        self.prefix_cache_hits[engine].inc(min(state.num_cached_tokens, n_prompt))
 
     def observe_choice(self, state: Any, now: float | None = None) -> None:
         """Record one finished (or abandoned) engine request; `state` is a serving.ChoiceState."""
@@ -203,8 +216,6 @@ class Metrics:
         engine = getattr(state, "engine", 0)
         self.prompt_tokens[engine].inc(n_prompt)
         self.generation_tokens[engine].inc(n_gen)
-        self.prefix_cache_queries[engine].inc(n_prompt)
-        self.prefix_cache_hits[engine].inc(min(state.num_cached_tokens, n_prompt))
         reason = state.finish_reason or "abort"
         if reason == "error":
             self.errors[engine].inc()

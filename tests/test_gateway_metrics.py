@@ -31,10 +31,10 @@ def labels(model: str = "m", **extra: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted({"model_name": model, "engine": "0", **extra}.items()))
 
 
-def delta(tokens: list[int], finished: bool = False) -> RequestOutput:
+def delta(tokens: list[int], finished: bool = False, cached: int = 0) -> RequestOutput:
     return RequestOutput(request_id="r-0", token_ids=tokens, logprobs=None, top_logprobs=None, finished=finished,
                          finish_reason="length" if finished else None, stop_reason=None, error=None,
-                         num_prompt_tokens=3, num_cached_tokens=0, weight_epoch=0)
+                         num_prompt_tokens=3, num_cached_tokens=cached, weight_epoch=0)
 
 
 def run(metrics: Metrics, arrival: float, deltas: list[tuple[float, list[int]]], end: float) -> ChoiceState:
@@ -87,6 +87,28 @@ def test_a_request_without_tokens_has_no_ttft_and_one_token_a_zero_tpot() -> Non
     assert got["vllm:request_time_per_output_token_seconds_count", labels()] == 1
     assert got["vllm:request_time_per_output_token_seconds_bucket", labels(le="0.01")] == 1
     assert got["vllm:e2e_request_latency_seconds_count", labels()] == 2
+
+
+def test_prefix_cache_counts_a_request_once_when_admitted_as_vllm_does() -> None:
+    """vLLM records a request's prefix-cache lookup when the scheduler admits it: an admitted request counts its
+    prompt once (its cached tokens as hits), one aborted before admission (no engine output) nothing, and a
+    prompt_logprobs request, which skips the cache, nothing."""
+    m = Metrics("m")
+    state = ChoiceState(0, "r-0", [1, 2, 3], SamplingParams(max_tokens=99), None)
+    for i, tokens in enumerate([[7], [8], [9]]):
+        m.observe_delta(state, state.feed(delta(tokens, i == 2, cached=2), now=float(i)))
+        got = samples(m.render())
+        assert got["vllm:prefix_cache_queries_total", labels()] == 3  # from the first output on, once
+        assert got["vllm:prefix_cache_hits_total", labels()] == 2
+    m.observe_choice(state, now=3.0)
+    never = ChoiceState(0, "r-1", [1, 2, 3, 4], SamplingParams(max_tokens=99), None)
+    m.observe_choice(never, now=3.0)  # aborted while waiting
+    plp = ChoiceState(0, "r-2", [1, 2, 3, 4], SamplingParams(max_tokens=99, prompt_logprobs=1), None)
+    m.observe_delta(plp, plp.feed(delta([7], True), now=1.0))
+    m.observe_choice(plp, now=1.0)
+    got = samples(m.render())
+    assert got["vllm:prefix_cache_queries_total", labels()] == 3 and got["vllm:prefix_cache_hits_total", labels()] == 2
+    assert got["vllm:request_success_total", labels(finished_reason="abort")] == 1
 
 
 @pytest.fixture(scope="module")
