@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "rollbus_cpu"
 # one compile unit, in this order
-SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_elementwise.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp",
+SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_prefill_attention.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp",
            "cpu_panel_gemm.cpp", "cpu_lora.cpp")
 CACHE_ENV = "ROLLBUS_KERNEL_CACHE"
 ENABLE_ENV = "ROLLBUS_CPU_KERNELS"

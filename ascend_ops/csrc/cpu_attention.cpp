@@ -380,8 +380,7 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP4));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP5));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(r), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_scalef_ps(p, r);  // p * 2^r: exact, as the clamp keeps 2^r normal (exp8 builds its bits)
 }
 
 // s *= scale in place; returns the maximum (-inf for n = 0).

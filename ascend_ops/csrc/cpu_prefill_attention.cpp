@@ -1,7 +1,7 @@
 // Causal attention of one sequence's prefill chunk over its paged KV cache, read in place (no gathered copy, no
 // repeated KV heads): default mode's CPU attention for chunks of more than a few rows (ascend_ops/attention.py).
-// Compiled into the one unit of ascend_ops/cpu_kernels.py after cpu_attention.cpp, whose AVX-512 helpers
-// (v512::load16, exp16, first) it uses.
+// Compiled into the one unit of ascend_ops/cpu_kernels.py after cpu_attention.cpp (its loads and exp: v512::load16,
+// exp16; load8, exp8) and cpu_elementwise.cpp (its bf16 rounding: round16, round8).
 //
 // prefill_attention(out, q, k_cache, v_cache, table, first, scale): q / out [rows, Hq, D], the rows at
 // positions first .. first + rows - 1 of the sequence whose blocks are `table`; row i attends to the keys at
@@ -61,14 +61,9 @@ struct Isa {
   }
   // e, 0 in the lanes where x is -inf
   static V drop_masked(V x, V e) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(-INFINITY), _CMP_NEQ_OQ), e); }
-  static V round_int(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static V times_pow2(V p, V r) { return _mm512_scalef_ps(p, r); }  // p * 2^r (r integral, 2^r normal)
-  static V to_bf16(V p) {  // rounded to bf16 (to nearest, ties to even; p finite, >= 0), widened back
-    const I b = _mm512_castps_si512(p);
-    const I odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const I r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
+  static V exp(V x) { return v512::exp16(x); }  // x <= 0
+  template <typename Q>
+  static V round(V x, Q q) { return round16(x, q); }  // to Q (fp32: as is; bf16: nearest even), kept in fp32
 };
 #else
 struct Isa {
@@ -96,17 +91,9 @@ struct Isa {
     return _mm256_blendv_ps(x, y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(pos), qpos)));
   }
   static V drop_masked(V x, V e) { return _mm256_and_ps(e, _mm256_cmp_ps(x, set1(-INFINITY), _CMP_NEQ_OQ)); }
-  static V round_int(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static V times_pow2(V p, V r) {
-    const I e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  }
-  static V to_bf16(V p) {
-    const I b = _mm256_castps_si256(p);
-    const I odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    const I r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
+  static V exp(V x) { return exp8(x); }
+  template <typename Q>
+  static V round(V x, Q q) { return round8(x, q); }
 };
 #endif
 
@@ -114,23 +101,6 @@ using V = Isa::V;
 constexpr int kLanes = Isa::kLanes, kKeys = Isa::kKeys, kRowsPv = Isa::kRowsPv, kColVecs = Isa::kColVecs;
 constexpr int64_t kQueries = Isa::kLanes * Isa::kVecs;  // query lanes per item
 constexpr int64_t kValueBlock = 128;  // positions whose numerators and values are weighed together
-
-// exp(x) for x <= 0 as cpu_attention.cpp's exp_neg computes it (Cody-Waite reduction, the degree-6 polynomial,
-// the power of two applied exactly), a vector at a time.
-inline V exp_neg_v(V x) {
-  const V v = Isa::max(x, Isa::set1(kExpMin));
-  const V r = Isa::round_int(Isa::mul(v, Isa::set1(kLog2e)));
-  V f = Isa::fma(r, Isa::set1(-kLn2Hi), v);
-  f = Isa::fma(r, Isa::set1(kLn2Lo), f);
-  V p = Isa::set1(kP0);
-  p = Isa::fma(p, f, Isa::set1(kP1));
-  p = Isa::fma(p, f, Isa::set1(kP2));
-  p = Isa::fma(p, f, Isa::set1(kP3));
-  p = Isa::fma(p, f, Isa::set1(kP4));
-  p = Isa::fma(p, f, Isa::set1(kP5));
-  p = Isa::fma(Isa::mul(p, f), f, Isa::add(f, Isa::set1(1.0f)));
-  return Isa::times_pow2(p, r);
-}
 
 // s[r * mpad + lane] = (sum over i of k_r[i] * qt[i * mpad + lane]) * scale for the kKeys keys k[0..] at positions
 // p0 + r (rows past nk unused), -inf where the key is after the lane's query (qpos); mx[lane] = the running maximum.
@@ -260,12 +230,12 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
       for (int u = 0; u < MV; ++u) {
         float* sp = s + pos * mpad + kLanes * u;
         const V x = Isa::load(sp);
-        V e = exp_neg_v(Isa::sub(x, Isa::load(mx + kLanes * u)));
+        V e = Isa::exp(Isa::sub(x, Isa::load(mx + kLanes * u)));
         if (pos >= masked_from) e = Isa::drop_masked(x, e);  // a key past the query's position: exactly 0
         sum[u] = Isa::add(sum[u], e);
         // bf16 queries: as torch's CPU flash attention does for reduced types, the normaliser sums the fp32
         // numerators and the weighted sum of V takes them rounded to bf16 (accumulating in fp32)
-        Isa::store(sp, std::is_same_v<Q, float> ? e : Isa::to_bf16(e));
+        Isa::store(sp, Isa::round(e, Q()));
       }
     weigh<T>(s + b0 * mpad, mpad, m, vptr + b0, n, d, w.o.data());
   }
