@@ -39,13 +39,16 @@ def case(rows: int, first: int, hq: int, hk: int, d: int, dtype=torch.float32, s
     return q, k_cache, v_cache, table
 
 
+def gathered(cache: torch.Tensor, table: torch.Tensor, ctx: int, hq: int) -> torch.Tensor:
+    """The first ctx positions' rows of the blocks in `table`, [Hq, ctx, D], each KV head repeated per query head."""
+    hk, d = cache.shape[2:]
+    return cache.index_select(0, table).reshape(-1, hk, d)[:ctx].transpose(0, 1).repeat_interleave(hq // hk, 0)
+
+
 def reference(q, k_cache, v_cache, table, first: int, scale: float) -> torch.Tensor:
-    rows, hq, d = q.shape
-    hk = k_cache.shape[2]
+    rows, hq, _ = q.shape
     ctx = first + rows
-    k = k_cache.index_select(0, table).reshape(-1, hk, d)[:ctx].double().transpose(0, 1)
-    v = v_cache.index_select(0, table).reshape(-1, hk, d)[:ctx].double().transpose(0, 1)
-    k, v = k.repeat_interleave(hq // hk, 0), v.repeat_interleave(hq // hk, 0)
+    k, v = gathered(k_cache, table, ctx, hq).double(), gathered(v_cache, table, ctx, hq).double()
     s = q.double().transpose(0, 1) @ k.transpose(-1, -2) * scale
     hidden = torch.arange(ctx)[None, :] > torch.arange(first, ctx)[:, None]
     return (torch.softmax(s.masked_fill(hidden, float("-inf")), -1) @ v).transpose(0, 1)
@@ -110,8 +113,7 @@ def test_bf16_queries_round_as_torchs_flash_attention(ops, hq, hk, d) -> None:
     ref = reference(q, kc, vc, table, first, d ** -0.5)
     assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 2 ** -7
     ctx = first + rows
-    k = kc.index_select(0, table).reshape(-1, hk, d)[:ctx].transpose(0, 1).repeat_interleave(hq // hk, 0)
-    v = vc.index_select(0, table).reshape(-1, hk, d)[:ctx].transpose(0, 1).repeat_interleave(hq // hk, 0)
+    k, v = gathered(kc, table, ctx, hq), gathered(vc, table, ctx, hq)
     mask = torch.ones(rows, ctx, dtype=torch.bool).tril_(first)
     torch_bf16 = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
                                                                   attn_mask=mask, scale=d ** -0.5)[0].transpose(0, 1)
