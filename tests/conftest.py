@@ -25,3 +25,33 @@ def _unit_tests_start_no_process(request, monkeypatch):
 def pytest_configure(config):
     """Test servers get a KV cache sized for tests unless their flags size one (tests.serve_process)."""
     serve_process.SIZE_KV_FOR_TESTS = True
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line at the end of the run naming the CPU and the paths a CPU model computes on: CI shows the tail
+    of its output, and a numeric failure that only one host kind shows is read against it."""
+    import platform as py_platform
+
+    from ascend_ops import cpu_kernels, packed_linear
+
+    model = vendor = "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "?":
+                model = value.strip()
+            elif key.strip() == "vendor_id" and vendor == "?":
+                vendor = value.strip()
+    except OSError:
+        model = py_platform.processor() or py_platform.machine()
+    flags = cpu_kernels.cpu_flags()
+    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no AVX2"
+    if not cpu_kernels.ops.cache_info().currsize:  # describing would build the kernels (the floors lane's torch)
+        paths = "no CPU kernel ran in this run"
+    else:
+        try:
+            isa_flags = " ".join(cpu_kernels.cflags()[3:]) or "portable"
+            paths = f"fp32 linear {packed_linear.describe()}, kernels {isa_flags}"
+        except Exception as e:  # noqa: BLE001 (a line of context must never fail the run)
+            paths = f"compute paths unknown ({type(e).__name__})"
+    terminalreporter.write_line(f"host: {model} ({vendor}; {isa}); {paths}")
