@@ -58,6 +58,7 @@ device at start-up):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -393,7 +394,8 @@ def _attend_rows(q, tables, lens, nblk, k_cache, v_cache, scale, window: int = 0
 
 
 DEFAULT = Kernels("default", _packed.linear, _ops.fused_rms_norm, _ops.fused_silu_and_mul, _ops.fused_apply_rope,
-                  _ops.moe_route, _ops.moe_experts, _attention.paged_attention, _ops.fused_add_rms_norm)
+                  _ops.moe_route, functools.partial(_ops.moe_experts, grouped=_packed.grouped_linear),
+                  _attention.paged_attention, _ops.fused_add_rms_norm)
 INVARIANT = Kernels("batch_invariant", linear, _ops.rms_norm, silu_and_mul, _ops.apply_rope, _ops.moe_route,
                     moe_experts, paged_attention, head_linear=head_linear, gelu_tanh_and_mul=_act.gelu_tanh_and_mul,
                     clamped_swiglu=_act.clamped_swiglu, tanh=_act.tanh, experts_nk=experts_nk)

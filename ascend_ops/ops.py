@@ -140,6 +140,7 @@ def moe_experts(
     mm=linear,  # the GEMM: ascend_ops.batch_invariant passes its row-invariant linear
     act=None,  # default: fused_silu_and_mul; ascend_ops.batch_invariant passes its row-invariant one
     lora=None,  # LoRA on the experts (workers/lora.py's expert_hook): (param, e, tokens, x, out) -> out
+    grouped=None,  # every expert's GEMM in one call (packed_linear.grouped_linear), or None where it cannot
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
 
@@ -150,6 +151,12 @@ def moe_experts(
     default experts (grouped_mm), each product is scaled in the promoted dtype of (output, weights) and a
     token's k products are summed in that dtype, then cast to x's dtype once: with fp32 weights (Mixtral,
     GLM, DeepSeek-V3) a bf16 model rounds the sum once, not each of its k terms.
+
+    `grouped` (default mode on CPU, no LoRA): the experts' products in two calls, gate_up then down, each one
+    kernel over every (expert, weight panel) pair with rows: a decode step of an MoE with many experts reads each
+    expert's weights once, split between the threads by expert, instead of 2 x E small GEMMs that each split
+    a few rows' work between the threads. Each row's products are then the panel kernel's (the bits
+    `packed_linear.linear` gives on its expert's weight alone) instead of `mm`'s.
     """
     act = act or fused_silu_and_mul
     T, k = expert_ids.shape
@@ -158,8 +165,26 @@ def moe_experts(
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     tokens = order // k
     xs = x[tokens]  # row j: the token of sorted pair j
-    out = torch.empty_like(xs)
     inter = down.shape[-1]
+    out = None
+    if grouped is not None and lora is None:
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=offsets[1:])
+        gu = grouped(xs, gate_up, offsets)
+        if gu is not None:
+            out = grouped(act(gu[:, :inter], gu[:, inter:]), down, offsets)
+    if out is None:
+        out = _expert_by_expert(xs, tokens, counts, gate_up, down, mm, act, lora, inter)
+    pairs = torch.empty_like(out)
+    pairs[order] = out  # back to (token, slot) order
+    return (pairs.view(T, k, x.shape[-1]) * expert_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def _expert_by_expert(xs: torch.Tensor, tokens: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
+                      down: torch.Tensor, mm, act, lora, inter: int) -> torch.Tensor:
+    """moe_experts' products one expert at a time: its sorted rows (xs, from `tokens`) through gate_up, the
+    activation and down."""
+    out = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts):
         if n:
@@ -172,6 +197,4 @@ def moe_experts(
                 h = act(gu[:, :inter], gu[:, inter:]).contiguous()
                 out[rows] = lora("down_proj", e, tokens[rows], h, mm(h, down[e]))
             start += n
-    pairs = torch.empty_like(out)
-    pairs[order] = out  # back to (token, slot) order
-    return (pairs.view(T, k, x.shape[-1]) * expert_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    return out

@@ -257,6 +257,21 @@ def product(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = N
     return out if x.dim() == 2 else out.view(*x.shape[:-1], -1)
 
 
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """Rows of x sorted into groups (group g: rows offsets[g] .. offsets[g + 1], int64 [G + 1]) each times its
+    group's weight of the stack `weight` [G, N, K] (an MoE layer's experts and the tokens routed to them), on
+    one packed copy of the whole stack and one call that threads over the (expert, panel) pairs with rows:
+    each row's outputs are the bits `linear` gives it on its expert's weight alone. None where the stack is not a
+    CPU parameter or its dtype's product is not a panel kernel (the caller then multiplies expert by expert)."""
+    if not (isinstance(weight, nn.Parameter) and weight.device.type == "cpu" and weight.dim() == 3
+            and weight.dtype in _DTYPES and x.dtype == weight.dtype and weight.numel() > 0
+            and available() is None and backend_for(weight.dtype) in PANEL_WIDTHS):
+        return None
+    backend = backend_for(weight.dtype)
+    return cpu_kernels.ops().panel_grouped_linear(x, _packed(weight, backend), offsets, weight.shape[1],
+                                                  weight.shape[2], PANEL_WIDTHS[backend])
+
+
 def _packed(weight: nn.Parameter, backend: str) -> torch.Tensor:
     entry = getattr(weight, _ATTR, None)
     key = (weight.data_ptr(), weight._version, backend)  # a .data swap, an in-place write through the parameter

@@ -324,7 +324,7 @@ def test_a_panel_kernel_row_is_the_same_bits_in_any_batch_and_on_any_number_of_t
 
 @pytest.mark.skipif(any(pl.panel_unavailable(b) for b in pl.PANEL_WIDTHS), reason="needs both panel kernels")
 def test_the_two_panel_kernels_give_the_same_bits():
-    """Both add bias then one FMA per k in order: a 16-wide and a 32-wide pack give one result, bit for bit
+    """Both sum the same 128-deep blocks in the same order: a 16-wide and a 32-wide pack give one result, bit for bit
     (the same trajectories on an AVX2 host and an AVX-512 one)."""
     w, b = param(1000, 576, seed=6), torch.randn(1000)
     x = torch.randn(77, 576)
@@ -355,7 +355,7 @@ def test_the_panel_kernels_refuse_bad_operands_with_an_error(backend):
     from ascend_ops import cpu_kernels
 
     ops, width = cpu_kernels.ops(), pl.PANEL_WIDTHS[backend]
-    with pytest.raises(RuntimeError, match="panel_pack: a 2-D float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="panel_pack: a float32 or bfloat16 CPU weight"):
         ops.panel_pack(torch.randn(4, 4).half(), width)
     with pytest.raises(RuntimeError, match="panel_pack: a panel width is 16 .AVX2. or 32 .AVX-512., not 8"):
         ops.panel_pack(torch.randn(4, 4), 8)
@@ -378,6 +378,98 @@ def test_the_panel_kernels_refuse_bad_operands_with_an_error(backend):
 
 
 # --- bf16 on the panel kernels (CPUs without native bf16) ----------------------------------------------------
+
+# --- an MoE layer's experts in one call (panel_grouped_linear) --------------------------------------------------
+
+
+def _offsets(counts: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("backend", PANELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(96, 64), (100, 72), (7, 33)])
+def test_the_grouped_product_is_each_experts_panel_product_bit_for_bit(backend, dtype, n, k):
+    """Groups of 0, 1, a tile's, several tiles' and more than a row chunk's rows (121: two passes), in one call:
+    each row's outputs are the bits panel_linear gives it on its own expert's weight, within fp32 rounding of the
+    fp64 product."""
+    from ascend_ops import cpu_kernels
+
+    ops, width = cpu_kernels.ops(), pl.PANEL_WIDTHS[backend]
+    gen = torch.Generator().manual_seed(3)
+    counts = [3, 0, 13, 1, 121, 0, 5, 12]
+    w = torch.randn(len(counts), n, k, generator=gen).to(dtype)
+    x = torch.randn(sum(counts), k, generator=gen).to(dtype)
+    off = _offsets(counts)
+    got = ops.panel_grouped_linear(x, ops.panel_pack(w, width), off, n, k, width)
+    assert got.dtype == dtype and got.shape == (sum(counts), n)
+    alone = [ops.panel_linear(x[off[g]:off[g + 1]], ops.panel_pack(w[g], width), n, k, None, width)
+             for g in range(len(counts))]
+    assert torch.equal(got, torch.cat(alone))
+    exact = torch.cat([x[off[g]:off[g + 1]].double() @ w[g].double().T for g in range(len(counts))])
+    tol = 1e-4 if dtype == torch.float32 else 2.0 ** -7 * exact.abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("backend", PANELS)
+def test_the_grouped_product_refuses_bad_operands_with_an_error(backend):
+    from ascend_ops import cpu_kernels
+
+    ops, width = cpu_kernels.ops(), pl.PANEL_WIDTHS[backend]
+    packed = ops.panel_pack(torch.randn(3, 16, 8), width)
+    x = torch.randn(5, 8)
+    cases = [
+        ((x, packed, _offsets([2, 0]), 16, 8), "offsets is int64 .groups . 1."),
+        ((x, packed, _offsets([2, 0, 3]).int(), 16, 8), "offsets is int64"),
+        ((x, packed, torch.tensor([1, 2, 4, 5]), 16, 8), "offsets run from 0 to the rows of x"),
+        ((x, packed, _offsets([2, 0, 2]), 16, 8), "offsets run from 0 to the rows of x"),
+        ((x, packed, torch.tensor([0, 4, 3, 5]), 16, 8), "offsets decrease at group 1"),
+        ((torch.randn(5, 9), packed, _offsets([2, 0, 3]), 16, 8), "x has 9 features, the weights 8"),
+        ((x.double(), packed, _offsets([2, 0, 3]), 16, 8), "of the pack's dtype"),
+        ((x, packed, _offsets([2, 0, 3]), 48, 8), "the pack is not a stack of .48, 8. weights'"),
+        ((x, packed.view(-1), _offsets([2, 0, 3]), 16, 8), "the pack is not a stack"),
+    ]
+    for args, why in cases:
+        with pytest.raises(RuntimeError, match=f"panel_grouped_linear: .*{why}"):
+            ops.panel_grouped_linear(*args, width)
+
+
+@pytest.mark.parametrize("backend", PANELS)
+def test_moe_experts_take_the_grouped_product_on_a_panel_backend_and_repack_after_a_write(choose, backend):
+    """Default mode's MoE (ascend_ops.batch_invariant.DEFAULT) multiplies every expert in one grouped call on the
+    panel backend: the same bits as the experts one by one on each one's panel product, close to F.linear's; an
+    in-place write to the experts (a weight update) is seen on the next call. A backend without a panel kernel
+    (oneDNN) multiplies expert by expert."""
+    from ascend_ops import batch_invariant as bi
+    from ascend_ops import cpu_kernels
+    from ascend_ops import ops as _ops
+
+    choose(backend)
+    ops, width = cpu_kernels.ops(), pl.PANEL_WIDTHS[backend]
+    e, h, inter, t, k = 6, 64, 48, 9, 2
+    gate_up, down = param(e, 2 * inter, h, seed=1), param(e, h, inter, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=gen)
+
+    def panel(a, w):
+        return ops.panel_linear(a.contiguous(), ops.panel_pack(w, width), w.shape[0], w.shape[1], None, width)
+
+    got = bi.DEFAULT.moe_experts(x, ids, wts, gate_up, down)
+    assert gate_up._rollbus_packed[0][2] == backend and down._rollbus_packed[0][2] == backend
+    assert torch.equal(got, _ops.moe_experts(x, ids, wts, gate_up, down, mm=panel))
+    scale = got.abs().max().item()  # sums of products with cancellations: a tolerance on the output's scale
+    torch.testing.assert_close(got, _ops.moe_experts(x, ids, wts, gate_up, down), rtol=1e-5, atol=1e-5 * scale)
+    with torch.no_grad():
+        down.mul_(2.0)  # exact: every product doubles
+    assert torch.equal(bi.DEFAULT.moe_experts(x, ids, wts, gate_up, down), 2.0 * got)
+    choose("onednn")
+    fresh_up, fresh_down = param(e, 2 * inter, h, seed=1), param(e, h, inter, seed=2)
+    assert torch.equal(bi.DEFAULT.moe_experts(x, ids, wts, fresh_up, fresh_down),
+                       _ops.moe_experts(x, ids, wts, fresh_up, fresh_down))
+    assert getattr(fresh_up, "_rollbus_packed", None) is None
+
 
 def test_the_bf16_backend_per_cpu(choose, monkeypatch):
     """Native bf16 (AVX512-BF16 / AMX): oneDNN's; without: the widest panel kernel (under `onednn`: oneDNN's

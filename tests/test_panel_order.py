@@ -1,6 +1,7 @@
 """The panel kernels' one summation order, checked against an oracle that shares no code with them: every
-output is the bias (or 0) followed by one fp32 fused multiply-add per k, k = 0..K-1 in order, whatever the
-tile, pass or thread split (ascend_ops/csrc/cpu_panel_gemm.cpp's header). Row counts that split unevenly into
+output sums each block of BLOCK products from zero, one fp32 fused multiply-add per k in order, and adds each
+block's sum in turn to the bias (or 0), whatever the tile, pass or thread split (ascend_ops/csrc/
+cpu_panel_gemm.cpp's header). Row counts that split unevenly into
 tiles and 120-row passes, depths past a chunk, outputs past the last whole panel; fp32 and bf16 weights."""
 
 from __future__ import annotations
@@ -34,15 +35,22 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return s.astype(np.float32)
 
 
+BLOCK = 128  # cpu_panel_gemm.cpp's kSumDepth
+
+
 def oracle(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bias (or 0), then acc = fma(x[:, k], w[:, k], acc) for k = 0..K-1, in fp32."""
+    """out = bias (or 0); for each block of BLOCK k: s = 0, s = fma(x[:, k], w[:, k], s) for its k in order,
+    out = out + s; all in fp32."""
     xs, ws = x.float().numpy(), w.float().numpy()
-    acc = np.zeros((xs.shape[0], ws.shape[0]), np.float32)
+    out = np.zeros((xs.shape[0], ws.shape[0]), np.float32)
     if bias is not None:
-        acc += bias.float().numpy()[None, :]
-    for k in range(xs.shape[1]):
-        acc = fma32(xs[:, k:k + 1], ws[None, :, k], acc)
-    return torch.from_numpy(acc)
+        out += bias.float().numpy()[None, :]
+    for k0 in range(0, xs.shape[1], BLOCK):
+        s = np.zeros_like(out)
+        for k in range(k0, min(k0 + BLOCK, xs.shape[1])):
+            s = fma32(xs[:, k:k + 1], ws[None, :, k], s)
+        out = out + s  # fp32 + fp32: one rounding
+    return torch.from_numpy(out)
 
 
 def test_the_oracle_is_a_single_rounding():
@@ -64,8 +72,9 @@ def test_the_oracle_is_a_single_rounding():
 
 @pytest.mark.parametrize("backend", PANELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, n, k", [(1, 40, 130), (13, 100, 257), (37, 72, 64), (121, 33, 140), (250, 64, 96)])
-def test_every_output_is_bias_then_one_fma_per_k_in_order(backend, dtype, rows, n, k):
+@pytest.mark.parametrize("rows, n, k", [(1, 40, 130), (13, 100, 257), (37, 72, 64), (121, 33, 140), (250, 64, 96),
+                                        (7, 48, 384)])
+def test_every_output_is_bias_then_each_blocks_fma_chain_in_order(backend, dtype, rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     w = nn.Parameter(torch.randn(n, k, generator=gen).to(dtype), requires_grad=False)
     b = torch.randn(n, generator=gen).to(dtype)

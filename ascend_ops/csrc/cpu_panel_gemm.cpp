@@ -29,9 +29,10 @@
 // passes of 48-96 or 240 rows, 14-row tiles, a contiguous scratch for the sums between depth chunks, and
 // prefetching the output lines for writing (bench/decode_gemm.py's "Decode-sized GEMMs" in docs/benchmarks.md).
 //
-// Every output is bias (or 0) followed by one fused multiply-add per k, k = 0..K-1 in order, whatever the
-// number of rows, the tile a row falls in, the number of threads or the width: a row's result is the same
-// bits in any batch and on either kernel (batch_invariant.py's row invariance holds by construction, and its
+// Every output sums each block of kSumDepth (128) products from zero, one fused multiply-add per k in order,
+// and adds the block's sum to the bias (or 0) and the blocks before it, whatever the number of rows, the tile
+// a row falls in, the number of threads or the width: a row's result is the same bits in any batch and on
+// either kernel (batch_invariant.py's row invariance holds by construction, and its
 // start-up self-check measures it).
 
 #include <ATen/Parallel.h>
@@ -43,6 +44,7 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -51,6 +53,11 @@
 namespace {
 
 constexpr int64_t kRowChunk = 120; // rows per pass over a thread's panels (a multiple of both tiles' rows)
+// k per block of the summation: each output sums each block of kSumDepth products from zero, one FMA per k in
+// order, and adds the block's sum to the bias (or 0) and the blocks before it. Both kernels' depth chunks are
+// these blocks, so they give the same bits (a single chain over all of K carried ~4x MKL's rounding error at K =
+// 1,536 and ~15x at 8,192: the mean error against fp64, 2026-12-06)
+constexpr int64_t kSumDepth = 128;
 
 // "" when the kernel of this pack width (16: AVX2/FMA, 32: AVX-512) was compiled in, else why not
 std::string panel_gemm_unavailable(int64_t width) {
@@ -97,20 +104,24 @@ void pack_into(const T* src, T* dst, int64_t n, int64_t k, int64_t p, int64_t wi
   });
 }
 
-// weight [N, K] fp32 or bf16 -> panels [ceil(N/W)][K][W] of the same dtype, flattened (bf16: panel_slot's order)
+// weight [N, K] fp32 or bf16 -> panels [ceil(N/W)][K][W] of the same dtype, flattened (bf16: panel_slot's order);
+// a stack of weights [G, N, K] (an MoE layer's experts) -> [G, ceil(N/W) * K * W], each packed as alone
 at::Tensor panel_pack(const at::Tensor& weight, int64_t width) {
   check_width("panel_pack", width);
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || bf16) && weight.device().is_cpu(),
-              "panel_pack: a 2-D float32 or bfloat16 CPU weight [out_features, in_features]");
+  TORCH_CHECK((weight.dim() == 2 || weight.dim() == 3) && (weight.scalar_type() == at::kFloat || bf16) &&
+                  weight.device().is_cpu(),
+              "panel_pack: a float32 or bfloat16 CPU weight [out_features, in_features] or a stack of them");
   const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), p = panels(n, width);
-  at::Tensor out = at::zeros({p * k * width}, w.options());
-  if (bf16)
-    pack_into(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, k, p, width, true);
-  else
-    pack_into(w.data_ptr<float>(), out.data_ptr<float>(), n, k, p, width, false);
+  const int64_t groups = w.dim() == 3 ? w.size(0) : 1, n = w.size(-2), k = w.size(-1), p = panels(n, width);
+  at::Tensor out = w.dim() == 3 ? at::zeros({groups, p * k * width}, w.options()) : at::zeros({p * k * width}, w.options());
+  for (int64_t g = 0; g < groups; ++g) {
+    if (bf16)
+      pack_into(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + g * n * k,
+                reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + g * p * k * width, n, k, p, width, true);
+    else
+      pack_into(w.data_ptr<float>() + g * n * k, out.data_ptr<float>() + g * p * k * width, n, k, p, width, false);
+  }
   return out;
 }
 
@@ -167,20 +178,37 @@ at::Tensor pack_rows(const X* x, int64_t m, int64_t k, int64_t tile_rows) {
   return out;
 }
 
+// pack_rows for groups of rows (offsets[g] .. offsets[g + 1]): each group's rows laid out as pack_rows lays out a
+// call's, from the group's first row, so a group's tiles never mix rows of two groups
+template <typename X>
+at::Tensor pack_grouped_rows(const X* x, const int64_t* offsets, int64_t groups, int64_t k, int64_t tile_rows) {
+  at::Tensor out = at::empty({offsets[groups] * k}, at::TensorOptions().dtype(at::kFloat));
+  float* xp = out.data_ptr<float>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r0 = offsets[g]; r0 < offsets[g + 1]; r0 += kRowChunk) {
+        const TileSplit split(std::min(kRowChunk, offsets[g + 1] - r0), tile_rows);
+        for (int64_t t = 0, r = r0; t < split.count; r += split.rows(t), ++t)
+          kPackTiles<X>[split.rows(t)](x + r * k, k, xp + r * k);
+      }
+  });
+  return out;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 
 namespace avx2 {
 
 constexpr int64_t kPanel = 16;   // output features per panel
-constexpr int64_t kDepth = 256;  // k per chunk: a panel's chunk is 16 KiB
+constexpr int64_t kDepth = kSumDepth;  // k per chunk: a panel's chunk is 8 KiB
 constexpr int64_t kTileRows = 6; // rows per micro-kernel tile: 12 ymm accumulators
 static_assert(kTileRows <= kMaxTileRows);
 
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
 // R rows of x (packed: xp[k * R + r] is row r's x[k]) times one panel's k in [k0, k1) into c (stride ldc,
-// `cols` valid outputs of 16); first: start from the bias (or 0), else from what c holds (the previous chunk's
-// sums); prefetches `lines` cache lines from `pf` on, spread evenly over the k loop
+// `cols` valid outputs of 16): the chunk's products summed from zero, then added to the bias (or 0) where
+// `first`, else to what c holds (the previous chunks' sums); prefetches `lines` cache lines from `pf` on, spread evenly over the k loop
 // a panel row's 16 weights as two fp32 vectors: fp32 loaded, bf16 widened exactly (its bits are an fp32's top half)
 inline void load_row(const float* b, __m256& w0, __m256& w1) {
   w0 = _mm256_loadu_ps(b);
@@ -200,31 +228,6 @@ void panel_tile(const float* xp, const W* panel, int64_t k0, int64_t k1, float* 
 #define PANEL_DECL(r) __m256 lo##r = zero, hi##r = zero;
   PANEL_ROWS(PANEL_DECL)
   alignas(32) float tmp[kPanel];
-  if (first) {
-    __m256 b0 = zero, b1 = zero;
-    if (bias != nullptr) {
-      std::memset(tmp, 0, sizeof(tmp));
-      std::memcpy(tmp, bias, cols * sizeof(float));
-      b0 = _mm256_load_ps(tmp);
-      b1 = _mm256_load_ps(tmp + 8);
-    }
-#define PANEL_BIAS(r) if (R > r) { lo##r = b0; hi##r = b1; }
-    PANEL_ROWS(PANEL_BIAS)
-  } else {
-#define PANEL_LOAD(r)                                                          \
-  if (R > r) {                                                                 \
-    if (cols == kPanel) {                                                      \
-      lo##r = _mm256_loadu_ps(c + r * ldc);                                    \
-      hi##r = _mm256_loadu_ps(c + r * ldc + 8);                                \
-    } else {                                                                   \
-      std::memset(tmp, 0, sizeof(tmp));                                        \
-      std::memcpy(tmp, c + r * ldc, cols * sizeof(float));                     \
-      lo##r = _mm256_load_ps(tmp);                                             \
-      hi##r = _mm256_load_ps(tmp + 8);                                         \
-    }                                                                          \
-  }
-    PANEL_ROWS(PANEL_LOAD)
-  }
   const W* b = panel + k0 * kPanel;
   const float* a = xp + k0 * R;
   const int64_t iters = k1 - k0;
@@ -241,21 +244,38 @@ void panel_tile(const float* xp, const W* panel, int64_t k0, int64_t k1, float* 
   }
     PANEL_ROWS(PANEL_FMA)
   }
+  // the chunk's sums added to the outputs' so far: the bias (or 0) before the first chunk
+  __m256 b0 = zero, b1 = zero;
+  if (first && bias != nullptr) {
+    std::memset(tmp, 0, sizeof(tmp));
+    std::memcpy(tmp, bias, cols * sizeof(float));
+    b0 = _mm256_load_ps(tmp);
+    b1 = _mm256_load_ps(tmp + 8);
+  }
 #define PANEL_STORE(r)                                                         \
   if (R > r) {                                                                 \
+    __m256 s0 = b0, s1 = b1;                                                   \
     if (cols == kPanel) {                                                      \
-      _mm256_storeu_ps(c + r * ldc, lo##r);                                    \
-      _mm256_storeu_ps(c + r * ldc + 8, hi##r);                                \
+      if (!first) {                                                            \
+        s0 = _mm256_loadu_ps(c + r * ldc);                                     \
+        s1 = _mm256_loadu_ps(c + r * ldc + 8);                                 \
+      }                                                                        \
+      _mm256_storeu_ps(c + r * ldc, _mm256_add_ps(s0, lo##r));                 \
+      _mm256_storeu_ps(c + r * ldc + 8, _mm256_add_ps(s1, hi##r));             \
     } else {                                                                   \
-      _mm256_store_ps(tmp, lo##r);                                             \
-      _mm256_store_ps(tmp + 8, hi##r);                                         \
-      std::memcpy(c + r * ldc, tmp, cols * sizeof(float));                    \
+      if (!first) {                                                            \
+        std::memset(tmp, 0, sizeof(tmp));                                      \
+        std::memcpy(tmp, c + r * ldc, cols * sizeof(float));                   \
+        s0 = _mm256_load_ps(tmp);                                              \
+        s1 = _mm256_load_ps(tmp + 8);                                          \
+      }                                                                        \
+      _mm256_store_ps(tmp, _mm256_add_ps(s0, lo##r));                          \
+      _mm256_store_ps(tmp + 8, _mm256_add_ps(s1, hi##r));                      \
+      std::memcpy(c + r * ldc, tmp, cols * sizeof(float));                     \
     }                                                                          \
   }
   PANEL_ROWS(PANEL_STORE)
 #undef PANEL_DECL
-#undef PANEL_BIAS
-#undef PANEL_LOAD
 #undef PANEL_FMA
 #undef PANEL_STORE
 }
@@ -276,7 +296,7 @@ constexpr PanelTile<W> kTiles[kTileRows + 1] = {nullptr,           panel_tile<1,
 namespace avx512 {
 
 constexpr int64_t kPanel = 32;    // output features per panel: two zmm
-constexpr int64_t kDepth = 128;   // k per chunk: a panel's chunk is 16 KiB
+constexpr int64_t kDepth = kSumDepth;  // k per chunk: a panel's chunk is 16 KiB
 constexpr int64_t kTileRows = 12; // rows per micro-kernel tile: 24 zmm accumulators
 static_assert(kTileRows <= kMaxTileRows);
 
@@ -299,17 +319,7 @@ void panel_tile(const float* xp, const W* panel, int64_t k0, int64_t k1, float* 
                 const float* bias, bool first, const char* pf, int64_t lines) {
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (first && bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(m0, bias);
-    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-  }
-#define PANEL_DECL(r)                                                                          \
-  __m512 lo##r = b0, hi##r = b1;                                                               \
-  if (R > r && !first) {                                                                       \
-    lo##r = _mm512_maskz_loadu_ps(m0, c + r * ldc);                                            \
-    hi##r = _mm512_maskz_loadu_ps(m1, c + r * ldc + 16);                                       \
-  }
+#define PANEL_DECL(r) __m512 lo##r = _mm512_setzero_ps(), hi##r = _mm512_setzero_ps();
   PANEL_ROWS(PANEL_DECL)
   const W* b = panel + k0 * kPanel;
   const float* a = xp + k0 * R;
@@ -327,10 +337,18 @@ void panel_tile(const float* xp, const W* panel, int64_t k0, int64_t k1, float* 
   }
     PANEL_ROWS(PANEL_FMA)
   }
-#define PANEL_STORE(r)                                       \
-  if (R > r) {                                               \
-    _mm512_mask_storeu_ps(c + r * ldc, m0, lo##r);           \
-    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, hi##r);      \
+  // the chunk's sums added to the outputs' so far: the bias (or 0) before the first chunk
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (first && bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(m0, bias);
+    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  }
+#define PANEL_STORE(r)                                                                                      \
+  if (R > r) {                                                                                              \
+    const __m512 s0 = first ? b0 : _mm512_maskz_loadu_ps(m0, c + r * ldc);                                  \
+    const __m512 s1 = first ? b1 : _mm512_maskz_loadu_ps(m1, c + r * ldc + 16);                             \
+    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_add_ps(s0, lo##r));                                      \
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_add_ps(s1, hi##r));                                 \
   }
   PANEL_ROWS(PANEL_STORE)
 #undef PANEL_DECL
@@ -350,36 +368,70 @@ constexpr PanelTile<W> kTiles[kTileRows + 1] = {
 
 #endif
 
+// one panel (its K x kPanel weights) times one chunk of at most kRowChunk rows (xp: packed as pack_rows laid
+// them out, from the chunk's first row) into c (stride ldc, `cols` valid outputs), depth chunk by depth chunk;
+// `more`: the memory right after this panel is the weights this thread multiplies next (the next panel of the
+// same pack), prefetched during the last depth chunk
+template <int64_t kPanel, int64_t kDepth, int64_t kTileRows, typename W>
+void panel_chunk(const float* xp, const W* panel, float* c, int64_t rows, int64_t ldc, int64_t cols, int64_t k,
+                 const float* bias, bool more, const PanelTile<W>* tiles) {
+  const TileSplit split(rows, kTileRows);  // as pack_rows laid xp out
+  for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+    const int64_t k1 = std::min(k, k0 + kDepth);
+    // the weights this thread multiplies next start where this chunk ends (panels are contiguous: the next
+    // chunk of this panel, or the next panel's first); their lines are shared out between the tiles
+    const char* next = reinterpret_cast<const char*>(panel + k1 * kPanel);
+    int64_t lines = 0;
+    if (k1 < k || more) {
+      const int64_t depth = k1 < k ? std::min(k, k1 + kDepth) - k1 : std::min(k, kDepth);
+      lines = depth * kPanel * static_cast<int64_t>(sizeof(W)) / 64;
+    }
+    int64_t r = 0;
+    for (int64_t t = 0; t < split.count; ++t) {
+      const int64_t h = split.rows(t), from = lines * t / split.count, to = lines * (t + 1) / split.count;
+      tiles[h](xp + r * k, panel, k0, k1, c + r * ldc, ldc, cols, bias, k0 == 0, next + from * 64, to - from);
+      r += h;
+    }
+  }
+}
+
 // rows x @ panels^T on one kernel (avx2 or avx512: its panel width, depth chunk, tile rows and tiles), threads
 // over panels
 template <int64_t kPanel, int64_t kDepth, int64_t kTileRows, typename W>
 void run_panels(const float* xp, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
                 const PanelTile<W>* tiles) {
   at::parallel_for(0, panels(n, kPanel), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-      const TileSplit split(std::min(kRowChunk, m - r0), kTileRows);  // as pack_rows laid xp out
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t cols = std::min(kPanel, n - q * kPanel);
-        const W* panel = ws + q * k * kPanel;
-        for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-          const int64_t k1 = std::min(k, k0 + kDepth);
-          // the weights this thread multiplies next start where this chunk ends (panels are contiguous: the
-          // next chunk of this panel, or the next panel's first); their lines are shared out between the tiles
-          const char* next = reinterpret_cast<const char*>(panel + k1 * kPanel);
-          int64_t lines = 0;
-          if (k1 < k || q + 1 < end) {
-            const int64_t depth = k1 < k ? std::min(k, k1 + kDepth) - k1 : std::min(k, kDepth);
-            lines = depth * kPanel * static_cast<int64_t>(sizeof(W)) / 64;
-          }
-          int64_t r = r0;
-          for (int64_t t = 0; t < split.count; ++t) {
-            const int64_t h = split.rows(t), from = lines * t / split.count, to = lines * (t + 1) / split.count;
-            tiles[h](xp + r * k, panel, k0, k1, cs + r * n + q * kPanel, n, cols,
-                     bias_ptr ? bias_ptr + q * kPanel : nullptr, k0 == 0, next + from * 64, to - from);
-            r += h;
-          }
-        }
-      }
+    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk)
+      for (int64_t q = begin; q < end; ++q)
+        panel_chunk<kPanel, kDepth, kTileRows, W>(xp + r0 * k, ws + q * k * kPanel, cs + r0 * n + q * kPanel,
+                                                  std::min(kRowChunk, m - r0), n, std::min(kPanel, n - q * kPanel),
+                                                  k, bias_ptr ? bias_ptr + q * kPanel : nullptr, q + 1 < end,
+                                                  tiles);
+  });
+}
+
+// groups of rows, each times its own packed weight (an MoE layer's experts: the rows sorted by expert, group g
+// the rows offsets[g] .. offsets[g + 1]); threads over the (group, panel) pairs of the groups that have rows, so
+// two threads split the experts between them instead of each expert's few rows. Each row's outputs are the same
+// bits as panel_linear's on its group's weight alone
+template <int64_t kPanel, int64_t kDepth, int64_t kTileRows, typename W>
+void run_grouped(const float* xp, const W* ws, float* cs, const int64_t* offsets, int64_t groups, int64_t n,
+                 int64_t k, const PanelTile<W>* tiles) {
+  const int64_t per_group = panels(n, kPanel);
+  std::vector<int64_t> active;  // the groups with rows, in order
+  for (int64_t g = 0; g < groups; ++g)
+    if (offsets[g + 1] > offsets[g]) active.push_back(g);
+  const int64_t items = static_cast<int64_t>(active.size()) * per_group;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = active[item / per_group], q = item % per_group, m0 = offsets[g], m = offsets[g + 1] - m0;
+      const W* panel = ws + (g * per_group + q) * k * kPanel;
+      // the next item's weights follow this panel's in memory unless it starts another group that is not g + 1
+      const bool more = item + 1 < end && (q + 1 < per_group || active[(item + 1) / per_group] == g + 1);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowChunk)
+        panel_chunk<kPanel, kDepth, kTileRows, W>(xp + (m0 + r0) * k, panel, cs + (m0 + r0) * n + q * kPanel,
+                                                  std::min(kRowChunk, m - r0), n, std::min(kPanel, n - q * kPanel),
+                                                  k, nullptr, more && r0 + kRowChunk >= m, tiles);
     }
   });
 }
@@ -426,6 +478,26 @@ void run_width(const X* xs, const W* ws, float* cs, int64_t m, int64_t n, int64_
 #endif
 }
 
+// groups of x's rows, each times its group's packed weight, on the kernel of this pack width
+template <typename X, typename W>
+void run_grouped_width(const X* xs, const W* ws, float* cs, const int64_t* offsets, int64_t groups, int64_t n,
+                       int64_t k, int64_t width) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (width == avx2::kPanel) {
+    const at::Tensor xp = pack_grouped_rows(xs, offsets, groups, k, avx2::kTileRows);
+    run_grouped<avx2::kPanel, avx2::kDepth, avx2::kTileRows, W>(xp.data_ptr<float>(), ws, cs, offsets, groups, n, k,
+                                                                avx2::kTiles<W>);
+  }
+#endif
+#if defined(__AVX512F__)
+  if (width == avx512::kPanel) {
+    const at::Tensor xp = pack_grouped_rows(xs, offsets, groups, k, avx512::kTileRows);
+    run_grouped<avx512::kPanel, avx512::kDepth, avx512::kTileRows, W>(xp.data_ptr<float>(), ws, cs, offsets, groups,
+                                                                      n, k, avx512::kTiles<W>);
+  }
+#endif
+}
+
 // x [M, K] @ weight^T (+ bias) on the panels of weight [N, K] (n, k: the weight's shape, checked against x
 // and the pack's size; width: the pack's, 16 or 32). A bf16 pack takes bf16 x (and a bf16 or fp32 bias) and
 // answers bf16: x (as it is packed) and the bias are widened to fp32 once (exact), the weights in registers (exact), every
@@ -466,17 +538,54 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return out;
 }
 
+// x [R, K] (rows sorted by group) times a stack of packed weights [G, ...] (panel_pack of [G, N, K]): group g's
+// rows offsets[g] .. offsets[g + 1] (int64 [G + 1], from 0 to R, non-decreasing) on weight g, as an MoE layer's
+// experts each multiply the tokens routed to them. Each row's outputs are the bits panel_linear gives it on its
+// group's weight alone (bf16: summed in fp32, rounded once)
+at::Tensor panel_grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, int64_t n,
+                                int64_t k_in, int64_t width) {
+  check_width("panel_grouped_linear", width);
+  const at::ScalarType dtype = packed.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  x.scalar_type() == dtype,
+              "panel_grouped_linear: x is a 2-D CPU tensor [rows, in_features] of the pack's dtype");
+  TORCH_CHECK(x.size(1) == k_in, "panel_grouped_linear: x has ", x.size(1), " features, the weights ", k_in);
+  TORCH_CHECK(n >= 1 && packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == panels(n, width) * k_in * width,
+              "panel_grouped_linear: the pack is not a stack of [", n, ", ", k_in, "] weights' of width ", width);
+  const int64_t groups = packed.size(0);
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.device().is_cpu() &&
+                  offsets.size(0) == groups + 1,
+              "panel_grouped_linear: offsets is int64 [groups + 1]");
+  const at::Tensor off = offsets.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  TORCH_CHECK(o[0] == 0 && o[groups] == x.size(0), "panel_grouped_linear: offsets run from 0 to the rows of x");
+  for (int64_t g = 0; g < groups; ++g)
+    TORCH_CHECK(o[g + 1] >= o[g], "panel_grouped_linear: offsets decrease at group ", g);
+  const at::Tensor a = x.contiguous();
+  at::Tensor out = at::empty({a.size(0), n}, a.options().dtype(at::kFloat));
+  if (a.size(0) == 0) return dtype == at::kBFloat16 ? at::empty({0, n}, x.options()) : out;
+  if (dtype == at::kBFloat16) {
+    run_grouped_width(a.data_ptr<c10::BFloat16>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                      out.data_ptr<float>(), o, groups, n, k_in, width);
+    return narrow_bf16(out);
+  }
+  run_grouped_width(a.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), o, groups, n, k_in, width);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rollbus_cpu, m) {
   m.def("panel_gemm_unavailable(int width) -> str");
   m.def("panel_pack(Tensor weight, int width) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor packed, int n, int k, Tensor? bias, int width) -> Tensor");
+  m.def("panel_grouped_linear(Tensor x, Tensor packed, Tensor offsets, int n, int k, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rollbus_cpu, CPU, m) {
   m.impl("panel_pack", &panel_pack);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_grouped_linear", &panel_grouped_linear);
 }
 
 TORCH_LIBRARY_IMPL(rollbus_cpu, CompositeExplicitAutograd, m) {
