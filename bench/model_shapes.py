@@ -24,6 +24,15 @@ SHAPES: dict[str, dict] = {
     "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072},
     "qwen3-1.7b": {**_QWEN3, "hidden_size": 2048, "intermediate_size": 6144},
 }
+# Qwen3-30B-A3B's config (128 experts of width 768, 8 per token, 32/4 heads) with 2 of its 48 layers: the MoE
+# the seeds use, at its real width (the experts' weights a step reads, the router's top-8 of 128), small enough
+# for one engine on a 24 GiB host in fp32 (2.4 GB of experts a layer, 1.2 GB each for the embedding and the head)
+_QWEN3_MOE = {**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_attention_heads": 32,
+              "num_key_value_heads": 4, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+              "max_window_layers": 48, "tie_word_embeddings": False}
+SHAPES["qwen3-30b-a3b-2l"] = {**_QWEN3_MOE, "num_hidden_layers": 2}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
