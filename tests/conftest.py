@@ -27,6 +27,7 @@ def pytest_configure(config):
     serve_process.SIZE_KV_FOR_TESTS = True
 
 
+@pytest.hookimpl(trylast=True)  # after the durations table: the last lines CI shows
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line at the end of the run naming the CPU and the paths a CPU model computes on: CI shows the tail
     of its output, and a numeric failure that only one host kind shows is read against it."""
