@@ -162,14 +162,15 @@ def moe_experts(
     T, k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    bins = torch.bincount(flat, minlength=gate_up.shape[0])
+    counts = bins.tolist()
     tokens = order // k
     xs = x[tokens]  # row j: the token of sorted pair j
     inter = down.shape[-1]
     out = None
     if grouped is not None and lora is None:
         offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=offsets[1:])
+        torch.cumsum(bins, 0, out=offsets[1:])
         gu = grouped(xs, gate_up, offsets)
         if gu is not None:
             out = grouped(act(gu[:, :inter], gu[:, inter:]), down, offsets)

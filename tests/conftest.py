@@ -35,16 +35,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     from ascend_ops import cpu_kernels, packed_linear
 
-    model = vendor = "?"
+    model = "?"
     try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "?":
-                model = value.strip()
-            elif key.strip() == "vendor_id" and vendor == "?":
-                vendor = value.strip()
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     except OSError:
         model = py_platform.processor() or py_platform.machine()
+    vendor = packed_linear._cpu_vendor() or "?"
     flags = cpu_kernels.cpu_flags()
     isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no AVX2"
     if not cpu_kernels.ops.cache_info().currsize:  # describing would build the kernels (the floors lane's torch)

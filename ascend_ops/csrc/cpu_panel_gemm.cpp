@@ -44,6 +44,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -158,39 +159,28 @@ constexpr void (*kPackTiles[kMaxTileRows + 1])(const X*, int64_t, float*) = {
     pack_tile<6, X>, pack_tile<7, X>, pack_tile<8, X>, pack_tile<9, X>, pack_tile<10, X>, pack_tile<11, X>,
     pack_tile<12, X>};
 
-// x [m, k] (fp32, or bf16 widened here: exact) copied tile by tile in the order the tiles read it: each tile of
-// h rows (TileSplit of each kRowChunk rows) as [k][h], at the offset of its first row times k. A tile then
-// reads its x as one sequential stream (h floats per k) from one pointer, however long x's rows are: read in
-// place, a tile's rows were h streams 4k bytes apart, which at k = 1,536 share two sets of the L1 cache, and
-// their h addresses took more registers than the CPU has (the compiler spilled them)
+// x's rows (fp32, or bf16 widened here: exact) copied tile by tile in the order the tiles read them, group by group
+// (group g: rows offsets[g] .. offsets[g + 1]; one group of all rows for a plain product): each group's rows in
+// chunks of kRowChunk from its first row, each chunk's tiles of h rows (TileSplit) as [k][h] at the offset of the
+// tile's first row times k, so no tile mixes two groups' rows. A tile then reads its x as one sequential stream
+// (h floats per k) from one pointer, however long x's rows are: read in place, a tile's rows were h streams 4k
+// bytes apart, which at k = 1,536 share two sets of the L1 cache, and their h addresses took more registers than
+// the CPU has (the compiler spilled them)
 template <typename X>
-at::Tensor pack_rows(const X* x, int64_t m, int64_t k, int64_t tile_rows) {
-  at::Tensor out = at::empty({m * k}, at::TensorOptions().dtype(at::kFloat));
+at::Tensor pack_rows(const X* x, const int64_t* offsets, int64_t groups, int64_t k, int64_t tile_rows) {
+  at::Tensor out = at::empty({offsets[groups] * k}, at::TensorOptions().dtype(at::kFloat));
   float* xp = out.data_ptr<float>();
-  at::parallel_for(0, (m + kRowChunk - 1) / kRowChunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      const int64_t r0 = chunk * kRowChunk;
-      const TileSplit split(std::min(kRowChunk, m - r0), tile_rows);
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // [first row, end row) of every group's row chunks
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r0 = offsets[g]; r0 < offsets[g + 1]; r0 += kRowChunk)
+      chunks.emplace_back(r0, std::min(r0 + kRowChunk, offsets[g + 1]));
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const auto [r0, r1] = chunks[c];
+      const TileSplit split(r1 - r0, tile_rows);
       for (int64_t t = 0, r = r0; t < split.count; r += split.rows(t), ++t)
         kPackTiles<X>[split.rows(t)](x + r * k, k, xp + r * k);
     }
-  });
-  return out;
-}
-
-// pack_rows for groups of rows (offsets[g] .. offsets[g + 1]): each group's rows laid out as pack_rows lays out a
-// call's, from the group's first row, so a group's tiles never mix rows of two groups
-template <typename X>
-at::Tensor pack_grouped_rows(const X* x, const int64_t* offsets, int64_t groups, int64_t k, int64_t tile_rows) {
-  at::Tensor out = at::empty({offsets[groups] * k}, at::TensorOptions().dtype(at::kFloat));
-  float* xp = out.data_ptr<float>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r0 = offsets[g]; r0 < offsets[g + 1]; r0 += kRowChunk) {
-        const TileSplit split(std::min(kRowChunk, offsets[g + 1] - r0), tile_rows);
-        for (int64_t t = 0, r = r0; t < split.count; r += split.rows(t), ++t)
-          kPackTiles<X>[split.rows(t)](x + r * k, k, xp + r * k);
-      }
   });
   return out;
 }
@@ -462,16 +452,17 @@ at::Tensor narrow_bf16(const at::Tensor& t) {
 template <typename X, typename W>
 void run_width(const X* xs, const W* ws, float* cs, int64_t m, int64_t n, int64_t k, const float* bias_ptr,
                int64_t width) {
+  const int64_t whole[2] = {0, m};  // one group of all rows
 #if defined(__AVX2__) && defined(__FMA__)
   if (width == avx2::kPanel) {
-    const at::Tensor xp = pack_rows(xs, m, k, avx2::kTileRows);
+    const at::Tensor xp = pack_rows(xs, whole, 1, k, avx2::kTileRows);
     run_panels<avx2::kPanel, avx2::kDepth, avx2::kTileRows, W>(xp.data_ptr<float>(), ws, cs, m, n, k, bias_ptr,
                                                           avx2::kTiles<W>);
   }
 #endif
 #if defined(__AVX512F__)
   if (width == avx512::kPanel) {
-    const at::Tensor xp = pack_rows(xs, m, k, avx512::kTileRows);
+    const at::Tensor xp = pack_rows(xs, whole, 1, k, avx512::kTileRows);
     run_panels<avx512::kPanel, avx512::kDepth, avx512::kTileRows, W>(xp.data_ptr<float>(), ws, cs, m, n, k, bias_ptr,
                                                           avx512::kTiles<W>);
   }
@@ -484,18 +475,26 @@ void run_grouped_width(const X* xs, const W* ws, float* cs, const int64_t* offse
                        int64_t k, int64_t width) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (width == avx2::kPanel) {
-    const at::Tensor xp = pack_grouped_rows(xs, offsets, groups, k, avx2::kTileRows);
+    const at::Tensor xp = pack_rows(xs, offsets, groups, k, avx2::kTileRows);
     run_grouped<avx2::kPanel, avx2::kDepth, avx2::kTileRows, W>(xp.data_ptr<float>(), ws, cs, offsets, groups, n, k,
                                                                 avx2::kTiles<W>);
   }
 #endif
 #if defined(__AVX512F__)
   if (width == avx512::kPanel) {
-    const at::Tensor xp = pack_grouped_rows(xs, offsets, groups, k, avx512::kTileRows);
+    const at::Tensor xp = pack_rows(xs, offsets, groups, k, avx512::kTileRows);
     run_grouped<avx512::kPanel, avx512::kDepth, avx512::kTileRows, W>(xp.data_ptr<float>(), ws, cs, offsets, groups,
                                                                       n, k, avx512::kTiles<W>);
   }
 #endif
+}
+
+// x is a 2-D CPU tensor of the pack's dtype (float32 or bfloat16) with the weights' k_in features
+void check_x(const char* op, const at::Tensor& x, at::ScalarType dtype, int64_t k_in, const char* weight) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  x.scalar_type() == dtype,
+              op, ": x is a 2-D CPU tensor [rows, in_features] of the pack's dtype (float32 or bfloat16)");
+  TORCH_CHECK(x.size(1) == k_in, op, ": x has ", x.size(1), " features, the ", weight, " ", k_in);
 }
 
 // x [M, K] @ weight^T (+ bias) on the panels of weight [N, K] (n, k: the weight's shape, checked against x
@@ -507,10 +506,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
                         const std::optional<at::Tensor>& bias, int64_t width) {
   check_width("panel_linear", width);
   const at::ScalarType dtype = packed.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  x.scalar_type() == dtype,
-              "panel_linear: x is a 2-D CPU tensor [rows, in_features] of the pack's dtype (float32 or bfloat16)");
-  TORCH_CHECK(x.size(1) == k_in, "panel_linear: x has ", x.size(1), " features, the weight ", k_in);
+  check_x("panel_linear", x, dtype, k_in, "weight");
   TORCH_CHECK(n >= 1 && packed.is_contiguous() && packed.numel() == panels(n, width) * k_in * width,
               "panel_linear: the pack is not a [", n, ", ", k_in, "] weight's of width ", width);
   const bool bf16 = dtype == at::kBFloat16;
@@ -546,10 +542,7 @@ at::Tensor panel_grouped_linear(const at::Tensor& x, const at::Tensor& packed, c
                                 int64_t k_in, int64_t width) {
   check_width("panel_grouped_linear", width);
   const at::ScalarType dtype = packed.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  x.scalar_type() == dtype,
-              "panel_grouped_linear: x is a 2-D CPU tensor [rows, in_features] of the pack's dtype");
-  TORCH_CHECK(x.size(1) == k_in, "panel_grouped_linear: x has ", x.size(1), " features, the weights ", k_in);
+  check_x("panel_grouped_linear", x, dtype, k_in, "weights");
   TORCH_CHECK(n >= 1 && packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == panels(n, width) * k_in * width,
               "panel_grouped_linear: the pack is not a stack of [", n, ", ", k_in, "] weights' of width ", width);
   const int64_t groups = packed.size(0);
