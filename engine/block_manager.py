@@ -148,13 +148,34 @@ class BlockManager(BlockPool):
     def hash_through(self, seq: Sequence, num_blocks: int, weight_epoch: int) -> int:
         """The hash block `num_blocks - 1` of `seq` will be committed under (commit_full_blocks), before it is
         computed: its committed hashes, then the chain over its tokens."""
+        return self.hashes_to(seq, num_blocks, weight_epoch)[num_blocks - 1]
+
+    def hashes_to(self, seq: Sequence, num_blocks: int, weight_epoch: int) -> list[int]:
+        """The hashes `seq`'s first `num_blocks` blocks are (or will be) committed under: its committed hashes,
+        then the chain over its tokens."""
         bs, hashes = self.block_size, seq.block_hashes
         if len(hashes) >= num_blocks:
-            return hashes[num_blocks - 1]
+            return hashes[:num_blocks]
+        out = list(hashes)
         parent = hashes[-1] if hashes else chain_root(seq)
         for i in range(len(hashes), num_blocks):
             parent = block_hash(parent, tuple(seq.tokens(i * bs, (i + 1) * bs)), weight_epoch)
-        return parent
+            out.append(parent)
+        return out
+
+    def first_uncached(self, seq: Sequence, weight_epoch: int) -> int | None:
+        """A waiting sequence's first prompt block that a prefix hit could reuse (match_prefix's blocks) and the
+        cache does not hold: its hash, or None when every such block is cached or the prompt has none. Looks
+        only; the scheduler defers a sequence whose block another sequence is computing (in-batch sharing)."""
+        if not self.caching:
+            return None
+        bs, prompt = self.block_size, seq.prompt_token_ids
+        parent: int | None = chain_root(seq)
+        for i in range((seq.num_prompt_tokens - 1) // bs):
+            parent = block_hash(parent, tuple(prompt[i * bs:(i + 1) * bs]), weight_epoch)
+            if parent not in self.cached:
+                return parent
+        return None
 
     def commit_full_blocks(self, seq: Sequence, weight_epoch: int) -> None:
         """After a step: hash blocks that just became full so later requests can share them."""

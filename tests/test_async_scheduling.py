@@ -123,6 +123,26 @@ def test_planning_ahead_gives_the_synchronous_outputs(budget: int) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("depth", [1, 2])
+def test_in_batch_sharing_planning_ahead_waits_for_the_leaders_blocks(depth: int) -> None:
+    """--in-batch-prefix-sharing with a step in flight: the followers of a prompt wait until the leader's blocks
+    are committed (not merely planned), then hit them; the outputs are the synchronous, unshared ones."""
+    def group() -> list[Sequence]:
+        same = [Sequence(f"g{i}", list(range(500, 509)), SamplingParams(max_tokens=4), eos_token_ids=[EOS])
+                for i in range(4)]
+        return same + seqs({"a": {"max_tokens": 6}, "b": {"max_tokens": 5, "n_prompt": 11}})
+
+    sync_out, _, _ = drive(make(), group(), {}, 1)
+    s = make()
+    s.in_batch_sharing = True
+    all_seqs = group()
+    out, _, _ = drive(s, all_seqs, {}, depth)
+    assert out == sync_out
+    assert [q.num_cached_tokens for q in all_seqs[:4]] == [0, 8, 8, 8]
+    assert s.blocks.num_free == s.blocks.num_blocks
+
+
+@pytest.mark.unit
 def test_a_sequence_finishing_at_max_tokens_is_not_planned_again() -> None:
     s = make()
     (a,) = seqs({"a": {"max_tokens": 1}})

@@ -135,6 +135,25 @@ def test_prefix_cache_hits_on_a_repeated_prompt(client):
     assert cached >= 64
 
 
+def test_the_choices_of_one_request_compute_their_shared_prompt_once(server, client):
+    """--in-batch-prefix-sharing (on by default): the four choices of an n=4 request that arrive while a step
+    computes are planned together; one computes the prompt's full blocks, the other three wait one step and
+    reuse them from the prefix cache. Without it all four compute the whole prompt (0 hits; checked by hand
+    with --no-in-batch-prefix-sharing). A stream keeps the engine stepping so the choices arrive mid-step."""
+    prompt = list(range(2000, 2070))  # 70 tokens: 4 full blocks of 16 before its last token
+    busy = {"model": MODEL, "prompt": list(range(3000, 3010)), "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=120) as h, h.stream("POST", server.url + "/v1/completions", json=busy) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it is decoding
+        before = metric(server, "vllm:prefix_cache_hits_total")
+        r = client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=6, temperature=0)
+        hits = metric(server, "vllm:prefix_cache_hits_total") - before
+    assert hits == 3 * 64
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert [c.text for c in r.choices] == [alone.choices[0].text] * 4
+
+
 def test_client_disconnect_aborts_the_request(server):
     before = metric(server, "vllm:num_requests_running")
     with httpx.Client(timeout=30) as h:

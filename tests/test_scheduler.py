@@ -291,3 +291,100 @@ def test_priority_preempts_the_highest_value_and_it_waits_in_its_place():
             assert [q.seq_id for q in s.waiting][:2] == ["low", "late"] or low.status is SeqStatus.RUNNING
     assert low.num_preemptions >= 1 and high.num_preemptions == 0
     assert len(high.output_token_ids) == 20
+
+
+# --- in-batch prefix sharing (--in-batch-prefix-sharing) ----------------------------------------------------
+
+def sharing(**kw):
+    s = make(**kw)
+    s.in_batch_sharing = True
+    return s
+
+
+def test_in_batch_sharing_computes_a_prefix_shared_by_requests_sent_together_once():
+    s = sharing(block_size=4)
+    same = [seq(sid, n_prompt=9, first=1, max_tokens=2) for sid in "abcd"]
+    other = seq("x", n_prompt=9, max_tokens=2)
+    for q in [*same, other]:
+        s.add(q)
+    step, _ = run_step(s)
+    # a computes the shared 8 tokens (two full blocks); b, c, d wait for them; x shares nothing and goes first
+    assert dict(zip(step.seq_ids, step.num_new)) == {"a": 9, "x": 9}
+    assert [q.seq_id for q in s.waiting] == ["b", "c", "d"]  # in their order
+    step, _ = run_step(s)
+    assert dict(zip(step.seq_ids, zip(step.num_computed, step.num_new))) == {
+        "a": (9, 1), "x": (9, 1), "b": (8, 1), "c": (8, 1), "d": (8, 1)}
+    assert [q.num_cached_tokens for q in same] == [0, 8, 8, 8]
+    assert (s.blocks.num_prefix_hits, s.blocks.num_prefix_queries) == (6, 10)
+    while s.has_work():
+        run_step(s)
+    assert all(q.finish_reason == "length" and len(q.output_token_ids) == 2 for q in [*same, other])
+
+
+def test_without_in_batch_sharing_requests_sent_together_each_compute_their_prompt():
+    s = make(block_size=4)
+    for sid in "abc":
+        s.add(seq(sid, n_prompt=9, first=1, max_tokens=1))
+    step, _ = run_step(s)
+    assert step.num_computed == [0, 0, 0] and step.num_new == [9, 9, 9]
+
+
+def test_in_batch_sharing_waits_out_a_chunked_prefix_and_then_hits_all_of_it():
+    # budget 8: the leader's 21-token prompt takes three steps; the follower waits while each of its next
+    # blocks is being computed, then reuses all five full blocks
+    s = sharing(block_size=4, budget=8)
+    a, b = seq("a", n_prompt=21, first=1, max_tokens=1), seq("b", n_prompt=21, first=1, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    plans = []
+    while s.has_work():
+        step, _ = run_step(s)
+        plans.append(dict(zip(step.seq_ids, zip(step.num_computed, step.num_new))))
+    assert plans[:3] == [{"a": (0, 8)}, {"a": (8, 8)}, {"a": (16, 5)}]
+    assert plans[3] == {"b": (20, 1)} and b.num_cached_tokens == 20
+
+
+def test_in_batch_sharing_never_defers_prompt_logprobs_nor_a_prefix_no_one_computes():
+    s = sharing(block_size=4)
+    a = seq("a", n_prompt=9, first=1, max_tokens=1)
+    lp = seq("lp", n_prompt=9, first=1, max_tokens=1, prompt_logprobs=0)  # never reads the cache
+    short = seq("short", n_prompt=4, first=1, max_tokens=1)  # no full block before its last token
+    for q in (a, lp, short):
+        s.add(q)
+    step, _ = run_step(s)
+    assert step.seq_ids == ["a", "lp", "short"] and step.num_computed == [0, 0, 0]
+
+
+def test_in_batch_sharing_does_not_defer_behind_a_leader_that_is_preempted_or_finished():
+    s = sharing(block_size=4)
+    a, b = seq("a", n_prompt=9, first=1, max_tokens=1), seq("b", n_prompt=9, first=1, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    step = s.schedule()
+    assert step.seq_ids == ["a"]
+    s.abort("a")  # aborted while its step computes: its blocks are never committed
+    s.update(step, {})
+    step, _ = run_step(s)
+    assert step.seq_ids == ["b"] and step.num_computed == [0] and step.num_new == [9]
+
+
+def test_in_batch_sharing_is_off_for_hybrid_models():
+    from engine.scheduler import Scheduler
+    from engine.state_checkpoints import StateCheckpoints
+
+    s = Scheduler(BlockManager(64, 4, checkpoints=StateCheckpoints(4)), 8, 32, 128, state_slots=8)
+    s.in_batch_sharing = True
+    for sid in "ab":
+        s.add(seq(sid, n_prompt=9, first=1, max_tokens=1))
+    step, _ = run_step(s)
+    assert sorted(step.seq_ids) == ["a", "b"]
+
+
+def test_the_in_batch_sharing_flag_defaults_to_the_prefix_cache_and_is_refused_without_it():
+    from engine.config import parse_config
+
+    assert parse_config(["--model", "/m"]).cache.in_batch_prefix_sharing is None  # on: the cache is on
+    assert parse_config(["--model", "/m", "--no-in-batch-prefix-sharing"]).cache.in_batch_prefix_sharing is False
+    assert parse_config(["--model", "/m", "--no-enable-prefix-caching"]).cache.in_batch_prefix_sharing is None
+    with pytest.raises(SystemExit, match="--no-enable-prefix-caching turns that cache off"):
+        parse_config(["--model", "/m", "--in-batch-prefix-sharing", "--no-enable-prefix-caching"])

@@ -22,12 +22,17 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None  # None: 0.9 on accelerators, a 1 GiB KV cache on CPU
     enable_prefix_caching: bool = True
+    in_batch_prefix_sharing: bool | None = None  # None: on with the prefix cache (engine.scheduler.policy)
     mamba_block_size: int | None = None  # vLLM's: hybrid models checkpoint their state every N prompt tokens too
     kv_events_config: KVEventsConfig | None = None  # vLLM's (engine.kv_events, docs/fleet.md); None: no flag
 
 
 def check(cache: CacheConfig) -> None:
-    """ValueError naming what --mamba-block-size cannot be with the other cache flags."""
+    """ValueError naming what --mamba-block-size or --in-batch-prefix-sharing cannot be with the other cache
+    flags."""
+    if cache.in_batch_prefix_sharing and not cache.enable_prefix_caching:
+        raise ValueError("--in-batch-prefix-sharing shares prompt blocks through the prefix cache; "
+                         "--no-enable-prefix-caching turns that cache off")
     n = cache.mamba_block_size
     if n is None:
         return
@@ -72,6 +77,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=Switch, negatives=["--disable-prefix-caching"],
                    default=d.enable_prefix_caching,
                    help="Reuse KV blocks of identical prompt prefixes (keyed by weight version too).")
+    g.add_argument("--in-batch-prefix-sharing", action=Switch, default=d.in_batch_prefix_sharing,
+                   help="Requests that arrive together and share a prompt prefix (a system prompt; the n samples "
+                        "of a GRPO group sent as separate requests) compute it once: a waiting request whose next "
+                        "uncached prompt block another request is computing waits one step and then reuses it "
+                        "from the prefix cache (SGLang's in-batch prefix caching). Costs those requests one step "
+                        "of time to first token. Default: on with the prefix cache; --no-in-batch-prefix-sharing "
+                        "turns it off. Refused with --no-enable-prefix-caching.")
     g.add_argument("--mamba-block-size", type=int, default=None,
                    help="Hybrid models (Qwen3-Next, Qwen3.5) with prefix caching: also checkpoint the Gated "
                         "DeltaNet state every N prompt tokens (a multiple of --block-size), so prompts that share "

@@ -195,6 +195,7 @@ class SchedulerActor:
                                policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots,
                                checkpoint_every=self.cfg.cache.mamba_block_size or 0,
                                window=window,
+                               in_batch_sharing=self.cfg.cache.in_batch_prefix_sharing is not False,
                                prefill_beside_decodes=prefill_beside_decodes(self.cfg.scheduler, infos[0].device),
                                long_prefill_token_threshold=self.cfg.scheduler.long_prefill_token_threshold,
                                long_prefill_adaptive=self.cfg.scheduler.long_prefill_token_threshold_adaptive)

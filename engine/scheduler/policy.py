@@ -21,6 +21,14 @@ Two limits on prefill chunks, on top of the budget:
 A sequence is sampled in the step that computes its last known token. Outputs are appended by
 `update`, which also applies the stop rules and frees finished sequences' blocks.
 
+In-batch prefix sharing (`in_batch_sharing`, --in-batch-prefix-sharing, with prefix caching; SGLang's in-batch
+prefix caching): a waiting sequence whose first uncached prompt block is one that a running sequence computes in
+this plan or in the step in flight is skipped for this step (it keeps its place; later ones may go first). Once
+that step's blocks are committed it is admitted with them as a prefix hit, so requests sent together that share
+a prefix (a system prompt; the n samples of a GRPO group sent as separate requests) compute it once instead of
+once each, for one step of delay. Prompt-logprob requests, which never read the cache, and hybrid models, whose
+hits need a recurrent-state checkpoint at the hit's end, are never deferred.
+
 --scheduling-policy priority (vLLM's): the waiting queue and the running list are ordered by (priority,
 arrival time), lower first, instead of by arrival alone: the next waiting sequence is the one with the
 lowest value (a trainer resumes its partial rollouts ahead of new ones by giving them a lower value), a
@@ -146,6 +154,7 @@ class Scheduler:
     free_slots: list[int] = field(default_factory=list)
     checkpoint_every: int = 0  # hybrid prefix caching: --mamba-block-size (0: each prompt's last full block only)
     window: int = 0  # the sliding window whose blocks are freed: every layer's, or a mixed model's window group's
+    in_batch_sharing: bool = False  # --in-batch-prefix-sharing: defer a prompt whose next block another computes
 
     def __post_init__(self) -> None:
         self.free_slots = list(range(self.state_slots - 1, -1, -1))  # popped from the end: slot 0 first
@@ -301,10 +310,14 @@ class Scheduler:
             budget -= n
             i += 1
         new_seqs: list[Sequence] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        waiting = self.waiting
+        share = self.in_batch_sharing and blocks.caching and ckpts is None
+        computing: set[int] | None = None  # in-batch sharing: the prompt blocks being computed (built on demand)
+        w = 0  # the next waiting sequence to look at: those before it are deferred (in-batch sharing)
+        while w < len(waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             if self.state_slots and not self.free_slots:
                 break  # (not reached: one slot per --max-num-seqs sequence)
-            seq = self.waiting[0]
+            seq = waiting[w]
             if seq.inflight_tokens:
                 break  # preempted while a step of it was computing: it comes back once that step is in
             if self.max_loras and self._lora_slot_full(seq):
@@ -315,6 +328,14 @@ class Scheduler:
             # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
             # never reads the prefix cache (its blocks are still shared with later requests).
             want_prompt_lp = seq.sampling.prompt_logprobs is not None
+            if share and not want_prompt_lp:
+                h = blocks.first_uncached(seq, self.weight_epoch)
+                if h is not None:
+                    if computing is None:
+                        computing = self._computing()
+                    if h in computing:
+                        w += 1  # a sequence computes that block now: next step it is a prefix hit here
+                        continue
             seq.num_computed = 0 if want_prompt_lp else self.blocks.match_prefix(seq, self.weight_epoch)
             n = min(seq.num_tokens - seq.num_computed, budget, per_seq)
             if long:
@@ -332,7 +353,7 @@ class Scheduler:
                 if not want_prompt_lp:  # as vLLM: a request that skips the cache is not a lookup
                     self.blocks.count_lookup(seq, seq.num_computed)
             self.blocks.allocate(seq, seq.num_computed + n)
-            self.waiting.popleft()
+            del waiting[w]
             if self.state_slots:
                 seq.state_slot = self.free_slots.pop()
             if ckpts is not None:
@@ -356,11 +377,28 @@ class Scheduler:
             budget -= n
             if long:
                 long_left -= _cost(seq.num_computed, n, self.prefill_keys_per_token)
+            if computing is not None:
+                self._add_computing(seq, computing)
         if num_new.count(1) != len(num_new):  # decodes first (stable: arrival order kept)
             order = sorted(range(len(seqs)), key=lambda k: num_new[k] != 1)
             seqs, num_new, num_computed = ([xs[k] for k in order] for xs in (seqs, num_new, num_computed))
         finished, self._finished_ids = self._finished_ids, []
         return ScheduledStep(seqs, num_new, num_computed, new_seqs, finished, self.weight_epoch, saves, loads)
+
+    def _computing(self) -> set[int]:
+        """In-batch sharing: the hashes of the prompt blocks running sequences compute in this plan or in the step
+        in flight, not yet committed (findable once the step's results are in)."""
+        out: set[int] = set()
+        for seq in self.running:
+            self._add_computing(seq, out)
+        return out
+
+    def _add_computing(self, seq: Sequence, out: set[int]) -> None:
+        bs = self.blocks.block_size
+        start = len(seq.block_hashes)
+        end = min(seq.num_prompt_tokens, seq.num_computed + seq.inflight_tokens) // bs
+        if end > start:
+            out.update(self.blocks.hashes_to(seq, end, self.weight_epoch)[start:])
 
     def _to_checkpoint(self, seq: Sequence, computed: int, n: int, saves: list | None) -> int:
         """A hybrid's prefill chunk from `computed`, cut to end on its prompt's checkpoint boundary when it would
