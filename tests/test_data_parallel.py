@@ -331,7 +331,9 @@ def assert_router_uses_engine_1(server) -> None:
 @pytest.mark.skipif(shutil.which("honcho") is None, reason="honcho must be installed (pip install -e '.[test]')")
 @pytest.mark.parametrize("procfile, entries", [
     ("Procfile.dp2", {"scheduler1": "scheduler-1", "worker1": "worker-1"}),
-    ("Procfile.tp2dp2", {"scheduler1": "scheduler-1", "worker1": "worker-1", "worker3": "worker-3"})])
+    # slow lane (CI time): honcho runs the two-engine Procfile in CI; tests/test_tp_dp.py serves the tp2dp2 layout
+    pytest.param("Procfile.tp2dp2", {"scheduler1": "scheduler-1", "worker1": "worker-1", "worker3": "worker-3"},
+                 marks=pytest.mark.slow)])
 def test_honcho_runs_the_two_engine_procfiles(tmp_path, smollm2_dir, procfile, entries):
     from tests.test_launch import ROOT, wait_healthy
 
