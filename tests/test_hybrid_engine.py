@@ -97,6 +97,7 @@ def test_qwen3_next_served_equals_hf_and_survives_sleep_and_a_weight_update(tmp_
         s.stop()
     assert queries > 0 and hits == 36, "the repeated prompt resumes at its last full block's checkpoint"
     assert cache_config["enable_prefix_caching"] is True, cache_config
+    assert cache_config["in_batch_prefix_sharing"] is False, cache_config  # a hybrid's hits need checkpoints
     assert again["logprobs"]["tokens"] == got[3]["logprobs"]["tokens"]
     assert check.json() == {"match": True, "mismatches": []}
     assert again_after["logprobs"] == after["logprobs"]

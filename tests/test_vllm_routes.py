@@ -244,6 +244,7 @@ def test_server_info_has_vllm_config(server, smollm2_dir) -> None:
     assert vc["parallel_config"]["tensor_parallel_size"] == 1 and vc["parallel_config"]["data_parallel_size"] == 1
     assert vc["weight_transfer_config"] == {"backend": "nccl"}  # what TRL's init_communicator checks
     assert vc["cache_config"]["num_gpu_blocks"] > 0 and vc["device_config"]["device"] == "cpu"
+    assert vc["cache_config"]["in_batch_prefix_sharing"] is True  # on with the prefix cache by default
     text = httpx.get(server.url + "/server_info").json()["vllm_config"]
     assert isinstance(text, str) and "dtype=torch.float32" in text and "max_seq_len=1024" in text
     assert httpx.get(server.url + "/server_info", params={"config_format": "yaml"}).status_code == 400
