@@ -234,6 +234,7 @@ def engine_workloads(who: str, url: str, prompts: list[list[int]], args, engines
         out["bus"] = bus_cost(before, scheduler_counters(url), out["A"]["seconds_all"], engines)
     if "B" not in args.skip:
         say(f"[{who}] B: 16 prompts x n=8 ...")
+        reset_prefix_cache(url)  # from an empty cache, as A: its prompts are A's first 16
         out["B"] = _run(f"{who} B", url, model, prompts[:16], 8, args.max_tokens, False, seeds, engines=engines)
     if args.wide:
         say(f"[{who}] W: {WIDE[0]} prompts x n={WIDE[1]} x exactly {WIDE[2]} tokens ...")
@@ -278,6 +279,7 @@ def bench_rollbus(dtype: str, folder: Path, prompts: list[list[int]], args, dp: 
     server = start_server(work, str(folder), "--dtype", dtype, *server_flags(args),
                           "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout,
                           *(("--async-scheduling",) if args.async_scheduling else ()),
+                          *(("--no-in-batch-prefix-sharing",) if args.no_in_batch_prefix_sharing else ()),
                           env={"VLLM_SERVER_DEV_MODE": "1"}, timeout_s=900)  # dev mode: POST /reset_prefix_cache
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
@@ -387,6 +389,9 @@ def parser() -> argparse.ArgumentParser:
                    help="rollbus's --kv-cache-dtype (vLLM's CPU build runs with the model's dtype).")
     p.add_argument("--async-scheduling", action="store_true",
                    help="rollbus's --async-scheduling (plan step N+1 while step N computes; off by default on CPU).")
+    p.add_argument("--no-in-batch-prefix-sharing", action="store_true",
+                   help="rollbus's --no-in-batch-prefix-sharing: every request computes its own prompt, as vLLM "
+                        "(on by default: requests sent together that share a prefix compute it once).")
     p.add_argument("--repeats", type=int, default=1, metavar="K",
                    help="Run rollbus's A and W K times on the same server and report the median (every run's "
                         "tok/s is printed and saved).")
@@ -478,6 +483,7 @@ def main() -> None:
                 label = name + (f", rollbus -dp {lay['dp']}" if len(args.rollbus_dp) > 1 or lay["dp"] > 1 else "")
                 label += f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
                 label += ", async scheduling" if args.async_scheduling else ""
+                label += ", no in-batch sharing" if args.no_in_batch_prefix_sharing else ""
                 rows.append([dtype, label, cell(ours), *map(cell, vl), cell(hf),
                              *(cell(v and ours / v, "{:.2f}x") for v in vl),
                              cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}"),
