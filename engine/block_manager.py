@@ -108,23 +108,32 @@ class BlockManager(BlockPool):
         if self.windows is not None:
             self.windows.allocate(seq, num_tokens)
 
-    def match_prefix(self, seq: Sequence, weight_epoch: int) -> int:
-        """At admission: reuse cached blocks of the prompt's leading full blocks. Returns tokens reused.
+    def lookup(self, seq: Sequence, weight_epoch: int) -> tuple[list[int], int | None]:
+        """Looks only: the hashes of the prompt's leading full blocks the cache holds, and the hash of the first
+        one it does not (None: all are cached, or the prompt has none). At least one prompt token is always left
+        to compute, since its logits start the output, so the last full block before it is the last looked up."""
+        if not self.caching:
+            return [], None
+        bs, prompt = self.block_size, seq.prompt_token_ids
+        parent: int | None = chain_root(seq)
+        found: list[int] = []
+        for i in range((seq.num_prompt_tokens - 1) // bs):
+            h = block_hash(parent, tuple(prompt[i * bs:(i + 1) * bs]), weight_epoch)
+            if h not in self.cached:
+                return found, h
+            found.append(h)
+            parent = h
+        return found, None
 
-        At least one prompt token is always left to compute, since its logits start the output. Not counted
-        here: a sequence turned away for lack of blocks is looked up again next step (count_lookup)."""
+    def match_prefix(self, seq: Sequence, weight_epoch: int, looked_up: list[int] | None = None) -> int:
+        """At admission: reuse cached blocks of the prompt's leading full blocks (`looked_up`: `lookup`'s hashes,
+        when the caller has them). Returns tokens reused.
+
+        Not counted here: a sequence turned away for lack of blocks is looked up again next step (count_lookup)."""
         if not self.caching:
             return 0
         bs = self.block_size
-        max_blocks = (seq.num_prompt_tokens - 1) // bs
-        parent: int | None = chain_root(seq)
-        found: list[int] = []
-        for i in range(max_blocks):
-            h = block_hash(parent, tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs]), weight_epoch)
-            if h not in self.cached:
-                break
-            found.append(h)
-            parent = h
+        found = list(looked_up) if looked_up is not None else self.lookup(seq, weight_epoch)[0]
         if self.checkpoints is not None:  # a hybrid resumes only where a recurrent state was kept
             while found and found[-1] not in self.checkpoints:
                 found.pop()
@@ -163,19 +172,6 @@ class BlockManager(BlockPool):
             out.append(parent)
         return out
 
-    def first_uncached(self, seq: Sequence, weight_epoch: int) -> int | None:
-        """A waiting sequence's first prompt block that a prefix hit could reuse (match_prefix's blocks) and the
-        cache does not hold: its hash, or None when every such block is cached or the prompt has none. Looks
-        only; the scheduler defers a sequence whose block another sequence is computing (in-batch sharing)."""
-        if not self.caching:
-            return None
-        bs, prompt = self.block_size, seq.prompt_token_ids
-        parent: int | None = chain_root(seq)
-        for i in range((seq.num_prompt_tokens - 1) // bs):
-            parent = block_hash(parent, tuple(prompt[i * bs:(i + 1) * bs]), weight_epoch)
-            if parent not in self.cached:
-                return parent
-        return None
 
     def commit_full_blocks(self, seq: Sequence, weight_epoch: int) -> None:
         """After a step: hash blocks that just became full so later requests can share them."""

@@ -328,15 +328,16 @@ class Scheduler:
             # vLLM: prompt logprobs need the hidden state of every prompt position, so such a request
             # never reads the prefix cache (its blocks are still shared with later requests).
             want_prompt_lp = seq.sampling.prompt_logprobs is not None
+            looked_up = None
             if share and not want_prompt_lp:
-                h = blocks.first_uncached(seq, self.weight_epoch)
-                if h is not None:
+                looked_up, uncached = blocks.lookup(seq, self.weight_epoch)
+                if uncached is not None:
                     if computing is None:
                         computing = self._computing()
-                    if h in computing:
+                    if uncached in computing:
                         w += 1  # a sequence computes that block now: next step it is a prefix hit here
                         continue
-            seq.num_computed = 0 if want_prompt_lp else self.blocks.match_prefix(seq, self.weight_epoch)
+            seq.num_computed = 0 if want_prompt_lp else blocks.match_prefix(seq, self.weight_epoch, looked_up)
             n = min(seq.num_tokens - seq.num_computed, budget, per_seq)
             if long:
                 n = _fit(long_left, seq.num_computed, n, self.prefill_keys_per_token)
