@@ -175,8 +175,9 @@ def test_a_command_waits_for_every_worker_of_every_engine():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
     work = tmp_path_factory.mktemp("dp")
-    folder = tiny_model_with_tokenizer("llama", work / "llama", smollm2_dir)
-    s = start_server(work, str(folder), "-dp", "2", "--max-model-len", "256", "--kv-cache-memory-bytes",
+    # positions for KILL_TOKENS: a killed engine's streams must still be generating when the kill lands
+    folder = tiny_model_with_tokenizer("llama", work / "llama", smollm2_dir, max_position_embeddings=2048)
+    s = start_server(work, str(folder), "-dp", "2", "--max-model-len", "2048", "--kv-cache-memory-bytes",
                      "67108864", "--additional-config", RL, "--weight-transfer-config", '{"backend": "ipc"}',
                      "--heartbeat-interval-s", "0.2")
     s.folder = folder
@@ -286,13 +287,18 @@ def test_a_dead_worker_fails_only_its_engine_and_the_router_avoids_it(server, tr
 
         with WeightSyncClient(url, backend="ipc") as client:  # a committed update: the restart needs a peer
             client.send_weights(trainer.named_parameters(), version="dp-1", pause="keep")
-    killed, detected = kill_in_engine_1(server, "worker-1", max_tokens=200)
+    killed, detected = kill_in_engine_1(server, "worker-1", max_tokens=KILL_TOKENS)
     wait_for(lambda: completion(url, 1).status_code == 200, 60, "engine 1 back after the restart", interval_s=0.2)
     print(f"\n-dp 2, SIGKILL worker-1: engine 1 refused after {detected:.2f}s, "
           f"back after {time.monotonic() - killed:.1f}s")
     assert "worker.weights_from_peer" in server.log()
     assert greedy(url, 1) == greedy(url, 0)  # the version in service, from engine 0's worker
     assert_router_uses_engine_1(server)
+
+
+# Streams the kill must interrupt: the tiny model makes 200 tokens in well under a second, so with 200 a stream
+# seen running could be done (its tail still in flight to the client) before the SIGKILL landed (CI, stop 42).
+KILL_TOKENS = 2000
 
 
 def kill_in_engine_1(server, victim: str, max_tokens: int) -> tuple[float, float]:
