@@ -141,16 +141,17 @@ def paged_attention(
     """Attention output [T, Hq, D]. Writes k/v into the cache first, then reads context from it (blocks of a
     --kv-cache-dtype narrower than q's are widened to it: `.to` is a no-op where they match).
     `window` > 0: sliding-window attention as HF masks it, a query at position p sees the keys at positions
-    (p - window, p]; such layers take the SDPA path (the C++ kernel reads every key from position 0)."""
+    (p - window, p]; the row kernel reads only those (decode rows and short chunks), the chunk kernel has no
+    window (longer chunks of such layers take the torch path)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nb, bs, hk, d = k_cache.shape
     gqa = q.shape[1] != hk
-    kern = None if window else _cpu_kernel(q, k_cache)
+    kern = _cpu_kernel(q, k_cache)
     if meta.num_decodes and kern is not None:
         n = meta.num_decodes
         kern.paged_attention_rows(out[:n], q[:n], k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
-                                  meta.decode_ctx_lens.contiguous(), scale)  # type: ignore[union-attr]
+                                  meta.decode_ctx_lens.contiguous(), scale, window)  # type: ignore[union-attr]
     elif meta.num_decodes:
         n = meta.num_decodes
         nblk = (meta.decode_max_ctx + bs - 1) // bs
@@ -171,7 +172,7 @@ def paged_attention(
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:n] = o.squeeze(2)
-    chunks = kern is not None and _prefill_kernel(kern, q.dtype, d)
+    chunks = kern is not None and not window and _prefill_kernel(kern, q.dtype, d)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
         if chunks and c.q_len > 1:  # the same causal attention, in place over the blocks
@@ -181,7 +182,7 @@ def paged_attention(
         if kern is not None and c.q_len <= KERNEL_CHUNK_ROWS:  # row i sees ctx_len - q_len + i + 1 keys
             kern.paged_attention_rows(out[rows], q[rows], k_cache, v_cache, c.block_table.view(1, -1),
                                       torch.zeros(c.q_len, dtype=torch.int64),
-                                      torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale)
+                                      torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1), scale, window)
             continue
         # a windowed layer reads from the block of its first row's first key on (those before may be freed);
         # positions below are relative to that block's start, which keeps their differences

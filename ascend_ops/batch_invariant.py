@@ -22,7 +22,7 @@ device at start-up):
   Elsewhere F.linear, padded the same way.
 - attention over the paged cache: every query row (a decode or any row of a prefill chunk, of any length)
   is computed alone from its own q and its own context, the keys and values up to its position read in
-  position order. On CPU (fp32 / bf16, where ascend_ops.cpu_kernels builds) that is the C++ kernel the
+  position order (from its window's first key in a sliding-window layer). On CPU (fp32 / bf16, where ascend_ops.cpu_kernels builds) that is the C++ kernel the
   default mode runs for decodes, torch.ops.rollbus_cpu.paged_attention_rows, given each row's block
   table and context length: it computes one (row, KV head) at a time with a fixed sequence of
   operations (fp32 dots, a two-pass softmax, the weighted sum of V), and how the rows are split among
@@ -272,15 +272,18 @@ def attention_kernel(q: torch.Tensor, k_cache: torch.Tensor):
     return cpu_kernels.ops()
 
 
-_step_rows: list = []  # [meta, tables, row_table, row_len] of the last step: its layers share them
+# (meta, tables, row_table, row_len) of the last step's metadata objects: its layers share them (two: a
+# mixed-window model's sliding layers read their own group's, AttentionMetadata.for_layer)
+_step_rows: list = []
 
 
 def _kernel_rows(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's view of a step: one block table per decode and per prefill chunk ([N, W], 0-padded),
     each row's table (row_table [T]) and context length (row_len [T]: its position + 1). Built once per
     step (the metadata object), not once per layer."""
-    if _step_rows and _step_rows[0] is meta:
-        return _step_rows[1], _step_rows[2], _step_rows[3]
+    for entry in _step_rows:
+        if entry[0] is meta:
+            return entry[1], entry[2], entry[3]
     n = meta.num_decodes
     widths = [c.block_table.shape[0] for c in meta.prefills] + ([meta.decode_block_tables.shape[1]] if n else [])
     tables = torch.zeros(n + len(meta.prefills), max(widths), dtype=torch.int64)
@@ -295,7 +298,7 @@ def _kernel_rows(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, 
         tables[n + i, : c.block_table.shape[0]] = c.block_table
         row_table[rows] = n + i
         row_len[rows] = torch.arange(c.ctx_len - c.q_len + 1, c.ctx_len + 1)
-    _step_rows[:] = [meta, tables, row_table, row_len]
+    _step_rows[:] = [*_step_rows[-1:], (meta, tables, row_table, row_len)]
     return tables, row_table, row_len
 
 
@@ -309,19 +312,19 @@ def paged_attention(
     scale: float,
     window: int = 0,
 ) -> torch.Tensor:
-    """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring).
-    A sliding-window layer (`window` > 0) takes the torch path, whose rows are as invariant as the kernel's."""
+    """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring), a
+    sliding-window layer's (`window` > 0) over its last `window` keys only (the kernel reads no block before)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    kern = None if window else attention_kernel(q, k_cache)
+    kern = attention_kernel(q, k_cache)
     if kern is None:
         return _paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(q)
     if not meta.prefills:  # a decode-only step: the call default mode makes
         kern.paged_attention_rows(out, q, k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
-                                  meta.decode_ctx_lens.contiguous(), scale)  # type: ignore[union-attr]
+                                  meta.decode_ctx_lens.contiguous(), scale, window)  # type: ignore[union-attr]
     else:
         tables, row_table, row_len = _kernel_rows(meta, q.shape[0])
-        kern.paged_attention_rows(out, q, k_cache, v_cache, tables, row_table, row_len, scale)
+        kern.paged_attention_rows(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window)
     return out
 
 

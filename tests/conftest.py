@@ -1,3 +1,4 @@
+import os
 import subprocess
 
 # numpy 1.26 (the floor) runs `lscpu` on the first import of numpy.testing: import it before the unit
@@ -35,15 +36,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     from ascend_ops import cpu_kernels, packed_linear
 
-    model = "?"
+    import torch
+
+    model, ident = "?", {}
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+            for line in f:
+                key, _, value = line.partition(":")
+                ident.setdefault(key.strip(), value.strip())
+        model = ident.get("model name", "?")
     except OSError:
         model = py_platform.processor() or py_platform.machine()
     vendor = packed_linear._cpu_vendor() or "?"
     flags = cpu_kernels.cpu_flags()
-    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no AVX2"
+    # the ISA extensions torch's, MKL's and oneDNN's own dispatch may pick kernels by, beside ours
+    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                               "amx_fp16", "amx_tf32", "avx_vnni", "avx_ne_convert") if f in flags) or "no AVX2"
+    cpu = (f"family {ident.get('cpu family', '?')} model {ident.get('model', '?')} stepping "
+           f"{ident.get('stepping', '?')}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+           f"{torch.backends.cpu.get_cpu_capability()} x{torch.get_num_threads()}")
     if not cpu_kernels.ops.cache_info().currsize:  # describing would build the kernels (the floors lane's torch)
         paths = "no CPU kernel ran in this run"
     else:
@@ -52,4 +63,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             paths = f"fp32 linear {packed_linear.describe()}, kernels {isa_flags}"
         except Exception as e:  # noqa: BLE001 (a line of context must never fail the run)
             paths = f"compute paths unknown ({type(e).__name__})"
-    terminalreporter.write_line(f"host: {model} ({vendor}; {isa}); {paths}")
+    terminalreporter.write_line(f"host: {model} ({vendor}; {isa}; {cpu}); {paths}")

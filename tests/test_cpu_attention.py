@@ -125,6 +125,55 @@ def test_a_mixed_step_decodes_and_a_prefill_chunk_match_sdpa(kernel, chunk, dtyp
     assert rel_err(got, sdpa) < tol, rel_err(got, sdpa)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+@pytest.mark.parametrize("window, chunk", [(7, 0), (16, 0), (40, 0), (7, 5), (20, attention.KERNEL_CHUNK_ROWS)])
+@pytest.mark.parametrize("hq, hk, d", [(9, 3, 64), (4, 2, 24)])
+def test_a_sliding_window_in_the_row_kernel_matches_sdpa_and_never_reads_behind_it(kernel, hq, hk, d, window,
+                                                                                   chunk, dtype, tol) -> None:
+    """A sliding-window layer's decode rows and short chunks go through the row kernel, which reads only each
+    row's last `window` keys (windows shorter than a block, a block long, across blocks; a head size that is
+    no multiple of 16): the torch path's results and, in fp32, an fp64 reference's over the same window. The
+    blocks wholly before every window are given back (FREED, -1, in the tables) and, for the kernel, the
+    cache's other blocks poisoned with NaN, so a read behind a window is an error or a NaN, not a near miss
+    (the torch path gathers whole padded blocks and masks, so it gets the cache unpoisoned)."""
+    lens = [3, 9, 40, 77, 90]
+    q, k, v, k_cache, v_cache, meta, tables = paged_case(lens, hq, hk, d, dtype, seed=window + chunk, chunk=chunk)
+    used = torch.zeros(k_cache.shape[0], dtype=torch.bool)
+    for i, n in enumerate(lens):  # per sequence: its first row's window start decides what it still holds
+        first = max(0, n - (chunk if chunk and i == len(lens) - 1 else 1) + 1 - window)
+        tables[i] = tables[i].clone()
+        tables[i][: first // BS] = -1
+        used[tables[i][first // BS:]] = True
+    dt = meta.decode_block_tables
+    for i in range(meta.num_decodes):
+        dt[i, : len(tables[i])] = tables[i]
+    for c in meta.prefills:
+        c.block_table = tables[-1]
+    scale = d ** -0.5
+    outs = {}
+    for which in ("torch", "kernel"):
+        attention.select(which)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        if which == "kernel":
+            kc[~used], vc[~used] = float("nan"), float("nan")
+        outs[which] = attention.paged_attention(q, k, v, kc, vc, meta, scale, window)
+    assert not outs["kernel"].isnan().any()
+    assert rel_err(outs["kernel"], outs["torch"]) < tol, rel_err(outs["kernel"], outs["torch"])
+    if dtype == torch.float32:  # row by row in fp64 over the keys (p - window, p]
+        ref = []
+        for i, n in enumerate(lens):
+            rows = range(n - chunk, n) if chunk and i == len(lens) - 1 else [n - 1]
+            for p in rows:
+                keep = [t for t in range(max(0, p + 1 - window), p + 1)]
+                blk = tables[i][torch.tensor(keep) // BS]
+                kk = kc[blk, torch.tensor(keep) % BS].double().repeat_interleave(hq // hk, 1)
+                vv = vc[blk, torch.tensor(keep) % BS].double().repeat_interleave(hq // hk, 1)
+                row = meta.num_decodes + (p - (n - chunk)) if chunk and i == len(lens) - 1 else i
+                w = (torch.einsum("hd,thd->ht", q[row].double(), kk) * scale).softmax(-1)
+                ref.append(torch.einsum("ht,thd->hd", w, vv))
+        assert rel_err(outs["kernel"], torch.stack(ref)) < 1e-5
+
+
 def narrow_cache(case, cache_dtype: torch.dtype):
     """The fp32 case with its caches in cache_dtype (--kv-cache-dtype): what the worker allocates."""
     q, k, v, k_cache, v_cache, meta, tables = case

@@ -200,7 +200,10 @@ def test_window_frees_blocks_equal_hf_and_a_prefix_hit_stays_correct(arch, total
     from tests.server_helpers import metric
 
     folder = tiny_model_with_tokenizer(arch, tmp_path / arch, smollm2_dir)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # the oracle in fp64 where HF can (the dense archs; gpt-oss's grouped expert GEMM takes no fp64): the same on
+    # every host, where HF's fp32 SDPA and GEMMs pick their kernels by CPU
+    hf_dtype = torch.float32 if arch == "gpt_oss" else torch.float64
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=hf_dtype).eval()
     prompts = [[(11 * i + 7 * j * j) % 900 + 3 for j in range(20 + 9 * i)] for i in range(4)]
     s = start_server(tmp_path, str(folder), "--block-size", "4", "--max-num-batched-tokens", "16",
                      "--max-model-len", "256", "--num-gpu-blocks-override", "64", *flags)

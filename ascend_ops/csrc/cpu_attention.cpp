@@ -3,9 +3,10 @@
 // torch.ops.rollbus_cpu.*. Layout: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 //
 // paged_attention_rows: every query row r attends to the first row_len[r] tokens of the sequence whose
-// block table is tables[row_table[r]] (row_table empty: tables[r]). Work is split over (row, kv head);
-// each item computes the G = Hq / Hk query heads that share the kv head: scores q.k * scale in fp32, a
-// two-pass softmax (max, then exp and sum), and the weighted sum of V, all in fp32 whatever the dtypes;
+// block table is tables[row_table[r]] (row_table empty: tables[r]); with window > 0, to the last `window` of
+// them only (a sliding-window layer as HF masks it: the keys at positions [row_len[r] - window, row_len[r])).
+// Work is split over (row, kv head); each item computes the G = Hq / Hk query heads that share the kv head:
+// scores q.k * scale in fp32, a two-pass softmax (max, then exp and sum), and the weighted sum of V, all in fp32 whatever the dtypes;
 // the output is written in q's dtype. q / out and the caches share one dtype (fp32 or bf16), or q is fp32
 // and the caches bf16 or fp16 (--kv-cache-dtype: the cached keys and values are read exactly, widened).
 
@@ -96,12 +97,13 @@ inline float exp_sum_plain(float* s, int64_t n, float m) {
 }
 
 // acc[j * d + i] += sum over tokens of p_j[t] * v_t[i] for the g query heads of one kv head; base[b]: the
-// head's row of token 0 of block b, vt: the token stride; p: the g rows of numerators, row stride len.
+// head's row of token 0 of block b, vt: the token stride; p: the g rows of numerators, row stride len; the
+// len tokens start `skip` tokens into block 0 (a sliding window's first key).
 template <typename T>
 void weighted_sum_plain(const float* p, int64_t len, const T* const* base, int64_t bs, int64_t vt, int64_t g,
-                        int64_t d, float* acc) {
+                        int64_t d, float* acc, int64_t skip) {
   for (int64_t pos = 0; pos < len; ++pos) {
-    const T* v = base[pos / bs] + (pos % bs) * vt;
+    const T* v = base[(pos + skip) / bs] + ((pos + skip) % bs) * vt;
     for (int64_t j = 0; j < g; ++j) {
       const float w = p[j * len + pos];
       float* a = acc + j * d;
@@ -195,13 +197,14 @@ inline float exp_sum(float* s, int64_t n, float m) {
 // G query heads x V vectors of 8 accumulators in registers over all tokens, for columns [c, c + 8V) of d.
 template <typename T, int G, int V>
 inline void wsum_cols(const float* p, int64_t len, const T* const* base, int64_t bs, int64_t vt, int64_t c,
-                      int64_t d, float* acc) {
+                      int64_t d, float* acc, int64_t skip) {
   __m256 a[G][V];
   for (int j = 0; j < G; ++j)
     for (int u = 0; u < V; ++u) a[j][u] = _mm256_setzero_ps();
   for (int64_t b = 0, pos = 0; pos < len; ++b) {
-    const T* row = base[b] + c;
-    const int64_t n = std::min(bs, len - pos);
+    const int64_t tb = b == 0 ? skip : 0;  // the first token of this block that is read
+    const T* row = base[b] + c + tb * vt;
+    const int64_t n = std::min(bs - tb, len - pos);
     for (int64_t t = 0; t < n; ++t, ++pos) {
       __m256 x[V];
       for (int u = 0; u < V; ++u) x[u] = load8(row + t * vt + 8 * u);
@@ -217,14 +220,15 @@ inline void wsum_cols(const float* p, int64_t len, const T* const* base, int64_t
 
 template <typename T, int G>
 inline void wsum_group(const float* p, int64_t len, const T* const* base, int64_t bs, int64_t vt, int64_t d,
-                       float* acc) {
+                       float* acc, int64_t skip) {
   int64_t c = 0;
-  for (; c + 32 <= d; c += 32) wsum_cols<T, G, 4>(p, len, base, bs, vt, c, d, acc);
-  for (; c + 8 <= d; c += 8) wsum_cols<T, G, 1>(p, len, base, bs, vt, c, d, acc);
+  for (; c + 32 <= d; c += 32) wsum_cols<T, G, 4>(p, len, base, bs, vt, c, d, acc, skip);
+  for (; c + 8 <= d; c += 8) wsum_cols<T, G, 1>(p, len, base, bs, vt, c, d, acc, skip);
   for (; c < d; ++c) {  // columns past the last multiple of 8
     for (int j = 0; j < G; ++j) {
       float s = 0.f;
-      for (int64_t pos = 0; pos < len; ++pos) s += p[j * len + pos] * to_float(base[pos / bs][(pos % bs) * vt + c]);
+      for (int64_t pos = 0; pos < len; ++pos)
+        s += p[j * len + pos] * to_float(base[(pos + skip) / bs][((pos + skip) % bs) * vt + c]);
       acc[j * d + c] = s;
     }
   }
@@ -232,11 +236,11 @@ inline void wsum_group(const float* p, int64_t len, const T* const* base, int64_
 
 template <typename T>
 void weighted_sum(const float* p, int64_t len, const T* const* base, int64_t bs, int64_t vt, int64_t g, int64_t d,
-                  float* acc) {
+                  float* acc, int64_t skip) {
   int64_t j = 0;  // query heads three at a time: 12 accumulators + 4 loaded vectors fit the 16 registers
-  for (; j + 3 <= g; j += 3) wsum_group<T, 3>(p + j * len, len, base, bs, vt, d, acc + j * d);
-  if (g - j == 2) wsum_group<T, 2>(p + j * len, len, base, bs, vt, d, acc + j * d);
-  if (g - j == 1) wsum_group<T, 1>(p + j * len, len, base, bs, vt, d, acc + j * d);
+  for (; j + 3 <= g; j += 3) wsum_group<T, 3>(p + j * len, len, base, bs, vt, d, acc + j * d, skip);
+  if (g - j == 2) wsum_group<T, 2>(p + j * len, len, base, bs, vt, d, acc + j * d, skip);
+  if (g - j == 1) wsum_group<T, 1>(p + j * len, len, base, bs, vt, d, acc + j * d, skip);
 }
 #else
 template <typename T>
@@ -246,9 +250,9 @@ inline void group_dots(const float* q, const T* k, int64_t g, int64_t d, float* 
 inline float exp_sum(float* s, int64_t n, float m) { return exp_sum_plain(s, n, m); }
 template <typename T>
 void weighted_sum(const float* p, int64_t len, const T* const* base, int64_t bs, int64_t vt, int64_t g, int64_t d,
-                  float* acc) {
+                  float* acc, int64_t skip) {
   std::fill(acc, acc + g * d, 0.f);
-  weighted_sum_plain(p, len, base, bs, vt, g, d, acc);
+  weighted_sum_plain(p, len, base, bs, vt, g, d, acc, skip);
 }
 #endif
 
@@ -423,10 +427,12 @@ inline void chunk_records(const T* cache, const int64_t* table, int64_t ts1, int
 }  // namespace v512
 #endif
 
-// Q: the dtype of q and out; T: the caches'.
+// Q: the dtype of q and out; T: the caches'. window > 0: row r reads only its last `window` positions (a
+// sliding-window layer; the blocks before them may have been given back: their table entries are not read).
 template <typename Q, typename T>
 void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& tables, const at::Tensor& row_table, const at::Tensor& row_len, double scale) {
+                 const at::Tensor& tables, const at::Tensor& row_table, const at::Tensor& row_len, double scale,
+                 int64_t window) {
   const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), hk = k_cache.size(2);
   const int64_t g = hq / hk;
@@ -443,17 +449,19 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   const int64_t ts0 = tables.stride(0), ts1 = tables.stride(1);
   const int64_t num_blocks = k_cache.size(0);
+  // the first position row r reads
+  const auto first_pos = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, lp[r] - window) : int64_t(0); };
   int64_t max_len = 0;
   for (int64_t r = 0; r < rows; ++r) {  // validate every block id a row will read, before any thread starts
     const int64_t tr = rt ? rt[r] : r;
     TORCH_CHECK(tr >= 0 && tr < tables.size(0), "paged_attention_rows: row_table[", r, "] out of range");
     TORCH_CHECK(lp[r] >= 0 && lp[r] <= width * bs, "paged_attention_rows: row_len[", r, "] = ", lp[r],
                 " does not fit its block table");
-    for (int64_t b = 0; b < (lp[r] + bs - 1) / bs; ++b) {
+    for (int64_t b = first_pos(r) / bs; b < (lp[r] + bs - 1) / bs; ++b) {
       const int64_t blk = tp[tr * ts0 + b * ts1];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention_rows: block id ", blk, " out of range");
     }
-    max_len = std::max(max_len, lp[r]);
+    max_len = std::max(max_len, lp[r] - first_pos(r));
   }
   const float fscale = static_cast<float>(scale);
 
@@ -466,12 +474,13 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
     const int64_t span = std::max<int64_t>(max_len, 1);
     const int64_t heads = per * g;  // query heads of an item
     std::vector<float> qf(heads * d), acc(heads * d), scores(heads * span), inv(heads);
-    [[maybe_unused]] std::vector<const T*> vbase((span + bs - 1) / bs);
+    [[maybe_unused]] std::vector<const T*> vbase(span / bs + 2);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / split, h0 = (item % split) * per;
-      const int64_t len = lp[r];
+      const int64_t end_pos = lp[r], start = first_pos(r);
+      const int64_t len = end_pos - start;  // the positions read: [start, end_pos); scores[j * len + pos - start]
       const int64_t* table = tp + (rt ? rt[r] : r) * ts0;
-      [[maybe_unused]] const int64_t nblk = (len + bs - 1) / bs;
+      [[maybe_unused]] const int64_t b0 = start / bs, nblk = (end_pos + bs - 1) / bs;
       for (int64_t j = 0; j < heads; ++j) {
         const Q* src = qp + r * qs0 + (h0 * g + j) * qs1;
         for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(src[i]);
@@ -479,42 +488,43 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
 #ifdef ROLLBUS_AVX512
       // The next item of this thread (none: this one again, already cached), prefetched into L2 meanwhile.
       const int64_t nitem = item + 1 < end ? item + 1 : item;
-      const int64_t nr = nitem / split, nh0 = (nitem % split) * per, nlen = lp[nr];
+      const int64_t nr = nitem / split, nh0 = (nitem % split) * per, nlen = lp[nr], nstart = first_pos(nr);
       const int64_t* ntable = tp + (rt ? rt[nr] : nr) * ts0;
       // scores[j * len + pos] = q_j . k_pos, 16 positions at a time. Rows are a few cache blocks long, so
       // the prefetches run a whole item ahead: while this item reads chunk c of its keys (then of its
       // values), the next item's chunk c of keys (of values) is brought into L2.
-      for (int64_t p0 = 0; p0 < len; p0 += v512::kChunk) {
-        const int64_t n = std::min(v512::kChunk, len - p0);
+      for (int64_t c0 = 0; c0 < len; c0 += v512::kChunk) {
+        const int64_t p0 = start + c0, n = std::min(v512::kChunk, len - c0);
         const T* rec[v512::kChunk];
         v512::chunk_records(kp, table, ts1, bs, kb, kt, h0 * kh, p0, n, rec);
         const int64_t rec_bytes = per * kh * static_cast<int64_t>(sizeof(T));
         const char* pf[v512::kChunk];  // the next item's keys at this chunk's positions
         int64_t npf = 0;
-        for (int64_t t = p0; t < std::min(p0 + v512::kChunk, nlen); ++t)
+        for (int64_t t = nstart + c0; t < std::min(nstart + c0 + v512::kChunk, nlen); ++t)
           pf[npf++] = reinterpret_cast<const char*>(kp + ntable[(t / bs) * ts1] * kb + (t % bs) * kt + nh0 * kh);
         for (int64_t h = 0; h < per; ++h) {  // the prefetches spread between the heads' computations
           for (int64_t i = h * npf / per; i < (h + 1) * npf / per; ++i) prefetch_l2(pf[i], rec_bytes);
-          v512::chunk_scores(qf.data() + h * g * d, rec, h * kh, g, d, scores.data() + h * g * len + p0, len,
+          v512::chunk_scores(qf.data() + h * g * d, rec, h * kh, g, d, scores.data() + h * g * len + c0, len,
                              v512::first(n));
         }
-        if (p0 + v512::kChunk >= len)  // this row's last chunk: the rest of the next one's keys
-          for (int64_t t = p0 + v512::kChunk; t < nlen; ++t)
+        if (c0 + v512::kChunk >= len)  // this row's last chunk: the rest of the next one's keys
+          for (int64_t t = nstart + c0 + v512::kChunk; t < nlen; ++t)
             prefetch_l2(kp + ntable[(t / bs) * ts1] * kb + (t % bs) * kt + nh0 * kh, rec_bytes);
       }
 #else
       // scores[j * len + pos] = q_j . k_pos for query head j of this item; the blocks stream in table order.
       // Prefetched meanwhile: the next block's keys and this block's values (read in the second pass).
-      for (int64_t b = 0; b < nblk; ++b) {
-        const int64_t n = std::min(bs, len - b * bs);
+      for (int64_t b = b0; b < nblk; ++b) {
+        const int64_t n = std::min(bs, end_pos - b * bs);
         const T* base = kp + table[b * ts1] * kb + h0 * kh;
         const T* next = b + 1 < nblk ? kp + table[(b + 1) * ts1] * kb + h0 * kh : nullptr;
         const T* vals = vp + table[b * ts1] * vb + h0 * vh;
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = b == b0 ? start - b0 * bs : 0; t < n; ++t) {
           if (next) prefetch_record(next + t * kt, per * kh);
           prefetch_record(vals + t * vt, per * vh);
           for (int64_t h = 0; h < per; ++h)
-            group_dots(qf.data() + h * g * d, base + t * kt + h * kh, g, d, scores.data() + h * g * len + b * bs + t, len);
+            group_dots(qf.data() + h * g * d, base + t * kt + h * kh, g, d,
+                       scores.data() + h * g * len + b * bs + t - start, len);
         }
       }
 #endif
@@ -536,27 +546,29 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
         inv[j] = len ? 1.0f / sum : 0.f;
       }
       if (item + 1 < end) {  // the next item's first block of keys, while this one sums its values
-        const int64_t r1 = (item + 1) / split, h1 = ((item + 1) % split) * per;
-        const T* k1 = kp + tp[(rt ? rt[r1] : r1) * ts0] * kb + h1 * kh;
-        for (int64_t t = 0; t < std::min(bs, lp[r1]); ++t) prefetch_record(k1 + t * kt, per * kh);
+        const int64_t r1 = (item + 1) / split, h1 = ((item + 1) % split) * per, s1 = first_pos(r1);
+        const T* k1 = kp + tp[(rt ? rt[r1] : r1) * ts0 + (s1 / bs) * ts1] * kb + h1 * kh;
+        for (int64_t t = s1 % bs; t < std::min(bs, lp[r1] - s1 / bs * bs); ++t) prefetch_record(k1 + t * kt, per * kh);
       }
 #ifdef ROLLBUS_AVX512
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = 0; p0 < len; p0 += v512::kChunk) {
-        const int64_t n = std::min(v512::kChunk, len - p0);
+      for (int64_t c0 = 0; c0 < len; c0 += v512::kChunk) {
+        const int64_t p0 = start + c0, n = std::min(v512::kChunk, len - c0);
         const T* rec[v512::kChunk];
         v512::chunk_records(vp, table, ts1, bs, vb, vt, h0 * vh, p0, n, rec);
         // the next item's values at this chunk's positions (at the last chunk: all the rest), into L2
         const int64_t vrec = per * vh * static_cast<int64_t>(sizeof(T));
-        const int64_t upto = p0 + v512::kChunk >= len ? nlen : std::min(p0 + v512::kChunk, nlen);
-        for (int64_t t = p0; t < upto; ++t) prefetch_l2(vp + ntable[(t / bs) * ts1] * vb + (t % bs) * vt + nh0 * vh, vrec);
+        const int64_t upto = c0 + v512::kChunk >= len ? nlen : std::min(nstart + c0 + v512::kChunk, nlen);
+        for (int64_t t = nstart + c0; t < upto; ++t)
+          prefetch_l2(vp + ntable[(t / bs) * ts1] * vb + (t % bs) * vt + nh0 * vh, vrec);
         for (int64_t h = 0; h < per; ++h)
-          v512::chunk_wsum(scores.data() + h * g * len + p0, len, rec, h * vh, n, g, d, acc.data() + h * g * d);
+          v512::chunk_wsum(scores.data() + h * g * len + c0, len, rec, h * vh, n, g, d, acc.data() + h * g * d);
       }
 #else
       for (int64_t h = 0; h < per; ++h) {
-        for (int64_t b = 0; b < nblk; ++b) vbase[b] = vp + table[b * ts1] * vb + (h0 + h) * vh;
-        weighted_sum(scores.data() + h * g * len, len, vbase.data(), bs, vt, g, d, acc.data() + h * g * d);
+        for (int64_t b = b0; b < nblk; ++b) vbase[b - b0] = vp + table[b * ts1] * vb + (h0 + h) * vh;
+        weighted_sum(scores.data() + h * g * len, len, vbase.data(), bs, vt, g, d, acc.data() + h * g * d,
+                     start - b0 * bs);
       }
 #endif
       for (int64_t j = 0; j < heads; ++j) {
@@ -570,7 +582,8 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
 
 void paged_attention_rows(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& row_table,
-                          const at::Tensor& row_len, double scale) {
+                          const at::Tensor& row_len, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_attention_rows: window must be >= 0, got ", window);
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_attention_rows: q/out [R, Hq, D], caches [num_blocks, block_size, Hk, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention_rows: CPU tensors only");
@@ -589,13 +602,13 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& q, const at::Tensor&
               "paged_attention_rows: one row_len (and row_table) per query row");
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   if (qt == at::kFloat && ct == at::kFloat) {
-    attend_rows<float, float>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+    attend_rows<float, float>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
   } else if (qt == at::kFloat && ct == at::kBFloat16) {
-    attend_rows<float, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+    attend_rows<float, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
   } else if (qt == at::kFloat && ct == at::kHalf) {
-    attend_rows<float, c10::Half>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+    attend_rows<float, c10::Half>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
   } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    attend_rows<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale);
+    attend_rows<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
   } else {
     TORCH_CHECK(false, "paged_attention_rows: q, out and the caches must have one dtype, float32 or bfloat16 (or q "
                 "float32 over bfloat16 or float16 caches); got q ", qt, ", caches ", ct);
@@ -619,7 +632,7 @@ int64_t parallel_width(int64_t items) {
 
 TORCH_LIBRARY(rollbus_cpu, m) {
   m.def("paged_attention_rows(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-        "Tensor row_table, Tensor row_len, float scale) -> ()");
+        "Tensor row_table, Tensor row_len, float scale, int window=0) -> ()");
   m.def("parallel_width(int items) -> int");
 }
 
