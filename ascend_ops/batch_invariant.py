@@ -20,21 +20,21 @@ device at start-up):
   pieces of BF16_ROWS rows (a bf16 step of 64 rows reads each weight twice);
   `self_check` measures each of the model's products at start-up and refuses where one is not invariant.
   Elsewhere F.linear, padded the same way.
-- attention over the paged cache: every query row (a decode or any row of a prefill chunk, of any length)
-  is computed alone from its own q and its own context, the keys and values up to its position read in
-  position order (from its window's first key in a sliding-window layer). On CPU (fp32 / bf16, where ascend_ops.cpu_kernels builds) that is the C++ kernel the
-  default mode runs for decodes, torch.ops.rollbus_cpu.paged_attention_rows, given each row's block
-  table and context length: it computes one (row, KV head) at a time with a fixed sequence of
-  operations (fp32 dots, a two-pass softmax, the weighted sum of V), and how the rows are split among
-  threads never changes a row's arithmetic. Elsewhere (ROLLBUS_CPU_ATTENTION=torch, no compiler, another
-  device) a torch path: the scores of a row's G query heads that share a KV head against one KV-cache
-  block of keys are one [G, D] x [D, block_size] GEMM (a fixed shape, so a fixed reduction order), the
-  block's softmax numerators and its [G, block] x [block, D] product likewise; the blocks are then
-  combined by a pairwise tree over the row's blocks, padded with exact zeros to a power of two, so how
-  many blocks other rows have changes nothing. Which of the two runs is decided once per process
-  (`attention_backend`), for the engine and the trainer side (engine.trainer) alike. Both compute in
-  fp32 whatever the model dtype. Hence a position gives the same bits computed in a decode or in a
-  prefill chunk of any size, alone or in any batch, from the prefix cache or recomputed.
+- attention over the paged cache: every query row (a decode or any row of a prefill chunk, of any length) is
+  computed alone from its own q and its own context, the keys and values up to its position read in position
+  order (from its window's first key in a sliding-window layer). On CPU (fp32 / bf16, where
+  ascend_ops.cpu_kernels builds) that is the C++ kernel the default mode runs for decodes,
+  torch.ops.rollbus_cpu.paged_attention_rows, given each row's block table and context length: it computes one
+  (row, KV head) at a time with a fixed sequence of operations (fp32 dots, a two-pass softmax, the weighted sum
+  of V), and how the rows are split among threads never changes a row's arithmetic. Elsewhere
+  (ROLLBUS_CPU_ATTENTION=torch, no compiler, another device) a torch path: the scores of a row's G query heads
+  that share a KV head against one KV-cache block of keys are one [G, D] x [D, block_size] GEMM (a fixed shape,
+  so a fixed reduction order), the block's softmax numerators and its [G, block] x [block, D] product likewise;
+  the blocks are then combined by a pairwise tree over the row's blocks, padded with exact zeros to a power of
+  two, so how many blocks other rows have changes nothing. Which of the two runs is decided once per process
+  (`attention_backend`), for the engine and the trainer side (engine.trainer) alike. Both compute in fp32
+  whatever the model dtype. Hence a position gives the same bits computed in a decode or in a prefill chunk of
+  any size, alone or in any batch, from the prefix cache or recomputed.
 - SiLU (and with it SiLU*mul, in the dense MLPs and in every expert): torch's CPU elementwise loops run
   the vectorised kernel over whole vectors and the scalar one over each loop's tail, and a tensor of
   32768 elements or more is split between threads at an element index, i.e. in the middle of some row.

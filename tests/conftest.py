@@ -34,9 +34,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     of its output, and a numeric failure that only one host kind shows is read against it."""
     import platform as py_platform
 
-    from ascend_ops import cpu_kernels, packed_linear
-
     import torch
+
+    from ascend_ops import cpu_kernels, packed_linear
 
     model, ident = "?", {}
     try:

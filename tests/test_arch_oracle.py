@@ -2,9 +2,10 @@
 checkpoint with every feature on (sliding windows shorter than the prompts, shared experts, full-projection
 QK-norm, ...): 4 prompts prefilled together (one of them in chunks), then 32 greedy tokens decoded as one
 batch; the tokens equal HF's greedy choices, every prompt and sampled logprob is within 1e-4 of HF's (the
-engine in fp32; HF in fp64 for the dense archs, fp32 for MoE), and at every MoE layer each token's routed experts are HF's router's. Then the checkpoint contract: HF names
-(weight updates write the tensors they name), a missing / extra / misshapen tensor refused naming it, an
-unimplemented config value refused naming the key. The exhaustive per-arch oracle suite
+engine in fp32; HF in fp64 for the dense archs, fp32 for MoE), and at every MoE layer each token's routed
+experts are HF's router's. Then the checkpoint contract: HF names (weight updates write the tensors they
+name), a missing / extra / misshapen tensor refused naming it, an unimplemented config value refused naming
+the key. The exhaustive per-arch oracle suite
 (test_model_oracle.py, test_moe_oracle.py) runs these archs in the slow lane."""
 
 from __future__ import annotations
