@@ -243,17 +243,18 @@ def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(ti
 
 @pytest.mark.unit
 def test_server_info_names_the_torch_path_that_sink_and_sliding_window_layers_take(tiny_folders):
-    """/server_info's `attention` (workers.startup.attention_paths): gpt-oss's sink attention and sliding-window
-    layers run the portable torch path whatever the process chose; it used to report the CPU kernel for them."""
+    """/server_info's `attention` (workers.startup.attention_paths): gpt-oss's sink attention runs the portable
+    torch path whatever the process chose (it used to report the CPU kernel for it); sliding-window layers
+    take the row kernel, but for their long prefill chunks in default mode, which the report names."""
     from workers.startup import attention_paths
 
     f32 = torch.float32
-    for kern, main, portable in ((INVARIANT, "batch_invariant_cpu_kernel", "batch_invariant_torch"),
-                                 (DEFAULT, "cpu_paged_kernel", "torch_sdpa")):
+    for kern, main in ((INVARIANT, "batch_invariant_cpu_kernel"), (DEFAULT, "cpu_paged_kernel")):
         if (bi.attention_implementation if kern is INVARIANT else attention.implementation)("cpu", f32, f32) != main:
             pytest.skip("the CPU attention kernel is not built or not selected here")
-        assert attention_paths(_load(tiny_folders["gemma3"], f32, kern), "cpu", f32, f32) == \
-            f"{main} (sliding-window layers: {portable})"
+        assert attention_paths(_load(tiny_folders["gemma3"], f32, kern), "cpu", f32, f32) == (
+            main if kern is INVARIANT else f"{main} (sliding-window layers' prefill chunks over "
+                                           f"{attention.KERNEL_CHUNK_ROWS} rows: torch_sdpa)")
         assert attention_paths(_load(tiny_folders["gpt_oss"], f32, kern), "cpu", f32, f32) == "batch_invariant_torch"
         assert attention_paths(_load(tiny_folders["llama"], f32, kern), "cpu", f32, f32) == main
 
@@ -406,10 +407,9 @@ def test_server_info_reports_invariance(servers):
     (worker,) = info["workers"].values()
     assert worker["kernels"] == "batch_invariant" and "paged_attention" in worker["batch_invariant_checked"]
     main = "batch_invariant_cpu_kernel" if cpu_kernels.ops() is not None else "batch_invariant_torch"
-    # gpt-oss's sink attention and Gemma 3's sliding layers take the torch path whatever the process chose
-    assert worker["attention"] == {"gpt_oss": "batch_invariant_torch",
-                                   "gemma3": f"{main} (sliding-window layers: batch_invariant_torch)"
-                                   if main != "batch_invariant_torch" else main}.get(arch, main)
+    # gpt-oss's sink attention takes the torch path whatever the process chose (Gemma 3's sliding layers: the
+    # kernel, as every row in this mode)
+    assert worker["attention"] == {"gpt_oss": "batch_invariant_torch"}.get(arch, main)
 
 
 # --- training consistency: the trainer-side forward ------------------------------------------------

@@ -36,17 +36,19 @@ from workers.model_runner import ModelRunner, warm_up
 
 def attention_paths(model, device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
     """What the worker's attention runs, as /server_info reports it: the path of its full-attention layers,
-    and the portable torch path where layers always take it (attention with sinks, gpt-oss's, in every layer;
-    sliding-window layers, which the C++ kernel does not read)."""
+    and the portable torch path where layers take it whatever the process chose (attention with sinks,
+    gpt-oss's, in every layer; in default mode, sliding-window layers' prefill chunks of more than
+    KERNEL_CHUNK_ROWS rows, which the chunk kernel does not window; their decode rows and shorter chunks
+    take the row kernel, and in batch-invariant mode all their rows do)."""
     invariant = model.kern.batch_invariant
     main = (attention_implementation(device_type, dtype, kv_dtype) if invariant
             else attention.implementation(device_type, dtype, kv_dtype))
     if any(hasattr(m, "sinks") for m in model.modules()):
         return "batch_invariant_torch"  # ascend_ops.batch_invariant.sink_attention, in both modes
-    portable, windows = "batch_invariant_torch" if invariant else "torch_sdpa", getattr(model.cfg, "windows", ())
-    if main == portable or not any(windows):
+    if invariant or main == "torch_sdpa" or not any(getattr(model.cfg, "windows", ())):
         return main
-    return portable if all(windows) else f"{main} (sliding-window layers: {portable})"
+    return f"{main} (sliding-window layers' prefill chunks over {attention.KERNEL_CHUNK_ROWS} rows: torch_sdpa)"
+
 
 @dataclass(slots=True)
 class Loaded:
