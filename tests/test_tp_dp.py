@@ -187,7 +187,7 @@ def test_a_killed_tp_worker_fails_only_its_engine_whose_tp_group_then_forms_agai
             c.send_weights(perturbed(moe_folder, UPDATE_SEED + 1), version="u2", pause="keep")
     old = server.child_pids()
     copies = peer_copies(server)
-    killed, _ = kill_in_engine_1(server, victim, max_tokens=240)  # of 256 positions: running when killed
+    killed, _ = kill_in_engine_1(server, victim, max_tokens=124)  # all of --max-model-len 128: running when killed
     wait_for(lambda: completion(url, 1).status_code == 200, 90, "engine 1 back after the restart", interval_s=0.2)
     print(f"\n-tp 2 -dp 2, SIGKILL {victim}: engine 1 back after {time.monotonic() - killed:.1f}s")
     new = server.child_pids()
