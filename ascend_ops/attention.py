@@ -141,8 +141,7 @@ def paged_attention(
     """Attention output [T, Hq, D]. Writes k/v into the cache first, then reads context from it (blocks of a
     --kv-cache-dtype narrower than q's are widened to it: `.to` is a no-op where they match).
     `window` > 0: sliding-window attention as HF masks it, a query at position p sees the keys at positions
-    (p - window, p]; the row kernel reads only those (decode rows and short chunks), the chunk kernel has no
-    window (longer chunks of such layers take the torch path)."""
+    (p - window, p]; both kernels read only those."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nb, bs, hk, d = k_cache.shape
@@ -172,12 +171,12 @@ def paged_attention(
         qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[:n] = o.squeeze(2)
-    chunks = kern is not None and not window and _prefill_kernel(kern, q.dtype, d)
+    chunks = kern is not None and _prefill_kernel(kern, q.dtype, d)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
         if chunks and c.q_len > 1:  # the same causal attention, in place over the blocks
             kern.prefill_attention(out[rows], q[rows], k_cache, v_cache, c.block_table,  # type: ignore[union-attr]
-                                   c.ctx_len - c.q_len, scale)
+                                   c.ctx_len - c.q_len, scale, window)
             continue
         if kern is not None and c.q_len <= KERNEL_CHUNK_ROWS:  # row i sees ctx_len - q_len + i + 1 keys
             kern.paged_attention_rows(out[rows], q[rows], k_cache, v_cache, c.block_table.view(1, -1),

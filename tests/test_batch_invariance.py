@@ -245,16 +245,14 @@ def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(ti
 def test_server_info_names_the_torch_path_that_sink_and_sliding_window_layers_take(tiny_folders):
     """/server_info's `attention` (workers.startup.attention_paths): gpt-oss's sink attention runs the portable
     torch path whatever the process chose (it used to report the CPU kernel for it); sliding-window layers
-    take the row kernel, but for their long prefill chunks in default mode, which the report names."""
+    take the process's kernels (both read a row's window)."""
     from workers.startup import attention_paths
 
     f32 = torch.float32
     for kern, main in ((INVARIANT, "batch_invariant_cpu_kernel"), (DEFAULT, "cpu_paged_kernel")):
         if (bi.attention_implementation if kern is INVARIANT else attention.implementation)("cpu", f32, f32) != main:
             pytest.skip("the CPU attention kernel is not built or not selected here")
-        assert attention_paths(_load(tiny_folders["gemma3"], f32, kern), "cpu", f32, f32) == (
-            main if kern is INVARIANT else f"{main} (sliding-window layers' prefill chunks over "
-                                           f"{attention.KERNEL_CHUNK_ROWS} rows: torch_sdpa)")
+        assert attention_paths(_load(tiny_folders["gemma3"], f32, kern), "cpu", f32, f32) == main
         assert attention_paths(_load(tiny_folders["gpt_oss"], f32, kern), "cpu", f32, f32) == "batch_invariant_torch"
         assert attention_paths(_load(tiny_folders["llama"], f32, kern), "cpu", f32, f32) == main
 

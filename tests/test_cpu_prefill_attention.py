@@ -45,18 +45,19 @@ def gathered(cache: torch.Tensor, table: torch.Tensor, ctx: int, hq: int) -> tor
     return cache.index_select(0, table).reshape(-1, hk, d)[:ctx].transpose(0, 1).repeat_interleave(hq // hk, 0)
 
 
-def reference(q, k_cache, v_cache, table, first: int, scale: float) -> torch.Tensor:
+def reference(q, k_cache, v_cache, table, first: int, scale: float, window: int = 0) -> torch.Tensor:
     rows, hq, _ = q.shape
     ctx = first + rows
     k, v = gathered(k_cache, table, ctx, hq).double(), gathered(v_cache, table, ctx, hq).double()
     s = q.double().transpose(0, 1) @ k.transpose(-1, -2) * scale
-    hidden = torch.arange(ctx)[None, :] > torch.arange(first, ctx)[:, None]
+    kpos, qpos = torch.arange(ctx)[None, :], torch.arange(first, ctx)[:, None]
+    hidden = (kpos > qpos) | ((kpos <= qpos - window) if window else False)
     return (torch.softmax(s.masked_fill(hidden, float("-inf")), -1) @ v).transpose(0, 1)
 
 
-def attend(ops, q, k_cache, v_cache, table, first: int, scale: float) -> torch.Tensor:
+def attend(ops, q, k_cache, v_cache, table, first: int, scale: float, window: int = 0) -> torch.Tensor:
     out = torch.empty_like(q)
-    ops.prefill_attention(out, q, k_cache, v_cache, table, first, scale)
+    ops.prefill_attention(out, q, k_cache, v_cache, table, first, scale, window)
     return out
 
 
@@ -97,6 +98,42 @@ def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(ops, hq, hk, dtype
         pieces, a = [], 0
         for b in [*cuts, rows]:
             pieces.append(attend(ops, q[a:b].contiguous(), kc, vc, table, a, 0.125))
+            a = b
+        assert torch.equal(torch.cat(pieces), whole), cuts
+
+
+@pytest.mark.parametrize("rows, first, window", [(300, 0, 7), (300, 0, 64), (100, 437, 128), (40, 900, 4096),
+                                                (64, 33, 16), (211, 0, 200)])
+@pytest.mark.parametrize("hq, hk, d", [(9, 3, 64), (4, 1, 256)])
+def test_a_sliding_window_matches_the_fp64_reference_and_reads_no_block_before_it(ops, rows, first, window, hq, hk,
+                                                                                  d) -> None:
+    """A sliding-window layer's chunk (windows shorter than a block, one block, across many, longer than the
+    context; Gemma 3's head size of 256 and one KV head): row i sees the keys after first + i - window only. The
+    blocks wholly before the first row's window are given back (-1 in the table) and the others poisoned with
+    NaN: a read of either is an error or a NaN, not a near miss."""
+    q, kc, vc, table = case(rows, first, hq, hk, d, seed=rows + window)
+    want = reference(q, kc, vc, table, first, d ** -0.5, window)
+    gone = max(0, first - window + 1) // BS
+    table = table.clone()
+    used = torch.zeros(kc.shape[0], dtype=torch.bool)
+    used[table[gone:]] = True
+    table[:gone] = -1
+    kc[~used], vc[~used] = float("nan"), float("nan")
+    got = attend(ops, q, kc, vc, table, first, d ** -0.5, window)
+    assert (got.double() - want).abs().max().item() < 5e-6
+
+
+@pytest.mark.parametrize("window", [5, 16, 70])
+def test_with_a_window_a_row_is_the_same_bits_however_its_prompt_is_chunked(ops, window) -> None:
+    """Keys before a query's window add exact zeros as keys past its position do, so the tiles' windows (each
+    starts at its first row's) change no row's bits."""
+    rows, hq, hk = 211, 9, 3
+    q, kc, vc, table = case(rows, 0, hq, hk, 64, seed=window)
+    whole = attend(ops, q, kc, vc, table, 0, 0.125, window)
+    for cuts in ([1, 17, 64, 129, 200], [5, 6, 7, 100]):
+        pieces, a = [], 0
+        for b in [*cuts, rows]:
+            pieces.append(attend(ops, q[a:b].contiguous(), kc, vc, table, a, 0.125, window))
             a = b
         assert torch.equal(torch.cat(pieces), whole), cuts
 

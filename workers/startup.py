@@ -35,19 +35,14 @@ from workers.model_runner import ModelRunner, warm_up
 
 
 def attention_paths(model, device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
-    """What the worker's attention runs, as /server_info reports it: the path of its full-attention layers,
-    and the portable torch path where layers take it whatever the process chose (attention with sinks,
-    gpt-oss's, in every layer; in default mode, sliding-window layers' prefill chunks of more than
-    KERNEL_CHUNK_ROWS rows, which the chunk kernel does not window; their decode rows and shorter chunks
-    take the row kernel, and in batch-invariant mode all their rows do)."""
+    """What the worker's attention runs, as /server_info reports it: the path the process chose (sliding-window
+    layers take it too: both CPU kernels read a row's window), or the portable torch path where layers take it
+    whatever the process chose (attention with sinks, gpt-oss's, in every layer)."""
     invariant = model.kern.batch_invariant
-    main = (attention_implementation(device_type, dtype, kv_dtype) if invariant
-            else attention.implementation(device_type, dtype, kv_dtype))
     if any(hasattr(m, "sinks") for m in model.modules()):
         return "batch_invariant_torch"  # ascend_ops.batch_invariant.sink_attention, in both modes
-    if invariant or main == "torch_sdpa" or not any(getattr(model.cfg, "windows", ())):
-        return main
-    return f"{main} (sliding-window layers' prefill chunks over {attention.KERNEL_CHUNK_ROWS} rows: torch_sdpa)"
+    return (attention_implementation(device_type, dtype, kv_dtype) if invariant
+            else attention.implementation(device_type, dtype, kv_dtype))
 
 
 @dataclass(slots=True)

@@ -3,9 +3,11 @@
 // Compiled into the one unit of ascend_ops/cpu_kernels.py after cpu_attention.cpp (its loads and exp: v512::load16,
 // exp16; load8, exp8) and cpu_elementwise.cpp (its bf16 rounding: round16, round8).
 //
-// prefill_attention(out, q, k_cache, v_cache, table, first, scale): q / out [rows, Hq, D], the rows at
+// prefill_attention(out, q, k_cache, v_cache, table, first, scale, window): q / out [rows, Hq, D], the rows at
 // positions first .. first + rows - 1 of the sequence whose blocks are `table`; row i attends to the keys at
-// positions 0 .. first + i (written into the cache before the call). q fp32 over caches of fp32, bf16 or fp16
+// positions 0 .. first + i (written into the cache before the call), or with window > 0 (a sliding-window layer,
+// as HF masks it) to those after first + i - window only; the blocks wholly before the first row's window are
+// not read (a scheduler may have given them back). q fp32 over caches of fp32, bf16 or fp16
 // (widened exactly), or q bf16 over bf16 caches (computed in fp32, the softmax numerators rounded to bf16 before
 // they weigh the values and the output rounded to bf16 once, as torch's CPU flash attention rounds).
 //
@@ -14,12 +16,14 @@
 // with AVX2). Per item, over every key up to the tile's last position:
 //   scores  s[pos][m] = (q_m . k_pos) * scale, one FMA chain over d per score (keys broadcast, queries in
 //           lanes: eight keys (AVX2: four) by three registers of queries per step, no horizontal sums), a key
-//           after the query's own position -inf;
+//           after the query's own position (or before its window) -inf; the keys before the window of the
+//           tile's first query are not read;
 //   softmax the exact maximum per query, then p = exp(s - max) (0 where -inf) and their sum, in position order;
 //   values  o[m][:] = sum over positions, in order, of p[pos][m] * v_pos (six queries by 64 columns a step;
 //           AVX2: by 16).
 // Every query's arithmetic is the same whatever tile it falls in and however many rows the chunk has (a key
-// past its position adds an exact 0), so a row's output does not depend on the chunking or on other rows.
+// past its position, or before its window, adds an exact 0), so a row's output does not depend on the chunking
+// or on other rows.
 // The AVX2 and AVX-512 builds give the same bits. torch's CPU flash attention (the path before this kernel, still
 // used where it is not compiled: a portable build) sums in another order: outputs agree to rounding.
 //
@@ -59,6 +63,10 @@ struct Isa {
   static V past(int32_t pos, I qpos, V x, V y) {
     return _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(pos), qpos), y);
   }
+  // y in the lanes whose query position is after `lim`, x elsewhere
+  static V after(int32_t lim, I qpos, V x, V y) {
+    return _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(qpos, _mm512_set1_epi32(lim)), y);
+  }
   // e, 0 in the lanes where x is -inf
   static V drop_masked(V x, V e) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(-INFINITY), _CMP_NEQ_OQ), e); }
   static V exp(V x) { return v512::exp16(x); }  // x <= 0
@@ -90,6 +98,9 @@ struct Isa {
   static V past(int32_t pos, I qpos, V x, V y) {
     return _mm256_blendv_ps(x, y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(pos), qpos)));
   }
+  static V after(int32_t lim, I qpos, V x, V y) {
+    return _mm256_blendv_ps(x, y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(qpos, _mm256_set1_epi32(lim))));
+  }
   static V drop_masked(V x, V e) { return _mm256_and_ps(e, _mm256_cmp_ps(x, set1(-INFINITY), _CMP_NEQ_OQ)); }
   static V exp(V x) { return exp8(x); }
   template <typename Q>
@@ -103,12 +114,13 @@ constexpr int64_t kQueries = Isa::kLanes * Isa::kVecs;  // query lanes per item
 constexpr int64_t kValueBlock = 128;  // positions whose numerators and values are weighed together
 
 // s[r * mpad + lane] = (sum over i of k_r[i] * qt[i * mpad + lane]) * scale for the kKeys keys k[0..] at positions
-// p0 + r (rows past nk unused), -inf where the key is after the lane's query (qpos); mx[lane] = the running maximum.
-// Not inlined: its accumulators need the registers the caller keeps its own values in.
+// p0 + r (rows past nk unused), -inf where the key is after the lane's query (qpos; checked where `masked`) or, with
+// `window` > 0, before its window (keys at qpos - window and earlier; checked where `windowed`); mx[lane] = the
+// running maximum. Not inlined: its accumulators need the registers the caller keeps its own values in.
 template <int MV>
 __attribute__((noinline)) void score_keys(const float* qt, int64_t mpad, const float* const* k, int nk, int64_t d,
-                                          float scale, int64_t p0, bool masked, const int32_t* qpos, float* mx,
-                                          float* s) {
+                                          float scale, int64_t p0, bool masked, bool windowed, int64_t window,
+                                          const int32_t* qpos, float* mx, float* s) {
   V acc[kKeys][MV];
 #pragma GCC unroll 8
   for (int r = 0; r < kKeys; ++r)
@@ -129,6 +141,7 @@ __attribute__((noinline)) void score_keys(const float* qt, int64_t mpad, const f
     for (int r = 0; r < nk; ++r) {
       V x = Isa::mul(acc[r][u], sc);
       if (masked) x = Isa::past(static_cast<int32_t>(p0 + r), qp, x, neg);  // keys after a query's position: -inf
+      if (windowed) x = Isa::after(static_cast<int32_t>(p0 + r + window - 1), qp, x, neg);  // before its window
       Isa::store(s + r * mpad + kLanes * u, x);
       m = Isa::max(m, x);
     }
@@ -191,12 +204,20 @@ struct Scratch {
 };
 
 // One item: query rows [i0, i0 + rows) of the chunk (positions first + i0 ..), kv head h. Q: q's and out's dtype.
+// kptr / vptr: the records of the positions from `base` on. window > 0: a sliding window (the file's comment).
 template <typename Q, typename T, int MV>
 void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, const T* const* kptr,
-                 const T* const* vptr, int64_t first, int64_t i0, int64_t rows, int64_t h, int64_t g, int64_t d,
-                 float scale, Scratch& w) {
+                 const T* const* vptr, int64_t base, int64_t first, int64_t i0, int64_t rows, int64_t h, int64_t g,
+                 int64_t d, float scale, int64_t window, Scratch& w) {
   const int64_t m = rows * g, mpad = kLanes * MV;
-  const int64_t len = first + i0 + rows;  // keys 0 .. the tile's last position
+  const int64_t len = first + i0 + rows;  // keys up to the tile's last position
+  // the first key any query of the tile sees (its first row's window start); keys before `open_until` are before
+  // the window of some query of the tile (its last row's)
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first + i0 - window + 1) : 0;
+  const int64_t open_until = window > 0 ? len - window : 0;
+  const int64_t span = len - lo;
+  kptr += lo - base;
+  vptr += lo - base;
   w.qt.assign(d * mpad, 0.f);
   w.qpos.resize(mpad);
   for (int64_t i = 0; i < rows; ++i)
@@ -206,17 +227,18 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
     }
   for (int64_t lane = 0; lane < mpad; ++lane)  // the lanes past m see every key (their q is 0, outputs unused)
     w.qpos[lane] = static_cast<int32_t>(lane < m ? first + i0 + lane / g : len - 1);
-  if (static_cast<int64_t>(w.s.size()) < len * mpad) w.s.resize(len * mpad);
+  if (static_cast<int64_t>(w.s.size()) < span * mpad) w.s.resize(span * mpad);
   if (static_cast<int64_t>(w.kf.size()) < kKeys * d) w.kf.resize(kKeys * d);
   float* s = w.s.data();
   float mx[kQueries];
   std::fill(mx, mx + mpad, -INFINITY);
   const int64_t masked_from = first + i0;  // keys before it are seen by every query of the tile
-  for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
+  for (int64_t p0 = lo; p0 < len; p0 += kKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeys, len - p0));
     const float* k[kKeys];
-    for (int r = 0; r < kKeys; ++r) k[r] = as_floats(kptr[p0 + std::min(r, nk - 1)], d, w.kf.data() + r * d);
-    score_keys<MV>(w.qt.data(), mpad, k, nk, d, scale, p0, p0 + nk > masked_from, w.qpos.data(), mx, s + p0 * mpad);
+    for (int r = 0; r < kKeys; ++r) k[r] = as_floats(kptr[p0 - lo + std::min(r, nk - 1)], d, w.kf.data() + r * d);
+    score_keys<MV>(w.qt.data(), mpad, k, nk, d, scale, p0, p0 + nk > masked_from, p0 < open_until, window,
+                   w.qpos.data(), mx, s + (p0 - lo) * mpad);
   }
   V sum[MV];
   for (int u = 0; u < MV; ++u) sum[u] = Isa::zero();
@@ -224,14 +246,15 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   // queries); every sum still runs over the positions in order.
   if (static_cast<int64_t>(w.o.size()) < m * d) w.o.resize(m * d);
   std::fill(w.o.begin(), w.o.begin() + m * d, 0.f);
-  for (int64_t b0 = 0; b0 < len; b0 += kValueBlock) {
-    const int64_t n = std::min(kValueBlock, len - b0);
-    for (int64_t pos = b0; pos < b0 + n; ++pos)
+  for (int64_t b0 = 0; b0 < span; b0 += kValueBlock) {
+    const int64_t n = std::min(kValueBlock, span - b0);
+    for (int64_t at = b0; at < b0 + n; ++at)
       for (int u = 0; u < MV; ++u) {
-        float* sp = s + pos * mpad + kLanes * u;
+        float* sp = s + at * mpad + kLanes * u;
         const V x = Isa::load(sp);
         V e = Isa::exp(Isa::sub(x, Isa::load(mx + kLanes * u)));
-        if (pos >= masked_from) e = Isa::drop_masked(x, e);  // a key past the query's position: exactly 0
+        if (lo + at >= masked_from || lo + at < open_until)
+          e = Isa::drop_masked(x, e);  // a key past the query's position or before its window: exactly 0
         sum[u] = Isa::add(sum[u], e);
         // bf16 queries: as torch's CPU flash attention does for reduced types, the normaliser sums the fp32
         // numerators and the weighted sum of V takes them rounded to bf16 (accumulating in fp32)
@@ -252,23 +275,25 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
 
 template <typename Q, typename T>
 void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& table, int64_t first, double scale) {
+                  const at::Tensor& table, int64_t first, double scale, int64_t window) {
   const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
   const int64_t len = first + rows;
+  const int64_t base = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;  // the first key read
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t ts = table.stride(0);
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
-  // every key's and value's record of every kv head, by position: [hk][len]
-  std::vector<const T*> kptr(hk * len), vptr(hk * len);
-  for (int64_t pos = 0; pos < len; ++pos) {
+  // every key's and value's record of every kv head, by position from `base`: [hk][len - base]
+  const int64_t npos = len - base;
+  std::vector<const T*> kptr(hk * npos), vptr(hk * npos);
+  for (int64_t pos = base; pos < len; ++pos) {
     const int64_t blk = tp[(pos / bs) * ts], off = (pos % bs);
     for (int64_t h = 0; h < hk; ++h) {
-      kptr[h * len + pos] = kp + blk * kb + off * kt + h * kh;
-      vptr[h * len + pos] = vp + blk * vb + off * vt + h * vh;
+      kptr[h * npos + pos - base] = kp + blk * kb + off * kt + h * kh;
+      vptr[h * npos + pos - base] = vp + blk * vb + off * vt + h * vh;
     }
   }
   const int64_t tile = std::max<int64_t>(1, kQueries / g);  // query rows per item
@@ -285,12 +310,18 @@ void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       const int64_t t = item / hk, h = item % hk;
       const int64_t ti = t % 2 == 0 ? t / 2 : tiles - 1 - t / 2;
       const int64_t i0 = ti * tile, n = std::min(tile, rows - i0);
-      const T* const* ks = kptr.data() + h * len;
-      const T* const* vs = vptr.data() + h * len;
+      const T* const* ks = kptr.data() + h * npos;
+      const T* const* vs = vptr.data() + h * npos;
       switch ((n * g + kLanes - 1) / kLanes) {
-        case 1: attend_tile<Q, T, 1>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
-        case 2: attend_tile<Q, T, 2>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
-        default: attend_tile<Q, T, 3>(qp, qs0, qs1, op, os0, os1, ks, vs, first, i0, n, h, g, d, fscale, w); break;
+        case 1:
+          attend_tile<Q, T, 1>(qp, qs0, qs1, op, os0, os1, ks, vs, base, first, i0, n, h, g, d, fscale, window, w);
+          break;
+        case 2:
+          attend_tile<Q, T, 2>(qp, qs0, qs1, op, os0, os1, ks, vs, base, first, i0, n, h, g, d, fscale, window, w);
+          break;
+        default:
+          attend_tile<Q, T, 3>(qp, qs0, qs1, op, os0, os1, ks, vs, base, first, i0, n, h, g, d, fscale, window, w);
+          break;
       }
     }
   });
@@ -310,8 +341,9 @@ int64_t prefill_attention_width() {
 }
 
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& table, int64_t first, double scale) {
+                       const at::Tensor& table, int64_t first, double scale, int64_t window) {
   TORCH_CHECK(prefill_attention_width() > 0, "prefill_attention: built without AVX2 or AVX-512");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0, got ", window);
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && table.dim() == 1,
               "prefill_attention: q/out [R, Hq, D], caches [num_blocks, block_size, Hk, D], table [blocks]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -330,7 +362,8 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   const int64_t len = first + rows;
   TORCH_CHECK((len + bs - 1) / bs <= table.size(0), "prefill_attention: ", len, " positions do not fit the table");
   const int64_t* tp = table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) {
+  // the blocks read: from the one that holds the first row's first key (its window's, with a window)
+  for (int64_t b = (window > 0 ? std::max<int64_t>(0, first - window + 1) : 0) / bs; b < (len + bs - 1) / bs; ++b) {
     const int64_t blk = tp[b * table.stride(0)];
     TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "prefill_attention: block id ", blk, " out of range");
   }
@@ -338,13 +371,13 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
 #if defined(ROLLBUS_AVX512) || defined(__AVX2__)
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   if (qt == at::kFloat && ct == at::kFloat) {
-    prefill::attend_chunk<float, float>(out, q, k_cache, v_cache, table, first, scale);
+    prefill::attend_chunk<float, float>(out, q, k_cache, v_cache, table, first, scale, window);
   } else if (qt == at::kFloat && ct == at::kBFloat16) {
-    prefill::attend_chunk<float, c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale);
+    prefill::attend_chunk<float, c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale, window);
   } else if (qt == at::kFloat && ct == at::kHalf) {
-    prefill::attend_chunk<float, c10::Half>(out, q, k_cache, v_cache, table, first, scale);
+    prefill::attend_chunk<float, c10::Half>(out, q, k_cache, v_cache, table, first, scale, window);
   } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    prefill::attend_chunk<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale);
+    prefill::attend_chunk<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, table, first, scale, window);
   } else {
     TORCH_CHECK(false, "prefill_attention: q float32 over float32, bfloat16 or float16 caches, or q bfloat16 over "
                 "bfloat16 caches; got q ", qt, ", caches ", ct);
@@ -357,7 +390,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
 TORCH_LIBRARY_FRAGMENT(rollbus_cpu, m) {
   m.def("prefill_attention_width() -> int");
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int first, "
-        "float scale) -> ()");
+        "float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rollbus_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
