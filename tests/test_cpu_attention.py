@@ -126,16 +126,18 @@ def test_a_mixed_step_decodes_and_a_prefill_chunk_match_sdpa(kernel, chunk, dtyp
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
-@pytest.mark.parametrize("window, chunk", [(7, 0), (16, 0), (40, 0), (7, 5), (20, attention.KERNEL_CHUNK_ROWS)])
+@pytest.mark.parametrize("window, chunk", [(7, 0), (16, 0), (40, 0), (7, 5), (20, attention.KERNEL_CHUNK_ROWS),
+                                           (20, 33)])
 @pytest.mark.parametrize("hq, hk, d", [(9, 3, 64), (4, 2, 24)])
-def test_a_sliding_window_in_the_row_kernel_matches_sdpa_and_never_reads_behind_it(kernel, hq, hk, d, window,
-                                                                                   chunk, dtype, tol) -> None:
-    """A sliding-window layer's decode rows and short chunks go through the row kernel, which reads only each
-    row's last `window` keys (windows shorter than a block, a block long, across blocks; a head size that is
-    no multiple of 16): the torch path's results and, in fp32, an fp64 reference's over the same window. The
-    blocks wholly before every window are given back (FREED, -1, in the tables) and, for the kernel, the
-    cache's other blocks poisoned with NaN, so a read behind a window is an error or a NaN, not a near miss
-    (the torch path gathers whole padded blocks and masks, so it gets the cache unpoisoned)."""
+def test_a_sliding_window_in_the_kernels_matches_sdpa_and_never_reads_behind_it(kernel, hq, hk, d, window,
+                                                                                 chunk, dtype, tol) -> None:
+    """A sliding-window layer's decode rows and chunks go through the kernels (the row kernel; the chunk kernel
+    past 16 rows where the head size is a multiple of 16), which read only each row's last `window` keys (windows
+    shorter than a block, a block long, across blocks; a head size that is no multiple of 16): the torch path's
+    results and, in fp32, an fp64 reference's over the same window. The blocks wholly before every window are
+    given back (FREED, -1, in the tables) and, for the kernel, the cache's other blocks poisoned with NaN, so a
+    read behind a window is an error or a NaN, not a near miss (the torch path gathers whole padded blocks and
+    masks, so it gets the cache unpoisoned)."""
     lens = [3, 9, 40, 77, 90]
     q, k, v, k_cache, v_cache, meta, tables = paged_case(lens, hq, hk, d, dtype, seed=window + chunk, chunk=chunk)
     used = torch.zeros(k_cache.shape[0], dtype=torch.bool)
