@@ -49,7 +49,8 @@ device at start-up):
   hazard (F.gelu's and torch.sigmoid's two kernels differ too), the same cure: written with exp and exact
   arithmetic in fp32, rounded once (ascend_ops.invariant_activations); `self_check` measures the model's.
 - gpt-oss's experts, stored [E, K, N]: their products run on a contiguous [E, N, K] copy (`experts_nk`, kept
-  like a packed weight), and the sink attention is the torch path below in both modes.
+  like a packed weight), and the sink attention takes the invariant attention in both modes (the row kernel
+  adds each head's sink to its denominator).
 - RMSNorm, rotary, the router's softmax/top-k, log_softmax over the vocabulary, the expert sums (each
   token sums its own k products in slot order) and the sampler's per-row filters and draws are row-wise
   in torch already (exact arithmetic, or per-row reduction kernels); they are the default
@@ -315,25 +316,34 @@ def paged_attention(
     """Same contract as ascend_ops.attention.paged_attention; each row computed alone (module docstring), a
     sliding-window layer's (`window` > 0) over its last `window` keys only (the kernel reads no block before)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    kern = attention_kernel(q, k_cache)
-    if kern is None:
-        return _paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
-    out = torch.empty_like(q)
-    if not meta.prefills:  # a decode-only step: the call default mode makes
-        kern.paged_attention_rows(out, q, k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
-                                  meta.decode_ctx_lens.contiguous(), scale, window)  # type: ignore[union-attr]
-    else:
-        tables, row_table, row_len = _kernel_rows(meta, q.shape[0])
-        kern.paged_attention_rows(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window)
-    return out
+    return _rows_attention(q, k_cache, v_cache, meta, scale, window)
 
 
 def sink_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int,
                    sinks: torch.Tensor) -> torch.Tensor:
     """Paged attention with attention sinks (gpt-oss): each query head's softmax has one more logit, sinks[h],
-    in its denominator and nothing in its numerator. The torch path below (each row alone), in both modes."""
+    in its denominator and nothing in its numerator. In both modes every row alone: the row kernel where the
+    invariant attention runs it, else the torch path below."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return _paged_attention_torch(q, k_cache, v_cache, meta, scale, window, sinks)
+    return _rows_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+
+
+def _rows_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Every row of the step through the row kernel, each with its own context (a decode-only step: the call
+    default mode makes), or the torch path where the kernel does not run."""
+    kern = attention_kernel(q, k_cache)
+    if kern is None:
+        return _paged_attention_torch(q, k_cache, v_cache, meta, scale, window, sinks)
+    out = torch.empty_like(q)
+    sk = None if sinks is None else sinks.detach().float().contiguous()
+    if not meta.prefills:
+        kern.paged_attention_rows(out, q, k_cache, v_cache, meta.decode_block_tables, _NO_ROWS,
+                                  meta.decode_ctx_lens.contiguous(), scale, window, sk)  # type: ignore[union-attr]
+    else:
+        tables, row_table, row_len = _kernel_rows(meta, q.shape[0])
+        kern.paged_attention_rows(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window, sk)
+    return out
 
 
 def _paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,

@@ -242,10 +242,10 @@ def test_a_sequence_gets_the_same_bits_alone_mixed_chunked_and_as_one_prefill(ti
 
 
 @pytest.mark.unit
-def test_server_info_names_the_torch_path_that_sink_and_sliding_window_layers_take(tiny_folders):
-    """/server_info's `attention` (workers.startup.attention_paths): gpt-oss's sink attention runs the portable
-    torch path whatever the process chose (it used to report the CPU kernel for it); sliding-window layers
-    take the process's kernels (both read a row's window)."""
+def test_server_info_names_the_path_that_sink_and_sliding_window_layers_take(tiny_folders):
+    """/server_info's `attention` (workers.startup.attention_paths): gpt-oss's sink attention runs the invariant
+    attention in both modes (the row kernel, which adds each head's sink to its denominator, where it runs);
+    sliding-window layers take the process's kernels (both read a row's window)."""
     from workers.startup import attention_paths
 
     f32 = torch.float32
@@ -253,7 +253,9 @@ def test_server_info_names_the_torch_path_that_sink_and_sliding_window_layers_ta
         if (bi.attention_implementation if kern is INVARIANT else attention.implementation)("cpu", f32, f32) != main:
             pytest.skip("the CPU attention kernel is not built or not selected here")
         assert attention_paths(_load(tiny_folders["gemma3"], f32, kern), "cpu", f32, f32) == main
-        assert attention_paths(_load(tiny_folders["gpt_oss"], f32, kern), "cpu", f32, f32) == "batch_invariant_torch"
+        # gpt-oss's sink attention: the invariant attention's rows in both modes (the row kernel adds the sinks)
+        assert attention_paths(_load(tiny_folders["gpt_oss"], f32, kern), "cpu", f32, f32) == \
+            bi.attention_implementation("cpu", f32, f32)
         assert attention_paths(_load(tiny_folders["llama"], f32, kern), "cpu", f32, f32) == main
 
 
@@ -405,9 +407,8 @@ def test_server_info_reports_invariance(servers):
     (worker,) = info["workers"].values()
     assert worker["kernels"] == "batch_invariant" and "paged_attention" in worker["batch_invariant_checked"]
     main = "batch_invariant_cpu_kernel" if cpu_kernels.ops() is not None else "batch_invariant_torch"
-    # gpt-oss's sink attention takes the torch path whatever the process chose (Gemma 3's sliding layers: the
-    # kernel, as every row in this mode)
-    assert worker["attention"] == {"gpt_oss": "batch_invariant_torch"}.get(arch, main)
+    # every arch, gpt-oss's sink attention and Gemma 3's sliding layers included: the kernel, every row alone
+    assert worker["attention"] == main
 
 
 # --- training consistency: the trainer-side forward ------------------------------------------------

@@ -176,6 +176,25 @@ def test_a_sliding_window_in_the_kernels_matches_sdpa_and_never_reads_behind_it(
         assert rel_err(outs["kernel"], torch.stack(ref)) < 1e-5
 
 
+@pytest.mark.parametrize("window, chunk", [(0, 0), (0, 20), (7, 5), (16, 33)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+def test_attention_sinks_in_the_row_kernel_match_the_torch_path(kernel, window, chunk, dtype, tol) -> None:
+    """gpt-oss's sink attention (ascend_ops.batch_invariant.sink_attention, both modes): every row through the row
+    kernel, each head's sink logit one more term of its softmax denominator (and of its maximum: sinks above
+    every score included), against the per-row torch path that was its only path before; with and without a
+    window, decode rows and prefill chunks."""
+    from ascend_ops import batch_invariant as bi
+
+    if bi.attention_backend() != "kernel":
+        pytest.skip("the invariant attention runs the torch path in this process")
+    case = paged_case([3, 40, 77, 90], 8, 2, 64, dtype, seed=11 + window + chunk, chunk=chunk)
+    q, k, v, k_cache, v_cache, meta, _ = case
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 40.0, -40.0, 1.0, 0.0, 8.0]).to(dtype)  # 40: above every score
+    got = bi.sink_attention(q, k, v, k_cache, v_cache, meta, 0.125, window, sinks)  # writes k / v
+    want = bi._paged_attention_torch(q, k_cache, v_cache, meta, 0.125, window, sinks)
+    assert rel_err(got, want) < tol, rel_err(got, want)
+
+
 def narrow_cache(case, cache_dtype: torch.dtype):
     """The fp32 case with its caches in cache_dtype (--kv-cache-dtype): what the worker allocates."""
     q, k, v, k_cache, v_cache, meta, tables = case

@@ -35,14 +35,12 @@ from workers.model_runner import ModelRunner, warm_up
 
 
 def attention_paths(model, device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
-    """What the worker's attention runs, as /server_info reports it: the path the process chose (sliding-window
-    layers take it too: both CPU kernels read a row's window), or the portable torch path where layers take it
-    whatever the process chose (attention with sinks, gpt-oss's, in every layer)."""
-    invariant = model.kern.batch_invariant
-    if any(hasattr(m, "sinks") for m in model.modules()):
-        return "batch_invariant_torch"  # ascend_ops.batch_invariant.sink_attention, in both modes
-    return (attention_implementation(device_type, dtype, kv_dtype) if invariant
-            else attention.implementation(device_type, dtype, kv_dtype))
+    """What the worker's attention runs, as /server_info reports it: the path the process chose for its mode
+    (sliding-window layers take it too: both CPU kernels read a row's window); attention with sinks (gpt-oss's,
+    in every layer) runs the invariant attention in both modes."""
+    if model.kern.batch_invariant or any(hasattr(m, "sinks") for m in model.modules()):
+        return attention_implementation(device_type, dtype, kv_dtype)  # ascend_ops.batch_invariant
+    return attention.implementation(device_type, dtype, kv_dtype)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@
 //
 // paged_attention_rows: every query row r attends to the first row_len[r] tokens of the sequence whose
 // block table is tables[row_table[r]] (row_table empty: tables[r]); with window > 0, to the last `window` of
-// them only (a sliding-window layer as HF masks it: the keys at positions [row_len[r] - window, row_len[r])).
+// them only (a sliding-window layer as HF masks it: the keys at positions [row_len[r] - window, row_len[r])); with
+// sinks (gpt-oss), each query head's softmax has one more logit, its sink, in the denominator only.
 // Work is split over (row, kv head); each item computes the G = Hq / Hk query heads that share the kv head:
 // scores q.k * scale in fp32, a two-pass softmax (max, then exp and sum), and the weighted sum of V, all in fp32 whatever the dtypes;
 // the output is written in q's dtype. q / out and the caches share one dtype (fp32 or bf16), or q is fp32
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -429,10 +431,12 @@ inline void chunk_records(const T* cache, const int64_t* table, int64_t ts1, int
 
 // Q: the dtype of q and out; T: the caches'. window > 0: row r reads only its last `window` positions (a
 // sliding-window layer; the blocks before them may have been given back: their table entries are not read).
+// sk: gpt-oss's attention sinks, one fp32 logit per query head (nullptr: none), each one more term of its head's
+// softmax denominator (taking part in the maximum, as HF's softmax over the scores and the sink does).
 template <typename Q, typename T>
 void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const at::Tensor& row_table, const at::Tensor& row_len, double scale,
-                 int64_t window) {
+                 int64_t window, const float* sk) {
   const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), hk = k_cache.size(2);
   const int64_t g = hq / hk;
@@ -531,13 +535,19 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
       for (int64_t j = 0; j < heads; ++j) {
         float* s = scores.data() + j * len;
 #ifdef ROLLBUS_AVX512
-        const float m = v512::scale_max(s, len, fscale);  // (q . k) * scale, as SDPA
-        const float sum = v512::exp_sum(s, len, m);
+        float m = v512::scale_max(s, len, fscale);  // (q . k) * scale, as SDPA
 #else
         float m = -INFINITY;
         for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t] *= fscale);  // (q . k) * scale, as SDPA
-        const float sum = exp_sum(s, len, m);
 #endif
+        const float sink = sk ? sk[h0 * g + j] : -INFINITY;
+        if (sk) m = std::max(m, sink);
+#ifdef ROLLBUS_AVX512
+        float sum = v512::exp_sum(s, len, m);
+#else
+        float sum = exp_sum(s, len, m);
+#endif
+        if (sk) sum += exp_neg(sink - m);
         if constexpr (!std::is_same_v<Q, float>) {
           // As torch's CPU flash attention does for reduced types: the normaliser sums the fp32 numerators,
           // the weighted sum of V takes them rounded to q's dtype (accumulating in fp32).
@@ -582,8 +592,14 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
 
 void paged_attention_rows(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& row_table,
-                          const at::Tensor& row_len, double scale, int64_t window) {
+                          const at::Tensor& row_len, double scale, int64_t window,
+                          const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "paged_attention_rows: window must be >= 0, got ", window);
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  TORCH_CHECK(!has_sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->is_contiguous() &&
+                             sinks->size(0) == q.size(1) && sinks->device().is_cpu()),
+              "paged_attention_rows: sinks are one contiguous float32 CPU logit per query head");
+  const float* sk = has_sinks ? sinks->data_ptr<float>() : nullptr;
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_attention_rows: q/out [R, Hq, D], caches [num_blocks, block_size, Hk, D]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention_rows: CPU tensors only");
@@ -602,13 +618,13 @@ void paged_attention_rows(at::Tensor out, const at::Tensor& q, const at::Tensor&
               "paged_attention_rows: one row_len (and row_table) per query row");
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   if (qt == at::kFloat && ct == at::kFloat) {
-    attend_rows<float, float>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
+    attend_rows<float, float>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window, sk);
   } else if (qt == at::kFloat && ct == at::kBFloat16) {
-    attend_rows<float, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
+    attend_rows<float, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window, sk);
   } else if (qt == at::kFloat && ct == at::kHalf) {
-    attend_rows<float, c10::Half>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
+    attend_rows<float, c10::Half>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window, sk);
   } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    attend_rows<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window);
+    attend_rows<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, tables, row_table, row_len, scale, window, sk);
   } else {
     TORCH_CHECK(false, "paged_attention_rows: q, out and the caches must have one dtype, float32 or bfloat16 (or q "
                 "float32 over bfloat16 or float16 caches); got q ", qt, ", caches ", ct);
@@ -632,7 +648,7 @@ int64_t parallel_width(int64_t items) {
 
 TORCH_LIBRARY(rollbus_cpu, m) {
   m.def("paged_attention_rows(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-        "Tensor row_table, Tensor row_len, float scale, int window=0) -> ()");
+        "Tensor row_table, Tensor row_len, float scale, int window=0, Tensor? sinks=None) -> ()");
   m.def("parallel_width(int items) -> int");
 }
 

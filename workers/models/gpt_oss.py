@@ -3,8 +3,8 @@ gpt-oss differences, and its own MoE block.
 
 - Attention: q/k/v/o biases, `layer_types` alternating sliding-window and full layers, YaRN rope, and a
   learned sink logit per query head (`self_attn.sinks`): it joins each row's softmax denominator and
-  contributes no value (ascend_ops.batch_invariant.sink_attention, the portable path, in both modes: each
-  query row computed alone, so batch-invariant as it is).
+  contributes no value (ascend_ops.batch_invariant.sink_attention, in both modes: each query row computed
+  alone, through the CPU row kernel where it runs, so batch-invariant as it is).
 - MoE (`mlp.router`, `mlp.experts`, HF's in-memory and checkpoint layout): router logits with a bias, top-k
   of the logits, softmax over those k; experts stored transposed, gate_up_proj [E, H, 2I] with gate and up
   interleaved in its columns (gate = even, up = odd) and biases; the clamped SwiGLU
