@@ -172,7 +172,6 @@ class BlockManager(BlockPool):
             out.append(parent)
         return out
 
-
     def commit_full_blocks(self, seq: Sequence, weight_epoch: int) -> None:
         """After a step: hash blocks that just became full so later requests can share them."""
         if not self.caching:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bus.sampling_params import ParamError, SamplingParams
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, async_scheduling_on
-from engine.config.cache import prefix_caching_on
+from engine.config.cache import in_batch_sharing_on, prefix_caching_on
 from gateway.errors import bad_request, model_not_found
 from gateway.protocol.chat import ChatCompletionRequest, Tool
 from gateway.protocol.completions import CompletionRequest
@@ -224,8 +224,7 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
     num_blocks = next((int(i["num_blocks"]) for i in workers.values() if "num_blocks" in i), None)
     device = next((str(i["device"]).split(":")[0] for i in workers.values() if i.get("device")), "cpu")
     state_slots = max((int(i.get("state_slots") or 0) for i in workers.values()), default=0)
-    caching = prefix_caching_on(  # as the scheduler has it (a hybrid's checkpoints)
-        cfg.cache, state_slots, min((int(i.get("state_checkpoints") or 0) for i in workers.values()), default=0))
+    checkpoints = min((int(i.get("state_checkpoints") or 0) for i in workers.values()), default=0)
     return {
         "model_config": {
             "model": model.root, "tokenizer": None if cfg.rl.tokens_only else model.root,
@@ -240,10 +239,9 @@ def vllm_config(cfg: EngineConfig, model: ModelInfo, workers: dict[str, dict[str
         "cache_config": {"block_size": cfg.cache.block_size, "cache_dtype": cfg.cache.kv_cache_dtype,
                          "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION
                          if cfg.cache.gpu_memory_utilization is None else cfg.cache.gpu_memory_utilization,
-                         "enable_prefix_caching": caching,
-                         # rollbus's --in-batch-prefix-sharing as the scheduler applies it (never for hybrids)
-                         "in_batch_prefix_sharing": caching and not state_slots
-                         and cfg.cache.in_batch_prefix_sharing is not False,
+                         # as the scheduler has them (a hybrid's checkpoints; rollbus's --in-batch-prefix-sharing)
+                         "enable_prefix_caching": prefix_caching_on(cfg.cache, state_slots, checkpoints),
+                         "in_batch_prefix_sharing": in_batch_sharing_on(cfg.cache, state_slots, checkpoints),
                          "num_gpu_blocks_override": cfg.cache.num_gpu_blocks_override, "num_gpu_blocks": num_blocks,
                          "kv_cache_memory_bytes": cfg.cache.kv_cache_memory_bytes},
         "parallel_config": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp,

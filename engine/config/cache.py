@@ -50,6 +50,15 @@ def prefix_caching_on(cache: CacheConfig, state_slots: int, state_checkpoints: i
     return cache.enable_prefix_caching and (not state_slots or state_checkpoints > 0)
 
 
+def in_batch_sharing_on(cache: CacheConfig, state_slots: int, state_checkpoints: int) -> bool:
+    """Whether the scheduler defers a prompt whose uncached block another sequence is computing
+    (--in-batch-prefix-sharing): on with the prefix cache unless the flag turns it off, never for a hybrid model
+    (its prefix hits need a recurrent-state checkpoint at the hit's end). The scheduler acts on it and
+    /server_info reports it."""
+    return (prefix_caching_on(cache, state_slots, state_checkpoints) and not state_slots
+            and cache.in_batch_prefix_sharing is not False)
+
+
 JSON_FLAGS = {"kv_events_config": (parse_kv_events_config, lambda c: json.dumps(dataclasses.asdict(c)))}
 
 

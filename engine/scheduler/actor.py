@@ -73,7 +73,7 @@ from bus.sockets import make_socket, member_name, recv, recv_from, report_ready,
 from bus.topology import Topology
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, async_scheduling_on, prefill_beside_decodes
-from engine.config.cache import prefix_caching_on
+from engine.config.cache import in_batch_sharing_on, prefix_caching_on
 from engine.logs import setup_logging
 from engine.request import Sequence
 from engine.scheduler.admission import EngineLimits, admission_error
@@ -195,7 +195,7 @@ class SchedulerActor:
                                policy=self.cfg.scheduler.scheduling_policy, state_slots=state_slots,
                                checkpoint_every=self.cfg.cache.mamba_block_size or 0,
                                window=window,
-                               in_batch_sharing=self.cfg.cache.in_batch_prefix_sharing is not False,
+                               in_batch_sharing=in_batch_sharing_on(self.cfg.cache, state_slots, checkpoints),
                                prefill_beside_decodes=prefill_beside_decodes(self.cfg.scheduler, infos[0].device),
                                long_prefill_token_threshold=self.cfg.scheduler.long_prefill_token_threshold,
                                long_prefill_adaptive=self.cfg.scheduler.long_prefill_token_threshold_adaptive)
