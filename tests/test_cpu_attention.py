@@ -79,10 +79,10 @@ def reference(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
     return torch.stack(out)
 
 
-def run(which: str, case) -> torch.Tensor:
+def run(which: str, case, window: int = 0) -> torch.Tensor:
     q, k, v, k_cache, v_cache, meta, _ = case
     attention.select(which)
-    return attention.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, q.shape[2] ** -0.5)
+    return attention.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, q.shape[2] ** -0.5, window)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -134,46 +134,18 @@ def test_a_sliding_window_in_the_kernels_matches_sdpa_and_never_reads_behind_it(
     """A sliding-window layer's decode rows and chunks go through the kernels (the row kernel; the chunk kernel
     past 16 rows where the head size is a multiple of 16), which read only each row's last `window` keys (windows
     shorter than a block, a block long, across blocks; a head size that is no multiple of 16): the torch path's
-    results and, in fp32, an fp64 reference's over the same window. The blocks wholly before every window are
-    given back (FREED, -1, in the tables) and, for the kernel, the cache's other blocks poisoned with NaN, so a
-    read behind a window is an error or a NaN, not a near miss (the torch path gathers whole padded blocks and
-    masks, so it gets the cache unpoisoned)."""
+    results and, in fp32, the fp64 reference's, on tests/test_sliding_window_kv.py's case, whose tables point every
+    block wholly before a row's window at a block of NaN (a read behind a window is a NaN, not a near miss)."""
+    from tests.test_sliding_window_kv import _case, _reference
+
     lens = [3, 9, 40, 77, 90]
-    q, k, v, k_cache, v_cache, meta, tables = paged_case(lens, hq, hk, d, dtype, seed=window + chunk, chunk=chunk)
-    used = torch.zeros(k_cache.shape[0], dtype=torch.bool)
-    for i, n in enumerate(lens):  # per sequence: its first row's window start decides what it still holds
-        first = max(0, n - (chunk if chunk and i == len(lens) - 1 else 1) + 1 - window)
-        tables[i] = tables[i].clone()
-        tables[i][: first // BS] = -1
-        used[tables[i][first // BS:]] = True
-    dt = meta.decode_block_tables
-    for i in range(meta.num_decodes):
-        dt[i, : len(tables[i])] = tables[i]
-    for c in meta.prefills:
-        c.block_table = tables[-1]
-    scale = d ** -0.5
-    outs = {}
-    for which in ("torch", "kernel"):
-        attention.select(which)
-        kc, vc = k_cache.clone(), v_cache.clone()
-        if which == "kernel":
-            kc[~used], vc[~used] = float("nan"), float("nan")
-        outs[which] = attention.paged_attention(q, k, v, kc, vc, meta, scale, window)
-    assert not outs["kernel"].isnan().any()
-    assert rel_err(outs["kernel"], outs["torch"]) < tol, rel_err(outs["kernel"], outs["torch"])
-    if dtype == torch.float32:  # row by row in fp64 over the keys (p - window, p]
-        ref = []
-        for i, n in enumerate(lens):
-            rows = range(n - chunk, n) if chunk and i == len(lens) - 1 else [n - 1]
-            for p in rows:
-                keep = [t for t in range(max(0, p + 1 - window), p + 1)]
-                blk = tables[i][torch.tensor(keep) // BS]
-                kk = kc[blk, torch.tensor(keep) % BS].double().repeat_interleave(hq // hk, 1)
-                vv = vc[blk, torch.tensor(keep) % BS].double().repeat_interleave(hq // hk, 1)
-                row = meta.num_decodes + (p - (n - chunk)) if chunk and i == len(lens) - 1 else i
-                w = (torch.einsum("hd,thd->ht", q[row].double(), kk) * scale).softmax(-1)
-                ref.append(torch.einsum("ht,thd->hd", w, vv))
-        assert rel_err(outs["kernel"], torch.stack(ref)) < 1e-5
+    case = _case(lens, chunk, dtype, window, BS, hq, hk, d)
+    got, sdpa = run("kernel", case, window), run("torch", case, window)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, sdpa) < tol, rel_err(got, sdpa)
+    if dtype == torch.float32:
+        q, k, v, k_cache, v_cache, _, real = case
+        assert rel_err(got, _reference(q, k, v, k_cache, v_cache, real, lens, chunk, window, BS)) < 1e-5
 
 
 @pytest.mark.parametrize("window, chunk", [(0, 0), (0, 20), (7, 5), (16, 33)])
@@ -185,12 +157,15 @@ def test_attention_sinks_in_the_row_kernel_match_the_torch_path(kernel, window, 
     window, decode rows and prefill chunks."""
     from ascend_ops import batch_invariant as bi
 
-    if bi.attention_backend() != "kernel":
-        pytest.skip("the invariant attention runs the torch path in this process")
     case = paged_case([3, 40, 77, 90], 8, 2, 64, dtype, seed=11 + window + chunk, chunk=chunk)
     q, k, v, k_cache, v_cache, meta, _ = case
     sinks = torch.tensor([-2.0, 0.5, 3.0, 40.0, -40.0, 1.0, 0.0, 8.0]).to(dtype)  # 40: above every score
-    got = bi.sink_attention(q, k, v, k_cache, v_cache, meta, 0.125, window, sinks)  # writes k / v
+    kept = list(bi._attention_choice)  # the invariant attention's choice is made once per process: set, given back
+    bi._attention_choice[:] = ["kernel"]
+    try:
+        got = bi.sink_attention(q, k, v, k_cache, v_cache, meta, 0.125, window, sinks)  # writes k / v
+    finally:
+        bi._attention_choice[:] = kept
     want = bi._paged_attention_torch(q, k_cache, v_cache, meta, 0.125, window, sinks)
     assert rel_err(got, want) < tol, rel_err(got, want)
 
