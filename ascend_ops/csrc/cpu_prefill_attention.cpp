@@ -302,12 +302,16 @@ void attend_chunk(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   Q* op = out.data_ptr<Q>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
-  // Items in pairs of a cheap and a dear tile (the first and the last, then the second and the one before, ...), so
-  // that the contiguous ranges parallel_for hands the threads cost about the same (later rows see more keys).
+  // Items kv head by kv head, so that a thread's tiles read one head's keys and values (SmolLM2's: 256 B each a
+  // position in fp32, 1 MiB for 2,048 positions) and they stay in its L2 from tile to tile, where items that cycled
+  // through the heads read every head's (measured, 1 thread, a 2,048-token SmolLM2 chunk: ~10% faster; Qwen3-0.6B's
+  // 128-wide heads the same speed); within a head, in pairs of a cheap and a dear tile (the first and the last, then
+  // the second and the one before, ...), so that the contiguous ranges parallel_for hands the threads cost about the
+  // same (later rows see more keys).
   at::parallel_for(0, tiles * hk, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch w;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / hk, h = item % hk;
+      const int64_t h = item / tiles, t = item % tiles;
       const int64_t ti = t % 2 == 0 ? t / 2 : tiles - 1 - t / 2;
       const int64_t i0 = ti * tile, n = std::min(tile, rows - i0);
       const T* const* ks = kptr.data() + h * npos;
