@@ -22,6 +22,8 @@ if [[ ! -f "$venv/.complete" || "${ROLLBUS_FLOORS_FRESH:-0}" == 1 ]]; then
     touch "$venv/.complete"
 fi
 "$venv/bin/python" -m pip check
+# Its own temporary folder: .ci/run runs this lane beside the main one, whose pytest numbers its folders in the default.
+basetemp=$(mktemp -d)
 # The repository's own packages come from this checkout (PYTHONPATH), whatever clone made the venv.
 # Deselected here, not in the main lane: two tests whose reference, not our code, is too old at the floors:
 # - the GGUF tokenizer against transformers' GGUF loader: before transformers 5.18 that loader splits
@@ -29,5 +31,6 @@ fi
 # - a client disconnect seen through starlette's TestClient, which buffers the whole response before
 #   starlette 1.9 (FastAPI 0.126 takes starlette < 0.51); the real-server disconnect tests cover it.
 ROLLBUS_FLOORS_LANE=1 PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -q -m unit -p no:cacheprovider \
+    --basetemp "$basetemp/pytest" \
     --deselect "tests/test_gguf.py::test_tiny_tokenizer_matches_transformers_gguf_loader" \
     --deselect "tests/test_gateway_fake_engine.py::test_client_disconnect_aborts_stream"
