@@ -23,6 +23,25 @@ def _unit_tests_start_no_process(request, monkeypatch):
         monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
+# The attention implementations a process chooses once (list attributes, empty until the first choice): default
+# mode's CPU attention (ascend_ops.attention) and the batch-invariant mode's (ascend_ops.batch_invariant).
+_ATTENTION_CHOICES = (("ascend_ops.attention", "_cpu_choice"), ("ascend_ops.batch_invariant", "_attention_choice"))
+
+
+@pytest.fixture(autouse=True)
+def _attention_choices_given_back():
+    """Each test gets the process's attention choices back after it, whatever it selected: a test that forced the
+    torch path and forgot to give it back left the later tests of the process on it (a failure that only one test
+    order shows). A module imported during the test is left to choose afresh, as in a new process."""
+    import sys
+
+    kept = {(m, a): list(getattr(sys.modules[m], a)) for m, a in _ATTENTION_CHOICES if m in sys.modules}
+    yield
+    for m, a in _ATTENTION_CHOICES:
+        if m in sys.modules:
+            getattr(sys.modules[m], a)[:] = kept.get((m, a), [])
+
+
 def pytest_configure(config):
     """Test servers get a KV cache sized for tests unless their flags size one (tests.serve_process)."""
     serve_process.SIZE_KV_FOR_TESTS = True

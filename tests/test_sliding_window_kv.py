@@ -263,17 +263,12 @@ def _reference(q, k, v, k_cache, v_cache, real, lens, chunk, window, bs=4):
 def test_attention_never_reads_a_block_before_the_window(dtype, tol, chunk, invariant):
     lens = [3, 7, 9, 30, 61, 40]
     q, k, v, kc, vc, meta, real = _case(lens, chunk, dtype, W)
-    # the torch paths (the kernels' windows: tests/test_cpu_attention.py, test_cpu_prefill_attention.py); the
-    # invariant mode's choice is made once per process, so it is set for this call and given back after
+    # the torch paths (the kernels' windows: tests/test_cpu_attention.py, test_cpu_prefill_attention.py); both
+    # modes' choices are made once per process, and tests/conftest.py gives them back after the test
     attention.select("torch")
-    kept = list(batch_invariant._attention_choice)
     batch_invariant._attention_choice[:] = ["torch"]
-    try:
-        fn = batch_invariant.paged_attention if invariant else attention.paged_attention
-        got = fn(q, k, v, kc, vc, meta, q.shape[2] ** -0.5, W)
-    finally:
-        attention._cpu_choice.clear()
-        batch_invariant._attention_choice[:] = kept
+    fn = batch_invariant.paged_attention if invariant else attention.paged_attention
+    got = fn(q, k, v, kc, vc, meta, q.shape[2] ** -0.5, W)
     want = _reference(q, k, v, kc, vc, real, lens, chunk, W)
     assert torch.isfinite(got).all()
     assert (got.double() - want).abs().max().item() < tol
