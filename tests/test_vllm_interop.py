@@ -269,8 +269,7 @@ def test_trl_vllm_client_weight_sync_lands_bitwise_and_a_refusal_returns_within_
         pytest.skip(f"TRL is not installed at {TRL_SITE}: bash tests/interop/setup_venvs.sh trl "
                     "(or set ROLLBUS_TRL_SITE)")
     info = httpx.get(server.url + "/server_info", params={"config_format": "json"}).json()
-    if "vllm_config" not in info:
-        pytest.skip("/server_info has no vllm_config, which TRL's init_communicator reads (the routes branch adds it)")
+    assert "vllm_config" in info, "/server_info has no vllm_config, which TRL's init_communicator reads"
     url = server.url
     trainer = VllmTrainer(url, True, tmp_path, script=TRAINER.with_name("trl_trainer_cpu.py"), trl_site=str(TRL_SITE))
     try:
