@@ -280,6 +280,8 @@ def bench_rollbus(dtype: str, folder: Path, prompts: list[list[int]], args, dp: 
                           "--kv-cache-memory-bytes", f"{gib}G", "--kv-cache-dtype", args.kv_cache_dtype, *layout,
                           *(("--async-scheduling",) if args.async_scheduling else ()),
                           *(("--no-in-batch-prefix-sharing",) if args.no_in_batch_prefix_sharing else ()),
+                          *(() if args.prefill_tokens_beside_decodes is None else
+                            ("--prefill-tokens-beside-decodes", str(args.prefill_tokens_beside_decodes))),
                           env={"VLLM_SERVER_DEV_MODE": "1"}, timeout_s=900)  # dev mode: POST /reset_prefix_cache
     out: dict = {"ready_s": time.perf_counter() - t0, "dp": dp, "kv_gib_per_engine": gib}
     try:
@@ -392,6 +394,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-in-batch-prefix-sharing", action="store_true",
                    help="rollbus's --no-in-batch-prefix-sharing: every request computes its own prompt, as vLLM "
                         "(on by default: requests sent together that share a prefix compute it once).")
+    p.add_argument("--prefill-tokens-beside-decodes", type=int, default=None, metavar="N",
+                   help="rollbus's --prefill-tokens-beside-decodes (0: no limit, as vLLM; default: rollbus's own, 256 "
+                        "on CPU): what workload L's long prompts may take of a step while anything decodes.")
     p.add_argument("--repeats", type=int, default=1, metavar="K",
                    help="Run rollbus's A and W K times on the same server and report the median (every run's "
                         "tok/s is printed and saved).")
@@ -484,6 +489,8 @@ def main() -> None:
                 label += f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
                 label += ", async scheduling" if args.async_scheduling else ""
                 label += ", no in-batch sharing" if args.no_in_batch_prefix_sharing else ""
+                beside = args.prefill_tokens_beside_decodes
+                label += "" if beside is None else f", prefill beside decodes {beside or 'unlimited'}"
                 rows.append([dtype, label, cell(ours), *map(cell, vl), cell(hf),
                              *(cell(v and ours / v, "{:.2f}x") for v in vl),
                              cell(hf and ours / hf, "{:.2f}x"), cell(ceil), cell(ceil and ours / ceil, "{:.0%}"),
