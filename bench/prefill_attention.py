@@ -11,16 +11,25 @@ positions, over a paged fp32 cache whose blocks lie at random places; FLOPs coun
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 
 from ascend_ops import cpu_kernels
 from bench.gemm_ceiling import Shape, gemm_rate
+from bench.model_shapes import SHAPES
 
-# name -> (query heads, kv heads, head_dim, hidden, intermediate)
-SHAPES = {"smollm2": (9, 3, 64, 576, 1536), "qwen3-0.6b": (16, 8, 128, 1024, 3072)}
 BS = 16
+
+
+def shape(name: str) -> Shape:
+    """smollm2: the default model's own config.json; else a bench/model_shapes.py shape."""
+    if name == "smollm2":
+        from engine.model_store import resolve_model
+
+        return Shape.from_config(json.loads((resolve_model(None, progress=False) / "config.json").read_text()))
+    return Shape.from_config(SHAPES[name])
 
 
 def rate(ops, hq: int, hk: int, d: int, first: int, rows: int, reps: int, g: torch.Generator) -> float:
@@ -42,7 +51,7 @@ def rate(ops, hq: int, hk: int, d: int, first: int, rows: int, reps: int, g: tor
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["smollm2", "qwen3-0.6b"], choices=["smollm2", *SHAPES])
     ap.add_argument("--cases", nargs="+", default=["0:2048", "0:256", "1792:256", "1024:1024"],
                     help="FIRST:ROWS chunks: ROWS new rows after FIRST cached positions")
     ap.add_argument("--reps", type=int, default=5)
@@ -54,11 +63,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     print(f"{'shape':<12} {'first':>6} {'rows':>6} {'GFLOP/s':>9} {'of GEMM rate':>13}")
     for name in args.shapes:
-        hq, hk, d, hidden, inter = SHAPES[name]
-        shape = Shape.from_config({"hidden_size": hidden, "num_attention_heads": hq, "num_key_value_heads": hk,
-                                   "head_dim": d, "intermediate_size": inter, "num_hidden_layers": 1,
-                                   "vocab_size": 32})
-        gemm = gemm_rate(shape, threads=args.threads)
+        sh = shape(name)
+        hq, hk, d = sh.heads, sh.kv_heads, sh.head_dim
+        gemm = gemm_rate(sh, threads=args.threads)
         for case in args.cases:
             first, rows = map(int, case.split(":"))
             r = rate(ops, hq, hk, d, first, rows, args.reps, g)

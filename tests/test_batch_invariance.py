@@ -136,11 +136,10 @@ BACKENDS = ["kernel", "torch"] if cpu_kernels.ops() is not None else ["torch"]
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """The invariant attention this test runs: the CPU kernel and the torch path (what
-    ROLLBUS_CPU_ATTENTION=torch or a machine without a compiler gets), set as the process's choice."""
-    saved = list(bi._attention_choice)
+    ROLLBUS_CPU_ATTENTION=torch or a machine without a compiler gets), set as the process's choice (given back
+    after the test by tests/conftest.py)."""
     bi._attention_choice[:] = [request.param]
-    yield request.param
-    bi._attention_choice[:] = saved
+    return request.param
 
 
 def test_invariant_attention_runs_the_cpu_kernel_for_every_row_where_it_builds():

@@ -25,11 +25,9 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernel():  # (each test selects its path; tests/conftest.py gives the process's choice back after it)
     if cpu_kernels.ops() is None:
         pytest.fail(f"the CPU kernels did not build here: {cpu_kernels.unavailable()}")
-    yield
-    attention._cpu_choice.clear()  # the environment decides again for whatever runs next
 
 
 def paged_case(lens: list[int], hq: int, hk: int, d: int, dtype: torch.dtype, seed: int = 0, chunk: int = 0):
