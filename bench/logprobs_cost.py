@@ -47,7 +47,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_time import cpu_seconds  # noqa: E402
-from bench.rollout import make_prompts, scheduler_counters, table  # noqa: E402
+from bench.rollout import make_prompts, scheduler_counters  # noqa: E402
+from bench.rollout_report import table  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_process import start_server  # noqa: E402

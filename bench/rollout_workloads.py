@@ -22,6 +22,10 @@ import time
 
 import httpx
 
+WIDE = (256, 4, 128)  # the wide workload: prompts, n, new tokens
+AGENTIC = (32, 4, 64, 64)  # workload M: conversations, turns, reply tokens, tool-result tokens per turn
+LONG = (16, 2048, 32, 32, 256)  # workload L: prompts, prompt tokens, new tokens; decoding streams, their tokens
+
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
