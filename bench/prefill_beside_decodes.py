@@ -7,6 +7,7 @@ the same host in one sitting (a loaded host moves absolute times; the ratios hol
   python bench/prefill_beside_decodes.py --cap 0 --threads 1        # no limit: what vLLM does
   python bench/prefill_beside_decodes.py --cap 256 --streams 0      # the long prompts alone
   python bench/prefill_beside_decodes.py --cap 256 --streams 0 --prompts 16   # workload L's first half: a burst
+  python bench/prefill_beside_decodes.py --cap 256 --streams 0 --prompts 16 --beside-streams 0   # cap 256 from 1 decode
 
 Prints the calm decode step (streams only), the steps while the long prompts are in (p50, p99, max), how long
 the long prompts took to finish, and their prefill rate (prompt tokens / time to the last one's first token, as
@@ -29,6 +30,7 @@ from engine.block_manager import BlockManager
 from engine.model_store import resolve_model
 from engine.request import Sequence
 from engine.scheduler import Scheduler
+from engine.scheduler.chunk_limits import PREFILL_BESIDE_STREAMS
 from workers.kv_cache import KVCache
 from workers.models.checkpoint import iter_checkpoint, load_hf_config
 from workers.models.registry import build_model
@@ -39,6 +41,9 @@ BLOCKS, BS = 1600, 16
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cap", type=int, default=256, help="--prefill-tokens-beside-decodes (0: no limit)")
+    p.add_argument("--beside-streams", type=int, default=PREFILL_BESIDE_STREAMS,
+                   help="decoding streams at which --cap holds as given; fewer share their wait in larger chunks "
+                        "(0: --cap whatever decodes, the rule before this scaling)")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -51,7 +56,8 @@ def main() -> None:
     model.load_weights(iter_checkpoint(folder))
     kv = KVCache.for_model(model, BS, BLOCKS, torch.float32, torch.device("cpu"))
     runner = mr.ModelRunner(model, kv, rank=0, block_size=BS, device=torch.device("cpu"))
-    sched = Scheduler(BlockManager(BLOCKS, BS), 256, 2048, 4096, prefill_beside_decodes=args.cap)
+    sched = Scheduler(BlockManager(BLOCKS, BS), 256, 2048, 4096, prefill_beside_decodes=args.cap,
+                      prefill_beside_streams=args.beside_streams)
     gen = torch.Generator().manual_seed(0)
     step_id = 0
 
@@ -88,7 +94,8 @@ def main() -> None:
     d = sorted(during)
     ttft = sorted(firsts[f"L{j}"] - t0 for j in range(args.prompts))
     p50, p99 = statistics.median(d), d[min(len(d) - 1, int(0.99 * len(d)))]
-    print(f"cap {args.cap}, {args.streams} streams, {torch.get_num_threads()} threads: calm step "
+    print(f"cap {args.cap} (as given from {args.beside_streams} decoding), {args.streams} streams, "
+          f"{torch.get_num_threads()} threads: calm step "
           f"{statistics.median(calm) * 1e3:.0f} ms; with the long prompts in: {len(d)} steps, p50 {p50 * 1e3:.0f} ms, "
           f"p99 {p99 * 1e3:.0f} ms, max {d[-1] * 1e3:.0f} ms (p99 / p50 {p99 / p50:.1f}); the {args.prompts} long "
           f"prompts done in {wall:.1f} s ({cpu:.1f} s of CPU); prefill {2048 * args.prompts / ttft[-1]:.0f} tok/s, "

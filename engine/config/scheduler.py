@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from engine.argv import Switch, human_int, non_negative
+from engine.scheduler.chunk_limits import PREFILL_BESIDE_STREAMS
 
 
 @dataclass(slots=True)
@@ -36,10 +37,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-tokens-beside-decodes", type=non_negative("--prefill-tokens-beside-decodes"),
                    default=d.prefill_tokens_beside_decodes,
                    metavar="N",
-                   help="While any sequence is decoding, a step's prefill chunks take at most N tokens together (the "
-                        "rest of a long prompt waits for the next steps), so a long prompt does not stall the "
-                        "decoding streams: on a CPU a step's time grows with its tokens. With nothing decoding, "
-                        "prefills take the whole --max-num-batched-tokens. Default: "
+                   help="While any sequence is decoding, the chunks of prompts longer than N take at most N tokens "
+                        "of a step together (the rest waits for the next steps), so a long prompt does not stall the "
+                        f"decoding streams: on a CPU a step's time grows with its tokens. While only d < "
+                        f"{PREFILL_BESIDE_STREAMS} sequences decode, the first long prompt's chunk may take up to "
+                        f"N x {PREFILL_BESIDE_STREAMS} / d tokens (the streams' summed wait kept), one prompt at a "
+                        "time. With nothing decoding, prefills take the whole --max-num-batched-tokens. Default: "
                         f"{CPU_PREFILL_BESIDE_DECODES} on CPU, 0 (no limit, as vLLM) on accelerators.")
     g.add_argument("--long-prefill-token-threshold", type=human_int, default=d.long_prefill_token_threshold,
                    help="vLLM's: one request's prefill chunk per step is at most this many tokens, unless it is the "

@@ -6,18 +6,9 @@ Each step (vLLM v1 style, one token budget for everything):
      latest-arrived running sequence is preempted (blocks freed, recomputed later) until it fits;
   2. then waiting sequences, oldest first, while budget, blocks and --max-num-seqs allow; a prompt
      longer than the budget is chunked over several steps.
-Two limits on prefill chunks, on top of the budget:
-  - beside decodes (`prefill_beside_decodes` = N, rollbus's --prefill-tokens-beside-decodes): while any running
-    sequence is decoding, the chunks of long prompts (sequences of more than N tokens) take at most N tokens
-    of a step together. On a CPU a step costs in proportion to its tokens, so one 2,048-token chunk would
-    hold every decoding stream for its whole prefill; a bounded chunk keeps the step time even. Short prompts
-    are still admitted whole within the budget (a rollout's batch fills at once), and with nothing decoding
-    long prompts take the whole budget (the fastest prefill). A chunk's tokens are weighed by the keys they
-    attend to (1 + position / `prefill_keys_per_token` each), so a chunk late in a long prompt, whose
-    attention costs more, is shorter and every step stays about as long;
-  - per request (`long_prefill_token_threshold`, vLLM's flag): one sequence's chunk is at most this many
-    tokens, unless it is the only sequence running or waiting; `adaptive` floors it at the budget's fair share
-    (budget // sequences running and waiting), as vLLM's --long-prefill-token-threshold-adaptive.
+Two limits on prefill chunks, on top of the budget (engine/scheduler/chunk_limits.py): beside decodes (rollbus's
+--prefill-tokens-beside-decodes: long prompts' chunks share a bounded part of a step while anything decodes, the
+first of them a larger part while few sequences decode) and per request (vLLM's --long-prefill-token-threshold).
 A sequence is sampled in the step that computes its last known token. Outputs are appended by
 `update`, which also applies the stop rules and frees finished sequences' blocks.
 
@@ -74,7 +65,6 @@ the prefix cache shares).
 from __future__ import annotations
 
 import bisect
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -82,12 +72,8 @@ import msgspec
 
 from engine.block_manager import BlockManager
 from engine.request import SeqStatus, Sequence
+from engine.scheduler.chunk_limits import PREFILL_BESIDE_STREAMS, PREFILL_KEYS_PER_TOKEN, chunk_limits, cost, fit
 from engine.state_checkpoints import next_checkpoint
-
-# A prefill token's share of attention grows with its position: at about this many keys it costs as much again
-# as the token's layer GEMMs on a CPU (SmolLM2 fp32 measured: a 256-token chunk beside 32 decodes takes 0.56 s at
-# position 0 and ~1.4 s at 1,500; the FLOPs alone say ~3,000 keys for SmolLM2 and Qwen3, softmax's exps the rest).
-PREFILL_KEYS_PER_TOKEN = 1024
 
 
 @dataclass(slots=True)
@@ -146,6 +132,7 @@ class Scheduler:
     num_preemptions: int = 0
     policy: str = "fcfs"  # or "priority" (--scheduling-policy)
     prefill_beside_decodes: int = 0  # a step's prefill tokens while anything decodes (0: no limit)
+    prefill_beside_streams: int = PREFILL_BESIDE_STREAMS  # decodes at which that limit holds as given (0: always)
     prefill_keys_per_token: int = PREFILL_KEYS_PER_TOKEN  # keys attended costing one token's layers (0: unweighed)
     long_prefill_token_threshold: int = 0  # vLLM's: one sequence's chunk per step (0: no limit)
     long_prefill_adaptive: bool = False  # vLLM's --long-prefill-token-threshold-adaptive
@@ -224,27 +211,20 @@ class Scheduler:
         self._finish(seq, "abort")
         return seq
 
-    def _chunk_limits(self) -> tuple[float, int, int]:
-        """This step's (tokens left for long prompts' chunks, the length over which a prompt is long, one
-        sequence's chunk): see the module doc."""
-        budget = self.max_num_batched_tokens
-        long_left, long_over = math.inf, budget  # no limit
-        beside = self.prefill_beside_decodes
-        if 0 < beside < budget and any(
-                len(s.prompt_token_ids) + len(s.output_token_ids) + s.inflight_samples
-                - s.num_computed - s.inflight_tokens == 1 for s in self.running):
-            long_left = long_over = beside
-        per_seq = self.long_prefill_token_threshold
-        eligible = len(self.running) + len(self.waiting)
-        if per_seq <= 0 or eligible <= 1:
-            return long_left, long_over, budget
-        if self.long_prefill_adaptive:
-            per_seq = max(per_seq, budget // eligible)
-        return long_left, long_over, per_seq
+    def _chunk_limits(self) -> tuple[float, float, int, int]:
+        """This step's (weight left for long prompts' chunks, the weight its first long chunk may take, the length
+        over which a prompt is long, one sequence's chunk): engine/scheduler/chunk_limits.py."""
+        decoding = 0
+        if 0 < self.prefill_beside_decodes < self.max_num_batched_tokens:
+            decoding = sum(len(s.prompt_token_ids) + len(s.output_token_ids) + s.inflight_samples
+                           - s.num_computed - s.inflight_tokens == 1 for s in self.running)
+        return chunk_limits(self.max_num_batched_tokens, self.prefill_beside_decodes, self.prefill_beside_streams,
+                            decoding, self.long_prefill_token_threshold, self.long_prefill_adaptive,
+                            len(self.running) + len(self.waiting))
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        long_left, long_over, per_seq = self._chunk_limits()
+        long_left, long_first, long_over, per_seq = self._chunk_limits()
         seqs: list[Sequence] = []
         num_new: list[int] = []
         num_computed: list[int] = []
@@ -278,11 +258,12 @@ class Scheduler:
             if n > 1:  # a prefill chunk
                 n = min(n, per_seq)
                 if known > long_over:
-                    n = _fit(long_left, computed, n, self.prefill_keys_per_token)
+                    n = fit(max(long_left, long_first), computed, n, self.prefill_keys_per_token)
                     if n <= 0:
                         i += 1  # the long prompts' share of this step is spent
                         continue
-                    long_left -= _cost(computed, n, self.prefill_keys_per_token)
+                    long_left -= cost(computed, n, self.prefill_keys_per_token)
+                    long_first = 0
             if ckpts is not None:
                 n = self._to_checkpoint(seq, computed, n, None)
             # blocks_needed, inlined: most steps need none (a decode fills a block every block_size steps)
@@ -340,7 +321,7 @@ class Scheduler:
             seq.num_computed = 0 if want_prompt_lp else blocks.match_prefix(seq, self.weight_epoch, looked_up)
             n = min(seq.num_tokens - seq.num_computed, budget, per_seq)
             if long:
-                n = _fit(long_left, seq.num_computed, n, self.prefill_keys_per_token)
+                n = fit(max(long_left, long_first), seq.num_computed, n, self.prefill_keys_per_token)
             if ckpts is not None:
                 n = self._to_checkpoint(seq, seq.num_computed, n, None)
             if not self.blocks.can_allocate(seq, seq.num_computed + n):
@@ -377,7 +358,8 @@ class Scheduler:
                 seq.inflight_samples += 1
             budget -= n
             if long:
-                long_left -= _cost(seq.num_computed, n, self.prefill_keys_per_token)
+                long_left -= cost(seq.num_computed, n, self.prefill_keys_per_token)
+                long_first = 0
             if computing is not None:
                 self._add_computing(seq, computing)
         if num_new.count(1) != len(num_new):  # decodes first (stable: arrival order kept)
@@ -536,25 +518,6 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         if seq.sent_to_workers:
             self._finished_ids.append(seq.seq_id)
-
-
-def _cost(start: int, n: int, keys: int) -> float:
-    """What n prefill tokens from position `start` weigh against the beside-decodes limit: each token 1, plus
-    the keys it attends to over `keys` (0: tokens alone)."""
-    return n + (n * start + n * n / 2) / keys if keys > 0 else n
-
-
-def _fit(left: float, start: int, want: int, keys: int) -> int:
-    """The most of `want` tokens from `start` that weigh at most `left` (at least 1 while anything is left)."""
-    if left <= 0:
-        return 0
-    if _cost(start, want, keys) <= left:
-        return want
-    if keys <= 0:
-        return max(1, int(left))
-    b = 1 + start / keys  # n * b + n^2 / (2 keys) = left
-    n = int(keys * (math.sqrt(b * b + 2 * left / keys) - b))
-    return max(1, min(want, n))
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:
