@@ -31,8 +31,8 @@ import math
 # position 0 and ~1.4 s at 1,500; the FLOPs alone say ~3,000 keys for SmolLM2 and Qwen3, softmax's exps the rest).
 PREFILL_KEYS_PER_TOKEN = 1024
 # The decoding streams at which the beside-decodes limit holds as given; fewer streams share the same summed wait,
-# each waiting longer (measured: docs/benchmarks.md, "Long prompts beside decoding streams"). 32: workload L's
-# streams and M's conversations, beside which 256 tokens keep a step within ~3x a decode step.
+# each waiting longer. 32: the batch beside which the CPU default of 256 was measured (workload L's streams and
+# M's conversations; docs/benchmarks.md, "Long prompts beside decoding streams").
 PREFILL_BESIDE_STREAMS = 32
 
 
