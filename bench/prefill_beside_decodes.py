@@ -42,8 +42,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cap", type=int, default=256, help="--prefill-tokens-beside-decodes (0: no limit)")
     p.add_argument("--beside-streams", type=int, default=PREFILL_BESIDE_STREAMS,
-                   help="decoding streams at which --cap holds as given; fewer share their wait in larger chunks "
-                        "(0: --cap whatever decodes, the rule before this scaling)")
+                   help="decoding streams at which --cap holds as given; beside d fewer, the first long prompt's "
+                        "chunk may take cap x this / d (0: --cap whatever decodes, the rule before stop 44)")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
