@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from ascend_ops.batch_invariant import DEFAULT, INVARIANT
-from bench.sliding_window_kv import ARCHS, layer_groups
-from workers.loader import initialize_dummy_weights
-from workers.models.registry import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's bench/
+
+from ascend_ops.batch_invariant import DEFAULT, INVARIANT  # noqa: E402
+from bench.sliding_window_kv import ARCHS, layer_groups  # noqa: E402
+from workers.loader import initialize_dummy_weights  # noqa: E402
+from workers.models.registry import build_model  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
 SMALL = {

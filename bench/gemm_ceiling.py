@@ -48,6 +48,11 @@ class Shape:
         return cls(cfg["num_hidden_layers"], hidden, heads, cfg.get("num_key_value_heads") or heads, head_dim,
                    mlp, cfg["vocab_size"])
 
+    @classmethod
+    def from_folder(cls, folder: Path) -> Shape:
+        """The shape of the model whose config.json is in `folder`."""
+        return cls.from_config(json.loads((Path(folder) / "config.json").read_text()))
+
     @property
     def layer_elements(self) -> int:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o, k, v
@@ -176,7 +181,7 @@ def main() -> None:
         from engine.model_store import resolve_model
 
         folder = resolve_model(None, progress=True)
-    shape = Shape.from_config(json.loads((folder / "config.json").read_text()))
+    shape = Shape.from_folder(folder)
     rate = gemm_rate(shape, args.dtype, args.threads)
     lens = [args.prompt_len] * args.prompts
     from bench.fma_peak import fma_peak

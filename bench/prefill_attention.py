@@ -11,14 +11,17 @@ positions, over a paged fp32 cache whose blocks lie at random places; FLOPs coun
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from ascend_ops import cpu_kernels
-from bench.gemm_ceiling import Shape, gemm_rate
-from bench.model_shapes import SHAPES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's bench/
+
+from ascend_ops import cpu_kernels  # noqa: E402
+from bench.gemm_ceiling import Shape, gemm_rate  # noqa: E402
+from bench.model_shapes import SHAPES  # noqa: E402
 
 BS = 16
 
@@ -28,7 +31,7 @@ def shape(name: str) -> Shape:
     if name == "smollm2":
         from engine.model_store import resolve_model
 
-        return Shape.from_config(json.loads((resolve_model(None, progress=False) / "config.json").read_text()))
+        return Shape.from_folder(resolve_model(None, progress=False))
     return Shape.from_config(SHAPES[name])
 
 

@@ -58,8 +58,6 @@ TOPICS = ["the ocean", "a robot", "mathematics", "autumn", "a city at night", "f
 TASKS = ["Write a short poem about {}.", "Explain {} to a child.", "List facts about {}.", "Tell a story about {}."]
 
 
-
-
 def make_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
@@ -348,7 +346,7 @@ def bench_hf(dtype: str, folder: Path, tok: Tokenizer, prompts: list[list[int]],
     return {"tokens": useful, "seconds": dt, "tok_s": useful / dt}
 
 
-# --- report --------------------------------------------------------------------------------------
+# --- the command line (the report: bench/rollout_report.py) -------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,7 +420,7 @@ def main() -> None:
               else shape_folder(args.shape, Path(tempfile.mkdtemp(prefix="rollbus-shape-"))))
     tok = Tokenizer.from_dir(folder)
     prompts = make_prompts(tok, max(WIDE[0] if args.wide else 64, args.num_prompts))
-    shape = args.shape = Shape.from_config(json.loads((folder / "config.json").read_text()))
+    shape = args.shape = Shape.from_folder(folder)
     args.vocab = range(1000, min(shape.vocab, 30000))  # token ids for tool results and long prompts
     results: dict = {}
     say("[machine] fp32 FMA peak (register-only loop, every core) ...")

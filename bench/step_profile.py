@@ -29,26 +29,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import workers.model_runner as mr
-import workers.sampler as sampler
-from ascend_ops import attention
-from ascend_ops.batch_invariant import DEFAULT
-from ascend_ops.platform import tune_host_allocator
-from bench.model_shapes import SHAPES
-from bus.messages import NewSeq, StepPlan
-from bus.sampling_params import SamplingParams
-from engine.config import KV_CACHE_DTYPES
-from engine.model_store import resolve_model
-from workers.kv_cache import KVCache, cache_dtype
-from workers.loader import initialize_dummy_weights
-from workers.models.checkpoint import iter_checkpoint, load_hf_config
-from workers.models.registry import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's bench/
+
+import workers.model_runner as mr  # noqa: E402
+import workers.sampler as sampler  # noqa: E402
+from ascend_ops import attention  # noqa: E402
+from ascend_ops.batch_invariant import DEFAULT  # noqa: E402
+from ascend_ops.platform import tune_host_allocator  # noqa: E402
+from bench.model_shapes import SHAPES  # noqa: E402
+from bus.messages import NewSeq, StepPlan  # noqa: E402
+from bus.sampling_params import SamplingParams  # noqa: E402
+from engine.config import KV_CACHE_DTYPES  # noqa: E402
+from engine.model_store import resolve_model  # noqa: E402
+from workers.kv_cache import KVCache, cache_dtype  # noqa: E402
+from workers.loader import initialize_dummy_weights  # noqa: E402
+from workers.models.checkpoint import iter_checkpoint, load_hf_config  # noqa: E402
+from workers.models.registry import build_model  # noqa: E402
 
 KERNEL_CLASSES = {"linear": "GEMM (layers)", "paged_attention": "attention (paged)", "rms_norm": "rms_norm",
                   "add_rms_norm": "rms_norm", "apply_rope": "rotary", "silu_and_mul": "silu*mul",
