@@ -216,8 +216,13 @@ class Scheduler:
         over which a prompt is long, one sequence's chunk): engine/scheduler/chunk_limits.py."""
         decoding = 0
         if 0 < self.prefill_beside_decodes < self.max_num_batched_tokens:
-            decoding = sum(len(s.prompt_token_ids) + len(s.output_token_ids) + s.inflight_samples
-                           - s.num_computed - s.inflight_tokens == 1 for s in self.running)
+            enough = max(1, self.prefill_beside_streams)  # past it the count changes nothing: stop there
+            for s in self.running:
+                if len(s.prompt_token_ids) + len(s.output_token_ids) + s.inflight_samples \
+                        - s.num_computed - s.inflight_tokens == 1:
+                    decoding += 1
+                    if decoding == enough:
+                        break
         return chunk_limits(self.max_num_batched_tokens, self.prefill_beside_decodes, self.prefill_beside_streams,
                             decoding, self.long_prefill_token_threshold, self.long_prefill_adaptive,
                             len(self.running) + len(self.waiting))
