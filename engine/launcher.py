@@ -36,6 +36,44 @@ from engine.topology import check_devices
 STOP_GRACE_S = 5.0
 
 
+class ReadyWait:
+    """The launcher's wait for a message on its ready socket, woken at once by a signal: the signal module writes
+    a byte to a pipe on each signal this process handles (signal.set_wakeup_fd), and the wait polls that pipe with
+    the socket. So a Ctrl-C, a SIGTERM or a child's exit (SIGCHLD) is acted on at once, not at the next 200 ms
+    poll (a test lane stops ~90 servers and waited ~0.1 s on average at each). Main thread only."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._old_fd = signal.set_wakeup_fd(self._w)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._r, zmq.POLLIN)
+
+    def wait(self, timeout_ms: int = 200) -> bool:
+        """Up to timeout_ms for a message on the socket (true: one is there); false early when a signal came."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._r in events:
+            try:
+                while os.read(self._r, 64):
+                    pass
+            except BlockingIOError:
+                pass
+        return self.sock in events
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._r)
+        os.close(self._w)
+
+
+def _child_exited(signum, frame) -> None:
+    """SIGCHLD: nothing to do here; the signal's byte in the wakeup pipe wakes the launcher's loop, which then
+    finds the exited child (Popen.poll) at once instead of at its next 200 ms poll."""
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -131,6 +169,8 @@ class Launcher:
         ready_sock.bind(endpoint)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGCHLD, _child_exited)  # only to wake the loops through the wakeup pipe
+        self._ready = ReadyWait(ready_sock)
         self._argv, self._env = self.cfg.to_argv() + ["--ready-endpoint", endpoint], env
         self._role_argv = dict(roles(self.cfg))
         try:
@@ -141,6 +181,8 @@ class Launcher:
                 code = self._supervise(ready_sock)
             return code
         finally:
+            self._ready.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             self._stop_all()
             ctx.destroy(linger=0)
             try:
@@ -266,7 +308,7 @@ class Launcher:
                     print(f"rollbus: {dead[0][0]}'s Ray actor died during start-up ({dead[0][1]}); stopping",
                           file=sys.stderr, flush=True)
                     return 1
-            if sock.poll(200):
+            if self._ready.wait():
                 msg = self._recv_ready(sock)
                 if isinstance(msg, Ready):
                     waiting.discard("gateway" if msg.role == "gateway" else msg.name)
@@ -309,7 +351,7 @@ class Launcher:
                     self.restarted_at[name] = time.monotonic()
             if self.ray is not None and self._ray_deaths(now):
                 return 1
-            if sock.poll(200):
+            if self._ready.wait():
                 self._on_ready(sock)
         return 0
 

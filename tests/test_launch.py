@@ -99,3 +99,35 @@ def test_the_launcher_knows_a_cpu_only_host_without_importing_torch():
             "print(launcher_platform(), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["('cpu',", "1)", "False"], out.stdout + out.stderr
+
+
+@pytest.mark.unit
+def test_a_signal_wakes_the_launchers_wait_at_once():
+    """The launcher waits on its ready socket in 200 ms polls; a stop signal or a child's exit must not wait out
+    the poll (the test lane stops ~90 servers): the signal's byte in the wakeup pipe ends the wait at once."""
+    import zmq
+
+    from engine.launcher import ReadyWait
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind("inproc://ready-wait")
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    wait = ReadyWait(sock)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        t0 = time.monotonic()
+        assert wait.wait(timeout_ms=20_000) is False  # no message, but the signal ended the wait
+        assert time.monotonic() - t0 < 10
+        assert wait.wait(timeout_ms=0) is False  # the pipe was drained: no second early wake
+        push = ctx.socket(zmq.PUSH)
+        push.connect("inproc://ready-wait")
+        push.send(b"ready")
+        assert wait.wait(timeout_ms=20_000) is True
+        push.close(linger=0)
+    finally:
+        wait.close()
+        signal.signal(signal.SIGUSR1, old)
+        sock.close(linger=0)
+        ctx.term()
+    assert signal.set_wakeup_fd(-1) == -1  # close gave back the process's previous wakeup fd (none)
