@@ -120,7 +120,8 @@ def build(args, timers: Timers | None):
                            torch.device("cpu"))
     runner = mr.ModelRunner(model, kv, rank=0, block_size=bs, device=torch.device("cpu"))
     if timers is not None:
-        model.compute_logits = timers.wrap("LM head", model.compute_logits)
+        model.lm_head_product = timers.wrap("LM head", model.lm_head_product)  # the runner's LM head calls
+        model.logits_from = timers.wrap("LM head", model.logits_from)
         sampler.sample = timers.wrap("sampling", sampler.sample)  # sample_in_spans calls it per span
         runner._prepare = timers.wrap("step prep (runner)", runner._prepare)
     return runner, per_seq

@@ -143,7 +143,8 @@ def in_process(a) -> dict:
     mr.sample = clock.wrap("sampling", mr.sample)
     PendingMasks.result = clock.wrap("mask fill", PendingMasks.result)  # waits for it (if still running)
     model.forward = clock.wrap("model", model.forward)  # the layers (nn.Module.__call__ calls the instance's)
-    model.compute_logits = clock.wrap("LM head", model.compute_logits)
+    model.lm_head_product = clock.wrap("LM head", model.lm_head_product)  # the runner's LM head calls
+    model.logits_from = clock.wrap("LM head", model.logits_from)
     sides: dict[str, list[dict[str, float]]] = {"plain": [], "json_schema": []}
     for side in (["plain", "json_schema", "json_schema", "plain"] * a.rounds)[:2 * a.rounds]:
         sides[side].append(_in_process_side(model, folder, a, side == "json_schema", clock))

@@ -213,16 +213,29 @@ def test_four_ranks_with_replicated_kv_heads_and_a_padded_vocabulary_match_one(t
             assert torch.equal(a.argmax(-1), b.argmax(-1)) and (a - b).abs().max() < 1e-4
 
 
-def _runner_steps(model, rank: int, span_bytes: int) -> list[tuple]:
+def runner_steps(model, rank: int, span_bytes: int, head_bytes: int | None = None) -> tuple[list[tuple], list[int]]:
     """40 sequences (greedy with top-2 logprobs, and seeded draws) through a ModelRunner: a prefill step and
-    two decodes; the sampler's spans set by `span_bytes`. Rank 0's tokens, logprobs and top-2 per step."""
+    two decodes; the sampler's spans set by `span_bytes`, the LM head's products by `head_bytes` (None: as
+    configured). Rank 0's tokens, logprobs and top-2 per step, and the rows of every LM head product."""
     import workers.sampler as sampler
+
+    kept = sampler.SPAN_BYTES, sampler.HEAD_BYTES
+    sampler.SPAN_BYTES, sampler.HEAD_BYTES = span_bytes, head_bytes or sampler.HEAD_BYTES
+    product, products = model.lm_head_product, []
+    model.lm_head_product = lambda hidden: products.append(len(hidden)) or product(hidden)
+    try:
+        return _runner_steps(model, rank), products
+    finally:
+        sampler.SPAN_BYTES, sampler.HEAD_BYTES = kept
+        del model.lm_head_product
+
+
+def _runner_steps(model, rank: int) -> list[tuple]:
     from bus.messages import NewSeq, StepPlan
     from bus.sampling_params import SamplingParams
     from workers.kv_cache import KVCache
     from workers.model_runner import ModelRunner
 
-    sampler.SPAN_BYTES = span_bytes
     nl, nkv, hd = model.kv_spec
     runner = ModelRunner(model, KVCache(nl, nkv, hd, 4, 3 * 40 + 1, torch.float32, torch.device("cpu")),
                          rank=rank, block_size=4, device=torch.device("cpu"))
@@ -249,7 +262,8 @@ def _rank_sampling(rank: int, folder: str, port: int, q) -> None:
     tp = init_tp_group(rank, 2, torch.device("cpu"), port=port, timeout_s=120)
     model = build_model(load_hf_config(folder), torch.float32, "cpu", tp=tp)
     model.load_weights(iter_safetensors(folder))
-    got = _runner_steps(model, rank, 16 * 4 * 1001)  # spans of 16 rows: 3 LM-head gathers a step
+    # spans of 16 rows, LM head products of 32 (fp32 gathered): 2 gathers a step (32 + 8 rows), 3 spans
+    got = runner_steps(model, rank, 16 * 4 * 1001, 32 * 4 * 1001)
     if rank == 0:
         q.put(got)
     tp.destroy()
@@ -264,12 +278,32 @@ def test_sampling_in_spans_on_two_ranks_matches_one_whole_batch(tmp_path):
     folder = make_tiny_checkpoint("llama", tmp_path / "llama", vocab_size=1001)
     one = build_model(load_hf_config(folder), torch.float32, "cpu")
     one.load_weights(iter_safetensors(folder))
-    want = _runner_steps(one, 0, 1 << 40)
-    got = _run_ranks(_rank_sampling, 2, str(folder))
+    want, whole = runner_steps(one, 0, 1 << 40)
+    assert whole == [40] * 3  # one span, one product a step
+    got, products = _run_ranks(_rank_sampling, 2, str(folder))
+    assert products == [32, 8] * 3
     for (ids_a, lp_a, top_a), (ids_b, lp_b, top_b) in zip(want, got):
         assert ids_a == ids_b
         assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < LP_TOL
         assert max(abs(a - b) for ra, rb in zip(top_a, top_b) for a, b in zip(ra, rb)) < LP_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lm_head_multiplies_several_spans_at_once_and_rows_keep_their_bits(tmp_path, dtype):
+    """On CPU the LM head multiplies a few sampling spans' rows in one product (each product streams every weight
+    of the head: Qwen3's is 311 MB in bf16) and the sampler widens a span's rows to fp32 logits as it reaches it:
+    products of 32 rows and spans of 16 give every row the tokens, logprobs and top-2 of one whole product."""
+    from tests.tiny_models import make_tiny_checkpoint
+    from workers.models.registry import build_model
+
+    folder = make_tiny_checkpoint("llama", tmp_path / "llama", vocab_size=1001)
+    model = build_model(load_hf_config(folder), dtype, "cpu")
+    model.load_weights(iter_safetensors(folder))
+    want, whole = runner_steps(model, 0, 1 << 40)
+    assert whole == [40] * 3
+    got, products = runner_steps(model, 0, 16 * 4 * 1001, 32 * dtype.itemsize * 1001)  # the product's own dtype
+    assert products == [32, 8] * 3
+    assert got == want
 
 
 # ----------------------------------------------------------------------------- tiny Qwen3-MoE, ipc

@@ -50,7 +50,7 @@ from engine.routed_experts import wire_dtype
 from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
-from workers.sampler import LOGPROBS_MODES, RowState, SampleOutput, sample_in_spans, topk
+from workers.sampler import LOGPROBS_MODES, RowState, SampleOutput, head_rows, sample_in_spans, span_rows, topk
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows per LM-head slice: bounds the [rows, V] fp32 logits
 
@@ -216,12 +216,20 @@ class ModelRunner:
         """The LM head and the sampler over the sampled rows' hidden states, in spans of rows
         (workers.sampler.sample_in_spans); None on a tp rank above 0, which gets rank 0's tokens instead.
         Sampling runs on the host with per-request CPU generators, so seeded draws are identical on every
-        platform. On CPU the LM head runs span by span too (its [rows, V] output is the step's largest
-        tensor); an accelerator computes it whole and copies it to the host once."""
+        platform. On CPU the LM head multiplies a few spans' rows at a time (workers.sampler.head_rows: its
+        [rows, V] output is the step's largest tensor, and each product streams all its weights) and each span's
+        rows are widened to fp32 logits as the sampler reaches them; an accelerator computes it whole and copies
+        it to the host once."""
+        span = span_rows(self.vocab_size)
         if hidden.device.type == "cpu":
+            # the product's dtype: the model's with one rank, fp32 gathered with tensor parallelism (lm_head_product)
+            rows = head_rows(self.vocab_size, hidden.dtype.itemsize if self.tp.size == 1 else 4, span)
+            head: list = [None, None]  # [first row, the LM head's product of rows first .. first + rows - 1]
+
             def logits_of(a: int, b: int) -> torch.Tensor | None:
-                logits = self.model.compute_logits(hidden[a:b])
-                return None if logits is None else logits.float()
+                if head[0] is None or not head[0] <= a < head[0] + rows:  # spans never straddle: rows % span == 0
+                    head[:] = a, self.model.lm_head_product(hidden[a:a + rows])  # every tp rank: a collective
+                return None if head[1] is None else self.model.logits_from(head[1][a - head[0]:b - head[0]])
         else:
             whole = self.model.compute_logits(hidden)
             host = None if whole is None else whole.float().cpu()
@@ -231,7 +239,7 @@ class ModelRunner:
         # the grammar masks (rank 0 only) fill while the model runs: waited for after the first span's logits
         return sample_in_spans(logits_of, row_states, self.generator, self.logprobs_mode,
                                pending.result if pending is not None else None, vocab=self.vocab_size,
-                               sampling_mask=self.return_sampling_mask)
+                               span=span, sampling_mask=self.return_sampling_mask)
 
     def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
                      skipped: list[np.ndarray]) -> tuple[np.ndarray, list[list]]:

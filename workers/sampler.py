@@ -53,6 +53,9 @@ DRAW_ROWS = 8  # rows per slice of the inverse-CDF draw (8 x 152k vocabulary x f
 # SmolLM2) were faulted in page by page every step, and on huge pages they stalled on compaction.
 SPAN_BYTES = 16 << 20
 MIN_SPAN_ROWS = 16
+# Bytes of one CPU LM head product (head_rows): at most the heap's mmap threshold on a CPU worker
+# (ascend_ops.platform.HOST_MMAP_THRESHOLD), so its output is reused heap, never a fresh mapping.
+HEAD_BYTES = 32 << 20
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
@@ -83,6 +86,14 @@ class SampleOutput:
 def span_rows(vocab: int) -> int:
     """Rows per sampling span for this vocabulary (SPAN_BYTES of fp32 logits, at least MIN_SPAN_ROWS)."""
     return max(MIN_SPAN_ROWS, SPAN_BYTES // (4 * vocab))
+
+
+def head_rows(vocab: int, itemsize: int, span: int) -> int:
+    """Rows per LM head product on a CPU: the most whole sampling spans whose [rows, V] product, `itemsize`
+    bytes a value, fits HEAD_BYTES (one span at least). Each product streams every weight of the head, so
+    fewer, larger products read it fewer times: a 64-row step of Qwen3's 151,936-token head (311 MB in bf16,
+    622 MB in fp32) took three products of spans of 27 rows, now one in bf16 and two in fp32."""
+    return span * max(1, HEAD_BYTES // (span * vocab * itemsize))
 
 
 def num_top(rows: list[RowState], vocab: int) -> int:

@@ -122,8 +122,7 @@ class Gemma3LM(DecoderLM):
                 between_layers()
         return self.kern.rms_norm(x, self.model.norm.weight + 1.0, self.cfg.rms_norm_eps)
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden)
+    def logits_from(self, head: torch.Tensor) -> torch.Tensor:
+        logits = super().logits_from(head)
         cap = self.cfg.final_softcap
-        return logits if logits is None or cap is None else self.kern.tanh(logits / cap) * cap
+        return logits if cap is None else self.kern.tanh(logits / cap) * cap

@@ -349,10 +349,23 @@ class DecoderLM(nn.Module):
         """fp32 logits [N, V] for the rows the sampler needs (hidden [N, H]). With tensor parallelism every
         rank computes its vocabulary rows and tp rank 0 gets them all (the others get None): a collective,
         so every rank calls it for the same rows."""
+        head = self.lm_head_product(hidden)
+        return None if head is None else self.logits_from(head)
+
+    @torch.inference_mode()
+    def lm_head_product(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's product [N, V] for hidden [N, H], in a dtype whose widening to fp32 is exact (the
+        model's own with one rank; fp32, gathered on tp rank 0, with tensor parallelism: a collective, the other
+        ranks get None). `logits_from` turns rows of it into the fp32 logits compute_logits gives, so a caller
+        can multiply many rows at once (one pass over the head's weights) and widen them a span at a time."""
         if self.tp.size == 1:
-            return self.kern.linear(hidden, self.lm_head.weight).float()
+            return self.kern.linear(hidden, self.lm_head.weight)
         parts = self.tp.gather(self.kern.linear(hidden, self.lm_head.weight).float())
         return None if parts is None else torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
+
+    def logits_from(self, head: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from rows of `lm_head_product`'s output."""
+        return head.float()
 
     # ---- weights ----------------------------------------------------------------------------------
 
