@@ -216,20 +216,30 @@ class ModelRunner:
         """The LM head and the sampler over the sampled rows' hidden states, in spans of rows
         (workers.sampler.sample_in_spans); None on a tp rank above 0, which gets rank 0's tokens instead.
         Sampling runs on the host with per-request CPU generators, so seeded draws are identical on every
-        platform. On CPU the LM head multiplies a few spans' rows at a time (workers.sampler.head_rows: its
+        platform. On CPU the LM head multiplies the rows in a few even products (workers.sampler.head_rows: its
         [rows, V] output is the step's largest tensor, and each product streams all its weights) and each span's
-        rows are widened to fp32 logits as the sampler reaches them; an accelerator computes it whole and copies
-        it to the host once."""
+        rows are widened to fp32 logits as the sampler reaches them (a span may take rows of two products); an
+        accelerator computes the logits whole and copies them to the host once."""
         span = span_rows(self.vocab_size)
         if hidden.device.type == "cpu":
             # the product's dtype: the model's with one rank, fp32 gathered with tensor parallelism (lm_head_product)
-            rows = head_rows(self.vocab_size, hidden.dtype.itemsize if self.tp.size == 1 else 4, span)
-            head: list = [None, None]  # [first row, the LM head's product of rows first .. first + rows - 1]
+            rows = head_rows(len(hidden), self.vocab_size, hidden.dtype.itemsize if self.tp.size == 1 else 4)
+            products: dict[int, torch.Tensor | None] = {}  # k -> the LM head's product of rows k*rows ..
+
+            def product(k: int) -> torch.Tensor | None:
+                if k not in products:  # in order, on every tp rank alike (a collective); the one before is kept
+                    for j in [j for j in products if j < k - 1]:
+                        del products[j]
+                    products[k] = self.model.lm_head_product(hidden[k * rows:(k + 1) * rows])
+                return products[k]
 
             def logits_of(a: int, b: int) -> torch.Tensor | None:
-                if head[0] is None or not head[0] <= a < head[0] + rows:  # spans never straddle: rows % span == 0
-                    head[:] = a, self.model.lm_head_product(hidden[a:a + rows])  # every tp rank: a collective
-                return None if head[1] is None else self.model.logits_from(head[1][a - head[0]:b - head[0]])
+                parts = [(product(k), max(a, k * rows) - k * rows, min(b, (k + 1) * rows) - k * rows)
+                         for k in range(a // rows, (b - 1) // rows + 1)]  # a span may straddle two products
+                if parts[0][0] is None:
+                    return None
+                got = [self.model.logits_from(p[lo:hi]) for p, lo, hi in parts]
+                return got[0] if len(got) == 1 else torch.cat(got)
         else:
             whole = self.model.compute_logits(hidden)
             host = None if whole is None else whole.float().cpu()

@@ -88,12 +88,14 @@ def span_rows(vocab: int) -> int:
     return max(MIN_SPAN_ROWS, SPAN_BYTES // (4 * vocab))
 
 
-def head_rows(vocab: int, itemsize: int, span: int) -> int:
-    """Rows per LM head product on a CPU: the most whole sampling spans whose [rows, V] product, `itemsize`
-    bytes a value, fits HEAD_BYTES (one span at least). Each product streams every weight of the head, so
-    fewer, larger products read it fewer times: a 64-row step of Qwen3's 151,936-token head (311 MB in bf16,
-    622 MB in fp32) took three products of spans of 27 rows, now one in bf16 and two in fp32."""
-    return span * max(1, HEAD_BYTES // (span * vocab * itemsize))
+def head_rows(rows: int, vocab: int, itemsize: int) -> int:
+    """Rows per LM head product on a CPU for a step sampling `rows` rows: the products split the rows evenly, each
+    [rows, V] product (`itemsize` bytes a value) within HEAD_BYTES. Each product streams every weight of the head,
+    so fewer, larger products read it fewer times, and even ones keep each product's rows a GEMM's worth: a
+    64-row step of Qwen3's 151,936-token head (311 MB in bf16, 622 MB in fp32) took three products of 27, 27
+    and 10 rows (one per sampling span), now one in bf16 and two of 32 in fp32."""
+    cap = max(1, HEAD_BYTES // (vocab * itemsize))
+    return -(-rows // -(-rows // cap)) if rows else 1
 
 
 def num_top(rows: list[RowState], vocab: int) -> int:
