@@ -50,7 +50,7 @@ from engine.routed_experts import wire_dtype
 from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
-from workers.sampler import LOGPROBS_MODES, RowState, SampleOutput, head_rows, sample_in_spans, span_rows, topk
+from workers.sampler import LOGPROBS_MODES, RowState, SampleOutput, head_rows, sample_in_spans, topk
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows per LM-head slice: bounds the [rows, V] fp32 logits
 
@@ -220,7 +220,6 @@ class ModelRunner:
         [rows, V] output is the step's largest tensor, and each product streams all its weights) and each span's
         rows are widened to fp32 logits as the sampler reaches them (a span may take rows of two products); an
         accelerator computes the logits whole and copies them to the host once."""
-        span = span_rows(self.vocab_size)
         if hidden.device.type == "cpu":
             # the product's dtype: the model's with one rank, fp32 gathered with tensor parallelism (lm_head_product)
             rows = head_rows(len(hidden), self.vocab_size, hidden.dtype.itemsize if self.tp.size == 1 else 4)
@@ -228,8 +227,7 @@ class ModelRunner:
 
             def product(k: int) -> torch.Tensor | None:
                 if k not in products:  # in order, on every tp rank alike (a collective); the one before is kept
-                    for j in [j for j in products if j < k - 1]:
-                        del products[j]
+                    products.pop(k - 2, None)
                     products[k] = self.model.lm_head_product(hidden[k * rows:(k + 1) * rows])
                 return products[k]
 
@@ -249,7 +247,7 @@ class ModelRunner:
         # the grammar masks (rank 0 only) fill while the model runs: waited for after the first span's logits
         return sample_in_spans(logits_of, row_states, self.generator, self.logprobs_mode,
                                pending.result if pending is not None else None, vocab=self.vocab_size,
-                               span=span, sampling_mask=self.return_sampling_mask)
+                               sampling_mask=self.return_sampling_mask)
 
     def _routed_rows(self, routed_ids: torch.Tensor, slots: np.ndarray, spans: list[list],
                      skipped: list[np.ndarray]) -> tuple[np.ndarray, list[list]]:
