@@ -4,14 +4,15 @@ for any GEMM on this host (torch's large-GEMM rate, bench/gemm_ceiling.py, sits 
 engine's fraction of both.
 
     python bench/fma_peak.py        # GFLOP/s per core and in all, and the clock it implies
+    python bench/fma_peak.py 1      # on one thread
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -84,7 +85,10 @@ def fma_peak(threads: int | None = None, seconds: float = 0.5, avx512: bool = Tr
 
 
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else None
-    r = fma_peak(n)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("threads", nargs="?", type=int, default=None,
+                    help="threads to run the loop on at once (default: the cores this process may use)")
+    r = fma_peak(ap.parse_args().threads)
     print(f"fp32 FMA peak: {r['flops'] / 1e9:.0f} GFLOP/s on {r['threads']} threads ({r['lanes']} lanes; "
           f"{r['flops'] / r['threads'] / 1e9:.0f} per core, i.e. {r['clock_ghz']:.2f} GHz with two FMA pipes)")

@@ -6,6 +6,7 @@ checking their outputs are bitwise equal.
   git archive main | (mkdir -p /tmp/base && tar -x -C /tmp/base)
   python bench/step_parts_ab.py /tmp/base 1 30      # base tree, threads, repetitions
 """
+import argparse
 import importlib.util
 import statistics
 import sys
@@ -17,7 +18,6 @@ import ascend_ops.attention as new_att
 import workers.sampler as new_s
 from bus.sampling_params import SamplingParams
 
-BASE = sys.argv[1]
 N, HQ, HK, D, BS, LAYERS, VOCAB = 64, 9, 3, 64, 16, 30, 49152
 
 
@@ -30,10 +30,16 @@ def load(name: str, path: str):
 
 
 def main() -> None:
-    base_att = load("base_att", f"{BASE}/ascend_ops/attention.py")
-    base_s = load("base_s", f"{BASE}/workers/sampler.py")
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
-    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 15
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("base", help="the other checkout's root (its ascend_ops/attention.py and workers/sampler.py)")
+    ap.add_argument("threads", nargs="?", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("reps", nargs="?", type=int, default=15, help="repetitions of each part (default 15)")
+    args = ap.parse_args()
+    base_att = load("base_att", f"{args.base}/ascend_ops/attention.py")
+    base_s = load("base_s", f"{args.base}/workers/sampler.py")
+    torch.set_num_threads(args.threads)
+    reps = args.reps
     g = torch.Generator().manual_seed(0)
     nb = N * 8 + 1
     caches = [(torch.randn(nb, BS, HK, D, generator=g), torch.randn(nb, BS, HK, D, generator=g))

@@ -98,5 +98,10 @@ def vllm_server(vllm_python: Path, folder: Path, dtype: str, config: str, kv_gib
 
 
 if __name__ == "__main__":  # print the tuned environment for this host
-    for k, v in tuned_env(Path(sys.argv[1]) if len(sys.argv) > 1 else VLLM_PY).items():
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Print the environment vLLM 'tuned' runs with on this host.")
+    ap.add_argument("vllm_python", nargs="?", type=Path, default=VLLM_PY,
+                    help=f"the Python of vLLM's venv (default: {VLLM_PY})")
+    for k, v in tuned_env(ap.parse_args().vllm_python).items():
         print(f"{k}={v}")
