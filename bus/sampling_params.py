@@ -98,8 +98,8 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # guaranteed-valid output (vLLM's structured_outputs): the workers mask the logits per step
     structured_outputs: StructuredOutputsParams | None = None
     lora: LoraRef | None = None  # the adapter (--enable-lora); None: the base model
-    # vLLM's logits processors of a request (workers/sampler.py applies them, docs/logprobs.md says which
-    # logprobs see them): a bias added to the logits of these token ids (the gateway clamps it to [-100, 100]
+    # vLLM's logits processors of a request (workers/logits_processors.py applies them, docs/logprobs.md says
+    # which logprobs see them): a bias added to the logits of these token ids (the gateway clamps it to [-100, 100]
     # as vLLM does), the only token ids that may be drawn, and the token sequences that may not be completed
     # (the gateway tokenizes `bad_words` into them, as vLLM's update_from_tokenizer)
     logit_bias: dict[int, float] | None = None

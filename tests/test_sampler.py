@@ -160,7 +160,7 @@ def test_ranks_count_every_entry_at_least_as_likely():
 
 @pytest.mark.parametrize("shape,k", [((7, 49152), 5), ((3, 5000), 2), ((4, 3001), 3), ((2, 300), 5), ((5, 20000), 20)])
 def test_two_stage_topk_is_exact(shape, k):
-    from workers.sampler import topk
+    from workers.logits_processors import topk
 
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(k)) * 3
     x[0, 100:110] = float("-inf")
@@ -175,19 +175,19 @@ def test_two_stage_topk_is_exact(shape, k):
 
 @pytest.mark.parametrize("scale", [0.3, 3.0, 8.0])
 def test_top_k_top_p_on_candidates_keep_what_the_whole_sorted_row_keeps(scale):
-    """The filter looks at each row's largest logits first (workers.sampler.FILTER_CANDIDATES) and sorts a
+    """The filter looks at each row's largest logits first (workers.logits_processors.FILTER_CANDIDATES) and sorts a
     whole row only when its nucleus reaches past them: it keeps the same tokens with the same values as the
     whole-row sort, except where a token's mass-before sits within float rounding of top_p, and a row keeps
     the same bits alone and beside rows that take the other paths."""
-    from workers.sampler import _filter, _filter_sorted
+    from workers.logits_processors import filter_rows, filter_sorted
 
     gen = torch.Generator().manual_seed(int(scale * 10))
     x = torch.randn(9, 20000, generator=gen) * scale
     x[1, :19000] = float("-inf")  # fewer finite entries than the second candidate tier
     spec = [(0, 0.9), (50, 1.0), (300, 0.95), (5000, 1.0), (5000, 0.5), (0, 0.999), (0, 1.0), (256, 0.9), (1, 0.3)]
     rows = [row(top_k=k, top_p=p) for k, p in spec]
-    got = _filter(x, rows)
-    want = _filter_sorted(x, [k for k, _ in spec], [p for _, p in spec])
+    got = filter_rows(x, rows)
+    want = filter_sorted(x, [k for k, _ in spec], [p for _, p in spec])
     for i, (k, p) in enumerate(spec):
         kept_got, kept_want = torch.isfinite(got[i]), torch.isfinite(want[i])
         differ = (kept_got != kept_want).nonzero().flatten()
@@ -199,14 +199,14 @@ def test_top_k_top_p_on_candidates_keep_what_the_whole_sorted_row_keeps(scale):
             assert all(abs(before[rank[t]].item() - p) < 1e-5 for t in differ.tolist()), (k, p)
         both = kept_got & kept_want
         assert torch.equal(got[i][both], x[i][both]), (k, p)
-        alone = _filter(x[i:i + 1], [rows[i]])
+        alone = filter_rows(x[i:i + 1], [rows[i]])
         assert torch.equal(alone[0], got[i]), (k, p)
 
 
 # --- the fused CPU draw (ascend_ops/csrc/cpu_sampling.cpp) -----------------------------------------------------
 
 def _draw_kernel_or_skip():
-    from workers.sampler import _draw_kernel
+    from workers.draw import _draw_kernel
 
     kernel = _draw_kernel()
     if kernel is None:
@@ -230,7 +230,7 @@ def _brackets(lp: torch.Tensor, u: torch.Tensor, tokens: torch.Tensor) -> None:
 
 
 def test_fused_draw_takes_the_inverse_cdf_token_as_the_torch_path_does():
-    from workers.sampler import _draw, _uniforms
+    from workers.draw import draw_probs, uniforms
 
     kernel = _draw_kernel_or_skip()
     gen = torch.Generator().manual_seed(5)
@@ -238,9 +238,9 @@ def test_fused_draw_takes_the_inverse_cdf_token_as_the_torch_path_does():
     logits[torch.rand(logits.shape, generator=gen) < 0.1] = float("-inf")  # banned tokens: zero probability
     lp = torch.log_softmax(logits, -1)
     rows = [row() for _ in range(200)]
-    u = _uniforms(rows, torch.Generator().manual_seed(9))
+    u = uniforms(rows, torch.Generator().manual_seed(9))
     fused = kernel(lp, u)
-    torch_path = _draw(lp.exp(), rows, torch.Generator().manual_seed(9))  # the same uniforms
+    torch_path = draw_probs(lp.exp(), rows, torch.Generator().manual_seed(9))  # the same uniforms
     _brackets(lp, u, fused)
     _brackets(lp, u, torch_path)
     # both read the same CDF: only a uniform within float32 rounding of a boundary may pick a neighbour

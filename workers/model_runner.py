@@ -50,7 +50,8 @@ from engine.routed_experts import wire_dtype
 from engine.structured_outputs import StructuredOutputsConfig
 from workers.grammar import GrammarEngine
 from workers.kv_cache import KVCache
-from workers.sampler import LOGPROBS_MODES, RowState, SampleOutput, head_rows, sample_in_spans, topk
+from workers.logits_processors import RowState, topk
+from workers.sampler import LOGPROBS_MODES, SampleOutput, head_rows, sample_in_spans
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows per LM-head slice: bounds the [rows, V] fp32 logits
 

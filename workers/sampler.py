@@ -7,7 +7,8 @@ a ban is -inf, which neither the bias nor a penalty changes, so the values are t
 (temperature 0) take the argmax of the penalised, banned logits. A seeded row draws from its own
 torch.Generator, so its tokens depend only on its own seed and history, never on which other requests
 share the batch. A trace-replay row takes the next trace token instead
-of drawing one.
+of drawing one. The edits each row asks for are workers/logits_processors.py's, the draw workers/draw.py's;
+this module runs them in that order and owns what is reported.
 
 What is reported (`--logprobs-mode`, vLLM's meaning; docs/logprobs.md is the contract):
   raw_logprobs        log_softmax(logits): the model's distribution, before penalties and temperature
@@ -35,19 +36,25 @@ the kept mass include it; such a row is never "plain". With no mask in the batch
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from bus.sampling_params import SamplingParams
-from workers.grammar import SeqGrammar, StepMasks, apply_masks
+from workers.draw import draw_logprobs, draw_probs
+from workers.grammar import StepMasks
+from workers.logits_processors import (
+    RowState,
+    apply_grammar_and_ban,
+    apply_penalties,
+    ban,
+    filter_rows,
+    has_filters,
+    is_plain,
+    needs_edit,
+    topk,
+)
 
-TOPK_CHUNK = 256  # vocabulary slice of the two-stage top-k
-FILTER_CANDIDATES = (256, 4096)  # top_k / top_p look at this many largest logits per row before sorting it whole
-DRAW_ROWS = 8  # rows per slice of the inverse-CDF draw (8 x 152k vocabulary x float64 = 9.7 MB)
 # Bytes of one [rows, V] fp32 tensor in a step's sampling span (sample_in_spans). glibc serves a block above
 # its mmap threshold (at most 32 MiB) with a fresh mapping each time: a 1,024-row step's logits (200 MB for
 # SmolLM2) were faulted in page by page every step, and on huge pages they stalled on compaction.
@@ -57,18 +64,6 @@ MIN_SPAN_ROWS = 16
 # (ascend_ops.platform.HOST_MMAP_THRESHOLD), so its output is reused heap, never a fresh mapping.
 HEAD_BYTES = 32 << 20
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-
-
-@dataclass(slots=True)
-class RowState:
-    """What sampling needs to know about one sequence (kept by the worker across steps)."""
-
-    params: SamplingParams
-    eos_token_ids: list[int]
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
-    grammar: SeqGrammar | None = None  # structured outputs: this sequence's matcher (workers/grammar.py)
 
 
 @dataclass(slots=True)
@@ -158,15 +153,15 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
     n, vocab = logits.shape
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     # a private copy only for in-place edits: the grammar mask writes a new tensor (apply_masks)
-    z = logits.clone() if _needs_edit(rows) else logits
-    _apply_penalties(z, rows)
+    z = logits.clone() if needs_edit(rows) else logits
+    apply_penalties(z, rows)
     processed_mode = logprobs_mode.startswith("processed")
     want_lp = [r.params.logprobs is not None for r in rows]
     want_mass = [r.params.return_sampling_mass for r in rows]
     temps = [r.params.temperature for r in rows]
     greedy = [t == 0.0 for t in temps]
     trace = [_trace_token(r) for r in rows]
-    plain = [_plain(r) for r in rows]
+    plain = [is_plain(r) for r in rows]
     if masks is not None:
         for i in masks.rows:
             plain[i] = False
@@ -179,9 +174,9 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
         t = torch.tensor([temps[i] or 1.0 for i in proc], dtype=z.dtype).unsqueeze(1)
         lse_full = torch.logsumexp(z[proc] / t, dim=-1)  # before the ban and the filters
     if masks is None:
-        _ban(z, rows)
+        ban(z, rows)
     else:
-        z = _apply_grammar_and_ban(z, masks, rows)
+        z = apply_grammar_and_ban(z, masks, rows)
 
     processed = None  # [len(proc), V] processed logits
     if proc:
@@ -193,8 +188,8 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
         drawn = [i for i, row in enumerate(proc) if not greedy[row]]
         # greedy rows are not filtered (vLLM resets their top_k/top_p/min_p); rows without a filter (a masked
         # batch at temperature 1) skip the gather and scatter of their [rows, V] logits
-        if drawn and any(_filters(rows[proc[i]]) for i in drawn):
-            scaled[drawn] = _filter(scaled[drawn], [rows[proc[i]] for i in drawn])
+        if drawn and any(has_filters(rows[proc[i]]) for i in drawn):
+            scaled[drawn] = filter_rows(scaled[drawn], [rows[proc[i]] for i in drawn])
         processed = scaled
 
     token_ids = torch.empty(n, dtype=torch.int64)
@@ -218,7 +213,7 @@ def sample(logits: torch.Tensor, rows: list[RowState], default_generator: torch.
                 probs[ks] = torch.softmax(src, dim=-1)
                 ks = [k for k, i in enumerate(draw) if plain[i]]
                 probs[ks] = raw_logprobs[[draw[k] for k in ks]].exp()
-            token_ids[draw] = _draw(probs, [rows[i] for i in draw], default_generator)
+            token_ids[draw] = draw_probs(probs, [rows[i] for i in draw], default_generator)
     for i, tok in enumerate(trace):
         if tok is not None:
             token_ids[i] = tok
@@ -295,23 +290,6 @@ def _support(z: torch.Tensor, processed: torch.Tensor | None, proc: list[int],
     return ids, counts
 
 
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact `x.topk(k, dim=-1)` (values descending) for [S, V], several times faster on CPU for small k:
-    the k slices of TOPK_CHUNK entries with the largest maxima hold every top-k entry (the k-th largest
-    value is at least the k-th largest slice maximum), so only those k x TOPK_CHUNK entries are sorted.
-    Among equal values the index chosen may differ from torch.topk's."""
-    n, v = x.shape
-    if k * TOPK_CHUNK * 4 > v:
-        return x.topk(k, dim=-1)
-    pad = (-v) % TOPK_CHUNK
-    xp = F.pad(x, (0, pad), value=float("-inf")) if pad else x
-    blocks = xp.view(n, -1, TOPK_CHUNK)
-    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [n, k] slices
-    cand = blocks.gather(1, best.unsqueeze(-1).expand(n, k, TOPK_CHUNK)).reshape(n, k * TOPK_CHUNK)
-    vals, pos = cand.topk(k, dim=-1)
-    return vals, best.gather(1, pos // TOPK_CHUNK) * TOPK_CHUNK + pos % TOPK_CHUNK
-
-
 def _trace_token(r: RowState) -> int | None:
     trace = r.params.trace_decode_token_ids
     if trace and len(r.output_token_ids) < len(trace):
@@ -319,209 +297,3 @@ def _trace_token(r: RowState) -> int | None:
     return None
 
 
-def _plain(r: RowState) -> bool:
-    """Nothing changes this row's distribution: processed == raw, mass 1."""
-    p = r.params
-    return (p.temperature in (0.0, 1.0) and not _row_edited(r) and not _banned(r)
-            and (p.temperature == 0.0 or not _filters(r)))
-
-
-def _row_edited(r: RowState) -> bool:
-    p = r.params
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty or p.logit_bias)
-
-
-def _banned(r: RowState) -> bool:
-    p = r.params
-    return (len(r.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or (r.eos_token_ids and not p.ignore_eos))
-            or p.allowed_token_ids is not None or bool(p.bad_words_token_ids))
-
-
-def _needs_edit(rows: list[RowState]) -> bool:
-    """Whether any row's logits get written in place (penalties, bias, bans): then the batch works on a copy."""
-    return any(_row_edited(r) or _banned(r) for r in rows)
-
-
-def _filters(r: RowState) -> bool:
-    return r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> None:
-    """logit_bias, then the penalties (vLLM's order), in place."""
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.int64)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            out = torch.tensor(r.output_token_ids, dtype=torch.int64)
-            counts = torch.zeros(logits.shape[1], dtype=logits.dtype).index_add_(
-                0, out, torch.ones(len(out), dtype=logits.dtype))
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-
-
-def _ban(logits: torch.Tensor, rows: list[RowState]) -> None:
-    """-inf, in place, where a row may not draw: outside its allowed_token_ids, the last token of a bad word
-    whose other tokens end the output (vLLM: bad words are matched against the output only), and its stop
-    and EOS ids until min_tokens."""
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.allowed_token_ids is not None:
-            ids = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
-            keep = logits[i, ids]
-            logits[i].fill_(float("-inf"))
-            logits[i, ids] = keep
-        if p.bad_words_token_ids:
-            out = r.output_token_ids
-            last = [w[-1] for w in p.bad_words_token_ids if len(w) - 1 <= len(out) and
-                    (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
-            if last:
-                logits[i, last] = float("-inf")
-        if len(r.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            if banned:
-                logits[i, banned] = float("-inf")
-
-
-def _apply_grammar_and_ban(z: torch.Tensor, masks: StepMasks, rows: list[RowState]) -> torch.Tensor:
-    """The grammar mask, then the bans, as a new tensor; where both together leave nothing (the grammar can only
-    end while EOS is still banned, or allows none of allowed_token_ids) the grammar wins, so the row always has
-    a token to draw."""
-    z = apply_masks(z, masks)
-    banned = [i for i in masks.rows if _banned(rows[i])]
-    kept = z[banned].clone() if banned else None
-    _ban(z, rows)
-    for k, i in enumerate(banned):
-        if bool(torch.isneginf(z[i]).all()):
-            z[i] = kept[k]
-    return z
-
-
-def _filter(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
-    """min_p, top_k, top_p on temperature-scaled logits [S, V]; filtered entries become -inf."""
-    top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    min_p = [r.params.min_p for r in rows]
-    if any(min_p):
-        probs = torch.softmax(logits, dim=-1)
-        thresh = torch.tensor(min_p, dtype=logits.dtype).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < thresh, float("-inf"))
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    out, rest = _filter_candidates(logits, top_k, top_p, FILTER_CANDIDATES[0])
-    for c in FILTER_CANDIDATES[1:]:  # rows whose filter reaches past the candidates: more of them
-        if rest:
-            part, left = _filter_candidates(logits[rest], [top_k[i] for i in rest], [top_p[i] for i in rest], c)
-            out[rest] = part
-            rest = [rest[j] for j in left]
-    if rest:  # and past those: the whole row sorted
-        out[rest] = _filter_sorted(logits[rest], [top_k[i] for i in rest], [top_p[i] for i in rest])
-    return out
-
-
-def _filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float],
-                       c: int) -> tuple[torch.Tensor, list[int]]:
-    """top_k / top_p among each row's c largest logits, not the whole sorted vocabulary (a
-    [64, 49k] sort costs ~0.5 s on CPU). A row is done here when its top-k set lies within its candidates and
-    its top-p prefix ends inside them (the candidates' mass, normalised over the whole top-k set, reaches
-    top_p); the others are returned for the full sort. Which path a row takes depends on that row alone, so
-    the result stays independent of the batch."""
-    n, v = logits.shape
-    c = min(c, v)
-    vals, ids = topk(logits, c)
-    k = torch.tensor([kk if kk else v for kk in top_k]).unsqueeze(1)
-    vals = vals.masked_fill(torch.arange(c).unsqueeze(0) >= k, float("-inf"))
-    done = (k <= c).squeeze(1)  # top-k set within the candidates (top-p aside)
-    if any(p < 1.0 for p in top_p):
-        whole = [i for i, kk in enumerate(top_k) if not kk and top_p[i] < 1.0]
-        lse = torch.logsumexp(vals, dim=-1)  # the top-k set's normaliser where it is all inside
-        if whole:  # no top-k: normalised over the whole vocabulary
-            lse[whole] = torch.logsumexp(logits[whole], dim=-1)
-        probs = torch.exp(vals - lse.unsqueeze(1))
-        before = probs.cumsum(dim=-1) - probs
-        # a row without top-p (1.0) drops nothing (see _filter_sorted)
-        cut = torch.tensor([p if p < 1.0 else float("inf") for p in top_p]).unsqueeze(1)
-        vals = vals.masked_fill(before >= cut, float("-inf"))
-        # past the candidates, a top-p row drops everything once the candidates' mass reaches top_p
-        reached = probs.sum(dim=-1) >= cut.squeeze(1)
-        done |= reached & torch.tensor([not kk and p < 1.0 for kk, p in zip(top_k, top_p)])
-    out = torch.full_like(logits, float("-inf")).scatter_(1, ids, vals)
-    plain = [i for i in range(n) if not top_k[i] and top_p[i] >= 1.0]  # no filter: the row as it came
-    if plain:
-        out[plain] = logits[plain]
-        done[plain] = True
-    return out, [i for i in range(n) if not done[i]]
-
-
-def _filter_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """top_k / top_p over the whole sorted vocabulary of each row."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    v = logits.shape[1]
-    if any(top_k):
-        k = torch.tensor([kk if kk else v for kk in top_k]).clamp(max=v)
-        ranks = torch.arange(v).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
-        # already reaches top_p (the first token is always kept).
-        before = probs.cumsum(dim=-1) - probs
-        # a row without top-p (1.0) drops nothing, even where the mass before a token rounds to 1.0 in fp32
-        # (a strongly biased token), so it samples the same bits in a batch with top-p rows as alone
-        cut = torch.tensor([p if p < 1.0 else float("inf") for p in top_p]).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(before >= cut, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-
-
-def draw_logprobs(lp: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
-    """`_draw(lp.exp(), ...)` for rows of log-probabilities: on CPU one fused kernel (ascend_ops/csrc/
-    cpu_sampling.cpp: no [S, V] exp and float64 cumsum; the same uniforms and the same rule, the sums in
-    another order), elsewhere, or without the CPU kernels, the torch path."""
-    kernel = _draw_kernel() if lp.device.type == "cpu" and lp.dtype == torch.float32 and lp.stride(-1) == 1 else None
-    if kernel is None:
-        return _draw(lp.exp(), rows, default_generator)
-    return kernel(lp, _uniforms(rows, default_generator))
-
-
-@functools.cache
-def _draw_kernel():
-    from ascend_ops.cpu_kernels import ops
-
-    kernels = ops()
-    return None if kernels is None else kernels.draw_logprobs
-
-
-def _uniforms(rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
-    """One float64 uniform per row, from the row's own generator when it has a seed."""
-    unseeded = sum(r.generator is None for r in rows)
-    if unseeded == len(rows):
-        return torch.rand(len(rows), dtype=torch.float64, generator=default_generator)
-    # the seeded rows' draws gathered in Python, then one tensor: an indexed write per row cost ~1 ms / 64
-    shared = iter(torch.rand(unseeded, dtype=torch.float64, generator=default_generator).tolist() if unseeded else [])
-    return torch.tensor([next(shared) if r.generator is None else
-                         torch.rand(1, dtype=torch.float64, generator=r.generator).item() for r in rows],
-                        dtype=torch.float64)
-
-
-def _draw(probs: torch.Tensor, rows: list[RowState], default_generator: torch.Generator) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform per row, from the row's own generator when it has a seed.
-
-    One draw per row (not one per vocabulary entry, as exponential/Gumbel races need) keeps a seeded
-    row's randomness tiny and cheap; the cumulative sum runs in float64 so the 50k-entry CDF stays exact
-    enough, and `right=True` never lands on a token of zero probability."""
-    u = _uniforms(rows, default_generator)
-    # Rows in slices of DRAW_ROWS through one float64 buffer: a whole [S, V] float64 copy and its cumsum
-    # cost more in page faults than in arithmetic (each row's sum runs in the same order either way).
-    n, vocab = probs.shape
-    out = torch.empty(n, dtype=torch.int64)
-    buf = torch.empty(min(n, DRAW_ROWS), vocab, dtype=torch.float64)
-    for a in range(0, n, DRAW_ROWS):
-        b = min(a + DRAW_ROWS, n)
-        cdf = torch.cumsum(probs[a:b], dim=-1, dtype=torch.float64, out=buf[: b - a])
-        target = (u[a:b] * cdf[:, -1]).unsqueeze(1)
-        out[a:b] = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return out.clamp_(max=vocab - 1)
