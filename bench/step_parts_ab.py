@@ -1,13 +1,15 @@
 """Interleaved in-process A/B of decode attention and sampling at bench/step_profile.py's shapes (SmolLM2:
 9 q heads, 3 kv heads, head 64, block 16; 64 decodes at ~108 tokens; 30 layers a step; vocabulary 49,152):
-another checkout's ascend_ops/attention.py and workers/sampler.py against this tree's, alternating ABBA, after
-checking their outputs are bitwise equal.
+another checkout's ascend_ops/attention.py and its sampling (workers/sampler.py, with its workers/logits_processors.py
+and workers/draw.py where it has them) against this tree's, alternating ABBA, after checking their outputs are
+bitwise equal.
 
   git archive main | (mkdir -p /tmp/base && tar -x -C /tmp/base)
   python bench/step_parts_ab.py /tmp/base 1 30      # base tree, threads, repetitions
 """
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -29,6 +31,28 @@ def load(name: str, path: str):
     return mod
 
 
+# The modules the sampler was split into (since stop 46): a base checkout's sampler must run on its own copies, not
+# on this tree's (its `from workers.draw import ...` would otherwise find this tree's modules in sys.modules).
+SAMPLER_PARTS = ("workers.logits_processors", "workers.draw")
+
+
+def load_sampler(base: str):
+    """The base checkout's workers/sampler.py, its imports of SAMPLER_PARTS bound to the base's own files."""
+    saved = {name: sys.modules.get(name) for name in SAMPLER_PARTS}
+    try:
+        for name in SAMPLER_PARTS:
+            path = f"{base}/{name.replace('.', '/')}.py"
+            if os.path.exists(path):
+                sys.modules[name] = load(f"base_{name.rsplit('.', 1)[1]}", path)
+        return load("base_s", f"{base}/workers/sampler.py")
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,7 +61,7 @@ def main() -> None:
     ap.add_argument("reps", nargs="?", type=int, default=15, help="repetitions of each part (default 15)")
     args = ap.parse_args()
     base_att = load("base_att", f"{args.base}/ascend_ops/attention.py")
-    base_s = load("base_s", f"{args.base}/workers/sampler.py")
+    base_s = load_sampler(args.base)
     torch.set_num_threads(args.threads)
     reps = args.reps
     g = torch.Generator().manual_seed(0)
