@@ -222,8 +222,7 @@ class ModelRunner:
         rows are widened to fp32 logits as the sampler reaches them (a span may take rows of two products); an
         accelerator computes the logits whole and copies them to the host once."""
         if hidden.device.type == "cpu":
-            # the product's dtype: the model's with one rank, fp32 gathered with tensor parallelism (lm_head_product)
-            rows = head_rows(len(hidden), self.vocab_size, hidden.dtype.itemsize if self.tp.size == 1 else 4)
+            rows = head_rows(len(hidden), self.vocab_size, self.model.lm_head_itemsize(hidden.dtype))
             products: dict[int, torch.Tensor | None] = {}  # k -> the LM head's product of rows k*rows ..
 
             def product(k: int) -> torch.Tensor | None:

@@ -367,6 +367,10 @@ class DecoderLM(nn.Module):
         """fp32 logits from rows of `lm_head_product`'s output."""
         return head.float()
 
+    def lm_head_itemsize(self, dtype: torch.dtype) -> int:
+        """Bytes a value of `lm_head_product`'s output takes for hidden states of `dtype`."""
+        return dtype.itemsize if self.tp.size == 1 else 4
+
     # ---- weights ----------------------------------------------------------------------------------
 
     def _weight_targets(self) -> WeightMap:
